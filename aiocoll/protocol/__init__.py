@@ -1,0 +1,31 @@
+"""Sans-IO wire protocol shared by the coordinator and worker-to-worker links.
+
+Imports only aiocoll._errors; never sockets or asyncio. See _framing (frames), _handshake
+(authentication) and _coordinator (the coordinator's operations).
+"""
+
+from ._framing import PREFIX, Frame, FrameDecoder, PayloadSink, encode_frame, encode_header, pack_prefix
+from ._handshake import (
+    HANDSHAKE_MAX_HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    ClientHandshake,
+    ServerHandshake,
+    token_bytes,
+)
+
+__all__ = [
+    "HANDSHAKE_MAX_HEADER",
+    "MAGIC",
+    "PREFIX",
+    "PROTOCOL_VERSION",
+    "ClientHandshake",
+    "Frame",
+    "FrameDecoder",
+    "PayloadSink",
+    "ServerHandshake",
+    "encode_frame",
+    "encode_header",
+    "pack_prefix",
+    "token_bytes",
+]

@@ -1,0 +1,127 @@
+"""The coordinator conversation, after the handshake: operation names, field names, error codes,
+and helpers to pack several values into one payload. Imports only _errors; no I/O.
+
+This module is the single source of truth shared by the coordinator (aiocoll.server) and its
+client (aiocoll.client.session). Every frame is ``header`` (msgpack map) + ``payload`` (raw bytes).
+
+Requests (client -> coordinator), header ``{"op": OP, "id": int, ...}``:
+
+    op        fields                                       payload            reply fields / payload
+    set       key                                          value              -
+    get       key, timeout                                 -                  payload = value (waits)
+    add       key, amount (int)                            -                  value (int)
+    cas       key                                          expected+desired   payload = current value
+                                                           (sizes=[e, d])
+    wait      keys, timeout                                -                  -
+    check     keys                                         -                  value (bool)
+    del       key                                          -                  value (bool)
+    nkeys     -                                            -                  value (int)
+    mget      keys, timeout                                -                  payload = values, sizes
+    mset      keys, sizes                                  values             -
+    append    key                                          value              -
+    join      rank (int|None), world_size, addrs           -                  rank, world_size, round,
+              ([[host, port], ...]), host (host identity),                    members: [{rank, addrs,
+              timeout                                                         host}] sorted by rank
+    hb        -                                            -                  -
+    leave     -                                            -                  -
+    status    job (str|None: all jobs)                     -                  jobs: [{job, world_size,
+                                                                              round, complete, keys,
+                                                                              members: [{rank, host,
+                                                                              alive, last_seen}]}]
+
+``timeout`` is seconds (float) or None (wait forever, bounded by the connection's life).
+Keys are str (1..MAX_KEY_BYTES UTF-8 bytes); values are bytes up to the coordinator's limit.
+cas follows torch's compareSet: if the key is missing and expected is empty, or the current value
+equals expected, the key is set to desired; the reply is the value now stored (or expected, when
+the key is missing and expected was not empty).
+
+Replies (coordinator -> client): ``{"id": same, "ok": True, ...}`` or
+``{"id": same, "ok": False, "err": ERR_*, "msg": human text, "keys": [...]}``.
+
+Events (coordinator -> worker, unsolicited, no "id"): ``{"ev": EV_*, ...}``:
+    member_lost   rank, reason        a member of this job's current round dropped or went silent
+    restarted     -                   sent right after a resume: the coordinator restarted
+
+Sessions and liveness: a connection with role ROLE_WORKER that has joined is a member's session.
+The worker sends ``hb`` every HEARTBEAT_INTERVAL seconds (any request counts as a heartbeat). The
+coordinator declares the member lost when its connection closes without ``leave`` or when it has
+been silent for HEARTBEAT_TIMEOUT seconds, and sends ``member_lost`` to every other member of the
+job at once. After a coordinator restart (state restored from --state-dir) members have
+RESUME_GRACE seconds to reconnect: a client that reconnects sends the hello extra field
+``session`` (the id it got in the join reply as ``session``) and the coordinator re-attaches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._errors import ProtocolError
+
+__all__ = [
+    "ERR_INTERNAL",
+    "ERR_INVALID",
+    "ERR_RENDEZVOUS",
+    "ERR_TIMEOUT",
+    "ERR_TOO_LARGE",
+    "ERR_UNKNOWN_OP",
+    "EV_MEMBER_LOST",
+    "EV_RESTARTED",
+    "HEARTBEAT_INTERVAL",
+    "HEARTBEAT_TIMEOUT",
+    "MAX_KEY_BYTES",
+    "OPS",
+    "RESUME_GRACE",
+    "ROLE_ADMIN",
+    "ROLE_STORE",
+    "ROLE_WORKER",
+    "join_values",
+    "split_values",
+]
+
+ROLE_WORKER = "worker"  # joins a rendezvous, keeps a session with heartbeats
+ROLE_STORE = "store"  # a plain store client (connect_store): no membership
+ROLE_ADMIN = "admin"  # `aiocoll status`: read-only views across jobs
+
+OPS = frozenset(
+    {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append",
+     "join", "hb", "leave", "status"}
+)
+
+ERR_TIMEOUT = "timeout"  # a waiting get/wait/mget ran out; "keys" names the missing keys
+ERR_INVALID = "invalid"  # wrong-typed key or value, bad field
+ERR_TOO_LARGE = "too_large"  # value or key above the coordinator's limits
+ERR_RENDEZVOUS = "rendezvous"  # duplicate/out-of-range rank, world-size disagreement, ...
+ERR_UNKNOWN_OP = "unknown_op"
+ERR_INTERNAL = "internal"
+
+EV_MEMBER_LOST = "member_lost"
+EV_RESTARTED = "restarted"
+
+HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_TIMEOUT = 10.0
+RESUME_GRACE = 30.0
+MAX_KEY_BYTES = 4096
+
+
+def join_values(values: Sequence[bytes | bytearray | memoryview]) -> tuple[bytes, list[int]]:
+    """Concatenate values into one payload; returns (payload, sizes)."""
+    sizes = [len(v) for v in values]
+    return b"".join(values), sizes
+
+
+def split_values(payload: bytes | bytearray | memoryview, sizes: object) -> list[bytes]:
+    """Inverse of join_values, validating ``sizes`` from an untrusted header.
+
+    Raises:
+        ProtocolError: when sizes is not a list of non-negative ints summing to len(payload).
+    """
+    if not isinstance(sizes, list) or not all(isinstance(s, int) and s >= 0 for s in sizes):
+        raise ProtocolError("'sizes' must be a list of non-negative integers")
+    if sum(sizes) != len(payload):
+        raise ProtocolError(f"'sizes' add up to {sum(sizes)} bytes but the payload has {len(payload)}")
+    mv = memoryview(payload)
+    out, pos = [], 0
+    for size in sizes:
+        out.append(bytes(mv[pos : pos + size]))
+        pos += size
+    return out

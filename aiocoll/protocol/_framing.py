@@ -1,0 +1,222 @@
+"""Sans-IO framing: bytes in, frames out; bytes to send. No sockets, no asyncio, no aiocoll imports
+beyond _errors.
+
+A frame is a 12-byte prefix (header length u32, payload length u64, network order), a msgpack
+map (the header) and a raw payload. The decoder announces a frame's header before its payload
+arrives, so the caller may hand it the destination buffer (a tensor's memory) and the bulk of the
+payload is received straight into it: ``get_buffer`` then returns a slice of that buffer. Small
+frames are parsed out of one internal buffer, many per read.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from .._errors import ProtocolError
+
+__all__ = [
+    "PREFIX",
+    "Frame",
+    "FrameDecoder",
+    "PayloadSink",
+    "encode_frame",
+    "encode_header",
+    "pack_prefix",
+]
+
+PREFIX = struct.Struct("!IQ")
+_EMPTY = memoryview(b"")
+
+# Limits on what msgpack will build from an untrusted header: no container may be larger than
+# the header itself could describe, and extension types are refused outright.
+_UNPACK_LIMITS: dict[str, Any] = {"raw": False, "strict_map_key": False, "use_list": True}
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def pack_prefix(header_len: int, payload_len: int) -> bytes:
+    return PREFIX.pack(header_len, payload_len)
+
+
+def encode_frame(header: dict[str, Any], payload: bytes | bytearray | memoryview = b"") -> list[Any]:
+    """Return the pieces of one frame for ``writelines``; the payload is not copied."""
+    head = encode_header(header)
+    prefix_and_head = PREFIX.pack(len(head), len(payload)) + head
+    return [prefix_and_head, payload] if len(payload) else [prefix_and_head]
+
+
+@dataclass(slots=True)
+class Frame:
+    """One decoded frame. ``payload`` is the caller's sink when one was given (``in_sink``)."""
+
+    header: dict[str, Any]
+    payload: memoryview
+    in_sink: bool = False
+
+
+# Called with (header, payload_length) once a header is decoded; returns a writable memoryview of
+# exactly payload_length bytes to receive into, or None to let the decoder allocate.
+PayloadSink = Callable[[dict[str, Any], int], "memoryview | None"]
+
+
+class FrameDecoder:
+    """Incremental decoder for a stream of frames.
+
+    Use either ``feed(data)`` (simple) or the buffered pair ``get_buffer`` / ``buffer_updated``
+    (matches asyncio.BufferedProtocol, and lets the kernel write payloads into the sink).
+
+    Args:
+        max_header: largest header accepted, in bytes (a hard cap: bigger is a ProtocolError).
+        max_payload: largest payload accepted, in bytes.
+        sink: optional PayloadSink choosing where a payload lands.
+        read_size: size of the internal buffer used for prefixes, headers and small payloads.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_header: int = 64 * 1024,
+        max_payload: int = 64 * 1024 * 1024,
+        sink: PayloadSink | None = None,
+        read_size: int = 256 * 1024,
+    ) -> None:
+        self.max_header = max_header
+        self.max_payload = max_payload
+        self.sink = sink
+        self._buf = bytearray(max(read_size, PREFIX.size + max_header))
+        self._view = memoryview(self._buf)
+        self._start = 0  # first unparsed byte in _buf
+        self._end = 0  # one past the last valid byte in _buf
+        # Payload phase: a frame whose header is parsed and whose payload is still arriving.
+        self._pending_header: dict[str, Any] | None = None
+        self._pending_payload: memoryview | None = None
+        self._pending_in_sink = False
+        self._pending_filled = 0
+        self.closed_reason: str | None = None
+
+    # -- buffered interface ----------------------------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """Where the next received bytes should be written."""
+        if self._pending_payload is not None:
+            return self._pending_payload[self._pending_filled :]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._buf) - self._end < PREFIX.size + 1024 or self._start > len(self._buf) // 2:
+            # Compact: move the unparsed tail to the front so there is room to read.
+            tail = self._end - self._start
+            self._buf[:tail] = self._buf[self._start : self._end]
+            self._start, self._end = 0, tail
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        """Account for ``nbytes`` written into the last ``get_buffer`` result; return finished frames."""
+        if self._pending_payload is not None:
+            self._pending_filled += nbytes
+            frames: list[Frame] = []
+            if self._pending_filled == len(self._pending_payload):
+                frames.append(self._finish_pending())
+            return frames
+        self._end += nbytes
+        return self._parse()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """Decode ``data``; convenient where zero-copy receive does not matter."""
+        frames: list[Frame] = []
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            target = self.get_buffer(len(mv))
+            n = min(len(target), len(mv))
+            target[:n] = mv[:n]
+            mv = mv[n:]
+            frames.extend(self.buffer_updated(n))
+        return frames
+
+    @property
+    def mid_frame(self) -> bool:
+        """True while a frame is partly received (a close now truncates it)."""
+        return self._pending_payload is not None or self._end > self._start
+
+    # -- internals -------------------------------------------------------------------------
+    def _finish_pending(self) -> Frame:
+        assert self._pending_header is not None and self._pending_payload is not None
+        frame = Frame(self._pending_header, self._pending_payload, self._pending_in_sink)
+        self._pending_header = None
+        self._pending_payload = None
+        self._pending_filled = 0
+        self._pending_in_sink = False
+        return frame
+
+    def _parse(self) -> list[Frame]:
+        frames: list[Frame] = []
+        while self._pending_payload is None:
+            avail = self._end - self._start
+            if avail < PREFIX.size:
+                break
+            header_len, payload_len = PREFIX.unpack_from(self._buf, self._start)
+            if header_len == 0 or header_len > self.max_header:
+                raise ProtocolError(
+                    f"frame header of {header_len} bytes is outside 1..{self.max_header}; "
+                    f"closing the connection"
+                )
+            if payload_len > self.max_payload:
+                raise ProtocolError(
+                    f"frame payload of {payload_len} bytes exceeds the limit of {self.max_payload}"
+                )
+            if avail < PREFIX.size + header_len:
+                break
+            hstart = self._start + PREFIX.size
+            header = self._decode_header(self._view[hstart : hstart + header_len])
+            self._start = hstart + header_len
+            payload, in_sink = self._payload_target(header, payload_len)
+            have = min(self._end - self._start, payload_len)
+            if have:
+                payload[:have] = self._view[self._start : self._start + have]
+                self._start += have
+            if have == payload_len:
+                frames.append(Frame(header, payload, in_sink))
+            else:
+                self._pending_header = header
+                self._pending_payload = payload
+                self._pending_in_sink = in_sink
+                self._pending_filled = have
+        return frames
+
+    def _payload_target(self, header: dict[str, Any], payload_len: int) -> tuple[memoryview, bool]:
+        if payload_len == 0:
+            return _EMPTY, False
+        if self.sink is not None:
+            target = self.sink(header, payload_len)
+            if target is not None:
+                target = target.cast("B") if target.format != "B" or target.ndim != 1 else target
+                if len(target) != payload_len or target.readonly:
+                    raise ProtocolError(
+                        f"payload sink gave {len(target)} writable bytes for a {payload_len}-byte payload",
+                        remote=False,
+                    )
+                return target, True
+        return memoryview(bytearray(payload_len)), False
+
+    def _decode_header(self, raw: memoryview) -> dict[str, Any]:
+        n = len(raw)
+        try:
+            header = msgpack.unpackb(
+                raw,
+                max_str_len=n,
+                max_bin_len=n,
+                max_array_len=n,
+                max_map_len=n,
+                max_ext_len=0,
+                **_UNPACK_LIMITS,
+            )
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            raise ProtocolError(f"undecodable frame header ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(header, dict):
+            raise ProtocolError(f"frame header must be a map, got {type(header).__name__}")
+        return header

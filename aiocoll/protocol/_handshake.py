@@ -1,0 +1,232 @@
+"""Sans-IO handshake: mutual challenge-response authentication with the shared token.
+Imports only _errors and _framing; no sockets, no asyncio.
+
+    client -> server   MAGIC, HELLO {t, v, role, job, nonce, ...extra}
+    server -> client   CHALLENGE {t, v, nonce, proof=HMAC(token, "server" | hello | snonce), ...info}
+    client -> server   AUTH {t, proof=HMAC(token, "client" | hello | snonce)}
+    server -> client   WELCOME {t} | REJECT {t, reason}
+
+The token never crosses the wire; both sides prove they hold it, and the proofs cover the exact
+hello bytes, so the job, role and rank a client announced cannot be altered in flight. Before the
+handshake completes nothing larger than ``HANDSHAKE_MAX_HEADER`` is parsed and no payload is
+accepted. Either side raises AuthenticationError (wrong token) or ProtocolError (not our protocol).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from typing import Any
+
+import msgpack
+
+from .._errors import AuthenticationError, ProtocolError
+from ._framing import PREFIX, Frame, FrameDecoder, encode_header
+
+__all__ = [
+    "HANDSHAKE_MAX_HEADER",
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "ClientHandshake",
+    "ServerHandshake",
+    "token_bytes",
+]
+
+MAGIC = b"AIOCOLL\x00"
+PROTOCOL_VERSION = 1
+HANDSHAKE_MAX_HEADER = 4096
+_NONCE_BYTES = 32
+
+
+def token_bytes(token: str | bytes | None) -> bytes:
+    """The HMAC key for a token; None and "" both mean the empty secret."""
+    if token is None:
+        return b""
+    return token.encode("utf-8") if isinstance(token, str) else bytes(token)
+
+
+def _proof(key: bytes, label: bytes, hello_raw: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(key, label + b"|" + hello_raw + b"|" + server_nonce, hashlib.sha256).digest()
+
+
+def _frame_bytes(header: dict[str, Any]) -> bytes:
+    head = encode_header(header)
+    return PREFIX.pack(len(head), 0) + head
+
+
+def _one_frame(decoder: FrameDecoder, data: bytes, expecting: str) -> tuple[Frame | None, bytes]:
+    """Feed ``data``; return at most one frame plus the raw bytes of its header (for proofs)."""
+    frames = decoder.feed(data)
+    if not frames:
+        return None, b""
+    if len(frames) > 1 or decoder.mid_frame:
+        raise ProtocolError(f"unexpected data after the {expecting} frame during the handshake")
+    frame = frames[0]
+    return frame, msgpack.packb(frame.header, use_bin_type=True)
+
+
+class ClientHandshake:
+    """The connecting side. Call ``start()``, send its bytes, then ``receive_data`` until ``done``.
+
+    Args:
+        token: shared secret; role: "worker", "peer", "admin", ...; job: job id;
+        extra: more hello fields (rank, session id), covered by the proofs.
+    """
+
+    def __init__(self, token: str | bytes | None, *, role: str, job: str, extra: dict[str, Any] | None = None):
+        self._key = token_bytes(token)
+        self.role = role
+        self.job = job
+        self._hello: dict[str, Any] = {
+            "t": "hello",
+            "v": PROTOCOL_VERSION,
+            "role": role,
+            "job": job,
+            "nonce": os.urandom(_NONCE_BYTES),
+            **(extra or {}),
+        }
+        self._hello_raw = encode_header(self._hello)
+        self._decoder = FrameDecoder(max_header=HANDSHAKE_MAX_HEADER, max_payload=0)
+        self._state = "init"
+        self.server_info: dict[str, Any] = {}
+        self.done = False
+
+    def start(self) -> bytes:
+        if self._state != "init":
+            raise RuntimeError("handshake already started")
+        self._state = "challenge"
+        return MAGIC + PREFIX.pack(len(self._hello_raw), 0) + self._hello_raw
+
+    def receive_data(self, data: bytes) -> bytes:
+        """Feed bytes from the server; returns bytes to send (possibly empty)."""
+        frames = self._decoder.feed(data)
+        out = b""
+        for frame in frames:
+            out += self._on_frame(frame.header)
+        return out
+
+    def _on_frame(self, header: dict[str, Any]) -> bytes:
+        kind = header.get("t")
+        if kind == "reject":
+            raise AuthenticationError(f"the server refused the connection: {header.get('reason', 'no reason')}")
+        if self._state == "challenge" and kind == "challenge":
+            nonce, proof = header.get("nonce"), header.get("proof")
+            if not isinstance(nonce, bytes) or not isinstance(proof, bytes):
+                raise ProtocolError("malformed challenge from the server")
+            expected = _proof(self._key, b"server", self._hello_raw, nonce)
+            if not hmac.compare_digest(expected, proof):
+                raise AuthenticationError(
+                    "the server could not prove it holds our token: the tokens differ "
+                    "(check AIOCOLL_TOKEN / --token-file on both sides)"
+                )
+            self.server_info = {k: v for k, v in header.items() if k not in ("t", "nonce", "proof")}
+            self._state = "welcome"
+            return _frame_bytes({"t": "auth", "proof": _proof(self._key, b"client", self._hello_raw, nonce)})
+        if self._state == "welcome" and kind == "welcome":
+            self.server_info.update({k: v for k, v in header.items() if k != "t"})
+            self._state = "done"
+            self.done = True
+            return b""
+        raise ProtocolError(f"unexpected {kind!r} frame in handshake state {self._state!r}")
+
+
+class ServerHandshake:
+    """The accepting side. Feed it bytes with ``receive_data``; send what it returns.
+
+    After ``done``, ``hello`` holds the client's authenticated hello fields (role, job, rank...).
+    A failure raises; ``reject_bytes(reason)`` gives a REJECT frame to send before closing.
+
+    Args:
+        token: shared secret; info: extra CHALLENGE fields (server id, version);
+        roles: the roles this listener accepts.
+    """
+
+    def __init__(self, token: str | bytes | None, *, roles: frozenset[str] | set[str], info: dict[str, Any] | None = None):
+        self._key = token_bytes(token)
+        self._roles = frozenset(roles)
+        self._info = info or {}
+        self._decoder = FrameDecoder(max_header=HANDSHAKE_MAX_HEADER, max_payload=0)
+        self._magic = b""
+        self._state = "magic"
+        self._hello_raw = b""
+        self._nonce = os.urandom(_NONCE_BYTES)
+        self.hello: dict[str, Any] = {}
+        self.done = False
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def receive_data(self, data: bytes) -> bytes:
+        if self._state == "magic":
+            need = len(MAGIC) - len(self._magic)
+            self._magic += data[:need]
+            data = data[need:]
+            if not MAGIC.startswith(self._magic):
+                raise ProtocolError("not an aiocoll client (bad magic bytes)")
+            if len(self._magic) < len(MAGIC):
+                return b""
+            self._state = "hello"
+        if not data:
+            return b""
+        if self._state == "hello":
+            frame, raw = _one_frame(self._decoder, data, "hello")
+            if frame is None:
+                return b""
+            return self._on_hello(frame.header, raw)
+        if self._state == "auth":
+            frame, _ = _one_frame(self._decoder, data, "auth")
+            if frame is None:
+                return b""
+            return self._on_auth(frame.header)
+        raise ProtocolError(f"unexpected data in handshake state {self._state!r}")
+
+    def _on_hello(self, hello: dict[str, Any], raw: bytes) -> bytes:
+        if hello.get("t") != "hello":
+            raise ProtocolError(f"expected a hello frame, got {hello.get('t')!r}")
+        version = hello.get("v")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"client speaks protocol version {version!r}; this server speaks {PROTOCOL_VERSION}: "
+                f"use the same aiocoll release on both sides"
+            )
+        role, job, nonce = hello.get("role"), hello.get("job"), hello.get("nonce")
+        if not isinstance(role, str) or role not in self._roles:
+            raise ProtocolError(f"role {role!r} is not accepted here (accepted: {sorted(self._roles)})")
+        if not isinstance(job, str) or not job or len(job) > 256:
+            raise ProtocolError("hello must name a job (a non-empty string of at most 256 characters)")
+        if not isinstance(nonce, bytes) or len(nonce) != _NONCE_BYTES:
+            raise ProtocolError("hello carries no valid nonce")
+        self.hello = hello
+        # The proof covers the re-encoded hello; msgpack round trips are canonical for the types
+        # a hello may hold, and a client that encoded differently simply fails authentication.
+        self._hello_raw = raw
+        self._state = "auth"
+        return _frame_bytes(
+            {
+                "t": "challenge",
+                "v": PROTOCOL_VERSION,
+                "nonce": self._nonce,
+                "proof": _proof(self._key, b"server", raw, self._nonce),
+                **self._info,
+            }
+        )
+
+    def _on_auth(self, header: dict[str, Any]) -> bytes:
+        proof = header.get("proof")
+        if header.get("t") != "auth" or not isinstance(proof, bytes):
+            raise ProtocolError("expected an auth frame")
+        expected = _proof(self._key, b"client", self._hello_raw, self._nonce)
+        if not hmac.compare_digest(expected, proof):
+            raise AuthenticationError(
+                f"client (role {self.hello.get('role')!r}, job {self.hello.get('job')!r}) "
+                f"failed authentication: wrong token"
+            )
+        self._state = "done"
+        self.done = True
+        return _frame_bytes({"t": "welcome"})
+
+    @staticmethod
+    def reject_bytes(reason: str) -> bytes:
+        return _frame_bytes({"t": "reject", "reason": reason[:512]})
