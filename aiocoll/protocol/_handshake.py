@@ -74,7 +74,9 @@ class ClientHandshake:
         extra: more hello fields (rank, session id), covered by the proofs.
     """
 
-    def __init__(self, token: str | bytes | None, *, role: str, job: str, extra: dict[str, Any] | None = None):
+    def __init__(
+        self, token: str | bytes | None, *, role: str, job: str, extra: dict[str, Any] | None = None
+    ):
         self._key = token_bytes(token)
         self.role = role
         self.job = job
@@ -109,7 +111,9 @@ class ClientHandshake:
     def _on_frame(self, header: dict[str, Any]) -> bytes:
         kind = header.get("t")
         if kind == "reject":
-            raise AuthenticationError(f"the server refused the connection: {header.get('reason', 'no reason')}")
+            raise AuthenticationError(
+                f"the server refused the connection: {header.get('reason', 'no reason')}"
+            )
         if self._state == "challenge" and kind == "challenge":
             nonce, proof = header.get("nonce"), header.get("proof")
             if not isinstance(nonce, bytes) or not isinstance(proof, bytes):
@@ -142,7 +146,13 @@ class ServerHandshake:
         roles: the roles this listener accepts.
     """
 
-    def __init__(self, token: str | bytes | None, *, roles: frozenset[str] | set[str], info: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        token: str | bytes | None,
+        *,
+        roles: frozenset[str] | set[str],
+        info: dict[str, Any] | None = None,
+    ):
         self._key = token_bytes(token)
         self._roles = frozenset(roles)
         self._info = info or {}

@@ -1,0 +1,126 @@
+"""The import graph points down only (ARCHITECTURE.md): foundations < server, client < public surface."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIRS = {"aiocoll": "aiocoll", "server": "aiocoll.server", "client": "aiocoll.client"}
+SURFACE = (
+    "aiocoll.api",
+    "aiocoll.sync",
+    "aiocoll.torch",
+    "aiocoll.cli",
+    "aiocoll.testing",
+    "aiocoll._connect",
+    "aiocoll.__main__",
+)
+
+
+def _module_name(path: Path) -> tuple[str, bool]:
+    rel = path.relative_to(ROOT)
+    package = SOURCE_DIRS[rel.parts[0]]
+    parts = [package, *rel.parts[1:-1]]
+    is_package = rel.name == "__init__.py"
+    if not is_package:
+        parts.append(rel.stem)
+    return ".".join(parts), is_package
+
+
+def _within(module: str, package: str) -> bool:
+    """Whole dotted segments only: aiocoll.client is not within aiocoll.cli."""
+    return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> str:
+    if module == "aiocoll" or any(_within(module, top) for top in SURFACE):
+        return "surface"
+    if _within(module, "aiocoll.server"):
+        return "server"
+    if _within(module, "aiocoll.client"):
+        return "client"
+    return "foundation"
+
+
+ALLOWED = {
+    "foundation": {"foundation"},
+    "server": {"foundation", "server"},
+    "client": {"foundation", "client"},
+    "surface": {"foundation", "server", "client", "surface"},
+}
+
+
+def _imports(path: Path) -> list[str]:
+    module, is_package = _module_name(path)
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if node.module is None or not node.level:
+                # `from . import x` / `from aiocoll import x`: x may be a sub-module
+                found += [f"{target}.{alias.name}" for alias in node.names]
+            found.append(target)
+    return [name for name in found if name == "aiocoll" or name.startswith("aiocoll.")]
+
+
+def _resolve(name: str) -> str:
+    """The longest existing module a dotted name refers to (`aiocoll._errors.X` -> aiocoll._errors)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        rel = candidate.split(".")
+        for folder, package in SOURCE_DIRS.items():
+            pkg = package.split(".")
+            if rel[: len(pkg)] == pkg:
+                tail = rel[len(pkg) :]
+                base = ROOT / folder / Path(*tail) if tail else ROOT / folder
+                if base.with_suffix(".py").exists() or (base / "__init__.py").exists():
+                    if folder == "aiocoll" and tail and tail[0] in ("server", "client"):
+                        continue
+                    return candidate
+        parts.pop()
+    return name
+
+
+def test_imports_point_down_only() -> None:
+    violations = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            module, _ = _module_name(path)
+            here = _layer(module)
+            for imported in _imports(path):
+                target = _resolve(imported)
+                if target == module:
+                    continue
+                if _layer(target) not in ALLOWED[here]:
+                    violations.append(
+                        f"{path.relative_to(ROOT)} ({here}) imports {target} ({_layer(target)})"
+                    )
+    assert not violations, "upward imports:\n" + "\n".join(sorted(set(violations)))
+
+
+def test_importing_the_server_loads_neither_client_nor_torch() -> None:
+    code = (
+        "import sys, aiocoll.server\n"
+        "bad = sorted(m for m in sys.modules if m.startswith(('aiocoll.client', 'aiocoll.api', 'torch')))\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_importing_aiocoll_is_cheap() -> None:
+    code = "import sys, aiocoll\nprint(','.join(sorted(m for m in ('torch', 'numpy') if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == ""
