@@ -1,0 +1,31 @@
+"""ruff and mypy stay clean: they run as part of the suite so CI enforces them."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if not found:
+        pytest.fail(f"{name} is not installed: pip install -r requirements-test.txt")
+    return found
+
+
+@pytest.mark.timeout(120)
+def test_ruff_finds_nothing() -> None:
+    out = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_mypy_finds_nothing() -> None:
+    out = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
