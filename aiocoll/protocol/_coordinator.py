@@ -41,6 +41,7 @@ Replies (coordinator -> client): ``{"id": same, "ok": True, ...}`` or
 Events (coordinator -> worker, unsolicited, no "id"): ``{"ev": EV_*, ...}``:
     member_lost   rank, reason        a member of this job's current round dropped or went silent
     restarted     -                   sent right after a resume: the coordinator restarted
+    session_lost  reason              the hello's session could not be resumed
 
 Sessions and liveness: a connection with role ROLE_WORKER that has joined is a member's session.
 The worker sends ``hb`` every HEARTBEAT_INTERVAL seconds (any request counts as a heartbeat). The
@@ -66,6 +67,7 @@ __all__ = [
     "ERR_UNKNOWN_OP",
     "EV_MEMBER_LOST",
     "EV_RESTARTED",
+    "EV_SESSION_LOST",
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "MAX_KEY_BYTES",
@@ -96,6 +98,10 @@ ERR_INTERNAL = "internal"
 
 EV_MEMBER_LOST = "member_lost"
 EV_RESTARTED = "restarted"
+# Sent instead of EV_RESTARTED when a hello's ``session`` cannot be re-attached (unknown session,
+# or the member was already declared lost); "reason" says why. The member is no longer part of
+# its job's round: the worker should fail its process group rather than wait.
+EV_SESSION_LOST = "session_lost"
 
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TIMEOUT = 10.0

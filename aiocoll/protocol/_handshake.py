@@ -156,7 +156,11 @@ class ServerHandshake:
         self._key = token_bytes(token)
         self._roles = frozenset(roles)
         self._info = info or {}
-        self._decoder = FrameDecoder(max_header=HANDSHAKE_MAX_HEADER, max_payload=0)
+        # A small buffer: a server holds one per connection still in its handshake, and hundreds
+        # of half-open connections must not cost 256 KiB (the decoder's default) each.
+        self._decoder = FrameDecoder(
+            max_header=HANDSHAKE_MAX_HEADER, max_payload=0, read_size=PREFIX.size + HANDSHAKE_MAX_HEADER
+        )
         self._magic = b""
         self._state = "magic"
         self._hello_raw = b""
