@@ -1,0 +1,295 @@
+"""`aiocoll status`: show a coordinator's jobs, members, liveness and last heartbeats.
+
+Part of the public surface (cli/); it speaks the wire protocol directly through aiocoll.protocol
+with a small admin-role client of its own, so it needs no worker runtime and imports nothing
+heavy (no numpy, no torch): the CLI dispatcher imports this module for every `aiocoll` command.
+It exists so that an operator can see at a glance which jobs a coordinator holds, whether they
+completed rendezvous, and which members have gone silent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+__all__ = ["StatusError", "add_arguments", "format_table", "main", "parse_address", "query_status"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 29500
+_MAX_REPLY_HEADER = 16 * 1024 * 1024  # a status table of thousands of members still fits
+# Values above this are wall-clock timestamps (seconds since 1970); below, ages in seconds.
+_EPOCH_THRESHOLD = 1e9
+
+
+class StatusError(Exception):
+    """A failure to get the status, with the message to show the user."""
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6]:PORT`` for IPv6).
+
+    Raises:
+        ValueError: when the port is missing or not a number in 1..65535.
+    """
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"coordinator address {text!r} must be HOST:PORT, e.g. 127.0.0.1:29500")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"coordinator address {text!r} has a port that is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"coordinator address {text!r} has port {port} outside 1..65535")
+    return host, port
+
+
+def _default_address() -> str:
+    host = os.environ.get("MASTER_ADDR") or DEFAULT_HOST
+    port = os.environ.get("MASTER_PORT") or str(DEFAULT_PORT)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register `aiocoll status` options on ``parser``."""
+    parser.add_argument(
+        "--coordinator",
+        metavar="HOST:PORT",
+        default=None,
+        help=f"coordinator to ask (default: MASTER_ADDR:MASTER_PORT, else {DEFAULT_HOST}:{DEFAULT_PORT})",
+    )
+    parser.add_argument("--job", metavar="ID", default=None, help="show only this job (default: every job)")
+    parser.add_argument(
+        "--token-file",
+        metavar="FILE",
+        default=None,
+        help="file holding the shared token (default: the AIOCOLL_TOKEN environment variable)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the status as JSON instead of a table")
+    parser.add_argument(
+        "--timeout", type=float, default=10.0, metavar="SECONDS", help="give up after this long (default 10)"
+    )
+
+
+def _read_token(token_file: str | None) -> str | None:
+    if token_file is None:
+        return os.environ.get("AIOCOLL_TOKEN")
+    try:
+        with open(token_file, encoding="utf-8") as fh:
+            # A trailing newline from `echo secret > file` is not part of the token.
+            return fh.read().strip()
+    except OSError as exc:
+        raise StatusError(f"cannot read the token file {token_file}: {exc.strerror or exc}") from exc
+
+
+async def query_status(
+    host: str, port: int, *, token: str | None, job: str | None, timeout: float
+) -> list[dict[str, Any]]:
+    """Ask the coordinator at ``host:port`` for its jobs (one job when ``job`` is given).
+
+    Args:
+        host: coordinator address (an IP literal or a name); port: its port.
+        token: shared secret (None: the empty secret); job: a job id, or None for every job.
+        timeout: seconds for the whole exchange.
+
+    Returns:
+        The ``jobs`` list of the coordinator's status reply.
+
+    Raises:
+        StatusError: with a message saying what went wrong and what to check.
+    """
+    import asyncio
+
+    from .._errors import AuthenticationError, ProtocolError
+    from ..protocol import ClientHandshake, FrameDecoder, encode_frame
+    from ..protocol._coordinator import ROLE_ADMIN
+
+    where = f"{host}:{port}"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+
+    def remaining() -> float:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise asyncio.TimeoutError
+        return left
+
+    writer: asyncio.StreamWriter | None = None
+    try:
+        try:
+            reader, stream = await asyncio.wait_for(asyncio.open_connection(host, port), remaining())
+        except ConnectionRefusedError:
+            raise StatusError(
+                f"no coordinator answers at {where}; start one with `aiocoll coordinator`"
+                f" (or pass --coordinator HOST:PORT)"
+            ) from None
+        except OSError as exc:
+            raise StatusError(f"cannot connect to the coordinator at {where}: {exc.strerror or exc}") from exc
+        writer = stream
+
+        handshake = ClientHandshake(token, role=ROLE_ADMIN, job=job or "default")
+        stream.write(handshake.start())
+        while not handshake.done:
+            data = await asyncio.wait_for(reader.read(65536), remaining())
+            if not data:
+                raise StatusError(
+                    f"the coordinator at {where} closed the connection during the handshake; "
+                    f"its log says why (often a wrong token or a different aiocoll version)"
+                )
+            reply = handshake.receive_data(data)
+            if reply:
+                stream.write(reply)
+
+        decoder = FrameDecoder(max_header=_MAX_REPLY_HEADER, max_payload=_MAX_REPLY_HEADER)
+        stream.writelines(encode_frame({"op": "status", "id": 1, "job": job}))
+        while True:
+            data = await asyncio.wait_for(reader.read(256 * 1024), remaining())
+            if not data:
+                raise StatusError(f"the coordinator at {where} closed the connection before answering")
+            for frame in decoder.feed(data):
+                header = frame.header
+                if header.get("id") != 1:
+                    continue  # an unsolicited event; not for an admin view
+                if not header.get("ok"):
+                    raise StatusError(
+                        f"the coordinator at {where} refused the status request: "
+                        f"{header.get('msg') or header.get('err') or 'no reason given'}"
+                    )
+                jobs = header.get("jobs")
+                if not isinstance(jobs, list):
+                    raise StatusError(f"the coordinator at {where} sent a status reply without a job list")
+                return jobs
+    except asyncio.TimeoutError:
+        raise StatusError(
+            f"the coordinator at {where} did not answer within {timeout:g}s; "
+            f"is something else listening on that port? (raise --timeout if it is just slow)"
+        ) from None
+    except AuthenticationError as exc:
+        raise StatusError(
+            f"authentication with the coordinator at {where} failed: {exc}. Check that --token-file "
+            f"or AIOCOLL_TOKEN holds the same token the coordinator was started with"
+        ) from exc
+    except ProtocolError as exc:
+        raise StatusError(
+            f"{where} does not speak the aiocoll protocol this client knows ({exc}); "
+            f"is it an aiocoll coordinator of the same release?"
+        ) from exc
+    except ConnectionError as exc:
+        raise StatusError(f"the connection to the coordinator at {where} broke: {exc}") from exc
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _age(last_seen: object, now: float) -> str:
+    if not isinstance(last_seen, (int, float)) or isinstance(last_seen, bool):
+        return "-"
+    age = now - last_seen if last_seen > _EPOCH_THRESHOLD else float(last_seen)
+    age = max(0.0, age)
+    if age < 60:
+        return f"{age:.1f}s ago"
+    if age < 3600:
+        return f"{age / 60:.1f}m ago"
+    return f"{age / 3600:.1f}h ago"
+
+
+def _yes(value: object) -> str:
+    return "yes" if value else "no"
+
+
+def _grid(rows: list[list[str]], indent: str = "") -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        lines.append(indent + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return lines
+
+
+def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str:
+    """Render the coordinator's job list as a plain-text table, members indented under each job.
+
+    Args:
+        jobs: the ``jobs`` list of a status reply.
+        now: wall-clock time for heartbeat ages (default: time.time()).
+    """
+    now = time.time() if now is None else now
+    if not jobs:
+        return "no jobs on this coordinator"
+    lines: list[str] = []
+    for index, job in enumerate(sorted(jobs, key=lambda j: str(j.get("job", "")))):
+        if index:
+            lines.append("")
+        lines.extend(
+            _grid(
+                [
+                    ["JOB", "WORLD SIZE", "ROUND", "COMPLETE", "KEYS"],
+                    [
+                        str(job.get("job", "?")),
+                        str(job.get("world_size", "-")),
+                        str(job.get("round", "-")),
+                        _yes(job.get("complete")),
+                        str(job.get("keys", "-")),
+                    ],
+                ]
+            )
+        )
+        members = job.get("members") or []
+        if not members:
+            lines.append("  (no members)")
+            continue
+        rows = [["RANK", "HOST", "ALIVE", "LAST HEARTBEAT"]]
+        for member in sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0)):
+            rows.append(
+                [
+                    str(member.get("rank", "?")),
+                    str(member.get("host", "-")),
+                    _yes(member.get("alive")),
+                    _age(member.get("last_seen"), now),
+                ]
+            )
+        lines.extend(_grid(rows, indent="  "))
+    return "\n".join(lines)
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def main(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Run `aiocoll status`; returns the exit status (0 on success, 1 on any failure)."""
+    import asyncio
+
+    out = out or sys.stdout
+    err = err or sys.stderr
+    try:
+        host, port = parse_address(args.coordinator or _default_address())
+        if args.timeout is None or args.timeout <= 0:
+            raise StatusError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+        token = _read_token(args.token_file)
+        jobs = asyncio.run(
+            query_status(host, port, token=token, job=args.job, timeout=args.timeout)
+        )
+    except (StatusError, ValueError) as exc:
+        print(f"aiocoll status: {exc}", file=err)
+        return 1
+    if args.job is not None:
+        jobs = [j for j in jobs if j.get("job") == args.job]
+    if args.json:
+        print(json.dumps(_json_safe(jobs), indent=2, sort_keys=True), file=out)
+    elif jobs or args.job is None:
+        print(format_table(jobs), file=out)
+    if args.job is not None and not jobs:
+        print(f"aiocoll status: the coordinator at {host}:{port} holds no job {args.job!r}", file=err)
+        return 1
+    return 0
