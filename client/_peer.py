@@ -1,0 +1,319 @@
+"""One authenticated worker-to-worker link: socket I/O, the peer handshake, framing.
+
+Imports only foundations (aiocoll._errors, aiocoll.protocol); never the public surface. It exists
+so that the TCP transport (client/transports/tcp.py) deals in messages and matching while this
+module deals in bytes: a non-blocking socket driven by the loop's add_reader/add_writer, with
+
+- zero-copy sends: ``sendmsg`` straight from the caller's memoryviews; what the kernel does not
+  take at once stays queued *as views* and the sender waits until it is handed off, so a send
+  returns only when its payload may be reused (and that wait is the backpressure);
+- zero-copy receives: ``recv_into`` the FrameDecoder's buffer, which for a matched message is the
+  destination tensor's memory (the decoder's payload sink);
+- pause/resume of reading, so a full inbox stops the link instead of growing without bound.
+
+We own the socket rather than using an asyncio Transport because a Transport copies whatever the
+kernel does not accept at once (and, before Python 3.12, joins writelines into one bytes object).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from aiocoll._errors import AuthenticationError, ProtocolError
+from aiocoll.protocol import (
+    HANDSHAKE_MAX_HEADER,
+    MAGIC,
+    PREFIX,
+    ClientHandshake,
+    Frame,
+    FrameDecoder,
+    PayloadSink,
+    ServerHandshake,
+)
+
+__all__ = ["PEER_ROLE", "PeerLink", "client_handshake", "server_handshake"]
+
+log = logging.getLogger("aiocoll.client.peer")
+
+PEER_ROLE = "peer"
+# recv_into calls per readable event: enough to drain a large payload without starving the loop.
+_READS_PER_EVENT = 64
+_IOV_MAX = 64
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise ConnectionError("the connection closed during the peer handshake")
+        got += k
+    return bytes(buf)
+
+
+async def _recv_frame_bytes(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
+    """Read exactly one header-only handshake frame, so no byte after it is consumed here."""
+    prefix = await _recv_exactly(loop, sock, PREFIX.size)
+    header_len, payload_len = PREFIX.unpack(prefix)
+    if header_len == 0 or header_len > HANDSHAKE_MAX_HEADER or payload_len != 0:
+        raise ProtocolError(
+            f"handshake frame announces {header_len} header bytes and {payload_len} payload bytes; "
+            f"not an aiocoll peer"
+        )
+    return prefix + await _recv_exactly(loop, sock, header_len)
+
+
+async def client_handshake(
+    sock: socket.socket, *, token: str | bytes | None, job: str, rank: int, peer: int
+) -> None:
+    """Authenticate an outgoing link as ``rank`` of ``job`` (role "peer").
+
+    Raises:
+        AuthenticationError: the tokens differ or the peer refused us.
+        ProtocolError / ConnectionError: the other end is not an aiocoll peer, or went away.
+    """
+    loop = asyncio.get_running_loop()
+    hs = ClientHandshake(token, role=PEER_ROLE, job=job, extra={"rank": rank, "to": peer})
+    await loop.sock_sendall(sock, hs.start())
+    while not hs.done:
+        out = hs.receive_data(await _recv_frame_bytes(loop, sock))
+        if out:
+            await loop.sock_sendall(sock, out)
+
+
+async def server_handshake(sock: socket.socket, *, token: str | bytes | None) -> dict[str, Any]:
+    """Authenticate an incoming link; returns the peer's hello (job, rank, ...).
+
+    On failure a REJECT frame is sent when the peer spoke our protocol, then the error propagates.
+
+    Raises:
+        AuthenticationError, ProtocolError, ConnectionError.
+    """
+    loop = asyncio.get_running_loop()
+    hs = ServerHandshake(token, roles={PEER_ROLE})
+    try:
+        hs.receive_data(await _recv_exactly(loop, sock, len(MAGIC)))
+        while not hs.done:
+            out = hs.receive_data(await _recv_frame_bytes(loop, sock))
+            if out:
+                await loop.sock_sendall(sock, out)
+    except AuthenticationError as exc:
+        try:
+            sock.send(ServerHandshake.reject_bytes(str(exc)))
+        except OSError:
+            pass
+        raise
+    return hs.hello
+
+
+class PeerLink:
+    """The byte-level side of one authenticated link to ``peer``.
+
+    Args:
+        sock: a connected, authenticated socket (made non-blocking here).
+        peer: the other end's global rank.
+        sink: where payloads land (see FrameDecoder).
+        on_frames: called with the frames completed by one read, in order.
+        on_close: called once with the reason when the link breaks or is closed.
+        max_payload: the largest payload accepted from this (authenticated) peer.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: int,
+        *,
+        sink: PayloadSink,
+        on_frames: Callable[[PeerLink, list[Frame]], None],
+        on_close: Callable[[PeerLink, str, bool], None],
+        max_payload: int,
+    ) -> None:
+        _tune(sock)
+        self.sock = sock
+        self.peer = peer
+        self._fd = sock.fileno()
+        self._loop = asyncio.get_running_loop()
+        self._decoder = FrameDecoder(max_header=64 * 1024, max_payload=max_payload, sink=sink)
+        self._on_frames = on_frames
+        self._on_close = on_close
+        # Each entry: (remaining views, future resolved when they are all handed to the kernel).
+        self._wqueue: deque[tuple[list[memoryview], asyncio.Future[None] | None]] = deque()
+        self._writing = False
+        self._reading = False
+        self.closed = False
+        self.close_reason = ""
+
+    # -- reading ---------------------------------------------------------------------------
+    def resume_reading(self) -> None:
+        if not self._reading and not self.closed:
+            self._reading = True
+            self._loop.add_reader(self._fd, self._on_readable)
+
+    def pause_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+
+    @property
+    def reading(self) -> bool:
+        return self._reading
+
+    def _on_readable(self) -> None:
+        decoder = self._decoder
+        recv_into = self.sock.recv_into
+        for _ in range(_READS_PER_EVENT):
+            if not self._reading:
+                return
+            try:
+                n = recv_into(decoder.get_buffer())
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close(f"connection error: {exc}", lost=True)
+                return
+            if n == 0:
+                why = "closed the connection mid-frame" if decoder.mid_frame else "closed the connection"
+                self.close(why, lost=True)
+                return
+            try:
+                frames = decoder.buffer_updated(n)
+            except ProtocolError as exc:
+                log.warning("peer link to rank %d: %s", self.peer, exc)
+                self.close(f"protocol error: {exc}", lost=True)
+                return
+            if frames:
+                self._on_frames(self, frames)
+
+    # -- writing ---------------------------------------------------------------------------
+    def write(self, views: list[memoryview]) -> asyncio.Future[None] | None:
+        """Hand ``views`` (one frame) to the kernel; returns None when done at once, else a future.
+
+        The frame's bytes are never reordered with other frames and never copied.
+        """
+        if not self._wqueue:
+            try:
+                sent = self.sock.sendmsg(views)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self.close(f"send failed: {exc}", lost=True)
+                raise ConnectionError(self.close_reason) from exc
+            views = _advance(views, sent)
+            if not views:
+                return None
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self._wqueue.append((views, fut))
+        if not self._writing:
+            self._writing = True
+            self._loop.add_writer(self._fd, self._on_writable)
+        return fut
+
+    def write_nowait(self, views: list[memoryview]) -> None:
+        """Queue a small frame nobody waits for (control messages)."""
+        fut = self.write(views)
+        if fut is not None:
+            fut.add_done_callback(_consume_exception)
+
+    def _on_writable(self) -> None:
+        queue = self._wqueue
+        while queue:
+            views, fut = queue[0]
+            batch = views[:_IOV_MAX]
+            try:
+                sent = self.sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self.close(f"send failed: {exc}", lost=True)
+                return
+            rest = _advance(views, sent)
+            if rest:
+                queue[0] = (rest, fut)
+                if sent < sum(len(v) for v in batch):
+                    return  # the kernel is full; wait for the next writable event
+                continue
+            queue.popleft()
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        self._writing = False
+        self._loop.remove_writer(self._fd)
+
+    def drop_unsent(self, fut: asyncio.Future[None]) -> bool:
+        """Forget a queued frame none of whose bytes have left yet; False if it has started."""
+        for i, (views, f) in enumerate(self._wqueue):
+            if f is fut:
+                if i == 0:
+                    return False  # possibly partly sent: the frame must complete for the stream's sake
+                del self._wqueue[i]
+                return True
+        return True
+
+    @property
+    def write_backlog(self) -> int:
+        return len(self._wqueue)
+
+    # -- closing ---------------------------------------------------------------------------
+    def close(self, reason: str, *, lost: bool) -> None:
+        """Close at once (pending writes fail); ``lost`` says whether it was unexpected."""
+        if self.closed:
+            return
+        self.closed = True
+        self.close_reason = reason
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fd)
+        if self._writing:
+            self._writing = False
+            self._loop.remove_writer(self._fd)
+        err = ConnectionError(f"link to rank {self.peer} closed: {reason}")
+        while self._wqueue:
+            _, fut = self._wqueue.popleft()
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self._on_close(self, reason, lost)
+
+    async def flush(self, timeout: float) -> None:
+        """Wait (bounded) until every queued frame has left."""
+        if self._wqueue:
+            last = self._wqueue[-1][1]
+            if last is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(last), timeout)
+                except (asyncio.TimeoutError, ConnectionError):
+                    pass
+
+
+def _advance(views: list[memoryview], sent: int) -> list[memoryview]:
+    """Drop ``sent`` bytes from the front of ``views`` (slicing, never copying)."""
+    i = 0
+    while i < len(views) and sent >= len(views[i]):
+        sent -= len(views[i])
+        i += 1
+    if i == len(views):
+        return []
+    rest = views[i:]
+    if sent:
+        rest[0] = rest[0][sent:]
+    return rest
+
+
+def _consume_exception(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()

@@ -1,0 +1,644 @@
+"""The TCP transport: authenticated peer links between the workers of one job, and message matching.
+
+Imports only foundations (aiocoll._errors, aiocoll.protocol, aiocoll.algorithms._transport) and
+client/_peer.py; never the public surface. It implements the Transport ABC that the algorithm
+executor and the engine run over, so a shared-memory or CUDA transport can replace it per peer
+without touching either.
+
+Topology: every worker listens on an ephemeral port of the interface that routes to the
+coordinator (127.0.0.1 on loopback) and advertises it through rendezvous; the link between two
+ranks is dialled by the higher rank, so there is exactly one per pair and no tie to break. Each
+link authenticates (token, job, rank) before any frame is parsed.
+
+Wire format after the handshake: frames (aiocoll.protocol) whose header is ``{"t": tag, "m": meta}``
+for a message and ``{"k": "bye"}`` for an orderly goodbye. A message whose recv is already posted
+is received straight into the recv's buffer; others wait in a bounded per-peer inbox (the link
+stops reading while it is full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import socket
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import msgpack
+
+from aiocoll._deadline import Deadline
+from aiocoll._errors import (
+    AuthenticationError,
+    DistError,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    RendezvousError,
+)
+from aiocoll.algorithms._transport import LostPeerHandler, Tag, Transport
+from aiocoll.protocol import PREFIX, Frame
+
+from .._peer import PeerLink, client_handshake, server_handshake
+
+__all__ = ["TcpTransport", "route_interface"]
+
+log = logging.getLogger("aiocoll.client.tcp")
+
+_HANDSHAKE_TIMEOUT = 10.0
+_MAX_PENDING_HANDSHAKES = 64
+_DISCARD_MEMORY = 4096
+_BYE = PREFIX.pack(len(msgpack.packb({"k": "bye"})), 0) + msgpack.packb({"k": "bye"})
+_EMPTY = memoryview(b"")
+
+
+def route_interface(host: str, port: int = 9) -> str:
+    """The local IP address the kernel would use to reach ``host`` (no packet is sent, no DNS
+    reverse lookup); loopback for a loopback host.
+
+    Args:
+        host: an IP literal or a name (resolved forwards only).
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return "127.0.0.1"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(addr)
+            return str(probe.getsockname()[0])
+        except OSError:
+            return "127.0.0.1" if family == socket.AF_INET else "::1"
+
+
+class _Recv:
+    """A posted receive."""
+
+    __slots__ = ("fut", "into", "order", "src", "tag")
+
+    def __init__(self, src: int | None, tag: Tag, into: memoryview, fut: asyncio.Future[Any], order: int):
+        self.src = src
+        self.tag = tag
+        self.into = into
+        self.fut = fut
+        self.order = order
+
+
+class _Msg:
+    """A message that arrived before its receive."""
+
+    __slots__ = ("meta", "payload", "src")
+
+    def __init__(self, src: int, meta: dict[str, Any], payload: memoryview):
+        self.src = src
+        self.meta = meta
+        self.payload = payload
+
+
+def _as_bytes_view(buf: memoryview) -> memoryview:
+    if buf.format == "B" and buf.ndim == 1:
+        return buf
+    return buf.cast("B")
+
+
+def _length_mismatch(src: int, tag: Tag, got: int, want: int, meta: dict[str, Any]) -> MismatchError:
+    err = MismatchError(
+        f"rank {src} sent {got} bytes for message {tag!r} but this rank expected {want}: the ranks "
+        f"called the operation with different sizes or dtypes (sender's signature: {meta!r})",
+        ranks=[src],
+    )
+    err.remote_meta = meta  # type: ignore[attr-defined]
+    return err
+
+
+class TcpTransport(Transport):
+    """Authenticated TCP links to every other rank of a job.
+
+    Use: ``addr = await t.listen(host)``; publish ``addr`` through rendezvous; then
+    ``await t.connect(addrs_by_rank, deadline)``.
+
+    Args:
+        rank, world_size: this process's global rank and the job's size.
+        token: shared secret (None: the empty secret). job: the job id every peer must name.
+        inbox_bytes, inbox_messages: per-peer bounds on messages buffered before their recv.
+        max_payload: the largest single message accepted from a peer.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        *,
+        token: str | bytes | None,
+        job: str,
+        inbox_bytes: int = 64 * 1024 * 1024,
+        inbox_messages: int = 8192,
+        max_payload: int = 1 << 40,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self._token = token
+        self._job = job
+        self._inbox_bytes = inbox_bytes
+        self._inbox_messages = inbox_messages
+        self._max_payload = max_payload
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._links: dict[int, PeerLink] = {}
+        self._link_ready: dict[int, asyncio.Future[None]] = {}
+        self._lost: dict[int, str] = {}
+        self._handlers: list[LostPeerHandler] = []
+        # Matching state, shared by every link.
+        self._posted: dict[tuple[int, Tag], deque[_Recv]] = {}
+        self._posted_any: dict[Tag, deque[_Recv]] = {}
+        self._inbox: dict[Tag, deque[_Msg]] = {}
+        self._inbox_count: dict[int, int] = {}
+        self._inbox_size: dict[int, int] = {}
+        self._filling: dict[int, _Recv | None] = {}
+        self._order = 0
+        self._discarded: dict[int, set[Tag]] = {}
+        self._discard_fifo: deque[Tag] = deque()
+        self._packer = msgpack.Packer(use_bin_type=True)
+        # Listening side.
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+        self.address: tuple[str, int] | None = None
+        self.rejected = 0  # incoming connections refused (bad bytes, wrong token or job)
+        self._closed = False
+
+    # -- setup -----------------------------------------------------------------------------
+    async def listen(self, host: str = "127.0.0.1") -> tuple[str, int]:
+        """Start accepting peer links on an ephemeral port of ``host``; returns (host, port)."""
+        self._loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        lsock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            lsock.bind((host, 0))
+            lsock.listen(max(128, self.world_size))
+            lsock.setblocking(False)
+        except OSError:
+            lsock.close()
+            raise
+        self._listener = lsock
+        self.address = (host, int(lsock.getsockname()[1]))
+        self._accept_task = self._loop.create_task(self._accept_loop(lsock))
+        return self.address
+
+    async def connect(
+        self, addrs: Mapping[int, Sequence[Sequence[Any]]], deadline: Deadline | None = None
+    ) -> None:
+        """Dial every lower rank and wait until every higher rank has dialled us.
+
+        Args:
+            addrs: rank -> [(host, port), ...] as advertised in rendezvous.
+            deadline: the rendezvous budget.
+        Raises:
+            RendezvousError: a link could not be made within the deadline (names the ranks).
+            AuthenticationError: a peer refused our token.
+        """
+        deadline = deadline or Deadline(None)
+        loop = self._get_loop()
+        for peer in range(self.world_size):
+            if peer != self.rank:
+                self._ready_future(peer)
+        dials = [loop.create_task(self._dial(p, addrs.get(p, ()), deadline)) for p in range(self.rank)]
+        waits = [self._link_ready[p] for p in range(self.world_size) if p != self.rank]
+        try:
+            if waits:
+                done, pending = await asyncio.wait(
+                    waits, timeout=deadline.remaining(), return_when=asyncio.FIRST_EXCEPTION
+                )
+                for fut in done:
+                    fut.result()
+                if pending:
+                    missing = [
+                        p for p in range(self.world_size) if p != self.rank and not self._link_ready[p].done()
+                    ]
+                    raise RendezvousError(
+                        f"rank {self.rank}: no peer link with rank(s) {missing} within the rendezvous "
+                        f"timeout; check that they run, share the token and job, and can reach each "
+                        f"other's advertised addresses"
+                    )
+        finally:
+            for task in dials:
+                task.cancel()
+
+    def _ready_future(self, peer: int) -> asyncio.Future[None]:
+        fut = self._link_ready.get(peer)
+        if fut is None:
+            fut = self._get_loop().create_future()
+            self._link_ready[peer] = fut
+        return fut
+
+    async def _dial(self, peer: int, addrs: Sequence[Sequence[Any]], deadline: Deadline) -> None:
+        loop = self._get_loop()
+        last: BaseException | None = None
+        delay = 0.01
+        while True:
+            for addr in addrs:
+                host, port = str(addr[0]), int(addr[1])
+                family = socket.AF_INET6 if ":" in host else socket.AF_INET
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                try:
+                    await loop.sock_connect(sock, (host, port))
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    await asyncio.wait_for(
+                        client_handshake(sock, token=self._token, job=self._job, rank=self.rank, peer=peer),
+                        min(_HANDSHAKE_TIMEOUT, deadline.remaining() or _HANDSHAKE_TIMEOUT),
+                    )
+                except AuthenticationError as exc:
+                    sock.close()
+                    fut = self._ready_future(peer)
+                    if not fut.done():
+                        fut.set_exception(
+                            AuthenticationError(f"rank {peer} at {host}:{port} refused rank {self.rank}: {exc}")
+                        )
+                    return
+                except (OSError, ProtocolError, asyncio.TimeoutError) as exc:
+                    sock.close()
+                    last = exc
+                    continue
+                self._add_link(sock, peer)
+                return
+            if deadline.expired():
+                fut = self._ready_future(peer)
+                if not fut.done():
+                    fut.set_exception(
+                        RendezvousError(f"rank {self.rank} could not reach rank {peer} at {list(addrs)}: {last}")
+                    )
+                return
+            await asyncio.sleep(min(delay, deadline.remaining() or delay))
+            delay = min(delay * 2, 0.5)
+
+    async def _accept_loop(self, lsock: socket.socket) -> None:
+        loop = self._get_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(lsock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("rank %d: accept failed (%s); pausing briefly", self.rank, exc)
+                    await asyncio.sleep(0.1)
+                    continue
+                if self._closed:
+                    return
+                raise
+            if len(self._handshakes) >= _MAX_PENDING_HANDSHAKES:
+                log.warning("rank %d: too many unfinished peer handshakes; closing %s", self.rank, addr)
+                sock.close()
+                self.rejected += 1
+                continue
+            task = loop.create_task(self._accept_one(sock, addr))
+            self._handshakes.add(task)
+            task.add_done_callback(self._handshakes.discard)
+
+    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
+        sock.setblocking(False)
+        try:
+            hello = await asyncio.wait_for(server_handshake(sock, token=self._token), _HANDSHAKE_TIMEOUT)
+            peer = hello.get("rank")
+            if hello.get("job") != self._job:
+                raise ProtocolError(f"peer names job {hello.get('job')!r}, this rank serves {self._job!r}")
+            if not isinstance(peer, int) or not self.rank < peer < self.world_size:
+                raise ProtocolError(f"peer claims rank {peer!r}; only ranks {self.rank + 1}..{self.world_size - 1} dial rank {self.rank}")
+            if hello.get("to", self.rank) != self.rank:
+                raise ProtocolError(f"peer meant to reach rank {hello.get('to')!r}, this is rank {self.rank}")
+            if peer in self._links or peer in self._lost:
+                raise ProtocolError(f"rank {peer} already has (or had) a link to rank {self.rank}")
+        except (AuthenticationError, ProtocolError, OSError, asyncio.TimeoutError) as exc:
+            why = "handshake timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
+            log.warning("rank %d: refused a peer connection from %s: %s", self.rank, addr, why)
+            self.rejected += 1
+            sock.close()
+            return
+        except BaseException:
+            sock.close()
+            raise
+        self._add_link(sock, peer)
+
+    def _add_link(self, sock: socket.socket, peer: int) -> None:
+        if self._closed:
+            sock.close()
+            return
+        link = PeerLink(
+            sock,
+            peer,
+            sink=lambda header, n: self._sink(peer, header, n),
+            on_frames=self._on_frames,
+            on_close=self._on_link_close,
+            max_payload=self._max_payload,
+        )
+        self._links[peer] = link
+        self._inbox_count.setdefault(peer, 0)
+        self._inbox_size.setdefault(peer, 0)
+        self._filling[peer] = None
+        link.resume_reading()
+        fut = self._ready_future(peer)
+        if not fut.done():
+            fut.set_result(None)
+
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    # -- Transport -------------------------------------------------------------------------
+    async def send(self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> None:
+        """Send one message; returns when ``payload`` may be reused.
+
+        Raises:
+            PeerLostError: ``dst`` is gone.
+        """
+        if dst == self.rank:
+            self._deliver(dst, tag, meta, memoryview(bytes(payload)))
+            return
+        link = self._links.get(dst)
+        if link is None:
+            link = await self._wait_link(dst)
+        head = self._packer.pack({"t": tag, "m": meta})
+        body = _as_bytes_view(payload) if len(payload) else _EMPTY
+        first = PREFIX.pack(len(head), len(body)) + head
+        try:
+            fut = link.write([memoryview(first), body] if len(body) else [memoryview(first)])
+            if fut is not None:
+                try:
+                    await fut
+                except asyncio.CancelledError:
+                    link.drop_unsent(fut)
+                    raise
+        except ConnectionError as exc:
+            raise self._lost_error(dst) from exc
+
+    async def _wait_link(self, dst: int) -> PeerLink:
+        if dst in self._lost:
+            raise self._lost_error(dst)
+        if not 0 <= dst < self.world_size:
+            raise ValueError(f"rank {dst} is outside the world of size {self.world_size}")
+        if self._closed:
+            raise DistError("the transport is closed")
+        await asyncio.shield(self._ready_future(dst))
+        link = self._links.get(dst)
+        if link is None:
+            raise self._lost_error(dst)
+        return link
+
+    def _lost_error(self, rank: int) -> PeerLostError:
+        return PeerLostError(rank, self._lost.get(rank, "the link is closed"))
+
+    async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
+        """Receive the next message ``tag`` from ``src`` (None: any rank) into ``into``.
+
+        Raises:
+            PeerLostError, MismatchError (wrong length; the message is consumed).
+        """
+        into = _as_bytes_view(into) if len(into) else _EMPTY
+        queue = self._inbox.get(tag)
+        if queue:
+            for i, msg in enumerate(queue):
+                if src is None or msg.src == src:
+                    del queue[i]
+                    if not queue:
+                        del self._inbox[tag]
+                    self._unbuffer(msg)
+                    if len(msg.payload) != len(into):
+                        raise _length_mismatch(msg.src, tag, len(msg.payload), len(into), msg.meta)
+                    if len(into):
+                        into[:] = msg.payload
+                    return msg.src, msg.meta
+        if src is not None and src in self._lost:
+            raise self._lost_error(src)
+        if self._closed:
+            raise DistError("the transport is closed")
+        fut: asyncio.Future[tuple[int, dict[str, Any]]] = self._get_loop().create_future()
+        self._order += 1
+        waiter = _Recv(src, tag, into, fut, self._order)
+        if src is None:
+            self._posted_any.setdefault(tag, deque()).append(waiter)
+        else:
+            self._posted.setdefault((src, tag), deque()).append(waiter)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._unpost(waiter)
+            raise
+
+    def _unpost(self, waiter: _Recv) -> None:
+        key: Any = waiter.tag if waiter.src is None else (waiter.src, waiter.tag)
+        table: dict[Any, deque[_Recv]] = self._posted_any if waiter.src is None else self._posted  # type: ignore[assignment]
+        queue = table.get(key)
+        if queue is not None:
+            with contextlib.suppress(ValueError):
+                queue.remove(waiter)
+            if not queue:
+                del table[key]
+
+    def _unbuffer(self, msg: _Msg) -> None:
+        if msg.src == self.rank:
+            return
+        self._inbox_count[msg.src] -= 1
+        self._inbox_size[msg.src] -= len(msg.payload)
+        link = self._links.get(msg.src)
+        if (
+            link is not None
+            and not link.reading
+            and self._inbox_count[msg.src] < self._inbox_messages
+            and self._inbox_size[msg.src] < self._inbox_bytes
+        ):
+            link.resume_reading()
+
+    def discard(self, tag_prefix: Tag) -> None:
+        """Drop buffered messages and cancel posted recvs under ``tag_prefix``; late ones are dropped too."""
+        n = len(tag_prefix)
+        for tag in [t for t in self._inbox if t[:n] == tag_prefix]:
+            for msg in self._inbox.pop(tag):
+                self._unbuffer(msg)
+        for table in (self._posted, self._posted_any):
+            for key in list(table):
+                tag = key if table is self._posted_any else key[1]
+                if tag[:n] == tag_prefix:
+                    for waiter in table.pop(key):  # type: ignore[call-overload]
+                        if not waiter.fut.done():
+                            waiter.fut.cancel()
+        bucket = self._discarded.setdefault(n, set())
+        if tag_prefix not in bucket:
+            bucket.add(tag_prefix)
+            self._discard_fifo.append(tag_prefix)
+            if len(self._discard_fifo) > _DISCARD_MEMORY:
+                old = self._discard_fifo.popleft()
+                self._discarded[len(old)].discard(old)
+
+    def on_peer_lost(self, handler: LostPeerHandler) -> None:
+        self._handlers.append(handler)
+
+    def mark_lost(self, rank: int, reason: str) -> None:
+        """Treat ``rank`` as gone (the coordinator said so): close its link, fail its receives."""
+        link = self._links.get(rank)
+        if link is not None:
+            link.close(reason, lost=True)
+        elif rank not in self._lost and rank != self.rank:
+            self._lost[rank] = reason
+            self._fail_from(rank, reason)
+
+    @property
+    def lost_peers(self) -> dict[int, str]:
+        return dict(self._lost)
+
+    async def aclose(self) -> None:
+        """Say goodbye on every link, close them and the listener. Twice is fine."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        for task in list(self._handshakes):
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+        links = list(self._links.values())
+        for link in links:
+            link.write_nowait([memoryview(_BYE)])
+        for link in links:
+            await link.flush(1.0)
+        for link in links:
+            link.close("this rank closed its transport", lost=False)
+        err = DistError(f"rank {self.rank}'s transport is closed")
+        for table in (self._posted, self._posted_any):
+            for queue in table.values():  # type: ignore[attr-defined]
+                for waiter in queue:
+                    if not waiter.fut.done():
+                        waiter.fut.set_exception(err)
+            table.clear()
+        for fut in self._link_ready.values():
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
+        if self._accept_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._accept_task
+
+    # -- receiving -------------------------------------------------------------------------
+    def _match(self, src: int, tag: Tag) -> _Recv | None:
+        specific = self._posted.get((src, tag))
+        anyq = self._posted_any.get(tag)
+        if specific and (not anyq or specific[0].order < anyq[0].order):
+            waiter = specific.popleft()
+            if not specific:
+                del self._posted[(src, tag)]
+            return waiter
+        if anyq:
+            waiter = anyq.popleft()
+            if not anyq:
+                del self._posted_any[tag]
+            return waiter
+        return None
+
+    def _sink(self, src: int, header: dict[str, Any], nbytes: int) -> memoryview | None:
+        tag = header.get("t")
+        if not isinstance(tag, list):
+            return None
+        key = tuple(tag)
+        waiter = self._peek(src, key)
+        if waiter is None or len(waiter.into) != nbytes or waiter.fut.done():
+            return None
+        self._match(src, key)
+        self._filling[src] = waiter
+        return waiter.into
+
+    def _peek(self, src: int, tag: Tag) -> _Recv | None:
+        specific = self._posted.get((src, tag))
+        anyq = self._posted_any.get(tag)
+        if specific and (not anyq or specific[0].order < anyq[0].order):
+            return specific[0]
+        return anyq[0] if anyq else None
+
+    def _on_frames(self, link: PeerLink, frames: list[Frame]) -> None:
+        src = link.peer
+        for frame in frames:
+            header = frame.header
+            tag = header.get("t")
+            if tag is None:
+                if header.get("k") == "bye":
+                    link.close(f"rank {src} left (closed its process group)", lost=False)
+                    return
+                log.warning("rank %d: ignoring an unknown control frame from rank %d", self.rank, src)
+                continue
+            meta = header.get("m")
+            if not isinstance(tag, list) or not isinstance(meta, dict):
+                link.close("malformed message header", lost=True)
+                return
+            key = tuple(tag)
+            if frame.in_sink:
+                waiter = self._filling[src]
+                self._filling[src] = None
+                if waiter is not None and not waiter.fut.done():
+                    waiter.fut.set_result((src, meta))
+                continue
+            self._deliver(src, key, meta, frame.payload)
+        if link.closed:
+            return
+        if self._inbox_count.get(src, 0) >= self._inbox_messages or self._inbox_size.get(src, 0) >= self._inbox_bytes:
+            link.pause_reading()
+
+    def _deliver(self, src: int, tag: Tag, meta: dict[str, Any], payload: memoryview) -> None:
+        if self._discarded and any(tag[:n] in bucket for n, bucket in self._discarded.items()):
+            return
+        while True:
+            waiter = self._match(src, tag)
+            if waiter is None:
+                break
+            if waiter.fut.done():
+                continue
+            if len(payload) != len(waiter.into):
+                waiter.fut.set_exception(_length_mismatch(src, tag, len(payload), len(waiter.into), meta))
+            else:
+                if len(payload):
+                    waiter.into[:] = payload
+                waiter.fut.set_result((src, meta))
+            return
+        self._inbox.setdefault(tag, deque()).append(_Msg(src, meta, payload))
+        if src != self.rank:
+            self._inbox_count[src] += 1
+            self._inbox_size[src] += len(payload)
+
+    # -- loss ------------------------------------------------------------------------------
+    def _on_link_close(self, link: PeerLink, reason: str, lost: bool) -> None:
+        peer = link.peer
+        if self._links.get(peer) is link:
+            del self._links[peer]
+        if peer in self._lost:
+            return
+        self._lost[peer] = reason
+        self._fail_from(peer, reason)
+        if lost and not self._closed:
+            exc = PeerLostError(peer, reason)
+            log.warning("rank %d lost its link to rank %d: %s", self.rank, peer, reason)
+            for handler in list(self._handlers):
+                try:
+                    handler(peer, exc)
+                except Exception:
+                    log.exception("peer-lost handler failed")
+
+    def _fail_from(self, peer: int, reason: str) -> None:
+        filling = self._filling.get(peer)
+        self._filling[peer] = None
+        if filling is not None and not filling.fut.done():
+            filling.fut.set_exception(PeerLostError(peer, reason))
+        for key in [k for k in self._posted if k[0] == peer]:
+            for waiter in self._posted.pop(key):
+                if not waiter.fut.done():
+                    waiter.fut.set_exception(PeerLostError(peer, reason))
+        fut = self._link_ready.get(peer)
+        if fut is None:
+            fut = self._ready_future(peer)
+        if not fut.done():
+            fut.set_exception(PeerLostError(peer, reason))
+            fut.exception()
