@@ -1,0 +1,296 @@
+"""What `aiocoll run` will launch: node placement, worker command and per-rank environment.
+
+Pure functions over the parsed arguments and an environment mapping; nothing here starts a
+process, opens a socket or touches the event loop, so every rule (which SLURM or Kubernetes
+variable wins, how ranks are numbered, what each worker's environment holds) is unit-testable.
+It imports only the standard library: the launcher must start fast and never import torch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "DEFAULT_COORDINATOR_PORT",
+    "LaunchConfig",
+    "LaunchConfigError",
+    "NodePlacement",
+    "build_worker_command",
+    "default_job",
+    "parse_coordinator_address",
+    "read_token_file",
+    "resolve_node_placement",
+    "worker_environment",
+]
+
+DEFAULT_COORDINATOR_PORT = 29500
+
+
+class LaunchConfigError(ValueError):
+    """The command line (or the scheduler's environment) does not describe a launchable job."""
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where this launcher sits in the job.
+
+    Attributes:
+        nnodes: number of launchers (nodes) in the job.
+        node_rank: this launcher's index, 0 <= node_rank < nnodes.
+        sources: human-readable notes on where each value came from (for the launcher's log).
+        warnings: things that look like a mistake but do not stop the launch.
+    """
+
+    nnodes: int
+    node_rank: int
+    sources: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything the agent needs to run the job on this node.
+
+    Attributes:
+        nproc_per_node: workers started by this launcher.
+        placement: nnodes and node_rank.
+        coordinator: (host, port) of an external coordinator, or None to start an embedded one.
+        job: the job id every worker joins (AIOCOLL_JOB).
+        max_restarts: how many times a failed generation is restarted.
+        token: shared secret read from --token-file, or None (AIOCOLL_TOKEN then passes through
+            from the launcher's own environment).
+        command: the argv each worker runs.
+        monitor_interval: seconds between checks of the workers' state.
+        grace_period: seconds between the stop signal and SIGKILL.
+        log_dir: where raw per-rank output is also written, or None.
+        embedded_port: the port an embedded coordinator listens on; 0 lets the kernel pick.
+    """
+
+    nproc_per_node: int
+    placement: NodePlacement
+    coordinator: tuple[str, int] | None
+    job: str
+    max_restarts: int
+    token: str | None
+    command: tuple[str, ...]
+    monitor_interval: float = 0.1
+    grace_period: float = 10.0
+    log_dir: str | None = None
+    embedded_port: int = 0
+
+    @property
+    def world_size(self) -> int:
+        return self.placement.nnodes * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        """Rank of a local worker: node_rank * nproc_per_node + local_rank (equal nodes assumed)."""
+        return self.placement.node_rank * self.nproc_per_node + local_rank
+
+
+def parse_coordinator_address(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT``, ``[V6]:PORT`` or a bare ``HOST`` (port 29500) into (host, port).
+
+    Raises:
+        LaunchConfigError: for an empty host or a port that is not an integer in 1..65535.
+    """
+    value = text.strip()
+    if value.startswith("tcp://"):
+        value = value[len("tcp://") :]
+    host: str
+    port_text: str | None
+    if value.startswith("["):
+        end = value.find("]")
+        if end < 0:
+            raise LaunchConfigError(f"coordinator address {text!r}: missing ']' after an IPv6 host")
+        host, rest = value[1:end], value[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise LaunchConfigError(f"coordinator address {text!r}: expected ':PORT' after ']'")
+        port_text = rest[1:] if rest else None
+    elif value.count(":") == 1:
+        host, port_text = value.split(":")
+    elif ":" in value:
+        raise LaunchConfigError(
+            f"coordinator address {text!r}: write an IPv6 host in brackets, e.g. [::1]:29500"
+        )
+    else:
+        host, port_text = value, None
+    if not host:
+        raise LaunchConfigError(f"coordinator address {text!r} has no host; expected HOST:PORT")
+    if port_text is None or port_text == "":
+        return host, DEFAULT_COORDINATOR_PORT
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise LaunchConfigError(f"coordinator address {text!r}: port {port_text!r} is not a number") from None
+    if not 1 <= port <= 65535:
+        raise LaunchConfigError(f"coordinator address {text!r}: port {port} is outside 1..65535")
+    return host, port
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def resolve_node_placement(
+    nnodes: int | None, node_rank: int | None, environ: Mapping[str, str]
+) -> NodePlacement:
+    """Decide nnodes and node_rank: the command line first, then SLURM, then Kubernetes, then 1/0.
+
+    SLURM (an ``srun`` task, recognised by SLURM_PROCID and SLURM_NTASKS both being set): each
+    srun task is one launcher, so node_rank = SLURM_PROCID and nnodes = SLURM_NTASKS. With one
+    task per node (``srun --ntasks-per-node=1``) these equal SLURM_NODEID and SLURM_NNODES; if
+    several tasks share a node (SLURM_NTASKS != SLURM_NNODES) a warning says so, because their
+    workers would reuse the same LOCAL_RANKs (and GPUs).
+
+    Kubernetes indexed Job: node_rank = JOB_COMPLETION_INDEX. Kubernetes does not put the number
+    of completions in the pod's environment, so --nnodes must be given on the command line.
+
+    Raises:
+        LaunchConfigError: for a non-positive nnodes, or a node rank outside 0..nnodes-1.
+    """
+    sources: list[str] = []
+    warnings: list[str] = []
+    slurm_procid = _env_int(environ, "SLURM_PROCID")
+    slurm_ntasks = _env_int(environ, "SLURM_NTASKS")
+    in_slurm_task = slurm_procid is not None and slurm_ntasks is not None
+    k8s_index = _env_int(environ, "JOB_COMPLETION_INDEX")
+
+    if nnodes is None and in_slurm_task:
+        nnodes = slurm_ntasks
+        sources.append(f"nnodes={nnodes} from SLURM_NTASKS")
+    if node_rank is None and in_slurm_task:
+        node_rank = slurm_procid
+        sources.append(f"node rank {node_rank} from SLURM_PROCID")
+    if node_rank is None and k8s_index is not None:
+        node_rank = k8s_index
+        sources.append(f"node rank {node_rank} from JOB_COMPLETION_INDEX")
+    if in_slurm_task:
+        slurm_nnodes = _env_int(environ, "SLURM_NNODES")
+        if slurm_nnodes is not None and slurm_nnodes != slurm_ntasks:
+            warnings.append(
+                f"SLURM started {slurm_ntasks} tasks on {slurm_nnodes} node(s); aiocoll run expects one "
+                "task per node (srun --ntasks-per-node=1), otherwise launchers on the same node "
+                "hand out the same LOCAL_RANKs"
+            )
+    if nnodes is None:
+        nnodes = 1
+    if node_rank is None:
+        node_rank = 0
+    if nnodes < 1:
+        raise LaunchConfigError(f"--nnodes must be at least 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        hint = (
+            " (JOB_COMPLETION_INDEX is set: pass --nnodes equal to the Job's completions)"
+            if k8s_index is not None
+            else ""
+        )
+        raise LaunchConfigError(
+            f"node rank {node_rank} is outside 0..{nnodes - 1} for --nnodes {nnodes}{hint}"
+        )
+    return NodePlacement(nnodes=nnodes, node_rank=node_rank, sources=tuple(sources), warnings=tuple(warnings))
+
+
+def build_worker_command(
+    target: str,
+    args: Sequence[str],
+    *,
+    module: bool = False,
+    no_python: bool = False,
+    python: str | None = None,
+) -> tuple[str, ...]:
+    """The argv of one worker.
+
+    Args:
+        target: the script path, the module name (with ``module``) or the program (``no_python``).
+        args: arguments passed to it unchanged.
+        module: run ``python -m target`` (torchrun's -m).
+        no_python: run ``target`` itself instead of through Python.
+        python: interpreter to use; the launcher's own by default.
+
+    Raises:
+        LaunchConfigError: for ``module`` together with ``no_python``, or an empty target.
+    """
+    if not target:
+        raise LaunchConfigError("no SCRIPT given: say what each worker runs, e.g. 'aiocoll run train.py'")
+    if module and no_python:
+        raise LaunchConfigError("--module and --no-python cannot be used together")
+    if no_python:
+        return (target, *args)
+    # -u: unbuffered, so each worker's lines reach the launcher (and the user) as they are printed.
+    interpreter = python or sys.executable
+    if module:
+        return (interpreter, "-u", "-m", target, *args)
+    return (interpreter, "-u", target, *args)
+
+
+def read_token_file(path: str) -> str:
+    """The shared secret in ``path``, surrounding whitespace removed.
+
+    Raises:
+        LaunchConfigError: if the file cannot be read or holds only whitespace.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            token = handle.read().strip()
+    except OSError as exc:
+        raise LaunchConfigError(f"cannot read --token-file {path!r}: {exc.strerror or exc}") from None
+    if not token:
+        raise LaunchConfigError(f"--token-file {path!r} is empty; put the shared secret in it")
+    return token
+
+
+def worker_environment(
+    config: LaunchConfig,
+    base: Mapping[str, str],
+    *,
+    local_rank: int,
+    restart_count: int,
+    master_addr: str,
+    master_port: int,
+) -> dict[str, str]:
+    """The environment of one worker: the launcher's own plus the rank variables.
+
+    Args:
+        config: the launch.
+        base: the launcher's environment (AIOCOLL_TOKEN and everything else pass through).
+        local_rank: the worker's index on this node.
+        restart_count: how many times the generation has been restarted (0 at first).
+        master_addr, master_port: where the coordinator answers.
+    """
+    env = dict(base)
+    env.update(
+        {
+            "RANK": str(config.global_rank(local_rank)),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(config.world_size),
+            "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+            "GROUP_RANK": str(config.placement.node_rank),
+            "GROUP_WORLD_SIZE": str(config.placement.nnodes),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+            "AIOCOLL_JOB": config.job,
+            "AIOCOLL_RESTART_COUNT": str(restart_count),
+            "AIOCOLL_MAX_RESTARTS": str(config.max_restarts),
+        }
+    )
+    if config.token is not None:
+        env["AIOCOLL_TOKEN"] = config.token
+    # Several multi-threaded math libraries per core oversubscribe the machine; torchrun makes the
+    # same choice. A value the user set is kept.
+    if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def default_job(environ: Mapping[str, str]) -> str:
+    """The job id when --job is not given: AIOCOLL_JOB, else ``"default"`` (the contract's default)."""
+    return environ.get("AIOCOLL_JOB") or "default"
+

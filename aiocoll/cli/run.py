@@ -1,0 +1,256 @@
+"""Launch a multi-process job, as torchrun does: `aiocoll run [options] SCRIPT [ARGS...]`.
+
+This module holds the command line (options, their torchrun spellings, --help) and turns it into
+a LaunchConfig; the supervision lives in _launch_agent and the rules in _launch_config. Its
+top-level imports are the standard library's argparse and os only, so `aiocoll --help` stays fast;
+asyncio and subprocess machinery load when the command runs. It never imports the worker
+runtime: the launcher starts processes, it does not join the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._launch_config import LaunchConfig
+
+__all__ = ["add_arguments", "main"]
+
+_DESCRIPTION = """\
+Launch a multi-process job, as torchrun does: start --nproc-per-node workers running SCRIPT,
+each with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+AIOCOLL_JOB and AIOCOLL_RESTART_COUNT set (AIOCOLL_TOKEN passes through). Without --coordinator
+the launcher runs a coordinator itself on 127.0.0.1, on a free port. Every output line of a worker
+is prefixed with '[rankN]: '. When one worker fails, the others are stopped (SIGTERM, then SIGKILL
+after --grace-period), the failure is reported with the rank, exit status and the last lines of
+its stderr, and the launcher exits with that worker's exit code (128+N if signal N killed it)
+unless --max-restarts allows restarting the whole generation. SIGINT/SIGTERM/SIGHUP sent to the
+launcher are forwarded to every worker; a second one kills them."""
+
+_EPILOG = """\
+examples:
+  # four workers on this machine, with an embedded coordinator
+  aiocoll run --nproc-per-node 4 train.py --epochs 3
+
+  # run a module, as 'python -m', and allow two restarts of the whole generation
+  aiocoll run --nproc-per-node 2 --max-restarts 2 -m mypackage.train
+
+  # two nodes with 8 workers each, against a coordinator started with
+  # 'aiocoll coordinator --port 29500 --token-file secret' on 10.0.0.1:
+  aiocoll run --nnodes 2 --node-rank 0 --nproc-per-node 8 \\
+      --coordinator 10.0.0.1:29500 --token-file secret --job exp42 train.py   # on node 0
+  aiocoll run --nnodes 2 --node-rank 1 --nproc-per-node 8 \\
+      --coordinator 10.0.0.1:29500 --token-file secret --job exp42 train.py   # on node 1
+
+  # SLURM: one launcher per node; node rank and node count come from SLURM_PROCID/SLURM_NTASKS
+  srun --ntasks-per-node=1 aiocoll run --nproc-per-node 4 --coordinator $HEAD_IP:29500 train.py
+
+  # Kubernetes indexed Job: the node rank comes from JOB_COMPLETION_INDEX
+  aiocoll run --nnodes 4 --nproc-per-node 2 --coordinator coordinator-svc-ip:29500 train.py
+
+exit status: 0 when every worker exited 0; a failed worker's exit code (128+N when signal N
+killed it) once restarts are used up; 128+N when the launcher itself got signal N; 2 for a bad
+command line; 127 when a worker could not be started. See docs/LAUNCHER.md."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _nnodes(text: str) -> int:
+    if ":" in text:
+        raise argparse.ArgumentTypeError(
+            f"elastic node ranges ({text!r}) are not supported; give the fixed number of nodes"
+        )
+    return _positive_int(text)
+
+
+def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+        if value != value or value < 0 or (minimum_exclusive and value == 0):
+            raise argparse.ArgumentTypeError(f"must be {'more than' if minimum_exclusive else 'at least'} 0")
+        return value
+
+    return parse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add `aiocoll run`'s options to ``parser`` (its sub-command parser)."""
+    parser.description = _DESCRIPTION
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_positive_int, default=1,
+        metavar="N", help="workers to start on this node (default: 1)",
+    )
+    parser.add_argument(
+        "--nnodes", type=_nnodes, default=None, metavar="M",
+        help="nodes in the job (default: SLURM_NTASKS inside an srun task, else 1)",
+    )
+    parser.add_argument(
+        "--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int, default=None, metavar="R",
+        help="this node's index, 0..M-1 (default: SLURM_PROCID, else JOB_COMPLETION_INDEX, else 0)",
+    )
+    parser.add_argument(
+        "--coordinator", "--rdzv-endpoint", "--rdzv_endpoint", dest="coordinator", default=None,
+        metavar="HOST:PORT",
+        help="a running aiocoll coordinator (required with --nnodes > 1); default: start one "
+        "inside the launcher on 127.0.0.1",
+    )
+    parser.add_argument(
+        "--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST",
+        help="torchrun spelling: the same as --coordinator HOST:PORT with --master-port (default 29500)",
+    )
+    parser.add_argument(
+        "--master-port", "--master_port", dest="master_port", type=int, default=None, metavar="PORT",
+        help="with --master-addr, the coordinator's port; alone, the port the embedded coordinator "
+        "listens on instead of a free one",
+    )
+    parser.add_argument(
+        "--standalone", action="store_true",
+        help="single node with an embedded coordinator (the default; accepted for torchrun habits)",
+    )
+    parser.add_argument(
+        "--max-restarts", "--max_restarts", dest="max_restarts", type=_non_negative_int, default=0,
+        metavar="K", help="restart the whole generation up to K times after a failure (default: 0)",
+    )
+    parser.add_argument(
+        "--job", "--rdzv-id", "--rdzv_id", dest="job", default=None, metavar="ID",
+        help="job id the workers join (AIOCOLL_JOB; default: $AIOCOLL_JOB, else 'default')",
+    )
+    parser.add_argument(
+        "--token-file", "--token_file", dest="token_file", default=None, metavar="FILE",
+        help="file holding the shared secret; given to workers as AIOCOLL_TOKEN and to the embedded "
+        "coordinator (default: AIOCOLL_TOKEN from the environment, if set)",
+    )
+    parser.add_argument(
+        "--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_seconds(True),
+        default=0.1, metavar="SECONDS", help="how often the workers' state is checked (default: 0.1)",
+    )
+    parser.add_argument(
+        "--grace-period", "--grace_period", dest="grace_period", type=_seconds(False), default=10.0,
+        metavar="SECONDS", help="time between the stop signal and SIGKILL (default: 10)",
+    )
+    parser.add_argument(
+        "--log-dir", "--log_dir", dest="log_dir", default=None, metavar="DIR",
+        help="also write each worker's raw output to DIR/restart_K/rankN.stdout and .stderr",
+    )
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name, run as 'python -m SCRIPT'",
+    )
+    parser.add_argument(
+        "--no-python", "--no_python", dest="no_python", action="store_true",
+        help="run SCRIPT as a program, not through Python",
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="the Python script (or module, or program) to run")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT unchanged"
+    )
+
+
+def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchConfig:
+    """Turn parsed arguments (and the scheduler's variables in ``environ``) into a LaunchConfig.
+
+    Raises:
+        LaunchConfigError: when the options do not describe a launchable job.
+    """
+    from ._launch_config import (
+        LaunchConfig,
+        LaunchConfigError,
+        build_worker_command,
+        default_job,
+        parse_coordinator_address,
+        read_token_file,
+        resolve_node_placement,
+    )
+
+    placement = resolve_node_placement(args.nnodes, args.node_rank, environ)
+    if args.standalone and placement.nnodes > 1:
+        raise LaunchConfigError("--standalone means a single node; drop it or use --nnodes 1")
+    coordinator: tuple[str, int] | None
+    if args.coordinator is not None:
+        if args.master_addr is not None:
+            raise LaunchConfigError("give either --coordinator or --master-addr, not both")
+        coordinator = parse_coordinator_address(args.coordinator)
+    elif args.master_addr is not None:
+        port = args.master_port if args.master_port is not None else 29500
+        coordinator = parse_coordinator_address(f"{args.master_addr}:{port}")
+    else:
+        coordinator = None
+    if coordinator is None and placement.nnodes > 1:
+        raise LaunchConfigError(
+            f"--nnodes {placement.nnodes} needs --coordinator HOST:PORT, an address every node can reach "
+            "(start one with 'aiocoll coordinator --port 29500' on one machine); an embedded coordinator "
+            "serves a single node only"
+        )
+    token = read_token_file(args.token_file) if args.token_file is not None else None
+    command = build_worker_command(
+        args.script, args.script_args, module=args.module, no_python=args.no_python
+    )
+    return LaunchConfig(
+        nproc_per_node=args.nproc_per_node,
+        placement=placement,
+        coordinator=coordinator,
+        job=args.job if args.job else default_job(environ),
+        max_restarts=args.max_restarts,
+        token=token,
+        command=command,
+        monitor_interval=args.monitor_interval,
+        grace_period=args.grace_period,
+        log_dir=args.log_dir,
+        embedded_port=args.master_port if coordinator is None and args.master_port is not None else 0,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `aiocoll run` with parsed ``args``; returns the launcher's exit status."""
+    import asyncio
+
+    from ._launch_agent import Console, run_agent
+    from ._launch_config import LaunchConfigError
+
+    console = Console.from_sys()
+    try:
+        config = build_config(args, os.environ)
+    except LaunchConfigError as exc:
+        console.log(f"error: {exc}")
+        return 2
+    for note in config.placement.sources:
+        console.log(note)
+    for warning in config.placement.warnings:
+        console.log(f"warning: {warning}")
+    return asyncio.run(run_agent(config, console))
+
+
+def _standalone(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="aiocoll run")
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(_standalone())
