@@ -1,0 +1,1235 @@
+"""The coordinator's pure state machine: per-job key spaces, waiting operations, rendezvous rounds,
+member liveness and job expiry. No sockets, no asyncio, no threads; time comes from an injected
+clock. May import aiocoll foundations (protocol schema, errors) only, never client/ or the public
+surface.
+
+It exists so that every decision the coordinator makes can be tested without a network and
+replayed from the durable journal: the asyncio shell (_coordinator.py) feeds it requests,
+connection openings and closings and clock ticks, and drains what it decided: ``outbox`` (frames to
+send, per connection), ``closes`` (connections to drop, with a reason) and ``journal`` (records of
+acknowledged mutations, for the durable log).
+
+Records in the journal are plain lists, so msgpack can carry them; ``apply_record`` replays one.
+Every mutation goes through the same helpers live and on replay, so a restored state equals the
+state that acknowledged the records.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from aiocoll.protocol._coordinator import (
+    ERR_INVALID,
+    ERR_RENDEZVOUS,
+    ERR_TIMEOUT,
+    ERR_TOO_LARGE,
+    ERR_UNKNOWN_OP,
+    EV_MEMBER_LOST,
+    EV_RESTARTED,
+    EV_SESSION_LOST,
+    HEARTBEAT_TIMEOUT,
+    MAX_KEY_BYTES,
+    OPS,
+    RESUME_GRACE,
+    ROLE_ADMIN,
+    ROLE_STORE,
+    ROLE_WORKER,
+)
+
+__all__ = [
+    "DEFAULT_JOB_TTL",
+    "DEFAULT_MAX_KEYS_PER_JOB",
+    "DEFAULT_MAX_VALUE_BYTES",
+    "CoordinatorState",
+]
+
+log = logging.getLogger("aiocoll.server")
+
+DEFAULT_MAX_VALUE_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_KEYS_PER_JOB = 1_000_000
+DEFAULT_JOB_TTL = 3600.0
+MAX_KEYS_PER_REQUEST = 100_000
+MAX_WORLD_SIZE = 1 << 20
+MAX_ADDRS = 64
+MAX_HOST_CHARS = 256
+# Liveness and expiry scans walk every member and job; once a second is plenty for a 10 s
+# heartbeat timeout and keeps a 10,000-member coordinator's housekeeping cheap.
+HOUSEKEEPING_INTERVAL = 1.0
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+# What each role may ask: admin connections (`aiocoll status`) only read.
+_READ_OPS = frozenset({"get", "wait", "check", "nkeys", "mget", "hb", "status"})
+_ROLE_OPS: dict[str, frozenset[str]] = {
+    ROLE_WORKER: OPS,
+    ROLE_STORE: OPS - {"join", "leave"},
+    ROLE_ADMIN: _READ_OPS,
+}
+
+# (connection id, reply or event header, payload)
+Send = tuple[int, dict[str, Any], "bytes | bytearray | memoryview"]
+Record = list[Any]
+
+
+class _Refused(Exception):
+    """A well-formed request the coordinator will not carry out; becomes an error reply."""
+
+    def __init__(self, err: str, msg: str, keys: list[str] | None = None) -> None:
+        super().__init__(msg)
+        self.err = err
+        self.msg = msg
+        self.keys = keys or []
+
+
+class _Fatal(Exception):
+    """A request so malformed that the connection cannot continue (no request id to answer)."""
+
+
+class _Conn:
+    __slots__ = ("id", "job", "joining", "last_seen", "member", "peer", "role", "waiters")
+
+    def __init__(self, conn_id: int, job: _Job, role: str, peer: str, now: float) -> None:
+        self.id = conn_id
+        self.job = job
+        self.role = role
+        self.peer = peer
+        self.member: _Member | None = None  # set once this connection joined or resumed
+        self.joining: _Member | None = None  # a join waiting for the round to complete
+        self.waiters: set[_Waiter] = set()
+        self.last_seen = now
+
+
+class _Waiter:
+    """A get/wait/mget waiting for keys; completed by a set or expired by the clock."""
+
+    __slots__ = ("conn", "deadline", "done", "keys", "op", "req_id", "started", "timeout")
+
+    def __init__(
+        self,
+        conn: _Conn,
+        req_id: int,
+        op: str,
+        keys: list[str],
+        deadline: float | None,
+        started: float,
+        timeout: float | None,
+    ) -> None:
+        self.conn = conn
+        self.req_id = req_id
+        self.op = op
+        self.keys = keys
+        self.deadline = deadline
+        self.started = started
+        self.timeout = timeout
+        self.done = False
+
+
+class _Member:
+    """One rank of one rendezvous round."""
+
+    __slots__ = (
+        "addrs",
+        "conn",
+        "deadline",
+        "host",
+        "last_seen",
+        "rank",
+        "reason",
+        "req_id",
+        "round",
+        "session",
+        "started",
+        "state",
+        "timeout",
+    )
+
+    def __init__(self, rank: int, addrs: list[Any], host: str, rnd: _Round) -> None:
+        self.rank = rank
+        self.addrs = addrs
+        self.host = host
+        self.session = ""
+        # joining -> alive -> left | lost; resuming after a restart until the client re-attaches.
+        self.state = "joining"
+        self.conn: _Conn | None = None
+        self.round = rnd
+        self.req_id = 0
+        self.deadline: float | None = None
+        self.started = 0.0
+        self.timeout: float | None = None
+        self.reason = ""
+        self.last_seen = 0.0
+
+
+class _Round:
+    __slots__ = ("broken", "complete", "job", "members", "number", "world_size")
+
+    def __init__(self, job: _Job, number: int, world_size: int) -> None:
+        self.job = job
+        self.number = number
+        self.world_size = world_size
+        self.members: dict[int, _Member] = {}
+        self.complete = False
+        self.broken = False  # a member of the completed round left or was lost
+
+
+class _Job:
+    __slots__ = ("conns", "kv", "last_activity", "name", "next_round", "round", "waiters")
+
+    def __init__(self, name: str, now: float) -> None:
+        self.name = name
+        self.kv: dict[str, bytes | bytearray] = {}
+        self.waiters: dict[str, set[_Waiter]] = {}
+        self.conns: set[_Conn] = set()
+        self.last_activity = now
+        self.round: _Round | None = None
+        self.next_round = 0
+
+
+def _ok(req_id: int) -> dict[str, Any]:
+    return {"id": req_id, "ok": True}
+
+
+def _err(req_id: int, err: str, msg: str, keys: list[str] | None = None) -> dict[str, Any]:
+    return {"id": req_id, "ok": False, "err": err, "msg": msg, "keys": keys or []}
+
+
+def _own(payload: bytes | bytearray | memoryview) -> bytes | bytearray:
+    """The payload as an object we may keep: the decoder hands each frame a fresh bytearray."""
+    if isinstance(payload, memoryview):
+        obj = payload.obj
+        if isinstance(obj, (bytes, bytearray)) and len(obj) == payload.nbytes and payload.c_contiguous:
+            return obj
+        return bytes(payload)
+    return payload
+
+
+def _fmt_timeout(timeout: float | None) -> str:
+    return "no limit" if timeout is None else f"{timeout:.3g}s"
+
+
+class CoordinatorState:
+    """Everything the coordinator knows, and every decision it makes.
+
+    Args:
+        clock: monotonic seconds (the shell passes loop.time; tests pass a fake).
+        max_value_bytes: largest value (also the largest result of append).
+        max_keys_per_job: most keys one job may hold.
+        job_ttl: seconds after which a job with no connections and no activity is dropped.
+        heartbeat_timeout: silence after which a member is declared lost.
+        resume_grace: seconds members get to re-attach after a restore.
+        durable: record acknowledged mutations in ``journal`` (the shell persists them).
+        observe: optional hook ``(op, seconds, ok)`` called when a request is answered.
+    """
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES,
+        max_keys_per_job: int = DEFAULT_MAX_KEYS_PER_JOB,
+        job_ttl: float = DEFAULT_JOB_TTL,
+        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        resume_grace: float = RESUME_GRACE,
+        durable: bool = False,
+        observe: Callable[[str, float, bool], None] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.max_value_bytes = max_value_bytes
+        self.max_keys_per_job = max_keys_per_job
+        self.job_ttl = job_ttl
+        self.heartbeat_timeout = heartbeat_timeout
+        self.resume_grace = resume_grace
+        self.durable = durable
+        self.observe = observe
+        self.jobs: dict[str, _Job] = {}
+        self.conns: dict[int, _Conn] = {}
+        self.outbox: list[Send] = []
+        self.closes: list[tuple[int, str]] = []
+        self.journal: list[Record] = []
+        self._sessions: dict[str, _Member] = {}
+        self._live_members: set[_Member] = set()  # alive or resuming: watched by housekeeping
+        self._timers: list[tuple[float, int, _Waiter | _Member]] = []
+        self._timer_seq = itertools.count()
+        self._next_housekeeping = clock() + HOUSEKEEPING_INTERVAL
+        self._started = 0.0  # clock value when the request being handled arrived
+        self._handlers: dict[str, Callable[[_Conn, int, dict[str, Any], memoryview], None]] = {
+            "set": self._op_set,
+            "get": self._op_get,
+            "add": self._op_add,
+            "cas": self._op_cas,
+            "wait": self._op_wait,
+            "check": self._op_check,
+            "del": self._op_del,
+            "nkeys": self._op_nkeys,
+            "mget": self._op_mget,
+            "mset": self._op_mset,
+            "append": self._op_append,
+            "join": self._op_join,
+            "hb": self._op_hb,
+            "leave": self._op_leave,
+            "status": self._op_status,
+        }
+
+    # ------------------------------------------------------------------ connections
+    def connect(self, conn_id: int, job: str, role: str, *, peer: str = "", session: object = None) -> None:
+        """Register an authenticated connection to ``job``; re-attach a member when ``session`` names one."""
+        now = self.clock()
+        j = self._job(job, now)
+        conn = _Conn(conn_id, j, role, peer, now)
+        self.conns[conn_id] = conn
+        j.conns.add(conn)
+        j.last_activity = now
+        if session is None or role != ROLE_WORKER:
+            return
+        member = self._sessions.get(session) if isinstance(session, str) else None
+        if member is None or member.round.job is not j or member.state not in ("alive", "resuming"):
+            why = (
+                "this coordinator does not know that session (it restarted without --state-dir, "
+                "or the session ended)"
+                if member is None or member.round.job is not j
+                else f"the member was already declared {member.state}: {member.reason or 'no reason'}"
+            )
+            log.warning("job=%s event=resume_refused peer=%s reason=%s", job, peer, why)
+            self.outbox.append((conn_id, {"ev": EV_SESSION_LOST, "reason": why}, b""))
+            return
+        old = member.conn
+        if old is not None and old is not conn:
+            old.member = None  # its close must not declare the member lost
+            self.closes.append((old.id, f"session of rank {member.rank} resumed on a new connection"))
+        was = member.state
+        member.conn = conn
+        member.state = "alive"
+        member.last_seen = now
+        conn.member = member
+        self._live_members.add(member)
+        log.info("job=%s rank=%d event=resumed round=%d peer=%s", job, member.rank, member.round.number, peer)
+        if was == "resuming":
+            self.outbox.append((conn_id, {"ev": EV_RESTARTED}, b""))
+
+    def disconnect(self, conn_id: int, reason: str) -> None:
+        """Forget a connection: drop its waiters, declare its member lost (unless it left)."""
+        conn = self.conns.pop(conn_id, None)
+        if conn is None:
+            return
+        job = conn.job
+        job.conns.discard(conn)
+        job.last_activity = self.clock()
+        for w in conn.waiters:
+            w.done = True
+            for key in w.keys:
+                ws = job.waiters.get(key)
+                if ws is not None:
+                    ws.discard(w)
+                    if not ws:
+                        del job.waiters[key]
+        conn.waiters.clear()
+        if conn.joining is not None:
+            self._drop_joining(conn.joining, f"connection closed: {reason}")
+        member = conn.member
+        if member is not None and member.conn is conn:
+            self._lose(member, f"connection closed without leave ({reason})")
+
+    # ------------------------------------------------------------------ requests
+    def request(self, conn_id: int, header: dict[str, Any], payload: memoryview) -> None:
+        """Handle one request frame; replies and events land in ``outbox``.
+
+        Raises:
+            ValueError: the header has no integer ``id``; the connection should be closed.
+        """
+        conn = self.conns[conn_id]
+        req_id = header.get("id")
+        if type(req_id) is not int:
+            raise ValueError(f"request without an integer 'id' (op {str(header.get('op'))[:64]!r})")
+        op = header.get("op")
+        now = self._started = self.clock()
+        conn.last_seen = now
+        job = conn.job
+        job.last_activity = now
+        handler = self._handlers.get(op) if type(op) is str else None
+        if handler is None:
+            self.outbox.append(
+                (
+                    conn_id,
+                    _err(req_id, ERR_UNKNOWN_OP, f"unknown operation {str(op)[:64]!r}; known: {sorted(OPS)}"),
+                    b"",
+                )
+            )
+            self._observe(str(op), now, False)
+            return
+        if op not in _ROLE_OPS.get(conn.role, OPS):
+            self.outbox.append(
+                (
+                    conn_id,
+                    _err(
+                        req_id,
+                        ERR_INVALID,
+                        f"a {conn.role!r} connection may not use {op!r} "
+                        f"(allowed: {sorted(_ROLE_OPS[conn.role])})",
+                    ),
+                    b"",
+                )
+            )
+            self._observe(str(op), now, False)
+            return
+        n = len(self.outbox)
+        try:
+            handler(conn, req_id, header, payload)
+        except _Refused as exc:
+            del self.outbox[n:]
+            self.outbox.append((conn_id, _err(req_id, exc.err, f"{op}: {exc.msg}", exc.keys), b""))
+            self._observe(op, now, False)
+
+    def _observe(self, op: str, started: float, ok: bool) -> None:
+        if self.observe is not None:
+            self.observe(op, self.clock() - started, ok)
+
+    def _reply(
+        self,
+        conn: _Conn,
+        req_id: int,
+        op: str,
+        started: float,
+        header: dict[str, Any] | None = None,
+        payload: bytes | bytearray | memoryview = b"",
+    ) -> None:
+        self.outbox.append((conn.id, header if header is not None else {"id": req_id, "ok": True}, payload))
+        if self.observe is not None:
+            self.observe(op, self.clock() - started, True)
+
+    # -- validation helpers
+    @staticmethod
+    def _key(header: dict[str, Any], field: str = "key") -> str:
+        key = header.get(field)
+        if type(key) is not str:
+            raise _Refused(ERR_INVALID, f"{field!r} must be a string, got {type(key).__name__}")
+        n = len(key)
+        if n == 0 or (n * 4 > MAX_KEY_BYTES and len(key.encode("utf-8")) > MAX_KEY_BYTES):
+            raise _Refused(
+                ERR_TOO_LARGE if n else ERR_INVALID,
+                f"key {key[:64]!r} must be 1..{MAX_KEY_BYTES} UTF-8 bytes",
+                [key[:256]],
+            )
+        return key
+
+    @classmethod
+    def _keys(cls, header: dict[str, Any]) -> list[str]:
+        keys = header.get("keys")
+        if not isinstance(keys, list):
+            raise _Refused(ERR_INVALID, f"'keys' must be a list of strings, got {type(keys).__name__}")
+        if len(keys) > MAX_KEYS_PER_REQUEST:
+            raise _Refused(
+                ERR_TOO_LARGE, f"{len(keys)} keys in one request; the limit is {MAX_KEYS_PER_REQUEST}"
+            )
+        for k in keys:
+            cls._key({"key": k})
+        return keys
+
+    @staticmethod
+    def _timeout(header: dict[str, Any]) -> float | None:
+        t = header.get("timeout")
+        if t is None:
+            return None
+        if type(t) not in (int, float) or math.isnan(t) or t < 0:
+            raise _Refused(ERR_INVALID, f"'timeout' must be None or a non-negative number, got {t!r}")
+        return None if math.isinf(t) else float(t)
+
+    def _value(self, key: str, value: bytes | bytearray | memoryview) -> None:
+        if len(value) > self.max_value_bytes:
+            raise _Refused(
+                ERR_TOO_LARGE,
+                f"value of {len(value)} bytes for key {key[:256]!r} exceeds the "
+                f"coordinator's limit of {self.max_value_bytes} bytes (--max-value-bytes)",
+                [key],
+            )
+
+    def _room(self, job: _Job, new_keys: int, key: str) -> None:
+        if new_keys and len(job.kv) + new_keys > self.max_keys_per_job:
+            raise _Refused(
+                ERR_TOO_LARGE,
+                f"job {job.name!r} already holds {len(job.kv)} keys; the limit "
+                f"is {self.max_keys_per_job} (delete keys or raise the limit)",
+                [key],
+            )
+
+    # -- key-value mutations (shared by live requests and replay)
+    def _put(self, job: _Job, key: str, value: bytes | bytearray) -> None:
+        job.kv[key] = value
+        if self.durable:
+            self.journal.append(["set", job.name, key, value])
+        if key in job.waiters:
+            self._wake(job, key)
+
+    def _wake(self, job: _Job, key: str) -> None:
+        for w in job.waiters.pop(key, ()):
+            if w.done:
+                continue
+            missing = [k for k in w.keys if k not in job.kv]
+            if missing:  # another key it needs is still absent (or was deleted meanwhile)
+                job.waiters.setdefault(missing[0], set()).add(w)
+                continue
+            self._finish_waiter(w)
+
+    def _finish_waiter(self, w: _Waiter) -> None:
+        w.done = True
+        conn = w.conn
+        conn.waiters.discard(w)
+        job = conn.job
+        for k in w.keys:  # unregister from the other keys it was parked on
+            ws = job.waiters.get(k)
+            if ws is not None:
+                ws.discard(w)
+                if not ws:
+                    del job.waiters[k]
+        kv = job.kv
+        if w.op == "get":
+            self._reply(conn, w.req_id, "get", w.started, None, kv[w.keys[0]])
+        elif w.op == "wait":
+            self._reply(conn, w.req_id, "wait", w.started)
+        else:
+            values = [kv[k] for k in w.keys]
+            self._reply(
+                conn,
+                w.req_id,
+                "mget",
+                w.started,
+                {"id": w.req_id, "ok": True, "sizes": [len(v) for v in values]},
+                b"".join(values),
+            )
+
+    def _park(
+        self, conn: _Conn, req_id: int, op: str, keys: list[str], missing: list[str], timeout: float | None
+    ) -> None:
+        now = self.clock()
+        if timeout == 0:
+            raise _Refused(
+                ERR_TIMEOUT, f"key(s) {missing!r} of job {conn.job.name!r} do not exist (timeout 0)", missing
+            )
+        deadline = None if timeout is None else now + timeout
+        w = _Waiter(conn, req_id, op, keys, deadline, now, timeout)
+        conn.waiters.add(w)
+        conn.job.waiters.setdefault(missing[0], set()).add(w)
+        if deadline is not None:
+            heapq.heappush(self._timers, (deadline, next(self._timer_seq), w))
+
+    # -- operations
+    def _op_set(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        key = self._key(h)
+        job = conn.job
+        if len(payload) > self.max_value_bytes:
+            self._value(key, payload)
+        if key not in job.kv:
+            self._room(job, 1, key)
+        self._put(job, key, _own(payload))
+        self._reply(conn, req_id, "set", self._started)
+
+    def _op_get(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        key = self._key(h)
+        value = conn.job.kv.get(key)
+        if value is not None:
+            self._reply(conn, req_id, "get", self._started, None, value)
+            return
+        self._park(conn, req_id, "get", [key], [key], self._timeout(h))
+
+    def _op_add(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        key = self._key(h)
+        amount = h.get("amount")
+        if type(amount) is not int:
+            raise _Refused(
+                ERR_INVALID,
+                f"'amount' for key {key!r} must be an integer, got {type(amount).__name__}",
+                [key],
+            )
+        job = conn.job
+        old = job.kv.get(key)
+        if old is None:
+            self._room(job, 1, key)
+            current = 0
+        else:
+            try:
+                current = int(bytes(old).decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                raise _Refused(
+                    ERR_INVALID,
+                    f"key {key!r} holds a value that is not an integer "
+                    f"({bytes(old[:32])!r}), so add cannot increment it",
+                    [key],
+                ) from None
+        value = current + amount
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise _Refused(
+                ERR_INVALID, f"add would take key {key!r} to {value}, outside the 64-bit range", [key]
+            )
+        self._put(job, key, str(value).encode("ascii"))
+        self._reply(conn, req_id, "add", self._started, {"id": req_id, "ok": True, "value": value})
+
+    def _op_cas(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        key = self._key(h)
+        sizes = h.get("sizes")
+        if not (
+            isinstance(sizes, list)
+            and len(sizes) == 2
+            and all(type(s) is int and s >= 0 for s in sizes)
+            and sum(sizes) == len(payload)
+        ):
+            raise _Refused(
+                ERR_INVALID,
+                f"cas on key {key!r} needs 'sizes' = [len(expected), len(desired)] "
+                f"adding up to the payload's {len(payload)} bytes",
+                [key],
+            )
+        expected, desired = bytes(payload[: sizes[0]]), bytes(payload[sizes[0] :])
+        self._value(key, desired)
+        job = conn.job
+        current = job.kv.get(key)
+        if current is None:
+            if expected:
+                result: bytes | bytearray = expected
+            else:
+                self._room(job, 1, key)
+                self._put(job, key, desired)
+                result = desired
+        elif current == expected:
+            self._put(job, key, desired)
+            result = desired
+        else:
+            result = current
+        self._reply(conn, req_id, "cas", self._started, None, result)
+
+    def _op_wait(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        keys = self._keys(h)
+        timeout = self._timeout(h)
+        missing = [k for k in keys if k not in conn.job.kv]
+        if not missing:
+            self._reply(conn, req_id, "wait", self._started)
+            return
+        self._park(conn, req_id, "wait", keys, missing, timeout)
+
+    def _op_mget(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        keys = self._keys(h)
+        timeout = self._timeout(h)
+        kv = conn.job.kv
+        missing = [k for k in keys if k not in kv]
+        if not missing:
+            values = [kv[k] for k in keys]
+            self._reply(
+                conn,
+                req_id,
+                "mget",
+                self._started,
+                {"id": req_id, "ok": True, "sizes": [len(v) for v in values]},
+                b"".join(values),
+            )
+            return
+        self._park(conn, req_id, "mget", keys, missing, timeout)
+
+    def _op_check(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        keys = self._keys(h)
+        kv = conn.job.kv
+        self._reply(
+            conn,
+            req_id,
+            "check",
+            self._started,
+            {"id": req_id, "ok": True, "value": all(k in kv for k in keys)},
+        )
+
+    def _op_del(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        key = self._key(h)
+        job = conn.job
+        existed = key in job.kv
+        if existed:
+            self._delete(job, key)
+        self._reply(conn, req_id, "del", self._started, {"id": req_id, "ok": True, "value": existed})
+
+    def _delete(self, job: _Job, key: str) -> None:
+        del job.kv[key]
+        if self.durable:
+            self.journal.append(["del", job.name, key])
+
+    def _op_nkeys(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        self._reply(
+            conn, req_id, "nkeys", self._started, {"id": req_id, "ok": True, "value": len(conn.job.kv)}
+        )
+
+    def _op_mset(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        keys = self._keys(h)
+        sizes = h.get("sizes")
+        if not (
+            isinstance(sizes, list)
+            and len(sizes) == len(keys)
+            and all(type(s) is int and s >= 0 for s in sizes)
+            and sum(sizes) == len(payload)
+        ):
+            raise _Refused(
+                ERR_INVALID,
+                f"mset needs one size per key ({len(keys)} keys) adding up to the "
+                f"payload's {len(payload)} bytes",
+                keys[:16],
+            )
+        job = conn.job
+        for k, s in zip(keys, sizes, strict=True):
+            if s > self.max_value_bytes:
+                raise _Refused(
+                    ERR_TOO_LARGE,
+                    f"value of {s} bytes for key {k[:256]!r} exceeds the "
+                    f"coordinator's limit of {self.max_value_bytes} bytes (--max-value-bytes)",
+                    [k],
+                )
+        self._room(job, len({k for k in keys if k not in job.kv}), keys[0] if keys else "")
+        pos = 0
+        for k, s in zip(keys, sizes, strict=True):
+            self._put(job, k, bytes(payload[pos : pos + s]))
+            pos += s
+        self._reply(conn, req_id, "mset", self._started)
+
+    def _op_append(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        key = self._key(h)
+        job = conn.job
+        old = job.kv.get(key)
+        if old is None:
+            self._room(job, 1, key)
+            size = len(payload)
+        else:
+            size = len(old) + len(payload)
+        if size > self.max_value_bytes:
+            raise _Refused(
+                ERR_TOO_LARGE,
+                f"append would make key {key!r} {size} bytes, above the "
+                f"coordinator's limit of {self.max_value_bytes} bytes",
+                [key],
+            )
+        data = bytes(payload)
+        self._append(job, key, data)
+        self._reply(conn, req_id, "append", self._started)
+
+    def _append(self, job: _Job, key: str, data: bytes) -> None:
+        old = job.kv.get(key)
+        job.kv[key] = data if old is None else bytes(old) + data  # never mutate: a reply may hold it
+        if self.durable:
+            self.journal.append(["append", job.name, key, data])
+        if key in job.waiters:
+            self._wake(job, key)
+
+    def _op_hb(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        member = conn.member
+        if member is not None:
+            member.last_seen = conn.last_seen
+        self._reply(conn, req_id, "hb", self._started)
+
+    def _op_status(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        job = h.get("job")
+        if job is not None and type(job) is not str:
+            raise _Refused(ERR_INVALID, f"'job' must be a string or None, got {type(job).__name__}")
+        self._reply(
+            conn, req_id, "status", self._started, {"id": req_id, "ok": True, "jobs": self.status(job)}
+        )
+
+    # ------------------------------------------------------------------ rendezvous
+    def _op_join(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        job = conn.job
+        rank, world_size, addrs, host = (
+            h.get("rank"),
+            h.get("world_size"),
+            h.get("addrs", []),
+            h.get("host", ""),
+        )
+        who = f"job {job.name!r}, rank {rank}"
+        if rank is not None and type(rank) is not int:
+            raise _Refused(ERR_INVALID, f"{who}: 'rank' must be an integer or None")
+        if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
+            raise _Refused(
+                ERR_INVALID,
+                f"{who}: 'world_size' must be an integer in 1..{MAX_WORLD_SIZE}, got {world_size!r}",
+            )
+        if not (
+            isinstance(addrs, list)
+            and len(addrs) <= MAX_ADDRS
+            and all(
+                isinstance(a, list)
+                and len(a) == 2
+                and type(a[0]) is str
+                and len(a[0]) <= MAX_HOST_CHARS
+                and type(a[1]) is int
+                and 0 <= a[1] <= 65535
+                for a in addrs
+            )
+        ):
+            raise _Refused(
+                ERR_INVALID, f"{who}: 'addrs' must be a list of at most {MAX_ADDRS} [host, port] pairs"
+            )
+        if type(host) is not str or len(host) > MAX_HOST_CHARS:
+            raise _Refused(
+                ERR_INVALID, f"{who}: 'host' must be a string of at most {MAX_HOST_CHARS} characters"
+            )
+        timeout = self._timeout(h)
+        already = conn.joining or conn.member
+        if already is not None:
+            raise _Refused(
+                ERR_RENDEZVOUS,
+                f"{who}: this connection already joined round {already.round.number}; one join per session",
+            )
+        rnd = job.round
+        if rnd is not None and rnd.complete:
+            if not rnd.broken:
+                raise _Refused(
+                    ERR_RENDEZVOUS,
+                    f"{who}: round {rnd.number} of job {job.name!r} is complete "
+                    f"with world size {rnd.world_size} and all its members are alive; a new "
+                    f"round opens only after a member leaves or is lost (or use another job id)",
+                )
+            rnd = None
+        if rnd is None:
+            rnd = self._open_round(job, world_size)
+        elif rnd.world_size != world_size:
+            raise _Refused(
+                ERR_RENDEZVOUS,
+                f"{who} asked for world size {world_size}, but round "
+                f"{rnd.number} of job {job.name!r} was opened with world size {rnd.world_size} "
+                f"(ranks {sorted(rnd.members)} already joined); every rank must pass the same "
+                f"world size",
+            )
+        if rank is None:
+            rank = next(r for r in range(world_size) if r not in rnd.members)
+        elif not 0 <= rank < world_size:
+            raise _Refused(
+                ERR_RENDEZVOUS,
+                f"job {job.name!r}: rank {rank} is out of range for world size "
+                f"{world_size} (valid ranks: 0..{world_size - 1})",
+            )
+        elif rank in rnd.members:
+            other = rnd.members[rank]
+            raise _Refused(
+                ERR_RENDEZVOUS,
+                f"job {job.name!r}: rank {rank} already joined round "
+                f"{rnd.number} (world size {world_size}) from host {other.host!r}; two "
+                f"processes were given the same rank",
+            )
+        now = self.clock()
+        member = _Member(rank, addrs, host, rnd)
+        member.conn = conn
+        member.req_id = req_id
+        member.started = now
+        member.timeout = timeout
+        member.last_seen = now
+        conn.joining = member
+        rnd.members[rank] = member
+        log.debug(
+            "job=%s rank=%d event=join round=%d joined=%d/%d",
+            job.name,
+            rank,
+            rnd.number,
+            len(rnd.members),
+            world_size,
+        )
+        if len(rnd.members) == world_size:
+            self._complete(rnd)
+        elif timeout is not None:
+            member.deadline = now + timeout
+            heapq.heappush(self._timers, (member.deadline, next(self._timer_seq), member))
+
+    def _open_round(self, job: _Job, world_size: int) -> _Round:
+        rnd = _Round(job, job.next_round, world_size)
+        job.next_round += 1
+        job.round = rnd
+        log.info("job=%s event=round_open round=%d world_size=%d", job.name, rnd.number, world_size)
+        return rnd
+
+    def _complete(self, rnd: _Round) -> None:
+        rnd.complete = True
+        table = [
+            {"rank": m.rank, "addrs": m.addrs, "host": m.host}
+            for m in sorted(rnd.members.values(), key=lambda m: m.rank)
+        ]
+        for m in rnd.members.values():
+            m.session = os.urandom(16).hex()
+            self._sessions[m.session] = m
+        if self.durable:
+            self.journal.append(
+                [
+                    "round",
+                    rnd.job.name,
+                    rnd.number,
+                    rnd.world_size,
+                    [[m.rank, m.addrs, m.host, m.session] for m in rnd.members.values()],
+                ]
+            )
+        now = self.clock()
+        for m in rnd.members.values():
+            conn = m.conn
+            assert conn is not None
+            conn.joining = None
+            conn.member = m
+            m.state = "alive"
+            m.deadline = None
+            m.last_seen = now
+            self._live_members.add(m)
+            self._reply(
+                conn,
+                m.req_id,
+                "join",
+                m.started,
+                {
+                    "id": m.req_id,
+                    "ok": True,
+                    "rank": m.rank,
+                    "world_size": rnd.world_size,
+                    "round": rnd.number,
+                    "members": table,
+                    "session": m.session,
+                },
+            )
+        log.info(
+            "job=%s event=round_complete round=%d world_size=%d", rnd.job.name, rnd.number, rnd.world_size
+        )
+
+    def _drop_joining(self, member: _Member, why: str) -> None:
+        """Take a not-yet-complete join out of its round (its rank becomes free again)."""
+        rnd = member.round
+        if rnd.members.get(member.rank) is member:
+            del rnd.members[member.rank]
+        if member.conn is not None and member.conn.joining is member:
+            member.conn.joining = None
+        member.state = "lost"
+        member.deadline = None
+        log.info(
+            "job=%s rank=%d event=join_dropped round=%d reason=%s", rnd.job.name, member.rank, rnd.number, why
+        )
+
+    def _op_leave(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        if conn.joining is not None:
+            m = conn.joining
+            self._drop_joining(m, "left before the round completed")
+            self.outbox.append(
+                (
+                    conn.id,
+                    _err(
+                        m.req_id,
+                        ERR_RENDEZVOUS,
+                        f"join: rank {m.rank} of job "
+                        f"{conn.job.name!r} left before round {m.round.number} completed",
+                    ),
+                    b"",
+                )
+            )
+        member = conn.member
+        if member is not None:
+            conn.member = None
+            self._gone(member, "left", "left")
+            log.info(
+                "job=%s rank=%d event=member_left round=%d", conn.job.name, member.rank, member.round.number
+            )
+        self._reply(conn, req_id, "leave", self._started)
+
+    def _gone(self, member: _Member, state: str, reason: str) -> None:
+        member.state = state
+        member.reason = reason
+        member.conn = None
+        self._live_members.discard(member)
+        self._sessions.pop(member.session, None)
+        rnd = member.round
+        if rnd.complete:
+            rnd.broken = True
+        if self.durable:
+            self.journal.append(["gone", rnd.job.name, rnd.number, member.rank, state, reason])
+
+    def _lose(self, member: _Member, reason: str) -> None:
+        if member.state not in ("alive", "resuming"):
+            return
+        conn = member.conn
+        if conn is not None:
+            conn.member = None
+        self._gone(member, "lost", reason)
+        rnd = member.round
+        log.warning(
+            "job=%s rank=%d event=member_lost round=%d reason=%s",
+            rnd.job.name,
+            member.rank,
+            rnd.number,
+            reason,
+        )
+        event = {"ev": EV_MEMBER_LOST, "rank": member.rank, "reason": reason, "round": rnd.number}
+        for other in rnd.members.values():
+            if other is not member and other.state == "alive" and other.conn is not None:
+                self.outbox.append((other.conn.id, event, b""))
+
+    # ------------------------------------------------------------------ time
+    def next_deadline(self) -> float:
+        """The clock value at which ``tick`` next has work (a waiter's deadline or housekeeping)."""
+        nxt = self._next_housekeeping
+        timers = self._timers
+        while timers and (
+            timers[0][2].done if isinstance(timers[0][2], _Waiter) else timers[0][2].state != "joining"
+        ):
+            heapq.heappop(timers)
+        if timers and timers[0][0] < nxt:
+            nxt = timers[0][0]
+        return nxt
+
+    def tick(self) -> None:
+        """Expire waits and joins whose deadline passed; every second, check liveness and job expiry."""
+        now = self.clock()
+        timers = self._timers
+        while timers and timers[0][0] <= now:
+            _, _, item = heapq.heappop(timers)
+            if isinstance(item, _Waiter):
+                if not item.done:
+                    self._expire_waiter(item)
+            elif item.state == "joining":
+                self._expire_join(item)
+        if now >= self._next_housekeeping:
+            self._next_housekeeping = now + HOUSEKEEPING_INTERVAL
+            self._housekeeping(now)
+
+    def _expire_waiter(self, w: _Waiter) -> None:
+        conn = w.conn
+        job = conn.job
+        missing = [k for k in w.keys if k not in job.kv]
+        if not missing:  # raced: complete instead of failing
+            self._finish_waiter(w)
+            return
+        w.done = True
+        conn.waiters.discard(w)
+        for k in w.keys:
+            ws = job.waiters.get(k)
+            if ws is not None:
+                ws.discard(w)
+                if not ws:
+                    del job.waiters[k]
+        self.outbox.append(
+            (
+                conn.id,
+                _err(
+                    w.req_id,
+                    ERR_TIMEOUT,
+                    f"{w.op}: timed out after "
+                    f"{_fmt_timeout(w.timeout)} waiting for key(s) {missing[:16]!r} of job "
+                    f"{job.name!r}",
+                    missing,
+                ),
+                b"",
+            )
+        )
+        self._observe(w.op, w.started, False)
+
+    def _expire_join(self, m: _Member) -> None:
+        rnd = m.round
+        present = sorted(r for r, x in rnd.members.items() if x is not m)
+        absent = [r for r in range(rnd.world_size) if r not in rnd.members][:32]
+        conn = m.conn
+        self._drop_joining(m, "rendezvous timed out")
+        if conn is not None:
+            self.outbox.append(
+                (
+                    conn.id,
+                    _err(
+                        m.req_id,
+                        ERR_RENDEZVOUS,
+                        f"join: rendezvous of job {rnd.job.name!r} round {rnd.number} timed out "
+                        f"after {_fmt_timeout(m.timeout)} for rank {m.rank}: {len(present) + 1} of "
+                        f"{rnd.world_size} ranks had joined; missing ranks {absent} (not all "
+                        f"processes started, or they were given another world size or job)",
+                    ),
+                    b"",
+                )
+            )
+            self._observe("join", m.started, False)
+
+    def _housekeeping(self, now: float) -> None:
+        limit = self.heartbeat_timeout
+        for m in list(self._live_members):
+            if m.state == "alive":
+                conn = m.conn
+                seen = conn.last_seen if conn is not None else m.last_seen
+                if now - seen > limit:
+                    self._lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
+                    if conn is not None:
+                        self.closes.append(
+                            (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
+                        )
+            elif m.state == "resuming" and now - m.last_seen > self.resume_grace:
+                self._lose(
+                    m, f"did not reconnect within {self.resume_grace:g}s after the coordinator restarted"
+                )
+        for name, job in list(self.jobs.items()):
+            if job.conns or now - job.last_activity <= self.job_ttl:
+                continue
+            if job.round is not None and any(m.state == "resuming" for m in job.round.members.values()):
+                continue
+            self._drop_job(job)
+            log.info("job=%s event=job_expired idle_for=%.0fs", name, now - job.last_activity)
+
+    def _drop_job(self, job: _Job) -> None:
+        del self.jobs[job.name]
+        if job.round is not None:
+            for m in job.round.members.values():
+                self._sessions.pop(m.session, None)
+                self._live_members.discard(m)
+        if self.durable:
+            self.journal.append(["drop", job.name])
+
+    def _job(self, name: str, now: float) -> _Job:
+        job = self.jobs.get(name)
+        if job is None:
+            job = self.jobs[name] = _Job(name, now)
+        return job
+
+    # ------------------------------------------------------------------ views
+    def status(self, job: str | None = None) -> list[dict[str, Any]]:
+        """What the ``status`` op, /jobs and `aiocoll status` show: one entry per job.
+
+        ``last_seen`` is seconds since the member was last heard from (None if never).
+        """
+        now = self.clock()
+        out = []
+        names = sorted(self.jobs) if job is None else ([job] if job in self.jobs else [])
+        for name in names:
+            j = self.jobs[name]
+            rnd = j.round
+            members = []
+            if rnd is not None:
+                for m in sorted(rnd.members.values(), key=lambda m: m.rank):
+                    seen = m.conn.last_seen if (m.conn is not None and m.state == "alive") else m.last_seen
+                    members.append(
+                        {
+                            "rank": m.rank,
+                            "host": m.host,
+                            "alive": m.state == "alive",
+                            "state": m.state,
+                            "last_seen": round(now - seen, 3),
+                            "reason": m.reason,
+                        }
+                    )
+            out.append(
+                {
+                    "job": name,
+                    "world_size": rnd.world_size if rnd else None,
+                    "round": rnd.number if rnd else None,
+                    "complete": bool(rnd and rnd.complete),
+                    "keys": len(j.kv),
+                    "connections": len(j.conns),
+                    "members": members,
+                }
+            )
+        return out
+
+    def member_count(self) -> int:
+        return len(self._live_members)
+
+    # ------------------------------------------------------------------ durability
+    def take_journal(self) -> list[Record]:
+        records, self.journal = self.journal, []
+        return records
+
+    def snapshot(self) -> dict[str, Any]:
+        """The whole durable state as plain msgpack-able data (keys, rounds, members)."""
+        jobs = []
+        for j in self.jobs.values():
+            rnd = j.round
+            rd = None
+            if rnd is not None and rnd.complete:
+                rd = {
+                    "number": rnd.number,
+                    "world_size": rnd.world_size,
+                    "broken": rnd.broken,
+                    "members": [
+                        [
+                            m.rank,
+                            m.addrs,
+                            m.host,
+                            m.session,
+                            "alive" if m.state == "resuming" else m.state,
+                            m.reason,
+                        ]
+                        for m in rnd.members.values()
+                    ],
+                }
+            jobs.append({"name": j.name, "kv": j.kv, "next_round": j.next_round, "round": rd})
+        return {"format": 1, "jobs": jobs}
+
+    def restore(self, snap: dict[str, Any] | None, records: list[Record]) -> None:
+        """Rebuild from a snapshot plus the journal records after it; members start ``resuming``.
+
+        Must be called on a fresh state, before any connection.
+        """
+        now = self.clock()
+        durable, self.durable = self.durable, False  # replay must not re-journal
+        try:
+            for jd in (snap or {}).get("jobs", []):
+                job = self._job(jd["name"], now)
+                job.kv.update(jd["kv"])
+                job.next_round = jd["next_round"]
+                rd = jd["round"]
+                if rd is not None:
+                    self._restore_round(job, rd["number"], rd["world_size"], rd["members"], rd["broken"])
+            for rec in records:
+                self.apply_record(rec)
+        finally:
+            self.durable = durable
+        for m in self._sessions.values():
+            m.state = "resuming"
+            m.last_seen = now
+            self._live_members.add(m)
+        n_members = len(self._sessions)
+        if self.jobs:
+            log.info(
+                "event=restored jobs=%d keys=%d members_resuming=%d grace=%gs",
+                len(self.jobs),
+                sum(len(j.kv) for j in self.jobs.values()),
+                n_members,
+                self.resume_grace,
+            )
+
+    def _restore_round(
+        self, job: _Job, number: int, world_size: int, members: list[list[Any]], broken: bool
+    ) -> None:
+        rnd = _Round(job, number, world_size)
+        rnd.complete = True
+        rnd.broken = broken
+        job.round = rnd
+        job.next_round = max(job.next_round, number + 1)
+        for entry in members:
+            rank, addrs, host, session = entry[:4]
+            m = _Member(rank, addrs, host, rnd)
+            m.session = session
+            m.state = entry[4] if len(entry) > 4 else "alive"
+            m.reason = entry[5] if len(entry) > 5 else ""
+            rnd.members[rank] = m
+            if m.state == "alive":
+                self._sessions[session] = m
+
+    def apply_record(self, rec: Record) -> None:
+        """Replay one journal record (as written by a live mutation)."""
+        kind, name = rec[0], rec[1]
+        now = self.clock()
+        if kind == "drop":
+            job = self.jobs.get(name)
+            if job is not None:
+                self._drop_job(job)
+            return
+        job = self._job(name, now)
+        if kind == "set":
+            job.kv[rec[2]] = rec[3]
+        elif kind == "del":
+            job.kv.pop(rec[2], None)
+        elif kind == "append":
+            old = job.kv.get(rec[2])
+            job.kv[rec[2]] = rec[3] if old is None else bytes(old) + rec[3]
+        elif kind == "round":
+            if job.round is not None:
+                for m in job.round.members.values():
+                    self._sessions.pop(m.session, None)
+            self._restore_round(job, rec[2], rec[3], rec[4], False)
+        elif kind == "gone":
+            rnd = job.round
+            if rnd is not None and rnd.number == rec[2] and rec[3] in rnd.members:
+                m = rnd.members[rec[3]]
+                m.state, m.reason = rec[4], rec[5]
+                self._sessions.pop(m.session, None)
+                rnd.broken = True
+        else:
+            raise ValueError(f"unknown journal record kind {kind!r}")
