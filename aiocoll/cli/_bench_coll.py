@@ -1,0 +1,299 @@
+"""The parent side of `aiocoll bench` for collectives: spawn ranks, collect times, print the table.
+
+Starts a coordinator in its own process, spawns ``--world-size`` workers (multiprocessing spawn:
+each child imports only what it needs), gathers their per-iteration times from a queue and
+prints one row per size as soon as every rank has reported it. Imports only the standard library
+and the bench helpers at module level; numpy, torch and matplotlib are the children's or the
+plot's business. A worker that fails or goes silent ends the run with its error, never a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import math
+import multiprocessing
+import queue as queue_module
+import secrets
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from ._bench_common import (
+    BUSBW_FACTORS,
+    DTYPE_SIZES,
+    Progress,
+    format_bytes,
+    free_port,
+    machine_description,
+    summarize,
+    utc_now,
+    write_json,
+)
+from ._bench_servers import start_coordinator
+
+__all__ = ["run_collectives"]
+
+
+class BenchError(RuntimeError):
+    """A benchmark run that could not complete; the message says why and what to do."""
+
+
+def _columns(with_gloo: bool) -> list[tuple[str, int]]:
+    cols = [("size(B)", 10), ("count", 10), ("time(us)", 10), ("min(us)", 10), ("algbw", 8), ("busbw", 8)]
+    if with_gloo:
+        cols += [
+            ("gloo(us)", 10),
+            ("gloo_min", 10),
+            ("gloo_busbw", 10),
+            ("time_ratio", 10),
+            ("busbw_ratio", 11),
+        ]
+    return cols
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return "-"
+        if abs(value) >= 1000:
+            return f"{value:.0f}"
+        if abs(value) >= 100:
+            return f"{value:.1f}"
+        if abs(value) >= 10:
+            return f"{value:.2f}"
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
+    ours = row["aiocoll"]
+    cells: list[object] = [
+        row["size"],
+        row["count"],
+        ours["time_us"],
+        ours["min_us"],
+        ours["algbw"],
+        ours["busbw"],
+    ]
+    if with_gloo:
+        theirs = row.get("gloo")
+        if theirs is None:
+            cells += [None] * 5
+        else:
+            cells += [
+                theirs["time_us"],
+                theirs["min_us"],
+                theirs["busbw"],
+                row["time_ratio"],
+                row["busbw_ratio"],
+            ]
+    return cells
+
+
+def _print_header(op: str, n: int, args: argparse.Namespace, with_gloo: bool) -> None:
+    factor = BUSBW_FACTORS[op]
+    print(
+        f"# aiocoll bench: {op}, world size {n}, {args.dtype} ({args.tensor}), "
+        f"{args.iters} iters after {args.warmup} warmup, algorithm {args.algorithm or 'auto'}, {utc_now()}"
+    )
+    print(
+        "# time = median over iterations of the slowest rank; min = fastest iteration; "
+        f"algbw = size/time, busbw = algbw*{factor} (GB/s)"
+        + ("; ratios are aiocoll/gloo (time: lower is better, busbw: higher is better)" if with_gloo else "")
+    )
+    if op == "sendrecv":
+        print("# sendrecv: ping-pong between ranks 0 and 1; time is half the round trip")
+    cols = _columns(with_gloo)
+    print("  ".join(name.rjust(width) for name, width in cols))
+    sys.stdout.flush()
+
+
+def _print_row(row: dict[str, Any], with_gloo: bool) -> None:
+    cols = _columns(with_gloo)
+    cells = _row_cells(row, with_gloo)
+    print("  ".join(_fmt(c).rjust(w) for c, (_, w) in zip(cells, cols, strict=True)))
+    sys.stdout.flush()
+
+
+def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
+    n = args.world_size
+    if n < 1:
+        raise BenchError("--world-size must be at least 1")
+    if "sendrecv" in ops and n < 2:
+        raise BenchError("sendrecv needs --world-size 2 or more")
+    if args.iters < 1 or args.warmup < 0:
+        raise BenchError("--iters must be at least 1 and --warmup at least 0")
+    if args.dtype not in DTYPE_SIZES:
+        raise BenchError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
+    if args.dtype == "bfloat16" and args.tensor != "torch":
+        raise BenchError("numpy has no bfloat16: add --tensor torch to measure bfloat16")
+    needs_torch = args.vs == "gloo" or args.tensor == "torch"
+    if needs_torch and importlib.util.find_spec("torch") is None:
+        raise BenchError(
+            "torch is not installed, so there is nothing to compare with: install it "
+            "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch"
+        )
+    if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise BenchError(
+            "--loop uvloop: uvloop is not installed (pip install uvloop) — or use --loop asyncio"
+        )
+
+
+def _terminate(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        proc.join(max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2)
+
+
+def run_collectives(args: argparse.Namespace) -> int:
+    """Run the collective sweep described by ``args`` and print/save the results.
+
+    Returns:
+        The exit code: 0 on success.
+
+    Raises:
+        BenchError: for bad arguments, a missing torch, or a worker that failed or went silent.
+    """
+    from ._bench_common import COLLECTIVE_OPS, parse_sizes
+
+    ops = list(COLLECTIVE_OPS) if args.op == "all" else [args.op]
+    _check_args(args, ops)
+    try:
+        sizes = parse_sizes(args.sizes)
+    except ValueError as exc:
+        raise BenchError(str(exc)) from None
+    n = args.world_size
+    with_gloo = args.vs == "gloo"
+    if args.loop == "auto":
+        args.loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    token = secrets.token_hex(16)
+    coordinator = start_coordinator(token)
+    cfg = {
+        "world_size": n,
+        "port": coordinator.port,
+        "gloo_port": free_port() if with_gloo else 0,
+        "token": token,
+        "job": f"bench-{secrets.token_hex(4)}",
+        "timeout": args.timeout,
+        "vs": args.vs,
+        "ops": ops,
+        "sizes": sizes,
+        "dtype": args.dtype,
+        "itemsize": DTYPE_SIZES[args.dtype],
+        "tensor": args.tensor,
+        "algorithm": args.algorithm,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "loop": args.loop,
+    }
+    ctx = multiprocessing.get_context("spawn")
+    results: Any = ctx.Queue()
+    from ._bench_worker import worker_main
+
+    procs = [
+        ctx.Process(target=worker_main, args=(rank, cfg, results), name=f"bench-rank-{rank}", daemon=True)
+        for rank in range(n)
+    ]
+    impls = ["aiocoll", "gloo"] if with_gloo else ["aiocoll"]
+    total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops)
+    progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=None if not args.quiet else False)
+    pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    done_ranks: set[int] = set()
+    printed_header: set[str] = set()
+    all_rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    try:
+        for proc in procs:
+            proc.start()
+        last_message = time.monotonic()
+        while len(done_ranks) < n:
+            try:
+                message = results.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise BenchError(
+                        f"rank {procs.index(dead[0])} exited with code {dead[0].exitcode} before finishing"
+                    ) from None
+                if time.monotonic() - last_message > args.timeout:
+                    raise BenchError(
+                        f"no progress from the workers for {args.timeout:.0f} s (raise --timeout for very "
+                        "large sizes, or look for a hung rank)"
+                    ) from None
+                continue
+            last_message = time.monotonic()
+            kind = message[0]
+            if kind == "error":
+                _, rank, text, trace = message
+                sys.stderr.write(trace)
+                raise BenchError(f"rank {rank} failed: {text}")
+            if kind == "done":
+                done_ranks.add(message[1])
+                continue
+            if kind != "times":
+                continue
+            _, rank, op, size, impl, times = message
+            key = (op, size, impl)
+            pending[key][rank] = times
+            if len(pending[key]) < n:
+                continue
+            summary = summarize(op, size, n, list(pending.pop(key).values()))
+            row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
+            row[impl] = summary
+            if not all(i in row for i in impls):
+                continue
+            if with_gloo:
+                ours, theirs = row["aiocoll"], row["gloo"]
+                row["time_ratio"] = ours["time_us"] / theirs["time_us"] if theirs["time_us"] > 0 else math.nan
+                row["busbw_ratio"] = ours["busbw"] / theirs["busbw"] if theirs["busbw"] > 0 else math.nan
+            if op not in printed_header:
+                if printed_header:
+                    print()
+                _print_header(op, n, args, with_gloo)
+                printed_header.add(op)
+            _print_row(row, with_gloo)
+            all_rows.append(row)
+            progress.step(f"{op} {format_bytes(size)}")
+        for proc in procs:
+            proc.join(10)
+    finally:
+        _terminate(procs)
+        coordinator.stop()
+        with contextlib.suppress(Exception):
+            results.close()
+    meta = {
+        "kind": "collectives",
+        "ops": ops,
+        "world_size": n,
+        "dtype": args.dtype,
+        "tensor": args.tensor,
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "algorithm": args.algorithm or "auto",
+        "loop": args.loop,
+        "vs": args.vs,
+        "date": utc_now(),
+        "machine": machine_description(),
+        "seconds": round(time.monotonic() - started, 2),
+        "units": {"time_us": "microseconds", "algbw": "GB/s (1e9 B/s)", "busbw": "GB/s (1e9 B/s)"},
+    }
+    if args.json:
+        write_json(args.json, {"meta": meta, "results": all_rows})
+    if args.plot:
+        from ._bench_plot import plot_collectives
+
+        plot_collectives(args.plot, meta, all_rows)
+    return 0

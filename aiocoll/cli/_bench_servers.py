@@ -1,0 +1,153 @@
+"""Server processes for `aiocoll bench`: an aiocoll coordinator, and torch's TCPStore for comparison.
+
+Each server runs in its own spawned process so that the benchmarked implementations share
+nothing but the machine; the parent learns the port through a pipe and stops the server by
+closing that pipe. The coordinator child imports only aiocoll.server (never torch); the TCPStore
+child imports torch. May import aiocoll.server lazily (in the child), nothing else of aiocoll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import resource
+import time
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+__all__ = ["ServerProcess", "raise_fd_limit", "start_coordinator", "start_tcpstore"]
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's open-file soft limit to its hard limit (thousands of sockets); returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = max(soft, 1 << 16)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+    return soft
+
+
+class ServerProcess:
+    """A running server child: ``port``, and ``stop()`` which ends it (idempotent)."""
+
+    def __init__(
+        self, name: str, process: BaseProcess, conn: multiprocessing.connection.Connection, port: int
+    ):
+        self.name = name
+        self.process = process
+        self.port = port
+        self._conn = conn
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("stop")
+        with contextlib.suppress(OSError):
+            self._conn.close()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _start(name: str, target: Any, args: tuple[Any, ...], timeout: float) -> ServerProcess:
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    process = ctx.Process(target=target, args=(child_conn, *args), name=name, daemon=True)
+    process.start()
+    child_conn.close()
+    if not parent_conn.poll(timeout):
+        process.kill()
+        raise RuntimeError(f"the {name} did not report its port within {timeout:.0f} s")
+    try:
+        message = parent_conn.recv()
+    except EOFError:
+        process.join(5)
+        raise RuntimeError(
+            f"the {name} exited (code {process.exitcode}) before it reported its port"
+        ) from None
+    if isinstance(message, tuple) and message[0] == "error":
+        process.join(5)
+        raise RuntimeError(f"the {name} failed to start: {message[1]}")
+    return ServerProcess(name, process, parent_conn, int(message))
+
+
+def start_coordinator(token: str | None, *, timeout: float = 60.0) -> ServerProcess:
+    """Start an aiocoll coordinator on 127.0.0.1 (a free port) in its own process.
+
+    Raises:
+        RuntimeError: when it does not come up within ``timeout`` seconds, with its error.
+    """
+    return _start("aiocoll coordinator", _coordinator_main, (token,), timeout)
+
+
+def start_tcpstore(*, timeout: float = 60.0) -> ServerProcess:
+    """Start torch's TCPStore server (is_master=True) on 127.0.0.1 in its own process.
+
+    Raises:
+        RuntimeError: when torch is missing or the server does not come up.
+    """
+    return _start("torch TCPStore server", _tcpstore_main, (), timeout)
+
+
+def _wait_for_stop(conn: multiprocessing.connection.Connection) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv()
+
+
+def _coordinator_main(conn: multiprocessing.connection.Connection, token: str | None) -> None:
+    import asyncio
+
+    raise_fd_limit()
+
+    async def serve() -> None:
+        from aiocoll.server import Coordinator
+
+        coordinator = Coordinator("127.0.0.1", 0, token=token)
+        await coordinator.start()
+        conn.send(coordinator.port)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, _wait_for_stop, conn)
+        finally:
+            await coordinator.stop()
+
+    try:
+        try:
+            import uvloop
+
+            uvloop.run(serve())
+        except ImportError:
+            asyncio.run(serve())
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _tcpstore_main(conn: multiprocessing.connection.Connection) -> None:
+    raise_fd_limit()
+    try:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=600)
+        )
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(store.port)
+    _wait_for_stop(conn)
+    del store
+    time.sleep(0)

@@ -1,0 +1,643 @@
+"""`aiocoll bench --op store` and `--op rendezvous`: the coordinator against torch's TCPStore.
+
+Store throughput: C client processes per implementation (each holding one connection) run
+``--store-ops`` sequential set, get or add operations from a common start instant; throughput is
+the total number of operations over the time from that instant until the last client finished.
+Implementations alternate which goes first, round after round, so slow drift in the machine's
+load falls on both; the median round is reported.
+
+Rendezvous: N processes are started and made ready (imports done, nothing connected), then
+released at one instant; the time reported is from that instant until the last process knows
+every member's address. aiocoll's processes connect a worker session and ``join``; torch's
+processes follow the store-based pattern of c10d (a counter every process increments), made
+equivalent: each connects a TCPStore client, sets its address under ``addr/RANK``, adds 1 to a
+counter, the one that brings it to N sets ``complete``, everyone waits for ``complete`` and then
+reads all N addresses with one multi_get. Both end with the same knowledge: the member table.
+
+Processes for each implementation are forked from a launcher process that has imported only that
+implementation (aiocoll's never import torch), so start-up costs stay outside the measurement
+and 256 processes fit in memory. Imports only the standard library at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import secrets
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+from ._bench_common import machine_description, parse_int_list, print_table, utc_now, write_json
+from ._bench_servers import raise_fd_limit, start_coordinator, start_tcpstore
+
+__all__ = ["run_rendezvous", "run_store"]
+
+STORE_OPS = ("set", "get", "add")
+_KEYS_PER_CLIENT = 64
+
+
+class StoreBenchError(RuntimeError):
+    """The store or rendezvous benchmark could not complete; the message says why."""
+
+
+def _need_torch(args: argparse.Namespace) -> None:
+    if args.vs == "tcpstore" and importlib.util.find_spec("torch") is None:
+        raise StoreBenchError(
+            "--vs tcpstore needs torch (its TCPStore is the baseline): pip install 'aiocoll[torch]', "
+            "or drop --vs tcpstore"
+        )
+    if args.vs not in (None, "tcpstore"):
+        raise StoreBenchError(f"--op {args.op} compares with --vs tcpstore, not --vs {args.vs}")
+
+
+def _run_loop(coro: Any, loop_kind: str) -> Any:
+    if loop_kind == "uvloop":
+        import uvloop
+
+        return uvloop.run(coro)
+    return asyncio.run(coro)
+
+
+# --------------------------------------------------------------------------------------------
+# store throughput: client processes
+
+
+def _aiocoll_store_client(
+    conn: multiprocessing.connection.Connection,
+    cid: int,
+    port: int,
+    token: str,
+    job: str,
+    value_size: int,
+    loop_kind: str,
+) -> None:
+    async def main() -> None:
+        import aiocoll
+
+        store = await aiocoll.connect_store(f"tcp://127.0.0.1:{port}", token=token, job=job, timeout=120.0)
+        value = b"v" * value_size
+        keys = [f"c{cid}/k{i}" for i in range(_KEYS_PER_CLIENT)]
+        for key in keys:
+            await store.set(key, value)
+        counter = f"c{cid}/ctr"
+        conn.send("ready")
+        loop = asyncio.get_running_loop()
+        while True:
+            command = await loop.run_in_executor(None, conn.recv)
+            if command[0] == "stop":
+                break
+            _, op, count, start_at = command
+            await asyncio.sleep(max(0.0, start_at - time.monotonic()))
+            begin = time.monotonic()
+            if op == "set":
+                for i in range(count):
+                    await store.set(keys[i % _KEYS_PER_CLIENT], value)
+            elif op == "get":
+                for i in range(count):
+                    await store.get(keys[i % _KEYS_PER_CLIENT])
+            else:
+                for _ in range(count):
+                    await store.add(counter, 1)
+            conn.send((begin, time.monotonic()))
+        await store.aclose()
+
+    try:
+        _run_loop(main(), loop_kind)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send(
+                ("error", f"aiocoll store client {cid}: {type(exc).__name__}: {exc}", traceback.format_exc())
+            )
+
+
+def _tcpstore_client(
+    conn: multiprocessing.connection.Connection, cid: int, port: int, value_size: int
+) -> None:
+    try:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        value = "v" * value_size
+        keys = [f"c{cid}/k{i}" for i in range(_KEYS_PER_CLIENT)]
+        for key in keys:
+            store.set(key, value)
+        counter = f"c{cid}/ctr"
+        conn.send("ready")
+        while True:
+            command = conn.recv()
+            if command[0] == "stop":
+                break
+            _, op, count, start_at = command
+            time.sleep(max(0.0, start_at - time.monotonic()))
+            begin = time.monotonic()
+            if op == "set":
+                for i in range(count):
+                    store.set(keys[i % _KEYS_PER_CLIENT], value)
+            elif op == "get":
+                for i in range(count):
+                    store.get(keys[i % _KEYS_PER_CLIENT])
+            else:
+                for _ in range(count):
+                    store.add(counter, 1)
+            conn.send((begin, time.monotonic()))
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send(
+                ("error", f"TCPStore client {cid}: {type(exc).__name__}: {exc}", traceback.format_exc())
+            )
+
+
+class _ClientPool:
+    """Client processes of one implementation, driven over pipes."""
+
+    def __init__(self, impl: str, conns: list[multiprocessing.connection.Connection], procs: list[Any]):
+        self.impl = impl
+        self.conns = conns
+        self.procs = procs
+
+    def _recv(self, index: int, timeout: float) -> Any:
+        conn = self.conns[index]
+        if not conn.poll(timeout):
+            raise StoreBenchError(f"{self.impl} client {index} did not answer within {timeout:.0f} s")
+        try:
+            message = conn.recv()
+        except EOFError:
+            raise StoreBenchError(
+                f"{self.impl} client {index} exited (code {self.procs[index].exitcode}) unexpectedly"
+            ) from None
+        if isinstance(message, tuple) and message and message[0] == "error":
+            sys.stderr.write(message[2])
+            raise StoreBenchError(message[1])
+        return message
+
+    def wait_ready(self, timeout: float) -> None:
+        for index in range(len(self.conns)):
+            self._recv(index, timeout)
+
+    def run(self, op: str, clients: int, count: int, timeout: float) -> float:
+        """Run ``op`` on the first ``clients`` clients at once; returns operations per second."""
+        start_at = time.monotonic() + 0.05
+        for conn in self.conns[:clients]:
+            conn.send(("run", op, count, start_at))
+        ends = [self._recv(i, timeout)[1] for i in range(clients)]
+        elapsed = max(ends) - start_at
+        return clients * count / elapsed if elapsed > 0 else math.inf
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(("stop",))
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            proc.join(max(0.1, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2)
+
+
+def _start_pool(impl: str, count: int, target: Any, extra: tuple[Any, ...]) -> _ClientPool:
+    ctx = multiprocessing.get_context("spawn")
+    conns, procs = [], []
+    for cid in range(count):
+        parent_conn, child_conn = ctx.Pipe()
+        proc = ctx.Process(
+            target=target, args=(child_conn, cid, *extra), name=f"{impl}-client-{cid}", daemon=True
+        )
+        proc.start()
+        child_conn.close()
+        conns.append(parent_conn)
+        procs.append(proc)
+    return _ClientPool(impl, conns, procs)
+
+
+def run_store(args: argparse.Namespace) -> int:
+    """Store throughput, aiocoll's coordinator (and TCPStore with --vs tcpstore); prints a table.
+
+    Raises:
+        StoreBenchError: for bad arguments, a missing torch, or a client that failed or hung.
+    """
+    _need_torch(args)
+    clients_list = parse_int_list(args.clients, name="--clients")
+    with_tcp = args.vs == "tcpstore"
+    loop_kind = _loop_kind(args)
+    token = secrets.token_hex(16)
+    servers: list[Any] = []
+    pools: list[_ClientPool] = []
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    try:
+        coordinator = start_coordinator(token)
+        servers.append(coordinator)
+        most = max(clients_list)
+        pools.append(
+            _start_pool(
+                "aiocoll",
+                most,
+                _aiocoll_store_client,
+                (coordinator.port, token, f"bench-store-{secrets.token_hex(4)}", args.value_size, loop_kind),
+            )
+        )
+        if with_tcp:
+            tcp = start_tcpstore()
+            servers.append(tcp)
+            pools.append(_start_pool("tcpstore", most, _tcpstore_client, (tcp.port, args.value_size)))
+        for pool in pools:
+            pool.wait_ready(args.timeout)
+        step = 0
+        for clients in clients_list:
+            for op in STORE_OPS:
+                samples: dict[str, list[float]] = {pool.impl: [] for pool in pools}
+                for _ in range(args.rounds):
+                    order = pools if step % 2 == 0 else pools[::-1]
+                    step += 1
+                    for pool in order:
+                        samples[pool.impl].append(pool.run(op, clients, args.store_ops, args.timeout))
+                row: dict[str, Any] = {"clients": clients, "op": op}
+                for impl, values in samples.items():
+                    row[impl] = statistics.median(values)
+                    row[f"{impl}_rounds"] = values
+                if with_tcp:
+                    row["ratio"] = row["aiocoll"] / row["tcpstore"]
+                rows.append(row)
+                if not args.quiet:
+                    sys.stderr.write(f"[bench store] {clients} client(s) {op} done\n")
+    finally:
+        for pool in pools:
+            pool.close()
+        for server in servers:
+            server.stop()
+    print(
+        f"# aiocoll bench: store operations per second (median of {args.rounds} rounds), "
+        f"{args.store_ops} sequential ops per client, {args.value_size}-byte values, {utc_now()}"
+    )
+    print("# each client is its own process with one connection; ratio = aiocoll/tcpstore (higher is better)")
+    headers = ["clients", "op", "aiocoll ops/s"] + (["tcpstore ops/s", "ratio"] if with_tcp else [])
+    print_table(
+        headers,
+        [
+            [r["clients"], r["op"], r["aiocoll"]] + ([r["tcpstore"], r["ratio"]] if with_tcp else [])
+            for r in rows
+        ],
+    )
+    if args.json:
+        meta = {
+            "kind": "store",
+            "store_ops": args.store_ops,
+            "rounds": args.rounds,
+            "value_size": args.value_size,
+            "vs": args.vs,
+            "loop": loop_kind,
+            "date": utc_now(),
+            "machine": machine_description(),
+            "seconds": round(time.monotonic() - started, 2),
+        }
+        write_json(args.json, {"meta": meta, "results": rows})
+    return 0
+
+
+def _loop_kind(args: argparse.Namespace) -> str:
+    if args.loop == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return str(args.loop)
+
+
+# --------------------------------------------------------------------------------------------
+# rendezvous: a launcher per implementation forks the participants
+
+
+def _aiocoll_participant(
+    ranks: list[int],
+    world_size: int,
+    port: int,
+    token: str,
+    job: str,
+    timeout: float,
+    loop_kind: str,
+    go: Any,
+    release: Any,
+    results: Any,
+) -> None:
+    async def one(rank: int) -> Any:
+        from aiocoll.client.session import CoordinatorSession
+
+        session = await CoordinatorSession.connect(
+            "127.0.0.1", port, token=token, job=job, role="worker", timeout=timeout
+        )
+        # the advertised peer address is never dialled in this benchmark; only the table matters
+        await session.join(rank, world_size, [("127.0.0.1", 20000 + rank % 40000)], "bench-host", timeout)
+        return session
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        results.put(("ready", os.getpid()))
+        await loop.run_in_executor(None, go.wait)
+        sessions = await asyncio.gather(*(one(rank) for rank in ranks))
+        results.put(("done", time.monotonic()))
+        # sessions stay up until every process is done, as a real job's would
+        await loop.run_in_executor(None, release.wait, timeout)
+        for session in sessions:
+            with contextlib.suppress(Exception):
+                await session.aclose()
+
+    try:
+        _run_loop(main(), loop_kind)
+    except BaseException as exc:
+        results.put(
+            (
+                "error",
+                f"aiocoll ranks {ranks[0]}..{ranks[-1]}: {type(exc).__name__}: {exc}",
+                traceback.format_exc(),
+            )
+        )
+
+
+def _tcpstore_participant(
+    ranks: list[int],
+    world_size: int,
+    port: int,
+    prefix: str,
+    timeout: float,
+    go: Any,
+    release: Any,
+    results: Any,
+) -> None:
+    try:
+        import datetime
+
+        from torch.distributed import TCPStore
+
+        if len(ranks) != 1:
+            raise ValueError("the TCPStore rendezvous runs one rank per process")
+        rank = ranks[0]
+        results.put(("ready", os.getpid()))
+        go.wait()
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        store.set(f"{prefix}/addr/{rank}", f"127.0.0.1:{20000 + rank % 40000}@bench-host")
+        if store.add(f"{prefix}/count", 1) == world_size:
+            store.set(f"{prefix}/complete", "1")
+        store.wait([f"{prefix}/complete"])
+        table = store.multi_get([f"{prefix}/addr/{r}" for r in range(world_size)])
+        if len(table) != world_size:
+            raise RuntimeError(f"TCPStore rendezvous read {len(table)} addresses, expected {world_size}")
+        results.put(("done", time.monotonic()))
+        release.wait(timeout)
+        del store
+    except BaseException as exc:
+        results.put(
+            ("error", f"TCPStore rank {ranks[0]}: {type(exc).__name__}: {exc}", traceback.format_exc())
+        )
+
+
+def _collect(
+    results: Any, expected: int, timeout: float, children: list[Any], errors: list[str]
+) -> list[Any]:
+    """Gather ``expected`` messages from the participants; an error, a dead child or the timeout stops it."""
+    import queue
+
+    values: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(values) < expected:
+        try:
+            kind, value, *_ = results.get(timeout=1.0)
+        except queue.Empty:
+            dead = [c for c in children if c.exitcode not in (None, 0)]
+            if dead:
+                errors.append(f"a participant exited with code {dead[0].exitcode} (out of memory or killed?)")
+                return values
+            if time.monotonic() > deadline:
+                errors.append(
+                    f"{expected - len(values)} of {expected} participants did not answer "
+                    f"within {timeout:.0f} s"
+                )
+                return values
+            continue
+        if kind == "error":
+            errors.append(value)
+            return values
+        values.append(value)
+    return values
+
+
+def _rendezvous_launcher(
+    conn: multiprocessing.connection.Connection,
+    impl: str,
+    procs: int,
+    per_proc: int,
+    port: int,
+    token: str,
+    job: str,
+    timeout: float,
+    loop_kind: str,
+) -> None:
+    """Import one implementation, fork the participants, release them at once, report the time."""
+    raise_fd_limit()
+    try:
+        if impl == "aiocoll":
+            import aiocoll.client.session  # noqa: F401  (imported once, shared by every fork)
+
+            target: Any = _aiocoll_participant
+        else:
+            import torch.distributed  # noqa: F401
+
+            target = _tcpstore_participant
+        ctx = multiprocessing.get_context("fork")
+        go, release, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        world_size = procs * per_proc
+        children = []
+        for p in range(procs):
+            ranks = list(range(p * per_proc, (p + 1) * per_proc))
+            if impl == "aiocoll":
+                args: tuple[Any, ...] = (ranks, world_size, port, token, job, timeout, loop_kind)
+            else:
+                args = (ranks, world_size, port, job, timeout)
+            child = ctx.Process(target=target, args=(*args, go, release, results), daemon=True)
+            child.start()
+            children.append(child)
+        errors: list[str] = []
+        _collect(results, procs, timeout, children, errors)
+        if errors:
+            conn.send(("error", errors[0]))
+        else:
+            conn.send(("ready",))
+            conn.recv()
+            begin = time.monotonic()
+            go.set()
+            ends = _collect(results, procs, timeout, children, errors)
+            last = max([begin, *ends])
+            if errors:
+                conn.send(("error", errors[0]))
+            else:
+                conn.send(("time", last - begin))
+        release.set()
+        go.set()
+        deadline = time.monotonic() + 30
+        for child in children:
+            child.join(max(0.1, deadline - time.monotonic()))
+        for child in children:
+            if child.is_alive():
+                child.kill()
+                child.join(2)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"{impl} launcher: {type(exc).__name__}: {exc}"))
+
+
+def _measure_rendezvous(
+    impl: str, procs: int, per_proc: int, port: int, token: str, timeout: float, loop_kind: str
+) -> float:
+    ctx = multiprocessing.get_context("spawn")
+    parent_conn, child_conn = ctx.Pipe()
+    job = f"rdzv-{secrets.token_hex(4)}"
+    launcher = ctx.Process(
+        target=_rendezvous_launcher,
+        args=(child_conn, impl, procs, per_proc, port, token, job, timeout, loop_kind),
+        name=f"{impl}-rendezvous-launcher",
+        daemon=True,
+    )
+    launcher.start()
+    child_conn.close()
+    try:
+        for stage in ("ready", "time"):
+            if not parent_conn.poll(timeout + 30):
+                raise StoreBenchError(
+                    f"{impl} rendezvous of {procs * per_proc}: no {stage} within {timeout:.0f} s"
+                )
+            try:
+                message = parent_conn.recv()
+            except EOFError:
+                raise StoreBenchError(
+                    f"{impl} rendezvous launcher exited (code {launcher.exitcode})"
+                ) from None
+            if message[0] == "error":
+                raise StoreBenchError(f"{impl} rendezvous of {procs * per_proc} failed: {message[1]}")
+            if stage == "ready":
+                parent_conn.send("go")
+        return float(message[1])
+    finally:
+        launcher.join(60)
+        if launcher.is_alive():
+            launcher.kill()
+            launcher.join(5)
+
+
+def run_rendezvous(args: argparse.Namespace) -> int:
+    """Rendezvous time for N processes (and TCPStore's equivalent), plus the simulated-clients mode.
+
+    Raises:
+        StoreBenchError: for bad arguments, a missing torch, or a rendezvous that failed or hung.
+    """
+    _need_torch(args)
+    proc_counts = parse_int_list(args.procs, name="--procs") if args.procs else []
+    with_tcp = args.vs == "tcpstore"
+    loop_kind = _loop_kind(args)
+    token = secrets.token_hex(16)
+    rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+    servers: list[Any] = []
+    try:
+        coordinator = start_coordinator(token)
+        servers.append(coordinator)
+        tcp = None
+        if with_tcp and proc_counts:
+            tcp = start_tcpstore()
+            servers.append(tcp)
+        step = 0
+        for count in proc_counts:
+            samples: dict[str, list[float]] = {"aiocoll": []}
+            if tcp is not None:
+                samples["tcpstore"] = []
+            for _ in range(args.rounds):
+                order = list(samples) if step % 2 == 0 else list(samples)[::-1]
+                step += 1
+                for impl in order:
+                    port = coordinator.port if impl == "aiocoll" else tcp.port  # type: ignore[union-attr]
+                    samples[impl].append(
+                        _measure_rendezvous(impl, count, 1, port, token, args.timeout, loop_kind)
+                    )
+            row: dict[str, Any] = {"mode": "processes", "processes": count, "clients": count}
+            for impl, values in samples.items():
+                row[impl] = statistics.median(values)
+                row[f"{impl}_rounds"] = values
+            if tcp is not None:
+                row["ratio"] = row["aiocoll"] / row["tcpstore"]
+            rows.append(row)
+            if not args.quiet:
+                sys.stderr.write(f"[bench rendezvous] {count} processes done\n")
+        if args.simulated:
+            procs = args.sim_procs
+            per_proc = math.ceil(args.simulated / procs)
+            values = [
+                _measure_rendezvous(
+                    "aiocoll", procs, per_proc, coordinator.port, token, args.timeout, loop_kind
+                )
+                for _ in range(args.rounds)
+            ]
+            rows.append(
+                {
+                    "mode": "simulated",
+                    "processes": procs,
+                    "clients": procs * per_proc,
+                    "aiocoll": statistics.median(values),
+                    "aiocoll_rounds": values,
+                }
+            )
+            if not args.quiet:
+                sys.stderr.write(f"[bench rendezvous] {procs * per_proc} simulated clients done\n")
+    finally:
+        for server in servers:
+            server.stop()
+    print(
+        f"# aiocoll bench: rendezvous time in seconds (median of {args.rounds} rounds), from the release of "
+        f"ready processes until the last one holds the member table, {utc_now()}"
+    )
+    if with_tcp:
+        print(
+            "# tcpstore: connect, set addr/RANK, add(count), last sets complete, wait(complete), multi_get "
+            "all addresses; ratio = aiocoll/tcpstore (lower is better)"
+        )
+    headers = ["mode", "processes", "clients", "aiocoll (s)"] + (
+        ["tcpstore (s)", "ratio"] if with_tcp else []
+    )
+    print_table(
+        headers,
+        [
+            [r["mode"], r["processes"], r["clients"], r["aiocoll"]]
+            + ([r.get("tcpstore"), r.get("ratio")] if with_tcp else [])
+            for r in rows
+        ],
+    )
+    if args.json:
+        meta = {
+            "kind": "rendezvous",
+            "rounds": args.rounds,
+            "vs": args.vs,
+            "loop": loop_kind,
+            "date": utc_now(),
+            "machine": machine_description(),
+            "seconds": round(time.monotonic() - started, 2),
+        }
+        write_json(args.json, {"meta": meta, "results": rows})
+    return 0

@@ -1,0 +1,289 @@
+"""The rank side of `aiocoll bench` for collectives: runs in each spawned worker process.
+
+A worker joins an aiocoll process group (and, with ``--vs gloo``, a torch.distributed gloo group
+in the same process), then for every op and size runs both implementations one after the other —
+alternating which goes first from size to size, so drifting machine noise falls on both — and
+sends its per-iteration times to the parent through a queue. Imports numpy and aiocoll in the
+child only; torch only when the run asks for gloo or torch tensors. Every op is checked for a
+correct result once per size before it is timed, so a benchmark never times a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from ._bench_common import SizedOp
+
+__all__ = ["worker_main"]
+
+Msg = tuple[Any, ...]
+
+
+class _Buffers:
+    """The input/output buffers of one op at one size, as numpy arrays or torch tensors."""
+
+    def __init__(self, sized: SizedOp, dtype: str, use_torch: bool, rank: int, world_size: int) -> None:
+        self.sized = sized
+        self.rank = rank
+        self.n = world_size
+        if use_torch:
+            import torch
+
+            tdtype = getattr(torch, dtype)
+            self.inp: Any = torch.zeros(sized.in_count, dtype=tdtype)
+            self.out: Any = torch.zeros(sized.out_count, dtype=tdtype)
+        else:
+            import numpy as np
+
+            self.inp = np.zeros(sized.in_count, dtype=dtype)
+            self.out = np.zeros(sized.out_count, dtype=dtype)
+        self._torch = use_torch
+
+    def fill(self, buf: Any, value: float) -> None:
+        if self._torch:
+            buf.fill_(value)
+        else:
+            buf[...] = value
+
+    def fill_blocks(self, buf: Any, values: list[int]) -> None:
+        """Fill block j of ``buf`` (split into len(values) equal parts) with values[j]."""
+        block = len(buf) // len(values)
+        for j, value in enumerate(values):
+            self.fill(buf[j * block : (j + 1) * block], value)
+
+    def blocks_equal(self, buf: Any, values: list[int]) -> bool:
+        block = len(buf) // len(values)
+        return all(self.equal(buf[j * block : (j + 1) * block], v) for j, v in enumerate(values))
+
+    def equal(self, buf: Any, value: float) -> bool:
+        return bool((buf == value).all())
+
+    def zero(self) -> None:
+        self.fill(self.inp, 0)
+        self.fill(self.out, 0)
+
+
+class _OpRunner:
+    """How one implementation runs one op: ``run()`` once, ``check()`` once for correctness."""
+
+    def __init__(self, impl: str, op: str, bufs: _Buffers, pg: Any, kw: dict[str, Any]) -> None:
+        self.impl = impl
+        self.op = op
+        self.b = bufs
+        self.pg = pg
+        self.kw = kw
+
+    # The aiocoll calls (awaitables); gloo's are the same names on torch.distributed, blocking.
+    def calls(self) -> Callable[[], Any]:
+        pg, b, kw, rank = self.pg, self.b, self.kw, self.b.rank
+        op = self.op
+        if op == "all_reduce":
+            return lambda: pg.all_reduce(b.inp, **kw)
+        if op == "broadcast":
+            return lambda: pg.broadcast(b.inp, src=0, **kw)
+        if op == "reduce":
+            return lambda: pg.reduce(b.inp, dst=0, **kw)
+        if op == "all_gather":
+            return lambda: pg.all_gather_into_tensor(b.out, b.inp, **kw)
+        if op == "reduce_scatter":
+            return lambda: pg.reduce_scatter_tensor(b.out, b.inp, **kw)
+        if op == "all_to_all":
+            return lambda: pg.all_to_all_single(b.out, b.inp, **kw)
+        if op == "barrier":
+            return lambda: pg.barrier(**kw)
+        if op == "sendrecv":
+            return self._pingpong(rank)
+        raise ValueError(f"unknown op {op!r}")
+
+    def _pingpong(self, rank: int) -> Callable[[], Any]:
+        pg, buf = self.pg, self.b.inp
+        if self.impl == "aiocoll":
+
+            async def ping() -> None:
+                await pg.send(buf, 1)
+                await pg.recv(buf, 1)
+
+            async def pong() -> None:
+                await pg.recv(buf, 0)
+                await pg.send(buf, 0)
+
+            async def idle() -> None:
+                return None
+
+            return ping if rank == 0 else pong if rank == 1 else idle
+
+        def ping_sync() -> None:
+            pg.send(buf, 1)
+            pg.recv(buf, 1)
+
+        def pong_sync() -> None:
+            pg.recv(buf, 0)
+            pg.send(buf, 0)
+
+        return ping_sync if rank == 0 else pong_sync if rank == 1 else (lambda: None)
+
+    def prepare_check(self) -> None:
+        b, n, rank = self.b, self.b.n, self.b.rank
+        op = self.op
+        if op == "all_to_all":
+            b.fill_blocks(b.inp, [rank * n + j for j in range(n)])
+        elif op == "sendrecv":
+            b.fill(b.inp, 7 if rank == 0 else 0)
+        else:
+            b.fill(b.inp, rank + 1)
+        b.fill(b.out, 0)
+
+    def verify(self) -> str | None:
+        """None when the result is right, else what was wrong."""
+        b, n, rank = self.b, self.b.n, self.b.rank
+        op = self.op
+        total = n * (n + 1) // 2
+        if op == "all_reduce":
+            ok = b.equal(b.inp, total)
+        elif op == "broadcast":
+            ok = b.equal(b.inp, 1)
+        elif op == "reduce":
+            ok = b.equal(b.inp, total) if rank == 0 else True
+        elif op == "all_gather":
+            ok = b.blocks_equal(b.out, [j + 1 for j in range(n)])
+        elif op == "reduce_scatter":
+            ok = b.equal(b.out, total)
+        elif op == "all_to_all":
+            ok = b.blocks_equal(b.out, [j * n + rank for j in range(n)])
+        elif op == "sendrecv":
+            ok = b.equal(b.inp, 7) if rank in (0, 1) else True
+        else:
+            ok = True
+        return None if ok else f"{self.impl} {op} gave a wrong result on rank {rank} at {b.sized.size} bytes"
+
+
+async def _time_aiocoll(runner: _OpRunner, warmup: int, iters: int) -> list[float]:
+    pg = runner.pg
+    call = runner.calls()
+    if runner.op != "barrier":
+        runner.prepare_check()
+        await pg.barrier()
+        await call()
+        problem = runner.verify()
+        if problem:
+            raise AssertionError(problem)
+        runner.b.zero()
+    await pg.barrier()
+    for _ in range(warmup):
+        await call()
+    await pg.barrier()
+    times = []
+    clock = time.perf_counter
+    for _ in range(iters):
+        start = clock()
+        await call()
+        times.append(clock() - start)
+    return times
+
+
+def _time_gloo(runner: _OpRunner, warmup: int, iters: int) -> list[float]:
+    dist = runner.pg
+    call = runner.calls()
+    if runner.op != "barrier":
+        runner.prepare_check()
+        dist.barrier()
+        call()
+        problem = runner.verify()
+        if problem:
+            raise AssertionError(problem)
+        runner.b.zero()
+    dist.barrier()
+    for _ in range(warmup):
+        call()
+    dist.barrier()
+    times = []
+    clock = time.perf_counter
+    for _ in range(iters):
+        start = clock()
+        call()
+        times.append(clock() - start)
+    return times
+
+
+async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) -> None:
+    import aiocoll
+
+    n = cfg["world_size"]
+    pg = await aiocoll.init_process_group(
+        f"tcp://127.0.0.1:{cfg['port']}",
+        rank=rank,
+        world_size=n,
+        token=cfg["token"],
+        job=cfg["job"],
+        timeout=cfg["timeout"],
+    )
+    dist: Any = None
+    if cfg["vs"] == "gloo":
+        warnings.simplefilter("ignore", FutureWarning)  # torch's renames of *_tensor ops
+        import torch.distributed as dist
+
+        await asyncio.to_thread(
+            dist.init_process_group,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{cfg['gloo_port']}",
+            rank=rank,
+            world_size=n,
+            timeout=datetime.timedelta(seconds=cfg["timeout"]),
+        )
+    put(("ready", rank))
+    use_torch = cfg["tensor"] == "torch"
+    kw: dict[str, Any] = {}
+    if cfg["algorithm"]:
+        kw["algorithm"] = cfg["algorithm"]
+    impls = ["aiocoll", "gloo"] if dist is not None else ["aiocoll"]
+    step = 0
+    for op in cfg["ops"]:
+        sizes = [0] if op == "barrier" else cfg["sizes"]
+        for size in sizes:
+            sized = SizedOp(op, size, n, cfg["itemsize"])
+            order = impls if step % 2 == 0 else impls[::-1]
+            step += 1
+            for impl in order:
+                if impl == "aiocoll":
+                    bufs = _Buffers(sized, cfg["dtype"], use_torch, rank, n)
+                    times = await _time_aiocoll(
+                        _OpRunner(impl, op, bufs, pg, kw), cfg["warmup"], cfg["iters"]
+                    )
+                else:
+                    bufs = _Buffers(sized, cfg["dtype"], True, rank, n)
+                    runner = _OpRunner(impl, op, bufs, dist, {})
+                    times = await asyncio.to_thread(_time_gloo, runner, cfg["warmup"], cfg["iters"])
+                if op == "sendrecv":
+                    # one iteration is a round trip; report the one-way time, and only from rank 0
+                    times = [t / 2 for t in times] if rank == 0 else []
+                put(("times", rank, op, sized.size, impl, times))
+    await pg.destroy()
+    if dist is not None:
+        await asyncio.to_thread(dist.destroy_process_group)
+    put(("done", rank))
+
+
+def worker_main(rank: int, cfg: dict[str, Any], queue: Any) -> None:
+    """Entry point of a spawned bench worker; reports ``("error", rank, text)`` instead of dying silently."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores: no thread pools fighting the ranks
+
+    def put(message: Msg) -> None:
+        queue.put(message)
+
+    try:
+        if cfg["loop"] == "uvloop":
+            import uvloop
+
+            uvloop.run(_worker(rank, cfg, put))
+        else:
+            asyncio.run(_worker(rank, cfg, put))
+    except BaseException as exc:
+        put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise SystemExit(1) from None

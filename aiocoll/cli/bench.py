@@ -1,0 +1,143 @@
+"""Measure aiocoll's collectives, store and rendezvous, side by side with torch gloo and TCPStore.
+
+`aiocoll bench --op all_reduce --sizes 4:64M --world-size 4 --vs gloo --plot busbw.png` spawns
+local ranks that rendezvous through a coordinator on loopback, sweeps the sizes and prints time,
+algbw and busbw (nccl-tests' definitions) per size, with the ratio to gloo measured in the same
+worker processes. `--op store` and `--op rendezvous` measure the coordinator against torch's
+TCPStore. This module only parses arguments: the work lives in the _bench_* modules, imported
+when the command runs, so `aiocoll --help` never imports numpy, torch or matplotlib.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ._bench_common import BUSBW_FACTORS, COLLECTIVE_OPS, DTYPE_SIZES
+
+__all__ = ["add_arguments", "main"]
+
+_EPILOG = """\
+examples:
+  aiocoll bench --op all_reduce --sizes 4:64M --world-size 4 --vs gloo --plot allreduce.png
+  aiocoll bench --op all --sizes 4,64K,16M --world-size 2 --json out.json
+  aiocoll bench --op store --clients 1,8 --vs tcpstore
+  aiocoll bench --op rendezvous --procs 64,256 --vs tcpstore --simulated 10000
+
+sizes: MIN:MAX is a doubling sweep (MIN:MAX:F multiplies by F), a,b,c a list; K, M, G are
+powers of 1024. all_gather/reduce_scatter/all_to_all sizes are the whole buffer (n parts),
+rounded down to a multiple of n elements, as nccl-tests does. busbw = algbw * factor:
+""" + "\n".join(f"  {op:15s}{factor}" for op, factor in BUSBW_FACTORS.items())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = _EPILOG
+    parser.add_argument(
+        "--op",
+        default="all_reduce",
+        choices=[*COLLECTIVE_OPS, "all", "store", "rendezvous"],
+        help="what to measure: a collective, 'all' collectives, 'store' throughput or 'rendezvous' time "
+        "(default all_reduce)",
+    )
+    parser.add_argument("--sizes", default="4:64M", help="message sizes in bytes (default 4:64M)")
+    parser.add_argument("--world-size", type=int, default=2, help="number of local ranks (default 2)")
+    parser.add_argument(
+        "--vs",
+        choices=["gloo", "tcpstore"],
+        default=None,
+        help="also run torch.distributed in the same invocation: gloo for collectives, "
+        "tcpstore for --op store/rendezvous",
+    )
+    parser.add_argument("--plot", metavar="FILE", help="write a PNG of busbw (and time) against size")
+    parser.add_argument("--json", metavar="FILE", help="write every result as JSON")
+    parser.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed iterations before them (default 5)")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_SIZES), help="element type")
+    parser.add_argument(
+        "--tensor",
+        default="numpy",
+        choices=["numpy", "torch"],
+        help="what aiocoll's buffers are: numpy arrays (default) or torch CPU tensors "
+        "(gloo always uses torch)",
+    )
+    parser.add_argument(
+        "--algorithm",
+        default=None,
+        choices=["ring", "rhd", "tree", "direct"],
+        help="force aiocoll's algorithm instead of choosing by size (ring, rhd = recursive "
+        "halving-doubling, tree, direct)",
+    )
+    parser.add_argument(
+        "--loop",
+        default="auto",
+        choices=["auto", "asyncio", "uvloop"],
+        help="event loop (auto: uvloop if present)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds any single step may take before the run stops with an error (default 300)",
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    store = parser.add_argument_group("--op store / --op rendezvous")
+    store.add_argument("--clients", default="1,8", help="client processes for --op store (default 1,8)")
+    store.add_argument(
+        "--store-ops", type=int, default=2000, help="operations per client per round (default 2000)"
+    )
+    store.add_argument("--value-size", type=int, default=32, help="bytes per stored value (default 32)")
+    store.add_argument(
+        "--rounds", type=int, default=3, help="rounds per measurement; the median is kept (default 3)"
+    )
+    store.add_argument(
+        "--procs", default="64,256", help="processes that rendezvous (default 64,256; '' for none)"
+    )
+    store.add_argument(
+        "--simulated",
+        type=int,
+        default=10000,
+        help="simulated clients (asyncio sessions, many per process) that rendezvous as one job; 0 skips "
+        "(default 10000)",
+    )
+    store.add_argument(
+        "--sim-procs", type=int, default=8, help="processes hosting the simulated clients (default 8)"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args`` describe; returns the exit code (2 for a usage problem)."""
+    collective = args.op not in ("store", "rendezvous")
+    if collective and args.vs == "tcpstore":
+        print(
+            "aiocoll bench: --vs tcpstore goes with --op store or --op rendezvous; use --vs gloo here",
+            file=sys.stderr,
+        )
+        return 2
+    if args.op == "store" and (args.store_ops < 1 or args.rounds < 1 or args.value_size < 0):
+        print("aiocoll bench: --store-ops and --rounds must be at least 1", file=sys.stderr)
+        return 2
+    if args.op == "rendezvous" and (args.rounds < 1 or args.sim_procs < 1 or args.simulated < 0):
+        print(
+            "aiocoll bench: --rounds and --sim-procs must be at least 1, --simulated at least 0",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        if collective:
+            from ._bench_coll import BenchError, run_collectives
+
+            try:
+                return run_collectives(args)
+            except BenchError as exc:
+                print(f"aiocoll bench: {exc}", file=sys.stderr)
+                return 1
+        from ._bench_store import StoreBenchError, run_rendezvous, run_store
+
+        try:
+            return run_store(args) if args.op == "store" else run_rendezvous(args)
+        except (StoreBenchError, ValueError) as exc:
+            print(f"aiocoll bench: {exc}", file=sys.stderr)
+            return 1
+    except RuntimeError as exc:  # a server that would not start, matplotlib missing
+        print(f"aiocoll bench: {exc}", file=sys.stderr)
+        return 1
