@@ -1,0 +1,388 @@
+"""`aiocoll run` as a real process supervising real worker processes.
+
+The workers here are plain Python scripts (print the environment, write a lot, fail, trap
+signals), so these tests check the launcher alone: output prefixes, per-rank environment, a
+failing worker stopping the rest, restarts, signal forwarding, and the embedded coordinator
+answering on the advertised address. Each test spawns one launcher and checks many things
+against it. The launcher is started as `python -m aiocoll.cli.run` (the same code the `aiocoll`
+dispatcher calls), so these tests do not depend on the other sub-commands existing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+LAUNCHER = [sys.executable, "-m", "aiocoll.cli.run"]
+# Workers never contact it unless a test says so; an address that refuses connections.
+UNUSED_COORDINATOR = "127.0.0.1:9"
+
+PROBE = r'''
+import json, os, sys
+rank = int(os.environ["RANK"])
+keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+        "MASTER_ADDR", "MASTER_PORT", "AIOCOLL_JOB", "AIOCOLL_TOKEN", "AIOCOLL_RESTART_COUNT",
+        "OMP_NUM_THREADS"]
+print("ENV " + json.dumps({k: os.environ.get(k) for k in keys} | {"argv": sys.argv[1:]}))
+lines = int(os.environ.get("PROBE_LINES", "0"))
+pad = "x" * 40
+for i in range(lines):
+    # Far more than a pipe buffer on each stream: a launcher that reads one pipe at a time stalls.
+    sys.stdout.write(f"out {rank} {i} {pad}\n")
+    sys.stderr.write(f"err {rank} {i} {pad}\n")
+sys.stdout.write(f"partial-out-{rank}")
+sys.stderr.write(f"partial-err-{rank}")
+'''
+
+
+def _launch(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 45
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*LAUNCHER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "AIOCOLL_")) and k not in ("JOB_COMPLETION_INDEX", "OMP_NUM_THREADS")
+    }
+    env.update(extra)
+    return env
+
+
+def _rank_lines(text: str, rank: int) -> list[str]:
+    prefix = f"[rank{rank}]: "
+    return [line[len(prefix) :] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def _envs(stdout: str, ranks: range) -> dict[int, dict[str, object]]:
+    found: dict[int, dict[str, object]] = {}
+    for rank in ranks:
+        for line in _rank_lines(stdout, rank):
+            if line.startswith("ENV "):
+                found[rank] = json.loads(line[4:])
+    return found
+
+
+def _wait_for(path: Path, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.02)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(tmp_path: Path) -> None:
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "token").write_text("launcher-secret\n")
+    lines = 3000
+    proc = _launch(
+        "--nproc-per-node", "3", "--coordinator", UNUSED_COORDINATOR, "--job", "env-check",
+        "--token-file", "token", "--log-dir", "logs", "probe.py", "--lr", "0.1", "--nproc-per-node", "9",
+        cwd=tmp_path, env=_clean_env(PROBE_LINES=str(lines)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    for stream in (proc.stdout, proc.stderr):
+        for line in stream.splitlines():
+            assert line.startswith(("[rank0]: ", "[rank1]: ", "[rank2]: ", "[aiocoll run] ")), line
+    assert not any(line.startswith("[aiocoll run] ") for line in proc.stdout.splitlines())
+
+    envs = _envs(proc.stdout, range(3))
+    assert sorted(envs) == [0, 1, 2]
+    for rank, env in envs.items():
+        assert env == {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9",
+            "AIOCOLL_JOB": "env-check", "AIOCOLL_TOKEN": "launcher-secret", "AIOCOLL_RESTART_COUNT": "0",
+            "OMP_NUM_THREADS": "1", "argv": ["--lr", "0.1", "--nproc-per-node", "9"],
+        }
+
+    for rank in range(3):
+        out = _rank_lines(proc.stdout, rank)
+        err = _rank_lines(proc.stderr, rank)
+        # Every line arrives whole and in order, and the final partial line is flushed as its own line.
+        assert [line for line in out if line.startswith("out ")] == [
+            f"out {rank} {i} {'x' * 40}" for i in range(lines)
+        ]
+        assert [line for line in err if line.startswith("err ")] == [
+            f"err {rank} {i} {'x' * 40}" for i in range(lines)
+        ]
+        assert out[-1] == f"partial-out-{rank}" and err[-1] == f"partial-err-{rank}"
+        # --log-dir keeps the raw output, unprefixed.
+        raw = (tmp_path / "logs" / "restart_0" / f"rank{rank}.stdout").read_text()
+        assert raw.startswith("ENV ") and raw.endswith(f"partial-out-{rank}")
+        raw_err = (tmp_path / "logs" / "restart_0" / f"rank{rank}.stderr").read_text()
+        assert raw_err.startswith(f"err {rank} 0 ")
+
+    assert "[aiocoll run] all 3 rank(s) (0..2) exited 0" in proc.stderr
+
+
+def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks(tmp_path: Path) -> None:
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    env = _clean_env(
+        SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_LOCALID="0",
+        PYTHONPATH=str(tmp_path), AIOCOLL_TOKEN="inherited",
+    )
+    proc = _launch(
+        "--nproc_per_node", "2", "--coordinator", "127.0.0.1:4321", "-m", "probe_module", "a",
+        cwd=tmp_path, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "node rank 1 from SLURM_PROCID" in proc.stderr and "nnodes=2 from SLURM_NTASKS" in proc.stderr
+    envs = _envs(proc.stdout, range(4))
+    assert sorted(envs) == [2, 3]
+    for local_rank, rank in enumerate((2, 3)):
+        assert envs[rank]["LOCAL_RANK"] == str(local_rank)
+        placed = (envs[rank]["WORLD_SIZE"], envs[rank]["GROUP_RANK"], envs[rank]["MASTER_PORT"])
+        assert placed == ("4", "1", "4321")
+        assert envs[rank]["AIOCOLL_TOKEN"] == "inherited" and envs[rank]["argv"] == ["a"]
+
+
+FAILING = r'''
+import os, signal, sys, time
+rank = int(os.environ["RANK"])
+here = os.path.dirname(os.path.abspath(__file__))
+def mark(name, text=""):
+    with open(os.path.join(here, name), "w") as f:
+        f.write(text)
+if rank == 0:
+    def on_term(signum, frame):
+        mark("rank0-got-sigterm")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+    mark("ready0")
+elif rank == 2:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)   # must be SIGKILLed after the grace period
+    mark("pid2", str(os.getpid()))
+    mark("ready2")
+else:
+    while not (os.path.exists(os.path.join(here, "ready0")) and os.path.exists(os.path.join(here, "ready2"))):
+        time.sleep(0.01)
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print('  File "train.py", line 12, in <module>', file=sys.stderr)
+    print("ValueError: loss is nan at step 7", file=sys.stderr)
+    sys.exit(3)
+time.sleep(120)
+'''
+
+
+def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(tmp_path: Path) -> None:
+    (tmp_path / "failing.py").write_text(FAILING)
+    started = time.monotonic()
+    proc = _launch(
+        "--nproc-per-node", "3", "--grace-period", "1", "--coordinator", UNUSED_COORDINATOR, "failing.py",
+        cwd=tmp_path, env=_clean_env(),
+    )
+    assert time.monotonic() - started < 40, "the launcher should stop the sleeping workers, not wait for them"
+    assert proc.returncode == 3, proc.stderr
+    err = proc.stderr
+    assert "[aiocoll run] rank 1 (node 0, local rank 1, pid " in err
+    assert ") failed: exit code 3" in err
+    assert "[aiocoll run]   ValueError: loss is nan at step 7" in err  # the tail of its stderr
+    assert "stopping the other 2 worker(s) with SIGTERM" in err
+    assert "rank(s) 2 still running 1s after the stop signal; sending SIGKILL" in err
+    assert "job failed (no restarts allowed): rank 1 failed (exit code 3)" in err
+    assert "rank 0: exit code 0; rank 1: exit code 3; rank 2: killed by signal SIGKILL" in err
+    assert (tmp_path / "rank0-got-sigterm").exists()
+    assert not _pid_alive(int((tmp_path / "pid2").read_text()))
+
+
+SELF_KILLING = r'''
+import os, signal, time
+print("generation", os.environ["AIOCOLL_RESTART_COUNT"], flush=True)
+if os.environ["RANK"] == "0":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(120)
+'''
+
+
+def test_restarts_run_out_and_a_signal_death_is_named_and_exits_128_plus_signal(tmp_path: Path) -> None:
+    (tmp_path / "self_killing.py").write_text(SELF_KILLING)
+    proc = _launch(
+        "--nproc-per-node", "2", "--max-restarts", "1", "--grace-period", "5",
+        "--coordinator", UNUSED_COORDINATOR, "self_killing.py", cwd=tmp_path, env=_clean_env(),
+    )
+    assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
+    assert _rank_lines(proc.stdout, 0) == ["generation 0", "generation 1"]
+    err = proc.stderr
+    assert err.count("failed: killed by signal SIGKILL") == 2
+    assert "rank 0 failed (killed by signal SIGKILL): restarting all 2 local worker(s) (restart 1 of 1" in err
+    assert "job failed (after 1 restart(s)): rank 0 failed (killed by signal SIGKILL)" in err
+    assert "rank 1: killed by signal SIGTERM" in err
+
+
+RESTARTING = r'''
+import os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+marker = os.path.join(here, "failed-once")
+print("attempt", os.environ["AIOCOLL_RESTART_COUNT"], os.environ["AIOCOLL_JOB"], flush=True)
+if os.environ["RANK"] == "1" and not os.path.exists(marker):
+    open(marker, "w").close()
+    print("first generation fails", file=sys.stderr)
+    sys.exit(5)
+'''
+
+
+def test_max_restarts_restarts_the_whole_generation_with_the_same_job(tmp_path: Path) -> None:
+    (tmp_path / "restarting.py").write_text(RESTARTING)
+    proc = _launch(
+        "--nproc-per-node", "2", "--max-restarts", "1", "--job", "elastic-7",
+        "--coordinator", UNUSED_COORDINATOR, "restarting.py", cwd=tmp_path, env=_clean_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    for rank in (0, 1):
+        assert _rank_lines(proc.stdout, rank) == ["attempt 0 elastic-7", "attempt 1 elastic-7"]
+    err = proc.stderr
+    assert "rank 1 (node 0, local rank 1" in err and "failed: exit code 5" in err
+    assert "[aiocoll run]   first generation fails" in err
+    restarting = (
+        "rank 1 failed (exit code 5): restarting all 2 local worker(s) (restart 1 of 1, job 'elastic-7')"
+    )
+    assert restarting in err
+    assert "all 2 rank(s) (0..1) exited 0; restarts used 1 of 1" in err
+
+
+TRAPPING = r'''
+import os, signal, sys, time
+rank = os.environ["RANK"]
+here = os.path.dirname(os.path.abspath(__file__))
+def on_signal(signum, frame):
+    with open(os.path.join(here, f"rank{rank}-got"), "a") as f:
+        f.write(signal.Signals(signum).name + "\n")
+    if rank == "0":
+        sys.exit(0)
+    # rank 1 ignores the request: only a second signal to the launcher (SIGKILL) ends it.
+signal.signal(signal.SIGTERM, on_signal)
+with open(os.path.join(here, f"ready{rank}"), "w") as f:
+    f.write(str(os.getpid()))
+while True:
+    time.sleep(0.05)
+'''
+
+
+def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(tmp_path: Path) -> None:
+    (tmp_path / "trapping.py").write_text(TRAPPING)
+    launcher = subprocess.Popen(
+        [*LAUNCHER, "--nproc-per-node", "2", "--grace-period", "60", "--coordinator", UNUSED_COORDINATOR,
+         "trapping.py"],
+        cwd=tmp_path, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        _wait_for(tmp_path / "ready0")
+        _wait_for(tmp_path / "ready1")
+        launcher.send_signal(signal.SIGTERM)
+        _wait_for(tmp_path / "rank1-got")
+        assert launcher.poll() is None, "rank 1 ignores SIGTERM, so the launcher must still be waiting"
+        started = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        _out, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert time.monotonic() - started < 20, "the second signal must not wait for the 60 s grace period"
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert (tmp_path / "rank0-got").read_text() == "SIGTERM\n"
+    assert (tmp_path / "rank1-got").read_text() == "SIGTERM\n"
+    assert "received SIGTERM: forwarding it to the workers" in err
+    assert "received SIGTERM again: killing the workers" in err
+    assert "stopped by SIGTERM: rank 0: exit code 0; rank 1: killed by signal SIGKILL" in err
+    assert not _pid_alive(int((tmp_path / "ready1").read_text()))
+
+
+def test_a_program_that_cannot_start_is_reported_with_exit_127(tmp_path: Path) -> None:
+    proc = _launch(
+        "--no-python", "--nproc-per-node", "2", "--coordinator", UNUSED_COORDINATOR,
+        str(tmp_path / "no-such-program"), cwd=tmp_path, env=_clean_env(),
+    )
+    assert proc.returncode == 127
+    assert "cannot start rank 0:" in proc.stderr and "no-such-program" in proc.stderr
+
+
+def _has_coordinator() -> bool:
+    try:
+        import aiocoll.server as server
+    except ImportError:
+        return False
+    return hasattr(server, "Coordinator")
+
+
+COORDINATOR_CLIENT = r'''
+import asyncio, os, socket, sys
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+generation = os.environ["AIOCOLL_RESTART_COUNT"]
+if os.environ["USE_STORE"] == "1":
+    from aiocoll import connect_store
+    async def main():
+        store = await connect_store(f"tcp://{addr}:{port}", timeout=30)
+        await store.set(f"hello/{generation}/{rank}", f"{generation}:{rank * 10}")
+        values = [await store.get(f"hello/{generation}/{r}") for r in range(world)]
+        print("store", b",".join(values).decode(), flush=True)
+        await store.aclose()
+    asyncio.run(main())
+else:
+    # No store client yet: at least the embedded coordinator must accept a connection there.
+    socket.create_connection((addr, port), timeout=10).close()
+    print("connected", addr, port, flush=True)
+if generation == "0" and rank == 1:
+    sys.exit(7)   # the second generation must find the same coordinator still serving the job
+'''
+
+
+@pytest.mark.skipif(not _has_coordinator(), reason="aiocoll.server.Coordinator has not landed yet")
+def test_the_embedded_coordinator_answers_and_outlives_a_restart(tmp_path: Path) -> None:
+    use_store = importlib.util.find_spec("aiocoll._connect") is not None
+    (tmp_path / "client.py").write_text(COORDINATOR_CLIENT)
+    proc = _launch(
+        "--nproc-per-node", "2", "--max-restarts", "1", "client.py",
+        cwd=tmp_path, env=_clean_env(AIOCOLL_TOKEN="t0k", USE_STORE="1" if use_store else "0"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("embedded coordinator listening on 127.0.0.1:") == 1
+    port = proc.stderr.split("embedded coordinator listening on 127.0.0.1:")[1].split()[0]
+    for rank in (0, 1):
+        if use_store:
+            assert _rank_lines(proc.stdout, rank) == ["store 0:0,0:10", "store 1:0,1:10"]
+        else:
+            assert _rank_lines(proc.stdout, rank) == [f"connected 127.0.0.1 {port}"] * 2
+    assert "restart 1 of 1" in proc.stderr
+
+
+def _dispatcher_complete() -> bool:
+    return all(
+        importlib.util.find_spec(f"aiocoll.cli.{name}") is not None
+        for name in ("coordinator", "run", "bench", "status")
+    )
+
+
+@pytest.mark.skipif(not _dispatcher_complete(), reason="not every `aiocoll` sub-command module exists yet")
+def test_aiocoll_run_help_through_the_dispatcher_shows_examples(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "aiocoll", "run", "--help"], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    for fragment in ("examples:", "--nproc-per-node", "--max_restarts", "exit status:"):
+        assert fragment in proc.stdout, fragment
