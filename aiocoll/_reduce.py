@@ -1,0 +1,142 @@
+"""Reduce kernels on contiguous 1-D numpy arrays; imports only _types (no torch, no asyncio).
+
+The algorithm executor combines a received chunk into a local one with ``reduce_into`` and,
+for AVG, divides the final result with ``finish_avg``. Both write in place (numpy ``out=``), so
+a reduction allocates nothing except for bfloat16.
+
+Semantics follow torch's CPU kernels (and so gloo's): float16 is added element by element in
+float16 (numpy widens each element to float32 internally and rounds back, as torch does; there
+is no float32 accumulation across ranks); bool SUM is logical or and bool PRODUCT logical and;
+integers wrap around. bfloat16 has no numpy dtype, so it travels as its raw ``uint16`` bits;
+its kernels widen to float32 (exact), compute, and round back to nearest-even, which is what
+torch does per element. ``check_reduce_op`` is the one place that decides which op is
+meaningful for which dtype; the engine calls it at call time so a bad combination fails before
+anything is sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._types import BITWISE_OPS, ReduceOp
+
+__all__ = [
+    "BFLOAT16",
+    "bf16_to_f32",
+    "check_reduce_op",
+    "f32_to_bf16",
+    "finish_avg",
+    "reduce_into",
+]
+
+BFLOAT16 = "bfloat16"
+
+_INTEGER = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
+_FLOATING = frozenset({"float16", "float32", "float64", BFLOAT16})
+_COMPLEX = frozenset({"complex64", "complex128"})
+_KNOWN = _INTEGER | _FLOATING | _COMPLEX | {"bool"}
+
+_UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: np.add,
+    ReduceOp.AVG: np.add,  # AVG reduces as SUM; finish_avg divides once at the end
+    ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.BAND: np.bitwise_and,
+    ReduceOp.BOR: np.bitwise_or,
+    ReduceOp.BXOR: np.bitwise_xor,
+}
+
+
+def check_reduce_op(op: ReduceOp, dtype_name: str) -> None:
+    """Refuse reduce operations that mean nothing for a dtype.
+
+    Args:
+        op: the reduce operation.
+        dtype_name: canonical dtype name ("float32", "bfloat16", "bool", "int64", ...).
+    Raises:
+        TypeError: bitwise ops on floating or complex data, MIN/MAX on complex data, AVG on
+            integer or bool data, or a dtype aiocoll cannot reduce.
+    """
+    if dtype_name not in _KNOWN:
+        raise TypeError(
+            f"aiocoll cannot reduce dtype {dtype_name!r}; supported: bool, int8..int64, uint8..uint64, "
+            "float16, bfloat16, float32, float64, complex64, complex128"
+        )
+    if op in BITWISE_OPS and dtype_name not in _INTEGER and dtype_name != "bool":
+        raise TypeError(
+            f"ReduceOp.{op.name} is a bitwise operation and needs an integer or bool tensor, got "
+            f"{dtype_name}; use SUM/PRODUCT/MIN/MAX/AVG for {dtype_name} data"
+        )
+    if op in (ReduceOp.MIN, ReduceOp.MAX) and dtype_name in _COMPLEX:
+        raise TypeError(
+            f"ReduceOp.{op.name} is not defined for complex data ({dtype_name}): complex numbers have "
+            "no order; reduce the real and imaginary parts or the magnitudes instead"
+        )
+    if op is ReduceOp.AVG and dtype_name not in _FLOATING and dtype_name not in _COMPLEX:
+        raise TypeError(
+            f"ReduceOp.AVG needs a floating-point or complex tensor, got {dtype_name}; "
+            "use SUM and divide, or convert the tensor to a float dtype first"
+        )
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 values (as uint16 bits) to a new float32 array; exact."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
+    """Round float32 values to bfloat16 bits (nearest, ties to even) into ``out`` (uint16).
+
+    NaNs stay NaN (quieted), as torch's conversion keeps them.
+    """
+    u = values.view(np.uint32)
+    # Adding 0x7FFF plus the lowest kept bit rounds to nearest with ties going to the even value.
+    lsb = (u >> np.uint32(16)) & np.uint32(1)
+    rounded = (u + (np.uint32(0x7FFF) + lsb)) >> np.uint32(16)
+    nan = np.isnan(values)
+    if nan.any():
+        rounded[nan] = (u[nan] >> np.uint32(16)) | np.uint32(0x0040)
+    np.copyto(out, rounded, casting="unsafe")
+
+
+def reduce_into(op: ReduceOp, dst: np.ndarray, src: np.ndarray, dtype_name: str) -> None:
+    """Combine ``src`` into ``dst`` in place: ``dst = dst (op) src``.
+
+    Args:
+        op: the reduce operation (AVG reduces as SUM here; see ``finish_avg``).
+        dst, src: 1-D arrays of equal length and dtype (uint16 bits for bfloat16).
+        dtype_name: canonical dtype name; it tells bfloat16 apart from uint16.
+    Raises:
+        TypeError: for a meaningless op/dtype pair (see ``check_reduce_op``).
+    """
+    if dtype_name == BFLOAT16:
+        check_reduce_op(op, dtype_name)
+        wide = bf16_to_f32(dst)
+        _UFUNCS[op](wide, bf16_to_f32(src), out=wide)
+        f32_to_bf16(wide, dst)
+        return
+    ufunc = _UFUNCS.get(op)
+    if ufunc is None:  # pragma: no cover - every ReduceOp has an entry
+        raise TypeError(f"unknown reduce op {op!r}")
+    if op in BITWISE_OPS or op is ReduceOp.AVG or dst.dtype.kind == "c":
+        check_reduce_op(op, dtype_name)
+    ufunc(dst, src, out=dst)
+
+
+def finish_avg(result: np.ndarray, world_size: int, dtype_name: str) -> None:
+    """Divide a SUM result by the number of contributors, in place (the AVG epilogue).
+
+    Raises:
+        TypeError: for integer or bool data, where AVG is refused.
+    """
+    check_reduce_op(ReduceOp.AVG, dtype_name)
+    if dtype_name == BFLOAT16:
+        wide = bf16_to_f32(result)
+        np.divide(wide, np.float32(world_size), out=wide)
+        f32_to_bf16(wide, result)
+        return
+    np.divide(result, world_size, out=result, casting="unsafe")

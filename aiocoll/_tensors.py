@@ -1,0 +1,206 @@
+"""Tensor buffer handling: numpy arrays and torch tensors to contiguous 1-D numpy working arrays.
+
+Imports nothing from aiocoll and never imports torch: a torch tensor can only exist if the
+caller already imported torch, so we look for it in ``sys.modules``. The engine turns every
+tensor an operation touches into a ``Working`` (a flat numpy view of the same memory where
+possible, a staging copy otherwise) before the algorithms run, and calls ``finish()`` afterwards
+so results land in the caller's tensor in place. Signatures use ``dtype_name`` and ``numel``.
+
+Staging copies are needed for: non-contiguous or non-native-byte-order numpy arrays, torch
+tensors that are not contiguous or carry a lazy conjugate/negative bit, and tensors on an
+accelerator (copied through host memory; pinned buffers and a device path can replace the
+staging here without touching the algorithms). bfloat16 travels as its raw bits in a uint16
+array (numpy has no bfloat16); ``aiocoll._reduce`` knows how to reduce those bits.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SUPPORTED_DTYPES", "Working", "as_working", "dtype_name", "is_torch_tensor", "numel"]
+
+SUPPORTED_DTYPES = frozenset(
+    {
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "bfloat16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    }
+)
+
+
+def _nothing() -> None:
+    return None
+
+
+@dataclass
+class Working:
+    """A tensor as the executor sees it.
+
+    Attributes:
+        array: contiguous 1-D numpy array (uint16 bits for bfloat16); writes to it reach the
+            caller's tensor once ``finish()`` ran (immediately when no staging was needed).
+        dtype_name: canonical dtype name ("float32", "bfloat16", ...).
+        shape: the caller's shape. staged: True when ``array`` is a copy.
+    """
+
+    array: np.ndarray
+    dtype_name: str
+    shape: tuple[int, ...]
+    staged: bool = False
+    _finish: Callable[[], None] = field(default=_nothing, repr=False)
+
+    @property
+    def numel(self) -> int:
+        return int(self.array.size)
+
+    def finish(self) -> None:
+        """Copy results back into the caller's tensor if ``array`` is a staging copy."""
+        self._finish()
+
+
+def is_torch_tensor(obj: object) -> bool:
+    """True when ``obj`` is a torch.Tensor; never imports torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def dtype_name(obj: Any) -> str:
+    """Canonical dtype name of a numpy array or torch tensor ("float32", "bfloat16", "bool", ...).
+
+    Raises:
+        TypeError: not a tensor, or a dtype aiocoll does not carry.
+    """
+    if isinstance(obj, np.ndarray):
+        name = obj.dtype.name
+    elif is_torch_tensor(obj):
+        name = str(obj.dtype).removeprefix("torch.")
+    else:
+        raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
+    if name not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"aiocoll does not carry dtype {name!r}; supported: {', '.join(sorted(SUPPORTED_DTYPES))}"
+        )
+    return name
+
+
+def numel(obj: Any) -> int:
+    """Number of elements of a numpy array or torch tensor (1 for 0-d, 0 for empty)."""
+    if isinstance(obj, np.ndarray):
+        return int(obj.size)
+    if is_torch_tensor(obj):
+        return int(obj.numel())
+    raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
+
+
+def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
+    """Flatten a tensor into a contiguous 1-D numpy working array.
+
+    Args:
+        obj: numpy array or torch tensor, any shape (0-d and empty included), contiguous or not.
+        read: the operation reads the tensor's current values (a staging copy is filled).
+        write: the operation writes results into it (``finish`` copies back; read-only numpy
+            arrays are refused).
+    Returns:
+        a Working whose ``finish()`` must run after the operation completed successfully.
+    Raises:
+        TypeError: not a tensor, or an unsupported dtype or layout (sparse, meta device).
+        ValueError: ``write`` and the numpy array is read-only.
+        RuntimeError: a CUDA tensor while torch reports no usable CUDA.
+    """
+    if isinstance(obj, np.ndarray):
+        return _numpy_working(obj, read=read, write=write)
+    if is_torch_tensor(obj):
+        return _torch_working(obj, read=read, write=write)
+    raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
+
+
+def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
+    name = dtype_name(arr)
+    shape = tuple(arr.shape)
+    if write and not arr.flags.writeable:
+        raise ValueError(
+            f"cannot write the result into a read-only numpy array (shape {shape}, {name}); "
+            "pass a writeable array (e.g. arr.copy())"
+        )
+    if arr.flags.c_contiguous and arr.dtype.isnative:
+        return Working(arr.reshape(-1), name, shape)
+    native = arr.dtype.newbyteorder("=")
+    if read:
+        staging = np.ascontiguousarray(arr, dtype=native).reshape(-1)
+    else:
+        staging = np.empty(arr.size, dtype=native)
+
+    def finish() -> None:
+        arr[...] = staging.reshape(shape)
+
+    return Working(staging, name, shape, staged=True, _finish=finish if write else _nothing)
+
+
+def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
+    import torch  # already imported by whoever made the tensor; this binds the name only
+
+    name = dtype_name(tensor)
+    shape = tuple(tensor.shape)
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"aiocoll needs dense (strided) tensors, got layout {tensor.layout}; call .to_dense()"
+        )
+    device = tensor.device
+    if device.type == "meta":
+        raise TypeError("a tensor on the 'meta' device has no data to communicate")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"tensor is on {device} but torch reports no usable CUDA device in this process; "
+            "move it to the CPU (tensor.cpu()) or run where CUDA is available"
+        )
+    source = tensor.detach()
+    direct = device.type == "cpu" and source.is_contiguous() and not source.is_conj() and not source.is_neg()
+    if direct:
+        flat = source.view(-1)
+    else:
+        # Staging through host memory: one copy in (when read), one copy back in finish().
+        if read:
+            flat = source.resolve_conj().resolve_neg().to("cpu").contiguous().view(-1)
+            if flat.data_ptr() == source.data_ptr() and flat.numel():
+                flat = flat.clone()
+        else:
+            flat = torch.empty(source.numel(), dtype=source.dtype, device="cpu")
+    array = _torch_flat_to_numpy(flat, name)
+    if direct:
+        return Working(array, name, shape)
+
+    def finish() -> None:
+        with torch.no_grad():
+            tensor.copy_(flat.view(shape))
+
+    return Working(array, name, shape, staged=True, _finish=finish if write else _nothing)
+
+
+def _torch_flat_to_numpy(flat: Any, name: str) -> np.ndarray:
+    import torch
+
+    if name == "bfloat16":
+        return flat.view(torch.int16).numpy().view(np.uint16)  # raw bits; see aiocoll._reduce
+    if name in ("uint16", "uint32", "uint64"):
+        # torch's newer unsigned types may lack a numpy bridge; reinterpret the signed twin's bits.
+        signed = {"uint16": torch.int16, "uint32": torch.int32, "uint64": torch.int64}[name]
+        return flat.view(signed).numpy().view(np.dtype(name))
+    result: np.ndarray = flat.numpy()
+    return result

@@ -1,0 +1,425 @@
+"""The one executor: applies any Schedule over a Transport; imports only foundations.
+
+``run_collective`` picks (or is told) an algorithm, builds this rank's schedule with the pure
+functions of ``_schedule``, maps the schedule's buffer names onto the operation's arrays, and
+runs it: lanes as concurrent tasks, each lane's steps in order, each step's sends and receives
+concurrently, reductions in place with numpy ``out=`` after the step's transfers completed.
+Every message is tagged ``(*tag, step_id)`` and carries the engine's ``meta`` (the operation's
+signature); every received meta is compared with ours so a mismatched call fails with
+MismatchError on the first message instead of hanging or corrupting data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import MismatchError
+from .._reduce import check_reduce_op, finish_avg, reduce_into
+from .._types import ReduceOp
+from . import _schedule as S
+from ._transport import Tag, Transport
+
+__all__ = ["ALGORITHMS", "KINDS", "CollectiveSpec", "choose_algorithm", "run_collective"]
+
+KINDS = (
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+    "barrier",
+)
+
+ALGORITHMS: dict[str, tuple[str, ...]] = {
+    "all_reduce": ("ring", "rhd", "tree"),
+    "broadcast": ("tree", "direct"),
+    "reduce": ("tree", "direct"),
+    "all_gather": ("direct", "ring"),
+    "gather": ("direct",),
+    "scatter": ("direct",),
+    "reduce_scatter": ("direct", "ring"),
+    "all_to_all": ("direct",),
+    "barrier": ("rhd",),
+}
+"""Algorithms each kind accepts as an override; "rhd" for barrier is the dissemination pattern
+(recursive doubling generalised to any world size)."""
+
+# Below this many bytes per rank, latency (number of rounds) matters more than bandwidth.
+SMALL_BYTES = 256 * 1024
+
+_SIGNATURE_FIELDS = ("kind", "root", "dtype", "count", "op")
+
+
+@dataclass(frozen=True)
+class CollectiveSpec:
+    """One collective operation as this rank sees it.
+
+    Attributes:
+        kind: one of KINDS.
+        ranks: global ranks of the group; position = group rank.
+        me: my group rank (index into ``ranks``).
+        send, recv: contiguous 1-D numpy arrays; meaning per kind:
+            all_reduce send=(x,) recv=(x,) (in place); broadcast send=() recv=(x,);
+            reduce send=(x,) recv=(x,) (result at root; other ranks' x unchanged);
+            all_gather send=(x,) recv=(out_0..out_{n-1}); gather send=(x,) recv=outs at root, ()
+            elsewhere; scatter send=ins at root, () elsewhere, recv=(x,); reduce_scatter
+            send=(in_0..in_{n-1}) recv=(x,); all_to_all send=ins recv=outs (sizes may differ per
+            peer); barrier: both empty.
+        root: group rank of the root (broadcast, reduce, gather, scatter).
+        op: reduce operation. algorithm: override ("ring", "rhd", "tree", "direct") or None.
+        dtype: canonical dtype name when the arrays alone cannot tell it (bfloat16 travels as
+            uint16 bits); None: ``meta["dtype"]`` if present, else the arrays' dtype.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    me: int
+    send: tuple[np.ndarray, ...]
+    recv: tuple[np.ndarray, ...]
+    root: int = 0
+    op: ReduceOp = ReduceOp.SUM
+    algorithm: str | None = None
+    dtype: str | None = None
+
+
+def choose_algorithm(kind: str, nbytes: int, world_size: int) -> str:
+    """The default algorithm for an operation; every rank computes the same answer.
+
+    Args:
+        kind: one of KINDS.
+        nbytes: bytes of one rank's vector (all_reduce/broadcast/reduce: x; all_gather/gather:
+            the input x; scatter/reduce_scatter: the output x; all_to_all/barrier: ignored).
+        world_size: ranks in the group.
+    Raises:
+        ValueError: unknown kind.
+    """
+    if kind not in ALGORITHMS:
+        raise ValueError(f"unknown collective kind {kind!r}; expected one of {KINDS}")
+    if kind == "all_reduce":
+        # Few rounds while latency dominates; the pipelined ring (bandwidth optimal) above.
+        return "rhd" if nbytes < SMALL_BYTES or world_size <= 1 else "ring"
+    if kind in ("broadcast", "reduce"):
+        return "tree"
+    if kind in ("all_gather", "reduce_scatter"):
+        # Direct moves the same bytes per rank as the ring in a single round; the ring only pays
+        # off when many peers would otherwise all send large blocks at one receiver at once.
+        return "ring" if world_size > 4 and nbytes * world_size >= 4 * SMALL_BYTES else "direct"
+    return ALGORITHMS[kind][0]
+
+
+class _Context:
+    """What one running operation needs at every message: transport, tags, meta, op."""
+
+    __slots__ = ("bufs", "dtype_name", "global_ranks", "me_global", "meta", "op", "tag", "transport")
+
+    def __init__(
+        self,
+        transport: Transport,
+        tag: tuple[Any, ...],
+        meta: dict[str, Any],
+        global_ranks: Sequence[int],
+        me: int,
+        bufs: dict[S.BufRef, np.ndarray],
+        op: ReduceOp,
+        dtype_name: str,
+    ) -> None:
+        self.transport = transport
+        self.tag = tag
+        self.meta = meta
+        self.global_ranks = global_ranks
+        self.me_global = global_ranks[me]
+        self.bufs = bufs
+        self.op = op
+        self.dtype_name = dtype_name
+
+    async def send(self, peer: int, step_id: int, data: np.ndarray) -> None:
+        await self.transport.send(
+            self.global_ranks[peer], (*self.tag, step_id), data.view(np.uint8).data, self.meta
+        )
+
+    async def recv(self, peer: int, step_id: int, into: np.ndarray) -> None:
+        src = self.global_ranks[peer]
+        try:
+            _, remote_meta = await self.transport.recv(
+                src, (*self.tag, step_id), into.view(np.uint8).data
+            )
+        except MismatchError as exc:
+            remote = getattr(exc, "remote_meta", None)
+            if isinstance(remote, dict) and remote != self.meta:
+                raise self._mismatch(src, remote) from exc
+            raise self._mismatch(src, remote, size_detail=str(exc)) from exc
+        if remote_meta != self.meta:
+            raise self._mismatch(src, remote_meta)
+
+    def _mismatch(self, src: int, remote: Any, size_detail: str | None = None) -> MismatchError:
+        group, seq = "", -1
+        if len(self.tag) >= 3 and self.tag[0] == "c":
+            group, seq = str(self.tag[1]), self.tag[2] if isinstance(self.tag[2], int) else -1
+        where = f" (group {group!r}, seq {seq})" if group else ""
+        if isinstance(remote, dict) and remote != self.meta:
+            keys = [k for k in _SIGNATURE_FIELDS if self.meta.get(k) != remote.get(k)]
+            keys += sorted(
+                str(k)
+                for k in set(self.meta) | set(remote)
+                if k not in _SIGNATURE_FIELDS and self.meta.get(k) != remote.get(k)
+            )
+            message = (
+                f"rank {self.me_global} and rank {src} called different collectives at one point{where}: "
+                f"they differ in {', '.join(keys)}; rank {self.me_global}: {_fmt(self.meta)}; rank {src}: "
+                f"{_fmt(remote)}. Every rank of a group must call the same operations, with the same "
+                "root, dtype, size and reduce op, in the same order."
+            )
+        else:
+            keys = ["size"]
+            message = (
+                f"rank {self.me_global} received a message of the wrong size from rank {src}{where} "
+                f"during {self.meta.get('kind', 'a collective')} ({size_detail}); the ranks passed "
+                "tensors (or split sizes) that do not agree."
+            )
+        err = MismatchError(message, group=group, seq=seq, ranks=sorted({self.me_global, src}))
+        err.local_meta = dict(self.meta)  # type: ignore[attr-defined]
+        err.remote_meta = remote  # type: ignore[attr-defined]
+        err.fields = keys  # type: ignore[attr-defined]
+        return err
+
+
+def _fmt(meta: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}={meta[k]!r}" for k in meta) + "}"
+
+
+async def _all(aws: list[Awaitable[None]]) -> None:
+    """Run awaitables concurrently; on the first failure cancel the rest and raise it."""
+    if len(aws) == 1:
+        await aws[0]
+        return
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            # Cancelled transfers end promptly; waiting for them leaves no orphan behind.
+            await asyncio.wait(pending)
+    first: BaseException | None = None
+    for t in tasks:
+        exc = None if t.cancelled() else t.exception()
+        # A signature mismatch explains everything else that went wrong; report it first.
+        if exc is not None and (
+            first is None or (isinstance(exc, MismatchError) and not isinstance(first, MismatchError))
+        ):
+            first = exc
+    if first is not None:
+        raise first
+
+
+async def _run_lane(steps: Sequence[S.Step], ctx: _Context) -> None:
+    bufs = ctx.bufs
+    need = max((sum(r.stop - r.start for r in st.recvs if r.reduce) for st in steps), default=0)
+    reduced = next((r.buf for st in steps for r in st.recvs if r.reduce), None)
+    # One scratch per lane, reused by every step: reductions allocate nothing per message.
+    scratch = np.empty(need, dtype=bufs[reduced].dtype) if reduced is not None else None
+    for step in steps:
+        aws: list[Awaitable[None]] = []
+        reductions: list[tuple[np.ndarray, np.ndarray]] = []
+        offset = 0
+        for r in step.recvs:
+            target = bufs[r.buf][r.start : r.stop]
+            if r.reduce:
+                assert scratch is not None
+                landing = scratch[offset : offset + (r.stop - r.start)]
+                offset += r.stop - r.start
+                reductions.append((target, landing))
+            else:
+                landing = target
+            aws.append(ctx.recv(r.peer, step.id, landing))
+        for s in step.sends:
+            aws.append(ctx.send(s.peer, step.id, bufs[s.buf][s.start : s.stop]))
+        await _all(aws)
+        # Only now: a reduced range may also have been the payload of one of this step's sends.
+        for target, landing in reductions:
+            reduce_into(ctx.op, target, landing, ctx.dtype_name)
+
+
+def _copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
+    for c in copies:
+        if c.count:
+            np.copyto(
+                bufs[c.dst][c.dst_start : c.dst_start + c.count],
+                bufs[c.src][c.src_start : c.src_start + c.count],
+            )
+
+
+async def execute(schedule: S.Schedule, ctx: _Context) -> None:
+    """Run one rank's schedule: prologue, lanes concurrently, epilogue."""
+    _copies(schedule.prologue, ctx.bufs)
+    lanes = [lane for lane in schedule.lanes if lane]
+    if lanes:
+        await _all([_run_lane(lane, ctx) for lane in lanes])
+    _copies(schedule.epilogue, ctx.bufs)
+
+
+def _check_flat(arrays: Sequence[np.ndarray], what: str) -> None:
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.ndim != 1 or not a.flags.c_contiguous:
+            raise ValueError(
+                f"{what}: the executor needs contiguous 1-D numpy arrays, got {type(a).__name__}"
+            )
+
+
+def _expect(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _plan(
+    spec: CollectiveSpec, algorithm: str, dtype_name: str
+) -> tuple[S.Schedule, dict[S.BufRef, np.ndarray], list[np.ndarray]]:
+    """Build (schedule, buffer map, arrays that hold an AVG result) for this rank."""
+    n, me, root, kind = len(spec.ranks), spec.me, spec.root, spec.kind
+    send, recv = spec.send, spec.recv
+    bufs: dict[S.BufRef, np.ndarray] = {}
+    for i, a in enumerate(send):
+        bufs[("s", i)] = a
+    for i, a in enumerate(recv):
+        bufs[("r", i)] = a
+    results: list[np.ndarray] = []
+    itemsize = next((a.itemsize for a in (*recv, *send)), 1)
+
+    if kind == "all_reduce":
+        _expect(len(send) == 1 and len(recv) == 1, "all_reduce takes send=(x,) and recv=(x,)")
+        x = recv[0]
+        _expect(send[0].size == x.size, "all_reduce: send and recv sizes differ")
+        if send[0] is not x:
+            np.copyto(x, send[0])
+        bufs[S.W] = x
+        results.append(x)
+        if algorithm == "ring":
+            sched = S.ring_all_reduce_schedule(n, me, x.size, itemsize=itemsize)
+        elif algorithm == "rhd":
+            sched = S.rhd_all_reduce_schedule(n, me, x.size, itemsize=itemsize)
+        else:
+            sched = S.tree_all_reduce_schedule(n, me, x.size, itemsize=itemsize)
+    elif kind == "broadcast":
+        _expect(len(recv) == 1, "broadcast takes recv=(x,)")
+        bufs[S.W] = recv[0]
+        if algorithm == "tree":
+            sched = S.tree_broadcast_schedule(n, me, root, recv[0].size, itemsize=itemsize)
+        else:
+            sched = S.direct_broadcast_schedule(n, me, root, recv[0].size)
+    elif kind == "reduce":
+        _expect(len(send) == 1 and len(recv) == 1, "reduce takes send=(x,) and recv=(x,)")
+        count = send[0].size
+        if algorithm == "tree":
+            sched = S.tree_reduce_schedule(n, me, root, count, itemsize=itemsize)
+        else:
+            sched = S.direct_reduce_schedule(n, me, root, count)
+        if me == root:
+            if send[0] is not recv[0]:
+                np.copyto(recv[0], send[0])
+            bufs[S.W] = recv[0]
+            results.append(recv[0])
+        elif any(r.reduce for st in sched.steps() for r in st.recvs):
+            bufs[S.W] = send[0].copy()  # interior tree node: accumulate without touching x
+        else:
+            bufs[S.W] = send[0]
+    elif kind in ("all_gather", "gather"):
+        _expect(len(send) == 1, f"{kind} takes send=(x,)")
+        count = send[0].size
+        gathers = kind == "all_gather" or me == root
+        if gathers:
+            _expect(len(recv) == n, f"{kind} needs {n} output arrays here, got {len(recv)}")
+            _expect(all(r.size == count for r in recv), f"{kind}: every output must have {count} elements")
+        if kind == "gather":
+            sched = S.direct_gather_schedule(n, me, root, count)
+        elif algorithm == "ring":
+            sched = S.ring_all_gather_schedule(n, me, count, itemsize=itemsize)
+        else:
+            sched = S.direct_all_gather_schedule(n, me, count)
+    elif kind == "scatter":
+        _expect(len(recv) == 1, "scatter takes recv=(x,)")
+        count = recv[0].size
+        if me == root:
+            _expect(len(send) == n, f"scatter needs {n} input arrays at the root, got {len(send)}")
+            _expect(all(s.size == count for s in send), f"scatter: every input must have {count} elements")
+        sched = S.direct_scatter_schedule(n, me, root, count)
+    elif kind == "reduce_scatter":
+        _expect(len(recv) == 1 and len(send) == n, f"reduce_scatter takes {n} inputs and recv=(x,)")
+        count = recv[0].size
+        _expect(all(s.size == count for s in send), f"reduce_scatter: every input must have {count} elements")
+        results.append(recv[0])
+        if algorithm == "ring":
+            bufs[S.W] = np.concatenate(send) if n > 1 else send[0]
+            sched = S.ring_reduce_scatter_schedule(n, me, count, itemsize=itemsize)
+        else:
+            sched = S.direct_reduce_scatter_schedule(n, me, count)
+    elif kind == "all_to_all":
+        _expect(len(send) == n and len(recv) == n, f"all_to_all takes {n} inputs and {n} outputs")
+        _expect(
+            send[me].size == recv[me].size, "all_to_all: what a rank sends itself must fit its own output"
+        )
+        sched = S.direct_all_to_all_schedule(n, me, [s.size for s in send], [r.size for r in recv])
+    else:  # barrier
+        bufs[S.Z] = np.empty(0, dtype=np.uint8)
+        sched = S.dissemination_barrier_schedule(n, me)
+    return sched, bufs, results
+
+
+async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any]) -> None:
+    """Run one collective operation for this rank, in place on ``spec``'s arrays.
+
+    Args:
+        spec: the operation (see CollectiveSpec).
+        transport: carries the messages; peers are addressed by global rank.
+        tag: the operation's unique tag prefix; message k is tagged ``(*tag, k)``.
+        meta: the operation's signature, sent with every message and compared on receipt.
+    Raises:
+        ValueError: inconsistent spec (arrays, ranks, root, unknown algorithm for the kind).
+        TypeError: a reduce op that means nothing for the dtype.
+        MismatchError: a peer's signature or message size differs from ours.
+        PeerLostError: a peer involved in the operation is gone.
+    """
+    n = len(spec.ranks)
+    if spec.kind not in ALGORITHMS:
+        raise ValueError(f"unknown collective kind {spec.kind!r}; expected one of {KINDS}")
+    if not 0 <= spec.me < n:
+        raise ValueError(f"group rank {spec.me} out of range for a group of {n}")
+    if not 0 <= spec.root < n:
+        raise ValueError(f"root {spec.root} out of range for a group of {n} (roots are group ranks)")
+    _check_flat(spec.send, f"{spec.kind} send")
+    _check_flat(spec.recv, f"{spec.kind} recv")
+    arrays = (*spec.recv, *spec.send)
+    dtype_name = spec.dtype or meta.get("dtype") or (arrays[0].dtype.name if arrays else "uint8")
+    reduces = spec.kind in ("all_reduce", "reduce", "reduce_scatter")
+    if reduces:
+        check_reduce_op(spec.op, dtype_name)
+        if any(a.dtype != arrays[0].dtype for a in arrays):
+            raise ValueError(f"{spec.kind}: every array must have the same dtype")
+    algorithm = spec.algorithm or choose_algorithm(spec.kind, _nbytes(spec), n)
+    if algorithm not in ALGORITHMS[spec.kind]:
+        raise ValueError(
+            f"algorithm {algorithm!r} is not available for {spec.kind}; choose one of {ALGORITHMS[spec.kind]}"
+        )
+    sched, bufs, results = _plan(spec, algorithm, dtype_name)
+    ctx = _Context(transport, tuple(tag), meta, spec.ranks, spec.me, bufs, spec.op, dtype_name)
+    await execute(sched, ctx)
+    if reduces and spec.op is ReduceOp.AVG:
+        for result in results:
+            finish_avg(result, n, dtype_name)
+
+
+def _nbytes(spec: CollectiveSpec) -> int:
+    if spec.kind in ("broadcast", "scatter", "reduce_scatter"):
+        return int(spec.recv[0].nbytes) if spec.recv else 0
+    if spec.send:
+        return int(spec.send[0].nbytes)
+    return 0

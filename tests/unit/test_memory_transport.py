@@ -1,0 +1,98 @@
+"""The in-memory transport passes the transport conformance suite, plus its own bounded-inbox checks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from aiocoll.client.transports.memory import MemoryTransport, MemoryWorld
+
+from aiocoll._errors import PeerLostError
+from aiocoll.algorithms import Transport
+from aiocoll.testing.transport_conformance import MakeWorld, TransportConformance
+
+META = {"kind": "test"}
+
+
+class TestMemoryTransportConformance(TransportConformance):
+    @pytest.fixture
+    async def make_world(self) -> AsyncIterator[MakeWorld]:
+        worlds: list[MemoryWorld] = []
+
+        async def make(n: int) -> list[Transport]:
+            worlds.append(MemoryWorld(n))
+            return list(worlds[-1].transports)
+
+        yield make
+        for world in worlds:
+            await world.aclose()
+
+    @pytest.fixture
+    def kill_rank(self):  # type: ignore[no-untyped-def]
+        def kill(world: list[Transport], rank: int) -> None:
+            transport = world[rank]
+            assert isinstance(transport, MemoryTransport)
+            transport._world.kill(rank)
+
+        return kill
+
+
+@pytest.mark.timeout(30)
+async def test_full_inbox_blocks_the_sender_until_the_receiver_consumes() -> None:
+    world = MemoryWorld(2, max_inbox_bytes=10, max_inbox_messages=100)
+    a, b = world.transports
+    await a.send(1, ("m", 0), memoryview(b"0123456789"), META)  # fills the inbox exactly
+    blocked = asyncio.ensure_future(a.send(1, ("m", 1), memoryview(b"x"), META))
+    await asyncio.sleep(0.05)
+    assert not blocked.done(), "a send over the inbox bound should wait for room"
+    into = bytearray(10)
+    await b.recv(0, ("m", 0), memoryview(into))
+    await asyncio.wait_for(blocked, 5)
+    await b.recv(0, ("m", 1), memoryview(bytearray(1)))
+
+
+@pytest.mark.timeout(30)
+async def test_a_message_larger_than_the_bound_fits_into_an_empty_inbox() -> None:
+    world = MemoryWorld(2, max_inbox_bytes=4)
+    a, b = world.transports
+    await asyncio.wait_for(a.send(1, ("big",), memoryview(b"x" * 100), META), 5)
+    await b.recv(0, ("big",), memoryview(bytearray(100)))
+
+
+@pytest.mark.timeout(30)
+async def test_a_send_waiting_for_room_fails_with_peer_lost_when_the_receiver_dies() -> None:
+    world = MemoryWorld(2, max_inbox_messages=1)
+    a, _ = world.transports
+    await a.send(1, ("m", 0), memoryview(b"a"), META)
+    blocked = asyncio.ensure_future(a.send(1, ("m", 1), memoryview(b"b"), META))
+    await asyncio.sleep(0.01)
+    world.kill(1)
+    with pytest.raises(PeerLostError) as info:
+        await asyncio.wait_for(blocked, 5)
+    assert info.value.rank == 1
+
+
+@pytest.mark.timeout(30)
+async def test_a_receive_from_any_source_fails_once_a_peer_is_lost() -> None:
+    world = MemoryWorld(3)
+    pending = asyncio.ensure_future(world[0].recv(None, ("any",), memoryview(bytearray(1))))
+    await asyncio.sleep(0.01)
+    world.kill(2)
+    with pytest.raises(PeerLostError):
+        await asyncio.wait_for(pending, 5)
+
+
+@pytest.mark.timeout(30)
+async def test_messages_delivered_before_a_peer_died_can_still_be_received() -> None:
+    world = MemoryWorld(2)
+    await world[1].send(0, ("last",), memoryview(b"words"), META)
+    world.kill(1)
+    into = bytearray(5)
+    assert await world[0].recv(1, ("last",), memoryview(into)) == (1, META)
+    assert bytes(into) == b"words"
+
+
+def test_world_of_zero_ranks_is_refused() -> None:
+    with pytest.raises(ValueError):
+        MemoryWorld(0)
