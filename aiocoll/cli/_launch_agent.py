@@ -514,7 +514,7 @@ class _Agent:
                 return 0
             failed = result.failed
             assert failed is not None and failed.returncode is not None
-            reason = f"rank {failed.rank} {describe_returncode(failed.returncode)}"
+            reason = f"rank {failed.rank} failed ({describe_returncode(failed.returncode)})"
             if restart_count < config.max_restarts:
                 restart_count += 1
                 self._console.log(
@@ -523,7 +523,8 @@ class _Agent:
                 )
                 continue
             budget = f"after {restart_count} restart(s)" if config.max_restarts else "no restarts allowed"
-            self._console.log(f"job failed ({budget}): {reason}; {self._summarise(result.returncodes)}")
+            self._console.log(f"job failed ({budget}): {reason}")
+            self._console.log(f"final status: {self._summarise(result.returncodes)}")
             return exit_code_of(failed.returncode)
 
     @staticmethod
