@@ -1,0 +1,270 @@
+"""The one background event loop that the blocking facade and the torch backend forward to.
+
+Holds the loop thread (daemon, started lazily, uvloop when installed), the bridge that issues an
+async-core operation from any thread and hands its outcome back, and the small completion pool
+on which user-visible futures are completed. Imports only the standard library and aiocoll
+foundations: aiocoll.sync and aiocoll.torch sit on top of it and hold the argument conversions.
+
+It exists because the async core is single-threaded asyncio while torch.distributed scripts,
+DDP's autograd thread and comm-hook callbacks call from arbitrary threads. Two rules keep that
+safe:
+
+* Issue order is launch order. ``Bridge.issue`` appends the call to the loop's ready queue on
+  the calling thread (``call_soon_threadsafe`` is FIFO), so the core takes its per-group
+  sequence number in the order the callers launched, whichever thread they ran on.
+* Nothing a user supplies runs on the loop thread. A callback that blocks (PowerSGD's waits on
+  another all_reduce) would otherwise deadlock the network; futures are completed on
+  ``completion_pool()`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import os
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from ._errors import DistError
+from ._work import Work as _CoreWork
+
+__all__ = ["Outcome", "completion_pool", "get_loop_thread", "LoopThread"]
+
+T = TypeVar("T")
+
+# Enough threads that one blocking callback (PowerSGD waiting on its second all_reduce) never
+# starves the completion of the operation it waits for.
+_COMPLETION_THREADS = 4
+# The coordinator's and peer links' protocols currently assert that their transport is an
+# asyncio.Transport, which uvloop's transports are not; until they accept any transport the
+# facade runs the standard loop by default (AIOCOLL_LOOP=uvloop opts in).
+_DEFAULT_LOOP = "asyncio"
+
+
+class Outcome:
+    """The result of one operation issued onto the loop, readable from any thread.
+
+    A thin wrapper over ``concurrent.futures.Future`` that records whether the operation was
+    accepted by the core (``launched``): the core raises ValueError/TypeError for bad arguments
+    at call time, and callers that must raise at call time wait for that instead of completion.
+    """
+
+    __slots__ = ("_future", "_launched")
+
+    def __init__(self) -> None:
+        self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._launched = threading.Event()
+
+    # Called on the loop thread.
+    def _set_launched(self) -> None:
+        self._launched.set()
+
+    def _set_result(self, value: Any) -> None:
+        if not self._future.done():
+            self._future.set_result(value)
+        self._launched.set()
+
+    def _set_exception(self, exc: BaseException) -> None:
+        if not self._future.done():
+            self._future.set_exception(exc)
+        self._launched.set()
+
+    def wait_launched(self, timeout: float | None = None) -> None:
+        """Block until the core accepted the call; re-raise the call-time error if it refused it.
+
+        Raises:
+            ValueError / TypeError: the core's argument checks. DistError: when the loop thread
+            did not take the call within ``timeout`` seconds.
+        """
+        if not self._launched.wait(timeout):
+            raise DistError(f"the aiocoll loop thread did not accept the call within {timeout}s")
+        if self._future.done() and not self._future.cancelled():
+            exc = self._future.exception()
+            if isinstance(exc, (ValueError, TypeError)):
+                raise exc
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The operation's result, blocking up to ``timeout`` seconds (None: until it completes).
+
+        Raises:
+            Whatever the operation raised; concurrent.futures.TimeoutError (a TimeoutError) when
+            ``timeout`` runs out first.
+        """
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def add_done_callback(self, fn: Callable[[Outcome], None]) -> None:
+        """Call ``fn(self)`` once done — on the completion pool, never on the loop thread."""
+
+        def forward(_: concurrent.futures.Future[Any]) -> None:
+            completion_pool().submit(fn, self)
+
+        self._future.add_done_callback(forward)
+
+
+class LoopThread:
+    """An asyncio event loop running forever on a daemon thread."""
+
+    def __init__(self, name: str = "aiocoll-loop") -> None:
+        self.loop = _new_event_loop()
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self.thread.start()
+        self._started.wait()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self.thread
+
+    def _check_caller(self) -> None:
+        if self.on_loop_thread():
+            raise RuntimeError(
+                "a blocking aiocoll call was made on the aiocoll loop thread itself (from a callback "
+                "run by the async core?); it would deadlock. Use the async API there instead."
+            )
+        if not self.thread.is_alive():
+            raise DistError("the aiocoll loop thread has stopped (interpreter shutting down?)")
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and block until it finishes.
+
+        Args:
+            coro: the coroutine; its own deadlines bound it, ``timeout`` is a backstop.
+            timeout: seconds to wait; None waits as long as the coroutine runs.
+
+        Raises:
+            Whatever the coroutine raised; TimeoutError when ``timeout`` ran out (the coroutine is
+            then cancelled).
+        """
+        try:
+            self._check_caller()
+        except BaseException:
+            coro.close()
+            raise
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"aiocoll call did not finish within {timeout}s") from None
+
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run the plain function ``fn`` on the loop thread and return its value (or raise)."""
+
+        async def invoke() -> T:
+            return fn()
+
+        return self.run(invoke(), timeout)
+
+    def issue(self, start: Callable[[], Awaitable[Any]]) -> Outcome:
+        """Launch an operation of the async core from any thread, without waiting for it.
+
+        ``start`` runs on the loop thread, in the order issue() was called (FIFO across threads),
+        and must call the core (which takes the sequence number then) and return the awaitable
+        Work. Its result or exception lands in the returned Outcome.
+
+        Raises:
+            DistError: when the loop thread is gone.
+        """
+        self._check_caller()
+        outcome = Outcome()
+        self.loop.call_soon_threadsafe(_start_on_loop, start, outcome)
+        return outcome
+
+
+def _start_on_loop(start: Callable[[], Awaitable[Any]], outcome: Outcome) -> None:
+    try:
+        work = start()
+    except BaseException as exc:
+        outcome._set_exception(exc)
+        return
+    outcome._set_launched()
+    if isinstance(work, _CoreWork):
+        # The core's Work: read its outcome directly, no Task needed (cheaper per operation).
+        work.add_done_callback(lambda w: _finish_core(w, outcome))
+        return
+    task = asyncio.ensure_future(work)
+
+    def finished(task: asyncio.Future[Any]) -> None:
+        if task.cancelled():
+            outcome._set_exception(DistError("the aiocoll operation was cancelled"))
+        elif task.exception() is not None:
+            outcome._set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            outcome._set_result(task.result())
+
+    task.add_done_callback(finished)
+
+
+def _finish_core(work: _CoreWork, outcome: Outcome) -> None:
+    exc = work.exception()
+    if exc is not None:
+        outcome._set_exception(exc)
+    else:
+        outcome._set_result(work.result())
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed and chosen; AIOCOLL_LOOP=asyncio|uvloop overrides the default."""
+    choice = os.environ.get("AIOCOLL_LOOP", _DEFAULT_LOOP).strip().lower()
+    if choice == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            return asyncio.new_event_loop()
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+_lock = threading.Lock()
+_loop_thread: LoopThread | None = None
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def get_loop_thread() -> LoopThread:
+    """The process-wide loop thread, started on first use."""
+    global _loop_thread
+    if _loop_thread is None or not _loop_thread.thread.is_alive():
+        with _lock:
+            if _loop_thread is None or not _loop_thread.thread.is_alive():
+                _loop_thread = LoopThread()
+    return _loop_thread
+
+
+def completion_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The small pool on which user-visible futures are completed (never the loop thread)."""
+    global _pool
+    if _pool is None:
+        with _lock:
+            if _pool is None:
+                _pool = concurrent.futures.ThreadPoolExecutor(
+                    _COMPLETION_THREADS, thread_name_prefix="aiocoll-completion"
+                )
+    return _pool
+
+
+@atexit.register
+def _stop_loop() -> None:
+    # Stop the loop so a process exits promptly; groups still open are abandoned as at a crash
+    # (peers see the links close), which is what torch does with groups never destroyed.
+    thread = _loop_thread
+    if thread is not None and thread.thread.is_alive():
+        with contextlib.suppress(RuntimeError):
+            thread.loop.call_soon_threadsafe(thread.loop.stop)
+        thread.thread.join(timeout=2.0)
