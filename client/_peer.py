@@ -253,7 +253,7 @@ class PeerLink:
 
     def drop_unsent(self, fut: asyncio.Future[None]) -> bool:
         """Forget a queued frame none of whose bytes have left yet; False if it has started."""
-        for i, (views, f) in enumerate(self._wqueue):
+        for i, (_views, f) in enumerate(self._wqueue):
             if f is fut:
                 if i == 0:
                     return False  # possibly partly sent: the frame must complete for the stream's sake

@@ -129,8 +129,8 @@ class TcpTransport(Transport):
 
     def __init__(
         self,
-        rank: int,
-        world_size: int,
+        rank: int | None,
+        world_size: int | None,
         *,
         token: str | bytes | None,
         job: str,
@@ -138,10 +138,11 @@ class TcpTransport(Transport):
         inbox_messages: int = 8192,
         max_payload: int = 1 << 40,
     ) -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside the world of size {world_size}")
-        self.rank = rank
-        self.world_size = world_size
+        self.rank = -1
+        self.world_size = 0
+        self._identity: asyncio.Future[None] | None = None
+        if rank is not None and world_size is not None:
+            self.assign(rank, world_size)
         self._token = token
         self._job = job
         self._inbox_bytes = inbox_bytes
@@ -172,6 +173,26 @@ class TcpTransport(Transport):
         self._closed = False
 
     # -- setup -----------------------------------------------------------------------------
+    def assign(self, rank: int, world_size: int) -> None:
+        """Fix this process's rank once rendezvous has assigned it (before ``connect``).
+
+        Raises:
+            ValueError: rank outside 0..world_size-1.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        if self._identity is not None and not self._identity.done():
+            self._identity.set_result(None)
+
+    async def _known_identity(self) -> None:
+        if self.world_size:
+            return
+        if self._identity is None:
+            self._identity = self._get_loop().create_future()
+        await asyncio.shield(self._identity)
+
     async def listen(self, host: str = "127.0.0.1") -> tuple[str, int]:
         """Start accepting peer links on an ephemeral port of ``host``; returns (host, port)."""
         self._loop = asyncio.get_running_loop()
@@ -180,7 +201,7 @@ class TcpTransport(Transport):
         try:
             lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             lsock.bind((host, 0))
-            lsock.listen(max(128, self.world_size))
+            lsock.listen(max(128, self.world_size or 0))
             lsock.setblocking(False)
         except OSError:
             lsock.close()
@@ -258,7 +279,9 @@ class TcpTransport(Transport):
                     fut = self._ready_future(peer)
                     if not fut.done():
                         fut.set_exception(
-                            AuthenticationError(f"rank {peer} at {host}:{port} refused rank {self.rank}: {exc}")
+                            AuthenticationError(
+                                f"rank {peer} at {host}:{port} refused rank {self.rank}: {exc}"
+                            )
                         )
                     return
                 except (OSError, ProtocolError, asyncio.TimeoutError) as exc:
@@ -271,7 +294,9 @@ class TcpTransport(Transport):
                 fut = self._ready_future(peer)
                 if not fut.done():
                     fut.set_exception(
-                        RendezvousError(f"rank {self.rank} could not reach rank {peer} at {list(addrs)}: {last}")
+                        RendezvousError(
+                            f"rank {self.rank} could not reach rank {peer} at {list(addrs)}: {last}"
+                        )
                     )
                 return
             await asyncio.sleep(min(delay, deadline.remaining() or delay))
@@ -305,17 +330,26 @@ class TcpTransport(Transport):
         sock.setblocking(False)
         try:
             hello = await asyncio.wait_for(server_handshake(sock, token=self._token), _HANDSHAKE_TIMEOUT)
+            # A peer may dial before our own join reply arrived: wait (bounded) to learn our rank.
+            await asyncio.wait_for(self._known_identity(), _HANDSHAKE_TIMEOUT)
             peer = hello.get("rank")
             if hello.get("job") != self._job:
                 raise ProtocolError(f"peer names job {hello.get('job')!r}, this rank serves {self._job!r}")
             if not isinstance(peer, int) or not self.rank < peer < self.world_size:
-                raise ProtocolError(f"peer claims rank {peer!r}; only ranks {self.rank + 1}..{self.world_size - 1} dial rank {self.rank}")
+                raise ProtocolError(
+                    f"peer claims rank {peer!r}; only ranks {self.rank + 1}..{self.world_size - 1} "
+                    f"dial rank {self.rank}"
+                )
             if hello.get("to", self.rank) != self.rank:
                 raise ProtocolError(f"peer meant to reach rank {hello.get('to')!r}, this is rank {self.rank}")
             if peer in self._links or peer in self._lost:
                 raise ProtocolError(f"rank {peer} already has (or had) a link to rank {self.rank}")
         except (AuthenticationError, ProtocolError, OSError, asyncio.TimeoutError) as exc:
-            why = "handshake timed out" if isinstance(exc, asyncio.TimeoutError) else str(exc) or type(exc).__name__
+            why = (
+                "handshake timed out"
+                if isinstance(exc, asyncio.TimeoutError)
+                else str(exc) or type(exc).__name__
+            )
             log.warning("rank %d: refused a peer connection from %s: %s", self.rank, addr, why)
             self.rejected += 1
             sock.close()
@@ -432,14 +466,21 @@ class TcpTransport(Transport):
             raise
 
     def _unpost(self, waiter: _Recv) -> None:
-        key: Any = waiter.tag if waiter.src is None else (waiter.src, waiter.tag)
-        table: dict[Any, deque[_Recv]] = self._posted_any if waiter.src is None else self._posted  # type: ignore[assignment]
-        queue = table.get(key)
+        if waiter.src is None:
+            anyq = self._posted_any.get(waiter.tag)
+            if anyq is not None:
+                with contextlib.suppress(ValueError):
+                    anyq.remove(waiter)
+                if not anyq:
+                    del self._posted_any[waiter.tag]
+            return
+        key = (waiter.src, waiter.tag)
+        queue = self._posted.get(key)
         if queue is not None:
             with contextlib.suppress(ValueError):
                 queue.remove(waiter)
             if not queue:
-                del table[key]
+                del self._posted[key]
 
     def _unbuffer(self, msg: _Msg) -> None:
         if msg.src == self.rank:
@@ -461,13 +502,14 @@ class TcpTransport(Transport):
         for tag in [t for t in self._inbox if t[:n] == tag_prefix]:
             for msg in self._inbox.pop(tag):
                 self._unbuffer(msg)
-        for table in (self._posted, self._posted_any):
-            for key in list(table):
-                tag = key if table is self._posted_any else key[1]
-                if tag[:n] == tag_prefix:
-                    for waiter in table.pop(key):  # type: ignore[call-overload]
-                        if not waiter.fut.done():
-                            waiter.fut.cancel()
+        for key in [k for k in self._posted if k[1][:n] == tag_prefix]:
+            for waiter in self._posted.pop(key):
+                if not waiter.fut.done():
+                    waiter.fut.cancel()
+        for tag in [t for t in self._posted_any if t[:n] == tag_prefix]:
+            for waiter in self._posted_any.pop(tag):
+                if not waiter.fut.done():
+                    waiter.fut.cancel()
         bucket = self._discarded.setdefault(n, set())
         if tag_prefix not in bucket:
             bucket.add(tag_prefix)
@@ -511,12 +553,14 @@ class TcpTransport(Transport):
         for link in links:
             link.close("this rank closed its transport", lost=False)
         err = DistError(f"rank {self.rank}'s transport is closed")
-        for table in (self._posted, self._posted_any):
-            for queue in table.values():  # type: ignore[attr-defined]
-                for waiter in queue:
-                    if not waiter.fut.done():
-                        waiter.fut.set_exception(err)
-            table.clear()
+        waiters = [w for q in self._posted.values() for w in q] + [
+            w for q in self._posted_any.values() for w in q
+        ]
+        self._posted.clear()
+        self._posted_any.clear()
+        for waiter in waiters:
+            if not waiter.fut.done():
+                waiter.fut.set_exception(err)
         for fut in self._link_ready.values():
             if not fut.done():
                 fut.set_exception(err)
@@ -585,7 +629,10 @@ class TcpTransport(Transport):
             self._deliver(src, key, meta, frame.payload)
         if link.closed:
             return
-        if self._inbox_count.get(src, 0) >= self._inbox_messages or self._inbox_size.get(src, 0) >= self._inbox_bytes:
+        if (
+            self._inbox_count.get(src, 0) >= self._inbox_messages
+            or self._inbox_size.get(src, 0) >= self._inbox_bytes
+        ):
             link.pause_reading()
 
     def _deliver(self, src: int, tag: Tag, meta: dict[str, Any], payload: memoryview) -> None:

@@ -8,10 +8,10 @@ import socket
 
 import numpy as np
 import pytest
+from aiocoll.client.transports.tcp import TcpTransport, route_interface
 
 from aiocoll._deadline import Deadline
-from aiocoll._errors import MismatchError, PeerLostError, RendezvousError
-from aiocoll.client.transports.tcp import TcpTransport, route_interface
+from aiocoll._errors import AuthenticationError, MismatchError, PeerLostError, RendezvousError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,7 +104,9 @@ async def test_large_messages_both_ways_at_once_do_not_deadlock() -> None:
 async def test_full_inbox_stops_reading_and_resumes_when_drained() -> None:
     a, b = await make_world(2, inbox_messages=4)
     try:
-        sends = asyncio.gather(*(a.send(1, ("p", "q", i), memoryview(b"z" * 100_000), {}) for i in range(200)))
+        sends = asyncio.gather(
+            *(a.send(1, ("p", "q", i), memoryview(b"z" * 100_000), {}) for i in range(200))
+        )
         await asyncio.sleep(0.2)
         assert sum(len(q) for q in b._inbox.values()) <= 4 + 64  # one read event may finish a few more
         for i in range(200):
@@ -175,7 +177,7 @@ async def test_garbage_and_wrong_token_on_peer_port_are_refused_and_links_keep_w
         w.write(b"GET / HTTP/1.1\r\n\r\n" * 10)
         await w.drain()
         intruder = TcpTransport(1, 2, token="wrong", job="j")
-        with pytest.raises(Exception):
+        with pytest.raises(AuthenticationError):
             await intruder.connect({0: [a.address]}, Deadline(2))
         await intruder.aclose()
         w.close()

@@ -1,0 +1,136 @@
+"""Work: the handle every operation returns at call time; imports only the standard library and
+aiocoll._errors (a foundation, so the engine in aiocoll.client can create it).
+
+A Work wraps the asyncio future the engine completes. It is awaitable on the loop (awaiting is
+shielded: cancelling the awaiting task does not cancel the operation, which keeps the group's
+sequence consistent on every rank), and ``wait`` blocks a thread outside the loop, as torch's
+``Work.wait`` does for scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import Callable, Generator
+from typing import Any
+
+__all__ = ["Work"]
+
+
+class Work:
+    """An operation in flight.
+
+    Awaiting it gives the operation's result: the (in-place) tensor or list, the source rank for
+    ``recv``, the object for the object operations.
+
+    Args:
+        future: the future the engine completes (on its loop).
+        description: what the operation is, for ``repr`` and errors ("all_reduce seq 3 of group '0'").
+    """
+
+    __slots__ = ("_future", "_loop", "description")
+
+    def __init__(self, future: asyncio.Future[Any], description: str = "operation") -> None:
+        self._future = future
+        self._loop = future.get_loop()
+        self.description = description
+
+    @classmethod
+    def completed(cls, result: Any, description: str = "operation") -> Work:
+        """A Work that is already done with ``result`` (needs a running loop)."""
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(result)
+        return cls(fut, description)
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        fut = self._future
+        if fut.done():
+            return fut.result()
+        return (yield from asyncio.shield(fut).__await__())
+
+    def is_completed(self) -> bool:
+        """True once the operation finished, successfully or not."""
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        """True once the operation finished without an error."""
+        fut = self._future
+        return fut.done() and not fut.cancelled() and fut.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """The operation's error once it failed; None while running or after success."""
+        fut = self._future
+        if not fut.done():
+            return None
+        if fut.cancelled():
+            return asyncio.CancelledError(f"{self.description} was cancelled")
+        return fut.exception()
+
+    def result(self) -> Any:
+        """The result of a finished operation.
+
+        Raises:
+            the operation's error; asyncio.InvalidStateError while it is still running.
+        """
+        return self._future.result()
+
+    def add_done_callback(self, fn: Callable[[Work], Any]) -> None:
+        """Run ``fn(work)`` on the loop once the operation finished (at once if it has)."""
+        self._future.add_done_callback(lambda _fut: fn(self))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block this thread until the operation finished; returns True (as torch's Work.wait).
+
+        Must not be called on the loop's own thread (that would deadlock it: ``await`` instead).
+
+        Args:
+            timeout: seconds to wait, None for as long as the operation's own deadline allows.
+        Raises:
+            the operation's error; TimeoutError when ``timeout`` passed first;
+            RuntimeError when called on the event loop's thread.
+        """
+        if self._future.done():
+            self._future.result()
+            return True
+        if self._loop.is_running() and _on_loop_thread(self._loop):
+            raise RuntimeError(
+                f"Work.wait() was called on the event loop's thread for {self.description}; "
+                f"use 'await work' there"
+            )
+        done = threading.Event()
+
+        def _set(_: asyncio.Future[Any]) -> None:
+            done.set()
+
+        self._loop.call_soon_threadsafe(self._future.add_done_callback, _set)
+        if not done.wait(timeout):
+            raise TimeoutError(f"{self.description} did not finish within {timeout}s")
+        self._future.result()
+        return True
+
+    def get_future(self) -> concurrent.futures.Future[Any]:
+        """A thread-safe concurrent.futures.Future completed with the result (or error)."""
+        out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def _copy(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled():
+                out.cancel()
+            elif fut.exception() is not None:
+                out.set_exception(fut.exception())
+            else:
+                out.set_result(fut.result())
+
+        self._loop.call_soon_threadsafe(self._future.add_done_callback, _copy)
+        return out
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"<Work {self.description} {state}>"
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,941 @@
+"""The async API (contract §2): init_process_group and ProcessGroup.
+
+This is the public surface: it may import everything below it (client, server, algorithms,
+stores, foundations) and nothing imports it except the facade, the torch backend and the CLI.
+It holds argument checking (bad arguments fail at call time, before anything is sent), tensor
+conversion, operation signatures and rendezvous wiring; the engine (aiocoll.client.engine)
+decides when operations run and how they fail, the algorithms how bytes move.
+
+Ranks in ProcessGroup methods (``src``, ``dst``, the ranks given to ``new_group``) are ranks *in
+that group* (0..size-1), as for torch's ProcessGroup objects; ``pg.ranks`` maps them to global
+ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import os
+import pickle
+import socket
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import msgpack
+import numpy as np
+
+from aiocoll._deadline import Deadline, to_seconds
+from aiocoll._errors import DistError, MismatchError, RendezvousError
+from aiocoll._reduce import check_reduce_op
+from aiocoll._tensors import Working, as_working, dtype_name, numel
+from aiocoll._types import ReduceOp
+from aiocoll._work import Work
+from aiocoll.algorithms import CollectiveSpec, run_collective
+from aiocoll.client.engine import Engine, GroupState, OpTransport
+from aiocoll.client.transports.tcp import TcpTransport, route_interface
+from aiocoll.stores import FileStore, Store
+
+__all__ = ["ProcessGroup", "init_process_group"]
+
+log = logging.getLogger("aiocoll")
+
+WORLD_GID = "w"
+_DEFAULT = object()  # "use the group's default timeout"
+_EMPTY = memoryview(b"")
+
+
+# --------------------------------------------------------------------------------------------
+# argument checking
+
+
+def _check_rank(what: str, value: Any, size: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an int group rank, got {type(value).__name__} {value!r}")
+    r = int(value)
+    if not 0 <= r < size:
+        raise ValueError(f"{what}={r} is out of range: this group has ranks 0..{size - 1}")
+    return r
+
+
+def _check_opt_rank(what: str, value: Any, size: int) -> int | None:
+    return None if value is None else _check_rank(what, value, size)
+
+
+def _check_tag(tag: Any) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+        raise TypeError(f"tag must be an int, got {type(tag).__name__} {tag!r}")
+    return int(tag)
+
+
+def _check_list(what: str, value: Any, length: int) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{what} must be a list of {length} tensors, got {type(value).__name__}")
+    if len(value) != length:
+        raise ValueError(
+            f"{what} has {len(value)} tensors; this group of size {length} needs exactly {length}"
+        )
+    return list(value)
+
+
+def _same_dtype(what: str, tensors: Sequence[Any], name: str) -> None:
+    for i, t in enumerate(tensors):
+        got = dtype_name(t)
+        if got != name:
+            raise TypeError(
+                f"{what}[{i}] has dtype {got} but the operation's tensor is {name}; use one dtype"
+            )
+
+
+def _same_numel(what: str, tensors: Sequence[Any], count: int) -> None:
+    for i, t in enumerate(tensors):
+        got = numel(t)
+        if got != count:
+            raise ValueError(
+                f"{what}[{i}] has {got} elements; it must have {count} (as the operation's tensor)"
+            )
+
+
+def _coerce_op(op: Any, name: str, kind: str) -> ReduceOp:
+    rop = ReduceOp.coerce(op)
+    try:
+        check_reduce_op(rop, name)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{kind}: {exc}") from exc
+    return rop
+
+
+def _timeout(value: Any, default: float | None) -> float | None:
+    if value is _DEFAULT:
+        return default
+    return to_seconds(value)
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return arr.reshape(-1).view(np.uint8).data
+
+
+# --------------------------------------------------------------------------------------------
+# the runtime shared by a world group and its sub-groups
+
+
+class _Runtime:
+    def __init__(
+        self,
+        engine: Engine,
+        transport: TcpTransport,
+        *,
+        session: Any = None,
+        coordinator: Any = None,
+        store: Store | None = None,
+        owns_store: bool = False,
+        default_timeout: float | None,
+    ) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.session = session
+        self.coordinator = coordinator
+        self.store = store
+        self.owns_store = owns_store
+        self.default_timeout = default_timeout
+        self.closed = False
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        await self.engine.aclose()
+        if self.coordinator is not None:
+            # Others still use the embedded coordinator until they leave: each leaves its session
+            # before it says goodbye on its links, so once every link is closed the coordinator
+            # may stop (bounded, so a vanished rank cannot hold us here).
+            for _ in range(200):
+                if len(self.transport.lost_peers) >= self.transport.world_size - 1:
+                    break
+                await asyncio.sleep(0.05)
+        if self.session is not None:
+            with contextlib.suppress(Exception):
+                await self.session.aclose()
+        await self.transport.aclose()
+        if self.owns_store and self.store is not None:
+            with contextlib.suppress(Exception):
+                await self.store.aclose()
+        if self.coordinator is not None:
+            with contextlib.suppress(Exception):
+                await self.coordinator.stop()
+
+
+# --------------------------------------------------------------------------------------------
+# ProcessGroup
+
+
+class ProcessGroup:
+    """A group of ranks and every operation of the contract over them.
+
+    Every operation enqueues at call time and returns a :class:`aiocoll.Work`; ``await`` it for the
+    result. Operations of one group match across ranks in the order each rank called them.
+
+    Attributes:
+        rank: this process's rank in the group. size: the number of ranks. ranks: members' global
+        ranks, indexed by group rank.
+    """
+
+    def __init__(self, runtime: _Runtime, state: GroupState, *, owner: bool = False) -> None:
+        self._rt = runtime
+        self._state = state
+        self._owner = owner
+        self.rank = state.index
+        self.size = len(state.ranks)
+        self.ranks = list(state.ranks)
+        self.group_id = state.gid
+        self._destroyed = False
+
+    def __repr__(self) -> str:
+        return f"<aiocoll.ProcessGroup {self.group_id!r} rank {self.rank}/{self.size} ranks={self.ranks}>"
+
+    @property
+    def default_timeout(self) -> float | None:
+        return self._rt.default_timeout
+
+    @property
+    def store(self) -> Store | None:
+        """The rendezvous store when one was given or made (file://, ``store=``), else None."""
+        return self._rt.store
+
+    # -- plumbing --------------------------------------------------------------------------
+    def _submit(
+        self,
+        kind: str,
+        body: Callable[[tuple[Any, ...], OpTransport], Any],
+        timeout: Any,
+        *,
+        p2p_tag: Any = None,
+        peers: Sequence[int] = (),
+    ) -> Work:
+        if self._destroyed:
+            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
+        return self._rt.engine.submit(
+            self._state,
+            kind,
+            body,
+            timeout=_timeout(timeout, self._rt.default_timeout),
+            p2p_tag=p2p_tag,
+            peers=peers,
+        )
+
+    def _collective(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[np.ndarray],
+        recv: Sequence[np.ndarray],
+        workings: Sequence[Working],
+        result: Any,
+        timeout: Any,
+        *,
+        root: int = 0,
+        op: ReduceOp = ReduceOp.SUM,
+    ) -> Work:
+        spec = CollectiveSpec(kind, tuple(self.ranks), self.rank, tuple(send), tuple(recv), root=root, op=op)
+
+        async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
+            await run_collective(spec, transport, tag, meta)
+            for w in workings:
+                w.finish()
+            return result
+
+        return self._submit(kind, body, timeout)
+
+    def _meta(
+        self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
+    ) -> dict[str, Any]:
+        meta: dict[str, Any] = {"k": kind}
+        if name is not None:
+            meta["d"] = name
+        if count is not None:
+            meta["n"] = count
+        meta.update(extra)
+        return meta
+
+    # -- point to point --------------------------------------------------------------------
+    def send(self, tensor: Any, dst: int, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
+        """Send ``tensor`` to group rank ``dst``; awaits to None once it was handed off.
+
+        Raises:
+            ValueError: dst out of range or this rank. TypeError: not a tensor, or tag not an int.
+        """
+        d = _check_rank("dst", dst, self.size)
+        if d == self.rank:
+            raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
+        utag = _check_tag(tag)
+        w = as_working(tensor, read=True, write=False)
+        meta = {"d": w.dtype_name, "n": w.numel}
+        peer = self.ranks[d]
+        payload = _bytes_of(w.array)
+
+        async def body(t: tuple[Any, ...], transport: OpTransport) -> None:
+            await transport.send(peer, t, payload, meta)
+
+        return self._submit("send", body, timeout, p2p_tag=utag, peers=(peer,))
+
+    def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
+        """Receive into ``tensor`` from group rank ``src`` (None: any); awaits to the source rank.
+
+        Raises:
+            ValueError / TypeError: bad src, tag or tensor. The awaited Work raises MismatchError
+            when the message's dtype or size differs from ``tensor``'s.
+        """
+        s = _check_opt_rank("src", src, self.size)
+        if s is not None and s == self.rank:
+            raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
+        utag = _check_tag(tag)
+        w = as_working(tensor, read=False, write=True)
+        into = _bytes_of(w.array)
+        name = w.dtype_name
+        peer = None if s is None else self.ranks[s]
+        index = {g: i for i, g in enumerate(self.ranks)}
+        gid = self.group_id
+
+        async def body(t: tuple[Any, ...], transport: OpTransport) -> int:
+            got, meta = await transport.recv(peer, t, into)
+            if meta.get("d") != name:
+                raise MismatchError(
+                    f"recv (group {gid!r}, tag {utag}): rank {index.get(got, got)} sent {meta.get('d')} "
+                    f"but the receiving tensor is {name}",
+                    group=gid,
+                    ranks=[got],
+                )
+            w.finish()
+            return index[got]
+
+        return self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
+
+    isend = send
+    irecv = recv
+
+    # -- collectives -----------------------------------------------------------------------
+    def broadcast(self, tensor: Any, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
+        """Copy ``tensor`` of group rank ``src`` into ``tensor`` everywhere; awaits to ``tensor``."""
+        root = _check_rank("src", src, self.size)
+        w = as_working(tensor, read=root == self.rank, write=True)
+        meta = self._meta("broadcast", w.dtype_name, w.numel, r=root)
+        return self._collective("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
+
+    def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
+        """Reduce ``tensor`` over every rank, result in place everywhere; awaits to ``tensor``.
+
+        Raises:
+            TypeError: not a tensor, or ``op`` meaningless for its dtype (AVG of ints, bitwise of floats).
+        """
+        name = dtype_name(tensor)
+        rop = _coerce_op(op, name, "all_reduce")
+        w = as_working(tensor)
+        meta = self._meta("all_reduce", name, w.numel, o=rop.value)
+        return self._collective("all_reduce", meta, (w.array,), (w.array,), (w,), tensor, timeout, op=rop)
+
+    def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
+        """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``; awaits to ``tensor``."""
+        root = _check_rank("dst", dst, self.size)
+        name = dtype_name(tensor)
+        rop = _coerce_op(op, name, "reduce")
+        w = as_working(tensor, write=root == self.rank)
+        meta = self._meta("reduce", name, w.numel, r=root, o=rop.value)
+        return self._collective(
+            "reduce",
+            meta,
+            (w.array,),
+            (w.array,),
+            (w,) if root == self.rank else (),
+            tensor,
+            timeout,
+            root=root,
+            op=rop,
+        )
+
+    def all_gather(self, tensor_list: Any, tensor: Any, *, timeout: Any = _DEFAULT) -> Work:
+        """Gather every rank's ``tensor`` into ``tensor_list`` everywhere; awaits to ``tensor_list``."""
+        name = dtype_name(tensor)
+        outs = _check_list("all_gather: tensor_list", tensor_list, self.size)
+        _same_dtype("all_gather: tensor_list", outs, name)
+        _same_numel("all_gather: tensor_list", outs, numel(tensor))
+        w = as_working(tensor, write=False)
+        wo = [as_working(t, read=False) for t in outs]
+        meta = self._meta("all_gather", name, w.numel)
+        return self._collective(
+            "all_gather", meta, (w.array,), [x.array for x in wo], wo, tensor_list, timeout
+        )
+
+    def all_gather_into_tensor(
+        self, output_tensor: Any, input_tensor: Any, *, timeout: Any = _DEFAULT
+    ) -> Work:
+        """Gather every rank's ``input_tensor`` into ``output_tensor`` (size x its elements, rank order)."""
+        name = dtype_name(input_tensor)
+        _same_dtype("all_gather_into_tensor: output_tensor", [output_tensor], name)
+        n = numel(input_tensor)
+        if numel(output_tensor) != n * self.size:
+            raise ValueError(
+                f"all_gather_into_tensor: output_tensor has {numel(output_tensor)} elements; it needs "
+                f"{self.size} x {n} = {n * self.size}"
+            )
+        w = as_working(input_tensor, write=False)
+        wo = as_working(output_tensor, read=False)
+        parts = [wo.array[i * n : (i + 1) * n] for i in range(self.size)]
+        meta = self._meta("all_gather", name, n)
+        return self._collective("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout)
+
+    def gather(self, tensor: Any, gather_list: Any = None, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
+        """Gather every rank's ``tensor`` into ``gather_list`` of group rank ``dst``; awaits to
+        ``gather_list`` there and None elsewhere."""
+        root = _check_rank("dst", dst, self.size)
+        name = dtype_name(tensor)
+        w = as_working(tensor, write=False)
+        if root == self.rank:
+            if gather_list is None:
+                raise ValueError(
+                    f"gather: rank {root} is dst and must pass gather_list of {self.size} tensors"
+                )
+            outs = _check_list("gather: gather_list", gather_list, self.size)
+            _same_dtype("gather: gather_list", outs, name)
+            _same_numel("gather: gather_list", outs, w.numel)
+            wo = [as_working(t, read=False) for t in outs]
+            recv = [x.array for x in wo]
+            result: Any = gather_list
+        else:
+            if gather_list:
+                raise ValueError(
+                    f"gather: gather_list must be None on rank {self.rank}, which is not dst={root}"
+                )
+            wo, recv, result = [], [], None
+        meta = self._meta("gather", name, w.numel, r=root)
+        return self._collective("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
+
+    def scatter(
+        self, tensor: Any, scatter_list: Any = None, src: int = 0, *, timeout: Any = _DEFAULT
+    ) -> Work:
+        """Give group rank i ``scatter_list[i]`` of rank ``src``, into ``tensor``; awaits to ``tensor``."""
+        root = _check_rank("src", src, self.size)
+        name = dtype_name(tensor)
+        w = as_working(tensor, read=False)
+        if root == self.rank:
+            if scatter_list is None:
+                raise ValueError(
+                    f"scatter: rank {root} is src and must pass scatter_list of {self.size} tensors"
+                )
+            ins = _check_list("scatter: scatter_list", scatter_list, self.size)
+            _same_dtype("scatter: scatter_list", ins, name)
+            _same_numel("scatter: scatter_list", ins, w.numel)
+            send = [as_working(t, write=False).array for t in ins]
+        else:
+            if scatter_list:
+                raise ValueError(
+                    f"scatter: scatter_list must be None on rank {self.rank}, which is not src={root}"
+                )
+            send = []
+        meta = self._meta("scatter", name, w.numel, r=root)
+        return self._collective("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
+
+    def reduce_scatter(
+        self, output: Any, input_list: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
+    ) -> Work:
+        """Reduce ``input_list[i]`` over ranks into ``output`` of group rank i; awaits to ``output``."""
+        name = dtype_name(output)
+        rop = _coerce_op(op, name, "reduce_scatter")
+        ins = _check_list("reduce_scatter: input_list", input_list, self.size)
+        _same_dtype("reduce_scatter: input_list", ins, name)
+        _same_numel("reduce_scatter: input_list", ins, numel(output))
+        w = as_working(output, read=False)
+        send = [as_working(t, write=False).array for t in ins]
+        meta = self._meta("reduce_scatter", name, w.numel, o=rop.value)
+        return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+
+    def reduce_scatter_tensor(
+        self, output: Any, input: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
+    ) -> Work:
+        """Reduce ``input`` (size x output's elements) over ranks; rank i gets block i in ``output``."""
+        name = dtype_name(output)
+        rop = _coerce_op(op, name, "reduce_scatter_tensor")
+        _same_dtype("reduce_scatter_tensor: input", [input], name)
+        n = numel(output)
+        if numel(input) != n * self.size:
+            raise ValueError(
+                f"reduce_scatter_tensor: input has {numel(input)} elements; "
+                f"it needs {self.size} x {n} = {n * self.size}"
+            )
+        w = as_working(output, read=False)
+        wi = as_working(input, write=False)
+        send = [wi.array[i * n : (i + 1) * n] for i in range(self.size)]
+        meta = self._meta("reduce_scatter", name, n, o=rop.value)
+        return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+
+    def all_to_all(self, output_list: Any, input_list: Any, *, timeout: Any = _DEFAULT) -> Work:
+        """Send ``input_list[j]`` to group rank j, receive rank j's into ``output_list[j]``."""
+        outs = _check_list("all_to_all: output_list", output_list, self.size)
+        ins = _check_list("all_to_all: input_list", input_list, self.size)
+        if not ins:
+            raise ValueError("all_to_all: empty lists")
+        name = dtype_name(ins[0])
+        _same_dtype("all_to_all: input_list", ins, name)
+        _same_dtype("all_to_all: output_list", outs, name)
+        if numel(outs[self.rank]) != numel(ins[self.rank]):
+            raise ValueError(
+                f"all_to_all: output_list[{self.rank}] has {numel(outs[self.rank])} elements but "
+                f"input_list[{self.rank}] (this rank's block to itself) has {numel(ins[self.rank])}"
+            )
+        send = [as_working(t, write=False).array for t in ins]
+        wo = [as_working(t, read=False) for t in outs]
+        meta = self._meta("all_to_all", name)
+        return self._collective("all_to_all", meta, send, [x.array for x in wo], wo, output_list, timeout)
+
+    def all_to_all_single(
+        self,
+        output: Any,
+        input: Any,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        timeout: Any = _DEFAULT,
+    ) -> Work:
+        """all_to_all on one tensor, split along dim 0 (equally, or by the given split sizes)."""
+        name = dtype_name(input)
+        _same_dtype("all_to_all_single: output", [output], name)
+        wi = as_working(input, write=False)
+        wo = as_working(output, read=False)
+        in_bounds = self._splits("input", input, wi, input_split_sizes)
+        out_bounds = self._splits("output", output, wo, output_split_sizes)
+        if (
+            in_bounds[self.rank][1] - in_bounds[self.rank][0]
+            != out_bounds[self.rank][1] - out_bounds[self.rank][0]
+        ):
+            raise ValueError(
+                f"all_to_all_single: this rank's block to itself has "
+                f"{in_bounds[self.rank][1] - in_bounds[self.rank][0]} "
+                f"input elements but {out_bounds[self.rank][1] - out_bounds[self.rank][0]} output elements"
+            )
+        send = [wi.array[a:b] for a, b in in_bounds]
+        recv = [wo.array[a:b] for a, b in out_bounds]
+        meta = self._meta("all_to_all", name)
+        return self._collective("all_to_all", meta, send, recv, (wo,), output, timeout)
+
+    def _splits(
+        self, what: str, tensor: Any, w: Working, sizes: Sequence[int] | None
+    ) -> list[tuple[int, int]]:
+        shape = w.shape
+        rows = shape[0] if shape else 1
+        per_row = w.numel // rows if rows else 0
+        if sizes is None or len(sizes) == 0:
+            if rows % self.size:
+                raise ValueError(
+                    f"all_to_all_single: {what} has {rows} rows (dim 0), not divisible by the group size "
+                    f"{self.size}; pass {what}_split_sizes"
+                )
+            split = [rows // self.size] * self.size
+        else:
+            split = [int(s) for s in sizes]
+            if len(split) != self.size:
+                raise ValueError(
+                    f"all_to_all_single: {what}_split_sizes has {len(split)} entries; "
+                    f"the group has {self.size}"
+                )
+            if any(s < 0 for s in split) or sum(split) != rows:
+                raise ValueError(
+                    f"all_to_all_single: {what}_split_sizes {split} must be non-negative and add up to the "
+                    f"{rows} rows (dim 0) of {what}"
+                )
+        bounds, pos = [], 0
+        for s in split:
+            bounds.append((pos * per_row, (pos + s) * per_row))
+            pos += s
+        return bounds
+
+    def barrier(self, *, timeout: Any = _DEFAULT) -> Work:
+        """Wait until every rank of the group reached the barrier; awaits to None."""
+        return self._collective("barrier", self._meta("barrier"), (), (), (), None, timeout)
+
+    # -- object operations -----------------------------------------------------------------
+    # Objects are pickled; every peer link is authenticated with the job's token, so only
+    # members of this job can put bytes here to be unpickled.
+    def _spec(
+        self, kind: str, send: Sequence[np.ndarray], recv: Sequence[np.ndarray], root: int = 0
+    ) -> CollectiveSpec:
+        return CollectiveSpec(kind, tuple(self.ranks), self.rank, tuple(send), tuple(recv), root=root)
+
+    def broadcast_object(self, obj: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
+        """Send a picklable object from group rank ``src`` to every rank; awaits to the object."""
+        root = _check_rank("src", src, self.size)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if root == self.rank else b""
+        me = self.rank
+
+        async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
+            size = np.array([len(data)], dtype=np.int64)
+            meta = {"k": "broadcast_object", "r": root}
+            await run_collective(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta)
+            buf = (
+                np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
+            )
+            await run_collective(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta)
+            return obj if me == root else pickle.loads(buf.tobytes())
+
+        return self._submit("broadcast_object", body, timeout)
+
+    def all_gather_object(self, obj: Any, *, timeout: Any = _DEFAULT) -> Work:
+        """Gather a picklable object from every rank; awaits to the list, in group-rank order."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+        async def body(tag: tuple[Any, ...], tp: OpTransport) -> list[Any]:
+            sizes = await self._exchange_sizes(tp, tag, len(data), "all_gather_object")
+            longest = int(sizes.max())
+            mine = np.zeros(longest, np.uint8)
+            mine[: len(data)] = np.frombuffer(data, np.uint8)
+            outs = [np.empty(longest, np.uint8) for _ in range(self.size)]
+            meta = {"k": "all_gather_object"}
+            await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta)
+            return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
+
+        return self._submit("all_gather_object", body, timeout)
+
+    async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
+        mine = np.array([n], dtype=np.int64)
+        outs = [np.empty(1, np.int64) for _ in range(self.size)]
+        await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"k": kind})
+        return np.array([int(o[0]) for o in outs], dtype=np.int64)
+
+    def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
+        """Gather picklable objects at group rank ``dst``; awaits to the list there, None elsewhere."""
+        root = _check_rank("dst", dst, self.size)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        me = self.rank
+
+        async def body(tag: tuple[Any, ...], tp: OpTransport) -> list[Any] | None:
+            sizes = await self._exchange_sizes(tp, tag, len(data), "gather_object")
+            longest = int(sizes.max())
+            mine = np.zeros(longest, np.uint8)
+            mine[: len(data)] = np.frombuffer(data, np.uint8)
+            outs = [np.empty(longest, np.uint8) for _ in range(self.size)] if me == root else []
+            meta = {"k": "gather_object", "r": root}
+            await run_collective(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta)
+            if me != root:
+                return None
+            return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
+
+        return self._submit("gather_object", body, timeout)
+
+    def scatter_object(self, objs: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
+        """Give group rank i the object ``objs[i]`` of rank ``src``; awaits to this rank's object."""
+        root = _check_rank("src", src, self.size)
+        me = self.rank
+        blobs: list[bytes] = []
+        if me == root:
+            if not isinstance(objs, (list, tuple)) or len(objs) != self.size:
+                raise ValueError(
+                    f"scatter_object: rank {root} is src and must pass a list of {self.size} objects"
+                )
+            blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
+
+        async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
+            sizes = np.array([len(b) for b in blobs] or [0] * self.size, dtype=np.int64)
+            meta = {"k": "scatter_object", "r": root}
+            await run_collective(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta)
+            longest = int(sizes.max())
+            send = []
+            if me == root:
+                for b in blobs:
+                    arr = np.zeros(longest, np.uint8)
+                    arr[: len(b)] = np.frombuffer(b, np.uint8)
+                    send.append(arr)
+            out = np.empty(longest, np.uint8)
+            await run_collective(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta)
+            return pickle.loads(out[: int(sizes[me])].tobytes())
+
+        return self._submit("scatter_object", body, timeout)
+
+    # -- groups ----------------------------------------------------------------------------
+    async def new_group(
+        self, ranks: Sequence[int] | None = None, *, timeout: Any = _DEFAULT
+    ) -> ProcessGroup | None:
+        """Make a sub-group of the given group ranks; every rank of this group must call it.
+
+        Returns:
+            the new group on its members, None on the others.
+        Raises:
+            ValueError / TypeError: ranks repeated, out of range, or not ints.
+            MismatchError: ranks called it with different rank lists.
+        """
+        if ranks is None:
+            chosen = list(range(self.size))
+        else:
+            if not isinstance(ranks, (list, tuple, range)):
+                raise TypeError(f"new_group: ranks must be a list of group ranks, got {type(ranks).__name__}")
+            chosen = sorted(_check_rank("new_group: rank", r, self.size) for r in ranks)
+            if len(set(chosen)) != len(chosen):
+                raise ValueError(f"new_group: ranks {list(ranks)} repeat a rank")
+            if not chosen:
+                raise ValueError("new_group: ranks is empty")
+        members = [self.ranks[r] for r in chosen]
+        meta = {"k": "new_group", "ranks": chosen}
+
+        async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
+            await run_collective(self._spec("barrier", (), ()), tp, tag, meta)
+            return f"{self.group_id}.{tag[2]}"
+
+        gid = await self._submit("new_group", body, timeout)
+        if self._rt.transport.rank not in members:
+            return None
+        state = self._rt.engine.group(gid, members)
+        return ProcessGroup(self._rt, state)
+
+    async def destroy(self) -> None:
+        """Leave the group; for the group init_process_group returned, close links and sessions.
+
+        Pending operations fail; calling it twice is fine.
+        """
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._owner:
+            await self._rt.aclose()
+        else:
+            self._rt.engine.forget_group(self.group_id)
+
+    async def __aenter__(self) -> ProcessGroup:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.destroy()
+
+
+# --------------------------------------------------------------------------------------------
+# init_process_group
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _check_world(rank: int | None, world_size: int | None, *, need_rank: bool) -> None:
+    if world_size is None:
+        raise ValueError("world_size is not set: pass world_size= or set WORLD_SIZE")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if rank is None:
+        if need_rank:
+            raise ValueError("rank is not set: pass rank= or set RANK")
+        return
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} is out of range for world_size={world_size}")
+
+
+async def init_process_group(
+    init_method: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    timeout: float | datetime.timedelta | None = 1800.0,
+    token: str | None = None,
+    job: str | None = None,
+    store: Store | None = None,
+) -> ProcessGroup:
+    """Join a job and return its world group.
+
+    Args:
+        init_method: "env://" (default; MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
+            "tcp://HOST:PORT" or "file:///PATH". With env:// and tcp:// rank 0 starts a coordinator
+            inside its own process when none answers at the address.
+        rank, world_size: override RANK / WORLD_SIZE (rank may be left to the coordinator).
+        timeout: seconds (or timedelta) for rendezvous, and every operation's default deadline.
+        token: shared secret (default env AIOCOLL_TOKEN). job: job id (default env AIOCOLL_JOB
+            or "default").
+        store: rendezvous through this aiocoll Store instead (rank and world_size required).
+    Returns:
+        the world ProcessGroup.
+    Raises:
+        ValueError: missing or inconsistent rank, world size or address.
+        RendezvousError: the job could not form within ``timeout``.
+        AuthenticationError: the coordinator or a peer refused our token.
+    """
+    seconds = to_seconds(timeout)
+    deadline = Deadline(seconds)
+    if token is None:
+        token = os.environ.get("AIOCOLL_TOKEN") or None
+    if not token:
+        warnings.warn(
+            "aiocoll: no token (AIOCOLL_TOKEN unset): anyone who can reach the coordinator and peer "
+            "ports can join this job; set AIOCOLL_TOKEN to a shared secret",
+            stacklevel=2,
+        )
+    job = job or os.environ.get("AIOCOLL_JOB") or "default"
+    if rank is None:
+        rank = _env_int("RANK")
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE")
+    if isinstance(world_size, int) and world_size < 0:
+        world_size = None  # torch's "-1 means from the environment"
+    if isinstance(rank, int) and not isinstance(rank, bool) and rank < 0:
+        rank = None
+
+    if store is not None:
+        return await _init_with_store(store, rank, world_size, deadline, seconds, token, job, owns=False)
+    method = init_method or "env://"
+    url = urlparse(method)
+    if url.scheme == "file":
+        path = unquote(url.path)
+        if not path:
+            raise ValueError(f"init_method {method!r} names no file")
+        fstore = FileStore(path, world_size if isinstance(world_size, int) else -1)
+        return await _init_with_store(fstore, rank, world_size, deadline, seconds, token, job, owns=True)
+    if url.scheme == "env":
+        host = os.environ.get("MASTER_ADDR")
+        port = _env_int("MASTER_PORT")
+        if not host or port is None:
+            raise ValueError(
+                "env:// needs MASTER_ADDR and MASTER_PORT set (or pass init_method='tcp://HOST:PORT')"
+            )
+    elif url.scheme == "tcp":
+        host, port = url.hostname, url.port
+        if not host or port is None:
+            raise ValueError(f"init_method {method!r} must look like tcp://HOST:PORT")
+    else:
+        raise ValueError(f"init_method {method!r}: expected env://, tcp://HOST:PORT or file:///PATH")
+    return await _init_with_coordinator(host, port, rank, world_size, deadline, seconds, token, job)
+
+
+async def _coordinator_answers(host: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 2.0)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(Exception):
+        await writer.wait_closed()
+    return True
+
+
+async def _init_with_coordinator(
+    host: str,
+    port: int,
+    rank: int | None,
+    world_size: int | None,
+    deadline: Deadline,
+    seconds: float | None,
+    token: str | None,
+    job: str,
+) -> ProcessGroup:
+    from aiocoll.client.session import CoordinatorSession
+    from aiocoll.protocol._coordinator import ROLE_WORKER
+
+    _check_world(rank, world_size, need_rank=False)
+    assert world_size is not None
+    iface = route_interface(host, port)
+    transport = TcpTransport(None, None, token=token, job=job)
+    coordinator = None
+    session = None
+    try:
+        addr = await transport.listen(iface)
+        if rank == 0 and not await _coordinator_answers(host, port):
+            from aiocoll.server import Coordinator
+
+            coordinator = Coordinator(host, port, token=token)
+            try:
+                await coordinator.start()
+            except OSError as exc:  # someone else took the port meanwhile: join theirs
+                log.info(
+                    "rank 0: could not start a coordinator on %s:%s (%s); joining the one there",
+                    host,
+                    port,
+                    exc,
+                )
+                coordinator = None
+        session = await _connect_session(CoordinatorSession, host, port, token, job, ROLE_WORKER, deadline)
+        membership = await session.join(
+            rank, world_size, [[addr[0], addr[1]]], socket.gethostname(), deadline.remaining()
+        )
+        if membership.world_size != world_size:
+            raise RendezvousError(
+                f"the coordinator reports world_size {membership.world_size}, we asked for {world_size}"
+            )
+        transport.assign(membership.rank, membership.world_size)
+        await transport.connect({m.rank: m.addrs for m in membership.members}, deadline)
+        engine = Engine(transport, default_timeout=seconds)
+        session.on_member_lost(lambda r, reason: engine.peer_lost(int(r), str(reason)))
+        runtime = _Runtime(
+            engine, transport, session=session, coordinator=coordinator, default_timeout=seconds
+        )
+    except BaseException:
+        await transport.aclose()
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await session.aclose()
+        if coordinator is not None:
+            with contextlib.suppress(Exception):
+                await coordinator.stop()
+        raise
+    state = engine.group(WORLD_GID, range(membership.world_size))
+    return ProcessGroup(runtime, state, owner=True)
+
+
+async def _connect_session(
+    cls: Any, host: str, port: int, token: str | None, job: str, role: str, deadline: Deadline
+) -> Any:
+    remaining = deadline.remaining()
+    try:
+        # The session retries with backoff by itself while its timeout allows (rank 0 may still
+        # be starting the embedded coordinator).
+        return await cls.connect(
+            host, port, token=token, job=job, role=role, timeout=remaining if remaining is not None else 1e9
+        )
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise RendezvousError(
+            f"no aiocoll coordinator answered at {host}:{port} within the rendezvous timeout ({exc}); "
+            f"start one (aiocoll coordinator) or let rank 0 start it"
+        ) from exc
+
+
+async def _init_with_store(
+    store: Store,
+    rank: int | None,
+    world_size: int | None,
+    deadline: Deadline,
+    seconds: float | None,
+    token: str | None,
+    job: str,
+    *,
+    owns: bool,
+) -> ProcessGroup:
+    _check_world(rank, world_size, need_rank=True)
+    assert rank is not None and world_size is not None
+    host = os.environ.get("AIOCOLL_PEER_HOST") or (
+        route_interface(os.environ["MASTER_ADDR"]) if os.environ.get("MASTER_ADDR") else "127.0.0.1"
+    )
+    transport = TcpTransport(rank, world_size, token=token, job=job)
+    try:
+        addr = await transport.listen(host)
+        prefix = f"aiocoll/{job}/peer/"
+        await store.set(f"{prefix}{rank}", msgpack.packb([[addr[0], addr[1]]]))
+        keys = [f"{prefix}{r}" for r in range(world_size)]
+        try:
+            await asyncio.wait_for(store.wait(keys, deadline.remaining()), deadline.remaining())
+            values = await store.multi_get(keys)
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise RendezvousError(
+                f"rank {rank}: not every rank of {world_size} published its address in the store within "
+                f"the rendezvous timeout"
+            ) from exc
+        addrs = {r: msgpack.unpackb(v) for r, v in enumerate(values)}
+        await transport.connect(addrs, deadline)
+        engine = Engine(transport, default_timeout=seconds)
+    except BaseException:
+        await transport.aclose()
+        if owns:
+            with contextlib.suppress(Exception):
+                await store.aclose()
+        raise
+    runtime = _Runtime(engine, transport, store=store, owns_store=owns, default_timeout=seconds)
+    return ProcessGroup(runtime, engine.group(WORLD_GID, range(world_size)), owner=True)

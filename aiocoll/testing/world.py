@@ -1,0 +1,306 @@
+"""Spawn N real worker processes on loopback that each run one async function, and collect what
+every rank returned or raised. Public-surface testing helper: may import aiocoll.api.
+
+Integration tests spend most of their time starting interpreters, so one world should run many
+checks: write one async function that performs them all and returns a dict of outcomes, run it
+once per test module (a module-scoped fixture), and let each test assert on its part.
+
+    async def checks(pg):          # module level, so the workers can import it
+        out = {}
+        x = np.full(4, pg.rank, np.float32)
+        await pg.all_reduce(x)
+        out["sum"] = x
+        return out
+
+    results = run_world(checks, 3)             # list of RankResult, by rank
+    values = unwrap(results)                   # raises with every rank's traceback on failure
+
+Workers start with ``python -c`` (no re-import of the test runner), rank 0 embeds the coordinator
+on a free loopback port, and each worker's result or error comes back through a file. Errors are
+carried as ``RemoteError`` records (type names, message, the attributes tests look at: rank,
+ranks, missing_ranks, seq, group, op), since aiocoll's errors do not all survive pickling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["RankResult", "RemoteError", "World", "free_port", "run_world", "unwrap"]
+
+_ATTRS = ("rank", "ranks", "missing_ranks", "seq", "group", "op", "reason", "keys")
+
+
+@dataclass
+class RemoteError:
+    """An exception raised in a worker.
+
+    Attributes:
+        type: the class name. names: every class name in its MRO (for ``isinstance``-like checks).
+        message: ``str(exc)``. attrs: the listed attributes it had. traceback: formatted.
+        elapsed: seconds from the start of the worker's function until it was raised.
+    """
+
+    type: str
+    names: list[str]
+    message: str
+    attrs: dict[str, Any] = field(default_factory=dict)
+    traceback: str = ""
+    elapsed: float = 0.0
+
+    def is_a(self, name: str) -> bool:
+        return name in self.names
+
+    def __getattr__(self, name: str) -> Any:
+        attrs = self.__dict__.get("attrs", {})
+        if name in attrs:
+            return attrs[name]
+        raise AttributeError(name)
+
+    @classmethod
+    def capture(cls, exc: BaseException, elapsed: float = 0.0) -> RemoteError:
+        attrs = {}
+        for name in _ATTRS:
+            value = getattr(exc, name, None)
+            if value is not None:
+                try:
+                    pickle.dumps(value)
+                except Exception:
+                    value = repr(value)
+                attrs[name] = value
+        return cls(
+            type=type(exc).__name__,
+            names=[c.__name__ for c in type(exc).__mro__],
+            message=str(exc),
+            attrs=attrs,
+            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            elapsed=elapsed,
+        )
+
+
+@dataclass
+class RankResult:
+    """What one rank did. ``value`` is the function's return value when it succeeded."""
+
+    rank: int
+    value: Any = None
+    error: RemoteError | None = None
+    exitcode: int | None = None
+    returned: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returned and self.error is None
+
+
+def unwrap(results: Sequence[RankResult]) -> list[Any]:
+    """The ranks' values; raises AssertionError with every failure's traceback otherwise."""
+    problems = []
+    for r in results:
+        if r.error is not None:
+            problems.append(f"rank {r.rank} raised {r.error.type}: {r.error.message}\n{r.error.traceback}")
+        elif not r.returned:
+            problems.append(f"rank {r.rank} returned nothing (exit code {r.exitcode})")
+    if problems:
+        raise AssertionError("\n".join(problems))
+    return [r.value for r in results]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (bind to 0, read, close)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+_CHILD = "from aiocoll.testing.world import _child_main; _child_main()"
+
+
+class World:
+    """A running world of worker processes; ``run_world`` is the one-call form.
+
+    Args:
+        fn: ``async fn(pg, *args)`` at module level (with ``init=False``:
+            ``async fn(rank, world_size, init_method, *args)``).
+        world_size: number of workers. args: extra picklable arguments.
+        init_method: default tcp://127.0.0.1:<free port> (rank 0 starts the coordinator).
+        token, job: passed to init_process_group. init_timeout: rendezvous and op default timeout.
+        env: extra environment variables for the workers.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        world_size: int,
+        *,
+        args: Sequence[Any] = (),
+        init_method: str | None = None,
+        token: str | None = "aiocoll-test-token",
+        job: str | None = None,
+        init_timeout: float = 60.0,
+        init: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.world_size = world_size
+        self.init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
+        self._dir = tempfile.mkdtemp(prefix="aiocoll-world-")
+        self.procs: list[subprocess.Popen[bytes]] = []
+        base_env = dict(os.environ)
+        base_env.update(env or {})
+        base_env.setdefault("PYTHONUNBUFFERED", "1")
+        for rank in range(world_size):
+            payload = {
+                "fn": fn,
+                "args": tuple(args),
+                "rank": rank,
+                "world_size": world_size,
+                "init_method": self.init_method,
+                "token": token,
+                "job": job or "test",
+                "timeout": init_timeout,
+                "init": init,
+                "out": os.path.join(self._dir, f"{rank}.pkl"),
+            }
+            spec = pickle.dumps({"sys_path": list(sys.path), "payload": pickle.dumps(payload)})
+            proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, env=base_env)
+            assert proc.stdin is not None
+            proc.stdin.write(spec)
+            proc.stdin.close()
+            self.procs.append(proc)
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL one worker (fault injection from outside)."""
+        self.procs[rank].kill()
+
+    def join(self, timeout: float = 120.0) -> list[RankResult]:
+        """Wait (bounded) for every worker; kill those still running at the deadline."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                proc.wait(left)
+            except subprocess.TimeoutExpired:
+                pass
+        results = []
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            res = RankResult(rank, exitcode=proc.returncode)
+            path = os.path.join(self._dir, f"{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    kind, value = pickle.load(f)
+                if kind == "ok":
+                    res.value, res.returned = value, True
+                else:
+                    res.error, res.returned = value, True
+                os.unlink(path)
+            results.append(res)
+        with _suppress():
+            os.rmdir(self._dir)
+        return results
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+def run_world(
+    fn: Callable[..., Any], world_size: int, *, timeout: float = 120.0, **kw: Any
+) -> list[RankResult]:
+    """Run ``fn`` on ``world_size`` fresh worker processes and return every rank's result.
+
+    Args:
+        fn, world_size, **kw: see World. timeout: seconds before stragglers are killed.
+    Returns:
+        RankResult per rank, in rank order.
+    """
+    return World(fn, world_size, **kw).join(timeout)
+
+
+# -- the worker side ---------------------------------------------------------------------------
+
+
+def _child_main() -> None:
+    spec = pickle.loads(sys.stdin.buffer.read())
+    for entry in reversed(spec["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    payload = pickle.loads(spec["payload"])
+    import logging
+
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank {payload['rank']}] %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        import uvloop
+
+        use_uvloop = os.environ.get("AIOCOLL_TEST_UVLOOP") == "1"
+    except ImportError:
+        use_uvloop = False
+    if use_uvloop:
+        import uvloop
+
+        outcome = uvloop.run(_child(payload))
+    else:
+        outcome = asyncio.run(_child(payload))
+    tmp = payload["out"] + ".tmp"
+    with open(tmp, "wb") as f:
+        try:
+            pickle.dump(outcome, f)
+        except Exception as exc:
+            f.seek(0)
+            f.truncate()
+            pickle.dump(("err", RemoteError.capture(exc)), f)
+    os.replace(tmp, payload["out"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown: faster, and no stray thread can hang the exit
+
+
+async def _child(payload: dict[str, Any]) -> tuple[str, Any]:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    fn = payload["fn"]
+    t0 = time.monotonic()
+    try:
+        if not payload["init"]:
+            value = await fn(payload["rank"], payload["world_size"], payload["init_method"], *payload["args"])
+            return ("ok", value)
+        from aiocoll.api import init_process_group
+
+        pg = await init_process_group(
+            payload["init_method"],
+            rank=payload["rank"],
+            world_size=payload["world_size"],
+            token=payload["token"],
+            job=payload["job"],
+            timeout=payload["timeout"],
+        )
+        t0 = time.monotonic()
+        try:
+            value = await fn(pg, *payload["args"])
+        finally:
+            try:
+                await asyncio.wait_for(pg.destroy(), 15)
+            except Exception:
+                pass
+        return ("ok", value)
+    except BaseException as exc:  # report everything, including SystemExit from the function
+        return ("err", RemoteError.capture(exc, time.monotonic() - t0))

@@ -1,0 +1,493 @@
+"""The execution engine: per-group sequencing, deadlines, and failure fan-out for every operation.
+
+Imports foundations (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport) only; never
+the public surface, and not the algorithms either: the public layer hands the engine a *body*
+(a coroutine function of the operation's tag and transport) so the engine stays the one place
+that decides *when* and *whether* operations run, not how.
+
+What it guarantees:
+
+- A collective takes its group's next sequence number at call time, so operations match across
+  ranks in call order however many are in flight. Its messages are tagged ``("c", group, seq, ...)``;
+  point-to-point messages ``("p", group, user_tag)`` take no sequence number.
+- Every operation has a deadline (a loop timer, not a task). When it passes, the operation fails
+  with CollectiveTimeout naming the ranks whose messages were still outstanding.
+- A lost peer (a link closed, or the coordinator's notice) fails at once every pending operation of
+  every group containing it, and those groups fail fast afterwards.
+- A MismatchError detected on one rank is sent to the group's other ranks as a control message
+  (tag ``("x",)``), so every rank involved raises it rather than hanging; ranks that completed that
+  sequence number already mark the group broken, and their next call names the earlier seq.
+- Cancelling a task that awaits a Work never cancels the operation (Work awaits are shielded), so
+  the group stays in step on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
+from aiocoll._work import Work
+from aiocoll.algorithms._transport import LostPeerHandler, Tag, Transport
+
+__all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport"]
+
+log = logging.getLogger("aiocoll.client.engine")
+
+CONTROL_TAG: Tag = ("x",)
+_EMPTY = memoryview(b"")
+_MAX_ORPHAN_NOTICES = 1024
+
+Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
+
+
+class GroupState:
+    """One process group as the engine sees it.
+
+    Attributes:
+        gid: the group id (the same string on every member). ranks: members' global ranks, in
+        group-rank order. index: this process's rank within the group.
+    """
+
+    __slots__ = ("broken", "broken_seq", "gid", "index", "members", "next_seq", "notices", "pending", "ranks")
+
+    def __init__(self, gid: str, ranks: Sequence[int], my_rank: int) -> None:
+        self.gid = gid
+        self.ranks = tuple(ranks)
+        self.members = frozenset(ranks)
+        self.index = self.ranks.index(my_rank)
+        self.next_seq = 0
+        self.pending: set[_Op] = set()
+        self.broken: BaseException | None = None
+        self.broken_seq = 0  # calls with seq >= broken_seq fail (p2p always, once broken)
+        self.notices: dict[int, MismatchError] = {}  # mismatches reported for seqs not called yet
+
+
+class _Op:
+    __slots__ = (
+        "abort_exc",
+        "future",
+        "group",
+        "kind",
+        "outstanding_recv",
+        "outstanding_send",
+        "peers_hint",
+        "seq",
+        "tag",
+        "task",
+        "timeout",
+        "timer",
+    )
+
+    def __init__(self, group: GroupState, kind: str, seq: int, tag: Tag, future: asyncio.Future[Any]):
+        self.group = group
+        self.kind = kind
+        self.seq = seq
+        self.tag = tag
+        self.future = future
+        self.task: asyncio.Task[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.timeout: float | None = None
+        self.abort_exc: BaseException | None = None
+        self.outstanding_recv: dict[int | None, int] = {}
+        self.outstanding_send: dict[int, int] = {}
+        self.peers_hint: tuple[int, ...] = ()
+
+    def describe(self) -> str:
+        if self.seq >= 0:
+            return f"{self.kind} (group {self.group.gid!r}, seq {self.seq})"
+        return f"{self.kind} (group {self.group.gid!r})"
+
+
+class OpTransport(Transport):
+    """The transport as one operation sees it: it counts the messages the operation still waits
+    for, so a timeout can name the ranks that did not answer."""
+
+    __slots__ = ("_inner", "_op")
+
+    def __init__(self, inner: Transport, op: _Op) -> None:
+        self._inner = inner
+        self._op = op
+        self.rank = inner.rank
+        self.world_size = inner.world_size
+
+    @property
+    def inner(self) -> Transport:
+        return self._inner
+
+    async def send(self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> None:
+        pending = self._op.outstanding_send
+        pending[dst] = pending.get(dst, 0) + 1
+        try:
+            await self._inner.send(dst, tag, payload, meta)
+        finally:
+            pending[dst] -= 1
+
+    async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
+        pending = self._op.outstanding_recv
+        pending[src] = pending.get(src, 0) + 1
+        try:
+            return await self._inner.recv(src, tag, into)
+        finally:
+            pending[src] -= 1
+
+    def discard(self, tag_prefix: Tag) -> None:
+        self._inner.discard(tag_prefix)
+
+    def on_peer_lost(self, handler: LostPeerHandler) -> None:
+        self._inner.on_peer_lost(handler)
+
+    async def aclose(self) -> None:  # an operation never closes the shared transport
+        return None
+
+
+class Engine:
+    """Runs operations over one transport for every group of this process.
+
+    Args:
+        transport: the job's transport (global ranks).
+        default_timeout: seconds for operations called without ``timeout`` (None: no deadline).
+    """
+
+    def __init__(self, transport: Transport, *, default_timeout: float | None = 1800.0) -> None:
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.default_timeout = default_timeout
+        self._groups: dict[str, GroupState] = {}
+        self._orphan_notices: dict[str, dict[int, MismatchError]] = {}
+        self._loop = asyncio.get_running_loop()
+        self._closed = False
+        transport.on_peer_lost(self.peer_lost)
+        self._control = self._loop.create_task(self._control_loop())
+
+    # -- groups ----------------------------------------------------------------------------
+    def group(self, gid: str, ranks: Sequence[int]) -> GroupState:
+        """Register (or return) the group ``gid`` with members ``ranks`` (global ranks)."""
+        existing = self._groups.get(gid)
+        if existing is not None:
+            return existing
+        group = GroupState(gid, ranks, self.rank)
+        lost = self._lost_ranks() & group.members
+        if lost:
+            rank = min(lost)
+            group.broken = PeerLostError(rank, f"rank {rank} was already lost when group {gid!r} formed")
+        notices = self._orphan_notices.pop(gid, None)
+        if notices:
+            group.notices.update(notices)
+        self._groups[gid] = group
+        return group
+
+    def forget_group(self, gid: str) -> None:
+        group = self._groups.pop(gid, None)
+        if group is not None:
+            self._fail_pending(group, DistError(f"group {gid!r} was destroyed"), from_seq=0)
+
+    def _lost_ranks(self) -> set[int]:
+        lost = getattr(self.transport, "lost_peers", None)
+        return set(lost) if lost else set()
+
+    # -- submitting ------------------------------------------------------------------------
+    def submit(
+        self,
+        group: GroupState,
+        kind: str,
+        body: Body,
+        *,
+        timeout: float | None,
+        p2p_tag: Any = None,
+        peers: Iterable[int] = (),
+    ) -> Work:
+        """Start an operation now and return its Work.
+
+        Args:
+            group: where it runs. kind: its name, for errors.
+            body: ``await body(tag, transport)`` runs it and returns the Work's result.
+            timeout: seconds; None: no deadline.
+            p2p_tag: for send/recv, the user's tag (no sequence number is taken); None for
+                collectives.
+            peers: global ranks the operation talks to (names the culprits when nothing else can).
+        Raises:
+            the group's failure, when an earlier operation broke it (fail fast).
+        """
+        if self._closed:
+            raise DistError(f"{kind}: the process group is destroyed")
+        if p2p_tag is None:
+            seq = group.next_seq
+            self._check_usable(group, kind, seq)
+            group.next_seq = seq + 1
+            tag: Tag = ("c", group.gid, seq)
+        else:
+            seq = -1
+            self._check_usable(group, kind, seq)
+            tag = ("p", group.gid, p2p_tag)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        op = _Op(group, kind, seq, tag, fut)
+        op.peers_hint = tuple(peers)
+        work = Work(fut, op.describe())
+        notice = group.notices.pop(seq, None) if seq >= 0 else None
+        if notice is not None:
+            fut.set_exception(notice)
+            return work
+        group.pending.add(op)
+        if timeout is not None:
+            op.timeout = timeout
+            op.timer = self._loop.call_later(timeout, self._expire, op)
+        op.task = self._loop.create_task(self._run(op, body))
+        return work
+
+    def _check_usable(self, group: GroupState, kind: str, seq: int) -> None:
+        cause = group.broken
+        if cause is None or (seq >= 0 and seq < group.broken_seq):
+            return
+        where = f"{kind} (group {group.gid!r}" + (f", seq {seq})" if seq >= 0 else ")")
+        if isinstance(cause, PeerLostError):
+            raise PeerLostError(
+                cause.rank,
+                cause.reason,
+                message=f"{where} cannot run: rank {cause.rank} of this group is lost ({cause.reason}); "
+                f"the group is unusable, create a new one from the surviving ranks",
+            ) from cause
+        if isinstance(cause, MismatchError):
+            raise MismatchError(
+                f"{where} cannot run: the group is broken since seq {cause.seq}, where ranks called "
+                f"different operations ({cause}); create a new group",
+                group=group.gid,
+                seq=cause.seq,
+                ranks=cause.ranks,
+            ) from cause
+        if isinstance(cause, CollectiveTimeout):
+            raise CollectiveTimeout(
+                kind,
+                group.gid,
+                seq,
+                cause.missing_ranks,
+                cause.timeout,
+                message=f"{where} cannot run: {cause.op} at seq {cause.seq} timed out waiting for rank(s) "
+                f"{cause.missing_ranks}, so the group is out of step; create a new group",
+            ) from cause
+        raise DistError(f"{where} cannot run: the group is broken ({cause})") from cause
+
+    async def _run(self, op: _Op, body: Body) -> None:
+        fut = op.future
+        try:
+            result = await body(op.tag, OpTransport(self.transport, op))
+        except asyncio.CancelledError:
+            if not fut.done():
+                if op.abort_exc is not None:
+                    fut.set_exception(op.abort_exc)
+                else:
+                    fut.set_exception(
+                        DistError(f"{op.describe()} was cancelled: the process group is closing")
+                    )
+            if op.abort_exc is None:
+                raise
+        except MismatchError as exc:
+            err = self._name_mismatch(op, exc)
+            if not fut.done():
+                fut.set_exception(err)
+            self._notify_mismatch(op, err)
+            self._break(op.group, err, from_seq=op.seq if op.seq >= 0 else 0, except_op=op)
+        except PeerLostError as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+            self._break(op.group, exc, from_seq=0, except_op=op)
+        except BaseException as exc:
+            if not fut.done():
+                fut.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            if not fut.done():
+                fut.set_result(result)
+        finally:
+            self._finish(op)
+
+    def _finish(self, op: _Op) -> None:
+        if op.timer is not None:
+            op.timer.cancel()
+            op.timer = None
+        op.group.pending.discard(op)
+        fut = op.future
+        if fut.done() and (fut.cancelled() or fut.exception() is not None):
+            if op.seq >= 0:
+                self.transport.discard(op.tag)
+
+    def _abort(self, op: _Op, exc: BaseException) -> None:
+        """Fail ``op`` now (its Work completes at once) and stop its body."""
+        if op.future.done():
+            return
+        op.abort_exc = exc
+        op.future.set_exception(exc)
+        if op.seq >= 0:
+            self.transport.discard(op.tag)
+        if op.task is not None and not op.task.done():
+            op.task.cancel()
+
+    # -- deadlines -------------------------------------------------------------------------
+    def _expire(self, op: _Op) -> None:
+        op.timer = None
+        if op.future.done():
+            return
+        missing = self._missing_ranks(op)
+        err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
+        log.warning("rank %d: %s", self.rank, err)
+        # The operation may have exchanged part of its messages, so this rank is no longer in step
+        # with the others on this group: break it rather than let a later call match stale data.
+        self._break(op.group, err, from_seq=op.seq if op.seq >= 0 else 0, except_op=op)
+        self._abort(op, err)
+
+    def _missing_ranks(self, op: _Op) -> list[int]:
+        others = [r for r in op.group.ranks if r != self.rank]
+        recv = [src for src, n in op.outstanding_recv.items() if n > 0]
+        if recv:
+            if None in recv:
+                return others
+            return sorted(r for r in recv if r is not None)
+        send = [dst for dst, n in op.outstanding_send.items() if n > 0]
+        if send:
+            return sorted(send)
+        return sorted(op.peers_hint) if op.peers_hint else others
+
+    # -- failures --------------------------------------------------------------------------
+    def peer_lost(self, rank: int, exc: BaseException | str = "") -> None:
+        """A peer is gone: fail every pending operation of every group containing it."""
+        if isinstance(exc, PeerLostError):
+            err = exc
+        else:
+            err = PeerLostError(rank, str(exc) or "lost")
+        mark = getattr(self.transport, "mark_lost", None)
+        if mark is not None:
+            mark(rank, err.reason)  # re-enters here through the transport's handler; harmless
+        for group in list(self._groups.values()):
+            if rank in group.members and not isinstance(group.broken, PeerLostError):
+                self._break(group, err, from_seq=0)
+
+    def _break(
+        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
+    ) -> None:
+        if group.broken is None or from_seq < group.broken_seq or isinstance(err, PeerLostError):
+            if not isinstance(group.broken, PeerLostError):
+                group.broken = err
+                group.broken_seq = from_seq
+        self._fail_pending(group, err, from_seq=from_seq, except_op=except_op)
+
+    def _fail_pending(
+        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
+    ) -> None:
+        for op in list(group.pending):
+            if op is except_op:
+                continue
+            if op.seq < 0 or op.seq >= from_seq:
+                self._abort(op, _for_op(err, op))
+
+    def _name_mismatch(self, op: _Op, exc: MismatchError) -> MismatchError:
+        if exc.seq >= 0 and exc.group:
+            return exc
+        ranks = sorted(set(exc.ranks) | {self.rank})
+        err = MismatchError(
+            f"{op.describe()} on rank {self.rank}: {exc}", group=op.group.gid, seq=op.seq, ranks=ranks
+        )
+        err.__cause__ = exc
+        return err
+
+    def _notify_mismatch(self, op: _Op, err: MismatchError) -> None:
+        if op.seq < 0:
+            return
+        meta = {"g": op.group.gid, "s": op.seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
+        for peer in op.group.ranks:
+            if peer != self.rank:
+                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
+                task.add_done_callback(_ignore_outcome)
+
+    async def _control_loop(self) -> None:
+        while True:
+            try:
+                src, meta = await self.transport.recv(None, CONTROL_TAG, _EMPTY)
+            except asyncio.CancelledError:
+                raise
+            except DistError:
+                if self._closed:
+                    return
+                continue
+            try:
+                self._on_notice(src, meta)
+            except Exception:
+                log.exception("rank %d: bad control message from rank %d: %r", self.rank, src, meta)
+
+    def _on_notice(self, src: int, meta: dict[str, Any]) -> None:
+        gid, seq = str(meta["g"]), int(meta["s"])
+        ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
+        why = str(meta.get("why", ""))
+        group = self._groups.get(gid)
+        err = MismatchError(
+            f"rank {src} found that the ranks' calls at seq {seq} of group {gid!r} disagree: {why}",
+            group=gid,
+            seq=seq,
+            ranks=ranks,
+        )
+        if group is None:
+            bucket = self._orphan_notices.setdefault(gid, {})
+            if len(self._orphan_notices) <= _MAX_ORPHAN_NOTICES:
+                bucket[seq] = err
+            return
+        if seq >= group.next_seq:
+            group.notices[seq] = err
+        self._break(group, err, from_seq=seq)
+
+    # -- closing ---------------------------------------------------------------------------
+    async def aclose(self) -> None:
+        """Fail every pending operation and stop; the transport is closed by its owner."""
+        if self._closed:
+            return
+        self._closed = True
+        for group in list(self._groups.values()):
+            self._fail_pending(group, DistError(f"group {group.gid!r} was destroyed"), from_seq=0)
+        self._control.cancel()
+        try:
+            await self._control
+        except (asyncio.CancelledError, Exception):
+            pass
+
+
+def _for_op(err: BaseException, op: _Op) -> BaseException:
+    """The error as it should read for ``op`` (a group-wide failure names each operation)."""
+    where = op.describe()
+    if isinstance(err, PeerLostError):
+        out: BaseException = PeerLostError(
+            err.rank,
+            err.reason,
+            message=f"{where} failed: lost rank {err.rank}" + (f" ({err.reason})" if err.reason else ""),
+        )
+    elif isinstance(err, MismatchError):
+        if err.seq == op.seq:
+            return err
+        out = MismatchError(
+            f"{where} failed: the group broke at seq {err.seq}: {err}",
+            group=err.group,
+            seq=err.seq,
+            ranks=err.ranks,
+        )
+    elif isinstance(err, CollectiveTimeout):
+        if err.seq == op.seq and err.op == op.kind:
+            return err
+        out = CollectiveTimeout(
+            op.kind,
+            op.group.gid,
+            op.seq,
+            err.missing_ranks,
+            err.timeout,
+            message=f"{where} failed: {err.op} at seq {err.seq} of this group timed out waiting for rank(s) "
+            f"{err.missing_ranks}",
+        )
+    else:
+        return err
+    out.__cause__ = err
+    return out
+
+
+def _ignore_outcome(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
