@@ -320,7 +320,7 @@ class _Generation:
             except OSError as exc:
                 rank = self._config.global_rank(local_rank)
                 self._result.spawn_error = (
-                    f"cannot start rank {rank}: {self._config.command[0]!r}: {exc.strerror or exc}"
+                    f"cannot start rank {rank} ({' '.join(self._config.command)}): {exc}"
                 )
                 self._console.log(self._result.spawn_error)
                 self.request_stop(signal.SIGTERM)
@@ -346,17 +346,23 @@ class _Generation:
             folder = os.path.join(config.log_dir, f"restart_{self._restart_count}")
             os.makedirs(folder, exist_ok=True)
             tees = [open(os.path.join(folder, f"rank{rank}.{name}"), "wb") for name in ("stdout", "stderr")]
-        popen = subprocess.Popen(
-            list(config.command),
-            env=env,
-            # Like mpirun: only the first local worker reads the launcher's stdin.
-            stdin=None if local_rank == 0 else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=preexec,
-            close_fds=True,
-        )
+        try:
+            popen = subprocess.Popen(
+                list(config.command),
+                env=env,
+                # Like mpirun: only the first local worker reads the launcher's stdin.
+                stdin=None if local_rank == 0 else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                preexec_fn=preexec,
+                close_fds=True,
+            )
+        except BaseException:
+            for tee in tees:
+                if tee is not None:
+                    tee.close()
+            raise
         assert popen.stdout is not None and popen.stderr is not None
         prefix = f"[rank{rank}]: ".encode()
         tail: collections.deque[bytes] = collections.deque(maxlen=STDERR_TAIL_LINES)
