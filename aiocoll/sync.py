@@ -274,7 +274,9 @@ def _rank_in(
 
 
 def _op(op: Any) -> ReduceOp:
-    return ReduceOp.coerce(op)
+    # torch's ReduceOp instances (as opposed to its RedOpType members) carry the kind in `.op`.
+    inner = getattr(op, "op", None)
+    return ReduceOp.coerce(op if inner is None or isinstance(op, ReduceOp) else inner)
 
 
 def _seconds(timeout: Any) -> float | None:

@@ -1,0 +1,122 @@
+"""The torch.distributed ``Work`` that the aiocoll backend returns, and the error-carrying future.
+
+Imports torch and the loop-thread bridge (aiocoll._sync_loop); only aiocoll.torch imports it. It
+exists apart from torch.py so that the backend module reads as the list of methods c10d calls.
+
+Two torch facts shape it: ``Future.set_exception`` stores the exception as a plain value at the
+C++ level (DDP's reducer would read it as a result), so errors are raised inside a ``.then``
+callback, which marks the chained future failed for C++ and Python alike; and ``.then``
+callbacks run inline on the completing thread, so futures are completed on aiocoll's
+completion pool, never on the network loop thread.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as td
+
+from ._deadline import to_seconds
+from ._sync_loop import Outcome
+
+__all__ = ["AiocollWork"]
+
+
+class _Failed:
+    """Marks a failed operation inside the raw future; the chained callback raises ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(raw: torch.futures.Future[Any]) -> Any:
+    value = raw.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class AiocollWork(td.Work):
+    """One launched aiocoll operation, as torch.distributed's Work.
+
+    Args:
+        outcome: the bridge's handle on the async core's Work.
+        op: the operation's name, for messages.
+        tensors: the future's value and ``result()``: the output tensors, as c10d returns them.
+        source_rank: for recv from any source, turns the core's result (the group rank of the
+            sender) into what ``_source_rank()`` returns.
+    """
+
+    def __init__(
+        self,
+        outcome: Outcome,
+        op: str,
+        tensors: list[torch.Tensor],
+        source_rank: Callable[[Any], int] | None = None,
+    ) -> None:
+        super().__init__()
+        self._outcome = outcome
+        self._op = op
+        self._tensors = tensors
+        self._source_rank_of = source_rank
+        self._raw: torch.futures.Future[Any] = torch.futures.Future()
+        self._future = self._raw.then(_unwrap)
+        outcome.add_done_callback(self._complete)
+
+    def _complete(self, outcome: Outcome) -> None:
+        # Runs on the completion pool; set_result runs the .then chain (and DDP's or a comm
+        # hook's callbacks) inline on this thread.
+        exc = outcome.exception()
+        self._raw.set_result(_Failed(exc) if exc is not None else self._tensors)
+
+    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
+        """Block until the operation completes; a timeout of 0 or None waits without limit.
+
+        Raises:
+            The operation's error (CollectiveTimeout, PeerLostError, MismatchError, ...);
+            TimeoutError when ``timeout`` ran out first.
+        """
+        seconds = to_seconds(timeout) if timeout is not None else None
+        if not seconds:
+            seconds = None
+        try:
+            self._outcome.result(seconds)
+        except TimeoutError:
+            if self._outcome.done():
+                raise
+            raise TimeoutError(
+                f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()"
+            ) from None
+        return True
+
+    def is_completed(self) -> bool:
+        return self._outcome.done()
+
+    def is_success(self) -> bool:
+        return self._outcome.done() and self._outcome.exception() is None
+
+    def exception(self) -> BaseException | None:
+        return self._outcome.exception() if self._outcome.done() else None
+
+    def result(self) -> list[torch.Tensor]:
+        self.wait()
+        return list(self._tensors)
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        """A torch Future whose value is the list of output tensors (or that fails with the error)."""
+        return self._future
+
+    def _source_rank(self) -> int:
+        if self._source_rank_of is None:
+            raise RuntimeError(f"_source_rank() is only defined for recv from any source, not {self._op}")
+        return self._source_rank_of(self._outcome.result())
+
+    source_rank = _source_rank
+
+    def __repr__(self) -> str:
+        return f"<aiocoll torch Work {self._op} {'completed' if self.is_completed() else 'pending'}>"

@@ -1,0 +1,331 @@
+"""aiocoll.torch: importing it registers the torch.distributed backend "aiocoll" (contract §1).
+
+    import aiocoll.torch  # noqa: F401
+    torch.distributed.init_process_group("aiocoll")   # then new_group, collectives, DDP, hooks
+
+Public surface: imports torch, the async API (aiocoll.api) and the loop-thread bridge. It holds no
+collective logic: ``AiocollProcessGroup`` subclasses ``torch.distributed.ProcessGroup`` and turns
+each call c10d makes (lists of tensors plus an options object) into one operation of an
+``aiocoll.ProcessGroup`` running on aiocoll's loop thread, and returns an ``AiocollWork``.
+
+Rendezvous goes through the store torch hands the backend (already prefixed per group), wrapped
+as an aiocoll async store; each torch group, default or made by ``new_group``, is its own aiocoll
+group with its own peer links.
+
+Ordering. Operations of one group are matched across ranks in the order each rank launched
+them: the launch (``call_soon_threadsafe`` onto the loop, which takes the sequence number in that
+order) happens on the calling thread before the call returns. Comm hooks that launch collectives
+from a future's callback (PowerSGD does) therefore race with collectives launched meanwhile by
+the autograd thread, and two ranks may order them differently. Such hooks are safe when nothing
+else is launched on that group until they finish: one gradient bucket (a large
+``bucket_cap_mb``), or a hook that waits for its collectives before returning.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import functools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as td
+
+from ._deadline import to_seconds
+from ._sync_loop import get_loop_thread
+from ._sync_stores import as_async_store
+from ._torch_work import AiocollWork
+from ._types import ReduceOp
+
+__all__ = ["BACKEND_NAME", "AiocollProcessGroup", "AiocollWork", "create_process_group"]
+
+BACKEND_NAME = "aiocoll"
+_DEFAULT_TIMEOUT = 1800.0
+
+
+def _reduce_op(opts: Any) -> ReduceOp:
+    op = opts.reduceOp
+    inner = getattr(op, "op", None)  # c10d's ReduceOp wraps a RedOpType in .op
+    return ReduceOp.coerce(op if inner is None else inner)
+
+
+def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(
+            f"aiocoll {op}: expected a list of exactly one tensor per process, got {len(tensors)}"
+        )
+    return tensors[0]
+
+
+async def _all(works: list[Any]) -> list[Any]:
+    # Gathers several core Works launched together (consecutive sequence numbers).
+    return list(await asyncio.gather(*(_await(w) for w in works)))
+
+
+async def _await(work: Any) -> Any:
+    return await work
+
+
+class AiocollProcessGroup(td.ProcessGroup):
+    """A torch.distributed process group whose operations run on aiocoll.
+
+    Args:
+        store: the store torch gives the backend (prefixed for this group); used for rendezvous.
+        rank, size: this process's rank in the group and the group's size.
+        timeout: rendezvous deadline and every operation's default (timedelta or seconds).
+
+    Raises:
+        RendezvousError / StoreTimeout: when the group could not form in time.
+    """
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta | float | None) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
+        seconds = to_seconds(timeout) if timeout is not None else None
+        self._timeout = seconds if seconds else _DEFAULT_TIMEOUT
+        self._group_name = ""
+        self._group_desc = ""
+        self._closed = False
+        self._lock = threading.Lock()
+        self._loop = get_loop_thread()
+        async_store = as_async_store(store)
+
+        async def join() -> Any:
+            from aiocoll.api import init_process_group
+
+            return await init_process_group(
+                rank=rank, world_size=size, timeout=self._timeout, store=async_store
+            )
+
+        self._core = self._loop.run(join())
+
+    # -- identity ------------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._group_desc
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _launch(
+        self,
+        op: str,
+        start: Callable[[], Any],
+        tensors: list[torch.Tensor],
+        source_rank: Callable[[Any], int] | None = None,
+    ) -> AiocollWork:
+        # The launch (and so the sequence number's order) happens here, on the calling thread.
+        outcome = self._loop.issue(start)
+        return AiocollWork(outcome, op, tensors, source_rank)
+
+    def _many(self, op: str, calls: Sequence[Callable[[], Any]], tensors: list[torch.Tensor]) -> AiocollWork:
+        """Launch several core operations back to back (one loop callback) as one Work."""
+        return self._launch(op, lambda: _all([call() for call in calls]), tensors)
+
+    # -- collectives ---------------------------------------------------------------------------
+    def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        t = _one(tensors, "allreduce")
+        return self._launch("allreduce", lambda: self._core.all_reduce(t, op=op), [t])
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:
+        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        ts = list(tensors)
+        calls = [functools.partial(self._core.all_reduce, t, op=op) for t in ts]
+        return self._many("allreduce_coalesced", calls, ts)
+
+    def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        root = int(opts.rootRank) if opts is not None else 0
+        t = _one(tensors, "broadcast")
+        return self._launch("broadcast", lambda: self._core.broadcast(t, src=root), [t])
+
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        root = int(opts.rootRank) if opts is not None else 0
+        t = _one(tensors, "reduce")
+        return self._launch("reduce", lambda: self._core.reduce(t, dst=root, op=op), [t])
+
+    def allgather(  # type: ignore[override]
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensors: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> AiocollWork:
+        outs = list(_one(output_tensors, "allgather"))  # type: ignore[arg-type]
+        t = _one(input_tensors, "allgather")
+        return self._launch("allgather", lambda: self._core.all_gather(outs, t), outs)
+
+    def allgather_coalesced(
+        self,
+        output_lists: Sequence[Sequence[torch.Tensor]],
+        input_list: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> AiocollWork:
+        pairs = [(list(outs), t) for outs, t in zip(output_lists, input_list, strict=True)]
+        calls = [functools.partial(self._core.all_gather, o, t) for o, t in pairs]
+        return self._many("allgather_coalesced", calls, [x for o, _ in pairs for x in o])
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
+        return self._launch(
+            "all_gather_into_tensor", lambda: self._core.all_gather_into_tensor(output, input), [output]
+        )
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> AiocollWork:
+        pairs = list(zip(outputs, inputs, strict=True))
+        calls = [functools.partial(self._core.all_gather_into_tensor, o, i) for o, i in pairs]
+        return self._many("allgather_into_tensor_coalesced", calls, list(outputs))
+
+    def reduce_scatter(  # type: ignore[override]
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[Sequence[torch.Tensor]],
+        opts: Any = None,
+    ) -> AiocollWork:
+        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        out = _one(output_tensors, "reduce_scatter")
+        ins = list(_one(input_tensors, "reduce_scatter"))  # type: ignore[arg-type]
+        return self._launch("reduce_scatter", lambda: self._core.reduce_scatter(out, ins, op=op), [out])
+
+    def reduce_scatter_tensor(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> AiocollWork:
+        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        return self._launch(
+            "reduce_scatter_tensor", lambda: self._core.reduce_scatter_tensor(output, input, op=op), [output]
+        )
+
+    reduce_scatter_single = reduce_scatter_tensor  # type: ignore[assignment]
+    _reduce_scatter_base = reduce_scatter_tensor  # type: ignore[assignment]
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
+    ) -> AiocollWork:
+        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        pairs = list(zip(outputs, inputs, strict=True))
+        calls = [functools.partial(self._core.reduce_scatter_tensor, o, i, op=op) for o, i in pairs]
+        return self._many("reduce_scatter_tensor_coalesced", calls, list(outputs))
+
+    def gather(  # type: ignore[override]
+        self,
+        output_tensors: Sequence[Sequence[torch.Tensor]],
+        input_tensors: Sequence[torch.Tensor],
+        opts: Any = None,
+    ) -> AiocollWork:
+        root = int(opts.rootRank) if opts is not None else 0
+        t = _one(input_tensors, "gather")
+        outs = list(output_tensors[0]) if len(output_tensors) > 0 else None
+        return self._launch("gather", lambda: self._core.gather(t, outs, dst=root), outs or [])
+
+    def scatter(  # type: ignore[override]
+        self,
+        output_tensors: Sequence[torch.Tensor],
+        input_tensors: Sequence[Sequence[torch.Tensor]],
+        opts: Any = None,
+    ) -> AiocollWork:
+        root = int(opts.rootRank) if opts is not None else 0
+        out = _one(output_tensors, "scatter")
+        ins = list(input_tensors[0]) if len(input_tensors) > 0 else None
+        return self._launch("scatter", lambda: self._core.scatter(out, ins, src=root), [out])
+
+    def alltoall(
+        self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor], opts: Any = None
+    ) -> AiocollWork:
+        outs, ins = list(output_tensors), list(input_tensors)
+        return self._launch("alltoall", lambda: self._core.all_to_all(outs, ins), outs)
+
+    def alltoall_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int],
+        input_split_sizes: Sequence[int],
+        opts: Any = None,
+    ) -> AiocollWork:
+        out_splits = [int(s) for s in output_split_sizes] or None
+        in_splits = [int(s) for s in input_split_sizes] or None
+        return self._launch(
+            "alltoall_base",
+            lambda: self._core.all_to_all_single(output, input, out_splits, in_splits),
+            [output],
+        )
+
+    def barrier(self, opts: Any = None) -> AiocollWork:
+        seconds = _opts_timeout(opts)
+        if seconds is None:
+            return self._launch("barrier", lambda: self._core.barrier(), [])
+        return self._launch("barrier", lambda: self._core.barrier(timeout=seconds), [])
+
+    # -- point to point ------------------------------------------------------------------------
+    def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int = 0) -> AiocollWork:
+        t = _one(tensors, "send")
+        dst = int(dstRank)
+        return self._launch("send", lambda: self._core.send(t, dst, tag=int(tag)), [t])
+
+    def recv(self, tensors: Sequence[torch.Tensor], srcRank: int, tag: int = 0) -> AiocollWork:
+        t = _one(tensors, "recv")
+        src = int(srcRank)
+        return self._launch("recv", lambda: self._core.recv(t, src, tag=int(tag)), [t], int)
+
+    def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int = 0) -> AiocollWork:
+        t = _one(tensors, "recv_anysource")
+        # torch maps the group rank _source_rank() gives to a global rank itself.
+        return self._launch("recv_anysource", lambda: self._core.recv(t, None, tag=int(tag)), [t], int)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Close this group's links (idempotent); pending operations fail."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._loop.thread.is_alive():
+            self._loop.run(self._core.destroy())
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"<AiocollProcessGroup {self._group_name!r} rank {self.rank()}/{self.size()}>"
+
+
+def _opts_timeout(opts: Any) -> float | None:
+    value = getattr(opts, "timeout", None)
+    if not isinstance(value, datetime.timedelta):
+        return None
+    seconds = value.total_seconds()
+    return seconds if seconds > 0 else None  # c10d's "unset" is negative
+
+
+def create_process_group(
+    store: Any, rank: int, size: int, timeout: datetime.timedelta | float | None
+) -> AiocollProcessGroup:
+    """The creator torch calls for backend "aiocoll" (also for each new_group)."""
+    return AiocollProcessGroup(store, rank, size, timeout)
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() in getattr(td.Backend, "_plugins", {}):
+        return
+    td.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])
+
+
+_register()
