@@ -1,0 +1,162 @@
+"""Probe a running aiocoll coordinator the way a user of the container image would.
+
+Run by scripts/check_container.sh *inside* the image (with the image's own Python and its
+installed aiocoll), in the network namespace where the image's default command is serving.
+Checks: the handshake with the right token and a set/get/add round trip; a wrong token refused;
+/healthz, /metrics and /jobs over HTTP; `aiocoll status` from the image. Prints one PASS/FAIL
+line per check and exits 1 if any failed. Standard library plus aiocoll.protocol only.
+
+    python _container_probe.py --port 29500 --http-port 29501 --token SECRET
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from typing import Any
+
+from aiocoll._errors import AuthenticationError
+from aiocoll.protocol import ClientHandshake, FrameDecoder, encode_frame
+from aiocoll.protocol._coordinator import ROLE_STORE
+
+HOST = "127.0.0.1"
+JOB = "container-check"
+failures: list[str] = []
+
+
+def report(ok: bool, what: str, detail: str = "") -> None:
+    print(f"{'PASS' if ok else 'FAIL'}  {what}" + (f"  ({detail})" if detail else ""), flush=True)
+    if not ok:
+        failures.append(what)
+
+
+async def connect(port: int, token: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), 10)
+    handshake = ClientHandshake(token, role=ROLE_STORE, job=JOB)
+    writer.write(handshake.start())
+    while not handshake.done:
+        data = await asyncio.wait_for(reader.read(65536), 10)
+        if not data:
+            writer.close()
+            raise ConnectionError("closed during the handshake")
+        try:
+            writer.write(handshake.receive_data(data))
+        except BaseException:
+            writer.close()
+            raise
+    return reader, writer
+
+
+async def request(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder,
+    header: dict[str, Any], payload: bytes = b"",
+) -> tuple[dict[str, Any], bytes]:
+    writer.writelines(encode_frame(header, payload))
+    while True:
+        data = await asyncio.wait_for(reader.read(65536), 10)
+        if not data:
+            raise ConnectionError(f"closed instead of answering {header['op']}")
+        for frame in decoder.feed(data):
+            if frame.header.get("id") == header["id"]:
+                return frame.header, bytes(frame.payload)
+
+
+async def check_store(port: int, token: str) -> None:
+    try:
+        reader, writer = await connect(port, token)
+    except Exception as exc:
+        report(False, "handshake with the container's token", repr(exc))
+        return
+    report(True, "handshake with the container's token")
+    decoder = FrameDecoder()
+    try:
+        rq = request
+        reply, _ = await rq(reader, writer, decoder, {"op": "set", "id": 1, "key": "greeting"}, b"hello")
+        report(bool(reply.get("ok")), "set greeting=hello", str(reply))
+        get = {"op": "get", "id": 2, "key": "greeting", "timeout": 5}
+        reply, value = await rq(reader, writer, decoder, get)
+        ok = bool(reply.get("ok")) and value == b"hello"
+        report(ok, "get greeting returns hello", f"{reply} {value!r}")
+        reply, _ = await rq(reader, writer, decoder, {"op": "add", "id": 3, "key": "n", "amount": 5})
+        reply2, _ = await rq(reader, writer, decoder, {"op": "add", "id": 4, "key": "n", "amount": 2})
+        ok = reply.get("value") == 5 and reply2.get("value") == 7
+        report(ok, "add n 5 then 2 gives 5, 7", f"{reply} {reply2}")
+    except Exception as exc:
+        report(False, "store round trip", repr(exc))
+    finally:
+        writer.close()
+
+
+async def check_wrong_token(port: int) -> None:
+    try:
+        _, writer = await connect(port, "not-the-token")
+    except AuthenticationError as exc:
+        report(True, "a wrong token is refused", str(exc)[:80])
+        return
+    except Exception as exc:  # a plain close also keeps the intruder out
+        report(True, "a wrong token is refused", f"connection closed: {exc!r}"[:80])
+        return
+    writer.close()
+    report(False, "a wrong token is refused", "the handshake succeeded")
+
+
+def http_get(port: int, path: str) -> tuple[int, str, bytes]:
+    with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=10) as response:
+        return response.status, response.headers.get("Content-Type", ""), response.read()
+
+
+def check_http(port: int) -> None:
+    for path in ("/healthz", "/metrics", "/jobs"):
+        try:
+            status, content_type, body = http_get(port, path)
+        except Exception as exc:
+            report(False, f"GET {path}", repr(exc))
+            continue
+        detail = f"{status} {content_type}, {len(body)} bytes"
+        if path == "/healthz":
+            report(status == 200, "GET /healthz answers 200", detail)
+        elif path == "/metrics":
+            text = body.decode("utf-8", "replace")
+            ok = status == 200 and "aiocoll_coordinator_operations_total" in text and 'op="set"' in text
+            report(ok, "GET /metrics has aiocoll_coordinator_ operation counters", detail)
+        else:
+            try:
+                ok = status == 200 and JOB in json.dumps(json.loads(body))
+            except ValueError:
+                ok = False
+            report(ok, f"GET /jobs is JSON naming job {JOB!r}", detail)
+
+
+def check_status_cli(port: int, token: str) -> None:
+    env = {**os.environ, "AIOCOLL_TOKEN": token}
+    cmd = ["aiocoll", "status", "--coordinator", f"{HOST}:{port}", "--job", JOB]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=30, env=env)
+    except Exception as exc:
+        report(False, "aiocoll status from the image", repr(exc))
+        return
+    report(out.returncode == 0 and JOB in out.stdout, "aiocoll status from the image lists the job",
+           (out.stdout + out.stderr).strip().replace("\n", " | ")[:160])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, default=29500)
+    parser.add_argument("--http-port", type=int, default=29501)
+    parser.add_argument("--token", required=True)
+    args = parser.parse_args()
+    asyncio.run(check_store(args.port, args.token))
+    asyncio.run(check_wrong_token(args.port))
+    check_http(args.http_port)
+    check_status_cli(args.port, args.token)
+    print(f"probe: {len(failures)} check(s) failed" if failures else "probe: every check passed", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
