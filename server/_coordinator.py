@@ -20,7 +20,7 @@ import logging
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll.protocol import FrameDecoder, ServerHandshake, encode_frame
@@ -105,8 +105,8 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports do not subclass asyncio.Transport, but provide its methods.
+        self.transport = cast(asyncio.Transport, transport)
         coord = self.coord
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
@@ -181,6 +181,12 @@ class _Connection(asyncio.BufferedProtocol):
         coord._handshaking.pop(self, None)
         coord.metrics.connection_closed()
         if not self.authenticated:
+            if self.hs is not None and self.hs.state == "auth" and not self.closing:
+                # The client verifies our proof first: one that holds another token hangs up here.
+                coord.metrics.auth_failure()
+                log.warning("event=auth_failed peer=%s job=%s reason=the client closed after our challenge "
+                            "(its token differs from ours, or it gave up)", self.peer,
+                            self.hs.hello.get("job"))
             return
         reason = "closed by the client" if exc is None else f"connection error: {exc}"
         if self.decoder is not None and self.decoder.mid_frame and not self.closing:
@@ -417,19 +423,29 @@ class Coordinator:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         try:
+            # State first, so that the first connection already sees every restored key.
+            if self.state_dir is not None:
+                await self._open_journal()
             self._server = await self._loop.create_server(
                 lambda: _Connection(self),
                 self.host,
                 self._requested_port,
                 reuse_address=True,
                 backlog=4096,
-                start_serving=False,
             )
             sockets = self._server.sockets or ()
             self.port = sockets[0].getsockname()[1] if sockets else self._requested_port
+            # Tests and launchers parse this line to learn the port (with port 0).
             log.info("listening on %s", self.address)
-            if self.state_dir is not None:
-                await self._open_journal()
+            if self._journal is not None:
+                log.info(
+                    "state directory %s: %d job(s), %d key(s), %d member(s) to resume within %gs",
+                    self._journal.path,
+                    len(self.state.jobs),
+                    sum(len(j.kv) for j in self.state.jobs.values()),
+                    self.state.member_count(),
+                    self.state.resume_grace,
+                )
             if self.http_port is not None:
                 from ._http import start_http_server
 
@@ -443,7 +459,6 @@ class Coordinator:
                     },
                 )
                 self.http_port = self._http.port
-            await self._server.start_serving()
         except BaseException:
             await self._teardown()
             raise
@@ -460,12 +475,6 @@ class Coordinator:
         self._flush_idle = asyncio.Event()
         self._flush_idle.set()
         self._flusher = self._loop.create_task(self._flush_loop(), name="aiocoll-coordinator-journal")
-        log.info(
-            "state directory %s: %d job(s), %d key(s) restored",
-            journal.path,
-            len(self.state.jobs),
-            sum(len(j.kv) for j in self.state.jobs.values()),
-        )
 
     async def serve_forever(self) -> None:
         """Serve until ``stop()`` is called (from a signal handler, say); start first if needed."""

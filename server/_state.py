@@ -1174,15 +1174,6 @@ class CoordinatorState:
             m.state = "resuming"
             m.last_seen = now
             self._live_members.add(m)
-        n_members = len(self._sessions)
-        if self.jobs:
-            log.info(
-                "event=restored jobs=%d keys=%d members_resuming=%d grace=%gs",
-                len(self.jobs),
-                sum(len(j.kv) for j in self.jobs.values()),
-                n_members,
-                self.resume_grace,
-            )
 
     def _restore_round(
         self, job: _Job, number: int, world_size: int, members: list[list[Any]], broken: bool

@@ -14,6 +14,8 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 __all__ = ["add_arguments", "main"]
 
@@ -138,12 +140,16 @@ def main(args: argparse.Namespace) -> int:
     token = _read_token(args)
     try:
         import uvloop
-    except ImportError:
-        uvloop = None
+    except ImportError:  # uvloop is optional (absent on Windows): the stock loop works too
+        return _run(asyncio.run, args, token)
+    return _run(uvloop.run, args, token)
+
+
+def _run(
+    runner: Callable[[Coroutine[Any, Any, int]], int], args: argparse.Namespace, token: str | None
+) -> int:
     try:
-        if uvloop is not None:
-            return uvloop.run(_serve(args, token))
-        return asyncio.run(_serve(args, token))
+        return runner(_serve(args, token))
     except OSError as exc:
         log.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
         return 1
