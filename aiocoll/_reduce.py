@@ -103,20 +103,29 @@ def f32_to_bf16(values: np.ndarray, out: np.ndarray) -> None:
     np.copyto(out, rounded, casting="unsafe")
 
 
-def reduce_into(op: ReduceOp, dst: np.ndarray, src: np.ndarray, dtype_name: str) -> None:
+def reduce_into(
+    op: ReduceOp, dst: np.ndarray, src: np.ndarray, dtype_name: str, *, src_first: bool = False
+) -> None:
     """Combine ``src`` into ``dst`` in place: ``dst = dst (op) src``.
 
     Args:
         op: the reduce operation (AVG reduces as SUM here; see ``finish_avg``).
         dst, src: 1-D arrays of equal length and dtype (uint16 bits for bfloat16).
         dtype_name: canonical dtype name; it tells bfloat16 apart from uint16.
+        src_first: compute ``dst = src (op) dst`` instead. The ops are commutative in exact
+            arithmetic, but e.g. numpy's complex product is not bit for bit; algorithms where two
+            ranks compute the same combination use this to compute it in one order.
     Raises:
         TypeError: for a meaningless op/dtype pair (see ``check_reduce_op``).
     """
     if dtype_name == BFLOAT16:
         check_reduce_op(op, dtype_name)
         wide = bf16_to_f32(dst)
-        _UFUNCS[op](wide, bf16_to_f32(src), out=wide)
+        other = bf16_to_f32(src)
+        if src_first:
+            _UFUNCS[op](other, wide, out=wide)
+        else:
+            _UFUNCS[op](wide, other, out=wide)
         f32_to_bf16(wide, dst)
         return
     ufunc = _UFUNCS.get(op)
@@ -124,7 +133,10 @@ def reduce_into(op: ReduceOp, dst: np.ndarray, src: np.ndarray, dtype_name: str)
         raise TypeError(f"unknown reduce op {op!r}")
     if op in BITWISE_OPS or op is ReduceOp.AVG or dst.dtype.kind == "c":
         check_reduce_op(op, dtype_name)
-    ufunc(dst, src, out=dst)
+    if src_first:
+        ufunc(src, dst, out=dst)
+    else:
+        ufunc(dst, src, out=dst)
 
 
 def finish_avg(result: np.ndarray, world_size: int, dtype_name: str) -> None:

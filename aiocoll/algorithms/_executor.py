@@ -76,7 +76,8 @@ class CollectiveSpec:
         root: group rank of the root (broadcast, reduce, gather, scatter).
         op: reduce operation. algorithm: override ("ring", "rhd", "tree", "direct") or None.
         dtype: canonical dtype name when the arrays alone cannot tell it (bfloat16 travels as
-            uint16 bits); None: ``meta["dtype"]`` if present, else the arrays' dtype.
+            uint16 bits); None: the arrays' dtype, read as bfloat16 when they are uint16 and
+            ``meta["dtype"] == "bfloat16"``.
     """
 
     kind: str
@@ -148,9 +149,7 @@ class _Context:
     async def recv(self, peer: int, step_id: int, into: np.ndarray) -> None:
         src = self.global_ranks[peer]
         try:
-            _, remote_meta = await self.transport.recv(
-                src, (*self.tag, step_id), into.view(np.uint8).data
-            )
+            _, remote_meta = await self.transport.recv(src, (*self.tag, step_id), into.view(np.uint8).data)
         except MismatchError as exc:
             remote = getattr(exc, "remote_meta", None)
             if isinstance(remote, dict) and remote != self.meta:
@@ -197,8 +196,9 @@ def _fmt(meta: dict[str, Any]) -> str:
 
 async def _all(aws: list[Awaitable[None]]) -> None:
     """Run awaitables concurrently; on the first failure cancel the rest and raise it."""
-    if len(aws) == 1:
-        await aws[0]
+    if len(aws) <= 1:
+        if aws:
+            await aws[0]
         return
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
@@ -230,7 +230,7 @@ async def _run_lane(steps: Sequence[S.Step], ctx: _Context) -> None:
     scratch = np.empty(need, dtype=bufs[reduced].dtype) if reduced is not None else None
     for step in steps:
         aws: list[Awaitable[None]] = []
-        reductions: list[tuple[np.ndarray, np.ndarray]] = []
+        reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
         offset = 0
         for r in step.recvs:
             target = bufs[r.buf][r.start : r.stop]
@@ -238,7 +238,7 @@ async def _run_lane(steps: Sequence[S.Step], ctx: _Context) -> None:
                 assert scratch is not None
                 landing = scratch[offset : offset + (r.stop - r.start)]
                 offset += r.stop - r.start
-                reductions.append((target, landing))
+                reductions.append((target, landing, r.first))
             else:
                 landing = target
             aws.append(ctx.recv(r.peer, step.id, landing))
@@ -246,8 +246,8 @@ async def _run_lane(steps: Sequence[S.Step], ctx: _Context) -> None:
             aws.append(ctx.send(s.peer, step.id, bufs[s.buf][s.start : s.stop]))
         await _all(aws)
         # Only now: a reduced range may also have been the payload of one of this step's sends.
-        for target, landing in reductions:
-            reduce_into(ctx.op, target, landing, ctx.dtype_name)
+        for target, landing, first in reductions:
+            reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
 
 
 def _copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
@@ -304,23 +304,25 @@ def _plan(
         bufs[S.W] = x
         results.append(x)
         if algorithm == "ring":
-            sched = S.ring_all_reduce_schedule(n, me, x.size, itemsize=itemsize)
+            sched = S.ring_all_reduce_schedule(n, me, x.size, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
         elif algorithm == "rhd":
-            sched = S.rhd_all_reduce_schedule(n, me, x.size, itemsize=itemsize)
+            sched = S.rhd_all_reduce_schedule(n, me, x.size, itemsize=itemsize, rd_max_bytes=S.RD_MAX_BYTES)
         else:
-            sched = S.tree_all_reduce_schedule(n, me, x.size, itemsize=itemsize)
+            sched = S.tree_all_reduce_schedule(n, me, x.size, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
     elif kind == "broadcast":
         _expect(len(recv) == 1, "broadcast takes recv=(x,)")
         bufs[S.W] = recv[0]
         if algorithm == "tree":
-            sched = S.tree_broadcast_schedule(n, me, root, recv[0].size, itemsize=itemsize)
+            sched = S.tree_broadcast_schedule(
+                n, me, root, recv[0].size, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES
+            )
         else:
             sched = S.direct_broadcast_schedule(n, me, root, recv[0].size)
     elif kind == "reduce":
         _expect(len(send) == 1 and len(recv) == 1, "reduce takes send=(x,) and recv=(x,)")
         count = send[0].size
         if algorithm == "tree":
-            sched = S.tree_reduce_schedule(n, me, root, count, itemsize=itemsize)
+            sched = S.tree_reduce_schedule(n, me, root, count, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
         else:
             sched = S.direct_reduce_schedule(n, me, root, count)
         if me == root:
@@ -342,7 +344,7 @@ def _plan(
         if kind == "gather":
             sched = S.direct_gather_schedule(n, me, root, count)
         elif algorithm == "ring":
-            sched = S.ring_all_gather_schedule(n, me, count, itemsize=itemsize)
+            sched = S.ring_all_gather_schedule(n, me, count, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
         else:
             sched = S.direct_all_gather_schedule(n, me, count)
     elif kind == "scatter":
@@ -359,7 +361,7 @@ def _plan(
         results.append(recv[0])
         if algorithm == "ring":
             bufs[S.W] = np.concatenate(send) if n > 1 else send[0]
-            sched = S.ring_reduce_scatter_schedule(n, me, count, itemsize=itemsize)
+            sched = S.ring_reduce_scatter_schedule(n, me, count, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
         else:
             sched = S.direct_reduce_scatter_schedule(n, me, count)
     elif kind == "all_to_all":
@@ -398,7 +400,7 @@ async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, m
     _check_flat(spec.send, f"{spec.kind} send")
     _check_flat(spec.recv, f"{spec.kind} recv")
     arrays = (*spec.recv, *spec.send)
-    dtype_name = spec.dtype or meta.get("dtype") or (arrays[0].dtype.name if arrays else "uint8")
+    dtype_name = spec.dtype or _dtype_of(arrays, meta)
     reduces = spec.kind in ("all_reduce", "reduce", "reduce_scatter")
     if reduces:
         check_reduce_op(spec.op, dtype_name)
@@ -415,6 +417,14 @@ async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, m
     if reduces and spec.op is ReduceOp.AVG:
         for result in results:
             finish_avg(result, n, dtype_name)
+
+
+def _dtype_of(arrays: Sequence[np.ndarray], meta: dict[str, Any]) -> str:
+    """The arrays' dtype, except that uint16 arrays carry bfloat16 when the signature says so."""
+    name = arrays[0].dtype.name if arrays else "uint8"
+    if name == "uint16" and meta.get("dtype") == "bfloat16":
+        return "bfloat16"
+    return name
 
 
 def _nbytes(spec: CollectiveSpec) -> int:

@@ -79,13 +79,16 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class Recv:
     """Receive from ``peer`` into elements [start, stop) of ``buf``; with ``reduce`` combine the
-    received values into them (via scratch) instead of overwriting."""
+    received values into them (via scratch) instead of overwriting. ``first``: the received
+    values are the left operand (``buf = received op buf``), so that ranks which both compute a
+    combination compute it in the same order and agree bit for bit."""
 
     peer: int
     buf: BufRef
     start: int
     stop: int
     reduce: bool = False
+    first: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,7 +363,7 @@ def rhd_all_reduce_schedule(
             span,
         )
     if me < 2 * r:
-        steps.append(Step(0, recvs=(Recv(me - 1, W, 0, count, reduce=True),)))
+        steps.append(Step(0, recvs=(Recv(me - 1, W, 0, count, reduce=True, first=True),)))
         nr = me // 2
     else:
         nr = me - r
@@ -371,7 +374,11 @@ def rhd_all_reduce_schedule(
     if not halving:
         for i in range(logp):
             peer = real(nr ^ (1 << i))
-            steps.append(Step(1 + i, (Send(peer, W, 0, count),), (Recv(peer, W, 0, count, reduce=True),)))
+            # The half with the bit set puts the other half's values first: rank order on both.
+            first = bool(nr & (1 << i))
+            steps.append(
+                Step(1 + i, (Send(peer, W, 0, count),), (Recv(peer, W, 0, count, reduce=True, first=first),))
+            )
     else:
         bounds = split_bounds(count, p)
         lo, hi = 0, p  # the blocks this rank is still responsible for
@@ -508,7 +515,8 @@ def _others(n: int, me: int) -> list[int]:
 
 def direct_broadcast_schedule(n: int, me: int, root: int, count: int) -> Schedule:
     if me == root:
-        return _single([Step(0, sends=tuple(Send(p, W, 0, count) for p in _others(n, me)))], 1)
+        others = _others(n, me)
+        return _single([Step(0, sends=tuple(Send(p, W, 0, count) for p in others))] if others else [], 1)
     return _single([Step(0, recvs=(Recv(root, W, 0, count),))], 1)
 
 
