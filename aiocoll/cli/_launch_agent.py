@@ -468,8 +468,8 @@ class _Agent:
                 except EmbeddedCoordinatorUnavailable as exc:
                     self._console.log(f"error: {exc}")
                     return EXIT_SETUP_FAILED
-                except OSError as exc:
-                    self._console.log(f"error: cannot start the embedded coordinator: {exc}")
+                except Exception as exc:  # a port in use, or a bug below: either way, say it and stop
+                    self._console.log(f"error: cannot start the embedded coordinator: {exc!r}")
                     return EXIT_SETUP_FAILED
                 self._console.log(f"embedded coordinator listening on {host}:{port}")
             else:
