@@ -18,6 +18,7 @@ import collections
 import contextlib
 import ctypes
 import io
+import logging
 import os
 import signal
 import subprocess
@@ -101,6 +102,20 @@ class Console:
     def log(self, message: str) -> None:
         lines = message.splitlines() or [""]
         self.write(2, b"".join(LOG_PREFIX + line.encode("utf-8", errors="replace") + b"\n" for line in lines))
+
+
+class _ConsoleLogHandler(logging.Handler):
+    """Routes the embedded coordinator's warnings through the launcher's log, prefixed like it."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(logging.WARNING)
+        self._console = console
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._console.log(f"coordinator: {self.format(record)}")
+        except Exception:
+            self.handleError(record)
 
 
 class _OutputPump:
@@ -459,9 +474,12 @@ class _Agent:
                 loop.add_signal_handler(signum, self._on_signal, signum)
                 installed.append(signum)
         coordinator: Any = None
+        coordinator_logger = logging.getLogger("aiocoll.server")
+        log_handler = _ConsoleLogHandler(self._console)
         try:
             config = self._config
             if config.coordinator is None:
+                coordinator_logger.addHandler(log_handler)
                 token = config.token if config.token is not None else os.environ.get("AIOCOLL_TOKEN")
                 try:
                     coordinator, host, port = await start_embedded_coordinator(token, config.embedded_port)
@@ -483,6 +501,7 @@ class _Agent:
                     await asyncio.wait_for(coordinator.stop(), COORDINATOR_STOP_SECONDS)
                 except Exception as exc:  # the job's outcome is already decided; say why and go on
                     self._console.log(f"the embedded coordinator did not stop cleanly: {exc!r}")
+            coordinator_logger.removeHandler(log_handler)
 
     async def _run_generations(self, host: str, port: int) -> int:
         config = self._config

@@ -369,6 +369,9 @@ def test_the_embedded_coordinator_answers_and_outlives_a_restart(tmp_path: Path)
         else:
             assert _rank_lines(proc.stdout, rank) == [f"connected 127.0.0.1 {port}"] * 2
     assert "restart 1 of 1" in proc.stderr
+    # The embedded coordinator's own log lines come through the launcher's prefix too.
+    for line in proc.stderr.splitlines():
+        assert line.startswith(("[rank0]: ", "[rank1]: ", "[aiocoll run] ")), line
 
 
 def _dispatcher_complete() -> bool:
