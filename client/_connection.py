@@ -1,0 +1,256 @@
+"""One authenticated link to the coordinator: the asyncio glue around the sans-IO protocol.
+
+May import foundations only (protocol, _errors); never the public surface. An asyncio Protocol
+that runs ClientHandshake, then FrameDecoder, and multiplexes requests over the link by id, so
+that a long ``wait`` does not hold up a ``set`` behind it. Writes honour pause_writing /
+resume_writing (bounded write buffer), TCP_NODELAY is set on connect, and the decoder caps
+header and payload sizes. Reconnecting is the session's business (session.py): a link that
+drops fails its pending requests with ``LinkLost`` and is never reused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any, cast
+
+from aiocoll._errors import AuthenticationError, ProtocolError
+from aiocoll.protocol import PREFIX, ClientHandshake, FrameDecoder, encode_frame
+
+__all__ = ["CoordinatorLink", "LinkLost", "open_link"]
+
+log = logging.getLogger("aiocoll.client")
+
+# Write-buffer marks: above HIGH the transport pauses us and writers wait for it to drain.
+_WRITE_HIGH = 1 << 20
+_WRITE_LOW = 256 << 10
+# The coordinator's own value limit is 16 MiB; an mget reply carries many values.
+_MAX_PAYLOAD = 512 << 20
+_MAX_HEADER = 16 << 20
+# Bytes we hold while the handshake's frames arrive (they are tiny; more means not our protocol).
+_HANDSHAKE_BUFFER = 64 << 10
+
+
+class LinkLost(ConnectionError):
+    """The link dropped while a request was pending.
+
+    Attributes:
+        sent: True when the request's bytes had been handed to the socket (the coordinator may
+            have carried it out); False when it never left this process.
+    """
+
+    def __init__(self, message: str, *, sent: bool) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+EventCallback = Callable[[dict[str, Any]], None]
+LostCallback = Callable[["CoordinatorLink", BaseException | None], None]
+
+
+class CoordinatorLink(asyncio.Protocol):
+    """A coordinator connection; build it with ``open_link``.
+
+    Args:
+        handshake: the ClientHandshake to run first.
+        on_event: called with every unsolicited frame header (events have "ev", no "id").
+        on_lost: called once when the link closes, with the cause (None for a clean close).
+    """
+
+    def __init__(self, handshake: ClientHandshake, on_event: EventCallback, on_lost: LostCallback) -> None:
+        self._handshake = handshake
+        self._on_event = on_event
+        self._on_lost = on_lost
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
+        self._transport: asyncio.Transport | None = None
+        self._hs_buffer = bytearray()
+        self._decoder: FrameDecoder | None = None
+        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._ids = itertools.count(1)
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self._lost: BaseException | None = None
+        self.closed = False
+        self.peer = ""
+
+    # -- asyncio.Protocol ----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses, so no isinstance check here.
+        self._transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self._transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
+        self._transport.write(self._handshake.start())
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            if self._decoder is None:
+                data = self._handshake_data(data)
+                if self._decoder is None or not data:
+                    return
+            for frame in self._decoder.feed(data):
+                self._dispatch(frame.header, bytes(frame.payload))
+        except (ProtocolError, AuthenticationError) as exc:
+            self._fail(exc)
+
+    def _handshake_data(self, data: bytes) -> bytes:
+        """Feed the handshake one whole frame at a time; return bytes that follow its end.
+
+        The coordinator may send its first event right behind WELCOME, in the same read, and
+        those bytes belong to the frame decoder, not the handshake.
+        """
+        self._hs_buffer += data
+        if len(self._hs_buffer) > _HANDSHAKE_BUFFER:
+            raise ProtocolError(
+                f"the server at {self.peer} sent {len(self._hs_buffer)} bytes during the handshake"
+            )
+        assert self._transport is not None
+        while len(self._hs_buffer) >= PREFIX.size:
+            header_len, payload_len = PREFIX.unpack_from(self._hs_buffer)
+            end = PREFIX.size + header_len + payload_len
+            if payload_len or end > _HANDSHAKE_BUFFER:
+                # Not a handshake frame; let the handshake's own decoder say what is wrong.
+                self._handshake.receive_data(bytes(self._hs_buffer))
+                raise ProtocolError(f"the server at {self.peer} broke the handshake grammar")
+            if len(self._hs_buffer) < end:
+                break
+            frame = bytes(self._hs_buffer[:end])
+            del self._hs_buffer[:end]
+            reply = self._handshake.receive_data(frame)
+            if reply:
+                self._transport.write(reply)
+            if self._handshake.done:
+                self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD)
+                rest = bytes(self._hs_buffer)
+                self._hs_buffer = bytearray()
+                if not self.ready.done():
+                    self.ready.set_result(dict(self._handshake.server_info))
+                return rest
+        return b""
+
+    def _dispatch(self, header: dict[str, Any], payload: bytes) -> None:
+        req_id = header.get("id")
+        if req_id is None:
+            if "ev" in header:
+                self._on_event(header)
+            else:
+                log.warning(
+                    "coordinator at %s sent a frame with neither id nor ev: %.200r", self.peer, header
+                )
+            return
+        fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
+        if fut is not None and not fut.done():
+            fut.set_result((header, payload))
+        # An unknown id is the late answer to a request whose caller gave up: nothing to do.
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail(exc, from_transport=True)
+
+    # -- use -----------------------------------------------------------------------------
+    async def request(
+        self, header: dict[str, Any], payload: bytes | bytearray | memoryview = b""
+    ) -> tuple[dict[str, Any], bytes]:
+        """Send one request and wait for its reply; the caller bounds the wait.
+
+        Raises:
+            LinkLost: the link dropped (``sent`` says whether the request left this process).
+        """
+        if self.closed or self._transport is None:
+            raise LinkLost(f"link to the coordinator at {self.peer} is closed", sent=False)
+        if not self._can_write.is_set():
+            await self._can_write.wait()
+            if self.closed:
+                raise LinkLost(f"link to the coordinator at {self.peer} is closed", sent=False)
+        req_id = next(self._ids)
+        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
+        self._pending[req_id] = fut
+        try:
+            self._transport.writelines(encode_frame({**header, "id": req_id}, payload))
+            return await fut
+        finally:
+            self._pending.pop(req_id, None)
+
+    def close(self) -> None:
+        """Close now (no goodbye); pending requests fail with LinkLost. Twice is fine."""
+        self._fail(None)
+
+    def _fail(self, exc: BaseException | None, *, from_transport: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._lost = exc
+        self._can_write.set()  # wake writers so they see the close
+        if self._transport is not None and not from_transport:
+            self._transport.abort()
+        if not self.ready.done():
+            if isinstance(exc, (AuthenticationError, ProtocolError)):
+                self.ready.set_exception(exc)
+            else:
+                self.ready.set_exception(
+                    ConnectionResetError(
+                        f"the coordinator at {self.peer} closed the connection during the handshake"
+                        + (f": {exc}" if exc else "")
+                    )
+                )
+            self.ready.exception()  # mark retrieved: the opener may already have given up
+        reason = f": {exc}" if exc else ""
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(
+                    LinkLost(f"link to the coordinator at {self.peer} was lost{reason}", sent=True)
+                )
+        self._pending.clear()
+        self._on_lost(self, exc)
+
+
+async def open_link(
+    host: str,
+    port: int,
+    handshake: ClientHandshake,
+    *,
+    on_event: EventCallback,
+    on_lost: LostCallback,
+    timeout: float,
+) -> tuple[CoordinatorLink, dict[str, Any]]:
+    """Connect, authenticate and return (link, the server's handshake info).
+
+    Raises:
+        OSError: the TCP connection failed (refused, unreachable); the caller may retry.
+        AuthenticationError, ProtocolError: the other side is not our coordinator or holds
+            another token; retrying will not help.
+        TimeoutError: connecting or the handshake took longer than ``timeout``.
+    """
+    loop = asyncio.get_running_loop()
+    link: CoordinatorLink | None = None
+
+    def factory() -> CoordinatorLink:
+        nonlocal link
+        link = CoordinatorLink(handshake, on_event, on_lost)
+        return link
+
+    async def connect_and_authenticate() -> dict[str, Any]:
+        await loop.create_connection(factory, host, port)
+        assert link is not None
+        return await link.ready
+
+    try:
+        info = await asyncio.wait_for(connect_and_authenticate(), timeout)
+    except BaseException:
+        if link is not None:
+            link.close()
+        raise
+    assert link is not None
+    return link, info

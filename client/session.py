@@ -1,0 +1,719 @@
+"""The coordinator session: a store client, rendezvous, heartbeats and reconnection.
+
+May import foundations only (protocol, stores, _errors, _deadline); never the public surface.
+``CoordinatorSession`` is what a worker (role "worker") and ``aiocoll.connect_store`` (role
+"store") use to talk to the coordinator. It is itself an ``aiocoll.Store``.
+
+Reconnection. When the link drops (a coordinator restart, a cut cable) the session reconnects
+by itself, with exponential backoff and jitter, for up to ``timeout`` seconds, re-authenticates,
+and sends its rendezvous ``session`` id in the hello so the coordinator re-attaches it. Requests
+that were pending are sent again on the new link; a waiting request (get, wait, multi_get, join)
+resumes with what is left of its own deadline. Re-sending is safe for reads, waits and the
+operations whose effect does not change when applied twice: set, multi_set (last writer wins)
+and compare_set (a second application finds ``desired`` in place and answers ``desired``, which
+is what the first answered). add, append and delete_key are not re-sent once their bytes left
+this process, since the coordinator may have applied them: the caller gets a StoreError saying
+so, instead of a counter silently counted twice. (They are re-sent when the link dropped before
+they were written.) A coordinator that advertises ``dedupe`` would make them safe too; the
+protocol has no such field yet.
+
+Authentication failures and "this is not a coordinator" are not retried: they raise at once,
+saying what to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiocoll._deadline import Deadline
+from aiocoll._errors import (
+    AuthenticationError,
+    DistError,
+    ProtocolError,
+    RendezvousError,
+    StoreError,
+    StoreTimeout,
+)
+from aiocoll.protocol import ClientHandshake
+from aiocoll.protocol._coordinator import (
+    ERR_INVALID,
+    ERR_RENDEZVOUS,
+    ERR_TIMEOUT,
+    ERR_TOO_LARGE,
+    EV_MEMBER_LOST,
+    EV_RESTARTED,
+    EV_SESSION_LOST,
+    HEARTBEAT_INTERVAL,
+    HEARTBEAT_TIMEOUT,
+    ROLE_ADMIN,
+    ROLE_STORE,
+    ROLE_WORKER,
+    join_values,
+    split_values,
+)
+from aiocoll.stores import DEFAULT_TIMEOUT, Store
+from aiocoll.stores._base import Value, check_amount, check_key, check_keys, to_value
+
+from ._connection import CoordinatorLink, LinkLost, open_link
+
+__all__ = [
+    "EV_COORDINATOR_LOST",
+    "EV_RECONNECTED",
+    "CoordinatorSession",
+    "CoordinatorUnreachable",
+    "Member",
+    "Membership",
+]
+
+log = logging.getLogger("aiocoll.client")
+
+# Events the session makes up itself (the coordinator's own are in protocol._coordinator).
+EV_RECONNECTED = "reconnected"  # a new link is up after a drop
+EV_COORDINATOR_LOST = "coordinator_lost"  # reconnecting ran out of time; "reason" says why
+
+_BACKOFF_FIRST = 0.05
+_BACKOFF_MAX = 2.0
+# One connect + handshake attempt; a paused or black-holed coordinator costs at most this.
+_ATTEMPT_TIMEOUT = 10.0
+# A waiting request is answered by the coordinator when its timeout runs out; the client's own
+# bound comes this much later, so that normally the coordinator's answer (naming keys) wins.
+_REPLY_GRACE = 5.0
+# Requests that do not wait still get at least this long for their answer.
+_MIN_REPLY_TIME = 1.0
+# A heartbeat unanswered for this long means the link is dead even if TCP has not noticed.
+_HEARTBEAT_REPLY_TIMEOUT = HEARTBEAT_TIMEOUT / 2
+_LEAVE_TIMEOUT = 2.0
+
+
+class CoordinatorUnreachable(DistError):
+    """No coordinator answered at host:port within the timeout (refused, unreachable, silent)."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One member of a rendezvous round: its rank, the addresses its peer listener accepts
+    connections on, and its host identity (ranks with equal ``host`` share a machine)."""
+
+    rank: int
+    addrs: list[tuple[str, int]]
+    host: str
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The result of a completed rendezvous.
+
+    Attributes:
+        rank, world_size: this member's rank and the round's size.
+        round: the job's round number (grows each time the job re-forms).
+        session: the id the coordinator gave this member, used to resume after a reconnect.
+        members: every member, sorted by rank.
+    """
+
+    rank: int
+    world_size: int
+    round: int
+    session: str
+    members: list[Member] = field(default_factory=list)
+
+
+MemberLostCallback = Callable[[int, str], None]
+EventCallback = Callable[[dict[str, Any]], None]
+
+
+class CoordinatorSession(Store):
+    """A client of an aiocoll coordinator for one job; create it with ``await connect(...)``.
+
+    Every store operation takes an optional ``timeout=`` (seconds): for get, multi_get and wait
+    how long to wait for the keys, and for every operation how long to keep trying to reach the
+    coordinator. The default is the session's ``timeout``.
+
+    Attributes:
+        host, port, job, role: where and as what this session is connected.
+        membership: the Membership after ``join`` (None before).
+        session_lost: None, or why the coordinator no longer counts this member.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | bytes | None = None,
+        job: str = "default",
+        role: str = ROLE_WORKER,
+        timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__(timeout)
+        if role not in (ROLE_WORKER, ROLE_STORE, ROLE_ADMIN):
+            raise ValueError(f"role must be {ROLE_WORKER!r}, {ROLE_STORE!r} or {ROLE_ADMIN!r}, not {role!r}")
+        if not isinstance(job, str) or not job:
+            raise ValueError(f"job must be a non-empty str, not {job!r}")
+        self.host = host
+        self.port = int(port)
+        self.job = job
+        self.role = role
+        self._token = token
+        self._link: CoordinatorLink | None = None
+        self._link_changed = asyncio.Event()
+        self._reconnect_task: asyncio.Task[None] | None = None
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._fatal: BaseException | None = None
+        self._closed = False
+        self._last_request = 0.0
+        self._member_lost_callbacks: list[MemberLostCallback] = []
+        self._event_callbacks: list[EventCallback] = []
+        self.membership: Membership | None = None
+        self.session_lost: str | None = None
+        self.server_info: dict[str, Any] = {}
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    async def connect(
+        cls,
+        host: str,
+        port: int,
+        *,
+        token: str | bytes | None = None,
+        job: str = "default",
+        role: str = ROLE_WORKER,
+        timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+    ) -> CoordinatorSession:
+        """Connect and authenticate, retrying with backoff while ``timeout`` allows.
+
+        Args:
+            host, port: the coordinator's address (use IP literals; no name lookups are made
+                beyond what connecting needs). token: the shared secret (None: empty secret).
+            job: the job's id; each job has its own keys and ranks. role: ROLE_WORKER (may join
+                a rendezvous and keeps heartbeats) or ROLE_STORE (a plain store client).
+            timeout: seconds to keep trying, and the default for every operation.
+
+        Raises:
+            CoordinatorUnreachable: nothing accepted at host:port for the whole timeout.
+            AuthenticationError: the coordinator holds another token (not retried).
+            ProtocolError: host:port is not an aiocoll coordinator of this version.
+        """
+        session = cls(host, port, token=token, job=job, role=role, timeout=timeout)
+        link = await session._connect(Deadline(session.timeout))
+        session._link = link
+        return session
+
+    # -- callbacks -----------------------------------------------------------------------
+    def on_member_lost(self, callback: MemberLostCallback) -> None:
+        """Call ``callback(rank, reason)`` when the coordinator reports a member of our round lost."""
+        self._member_lost_callbacks.append(callback)
+
+    def on_event(self, callback: EventCallback) -> None:
+        """Call ``callback(event)`` for every event: the coordinator's (``member_lost``,
+        ``restarted``, ``session_lost``) and the session's own (``reconnected``,
+        ``coordinator_lost`` with a ``reason``). Each event is a dict with its name under "ev"."""
+        self._event_callbacks.append(callback)
+
+    def _emit(self, event: dict[str, Any]) -> None:
+        for callback in list(self._event_callbacks):
+            try:
+                callback(event)
+            except Exception:
+                log.exception("job=%s event callback failed on %r", self.job, event)
+
+    def _on_event(self, event: dict[str, Any]) -> None:
+        name = event.get("ev")
+        if name == EV_MEMBER_LOST:
+            rank, reason = event.get("rank"), str(event.get("reason", ""))
+            if isinstance(rank, int):
+                log.warning(
+                    "job=%s rank=%s event=member_lost lost_rank=%d reason=%s",
+                    self.job,
+                    self._rank,
+                    rank,
+                    reason,
+                )
+                for callback in list(self._member_lost_callbacks):
+                    try:
+                        callback(rank, reason)
+                    except Exception:
+                        log.exception("job=%s member-lost callback failed for rank %d", self.job, rank)
+        elif name == EV_SESSION_LOST:
+            self.session_lost = str(event.get("reason", "the coordinator refused to resume the session"))
+            log.error("job=%s rank=%s event=session_lost reason=%s", self.job, self._rank, self.session_lost)
+            self._stop_heartbeats()
+        elif name == EV_RESTARTED:
+            log.info("job=%s rank=%s event=coordinator_restarted", self.job, self._rank)
+        self._emit(event)
+
+    @property
+    def _rank(self) -> int | None:
+        return None if self.membership is None else self.membership.rank
+
+    # -- connecting ----------------------------------------------------------------------
+    def _handshake(self) -> ClientHandshake:
+        extra: dict[str, Any] = {}
+        if self.membership is not None and self.session_lost is None:
+            extra["session"] = self.membership.session
+        return ClientHandshake(self._token, role=self.role, job=self.job, extra=extra)
+
+    async def _connect(self, deadline: Deadline) -> CoordinatorLink:
+        """One link, authenticated, trying until the deadline (backoff with full jitter)."""
+        delay = _BACKOFF_FIRST
+        attempts = 0
+        while True:
+            attempts += 1
+            remaining = deadline.remaining()
+            attempt_time = (
+                _ATTEMPT_TIMEOUT if remaining is None else max(min(remaining, _ATTEMPT_TIMEOUT), 0.05)
+            )
+            try:
+                link, info = await open_link(
+                    self.host,
+                    self.port,
+                    self._handshake(),
+                    on_event=self._on_event,
+                    on_lost=self._on_link_lost,
+                    timeout=attempt_time,
+                )
+                if link.closed:
+                    raise ConnectionResetError("the coordinator closed the link right after the handshake")
+                self.server_info = info
+                return link
+            except AuthenticationError as exc:
+                raise AuthenticationError(
+                    f"the coordinator at {self.address} did not accept us for job {self.job!r}: {exc}. "
+                    f"Use the coordinator's token: set AIOCOLL_TOKEN (or pass token=) to the value the "
+                    f"coordinator was started with (--token-file or its AIOCOLL_TOKEN)"
+                ) from exc
+            except ProtocolError as exc:
+                raise ProtocolError(
+                    f"{self.address} did not answer as an aiocoll coordinator: {exc}. Check the port "
+                    f"(is it a worker's peer port or another service?) and that both sides run the "
+                    f"same aiocoll release",
+                    remote=exc.remote,
+                ) from exc
+            except (OSError, asyncio.TimeoutError) as exc:
+                last = exc
+            if self._closed:
+                raise StoreError(f"session to the coordinator at {self.address} was closed while connecting")
+            remaining = deadline.remaining()
+            if remaining is not None and remaining <= 0:
+                raise CoordinatorUnreachable(
+                    f"no aiocoll coordinator answered at {self.address} within {deadline.timeout:.3g}s "
+                    f"({attempts} attempts; last error: {type(last).__name__}: {last or 'timed out'}). "
+                    f"Check that the coordinator runs there (aiocoll coordinator --port {self.port}) and "
+                    f"that host and port are right, or raise the timeout"
+                ) from last
+            pause = random.uniform(0, delay)
+            if remaining is not None:
+                pause = min(pause, remaining)
+            await asyncio.sleep(pause)
+            delay = min(delay * 2, _BACKOFF_MAX)
+
+    def _on_link_lost(self, link: CoordinatorLink, exc: BaseException | None) -> None:
+        if link is not self._link:
+            return
+        self._link = None
+        self._link_changed.set()
+        self._link_changed = asyncio.Event()
+        if self._closed:
+            return
+        log.warning(
+            "job=%s rank=%s event=coordinator_link_lost address=%s reason=%s; reconnecting",
+            self.job,
+            self._rank,
+            self.address,
+            exc or "closed by the coordinator",
+        )
+        self._reconnect_task = asyncio.ensure_future(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        try:
+            link = await self._connect(Deadline(self.timeout))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if self._closed:
+                return
+            self._fatal = exc
+            log.error(
+                "job=%s rank=%s event=coordinator_lost address=%s reason=%s",
+                self.job,
+                self._rank,
+                self.address,
+                exc,
+            )
+            self._link_changed.set()
+            self._emit({"ev": EV_COORDINATOR_LOST, "reason": str(exc)})
+            return
+        if self._closed:
+            link.close()
+            return
+        self._link = link
+        self._link_changed.set()
+        self._link_changed = asyncio.Event()
+        log.info("job=%s rank=%s event=reconnected address=%s", self.job, self._rank, self.address)
+        self._emit({"ev": EV_RECONNECTED})
+
+    async def _usable_link(
+        self, deadline: Deadline, op: str, timeout_error: Callable[[], BaseException]
+    ) -> CoordinatorLink:
+        while True:
+            if self._closed:
+                raise StoreError(f"{op}: the session to the coordinator at {self.address} is closed")
+            if self._fatal is not None:
+                raise CoordinatorUnreachable(
+                    f"{op}: lost the coordinator at {self.address}: {self._fatal}"
+                ) from self._fatal
+            link = self._link
+            if link is not None:
+                if not link.closed:
+                    return link
+                self._on_link_lost(link, None)
+                continue
+            changed = self._link_changed
+            remaining = deadline.remaining()
+            if remaining is not None and remaining <= 0:
+                raise timeout_error()
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                raise timeout_error() from None
+
+    # -- requests ------------------------------------------------------------------------
+    async def _call(
+        self,
+        op: str,
+        fields: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        deadline: Deadline,
+        waits: bool = False,
+        resend: bool = True,
+        keys: Sequence[str] = (),
+    ) -> tuple[dict[str, Any], bytes]:
+        """Send one request (again after a reconnect, when that is safe) and return the reply.
+
+        Args:
+            waits: the coordinator may hold the request until ``timeout`` (a field we fill in).
+            resend: the request may be sent again when its link dropped after sending it.
+            keys: the keys it is about, for error messages.
+        """
+
+        def timed_out() -> BaseException:
+            if op == "join":
+                return RendezvousError(
+                    f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: the "
+                    f"coordinator at {self.address} did not answer in time"
+                )
+            if waits:
+                return StoreTimeout(keys, deadline.timeout, self._timeout_message(keys, deadline.timeout))
+            return StoreTimeout(
+                keys,
+                deadline.timeout,
+                f"{self._describe(op, keys)} got no answer from the coordinator at {self.address} within "
+                f"{deadline.timeout:.3g}s; it is down or unreachable (the session kept reconnecting)",
+            )
+
+        while True:
+            link = await self._usable_link(deadline, op, timed_out)
+            header = {"op": op, **fields}
+            remaining = deadline.remaining()
+            if waits:
+                header["timeout"] = remaining
+                bound = None if remaining is None else remaining + _REPLY_GRACE
+            else:
+                bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+            self._last_request = asyncio.get_running_loop().time()
+            try:
+                reply, body = await asyncio.wait_for(link.request(header, payload), bound)
+            except asyncio.TimeoutError:
+                raise timed_out() from None
+            except LinkLost as exc:
+                if exc.sent and not resend:
+                    raise StoreError(
+                        f"{self._describe(op, keys)}: the link to the coordinator at {self.address} dropped "
+                        f"after the request was sent, so it may or may not have been applied; it is not "
+                        f"re-sent because applying it twice would change the result. Check the key's "
+                        f"value before retrying"
+                    ) from exc
+                continue
+            if reply.get("ok") is True:
+                return reply, body
+            raise self._error(op, reply, keys, deadline)
+
+    def _describe(self, op: str, keys: Sequence[str]) -> str:
+        if not keys:
+            return f"{op} (job {self.job!r})"
+        return f"{op} of key(s) {list(keys)[:8]!r} (job {self.job!r})"
+
+    def _timeout_message(self, keys: Sequence[str], timeout: float | None) -> str:
+        waited = f" after {timeout:.3g}s" if timeout is not None else ""
+        return (
+            f"timed out{waited} waiting for store key(s) {list(keys)!r} of job {self.job!r} at the "
+            f"coordinator {self.address}"
+        )
+
+    def _error(
+        self, op: str, reply: dict[str, Any], keys: Sequence[str], deadline: Deadline
+    ) -> BaseException:
+        err = reply.get("err")
+        msg = str(reply.get("msg", "no reason given"))
+        if err == ERR_TIMEOUT:
+            missing = reply.get("keys")
+            names = [k for k in missing if isinstance(k, str)] if isinstance(missing, list) else list(keys)
+            return StoreTimeout(names, deadline.timeout, self._timeout_message(names, deadline.timeout))
+        if err == ERR_RENDEZVOUS or op == "join":
+            return RendezvousError(msg)
+        if err in (ERR_INVALID, ERR_TOO_LARGE):
+            return StoreError(msg)
+        return DistError(f"the coordinator at {self.address} failed {op} ({err}): {msg}")
+
+    def _deadline(self, timeout: float | datetime.timedelta | None) -> Deadline:
+        return Deadline(self.timeout if timeout is None else self._check_timeout(timeout))
+
+    # -- Store ---------------------------------------------------------------------------
+    async def set(self, key: str, value: Value, *, timeout: float | None = None) -> None:
+        key = check_key(key)
+        raw = to_value(key, value)
+        await self._call("set", {"key": key}, raw, deadline=self._deadline(timeout), keys=[key])
+
+    async def get(self, key: str, *, timeout: float | None = None) -> bytes:
+        key = check_key(key)
+        _, body = await self._call(
+            "get", {"key": key}, deadline=self._deadline(timeout), waits=True, keys=[key]
+        )
+        return body
+
+    async def add(self, key: str, amount: int, *, timeout: float | None = None) -> int:
+        key = check_key(key)
+        amount = check_amount(key, amount)
+        reply, _ = await self._call(
+            "add", {"key": key, "amount": amount}, deadline=self._deadline(timeout), resend=False, keys=[key]
+        )
+        return int(reply["value"])
+
+    async def compare_set(
+        self, key: str, expected: Value, desired: Value, *, timeout: float | None = None
+    ) -> bytes:
+        key = check_key(key)
+        payload, sizes = join_values(
+            [to_value(key, expected, "expected value"), to_value(key, desired, "desired value")]
+        )
+        _, body = await self._call(
+            "cas", {"key": key, "sizes": sizes}, payload, deadline=self._deadline(timeout), keys=[key]
+        )
+        return body
+
+    async def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
+        names = check_keys(keys)
+        await self._call("wait", {"keys": names}, deadline=self._deadline(timeout), waits=True, keys=names)
+
+    async def check(self, keys: Sequence[str], *, timeout: float | None = None) -> bool:
+        names = check_keys(keys)
+        reply, _ = await self._call("check", {"keys": names}, deadline=self._deadline(timeout), keys=names)
+        return bool(reply["value"])
+
+    async def delete_key(self, key: str, *, timeout: float | None = None) -> bool:
+        key = check_key(key)
+        reply, _ = await self._call(
+            "del", {"key": key}, deadline=self._deadline(timeout), resend=False, keys=[key]
+        )
+        return bool(reply["value"])
+
+    async def num_keys(self, *, timeout: float | None = None) -> int:
+        reply, _ = await self._call("nkeys", {}, deadline=self._deadline(timeout))
+        return int(reply["value"])
+
+    async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
+        names = check_keys(keys)
+        reply, body = await self._call(
+            "mget", {"keys": names}, deadline=self._deadline(timeout), waits=True, keys=names
+        )
+        values = split_values(body, reply.get("sizes"))
+        if len(values) != len(names):
+            raise ProtocolError(
+                f"the coordinator answered mget of {len(names)} keys with {len(values)} values"
+            )
+        return values
+
+    async def multi_set(
+        self, keys: Sequence[str], values: Sequence[Value], *, timeout: float | None = None
+    ) -> None:
+        names, raw = self._pair(keys, values)
+        payload, sizes = join_values(raw)
+        await self._call(
+            "mset", {"keys": names, "sizes": sizes}, payload, deadline=self._deadline(timeout), keys=names
+        )
+
+    async def append(self, key: str, value: Value, *, timeout: float | None = None) -> None:
+        key = check_key(key)
+        raw = to_value(key, value)
+        await self._call(
+            "append", {"key": key}, raw, deadline=self._deadline(timeout), resend=False, keys=[key]
+        )
+
+    async def status(self, job: str | None = None, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The coordinator's view of ``job`` (None: every job), as the ``status`` reply lists it."""
+        reply, _ = await self._call("status", {"job": job}, deadline=self._deadline(timeout))
+        jobs = reply.get("jobs", [])
+        return list(jobs) if isinstance(jobs, list) else []
+
+    # -- rendezvous ----------------------------------------------------------------------
+    async def join(
+        self,
+        rank: int | None,
+        world_size: int,
+        addrs: Sequence[tuple[str, int]],
+        host: str,
+        timeout: float | datetime.timedelta | None = None,
+    ) -> Membership:
+        """Join this job's rendezvous and wait until all ``world_size`` members have joined.
+
+        Args:
+            rank: this process's rank, or None to let the coordinator pick the lowest free one.
+            world_size: the number of members; every member must pass the same.
+            addrs: (host, port) pairs where this member's peer listener accepts connections.
+            host: this machine's identity (members with the same host may use shared memory).
+            timeout: seconds to wait for the others (default: the session's timeout).
+
+        Returns:
+            The Membership; heartbeats start and keep this member alive until ``aclose``.
+
+        Raises:
+            RendezvousError: refused (duplicate or out-of-range rank, another world size) or timed out.
+            ValueError, TypeError: bad arguments, before anything is sent.
+        """
+        if self.role != ROLE_WORKER:
+            raise RendezvousError(
+                f"join needs a session with role {ROLE_WORKER!r}; this one is {self.role!r}"
+            )
+        if self.membership is not None:
+            raise RendezvousError(
+                f"this session already joined job {self.job!r} as rank {self.membership.rank}; open a new "
+                f"session to join again"
+            )
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank must be an int or None, got {type(rank).__name__}")
+        if rank is not None and not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank {rank} is out of range for world size {world_size} (valid: 0..{world_size - 1})"
+            )
+        wire_addrs = []
+        for addr in addrs:
+            if not (
+                isinstance(addr, (tuple, list))
+                and len(addr) == 2
+                and isinstance(addr[0], str)
+                and isinstance(addr[1], int)
+            ):
+                raise TypeError(f"addrs must hold (host: str, port: int) pairs, got {addr!r}")
+            wire_addrs.append([addr[0], int(addr[1])])
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a str, got {type(host).__name__}")
+        reply, _ = await self._call(
+            "join",
+            {"rank": rank, "world_size": world_size, "addrs": wire_addrs, "host": host},
+            deadline=self._deadline(timeout),
+            waits=True,
+            resend=False,
+        )
+        members = [
+            Member(
+                int(m["rank"]), [(str(a[0]), int(a[1])) for a in m.get("addrs", [])], str(m.get("host", ""))
+            )
+            for m in reply.get("members", [])
+        ]
+        self.membership = Membership(
+            rank=int(reply["rank"]),
+            world_size=int(reply["world_size"]),
+            round=int(reply.get("round", 0)),
+            session=str(reply.get("session", "")),
+            members=sorted(members, key=lambda m: m.rank),
+        )
+        log.info(
+            "job=%s rank=%d event=joined round=%d world_size=%d",
+            self.job,
+            self.membership.rank,
+            self.membership.round,
+            self.membership.world_size,
+        )
+        self._heartbeat_task = asyncio.ensure_future(self._heartbeats())
+        return self.membership
+
+    async def _heartbeats(self) -> None:
+        """Send ``hb`` when the link has been idle for HEARTBEAT_INTERVAL; a heartbeat that gets
+        no answer in time closes the link, which makes the session reconnect."""
+        loop = asyncio.get_running_loop()
+        while not self._closed and self.session_lost is None:
+            idle = loop.time() - self._last_request
+            if idle < HEARTBEAT_INTERVAL:
+                await asyncio.sleep(HEARTBEAT_INTERVAL - idle)
+                continue
+            link = self._link
+            if link is None:
+                changed = self._link_changed
+                await changed.wait()
+                if self._fatal is not None:
+                    return
+                continue
+            self._last_request = loop.time()
+            try:
+                await asyncio.wait_for(link.request({"op": "hb"}), _HEARTBEAT_REPLY_TIMEOUT)
+            except asyncio.TimeoutError:
+                log.warning(
+                    "job=%s rank=%s event=heartbeat_unanswered address=%s after=%.1fs; reconnecting",
+                    self.job,
+                    self._rank,
+                    self.address,
+                    _HEARTBEAT_REPLY_TIMEOUT,
+                )
+                link.close()
+            except LinkLost:
+                pass  # the reconnect logic has it
+
+    def _stop_heartbeats(self) -> None:
+        task, self._heartbeat_task = self._heartbeat_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    # -- closing -------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    async def aclose(self) -> None:
+        """Leave the rendezvous (when joined) and close. Twice is fine; never raises for a dead link."""
+        if self._closed:
+            return
+        link = self._link
+        if link is not None and self.membership is not None and self.session_lost is None:
+            with contextlib.suppress(LinkLost, asyncio.TimeoutError, OSError):
+                await asyncio.wait_for(link.request({"op": "leave"}), _LEAVE_TIMEOUT)
+        self.abort()
+
+    def abort(self) -> None:
+        """Close at once without leaving: the coordinator will report this member lost."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_heartbeats()
+        task, self._reconnect_task = self._reconnect_task, None
+        if task is not None:
+            task.cancel()
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
+        self._link_changed.set()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("connected" if self._link is not None else "reconnecting")
+        return f"CoordinatorSession({self.address}, job={self.job!r}, role={self.role!r}, {state})"

@@ -1,0 +1,373 @@
+"""The coordinator client against real coordinator processes on loopback: the store
+conformance suite, rendezvous, many concurrent clients, authentication failure, and
+reconnection through a fault proxy and across a coordinator restart with --state-dir."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiocoll.client.session import CoordinatorSession, CoordinatorUnreachable
+
+import aiocoll
+from aiocoll import AuthenticationError, RendezvousError, Store, StoreError, StoreTimeout
+from aiocoll.protocol._coordinator import EV_RESTARTED, EV_SESSION_LOST, ROLE_STORE
+from aiocoll.testing.fault_proxy import FaultProxy
+from aiocoll.testing.store_conformance import StoreConformance, StoreFactory
+
+pytestmark = pytest.mark.integration
+
+TOKEN = "integration-secret"
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+class CoordinatorProcess:
+    """``python -m aiocoll coordinator`` in a child process; its log goes to a file (never a pipe
+    that could fill up and stall it)."""
+
+    def __init__(self, tmp: Path, *, port: int = 0, state_dir: Path | None = None) -> None:
+        self.log_path = tmp / f"coordinator-{uuid.uuid4().hex[:8]}.log"
+        args = [sys.executable, "-m", "aiocoll", "coordinator", "--host", "127.0.0.1", "--port", str(port)]
+        if state_dir is not None:
+            args += ["--state-dir", str(state_dir)]
+        env = {**os.environ, "AIOCOLL_TOKEN": TOKEN}
+        self._log = open(self.log_path, "wb")  # closed in stop()
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.port = self._wait_listening()
+
+    def _wait_listening(self, timeout: float = 30.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = _LISTENING.search(self.log_path.read_text(errors="replace"))
+            if match:
+                return int(match.group(2))
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(
+            f"coordinator did not start; its log:\n{self.log_path.read_text(errors='replace')}"
+        )
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(15)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
+    proc = CoordinatorProcess(tmp_path_factory.mktemp("coordinator"))
+    yield proc
+    proc.stop()
+
+
+def _url(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
+
+
+class TestCoordinatorStore(StoreConformance):
+    """The conformance suite against connect_store; each test gets its own job (key space)."""
+
+    @pytest.fixture
+    async def store_factory(self, coordinator: CoordinatorProcess) -> AsyncIterator[StoreFactory]:
+        job = f"conformance-{uuid.uuid4().hex}"
+        made: list[Store] = []
+
+        async def make() -> Store:
+            made.append(await aiocoll.connect_store(_url(coordinator.port), token=TOKEN, job=job, timeout=20))
+            return made[-1]
+
+        yield make
+        for store in made:
+            await store.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_many_concurrent_clients_each_see_every_other_clients_writes(
+    coordinator: CoordinatorProcess,
+) -> None:
+    job = f"many-{uuid.uuid4().hex}"
+    clients = await asyncio.gather(
+        *(aiocoll.connect_store(_url(coordinator.port), token=TOKEN, job=job, timeout=30) for _ in range(32))
+    )
+    try:
+
+        async def work(i: int, store: Store) -> list[bytes]:
+            await store.set(f"client/{i}", f"value-{i}")
+            await store.add("arrived", 1)
+            await store.wait(["client/" + str(j) for j in range(len(clients))], timeout=30)
+            return await store.multi_get([f"client/{j}" for j in range(len(clients))])
+
+        results = await asyncio.gather(*(work(i, c) for i, c in enumerate(clients)))
+        expected = [f"value-{j}".encode() for j in range(len(clients))]
+        assert all(r == expected for r in results)
+        assert await clients[0].get("arrived") == str(len(clients)).encode()
+    finally:
+        await asyncio.gather(*(c.aclose() for c in clients))
+
+
+@pytest.mark.timeout(60)
+async def test_join_gives_every_member_the_same_table_and_reports_a_lost_member(
+    coordinator: CoordinatorProcess,
+) -> None:
+    job = f"rdzv-{uuid.uuid4().hex}"
+    sessions = [
+        await CoordinatorSession.connect("127.0.0.1", coordinator.port, token=TOKEN, job=job, timeout=20)
+        for _ in range(4)
+    ]
+    try:
+        # Ranks 3 and 1 are asked for; the others let the coordinator pick.
+        wanted: list[int | None] = [3, None, 1, None]
+        tables = await asyncio.gather(
+            *(
+                s.join(rank, 4, [("127.0.0.1", 40000 + i)], f"host-{i % 2}", timeout=20)
+                for i, (s, rank) in enumerate(zip(sessions, wanted, strict=True))
+            )
+        )
+        assert tables[0].rank == 3 and tables[2].rank == 1
+        assert sorted(t.rank for t in tables) == [0, 1, 2, 3]
+        assert all(t.members == tables[0].members and t.round == tables[0].round for t in tables)
+        assert [m.rank for m in tables[0].members] == [0, 1, 2, 3]
+        by_rank = {t.rank: i for i, t in enumerate(tables)}
+        assert tables[0].members[3].addrs == [("127.0.0.1", 40000)]
+        assert all(t.session for t in tables) and len({t.session for t in tables}) == 4
+
+        lost: list[tuple[int, str]] = []
+        got = asyncio.Event()
+
+        def on_lost(rank: int, reason: str) -> None:
+            lost.append((rank, reason))
+            got.set()
+
+        survivor = sessions[by_rank[0]]
+        survivor.on_member_lost(on_lost)
+        sessions[by_rank[2]].abort()
+        await asyncio.wait_for(got.wait(), 15)
+        assert lost[0][0] == 2 and lost[0][1]
+    finally:
+        for s in sessions:
+            await s.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_join_refuses_a_duplicate_rank_and_a_different_world_size(
+    coordinator: CoordinatorProcess,
+) -> None:
+    job = f"refuse-{uuid.uuid4().hex}"
+    a, b, c = [
+        await CoordinatorSession.connect("127.0.0.1", coordinator.port, token=TOKEN, job=job, timeout=20)
+        for _ in range(3)
+    ]
+    try:
+        pending = asyncio.ensure_future(a.join(0, 2, [], "h", timeout=20))
+        await asyncio.sleep(0.2)
+        with pytest.raises(RendezvousError, match="rank 0"):
+            await b.join(0, 2, [], "h", timeout=5)
+        with pytest.raises(RendezvousError, match="world size"):
+            await c.join(1, 3, [], "h", timeout=5)
+        with pytest.raises(ValueError, match="out of range"):
+            await c.join(5, 2, [], "h")
+        pending.cancel()
+    finally:
+        for s in (a, b, c):
+            await s.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_wrong_token_raises_authentication_error_at_once(coordinator: CoordinatorProcess) -> None:
+    started = time.monotonic()
+    with pytest.raises(AuthenticationError, match="AIOCOLL_TOKEN"):
+        await aiocoll.connect_store(_url(coordinator.port), token="not-the-token", job="x", timeout=30)
+    assert time.monotonic() - started < 10, "an authentication failure must not be retried until the timeout"
+
+
+@pytest.mark.timeout(30)
+async def test_connect_store_without_a_token_warns() -> None:
+    # Nothing listens on this port: the warning comes before the connection fails.
+    with pytest.warns(RuntimeWarning, match="without a token"), pytest.raises(CoordinatorUnreachable):
+        await aiocoll.connect_store(_url(_free_port()), token="", job="x", timeout=0.3)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.timeout(30)
+async def test_connection_refused_for_the_whole_budget_names_host_and_port() -> None:
+    port = _free_port()
+    started = time.monotonic()
+    with pytest.raises(CoordinatorUnreachable, match=f"127.0.0.1:{port}"):
+        await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, timeout=0.5)
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(60)
+async def test_a_pending_wait_survives_a_cut_link_and_completes(coordinator: CoordinatorProcess) -> None:
+    job = f"cut-{uuid.uuid4().hex}"
+    async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+        waiter = await CoordinatorSession.connect(
+            "127.0.0.1", proxy.port, token=TOKEN, job=job, role=ROLE_STORE, timeout=20
+        )
+        setter = await aiocoll.connect_store(_url(coordinator.port), token=TOKEN, job=job, timeout=20)
+        events: list[dict[str, Any]] = []
+        waiter.on_event(events.append)
+        try:
+            pending = asyncio.ensure_future(waiter.get("after-cut", timeout=20))
+            await asyncio.sleep(0.2)
+            proxy.cut()
+            await asyncio.sleep(0.2)
+            await setter.set("after-cut", b"made it")
+            assert await pending == b"made it"
+            assert any(e["ev"] == "reconnected" for e in events)
+            assert proxy.accepted >= 2
+        finally:
+            await waiter.aclose()
+            await setter.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_counter_add_whose_link_drops_after_sending_is_reported_not_repeated(
+    coordinator: CoordinatorProcess,
+) -> None:
+    job = f"add-{uuid.uuid4().hex}"
+    async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+        store = await CoordinatorSession.connect(
+            "127.0.0.1", proxy.port, token=TOKEN, job=job, role=ROLE_STORE, timeout=20
+        )
+        try:
+            proxy.pause()
+            add = asyncio.ensure_future(store.add("counter", 1))
+            put = asyncio.ensure_future(store.set("plain", b"v"))
+            await asyncio.sleep(0.2)
+            proxy.cut()
+            proxy.resume()
+            with pytest.raises(StoreError, match="may or may not have been applied"):
+                await add
+            await put  # set is safe to send again, so it was
+            assert await store.get("plain") == b"v"
+        finally:
+            await store.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_a_silent_coordinator_gives_store_timeout_naming_the_key_not_a_hang(
+    coordinator: CoordinatorProcess,
+) -> None:
+    async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+        store = await CoordinatorSession.connect(
+            "127.0.0.1", proxy.port, token=TOKEN, job="silent", role=ROLE_STORE, timeout=20
+        )
+        try:
+            proxy.pause()
+            with pytest.raises(StoreTimeout) as info:
+                await store.set("unanswered", b"x", timeout=0.5)
+            assert info.value.keys == ["unanswered"]
+            assert "127.0.0.1" in str(info.value)
+        finally:
+            proxy.resume()
+            await store.aclose()
+
+
+@pytest.mark.timeout(90)
+async def test_a_worker_whose_link_was_cut_learns_its_session_was_lost(
+    coordinator: CoordinatorProcess,
+) -> None:
+    job = f"lost-{uuid.uuid4().hex}"
+    async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+        cut_one = await CoordinatorSession.connect("127.0.0.1", proxy.port, token=TOKEN, job=job, timeout=20)
+        other = await CoordinatorSession.connect(
+            "127.0.0.1", coordinator.port, token=TOKEN, job=job, timeout=20
+        )
+        try:
+            await asyncio.gather(
+                cut_one.join(0, 2, [], "h", timeout=20), other.join(1, 2, [], "h", timeout=20)
+            )
+            seen: list[dict[str, Any]] = []
+            got = asyncio.Event()
+
+            def on_event(event: dict[str, Any]) -> None:
+                if event["ev"] == EV_SESSION_LOST:
+                    seen.append(event)
+                    got.set()
+
+            cut_one.on_event(on_event)
+            proxy.cut()
+            await asyncio.wait_for(got.wait(), 20)
+            assert cut_one.session_lost
+            # The store still works on the new link: only the membership is gone.
+            await cut_one.set("still-usable", b"yes")
+            assert await other.get("still-usable") == b"yes"
+        finally:
+            await cut_one.aclose()
+            await other.aclose()
+
+
+@pytest.mark.timeout(120)
+async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and_keeps_keys(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    first = CoordinatorProcess(tmp_path, state_dir=state)
+    port = first.port
+    job = "durable"
+    second: CoordinatorProcess | None = None
+    sessions: list[CoordinatorSession] = []
+    try:
+        store = await aiocoll.connect_store(_url(port), token=TOKEN, job=job, timeout=60)
+        sessions.append(store)  # type: ignore[arg-type]
+        workers = [
+            await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, job=job, timeout=60)
+            for _ in range(2)
+        ]
+        sessions += workers
+        tables = await asyncio.gather(
+            *(w.join(i, 2, [("127.0.0.1", 1 + i)], "h", timeout=20) for i, w in enumerate(workers))
+        )
+        events: list[str] = []
+        workers[0].on_event(lambda ev: events.append(ev["ev"]))
+
+        acked = {f"acked/{i}": os.urandom(16) for i in range(50)}
+        for key, value in acked.items():
+            await store.set(key, value)
+        assert await store.add("counter", 7) == 7
+        waiting = asyncio.ensure_future(workers[0].get("after-restart", timeout=60))
+        await asyncio.sleep(0.2)
+
+        first.stop(signal.SIGKILL)  # a crash: no drain, no final snapshot
+        assert not waiting.done()
+        second = CoordinatorProcess(tmp_path, port=port, state_dir=state)
+
+        setter = await aiocoll.connect_store(_url(port), token=TOKEN, job=job, timeout=60)
+        sessions.append(setter)  # type: ignore[arg-type]
+        await setter.set("after-restart", b"hello again")
+        assert await asyncio.wait_for(waiting, 60) == b"hello again"
+        assert await store.multi_get(list(acked)) == list(acked.values())
+        assert await store.add("counter", 1) == 8
+        assert EV_RESTARTED in events and EV_SESSION_LOST not in events
+        assert workers[0].session_lost is None and workers[0].membership == tables[0]
+    finally:
+        for s in sessions:
+            await s.aclose()
+        first.stop()
+        if second is not None:
+            second.stop()
