@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from aiocoll.client.transports.memory import MemoryWorld
 
 from aiocoll._errors import MismatchError, PeerLostError
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import ALGORITHMS, CollectiveSpec, Transport, choose_algorithm, run_collective
 from aiocoll.algorithms import _schedule as S
-from aiocoll.client.transports.memory import MemoryWorld
 
 TAG = ("c", "g", 0)
 LIMIT = 20.0  # a hang, not a slow machine, gets near this
@@ -64,7 +64,10 @@ async def test_all_reduce_sums_in_place_on_every_rank(algorithm: str, n: int, sm
         xs = inputs(n, count, seed=count)
         expected = np.sum(xs, axis=0)
         await run_world(
-            [CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), algorithm=algorithm) for r in range(n)]
+            [
+                CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), algorithm=algorithm)
+                for r in range(n)
+            ]
         )
         for x in xs:
             np.testing.assert_array_equal(x, expected)
@@ -85,13 +88,18 @@ async def test_large_all_reduce_with_default_chunks_uses_the_pipelined_ring(n: i
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("algorithm", ALGORITHMS["broadcast"])
 @pytest.mark.parametrize("n", SIZES)
-async def test_broadcast_copies_the_roots_tensor_to_every_rank(algorithm: str, n: int, small_chunks: None) -> None:
+async def test_broadcast_copies_the_roots_tensor_to_every_rank(
+    algorithm: str, n: int, small_chunks: None
+) -> None:
     for root in sorted({0, n // 2, n - 1}):
         for count in (0, 1, 1000):
             xs = inputs(n, count, seed=root)
             expected = xs[root].copy()
             await run_world(
-                [CollectiveSpec("broadcast", ranks(n), r, (), (xs[r],), root=root, algorithm=algorithm) for r in range(n)]
+                [
+                    CollectiveSpec("broadcast", ranks(n), r, (), (xs[r],), root=root, algorithm=algorithm)
+                    for r in range(n)
+                ]
             )
             for x in xs:
                 np.testing.assert_array_equal(x, expected)
@@ -109,7 +117,16 @@ async def test_reduce_leaves_the_result_at_the_root_and_other_ranks_unchanged(
             before = [x.copy() for x in xs]
             await run_world(
                 [
-                    CollectiveSpec("reduce", ranks(n), r, (xs[r],), (xs[r],), root=root, op=ReduceOp.MAX, algorithm=algorithm)
+                    CollectiveSpec(
+                        "reduce",
+                        ranks(n),
+                        r,
+                        (xs[r],),
+                        (xs[r],),
+                        root=root,
+                        op=ReduceOp.MAX,
+                        algorithm=algorithm,
+                    )
                     for r in range(n)
                 ]
             )
@@ -122,12 +139,17 @@ async def test_reduce_leaves_the_result_at_the_root_and_other_ranks_unchanged(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("algorithm", ALGORITHMS["all_gather"])
 @pytest.mark.parametrize("n", SIZES)
-async def test_all_gather_fills_output_j_with_rank_js_input(algorithm: str, n: int, small_chunks: None) -> None:
+async def test_all_gather_fills_output_j_with_rank_js_input(
+    algorithm: str, n: int, small_chunks: None
+) -> None:
     for count in (0, 1, 700):
         xs = inputs(n, count, seed=count)
         outs = [[np.full(count, -7, dtype=np.int64) for _ in range(n)] for _ in range(n)]
         await run_world(
-            [CollectiveSpec("all_gather", ranks(n), r, (xs[r],), tuple(outs[r]), algorithm=algorithm) for r in range(n)]
+            [
+                CollectiveSpec("all_gather", ranks(n), r, (xs[r],), tuple(outs[r]), algorithm=algorithm)
+                for r in range(n)
+            ]
         )
         for r in range(n):
             for j in range(n):
@@ -175,7 +197,10 @@ async def test_reduce_scatter_reduces_block_j_onto_rank_j(algorithm: str, n: int
         before = [[a.copy() for a in row] for row in ins]
         xs = [np.zeros(count, dtype=np.int64) for _ in range(n)]
         await run_world(
-            [CollectiveSpec("reduce_scatter", ranks(n), r, tuple(ins[r]), (xs[r],), algorithm=algorithm) for r in range(n)]
+            [
+                CollectiveSpec("reduce_scatter", ranks(n), r, tuple(ins[r]), (xs[r],), algorithm=algorithm)
+                for r in range(n)
+            ]
         )
         for j in range(n):
             np.testing.assert_array_equal(xs[j], np.sum([ins[r][j] for r in range(n)], axis=0))
@@ -204,11 +229,15 @@ async def test_all_to_all_exchanges_blocks_of_different_sizes(n: int) -> None:
 async def test_barrier_completes_only_after_every_rank_entered(n: int) -> None:
     world = MemoryWorld(n)
     specs = [CollectiveSpec("barrier", ranks(n), r, (), ()) for r in range(n)]
-    early = [asyncio.ensure_future(run_collective(specs[r], world[r], TAG, meta("barrier"))) for r in range(n - 1)]
+    early = [
+        asyncio.ensure_future(run_collective(specs[r], world[r], TAG, meta("barrier"))) for r in range(n - 1)
+    ]
     for _ in range(20):
         await asyncio.sleep(0)
     assert not any(t.done() for t in early), "a rank left the barrier before the last rank entered"
-    await asyncio.wait_for(asyncio.gather(*early, run_collective(specs[-1], world[n - 1], TAG, meta("barrier"))), LIMIT)
+    await asyncio.wait_for(
+        asyncio.gather(*early, run_collective(specs[-1], world[n - 1], TAG, meta("barrier"))), LIMIT
+    )
 
 
 # ------------------------------------------------------------------------------ dtypes and ops
@@ -263,7 +292,9 @@ def sample(dtype: str, op: ReduceOp, count: int, seed: int) -> np.ndarray:
         return rng.integers(lo, hi, size=count, endpoint=True).astype(dt)
     values = rng.uniform(0.5, 1.5, size=count) if op is ReduceOp.PRODUCT else rng.normal(size=count)
     if dt.kind == "c":
-        values = values + 1j * (rng.uniform(0.5, 1.5, size=count) if op is ReduceOp.PRODUCT else rng.normal(size=count))
+        values = values + 1j * (
+            rng.uniform(0.5, 1.5, size=count) if op is ReduceOp.PRODUCT else rng.normal(size=count)
+        )
     return values.astype(dt)
 
 
@@ -276,7 +307,9 @@ def reference(op: ReduceOp, xs: list[np.ndarray]) -> np.ndarray:
 
 def assert_reduced(got: np.ndarray, want: np.ndarray, op: ReduceOp) -> None:
     if got.dtype.kind in "fc" and op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.AVG):
-        rtol = {2: 2e-2, 4: 1e-5, 8: 1e-12, 16: 1e-12}[got.dtype.itemsize if got.dtype.kind == "f" else got.dtype.itemsize // 2]
+        rtol = {2: 2e-2, 4: 1e-5, 8: 1e-12, 16: 1e-12}[
+            got.dtype.itemsize if got.dtype.kind == "f" else got.dtype.itemsize // 2
+        ]
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
     else:
         np.testing.assert_array_equal(got, want)
@@ -296,7 +329,10 @@ async def test_all_reduce_every_op_and_dtype_matches_numpy_and_agrees_bitwise_ac
         xs = [sample(dtype, op, 200, seed=r) for r in range(n)]
         want = reference(op, xs)
         await run_world(
-            [CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), op=op, algorithm=algorithm) for r in range(n)],
+            [
+                CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), op=op, algorithm=algorithm)
+                for r in range(n)
+            ],
             metas=[meta("all_reduce", dtype=dtype)] * n,
         )
         assert_reduced(xs[0], want, op)
@@ -310,13 +346,20 @@ async def test_reduce_and_reduce_scatter_apply_the_op_including_avg(op: ReduceOp
     n, count = 5, 40
     xs = [sample("float64", op, count, seed=r) for r in range(n)]
     want = reference(op, xs)
-    await run_world([CollectiveSpec("reduce", ranks(n), r, (xs[r],), (xs[r],), root=2, op=op) for r in range(n)])
+    await run_world(
+        [CollectiveSpec("reduce", ranks(n), r, (xs[r],), (xs[r],), root=2, op=op) for r in range(n)]
+    )
     assert_reduced(xs[2], want, op)
     ins = [[sample("float32", op, count, seed=10 * r + j) for j in range(n)] for r in range(n)]
     outs = [np.zeros(count, dtype=np.float32) for _ in range(n)]
     for algorithm in ALGORITHMS["reduce_scatter"]:
         await run_world(
-            [CollectiveSpec("reduce_scatter", ranks(n), r, tuple(ins[r]), (outs[r],), op=op, algorithm=algorithm) for r in range(n)]
+            [
+                CollectiveSpec(
+                    "reduce_scatter", ranks(n), r, tuple(ins[r]), (outs[r],), op=op, algorithm=algorithm
+                )
+                for r in range(n)
+            ]
         )
         for j in range(n):
             assert_reduced(outs[j], reference(op, [ins[r][j] for r in range(n)]), op)
@@ -325,13 +368,21 @@ async def test_reduce_and_reduce_scatter_apply_the_op_including_avg(op: ReduceOp
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("dtype", "op"),
-    [("int32", ReduceOp.AVG), ("bool", ReduceOp.AVG), ("float32", ReduceOp.BXOR), ("complex64", ReduceOp.MAX)],
+    [
+        ("int32", ReduceOp.AVG),
+        ("bool", ReduceOp.AVG),
+        ("float32", ReduceOp.BXOR),
+        ("complex64", ReduceOp.MAX),
+    ],
 )
 async def test_invalid_op_dtype_pairs_raise_type_error(dtype: str, op: ReduceOp) -> None:
     x = np.zeros(4, dtype=dtype)
     with pytest.raises(TypeError, match=op.name):
         await run_collective(
-            CollectiveSpec("all_reduce", (0, 1), 0, (x,), (x,), op=op), MemoryWorld(2)[0], TAG, meta("all_reduce")
+            CollectiveSpec("all_reduce", (0, 1), 0, (x,), (x,), op=op),
+            MemoryWorld(2)[0],
+            TAG,
+            meta("all_reduce"),
         )
 
 
@@ -351,7 +402,15 @@ async def test_bfloat16_torch_tensors_all_reduce_like_torch(op: ReduceOp, small_
         staged = [as_working(t) for t in work]
         await run_world(
             [
-                CollectiveSpec("all_reduce", ranks(n), r, (staged[r].array,), (staged[r].array,), op=op, algorithm=algorithm)
+                CollectiveSpec(
+                    "all_reduce",
+                    ranks(n),
+                    r,
+                    (staged[r].array,),
+                    (staged[r].array,),
+                    op=op,
+                    algorithm=algorithm,
+                )
                 for r in range(n)
             ],
             metas=[meta("all_reduce", dtype="bfloat16")] * n,
@@ -376,7 +435,7 @@ async def test_bfloat16_torch_tensors_all_reduce_like_torch(op: ReduceOp, small_
 class RecordingTransport(Transport):
     """Wraps a transport and records (kind, peer, tag, meta) of every message."""
 
-    def __init__(self, inner: Transport, log: list[tuple[str, int, Any, Any]]) -> None:
+    def __init__(self, inner: Transport, log: list[tuple[str, int | None, Any, Any]]) -> None:
         self.inner, self.log = inner, log
         self.rank, self.world_size = inner.rank, inner.world_size
 
@@ -400,10 +459,12 @@ class RecordingTransport(Transport):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("kind", ["all_reduce", "broadcast", "all_gather", "all_to_all", "barrier"])
-async def test_every_message_is_tagged_under_the_op_tag_and_carries_the_meta(kind: str, small_chunks: None) -> None:
+async def test_every_message_is_tagged_under_the_op_tag_and_carries_the_meta(
+    kind: str, small_chunks: None
+) -> None:
     n, count = 3, 600
     world = MemoryWorld(n)
-    log: list[tuple[str, int, Any, Any]] = []
+    log: list[tuple[str, int | None, Any, Any]] = []
     signature = meta(kind, count=count)
     specs = []
     for r in range(n):
@@ -415,11 +476,15 @@ async def test_every_message_is_tagged_under_the_op_tag_and_carries_the_meta(kin
         elif kind == "all_gather":
             specs.append(CollectiveSpec(kind, ranks(n), r, (x,), tuple(np.empty_like(x) for _ in range(n))))
         elif kind == "all_to_all":
-            specs.append(CollectiveSpec(kind, ranks(n), r, (x,) * n, tuple(np.empty_like(x) for _ in range(n))))
+            specs.append(
+                CollectiveSpec(kind, ranks(n), r, (x,) * n, tuple(np.empty_like(x) for _ in range(n)))
+            )
         else:
             specs.append(CollectiveSpec(kind, ranks(n), r, (), ()))
     await asyncio.wait_for(
-        asyncio.gather(*(run_collective(specs[r], RecordingTransport(world[r], log), TAG, signature) for r in range(n))),
+        asyncio.gather(
+            *(run_collective(specs[r], RecordingTransport(world[r], log), TAG, signature) for r in range(n))
+        ),
         LIMIT,
     )
     assert log
@@ -444,7 +509,11 @@ async def test_group_ranks_map_onto_global_ranks_of_the_transport() -> None:
         np.testing.assert_array_equal(x, expected)
     broadcast = [np.full(5, i) for i in range(3)]
     await run_world(
-        [CollectiveSpec("broadcast", group, i, (), (broadcast[i],), root=2, algorithm="tree") for i in range(3)], world=world
+        [
+            CollectiveSpec("broadcast", group, i, (), (broadcast[i],), root=2, algorithm="tree")
+            for i in range(3)
+        ],
+        world=world,
     )
     assert all((b == 2).all() for b in broadcast)
 
@@ -470,7 +539,9 @@ async def test_collectives_complete_with_one_message_inboxes(kind: str, small_ch
 
 
 @pytest.mark.timeout(60)
-async def test_many_concurrent_operations_started_in_different_orders_all_complete(small_chunks: None) -> None:
+async def test_many_concurrent_operations_started_in_different_orders_all_complete(
+    small_chunks: None,
+) -> None:
     n, ops = 4, 12
     world = MemoryWorld(n)
     data = [[np.full(300, 10 * k + r, dtype=np.int64) for k in range(ops)] for r in range(n)]
@@ -479,7 +550,9 @@ async def test_many_concurrent_operations_started_in_different_orders_all_comple
         order = range(ops) if r % 2 == 0 else reversed(range(ops))
         for k in order:
             algorithm = ("ring", "rhd", "tree")[k % 3]
-            spec = CollectiveSpec("all_reduce", ranks(n), r, (data[r][k],), (data[r][k],), algorithm=algorithm)
+            spec = CollectiveSpec(
+                "all_reduce", ranks(n), r, (data[r][k],), (data[r][k],), algorithm=algorithm
+            )
             coros.append(run_collective(spec, world[r], ("c", "g", k), meta("all_reduce")))
     await asyncio.wait_for(asyncio.gather(*coros), LIMIT)
     for r in range(n):
@@ -490,12 +563,12 @@ async def test_many_concurrent_operations_started_in_different_orders_all_comple
 # ------------------------------------------------------------------------------ failure handling
 
 
-async def _outcomes(coros: list[Any], settle: float = 0.2) -> list[BaseException | None | str]:
+async def _outcomes(coros: list[Any], settle: float = 0.2) -> list[BaseException | str | None]:
     """Run ranks; after the first failure give the others ``settle`` seconds, then cancel them."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     await asyncio.wait(tasks, timeout=LIMIT, return_when=asyncio.FIRST_EXCEPTION)
     await asyncio.wait(tasks, timeout=settle)
-    results: list[BaseException | None | str] = []
+    results: list[BaseException | str | None] = []
     for t in tasks:
         if not t.done():
             t.cancel()
@@ -513,7 +586,12 @@ async def test_signature_mismatch_raises_on_both_ranks_naming_ranks_and_fields()
     metas = [meta("all_reduce", count=4), meta("all_reduce", count=4, op="max")]
     got = await _outcomes(
         [
-            run_collective(CollectiveSpec("all_reduce", (0, 1), r, (xs[r],), (xs[r],), algorithm="rhd"), world[r], TAG, metas[r])
+            run_collective(
+                CollectiveSpec("all_reduce", (0, 1), r, (xs[r],), (xs[r],), algorithm="rhd"),
+                world[r],
+                TAG,
+                metas[r],
+            )
             for r in range(2)
         ]
     )
@@ -530,8 +608,18 @@ async def test_size_disagreement_with_equal_signatures_raises_mismatch_error() -
     a, b = np.zeros(4, dtype=np.int64), np.zeros(6, dtype=np.int64)
     got = await _outcomes(
         [
-            run_collective(CollectiveSpec("broadcast", (0, 1), 0, (), (a,), algorithm="direct"), world[0], TAG, meta("broadcast")),
-            run_collective(CollectiveSpec("broadcast", (0, 1), 1, (), (b,), algorithm="direct"), world[1], TAG, meta("broadcast")),
+            run_collective(
+                CollectiveSpec("broadcast", (0, 1), 0, (), (a,), algorithm="direct"),
+                world[0],
+                TAG,
+                meta("broadcast"),
+            ),
+            run_collective(
+                CollectiveSpec("broadcast", (0, 1), 1, (), (b,), algorithm="direct"),
+                world[1],
+                TAG,
+                meta("broadcast"),
+            ),
         ]
     )
     assert got[0] is None
@@ -546,7 +634,12 @@ async def test_mismatch_in_a_ring_is_raised_by_the_neighbours_of_the_odd_rank() 
     metas = [meta("all_reduce", dtype="float32" if r == 2 else "int64") for r in range(n)]
     got = await _outcomes(
         [
-            run_collective(CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), algorithm="ring"), world[r], TAG, metas[r])
+            run_collective(
+                CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), algorithm="ring"),
+                world[r],
+                TAG,
+                metas[r],
+            )
             for r in range(n)
         ]
     )
@@ -565,7 +658,12 @@ async def test_peer_lost_before_the_ring_fails_its_neighbours_naming_it() -> Non
     xs = inputs(n, 40)
     got = await _outcomes(
         [
-            run_collective(CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), algorithm="ring"), world[r], TAG, meta("all_reduce"))
+            run_collective(
+                CollectiveSpec("all_reduce", ranks(n), r, (xs[r],), (xs[r],), algorithm="ring"),
+                world[r],
+                TAG,
+                meta("all_reduce"),
+            )
             for r in (0, 2, 3)
         ]
     )
@@ -578,7 +676,12 @@ async def test_peer_killed_mid_operation_fails_the_waiting_rank_promptly() -> No
     world = MemoryWorld(2)
     x = np.zeros(10, dtype=np.int64)
     task = asyncio.ensure_future(
-        run_collective(CollectiveSpec("all_reduce", (0, 1), 0, (x,), (x,), algorithm="ring"), world[0], TAG, meta("all_reduce"))
+        run_collective(
+            CollectiveSpec("all_reduce", (0, 1), 0, (x,), (x,), algorithm="ring"),
+            world[0],
+            TAG,
+            meta("all_reduce"),
+        )
     )
     await asyncio.sleep(0.02)
     assert not task.done()
@@ -593,7 +696,12 @@ async def test_cancelling_an_operation_leaves_no_task_behind(small_chunks: None)
     world = MemoryWorld(3)
     x = np.zeros(5000, dtype=np.int64)
     task = asyncio.ensure_future(
-        run_collective(CollectiveSpec("all_reduce", (0, 1, 2), 0, (x,), (x,), algorithm="ring"), world[0], TAG, meta("all_reduce"))
+        run_collective(
+            CollectiveSpec("all_reduce", (0, 1, 2), 0, (x,), (x,), algorithm="ring"),
+            world[0],
+            TAG,
+            meta("all_reduce"),
+        )
     )
     await asyncio.sleep(0.02)
     task.cancel()
@@ -622,7 +730,9 @@ async def test_bad_specs_raise_value_error_before_sending_anything() -> None:
     world = MemoryWorld(2)
     x = np.zeros(3)
     with pytest.raises(ValueError, match="not available"):
-        await run_collective(CollectiveSpec("scatter", (0, 1), 0, (x, x), (x,), algorithm="ring"), world[0], TAG, {})
+        await run_collective(
+            CollectiveSpec("scatter", (0, 1), 0, (x, x), (x,), algorithm="ring"), world[0], TAG, {}
+        )
     with pytest.raises(ValueError, match="root"):
         await run_collective(CollectiveSpec("broadcast", (0, 1), 0, (), (x,), root=2), world[0], TAG, {})
     with pytest.raises(ValueError, match="outputs"):

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from aiocoll.client.transports.memory import MemoryWorld
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -20,10 +21,18 @@ from aiocoll._reduce import check_reduce_op
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import ALGORITHMS, CollectiveSpec, run_collective
 from aiocoll.algorithms import _schedule as S
-from aiocoll.client.transports.memory import MemoryWorld
 
 DTYPES = ["bool", "int8", "uint8", "int32", "int64", "uint64", "float16", "float32", "float64", "complex64"]
-KINDS = ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "scatter", "reduce_scatter", "all_to_all"]
+KINDS = [
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "all_to_all",
+]
 UFUNC = {
     ReduceOp.SUM: np.add,
     ReduceOp.PRODUCT: np.multiply,
@@ -49,7 +58,9 @@ def make(rng: np.random.Generator, dtype: str, count: int) -> np.ndarray:
     if dt.kind == "b":
         return rng.integers(0, 2, size=count).astype(bool)
     if dt.kind in "iu":
-        return rng.integers(0, 5, size=count).astype(dt)  # small: products of up to 8 ranks stay exact in floats too
+        return rng.integers(0, 5, size=count).astype(
+            dt
+        )  # small: products of up to 8 ranks stay exact in floats too
     values = rng.integers(-4, 5, size=count).astype(np.float64)  # small integers: sums are exact in float16
     if dt.kind == "c":
         values = values + 1j * rng.integers(-4, 5, size=count)
@@ -103,7 +114,9 @@ async def run_case(c: dict[str, Any]) -> None:
         before = [x.copy() for x in xs]
         for r in range(n):
             send = () if kind == "broadcast" else (xs[r],)
-            specs.append(CollectiveSpec(kind, group, r, send, (xs[r],), root=root, op=op, algorithm=c["algorithm"]))
+            specs.append(
+                CollectiveSpec(kind, group, r, send, (xs[r],), root=root, op=op, algorithm=c["algorithm"])
+            )
         if kind == "all_reduce":
             want = combine(op, before)
             checks = [(xs[r], want) for r in range(n)]
@@ -126,11 +139,13 @@ async def run_case(c: dict[str, Any]) -> None:
             specs.append(CollectiveSpec(kind, group, r, tuple(ins) if r == root else (), (xs[r],), root=root))
         checks = [(xs[j], ins[j]) for j in range(n)]
     elif kind == "reduce_scatter":
-        ins = [[make(rng, dtype, count) for _ in range(n)] for _ in range(n)]
+        blocks = [[make(rng, dtype, count) for _ in range(n)] for _ in range(n)]
         xs = [np.zeros(count, dtype=dtype) for _ in range(n)]
         for r in range(n):
-            specs.append(CollectiveSpec(kind, group, r, tuple(ins[r]), (xs[r],), op=op, algorithm=c["algorithm"]))
-        checks = [(xs[j], combine(op, [ins[r][j] for r in range(n)])) for j in range(n)]
+            specs.append(
+                CollectiveSpec(kind, group, r, tuple(blocks[r]), (xs[r],), op=op, algorithm=c["algorithm"])
+            )
+        checks = [(xs[j], combine(op, [blocks[r][j] for r in range(n)])) for j in range(n)]
     else:  # all_to_all with split sizes derived from the seed
         sizes = rng.integers(0, count + 1, size=(n, n))
         sends = [[make(rng, dtype, int(sizes[r, j])) for j in range(n)] for r in range(n)]
@@ -140,7 +155,8 @@ async def run_case(c: dict[str, Any]) -> None:
         checks = [(recvs[r][j], sends[j][r]) for r in range(n) for j in range(n)]
     signature = {"kind": kind, "root": root, "dtype": dtype, "count": count, "op": op.value}
     await asyncio.wait_for(
-        asyncio.gather(*(run_collective(specs[r], world[r], ("c", "prop", 0), signature) for r in range(n))), 20
+        asyncio.gather(*(run_collective(specs[r], world[r], ("c", "prop", 0), signature) for r in range(n))),
+        20,
     )
     for got, want in checks:
         close(got, want)
@@ -149,6 +165,8 @@ async def run_case(c: dict[str, Any]) -> None:
 @pytest.mark.timeout(120)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=cases())
-def test_random_collectives_match_the_numpy_reference(case: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_random_collectives_match_the_numpy_reference(
+    case: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(S, "CHUNK_BYTES", case["chunk"])
     asyncio.run(run_case(case))

@@ -10,6 +10,7 @@ a contribution out or pairs a send with no receive fails here.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable
 
@@ -53,7 +54,7 @@ def simulate(schedules: list[S.Schedule], buffers: list[Buffers]) -> None:
                 keys = [(r.peer, rank, step.id) for r in step.recvs]
                 if not all(k in mailbox for k in keys):
                     continue
-                for recv, key in zip(step.recvs, keys):
+                for recv, key in zip(step.recvs, keys, strict=True):
                     data = mailbox.pop(key)
                     assert len(data) == recv.stop - recv.start, f"size disagreement on {key}"
                     target = buffers[rank][recv.buf]
@@ -66,7 +67,9 @@ def simulate(schedules: list[S.Schedule], buffers: list[Buffers]) -> None:
                 position[rank][lane_index] += 1
                 posted[rank][lane_index] = False
                 progress = True
-    stuck = [(r, li) for r in range(n) for li, lane in enumerate(schedules[r].lanes) if position[r][li] < len(lane)]
+    stuck = [
+        (r, li) for r in range(n) for li, lane in enumerate(schedules[r].lanes) if position[r][li] < len(lane)
+    ]
     assert not stuck, f"deadlock: lanes {stuck} never finished"
     assert not mailbox, f"messages never received: {sorted(mailbox)}"
     for rank in range(n):
@@ -89,7 +92,8 @@ def check_step_hygiene(schedule: S.Schedule, sizes: dict[S.BufRef, int]) -> None
     """Ranges in bounds; within a step a plain receive overlaps no send and no other receive."""
     for step in schedule.steps():
         assert 0 <= step.id < max(schedule.span, 1)
-        for t in (*step.sends, *step.recvs):
+        transfers: list[S.Send | S.Recv] = [*step.sends, *step.recvs]
+        for t in transfers:
             assert 0 <= t.start <= t.stop <= sizes[t.buf]
         written = [(r.buf, r.start, r.stop) for r in step.recvs if not r.reduce]
         read = [(s.buf, s.start, s.stop) for s in step.sends]
@@ -103,7 +107,9 @@ def check_step_hygiene(schedule: S.Schedule, sizes: dict[S.BufRef, int]) -> None
 
 ALL_REDUCE: dict[str, Callable[..., S.Schedule]] = {
     "ring": lambda n, me, count: S.ring_all_reduce_schedule(n, me, count, **SMALL),
-    "rhd-small": lambda n, me, count: S.rhd_all_reduce_schedule(n, me, count, itemsize=1, rd_max_bytes=1 << 30),
+    "rhd-small": lambda n, me, count: S.rhd_all_reduce_schedule(
+        n, me, count, itemsize=1, rd_max_bytes=1 << 30
+    ),
     "rhd-halving": lambda n, me, count: S.rhd_all_reduce_schedule(n, me, count, itemsize=1, rd_max_bytes=0),
     "tree": lambda n, me, count: S.tree_all_reduce_schedule(n, me, count, **SMALL),
 }
@@ -195,7 +201,7 @@ def test_broadcast_schedule_copies_the_roots_vector_to_every_rank(n: int, count:
 @pytest.mark.parametrize("n", SIZES)
 def test_tree_broadcast_takes_log_rounds_and_each_rank_receives_once(n: int) -> None:
     rounds = max(0, (n - 1).bit_length())
-    receives = Counter()
+    receives: Counter[int] = Counter()
     for me in range(n):
         schedule = S.tree_broadcast_schedule(n, me, 1 % n, 8)
         assert schedule.span == rounds
@@ -208,7 +214,9 @@ def test_tree_broadcast_takes_log_rounds_and_each_rank_receives_once(n: int) -> 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("count", [0, 1, 17])
 @pytest.mark.parametrize("algorithm", ["tree", "direct"])
-def test_reduce_schedule_gathers_every_contribution_once_at_the_root(n: int, count: int, algorithm: str) -> None:
+def test_reduce_schedule_gathers_every_contribution_once_at_the_root(
+    n: int, count: int, algorithm: str
+) -> None:
     for root in {0, n // 2, n - 1}:
         if algorithm == "tree":
             schedules = [S.tree_reduce_schedule(n, me, root, count, **SMALL) for me in range(n)]
@@ -231,7 +239,9 @@ def _io_sizes(n: int, count: int, sends: int, recvs: int) -> dict[S.BufRef, int]
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("count", [0, 1, 17])
 @pytest.mark.parametrize("algorithm", ["ring", "direct"])
-def test_all_gather_schedule_puts_rank_js_input_into_everyones_output_j(n: int, count: int, algorithm: str) -> None:
+def test_all_gather_schedule_puts_rank_js_input_into_everyones_output_j(
+    n: int, count: int, algorithm: str
+) -> None:
     if algorithm == "ring":
         schedules = [S.ring_all_gather_schedule(n, me, count, **SMALL) for me in range(n)]
     else:
@@ -316,15 +326,25 @@ def test_split_bounds_cover_the_range_in_near_equal_parts() -> None:
     assert S.split_bounds(10, 3) == [0, 3, 6, 10]
     assert S.split_bounds(0, 4) == [0, 0, 0, 0, 0]
     bounds = S.split_bounds(1001, 7)
-    widths = [b - a for a, b in zip(bounds, bounds[1:])]
+    widths = [b - a for a, b in itertools.pairwise(bounds)]
     assert sum(widths) == 1001 and max(widths) - min(widths) <= 1
 
 
 def test_simulator_detects_a_double_count() -> None:
     # A broken all_reduce: rank 1 sends its vector twice (two steps) to rank 0, which reduces both.
     bad = [
-        S.Schedule(((S.Step(0, recvs=(S.Recv(1, S.W, 0, 1, True),)), S.Step(1, recvs=(S.Recv(1, S.W, 0, 1, True),))),), 2),
-        S.Schedule(((S.Step(0, sends=(S.Send(0, S.W, 0, 1),)), S.Step(1, sends=(S.Send(0, S.W, 0, 1),))),), 2),
+        S.Schedule(
+            (
+                (
+                    S.Step(0, recvs=(S.Recv(1, S.W, 0, 1, True),)),
+                    S.Step(1, recvs=(S.Recv(1, S.W, 0, 1, True),)),
+                ),
+            ),
+            2,
+        ),
+        S.Schedule(
+            ((S.Step(0, sends=(S.Send(0, S.W, 0, 1),)), S.Step(1, sends=(S.Send(0, S.W, 0, 1),))),), 2
+        ),
     ]
     with pytest.raises(AssertionError, match="double count"):
         simulate(bad, [_buffers(r, {S.W: 1}) for r in range(2)])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 from aiocoll.client.transports.memory import MemoryTransport, MemoryWorld
@@ -29,7 +29,7 @@ class TestMemoryTransportConformance(TransportConformance):
             await world.aclose()
 
     @pytest.fixture
-    def kill_rank(self):  # type: ignore[no-untyped-def]
+    def kill_rank(self) -> Callable[[list[Transport], int], None]:
         def kill(world: list[Transport], rank: int) -> None:
             transport = world[rank]
             assert isinstance(transport, MemoryTransport)

@@ -1,0 +1,199 @@
+"""Tensor handling: numpy arrays and torch tensors become flat working arrays; results land in place."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from aiocoll._tensors import SUPPORTED_DTYPES, as_working, dtype_name, is_torch_tensor, numel
+
+NUMPY_DTYPES = sorted(SUPPORTED_DTYPES - {"bfloat16"})
+
+
+@pytest.mark.parametrize("dtype", NUMPY_DTYPES)
+def test_contiguous_numpy_arrays_are_viewed_without_a_copy(dtype: str) -> None:
+    arr = np.zeros((2, 3), dtype=dtype)
+    w = as_working(arr)
+    assert not w.staged and w.array.ndim == 1 and w.array.size == 6
+    assert np.shares_memory(w.array, arr)
+    assert (w.dtype_name, w.shape, w.numel) == (dtype, (2, 3), 6)
+    w.array[4] = 1
+    assert arr[1, 1] == 1
+
+
+def test_zero_dimensional_and_empty_arrays() -> None:
+    scalar = np.array(5.0)
+    w = as_working(scalar)
+    assert w.array.shape == (1,) and w.shape == ()
+    w.array[0] = 7.0
+    w.finish()
+    assert scalar == 7.0
+    empty = np.zeros((0, 4), dtype=np.int32)
+    w = as_working(empty)
+    assert w.array.size == 0 and w.shape == (0, 4) and numel(empty) == 0
+
+
+def test_non_contiguous_numpy_array_is_staged_and_written_back_by_finish() -> None:
+    base = np.arange(24, dtype=np.float32).reshape(4, 6)
+    view = base[:, ::2].T  # strided and transposed
+    w = as_working(view)
+    assert w.staged and w.array.flags.c_contiguous
+    np.testing.assert_array_equal(w.array, view.ravel())
+    w.array *= -1
+    assert base[0, 0] == 0 and base[0, 2] == 2, "nothing is written before finish()"
+    w.finish()
+    np.testing.assert_array_equal(base[:, ::2], -np.arange(24, dtype=np.float32).reshape(4, 6)[:, ::2])
+    np.testing.assert_array_equal(base[:, 1::2], np.arange(24, dtype=np.float32).reshape(4, 6)[:, 1::2])
+
+
+def test_read_false_skips_the_copy_in_and_write_false_skips_the_copy_back() -> None:
+    base = np.arange(12, dtype=np.int64).reshape(3, 4)
+    out = as_working(base[:, ::2], read=False)
+    out.array[:] = 100
+    out.finish()
+    assert (base[:, ::2] == 100).all()
+    src = np.arange(12, dtype=np.int64).reshape(3, 4)
+    inp = as_working(src[:, ::2], write=False)
+    np.testing.assert_array_equal(inp.array, src[:, ::2].ravel())
+    inp.array[:] = -1
+    inp.finish()
+    assert (src >= 0).all()
+
+
+def test_non_native_byte_order_is_staged_in_native_order() -> None:
+    big = np.arange(5, dtype=">i4")
+    w = as_working(big)
+    assert w.staged and w.array.dtype.isnative and w.dtype_name == "int32"
+    np.testing.assert_array_equal(w.array, [0, 1, 2, 3, 4])
+    w.array += 10
+    w.finish()
+    assert big.tolist() == [10, 11, 12, 13, 14]
+
+
+def test_read_only_array_is_refused_as_a_destination_but_fine_as_a_source() -> None:
+    ro = np.arange(4)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        as_working(ro)
+    assert as_working(ro, write=False).array.tolist() == [0, 1, 2, 3]
+
+
+def test_unsupported_objects_and_dtypes_raise_type_error() -> None:
+    with pytest.raises(TypeError, match="list"):
+        as_working([1, 2, 3])
+    with pytest.raises(TypeError, match="object"):
+        as_working(np.array([object()]))
+    with pytest.raises(TypeError, match="str"):
+        dtype_name(np.array(["a"]))
+    with pytest.raises(TypeError):
+        numel("abc")
+
+
+def test_importing_and_using_the_foundations_does_not_import_torch() -> None:
+    code = (
+        "import sys, numpy as np\n"
+        "from aiocoll._tensors import as_working\n"
+        "import aiocoll._reduce, aiocoll.algorithms, aiocoll.client.transports.memory\n"
+        "as_working(np.zeros(3)).finish()\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------- torch
+
+TORCH_DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+]
+
+
+@pytest.mark.parametrize("name", TORCH_DTYPES)
+def test_contiguous_torch_tensors_share_memory_with_the_working_array(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(2, 3, dtype=getattr(torch, name))
+    w = as_working(t)
+    assert is_torch_tensor(t) and not w.staged
+    assert (w.dtype_name, w.shape, w.numel, dtype_name(t), numel(t)) == (name, (2, 3), 6, name, 6)
+    if name == "bfloat16":
+        assert w.array.dtype == np.uint16
+        w.array[5] = 0x3F80  # 1.0 in bfloat16
+        assert t[1, 2].item() == 1.0
+    else:
+        assert w.array.dtype == np.dtype(name)
+        w.array[5] = 1
+        assert t[1, 2].item() == 1
+
+
+@pytest.mark.parametrize("name", ["uint16", "uint32", "uint64"])
+def test_torch_unsigned_types_are_carried_by_their_bits(name: str) -> None:
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"this torch has no {name}")
+    t = torch.tensor([1, 2, 3], dtype=dtype)
+    w = as_working(t)
+    assert w.array.dtype == np.dtype(name) and w.array.tolist() == [1, 2, 3]
+    w.array[0] = np.iinfo(name).max
+    assert t[0].item() == np.iinfo(name).max
+
+
+def test_non_contiguous_torch_tensor_is_staged_and_finish_writes_back() -> None:
+    torch = pytest.importorskip("torch")
+    base = torch.arange(12, dtype=torch.float16).reshape(3, 4)
+    view = base.t()
+    w = as_working(view)
+    assert w.staged
+    np.testing.assert_array_equal(w.array, view.contiguous().reshape(-1).numpy())
+    w.array[:] = 0
+    w.finish()
+    assert (base == 0).all()
+
+
+def test_conjugate_view_is_resolved_for_reading_and_written_back_through_the_view() -> None:
+    torch = pytest.importorskip("torch")
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    conj = z.conj()
+    w = as_working(conj)
+    assert w.staged
+    np.testing.assert_array_equal(w.array, np.array([1 - 2j, 3 + 4j], dtype=np.complex64))
+    w.array[:] = np.array([5 + 1j, 0], dtype=np.complex64)
+    w.finish()
+    assert z.tolist() == [5 - 1j, 0]
+
+
+def test_zero_dimensional_empty_and_grad_tensors() -> None:
+    torch = pytest.importorskip("torch")
+    scalar = torch.tensor(2.0, requires_grad=True)
+    w = as_working(scalar)
+    assert w.shape == () and w.array.tolist() == [2.0]
+    w.array[0] = 3.0
+    w.finish()
+    assert scalar.item() == 3.0
+    empty = torch.zeros(0, 5, dtype=torch.bfloat16)
+    w = as_working(empty)
+    assert w.array.size == 0 and w.dtype_name == "bfloat16"
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+def test_unsupported_torch_tensors_raise_clear_errors() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="meta"):
+        as_working(torch.zeros(2, device="meta"))
+    with pytest.raises(TypeError, match="dense"):
+        as_working(torch.zeros(2, 2).to_sparse())
+    with pytest.raises(TypeError, match="complex32"):
+        as_working(torch.zeros(2, dtype=torch.complex32))
