@@ -64,7 +64,10 @@ if [ "${1:-}" = "--inside" ]; then
         chroot --userspec="$user" "$rootfs" /usr/bin/env -i -C "$workdir" "${image_env[@]}" "${extra_env[@]}" "$@"
     }
     log="$rootfs/tmp/coordinator.log"
-    in_image "${command[@]}" > "$log" 2>&1 &
+    # A simple command (not the function) in the background, so $! is the process that execs
+    # into the coordinator itself (chroot -> env -> entrypoint -> python) and gets our SIGTERM.
+    chroot --userspec="$user" "$rootfs" /usr/bin/env -i -C "$workdir" "${image_env[@]}" "${extra_env[@]}" \
+        "${command[@]}" > "$log" 2>&1 &
     pid=$!
     if [ "$mode" = none ]; then
         status=0

@@ -198,6 +198,10 @@ def _age(last_seen: object, now: float) -> str:
     return f"{age / 3600:.1f}h ago"
 
 
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
 def _yes(value: object) -> str:
     return "yes" if value else "no"
 
@@ -229,11 +233,11 @@ def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str
                 [
                     ["JOB", "WORLD SIZE", "ROUND", "COMPLETE", "KEYS"],
                     [
-                        str(job.get("job", "?")),
-                        str(job.get("world_size", "-")),
-                        str(job.get("round", "-")),
+                        _cell(job.get("job", "?")),
+                        _cell(job.get("world_size")),
+                        _cell(job.get("round")),
                         _yes(job.get("complete")),
-                        str(job.get("keys", "-")),
+                        _cell(job.get("keys")),
                     ],
                 ]
             )
@@ -246,8 +250,8 @@ def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str
         for member in sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0)):
             rows.append(
                 [
-                    str(member.get("rank", "?")),
-                    str(member.get("host", "-")),
+                    _cell(member.get("rank", "?")),
+                    _cell(member.get("host")),
                     _yes(member.get("alive")),
                     _age(member.get("last_seen"), now),
                 ]

@@ -38,6 +38,8 @@ JOBS: list[dict[str, Any]] = [
         ],
     },
     {"job": "eval", "world_size": 4, "round": 0, "complete": False, "keys": 0, "members": []},
+    # A job only store clients used: no rendezvous yet, so no world size or round.
+    {"job": "store-only", "world_size": None, "round": None, "complete": False, "keys": 2, "members": []},
 ]
 
 
@@ -135,6 +137,8 @@ async def test_status_prints_jobs_and_members_as_a_table(fake: FakeCoordinator, 
     assert lines[0].split() == ["JOB", "WORLD", "SIZE", "ROUND", "COMPLETE", "KEYS"]
     assert lines[1].split() == ["eval", "4", "0", "no", "0"]  # jobs sorted by name
     assert "(no members)" in lines[2]
+    store_only = next(line for line in lines if line.startswith("store-only"))
+    assert store_only.split() == ["store-only", "-", "-", "no", "2"]
     train = lines.index(next(line for line in lines if line.startswith("train-a")))
     assert lines[train].split() == ["train-a", "2", "1", "yes", "7"]
     assert lines[train + 1].split() == ["RANK", "HOST", "ALIVE", "LAST", "HEARTBEAT"]
@@ -158,7 +162,7 @@ async def test_status_defaults_to_master_addr_and_port(fake: FakeCoordinator) ->
         "--json", env={"AIOCOLL_TOKEN": TOKEN, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(fake.port)}
     )
     assert rc == 0, err
-    assert [j["job"] for j in json.loads(out)] == ["train-a", "eval"]
+    assert [j["job"] for j in json.loads(out)] == ["train-a", "eval", "store-only"]
 
 
 async def test_status_for_a_missing_job_exits_non_zero_naming_it(fake: FakeCoordinator) -> None:
