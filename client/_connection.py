@@ -161,12 +161,16 @@ class CoordinatorLink(asyncio.Protocol):
 
     # -- use -----------------------------------------------------------------------------
     async def request(
-        self, header: dict[str, Any], payload: bytes | bytearray | memoryview = b""
+        self,
+        header: dict[str, Any],
+        payload: bytes | bytearray | memoryview = b"",
+        timeout: float | None = None,
     ) -> tuple[dict[str, Any], bytes]:
-        """Send one request and wait for its reply; the caller bounds the wait.
+        """Send one request and wait up to ``timeout`` seconds (None: no limit) for its reply.
 
         Raises:
             LinkLost: the link dropped (``sent`` says whether the request left this process).
+            TimeoutError: no reply in time (a late reply is dropped).
         """
         if self.closed or self._transport is None:
             raise LinkLost(f"link to the coordinator at {self.peer} is closed", sent=False)
@@ -175,12 +179,17 @@ class CoordinatorLink(asyncio.Protocol):
             if self.closed:
                 raise LinkLost(f"link to the coordinator at {self.peer} is closed", sent=False)
         req_id = next(self._ids)
-        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = loop.create_future()
         self._pending[req_id] = fut
+        # A timer on the future, not asyncio.wait_for: no extra task per request on the hot path.
+        timer = None if timeout is None else loop.call_later(timeout, _expire, fut, timeout)
         try:
             self._transport.writelines(encode_frame({**header, "id": req_id}, payload))
             return await fut
         finally:
+            if timer is not None:
+                timer.cancel()
             self._pending.pop(req_id, None)
 
     def close(self) -> None:
@@ -214,6 +223,11 @@ class CoordinatorLink(asyncio.Protocol):
                 )
         self._pending.clear()
         self._on_lost(self, exc)
+
+
+def _expire(fut: asyncio.Future[Any], timeout: float) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
 
 
 async def open_link(

@@ -9,13 +9,19 @@ by itself, with exponential backoff and jitter, for up to ``timeout`` seconds, r
 and sends its rendezvous ``session`` id in the hello so the coordinator re-attaches it. Requests
 that were pending are sent again on the new link; a waiting request (get, wait, multi_get, join)
 resumes with what is left of its own deadline. Re-sending is safe for reads, waits and the
-operations whose effect does not change when applied twice: set, multi_set (last writer wins)
-and compare_set (a second application finds ``desired`` in place and answers ``desired``, which
-is what the first answered). add, append and delete_key are not re-sent once their bytes left
-this process, since the coordinator may have applied them: the caller gets a StoreError saying
-so, instead of a counter silently counted twice. (They are re-sent when the link dropped before
-they were written.) A coordinator that advertises ``dedupe`` would make them safe too; the
-protocol has no such field yet.
+operations whose effect does not change when applied twice: set and multi_set (last writer
+wins); compare_set (a second application finds ``desired`` in place and answers ``desired``,
+as the first did); join (the coordinator forgets a join whose link dropped and keeps no
+unfinished round across a restart, so joining again is how the rendezvous resumes). add, append
+and delete_key are not re-sent once their bytes left this process, since the coordinator may
+have applied them: the caller gets a StoreError saying so, rather than a counter silently
+counted twice. (They are re-sent when the link dropped before they were written.) Making them
+safe too would take a client request id the coordinator remembers with its reply (journaled
+with the mutation); the protocol has no such field yet.
+
+A joined worker that reconnects after its link was cut while the coordinator stayed up is told
+``session_lost`` (the coordinator declared it lost when the link closed); its store operations
+keep working, only its membership is gone.
 
 Authentication failures and "this is not a coordinator" are not retried: they raise at once,
 saying what to do.
@@ -406,23 +412,26 @@ class CoordinatorSession(Store):
             keys: the keys it is about, for error messages.
         """
 
-        def timed_out() -> BaseException:
+        def timed_out(unreachable: bool) -> BaseException:
+            why = (
+                f"the coordinator at {self.address} was unreachable (the session kept reconnecting)"
+                if unreachable
+                else f"the coordinator at {self.address} did not answer"
+            )
             if op == "join":
                 return RendezvousError(
-                    f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: the "
-                    f"coordinator at {self.address} did not answer in time"
+                    f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: {why}"
                 )
-            if waits:
+            if waits and not unreachable:
                 return StoreTimeout(keys, deadline.timeout, self._timeout_message(keys, deadline.timeout))
             return StoreTimeout(
                 keys,
                 deadline.timeout,
-                f"{self._describe(op, keys)} got no answer from the coordinator at {self.address} within "
-                f"{deadline.timeout:.3g}s; it is down or unreachable (the session kept reconnecting)",
+                f"{self._describe(op, keys)} timed out after {deadline.timeout:.3g}s: {why}",
             )
 
         while True:
-            link = await self._usable_link(deadline, op, timed_out)
+            link = await self._usable_link(deadline, op, lambda: timed_out(True))
             header = {"op": op, **fields}
             remaining = deadline.remaining()
             if waits:
@@ -432,9 +441,9 @@ class CoordinatorSession(Store):
                 bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
             self._last_request = asyncio.get_running_loop().time()
             try:
-                reply, body = await asyncio.wait_for(link.request(header, payload), bound)
-            except asyncio.TimeoutError:
-                raise timed_out() from None
+                reply, body = await link.request(header, payload, bound)
+            except TimeoutError:
+                raise timed_out(False) from None
             except LinkLost as exc:
                 if exc.sent and not resend:
                     raise StoreError(
@@ -624,7 +633,9 @@ class CoordinatorSession(Store):
             {"rank": rank, "world_size": world_size, "addrs": wire_addrs, "host": host},
             deadline=self._deadline(timeout),
             waits=True,
-            resend=False,
+            # A join whose link drops is dropped by the coordinator (its rank is free again) and
+            # an unfinished round is not kept across a restart, so joining again is what resumes it.
+            resend=True,
         )
         members = [
             Member(
@@ -667,8 +678,8 @@ class CoordinatorSession(Store):
                 continue
             self._last_request = loop.time()
             try:
-                await asyncio.wait_for(link.request({"op": "hb"}), _HEARTBEAT_REPLY_TIMEOUT)
-            except asyncio.TimeoutError:
+                await link.request({"op": "hb"}, b"", _HEARTBEAT_REPLY_TIMEOUT)
+            except TimeoutError:
                 log.warning(
                     "job=%s rank=%s event=heartbeat_unanswered address=%s after=%.1fs; reconnecting",
                     self.job,
@@ -696,8 +707,8 @@ class CoordinatorSession(Store):
             return
         link = self._link
         if link is not None and self.membership is not None and self.session_lost is None:
-            with contextlib.suppress(LinkLost, asyncio.TimeoutError, OSError):
-                await asyncio.wait_for(link.request({"op": "leave"}), _LEAVE_TIMEOUT)
+            with contextlib.suppress(LinkLost, TimeoutError, OSError):
+                await link.request({"op": "leave"}, b"", _LEAVE_TIMEOUT)
         self.abort()
 
     def abort(self) -> None:

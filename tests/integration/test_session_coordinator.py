@@ -351,6 +351,10 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
             await store.set(key, value)
         assert await store.add("counter", 7) == 7
         waiting = asyncio.ensure_future(workers[0].get("after-restart", timeout=60))
+        # A rendezvous half done when the coordinator dies: the early member's join resumes.
+        early = await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, job="durable-2", timeout=60)
+        sessions.append(early)
+        early_join = asyncio.ensure_future(early.join(0, 2, [], "h", timeout=60))
         await asyncio.sleep(0.2)
 
         first.stop(signal.SIGKILL)  # a crash: no drain, no final snapshot
@@ -363,6 +367,11 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
         assert await asyncio.wait_for(waiting, 60) == b"hello again"
         assert await store.multi_get(list(acked)) == list(acked.values())
         assert await store.add("counter", 1) == 8
+        late = await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, job="durable-2", timeout=60)
+        sessions.append(late)
+        late_table = await late.join(1, 2, [], "h", timeout=30)
+        early_table = await asyncio.wait_for(early_join, 30)
+        assert early_table.members == late_table.members and early_table.rank == 0
         assert EV_RESTARTED in events and EV_SESSION_LOST not in events
         assert workers[0].session_lost is None and workers[0].membership == tables[0]
     finally:
@@ -371,3 +380,78 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
         first.stop()
         if second is not None:
             second.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_an_outage_longer_than_a_wait_names_the_keys_and_the_session_recovers_after(
+    coordinator: CoordinatorProcess,
+) -> None:
+    async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+        store = await CoordinatorSession.connect(
+            "127.0.0.1", proxy.port, token=TOKEN, job="outage", role=ROLE_STORE, timeout=30
+        )
+        try:
+            proxy.refuse()
+            proxy.cut()
+            with pytest.raises(StoreTimeout) as info:
+                await store.get("during-outage", timeout=0.5)
+            assert info.value.keys == ["during-outage"]
+            assert "unreachable" in str(info.value)
+            proxy.refuse(False)
+            await store.set("after-outage", b"ok", timeout=20)
+            assert await store.get("after-outage") == b"ok"
+        finally:
+            await store.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_session_whose_reconnect_budget_runs_out_says_the_coordinator_is_lost(
+    coordinator: CoordinatorProcess,
+) -> None:
+    async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+        store = await CoordinatorSession.connect(
+            "127.0.0.1", proxy.port, token=TOKEN, job="budget", role=ROLE_STORE, timeout=0.5
+        )
+        lost = asyncio.Event()
+        store.on_event(lambda ev: lost.set() if ev["ev"] == "coordinator_lost" else None)
+        try:
+            proxy.refuse()
+            proxy.cut()
+            await asyncio.wait_for(lost.wait(), 20)
+            with pytest.raises(CoordinatorUnreachable, match=f"127.0.0.1:{proxy.port}"):
+                await store.get("anything")
+        finally:
+            await store.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_an_unanswered_heartbeat_drops_a_silent_link_and_the_worker_reconnects(
+    coordinator: CoordinatorProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import aiocoll.client.session as session_module
+
+    monkeypatch.setattr(session_module, "HEARTBEAT_INTERVAL", 0.1)
+    monkeypatch.setattr(session_module, "_HEARTBEAT_REPLY_TIMEOUT", 0.5)
+    job = f"silent-{uuid.uuid4().hex}"
+    async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+        worker = await CoordinatorSession.connect("127.0.0.1", proxy.port, token=TOKEN, job=job, timeout=30)
+        events: list[str] = []
+        reconnected = asyncio.Event()
+
+        def on_event(event: dict[str, Any]) -> None:
+            events.append(event["ev"])
+            if event["ev"] == "reconnected":
+                reconnected.set()
+
+        worker.on_event(on_event)
+        try:
+            await worker.join(0, 1, [], "h", timeout=20)
+            first_links = proxy.accepted
+            proxy.pause()  # the link stays open but nothing moves: only a heartbeat can tell
+            await asyncio.sleep(1.0)
+            proxy.resume()
+            await asyncio.wait_for(reconnected.wait(), 20)
+            assert proxy.accepted > first_links
+            assert await worker.check([]) is True
+        finally:
+            await worker.aclose()
