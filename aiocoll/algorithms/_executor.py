@@ -12,7 +12,8 @@ MismatchError on the first message instead of hanging or corrupting data.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Sequence
+import functools
+from collections.abc import Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,7 +195,7 @@ def _fmt(meta: dict[str, Any]) -> str:
     return "{" + ", ".join(f"{k}={meta[k]!r}" for k in meta) + "}"
 
 
-async def _all(aws: list[Awaitable[None]]) -> None:
+async def _all(aws: Sequence[Awaitable[None]]) -> None:
     """Run awaitables concurrently; on the first failure cancel the rest and raise it."""
     if len(aws) <= 1:
         if aws:
@@ -222,14 +223,48 @@ async def _all(aws: list[Awaitable[None]]) -> None:
         raise first
 
 
-async def _run_lane(steps: Sequence[S.Step], ctx: _Context) -> None:
+async def _pair(send: Coroutine[Any, Any, None], recv: Coroutine[Any, Any, None]) -> None:
+    """One send and one receive concurrently, with a single extra task (the common ring step).
+
+    The receive runs inline; if the send fails first, this task is cancelled out of the receive
+    and the send's error is raised instead, so a failed send never leaves us waiting.
+    """
+    task = asyncio.ensure_future(send)
+    current = asyncio.current_task()
+    receiving = True
+
+    def on_send_done(t: asyncio.Future[None]) -> None:
+        if not t.cancelled() and t.exception() is not None and receiving and current is not None:
+            current.cancel()
+
+    task.add_done_callback(on_send_done)
+    try:
+        await recv
+    except asyncio.CancelledError:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            uncancel = getattr(current, "uncancel", None)  # Python >= 3.11 counts cancellations
+            if uncancel is not None:
+                uncancel()
+            raise task.exception() from None  # type: ignore[misc]
+        task.cancel()
+        raise
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        receiving = False
+    await task
+
+
+async def _run_lane(
+    steps: Sequence[S.Step], scratch_need: tuple[int, S.BufRef | None], ctx: _Context
+) -> None:
     bufs = ctx.bufs
-    need = max((sum(r.stop - r.start for r in st.recvs if r.reduce) for st in steps), default=0)
-    reduced = next((r.buf for st in steps for r in st.recvs if r.reduce), None)
+    need, reduced = scratch_need
     # One scratch per lane, reused by every step: reductions allocate nothing per message.
     scratch = np.empty(need, dtype=bufs[reduced].dtype) if reduced is not None else None
     for step in steps:
-        aws: list[Awaitable[None]] = []
+        aws: list[Coroutine[Any, Any, None]] = []
         reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
         offset = 0
         for r in step.recvs:
@@ -244,10 +279,15 @@ async def _run_lane(steps: Sequence[S.Step], ctx: _Context) -> None:
             aws.append(ctx.recv(r.peer, step.id, landing))
         for s in step.sends:
             aws.append(ctx.send(s.peer, step.id, bufs[s.buf][s.start : s.stop]))
-        await _all(aws)
+        if len(aws) == 2 and len(step.recvs) == 1:
+            await _pair(aws[1], aws[0])
+        else:
+            await _all(aws)
         # Only now: a reduced range may also have been the payload of one of this step's sends.
-        for target, landing, first in reductions:
-            reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
+        if reductions:
+            with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
+                for target, landing, first in reductions:
+                    reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
 
 
 def _copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
@@ -262,9 +302,10 @@ def _copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
 async def execute(schedule: S.Schedule, ctx: _Context) -> None:
     """Run one rank's schedule: prologue, lanes concurrently, epilogue."""
     _copies(schedule.prologue, ctx.bufs)
-    lanes = [lane for lane in schedule.lanes if lane]
-    if lanes:
-        await _all([_run_lane(lane, ctx) for lane in lanes])
+    if schedule.lanes:
+        await _all(
+            [_run_lane(lane, need, ctx) for lane, need in zip(schedule.lanes, schedule.scratch, strict=True)]
+        )
     _copies(schedule.epilogue, ctx.bufs)
 
 
@@ -281,8 +322,55 @@ def _expect(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+@functools.lru_cache(maxsize=1024)
+def _cached_schedule(
+    kind: str,
+    algorithm: str,
+    n: int,
+    me: int,
+    root: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    rd_max_bytes: int,
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None,
+) -> S.Schedule:
+    """This rank's schedule; schedules are immutable, so repeated operations reuse them."""
+    sized = {"itemsize": itemsize, "chunk_bytes": chunk_bytes}
+    if kind == "all_reduce":
+        if algorithm == "ring":
+            return S.ring_all_reduce_schedule(n, me, count, **sized)
+        if algorithm == "rhd":
+            return S.rhd_all_reduce_schedule(n, me, count, itemsize=itemsize, rd_max_bytes=rd_max_bytes)
+        return S.tree_all_reduce_schedule(n, me, count, **sized)
+    if kind == "broadcast":
+        if algorithm == "tree":
+            return S.tree_broadcast_schedule(n, me, root, count, **sized)
+        return S.direct_broadcast_schedule(n, me, root, count)
+    if kind == "reduce":
+        if algorithm == "tree":
+            return S.tree_reduce_schedule(n, me, root, count, **sized)
+        return S.direct_reduce_schedule(n, me, root, count)
+    if kind == "all_gather":
+        if algorithm == "ring":
+            return S.ring_all_gather_schedule(n, me, count, **sized)
+        return S.direct_all_gather_schedule(n, me, count)
+    if kind == "gather":
+        return S.direct_gather_schedule(n, me, root, count)
+    if kind == "scatter":
+        return S.direct_scatter_schedule(n, me, root, count)
+    if kind == "reduce_scatter":
+        if algorithm == "ring":
+            return S.ring_reduce_scatter_schedule(n, me, count, **sized)
+        return S.direct_reduce_scatter_schedule(n, me, count)
+    if kind == "all_to_all":
+        assert splits is not None
+        return S.direct_all_to_all_schedule(n, me, splits[0], splits[1])
+    return S.dissemination_barrier_schedule(n, me)
+
+
 def _plan(
-    spec: CollectiveSpec, algorithm: str, dtype_name: str
+    spec: CollectiveSpec, algorithm: str
 ) -> tuple[S.Schedule, dict[S.BufRef, np.ndarray], list[np.ndarray]]:
     """Build (schedule, buffer map, arrays that hold an AVG result) for this rank."""
     n, me, root, kind = len(spec.ranks), spec.me, spec.root, spec.kind
@@ -293,67 +381,35 @@ def _plan(
     for i, a in enumerate(recv):
         bufs[("r", i)] = a
     results: list[np.ndarray] = []
-    itemsize = next((a.itemsize for a in (*recv, *send)), 1)
+    itemsize = recv[0].itemsize if recv else send[0].itemsize if send else 1
+    count = 0
+    splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
-    if kind == "all_reduce":
-        _expect(len(send) == 1 and len(recv) == 1, "all_reduce takes send=(x,) and recv=(x,)")
-        x = recv[0]
-        _expect(send[0].size == x.size, "all_reduce: send and recv sizes differ")
-        if send[0] is not x:
-            np.copyto(x, send[0])
-        bufs[S.W] = x
-        results.append(x)
-        if algorithm == "ring":
-            sched = S.ring_all_reduce_schedule(n, me, x.size, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
-        elif algorithm == "rhd":
-            sched = S.rhd_all_reduce_schedule(n, me, x.size, itemsize=itemsize, rd_max_bytes=S.RD_MAX_BYTES)
-        else:
-            sched = S.tree_all_reduce_schedule(n, me, x.size, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
-    elif kind == "broadcast":
-        _expect(len(recv) == 1, "broadcast takes recv=(x,)")
-        bufs[S.W] = recv[0]
-        if algorithm == "tree":
-            sched = S.tree_broadcast_schedule(
-                n, me, root, recv[0].size, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES
-            )
-        else:
-            sched = S.direct_broadcast_schedule(n, me, root, recv[0].size)
-    elif kind == "reduce":
-        _expect(len(send) == 1 and len(recv) == 1, "reduce takes send=(x,) and recv=(x,)")
-        count = send[0].size
-        if algorithm == "tree":
-            sched = S.tree_reduce_schedule(n, me, root, count, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
-        else:
-            sched = S.direct_reduce_schedule(n, me, root, count)
-        if me == root:
+    if kind in ("all_reduce", "reduce"):
+        _expect(len(send) == 1 and len(recv) == 1, f"{kind} takes send=(x,) and recv=(x,)")
+        _expect(send[0].size == recv[0].size, f"{kind}: send and recv sizes differ")
+        count = recv[0].size
+        if kind == "all_reduce" or me == root:
             if send[0] is not recv[0]:
                 np.copyto(recv[0], send[0])
             bufs[S.W] = recv[0]
             results.append(recv[0])
-        elif any(r.reduce for st in sched.steps() for r in st.recvs):
-            bufs[S.W] = send[0].copy()  # interior tree node: accumulate without touching x
-        else:
-            bufs[S.W] = send[0]
+    elif kind == "broadcast":
+        _expect(len(recv) == 1, "broadcast takes recv=(x,)")
+        bufs[S.W] = recv[0]
+        count = recv[0].size
     elif kind in ("all_gather", "gather"):
         _expect(len(send) == 1, f"{kind} takes send=(x,)")
         count = send[0].size
-        gathers = kind == "all_gather" or me == root
-        if gathers:
+        if kind == "all_gather" or me == root:
             _expect(len(recv) == n, f"{kind} needs {n} output arrays here, got {len(recv)}")
             _expect(all(r.size == count for r in recv), f"{kind}: every output must have {count} elements")
-        if kind == "gather":
-            sched = S.direct_gather_schedule(n, me, root, count)
-        elif algorithm == "ring":
-            sched = S.ring_all_gather_schedule(n, me, count, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
-        else:
-            sched = S.direct_all_gather_schedule(n, me, count)
     elif kind == "scatter":
         _expect(len(recv) == 1, "scatter takes recv=(x,)")
         count = recv[0].size
         if me == root:
             _expect(len(send) == n, f"scatter needs {n} input arrays at the root, got {len(send)}")
             _expect(all(s.size == count for s in send), f"scatter: every input must have {count} elements")
-        sched = S.direct_scatter_schedule(n, me, root, count)
     elif kind == "reduce_scatter":
         _expect(len(recv) == 1 and len(send) == n, f"reduce_scatter takes {n} inputs and recv=(x,)")
         count = recv[0].size
@@ -361,18 +417,22 @@ def _plan(
         results.append(recv[0])
         if algorithm == "ring":
             bufs[S.W] = np.concatenate(send) if n > 1 else send[0]
-            sched = S.ring_reduce_scatter_schedule(n, me, count, itemsize=itemsize, chunk_bytes=S.CHUNK_BYTES)
-        else:
-            sched = S.direct_reduce_scatter_schedule(n, me, count)
     elif kind == "all_to_all":
         _expect(len(send) == n and len(recv) == n, f"all_to_all takes {n} inputs and {n} outputs")
         _expect(
             send[me].size == recv[me].size, "all_to_all: what a rank sends itself must fit its own output"
         )
-        sched = S.direct_all_to_all_schedule(n, me, [s.size for s in send], [r.size for r in recv])
+        splits = (tuple(s.size for s in send), tuple(r.size for r in recv))
     else:  # barrier
         bufs[S.Z] = np.empty(0, dtype=np.uint8)
-        sched = S.dissemination_barrier_schedule(n, me)
+    sched = _cached_schedule(
+        kind, algorithm, n, me, root, count, itemsize, S.CHUNK_BYTES, S.RD_MAX_BYTES, splits
+    )
+    if kind == "reduce" and me != root:
+        if any(r.reduce for st in sched.steps() for r in st.recvs):
+            bufs[S.W] = send[0].copy()  # interior tree node: accumulate without touching x
+        else:
+            bufs[S.W] = send[0]
     return sched, bufs, results
 
 
@@ -411,17 +471,26 @@ async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, m
         raise ValueError(
             f"algorithm {algorithm!r} is not available for {spec.kind}; choose one of {ALGORITHMS[spec.kind]}"
         )
-    sched, bufs, results = _plan(spec, algorithm, dtype_name)
+    sched, bufs, results = _plan(spec, algorithm)
     ctx = _Context(transport, tuple(tag), meta, spec.ranks, spec.me, bufs, spec.op, dtype_name)
     await execute(sched, ctx)
     if reduces and spec.op is ReduceOp.AVG:
         for result in results:
-            finish_avg(result, n, dtype_name)
+            with np.errstate(all="ignore"):
+                finish_avg(result, n, dtype_name)
+
+
+_DTYPE_NAMES: dict[np.dtype[Any], str] = {}
 
 
 def _dtype_of(arrays: Sequence[np.ndarray], meta: dict[str, Any]) -> str:
     """The arrays' dtype, except that uint16 arrays carry bfloat16 when the signature says so."""
-    name = arrays[0].dtype.name if arrays else "uint8"
+    if not arrays:
+        return "uint8"
+    dtype = arrays[0].dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:  # numpy computes .name in Python; remember it
+        name = _DTYPE_NAMES[dtype] = dtype.name
     if name == "uint16" and meta.get("dtype") == "bfloat16":
         return "bfloat16"
     return name

@@ -20,7 +20,7 @@ other: ids are agreed by construction, and one rank sends at most one message pe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 __all__ = [
     "CHUNK_BYTES",
@@ -123,6 +123,17 @@ class Schedule:
     span: int
     prologue: tuple[Copy, ...] = ()
     epilogue: tuple[Copy, ...] = ()
+    scratch: tuple[tuple[int, BufRef | None], ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Per lane: elements of scratch its largest step needs for reducing receives, and the
+        # buffer whose dtype the scratch takes. Computed once, as schedules are cached.
+        needs = []
+        for lane in self.lanes:
+            need = max((sum(r.stop - r.start for r in st.recvs if r.reduce) for st in lane), default=0)
+            ref = next((r.buf for st in lane for r in st.recvs if r.reduce), None)
+            needs.append((need, ref))
+        object.__setattr__(self, "scratch", tuple(needs))
 
     def steps(self) -> list[Step]:
         return [step for lane in self.lanes for step in lane]

@@ -672,6 +672,21 @@ async def test_peer_lost_before_the_ring_fails_its_neighbours_naming_it() -> Non
 
 
 @pytest.mark.timeout(60)
+async def test_a_failed_send_interrupts_the_receive_of_the_same_step() -> None:
+    # Rank 0's ring step sends to dead rank 1 while receiving from rank 2, which never calls:
+    # the send's PeerLostError must end the operation rather than leave it waiting for rank 2.
+    world = MemoryWorld(3)
+    world.kill(1)
+    x = np.zeros(30, dtype=np.int64)
+    spec = CollectiveSpec("all_reduce", (0, 1, 2), 0, (x,), (x,), algorithm="ring")
+    with pytest.raises(PeerLostError) as info:
+        await asyncio.wait_for(run_collective(spec, world[0], TAG, meta("all_reduce")), 5)
+    assert info.value.rank == 1
+    await asyncio.sleep(0)
+    assert asyncio.all_tasks() == {asyncio.current_task()}
+
+
+@pytest.mark.timeout(60)
 async def test_peer_killed_mid_operation_fails_the_waiting_rank_promptly() -> None:
     world = MemoryWorld(2)
     x = np.zeros(10, dtype=np.int64)
