@@ -43,7 +43,15 @@ class BenchError(RuntimeError):
 
 
 def _columns(with_gloo: bool) -> list[tuple[str, int]]:
-    cols = [("size(B)", 10), ("count", 10), ("time(us)", 10), ("min(us)", 10), ("algbw", 8), ("busbw", 8)]
+    cols = [
+        ("size(B)", 10),
+        ("count", 10),
+        ("algo", 6),
+        ("time(us)", 10),
+        ("min(us)", 10),
+        ("algbw", 8),
+        ("busbw", 8),
+    ]
     if with_gloo:
         cols += [
             ("gloo(us)", 10),
@@ -76,6 +84,7 @@ def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
     cells: list[object] = [
         row["size"],
         row["count"],
+        row.get("algorithm", "-"),
         ours["time_us"],
         ours["min_us"],
         ours["algbw"],
@@ -98,13 +107,18 @@ def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
 
 def _print_header(op: str, n: int, args: argparse.Namespace, with_gloo: bool) -> None:
     factor = BUSBW_FACTORS[op]
+    bandwidth = (
+        "barrier moves no data: only time"
+        if op == "barrier"
+        else f"algbw = size/time, busbw = algbw*{factor} (GB/s)"
+    )
     print(
         f"# aiocoll bench: {op}, world size {n}, {args.dtype} ({args.tensor}), "
         f"{args.iters} iters after {args.warmup} warmup, algorithm {args.algorithm or 'auto'}, {utc_now()}"
     )
     print(
         "# time = median over iterations of the slowest rank; min = fastest iteration; "
-        f"algbw = size/time, busbw = algbw*{factor} (GB/s)"
+        f"{bandwidth}; algo = what aiocoll ran"
         + ("; ratios are aiocoll/gloo (time: lower is better, busbw: higher is better)" if with_gloo else "")
     )
     if op == "sendrecv":
@@ -179,7 +193,7 @@ def run_collectives(args: argparse.Namespace) -> int:
     if args.loop == "auto":
         args.loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     token = secrets.token_hex(16)
-    coordinator = start_coordinator(token)
+    coordinator = start_coordinator(token, verbose=args.verbose)
     cfg = {
         "world_size": n,
         "port": coordinator.port,
@@ -197,6 +211,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         "iters": args.iters,
         "warmup": args.warmup,
         "loop": args.loop,
+        "verbose": args.verbose,
     }
     ctx = multiprocessing.get_context("spawn")
     results: Any = ctx.Queue()
@@ -245,7 +260,7 @@ def run_collectives(args: argparse.Namespace) -> int:
                 continue
             if kind != "times":
                 continue
-            _, rank, op, size, impl, times = message
+            _, rank, op, size, impl, times, algorithm = message
             key = (op, size, impl)
             pending[key][rank] = times
             if len(pending[key]) < n:
@@ -253,6 +268,8 @@ def run_collectives(args: argparse.Namespace) -> int:
             summary = summarize(op, size, n, list(pending.pop(key).values()))
             row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
             row[impl] = summary
+            if impl == "aiocoll":
+                row["algorithm"] = algorithm
             if not all(i in row for i in impls):
                 continue
             if with_gloo:

@@ -68,9 +68,10 @@ def plot_collectives(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]
             ax.legend(loc="best", frameon=False)
         ax_bw.set_title(f"{op}: bus bandwidth (higher is better)", fontsize=10)
         ax_t.set_title(f"{op}: time (lower is better)", fontsize=10)
+    what = ", ".join(ops) if len(ops) <= 2 else f"{len(ops)} collectives"
+    versus = " vs torch gloo" if "gloo" in impls else ""
     fig.suptitle(
-        f"aiocoll bench — {', '.join(ops)} — world size {meta['world_size']}, "
-        f"{meta['dtype']} — {meta['date']}",
+        f"aiocoll{versus}: {what} — world size {meta['world_size']}, {meta['dtype']} — {meta['date']}",
         fontsize=12,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.97))

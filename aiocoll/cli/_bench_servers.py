@@ -16,7 +16,18 @@ import time
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["ServerProcess", "raise_fd_limit", "start_coordinator", "start_tcpstore"]
+__all__ = ["ServerProcess", "quiet_logs", "raise_fd_limit", "start_coordinator", "start_tcpstore"]
+
+
+def quiet_logs(verbose: bool) -> None:
+    """Keep aiocoll's warnings (a member lost, a failed handshake) out of the tables unless --verbose.
+
+    Warnings are what a benchmark under stress provokes by design; thousands of them would bury
+    the results. Errors still show.
+    """
+    import logging
+
+    logging.getLogger("aiocoll").setLevel(logging.WARNING if verbose else logging.ERROR)
 
 
 def raise_fd_limit() -> int:
@@ -81,13 +92,13 @@ def _start(name: str, target: Any, args: tuple[Any, ...], timeout: float) -> Ser
     return ServerProcess(name, process, parent_conn, int(message))
 
 
-def start_coordinator(token: str | None, *, timeout: float = 60.0) -> ServerProcess:
+def start_coordinator(token: str | None, *, verbose: bool = False, timeout: float = 60.0) -> ServerProcess:
     """Start an aiocoll coordinator on 127.0.0.1 (a free port) in its own process.
 
     Raises:
         RuntimeError: when it does not come up within ``timeout`` seconds, with its error.
     """
-    return _start("aiocoll coordinator", _coordinator_main, (token,), timeout)
+    return _start("aiocoll coordinator", _coordinator_main, (token, verbose), timeout)
 
 
 def start_tcpstore(*, timeout: float = 60.0) -> ServerProcess:
@@ -104,10 +115,11 @@ def _wait_for_stop(conn: multiprocessing.connection.Connection) -> None:
         conn.recv()
 
 
-def _coordinator_main(conn: multiprocessing.connection.Connection, token: str | None) -> None:
+def _coordinator_main(conn: multiprocessing.connection.Connection, token: str | None, verbose: bool) -> None:
     import asyncio
 
     raise_fd_limit()
+    quiet_logs(verbose)
 
     async def serve() -> None:
         from aiocoll.server import Coordinator

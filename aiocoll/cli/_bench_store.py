@@ -37,7 +37,7 @@ import traceback
 from typing import Any
 
 from ._bench_common import machine_description, parse_int_list, print_table, utc_now, write_json
-from ._bench_servers import raise_fd_limit, start_coordinator, start_tcpstore
+from ._bench_servers import quiet_logs, raise_fd_limit, start_coordinator, start_tcpstore
 
 __all__ = ["run_rendezvous", "run_store"]
 
@@ -79,7 +79,10 @@ def _aiocoll_store_client(
     job: str,
     value_size: int,
     loop_kind: str,
+    verbose: bool,
 ) -> None:
+    quiet_logs(verbose)
+
     async def main() -> None:
         import aiocoll
 
@@ -243,7 +246,7 @@ def run_store(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
-        coordinator = start_coordinator(token)
+        coordinator = start_coordinator(token, verbose=args.verbose)
         servers.append(coordinator)
         most = max(clients_list)
         pools.append(
@@ -251,7 +254,14 @@ def run_store(args: argparse.Namespace) -> int:
                 "aiocoll",
                 most,
                 _aiocoll_store_client,
-                (coordinator.port, token, f"bench-store-{secrets.token_hex(4)}", args.value_size, loop_kind),
+                (
+                    coordinator.port,
+                    token,
+                    f"bench-store-{secrets.token_hex(4)}",
+                    args.value_size,
+                    loop_kind,
+                    args.verbose,
+                ),
             )
         )
         if with_tcp:
@@ -451,9 +461,11 @@ def _rendezvous_launcher(
     job: str,
     timeout: float,
     loop_kind: str,
+    verbose: bool,
 ) -> None:
     """Import one implementation, fork the participants, release them at once, report the time."""
     raise_fd_limit()
+    quiet_logs(verbose)  # inherited by every forked participant
     try:
         if impl == "aiocoll":
             import aiocoll.client.session  # noqa: F401  (imported once, shared by every fork)
@@ -506,16 +518,16 @@ def _rendezvous_launcher(
 
 
 def _measure_rendezvous(
-    impl: str, procs: int, per_proc: int, port: int, token: str, timeout: float, loop_kind: str
+    impl: str, procs: int, per_proc: int, port: int, token: str, timeout: float, loop_kind: str, verbose: bool
 ) -> float:
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
     job = f"rdzv-{secrets.token_hex(4)}"
     launcher = ctx.Process(
         target=_rendezvous_launcher,
-        args=(child_conn, impl, procs, per_proc, port, token, job, timeout, loop_kind),
+        args=(child_conn, impl, procs, per_proc, port, token, job, timeout, loop_kind, verbose),
         name=f"{impl}-rendezvous-launcher",
-        daemon=True,
+        daemon=False,  # it forks the participants, which daemonic processes may not do
     )
     launcher.start()
     child_conn.close()
@@ -558,7 +570,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
     started = time.monotonic()
     servers: list[Any] = []
     try:
-        coordinator = start_coordinator(token)
+        coordinator = start_coordinator(token, verbose=args.verbose)
         servers.append(coordinator)
         tcp = None
         if with_tcp and proc_counts:
@@ -575,7 +587,9 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                 for impl in order:
                     port = coordinator.port if impl == "aiocoll" else tcp.port  # type: ignore[union-attr]
                     samples[impl].append(
-                        _measure_rendezvous(impl, count, 1, port, token, args.timeout, loop_kind)
+                        _measure_rendezvous(
+                            impl, count, 1, port, token, args.timeout, loop_kind, args.verbose
+                        )
                     )
             row: dict[str, Any] = {"mode": "processes", "processes": count, "clients": count}
             for impl, values in samples.items():
@@ -591,7 +605,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
             per_proc = math.ceil(args.simulated / procs)
             values = [
                 _measure_rendezvous(
-                    "aiocoll", procs, per_proc, coordinator.port, token, args.timeout, loop_kind
+                    "aiocoll", procs, per_proc, coordinator.port, token, args.timeout, loop_kind, args.verbose
                 )
                 for _ in range(args.rounds)
             ]

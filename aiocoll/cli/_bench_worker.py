@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._bench_common import SizedOp
+from ._bench_servers import quiet_logs
 
 __all__ = ["worker_main"]
 
@@ -164,6 +165,32 @@ class _OpRunner:
         return None if ok else f"{self.impl} {op} gave a wrong result on rank {rank} at {b.sized.size} bytes"
 
 
+class _AlgorithmHook:
+    """Records which algorithm aiocoll ran for each kind of collective, and can force one.
+
+    The process group takes no per-call algorithm argument, so the benchmark wraps the executor's
+    ``choose_algorithm`` in this worker process only: ``--algorithm`` wins wherever the kind
+    offers it (other kinds keep their default), and every choice is recorded so the table can
+    show what actually ran. Nothing outside the benchmark's own processes is affected.
+    """
+
+    def __init__(self, forced: str | None) -> None:
+        from aiocoll.algorithms import _executor
+
+        self.forced = forced
+        self.last: dict[str, str] = {}
+        self._offered = _executor.ALGORITHMS
+        self._choose = _executor.choose_algorithm
+        _executor.choose_algorithm = self._chosen
+
+    def _chosen(self, kind: str, nbytes: int, world_size: int) -> str:
+        algorithm = self._choose(kind, nbytes, world_size)
+        if self.forced is not None and self.forced in self._offered.get(kind, ()):
+            algorithm = self.forced
+        self.last[kind] = algorithm
+        return algorithm
+
+
 async def _time_aiocoll(runner: _OpRunner, warmup: int, iters: int) -> list[float]:
     pg = runner.pg
     call = runner.calls()
@@ -215,6 +242,15 @@ def _time_gloo(runner: _OpRunner, warmup: int, iters: int) -> list[float]:
 async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) -> None:
     import aiocoll
 
+    dist: Any = None
+    if cfg["vs"] == "gloo" or cfg["tensor"] == "torch":
+        # Import torch before joining: an import of seconds inside the running group would stall
+        # the event loop past the coordinator's heartbeat timeout.
+        warnings.simplefilter("ignore", FutureWarning)  # torch's renames of *_tensor ops
+        import torch.distributed
+
+        if cfg["vs"] == "gloo":
+            dist = torch.distributed
     n = cfg["world_size"]
     pg = await aiocoll.init_process_group(
         f"tcp://127.0.0.1:{cfg['port']}",
@@ -224,11 +260,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
         job=cfg["job"],
         timeout=cfg["timeout"],
     )
-    dist: Any = None
-    if cfg["vs"] == "gloo":
-        warnings.simplefilter("ignore", FutureWarning)  # torch's renames of *_tensor ops
-        import torch.distributed as dist
-
+    if dist is not None:
         await asyncio.to_thread(
             dist.init_process_group,
             "gloo",
@@ -240,8 +272,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
     put(("ready", rank))
     use_torch = cfg["tensor"] == "torch"
     kw: dict[str, Any] = {}
-    if cfg["algorithm"]:
-        kw["algorithm"] = cfg["algorithm"]
+    hook = _AlgorithmHook(cfg["algorithm"])
     impls = ["aiocoll", "gloo"] if dist is not None else ["aiocoll"]
     step = 0
     for op in cfg["ops"]:
@@ -250,12 +281,15 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
             sized = SizedOp(op, size, n, cfg["itemsize"])
             order = impls if step % 2 == 0 else impls[::-1]
             step += 1
+            algorithm = "-"
             for impl in order:
                 if impl == "aiocoll":
+                    hook.last.pop(op, None)
                     bufs = _Buffers(sized, cfg["dtype"], use_torch, rank, n)
                     times = await _time_aiocoll(
                         _OpRunner(impl, op, bufs, pg, kw), cfg["warmup"], cfg["iters"]
                     )
+                    algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
                 else:
                     bufs = _Buffers(sized, cfg["dtype"], True, rank, n)
                     runner = _OpRunner(impl, op, bufs, dist, {})
@@ -263,7 +297,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
                     times = [t / 2 for t in times] if rank == 0 else []
-                put(("times", rank, op, sized.size, impl, times))
+                put(("times", rank, op, sized.size, impl, times, algorithm if impl == "aiocoll" else ""))
     await pg.destroy()
     if dist is not None:
         await asyncio.to_thread(dist.destroy_process_group)
@@ -273,6 +307,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
 def worker_main(rank: int, cfg: dict[str, Any], queue: Any) -> None:
     """Entry point of a spawned bench worker; reports ``("error", rank, text)`` instead of dying silently."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores: no thread pools fighting the ranks
+    quiet_logs(cfg["verbose"])
 
     def put(message: Msg) -> None:
         queue.put(message)

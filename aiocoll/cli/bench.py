@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds any single step may take before the run stops with an error (default 300)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument(
+        "--verbose", action="store_true", help="show aiocoll's warnings from the coordinator and ranks"
+    )
     store = parser.add_argument_group("--op store / --op rendezvous")
     store.add_argument("--clients", default="1,8", help="client processes for --op store (default 1,8)")
     store.add_argument(
