@@ -161,6 +161,8 @@ class LoopThread:
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
+            if future.done():  # the coroutine's own TimeoutError (CollectiveTimeout, StoreTimeout)
+                raise
             future.cancel()
             raise TimeoutError(f"aiocoll call did not finish within {timeout}s") from None
 

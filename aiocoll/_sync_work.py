@@ -59,6 +59,8 @@ class Work:
         try:
             self._outcome.result(seconds)
         except concurrent.futures.TimeoutError:
+            if self._outcome.done():  # the operation's own TimeoutError (CollectiveTimeout)
+                raise
             raise TimeoutError(
                 f"{self._op} did not complete within the {seconds:.3g}s given to Work.wait(); it is "
                 f"still running (its own deadline is the group timeout)"
@@ -105,9 +107,7 @@ class Work:
             on the network loop, so its callbacks may block.
         """
         torch = sys.modules.get("torch")
-        if torch is not None:
-            return self._torch_future(torch)
-        future: concurrent.futures.Future[list[Any]] = concurrent.futures.Future()
+        future: Any = torch.futures.Future() if torch is not None else concurrent.futures.Future()
 
         def complete(outcome: Outcome) -> None:
             exc = outcome.exception()
@@ -116,20 +116,11 @@ class Work:
             else:
                 future.set_result(list(self._tensors))
 
-        self._outcome.add_done_callback(complete)
-        return future
-
-    def _torch_future(self, torch: Any) -> Any:
-        future = torch.futures.Future()
-
-        def complete(outcome: Outcome) -> None:
-            exc = outcome.exception()
-            if exc is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(list(self._tensors))
-
-        self._outcome.add_done_callback(complete)
+        if self._outcome.done():
+            # Already finished: complete it here, so that value() right after wait() works.
+            complete(self._outcome)
+        else:
+            self._outcome.add_done_callback(complete)
         return future
 
     def __repr__(self) -> str:

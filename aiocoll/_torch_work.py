@@ -13,6 +13,7 @@ completion pool, never on the network loop thread.
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,13 +65,20 @@ class AiocollWork(td.Work):
         self._op = op
         self._tensors = tensors
         self._source_rank_of = source_rank
+        self._completing = threading.Lock()
+        self._completed = False
         self._raw: torch.futures.Future[Any] = torch.futures.Future()
         self._future = self._raw.then(_unwrap)
         outcome.add_done_callback(self._complete)
 
     def _complete(self, outcome: Outcome) -> None:
-        # Runs on the completion pool; set_result runs the .then chain (and DDP's or a comm
-        # hook's callbacks) inline on this thread.
+        # Runs on the completion pool, or on a thread returning from wait(); set_result runs the
+        # .then chain (and DDP's or a comm hook's callbacks) inline on that thread. Whichever
+        # comes first completes the future, so value() right after wait() never sees it pending.
+        with self._completing:
+            if self._completed:
+                return
+            self._completed = True
         exc = outcome.exception()
         self._raw.set_result(_Failed(exc) if exc is not None else self._tensors)
 
@@ -92,6 +100,9 @@ class AiocollWork(td.Work):
             raise TimeoutError(
                 f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()"
             ) from None
+        finally:
+            if self._outcome.done():
+                self._complete(self._outcome)
         return True
 
     def is_completed(self) -> bool:
