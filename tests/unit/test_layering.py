@@ -35,8 +35,14 @@ def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
 
 
+# Private helper modules of a surface module (aiocoll/_sync_loop.py serves aiocoll/sync.py) are surface.
+SURFACE_HELPER_PREFIXES = ("aiocoll._sync", "aiocoll._torch")
+
+
 def _layer(module: str) -> str:
     if module == "aiocoll" or any(_within(module, top) for top in SURFACE):
+        return "surface"
+    if module.startswith(SURFACE_HELPER_PREFIXES):
         return "surface"
     if _within(module, "aiocoll.server"):
         return "server"
