@@ -1,0 +1,146 @@
+"""`aiocoll bench` end to end: real ranks over loopback, the table, --json and --plot.
+
+One spawned world (2 ranks, 2 sizes, 2 iterations) serves the table, JSON and PNG checks; the
+numbers themselves are never asserted (a benchmark measures, tests check truth) — only that the
+right rows and columns come out and that the bandwidth follows its definition from the time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aiocoll.cli._bench_common import bus_factor, parse_sizes, rounded_size, summarize
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(*args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(
+        [sys.executable, "-m", "aiocoll", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    return [line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
+
+
+@pytest.mark.timeout(30)
+def test_bench_help_lists_the_options_of_the_contract() -> None:
+    result = _bench("--help", timeout=25)
+    assert result.returncode == 0, result.stderr
+    for option in ("--op", "--sizes", "--world-size", "--vs", "--plot", "--iters", "--warmup", "--json"):
+        assert option in result.stdout
+    assert "busbw" in result.stdout
+
+
+@pytest.mark.timeout(30)
+def test_bench_rejects_tcpstore_comparison_for_a_collective_with_a_usage_error() -> None:
+    result = _bench("--op", "all_reduce", "--vs", "tcpstore", timeout=25)
+    assert result.returncode == 2
+    assert "--vs tcpstore" in result.stderr and "--vs gloo" in result.stderr
+
+
+@pytest.mark.timeout(30)
+def test_bench_rejects_a_malformed_size_sweep_naming_it() -> None:
+    result = _bench("--sizes", "64M:4", "--world-size", "2", timeout=25)
+    assert result.returncode == 1
+    assert "64M:4" in result.stderr
+
+
+@pytest.mark.timeout(90)
+def test_bench_all_reduce_two_ranks_prints_table_and_writes_json_and_png(tmp_path: Path) -> None:
+    json_path = tmp_path / "bench.json"
+    png_path = tmp_path / "bench.png"
+    result = _bench(
+        "--op",
+        "all_reduce",
+        "--sizes",
+        "4,64K",
+        "--world-size",
+        "2",
+        "--iters",
+        "2",
+        "--warmup",
+        "1",
+        "--timeout",
+        "60",
+        "--json",
+        str(json_path),
+        "--plot",
+        str(png_path),
+        "--quiet",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    header = next(line for line in result.stdout.splitlines() if "size(B)" in line).split()
+    assert header == ["size(B)", "count", "algo", "time(us)", "min(us)", "algbw", "busbw"]
+    rows = _table_rows(result.stdout)
+    rows = [r for r in rows if r != header]
+    assert [int(r[0]) for r in rows] == [4, 65536]
+    assert [int(r[1]) for r in rows] == [1, 16384]  # float32 elements
+    for row in rows:
+        assert row[2] in ("ring", "rhd", "tree")
+        assert float(row[3]) >= float(row[4]) > 0  # median >= min
+
+    report = json.loads(json_path.read_text())
+    assert report["meta"]["world_size"] == 2 and report["meta"]["ops"] == ["all_reduce"]
+    results = report["results"]
+    assert [r["size"] for r in results] == [4, 65536]
+    for r in results:
+        ours = r["aiocoll"]
+        assert ours["iters"] == 2
+        algbw = r["size"] / (ours["time_us"] * 1e-6) / 1e9
+        assert math.isclose(ours["algbw"], algbw, rel_tol=1e-9)
+        assert math.isclose(ours["busbw"], algbw * 2 * (2 - 1) / 2, rel_tol=1e-9)
+
+    data = png_path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_size_sweep_doubles_and_lists_parse_with_suffixes() -> None:
+    assert parse_sizes("4:64") == [4, 8, 16, 32, 64]
+    assert parse_sizes("1K:4K") == [1024, 2048, 4096]
+    assert parse_sizes("4,64K,16M,1G") == [4, 65536, 16 << 20, 1 << 30]
+    assert parse_sizes("4:64M")[-1] == 64 << 20 and len(parse_sizes("4:64M")) == 25
+    with pytest.raises(ValueError, match="MIN"):
+        parse_sizes("8:4")
+    with pytest.raises(ValueError, match="bad size"):
+        parse_sizes("4X")
+
+
+def test_bus_factors_follow_nccl_tests() -> None:
+    assert bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bus_factor("all_gather", 4) == pytest.approx(0.75)
+    assert bus_factor("reduce_scatter", 2) == pytest.approx(0.5)
+    assert bus_factor("all_to_all", 8) == pytest.approx(7 / 8)
+    assert bus_factor("broadcast", 8) == bus_factor("reduce", 3) == 1.0
+    assert math.isnan(bus_factor("barrier", 4))
+
+
+def test_split_ops_round_sizes_to_whole_elements_per_rank() -> None:
+    assert rounded_size("all_gather", 4, 4, 4) == 16
+    assert rounded_size("all_to_all", 100, 3, 4) == 96
+    assert rounded_size("all_reduce", 6, 4, 4) == 4
+
+
+def test_summary_takes_the_slowest_rank_per_iteration_then_the_median() -> None:
+    row = summarize("all_reduce", 1000, 2, [[1.0, 3.0, 2.0], [2.0, 1.0, 5.0]])
+    # per iteration: max(1,2)=2, max(3,1)=3, max(2,5)=5 -> median 3, min 2
+    assert row["time_us"] == pytest.approx(3e6)
+    assert row["min_us"] == pytest.approx(2e6)
+    assert row["algbw"] == pytest.approx(1000 / 3.0 / 1e9)
