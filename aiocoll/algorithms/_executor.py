@@ -153,10 +153,10 @@ class _Context:
             _, remote_meta = await self.transport.recv(src, (*self.tag, step_id), into.view(np.uint8).data)
         except MismatchError as exc:
             remote = getattr(exc, "remote_meta", None)
-            if isinstance(remote, dict) and remote != self.meta:
+            if isinstance(remote, dict) and not _same_meta(remote, self.meta):
                 raise self._mismatch(src, remote) from exc
             raise self._mismatch(src, remote, size_detail=str(exc)) from exc
-        if remote_meta != self.meta:
+        if remote_meta != self.meta and not _same_meta(remote_meta, self.meta):
             raise self._mismatch(src, remote_meta)
 
     def _mismatch(self, src: int, remote: Any, size_detail: str | None = None) -> MismatchError:
@@ -164,7 +164,7 @@ class _Context:
         if len(self.tag) >= 3 and self.tag[0] == "c":
             group, seq = str(self.tag[1]), self.tag[2] if isinstance(self.tag[2], int) else -1
         where = f" (group {group!r}, seq {seq})" if group else ""
-        if isinstance(remote, dict) and remote != self.meta:
+        if isinstance(remote, dict) and not _same_meta(remote, self.meta):
             keys = [k for k in _SIGNATURE_FIELDS if self.meta.get(k) != remote.get(k)]
             keys += sorted(
                 str(k)
@@ -189,6 +189,20 @@ class _Context:
         err.remote_meta = remote  # type: ignore[attr-defined]
         err.fields = keys  # type: ignore[attr-defined]
         return err
+
+
+def _plain(value: Any) -> Any:
+    """What a value looks like after a msgpack round trip: tuples become lists."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _same_meta(remote: Any, local: dict[str, Any]) -> bool:
+    # A network transport hands back a decoded copy, so compare as the wire would carry them.
+    return bool(remote == local or _plain(remote) == _plain(local))
 
 
 def _fmt(meta: dict[str, Any]) -> str:

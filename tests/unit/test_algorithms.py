@@ -603,6 +603,19 @@ async def test_signature_mismatch_raises_on_both_ranks_naming_ranks_and_fields()
 
 
 @pytest.mark.timeout(60)
+async def test_meta_that_differs_only_as_tuple_versus_list_is_not_a_mismatch() -> None:
+    # A network transport decodes tuples as lists; that alone must not look like a mismatch.
+    world = MemoryWorld(2)
+    xs = inputs(2, 4)
+    want = xs[0] + xs[1]
+    metas = [meta("all_reduce", shape=(2, 2)), meta("all_reduce", shape=[2, 2])]
+    await run_world(
+        [CollectiveSpec("all_reduce", (0, 1), r, (xs[r],), (xs[r],)) for r in range(2)], world, metas
+    )
+    np.testing.assert_array_equal(xs[0], want)
+
+
+@pytest.mark.timeout(60)
 async def test_size_disagreement_with_equal_signatures_raises_mismatch_error() -> None:
     world = MemoryWorld(2)
     a, b = np.zeros(4, dtype=np.int64), np.zeros(6, dtype=np.int64)
