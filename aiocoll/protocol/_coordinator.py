@@ -29,6 +29,10 @@ Requests (client -> coordinator), header ``{"op": OP, "id": int, ...}``:
                                                                               members: [{rank, host,
                                                                               alive, last_seen}]}]
 
+join may carry ``table_in_payload: True``: the reply then has no "members" field; its payload is
+the msgpack encoding of that same list (a 10,000-member table is ~0.5 MB, so a client may decode it
+lazily, and the coordinator encodes it once for every member).
+
 ``timeout`` is seconds (float) or None (wait forever, bounded by the connection's life).
 Keys are str (1..MAX_KEY_BYTES UTF-8 bytes); values are bytes up to the coordinator's limit.
 cas follows torch's compareSet: if the key is missing and expected is empty, or the current value

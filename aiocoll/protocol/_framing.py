@@ -90,7 +90,10 @@ class FrameDecoder:
         self.max_header = max_header
         self.max_payload = max_payload
         self.sink = sink
-        self._buf = bytearray(max(read_size, PREFIX.size + max_header))
+        # Start small and grow only for a header that needs it: a connection allowed 16 MiB headers
+        # must not hold 16 MiB while it exchanges small frames (thousands of connections do).
+        self._read_size = max(read_size, PREFIX.size + 1024)
+        self._buf = bytearray(min(self._read_size, PREFIX.size + max_header + 1024))
         self._view = memoryview(self._buf)
         self._start = 0  # first unparsed byte in _buf
         self._end = 0  # one past the last valid byte in _buf
@@ -108,6 +111,9 @@ class FrameDecoder:
             return self._pending_payload[self._pending_filled :]
         if self._start == self._end:
             self._start = self._end = 0
+            if len(self._buf) > self._read_size:  # a large header came and went: shrink back
+                self._buf = bytearray(self._read_size)
+                self._view = memoryview(self._buf)
         elif len(self._buf) - self._end < PREFIX.size + 1024 or self._start > len(self._buf) // 2:
             # Compact: move the unparsed tail to the front so there is room to read.
             tail = self._end - self._start
@@ -170,6 +176,8 @@ class FrameDecoder:
                     f"frame payload of {payload_len} bytes exceeds the limit of {self.max_payload}"
                 )
             if avail < PREFIX.size + header_len:
+                if PREFIX.size + header_len > len(self._buf) - self._start:
+                    self._grow(PREFIX.size + header_len)
                 break
             hstart = self._start + PREFIX.size
             header = self._decode_header(self._view[hstart : hstart + header_len])
@@ -187,6 +195,14 @@ class FrameDecoder:
                 self._pending_in_sink = in_sink
                 self._pending_filled = have
         return frames
+
+    def _grow(self, frame_head: int) -> None:
+        """Make room for a prefix plus header of ``frame_head`` bytes (at most max_header)."""
+        tail = self._end - self._start
+        buf = bytearray(max(frame_head, self._read_size))
+        buf[:tail] = self._view[self._start : self._end]
+        self._buf, self._view = buf, memoryview(buf)
+        self._start, self._end = 0, tail
 
     def _payload_target(self, header: dict[str, Any], payload_len: int) -> tuple[memoryview, bool]:
         if payload_len == 0:
