@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from aiocoll._errors import AuthenticationError, ProtocolError
-from aiocoll.protocol import FrameDecoder, ServerHandshake, encode_frame
+from aiocoll.protocol import FrameDecoder, ServerHandshake, encode_frame, pack_prefix
 from aiocoll.protocol._coordinator import (
     HEARTBEAT_TIMEOUT,
     RESUME_GRACE,
@@ -39,6 +39,7 @@ from ._state import (
     DEFAULT_MAX_KEYS_PER_JOB,
     DEFAULT_MAX_VALUE_BYTES,
     CoordinatorState,
+    EncodedHeader,
     Send,
 )
 
@@ -101,7 +102,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.hs_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
         # Events produced before the client's first request (resume): sent after that request.
-        self.early: list[tuple[dict[str, Any], bytes | bytearray | memoryview]] | None = []
+        self.early: list[tuple[dict[str, Any] | EncodedHeader, bytes | bytearray | memoryview]] | None = []
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -115,7 +116,7 @@ class _Connection(asyncio.BufferedProtocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
+        self.transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
         coord.metrics.connection_opened()
         if coord._draining:
             self.close("the coordinator is shutting down", abort=True)
@@ -184,9 +185,12 @@ class _Connection(asyncio.BufferedProtocol):
             if self.hs is not None and self.hs.state == "auth" and not self.closing:
                 # The client verifies our proof first: one that holds another token hangs up here.
                 coord.metrics.auth_failure()
-                log.warning("event=auth_failed peer=%s job=%s reason=the client closed after our challenge "
-                            "(its token differs from ours, or it gave up)", self.peer,
-                            self.hs.hello.get("job"))
+                log.warning(
+                    "event=auth_failed peer=%s job=%s reason=the client closed after our challenge "
+                    "(its token differs from ours, or it gave up)",
+                    self.peer,
+                    self.hs.hello.get("job"),
+                )
             return
         reason = "closed by the client" if exc is None else f"connection error: {exc}"
         if self.decoder is not None and self.decoder.mid_frame and not self.closing:
@@ -250,7 +254,7 @@ class _Connection(asyncio.BufferedProtocol):
         coord._handshaking.pop(self, None)
         self.job, self.role = hello["job"], hello["role"]
         self.decoder = FrameDecoder(
-            max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=MAX_HEADER
+            max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=16 * 1024
         )
         self.authenticated = True
         coord._conns[self.id] = self
@@ -270,7 +274,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.close(f"the client has not read its replies for {WRITE_STALL_TIMEOUT:g}s", abort=True)
 
     # -- output and closing
-    def send(self, header: dict[str, Any], payload: bytes | bytearray | memoryview) -> None:
+    def send(self, header: dict[str, Any] | EncodedHeader, payload: bytes | bytearray | memoryview) -> None:
         transport = self.transport
         if transport is None or self.closing:
             return
@@ -279,7 +283,11 @@ class _Connection(asyncio.BufferedProtocol):
             # handshake decoder would swallow (and choke on) an event sent in the same segment.
             self.early.append((header, payload))
             return
-        transport.writelines(encode_frame(header, payload))
+        if type(header) is dict:
+            transport.writelines(encode_frame(header, payload))
+        else:
+            assert isinstance(header, EncodedHeader)
+            transport.writelines([pack_prefix(header.size, len(payload)), *header.parts, payload])
         if self.paused and transport.get_write_buffer_size() > self.coord.max_output_bytes:
             self.close(
                 f"more than {self.coord.max_output_bytes} bytes of replies are waiting for the "

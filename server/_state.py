@@ -24,6 +24,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from aiocoll.protocol._coordinator import (
     ERR_INVALID,
     ERR_RENDEZVOUS,
@@ -47,6 +49,7 @@ __all__ = [
     "DEFAULT_MAX_KEYS_PER_JOB",
     "DEFAULT_MAX_VALUE_BYTES",
     "CoordinatorState",
+    "EncodedHeader",
 ]
 
 log = logging.getLogger("aiocoll.server")
@@ -71,8 +74,8 @@ _ROLE_OPS: dict[str, frozenset[str]] = {
     ROLE_ADMIN: _READ_OPS,
 }
 
-# (connection id, reply or event header, payload)
-Send = tuple[int, dict[str, Any], "bytes | bytearray | memoryview"]
+# (connection id, reply or event header, payload); a large shared header comes pre-encoded.
+Send = tuple[int, "dict[str, Any] | EncodedHeader", "bytes | bytearray | memoryview"]
 Record = list[Any]
 
 
@@ -145,6 +148,7 @@ class _Member:
         "session",
         "started",
         "state",
+        "table_in_payload",
         "timeout",
     )
 
@@ -163,10 +167,11 @@ class _Member:
         self.timeout: float | None = None
         self.reason = ""
         self.last_seen = 0.0
+        self.table_in_payload = False
 
 
 class _Round:
-    __slots__ = ("broken", "complete", "job", "members", "number", "world_size")
+    __slots__ = ("broken", "complete", "free_hint", "job", "members", "number", "world_size")
 
     def __init__(self, job: _Job, number: int, world_size: int) -> None:
         self.job = job
@@ -175,6 +180,7 @@ class _Round:
         self.members: dict[int, _Member] = {}
         self.complete = False
         self.broken = False  # a member of the completed round left or was lost
+        self.free_hint = 0  # lowest rank that may be free
 
 
 class _Job:
@@ -188,6 +194,26 @@ class _Job:
         self.last_activity = now
         self.round: _Round | None = None
         self.next_round = 0
+
+
+class EncodedHeader:
+    """A reply header already encoded as msgpack, in parts; the shell writes the parts as they are.
+
+    Used where many recipients share most of a large header (the rendezvous membership table).
+    """
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self, parts: tuple[bytes, ...]) -> None:
+        self.parts = parts
+        self.size = sum(len(p) for p in parts)
+
+    def decode(self) -> dict[str, Any]:
+        header: dict[str, Any] = msgpack.unpackb(b"".join(self.parts), raw=False, strict_map_key=False)
+        return header
+
+
+_MEMBERS_KEY = msgpack.packb("members", use_bin_type=True)
 
 
 def _ok(req_id: int) -> dict[str, Any]:
@@ -394,7 +420,7 @@ class CoordinatorState:
         req_id: int,
         op: str,
         started: float,
-        header: dict[str, Any] | None = None,
+        header: dict[str, Any] | EncodedHeader | None = None,
         payload: bytes | bytearray | memoryview = b"",
     ) -> None:
         self.outbox.append((conn.id, header if header is not None else {"id": req_id, "ok": True}, payload))
@@ -794,7 +820,12 @@ class CoordinatorState:
                 f"world size",
             )
         if rank is None:
-            rank = next(r for r in range(world_size) if r not in rnd.members)
+            # Every rank below free_hint is taken, so assignment is O(1) amortised (10,000 joins
+            # must not scan 10,000 ranks each).
+            rank = rnd.free_hint
+            while rank in rnd.members:
+                rank += 1
+            rnd.free_hint = rank + 1
         elif not 0 <= rank < world_size:
             raise _Refused(
                 ERR_RENDEZVOUS,
@@ -816,6 +847,7 @@ class CoordinatorState:
         member.started = now
         member.timeout = timeout
         member.last_seen = now
+        member.table_in_payload = h.get("table_in_payload") is True
         conn.joining = member
         rnd.members[rank] = member
         log.debug(
@@ -841,10 +873,15 @@ class CoordinatorState:
 
     def _complete(self, rnd: _Round) -> None:
         rnd.complete = True
-        table = [
-            {"rank": m.rank, "addrs": m.addrs, "host": m.host}
-            for m in sorted(rnd.members.values(), key=lambda m: m.rank)
-        ]
+        # Every member gets the same table: encode it once (a 10,000-member table is ~0.5 MB, and
+        # encoding it per member would cost seconds).
+        members_packed = msgpack.packb(
+            [
+                {"rank": m.rank, "addrs": m.addrs, "host": m.host}
+                for m in sorted(rnd.members.values(), key=lambda m: m.rank)
+            ],
+            use_bin_type=True,
+        )
         for m in rnd.members.values():
             m.session = os.urandom(16).hex()
             self._sessions[m.session] = m
@@ -868,21 +905,24 @@ class CoordinatorState:
             m.deadline = None
             m.last_seen = now
             self._live_members.add(m)
-            self._reply(
-                conn,
-                m.req_id,
-                "join",
-                m.started,
+            head = msgpack.packb(
                 {
                     "id": m.req_id,
                     "ok": True,
                     "rank": m.rank,
                     "world_size": rnd.world_size,
                     "round": rnd.number,
-                    "members": table,
                     "session": m.session,
                 },
+                use_bin_type=True,
             )
+            if m.table_in_payload:
+                # The client asked for the table as a payload (msgpack) it may decode lazily.
+                self._reply(conn, m.req_id, "join", m.started, EncodedHeader((head,)), members_packed)
+            else:
+                # A fixmap of 6 entries (0x86) becomes one of 7 with "members" appended.
+                header = EncodedHeader((b"\x87" + head[1:], _MEMBERS_KEY, members_packed))
+                self._reply(conn, m.req_id, "join", m.started, header)
         log.info(
             "job=%s event=round_complete round=%d world_size=%d", rnd.job.name, rnd.number, rnd.world_size
         )
@@ -892,6 +932,7 @@ class CoordinatorState:
         rnd = member.round
         if rnd.members.get(member.rank) is member:
             del rnd.members[member.rank]
+            rnd.free_hint = min(rnd.free_hint, member.rank)
         if member.conn is not None and member.conn.joining is member:
             member.conn.joining = None
         member.state = "lost"

@@ -48,7 +48,7 @@ class RawClient:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.decoder = FrameDecoder(max_payload=1 << 31)
+        self.decoder = FrameDecoder(max_header=16 << 20, max_payload=1 << 31)
         self.ids = itertools.count(1)
         self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import pytest
 from aiocoll.server import CoordinatorState
+from aiocoll.server._state import EncodedHeader
 
 from aiocoll.protocol._coordinator import (
     ERR_INVALID,
@@ -54,7 +56,11 @@ class Harness:
     def out(self, conn: int | None = None) -> list[tuple[dict[str, Any], bytes]]:
         """Take the frames sent (to ``conn`` only, when given) since they were last taken."""
         outbox = self.state.outbox
-        taken = [(h, bytes(p)) for c, h, p in outbox if conn is None or c == conn]
+        taken = [
+            (h.decode() if isinstance(h, EncodedHeader) else h, bytes(p))
+            for c, h, p in outbox
+            if conn is None or c == conn
+        ]
         outbox[:] = [f for f in outbox if conn is not None and f[0] != conn]
         return taken
 
@@ -334,7 +340,7 @@ def test_lost_member_is_announced_to_every_other_member() -> None:
     h = Harness()
     conns, _ = complete_round(h, 3)
     h.state.disconnect(conns[1], "reset by peer")
-    frames = [(c, hdr) for c, hdr, _ in h.state.outbox]
+    frames = [(c, hdr) for c, hdr, _ in h.state.outbox if isinstance(hdr, dict)]
     h.state.outbox.clear()
     assert sorted(c for c, _ in frames) == [conns[0], conns[2]]
     for _, header in frames:
@@ -457,3 +463,37 @@ def test_refused_requests_write_nothing_to_the_journal() -> None:
     refused(h.call(c, "set", b"toolong", key="k"), ERR_TOO_LARGE)
     h.send(c, "get", key="nope", timeout=None)
     assert h.state.take_journal() == []
+
+
+def test_join_can_ask_for_the_membership_table_as_a_payload() -> None:
+    h = Harness()
+    a, b = h.connect(), h.connect()
+    join(h, a, 0, 2, table_in_payload=True)
+    join(h, b, 1, 2)
+    [(header_a, payload_a)] = h.out(a)
+    [(header_b, payload_b)] = h.out(b)
+    assert "members" not in header_a and header_a["rank"] == 0 and header_a["session"]
+    assert msgpack.unpackb(payload_a) == header_b["members"] and payload_b == b""
+    assert [m["rank"] for m in header_b["members"]] == [0, 1]
+
+
+def test_ten_thousand_members_rendezvous_without_quadratic_work() -> None:
+    h = Harness()
+    n = 10_000
+    conns = [h.connect() for _ in range(n)]
+    for c in conns:
+        h.send(
+            c,
+            "join",
+            rank=None,
+            world_size=n,
+            addrs=[["10.0.0.1", 1]],
+            host="h",
+            timeout=60,
+            table_in_payload=True,
+        )
+    replies = h.state.outbox
+    assert len(replies) == n
+    # One shared encoding of the table, not one per member.
+    assert len({id(p) for _, _, p in replies}) == 1
+    assert sorted(hd.decode()["rank"] for _, hd, _ in replies) == list(range(n))  # type: ignore[union-attr]
