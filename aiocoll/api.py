@@ -239,7 +239,16 @@ class ProcessGroup:
         root: int = 0,
         op: ReduceOp = ReduceOp.SUM,
     ) -> Work:
-        spec = CollectiveSpec(kind, tuple(self.ranks), self.rank, tuple(send), tuple(recv), root=root, op=op)
+        spec = CollectiveSpec(
+            kind,
+            tuple(self.ranks),
+            self.rank,
+            tuple(send),
+            tuple(recv),
+            root=root,
+            op=op,
+            dtype=meta.get("dtype"),
+        )
 
         async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
             await run_collective(spec, transport, tag, meta)
@@ -252,11 +261,11 @@ class ProcessGroup:
     def _meta(
         self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
     ) -> dict[str, Any]:
-        meta: dict[str, Any] = {"k": kind}
+        meta: dict[str, Any] = {"kind": kind}
         if name is not None:
-            meta["d"] = name
+            meta["dtype"] = name
         if count is not None:
-            meta["n"] = count
+            meta["count"] = count
         meta.update(extra)
         return meta
 
@@ -272,7 +281,7 @@ class ProcessGroup:
             raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
         utag = _check_tag(tag)
         w = as_working(tensor, read=True, write=False)
-        meta = {"d": w.dtype_name, "n": w.numel}
+        meta = {"dtype": w.dtype_name, "count": w.numel}
         peer = self.ranks[d]
         payload = _bytes_of(w.array)
 
@@ -301,9 +310,9 @@ class ProcessGroup:
 
         async def body(t: tuple[Any, ...], transport: OpTransport) -> int:
             got, meta = await transport.recv(peer, t, into)
-            if meta.get("d") != name:
+            if meta.get("dtype") != name:
                 raise MismatchError(
-                    f"recv (group {gid!r}, tag {utag}): rank {index.get(got, got)} sent {meta.get('d')} "
+                    f"recv (group {gid!r}, tag {utag}): rank {index.get(got, got)} sent {meta.get('dtype')} "
                     f"but the receiving tensor is {name}",
                     group=gid,
                     ranks=[got],
@@ -321,7 +330,7 @@ class ProcessGroup:
         """Copy ``tensor`` of group rank ``src`` into ``tensor`` everywhere; awaits to ``tensor``."""
         root = _check_rank("src", src, self.size)
         w = as_working(tensor, read=root == self.rank, write=True)
-        meta = self._meta("broadcast", w.dtype_name, w.numel, r=root)
+        meta = self._meta("broadcast", w.dtype_name, w.numel, root=root)
         return self._collective("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
 
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
@@ -333,7 +342,7 @@ class ProcessGroup:
         name = dtype_name(tensor)
         rop = _coerce_op(op, name, "all_reduce")
         w = as_working(tensor)
-        meta = self._meta("all_reduce", name, w.numel, o=rop.value)
+        meta = self._meta("all_reduce", name, w.numel, op=rop.value)
         return self._collective("all_reduce", meta, (w.array,), (w.array,), (w,), tensor, timeout, op=rop)
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
@@ -342,7 +351,7 @@ class ProcessGroup:
         name = dtype_name(tensor)
         rop = _coerce_op(op, name, "reduce")
         w = as_working(tensor, write=root == self.rank)
-        meta = self._meta("reduce", name, w.numel, r=root, o=rop.value)
+        meta = self._meta("reduce", name, w.numel, root=root, op=rop.value)
         return self._collective(
             "reduce",
             meta,
@@ -409,7 +418,7 @@ class ProcessGroup:
                     f"gather: gather_list must be None on rank {self.rank}, which is not dst={root}"
                 )
             wo, recv, result = [], [], None
-        meta = self._meta("gather", name, w.numel, r=root)
+        meta = self._meta("gather", name, w.numel, root=root)
         return self._collective("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
 
     def scatter(
@@ -434,7 +443,7 @@ class ProcessGroup:
                     f"scatter: scatter_list must be None on rank {self.rank}, which is not src={root}"
                 )
             send = []
-        meta = self._meta("scatter", name, w.numel, r=root)
+        meta = self._meta("scatter", name, w.numel, root=root)
         return self._collective("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
 
     def reduce_scatter(
@@ -448,7 +457,7 @@ class ProcessGroup:
         _same_numel("reduce_scatter: input_list", ins, numel(output))
         w = as_working(output, read=False)
         send = [as_working(t, write=False).array for t in ins]
-        meta = self._meta("reduce_scatter", name, w.numel, o=rop.value)
+        meta = self._meta("reduce_scatter", name, w.numel, op=rop.value)
         return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
 
     def reduce_scatter_tensor(
@@ -467,7 +476,7 @@ class ProcessGroup:
         w = as_working(output, read=False)
         wi = as_working(input, write=False)
         send = [wi.array[i * n : (i + 1) * n] for i in range(self.size)]
-        meta = self._meta("reduce_scatter", name, n, o=rop.value)
+        meta = self._meta("reduce_scatter", name, n, op=rop.value)
         return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
 
     def all_to_all(self, output_list: Any, input_list: Any, *, timeout: Any = _DEFAULT) -> Work:
@@ -570,7 +579,7 @@ class ProcessGroup:
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             size = np.array([len(data)], dtype=np.int64)
-            meta = {"k": "broadcast_object", "r": root}
+            meta = {"kind": "broadcast_object", "root": root}
             await run_collective(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta)
             buf = (
                 np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
@@ -590,7 +599,7 @@ class ProcessGroup:
             mine = np.zeros(longest, np.uint8)
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)]
-            meta = {"k": "all_gather_object"}
+            meta = {"kind": "all_gather_object"}
             await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta)
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
@@ -599,7 +608,7 @@ class ProcessGroup:
     async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
         mine = np.array([n], dtype=np.int64)
         outs = [np.empty(1, np.int64) for _ in range(self.size)]
-        await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"k": kind})
+        await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind})
         return np.array([int(o[0]) for o in outs], dtype=np.int64)
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
@@ -614,7 +623,7 @@ class ProcessGroup:
             mine = np.zeros(longest, np.uint8)
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)] if me == root else []
-            meta = {"k": "gather_object", "r": root}
+            meta = {"kind": "gather_object", "root": root}
             await run_collective(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta)
             if me != root:
                 return None
@@ -636,7 +645,7 @@ class ProcessGroup:
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             sizes = np.array([len(b) for b in blobs] or [0] * self.size, dtype=np.int64)
-            meta = {"k": "scatter_object", "r": root}
+            meta = {"kind": "scatter_object", "root": root}
             await run_collective(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta)
             longest = int(sizes.max())
             send = []
@@ -674,7 +683,7 @@ class ProcessGroup:
             if not chosen:
                 raise ValueError("new_group: ranks is empty")
         members = [self.ranks[r] for r in chosen]
-        meta = {"k": "new_group", "ranks": chosen}
+        meta = {"kind": "new_group", "ranks": chosen}
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
             await run_collective(self._spec("barrier", (), ()), tp, tag, meta)

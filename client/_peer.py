@@ -262,6 +262,10 @@ class PeerLink:
         return True
 
     @property
+    def mid_frame(self) -> bool:
+        return self._decoder.mid_frame
+
+    @property
     def write_backlog(self) -> int:
         return len(self._wqueue)
 

@@ -334,6 +334,9 @@ class Engine:
         missing = self._missing_ranks(op)
         err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
         log.warning("rank %d: %s", self.rank, err)
+        state = getattr(self.transport, "debug_state", None)
+        if state is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d: transport state at the timeout: %r", self.rank, state())
         # The operation may have exchanged part of its messages, so this rank is no longer in step
         # with the others on this group: break it rather than let a later call match stale data.
         self._break(op.group, err, from_seq=op.seq if op.seq >= 0 else 0, except_op=op)

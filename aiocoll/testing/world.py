@@ -244,8 +244,9 @@ def _child_main() -> None:
     payload = pickle.loads(spec["payload"])
     import logging
 
+    level = os.environ.get("AIOCOLL_TEST_LOG_LEVEL", "WARNING")
     logging.basicConfig(
-        level=logging.WARNING, format=f"[rank {payload['rank']}] %(levelname)s %(name)s: %(message)s"
+        level=getattr(logging, level), format=f"[rank {payload['rank']}] %(levelname)s %(name)s: %(message)s"
     )
     try:
         import uvloop

@@ -159,7 +159,9 @@ class TcpTransport(Transport):
         self._inbox: dict[Tag, deque[_Msg]] = {}
         self._inbox_count: dict[int, int] = {}
         self._inbox_size: dict[int, int] = {}
-        self._filling: dict[int, _Recv | None] = {}
+        # Receives whose buffer the decoder is filling (or has filled within the current read),
+        # in stream order: one read may complete several frames before they are dispatched.
+        self._filling: dict[int, deque[_Recv]] = {}
         self._order = 0
         self._discarded: dict[int, set[Tag]] = {}
         self._discard_fifo: deque[Tag] = deque()
@@ -374,7 +376,7 @@ class TcpTransport(Transport):
         self._links[peer] = link
         self._inbox_count.setdefault(peer, 0)
         self._inbox_size.setdefault(peer, 0)
-        self._filling[peer] = None
+        self._filling[peer] = deque()
         link.resume_reading()
         fut = self._ready_future(peer)
         if not fut.done():
@@ -530,6 +532,21 @@ class TcpTransport(Transport):
             self._lost[rank] = reason
             self._fail_from(rank, reason)
 
+    def debug_state(self) -> dict[str, Any]:
+        """A snapshot of matching and link state, for diagnosing a stuck operation."""
+        return {
+            "rank": self.rank,
+            "posted": {repr(k): len(v) for k, v in self._posted.items()},
+            "posted_any": {repr(k): len(v) for k, v in self._posted_any.items()},
+            "inbox": {repr(k): [(m.src, len(m.payload)) for m in v] for k, v in self._inbox.items()},
+            "filling": {p: [repr(w.tag) for w in q] for p, q in self._filling.items()},
+            "links": {
+                p: {"reading": link.reading, "write_backlog": link.write_backlog, "mid_frame": link.mid_frame}
+                for p, link in self._links.items()
+            },
+            "lost": dict(self._lost),
+        }
+
     @property
     def lost_peers(self) -> dict[int, str]:
         return dict(self._lost)
@@ -594,7 +611,7 @@ class TcpTransport(Transport):
         if waiter is None or len(waiter.into) != nbytes or waiter.fut.done():
             return None
         self._match(src, key)
-        self._filling[src] = waiter
+        self._filling[src].append(waiter)
         return waiter.into
 
     def _peek(self, src: int, tag: Tag) -> _Recv | None:
@@ -621,9 +638,8 @@ class TcpTransport(Transport):
                 return
             key = tuple(tag)
             if frame.in_sink:
-                waiter = self._filling[src]
-                self._filling[src] = None
-                if waiter is not None and not waiter.fut.done():
+                waiter = self._filling[src].popleft()
+                if not waiter.fut.done():
                     waiter.fut.set_result((src, meta))
                 continue
             self._deliver(src, key, meta, frame.payload)
@@ -676,9 +692,10 @@ class TcpTransport(Transport):
 
     def _fail_from(self, peer: int, reason: str) -> None:
         filling = self._filling.get(peer)
-        self._filling[peer] = None
-        if filling is not None and not filling.fut.done():
-            filling.fut.set_exception(PeerLostError(peer, reason))
+        while filling:
+            waiter = filling.popleft()
+            if not waiter.fut.done():
+                waiter.fut.set_exception(PeerLostError(peer, reason))
         for key in [k for k in self._posted if k[0] == peer]:
             for waiter in self._posted.pop(key):
                 if not waiter.fut.done():
