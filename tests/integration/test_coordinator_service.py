@@ -488,3 +488,35 @@ async def test_embedded_restart_on_state_dir_resumes_sessions_and_loses_the_abse
             10,
         )
         assert {r[0]["round"] for r in replies} == {1}
+
+
+@pytest.mark.timeout(30)
+async def test_snapshots_taken_while_serving_keep_journal_and_snapshot_consistent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from aiocoll.server import CoordinatorState
+    from aiocoll.server._journal import Journal
+
+    # Snapshot after every group commit, so snapshots race with concurrent mutations.
+    monkeypatch.setattr(Journal, "snapshot_due", lambda self: True)
+    state = str(tmp_path / "state")
+    async with Coordinator("127.0.0.1", 0, token=TOKEN, state_dir=state) as c:
+        clients = await asyncio.gather(*(RawClient.connect(c.port, job="snap") for _ in range(6)))
+
+        async def work(cl: RawClient, n: int) -> None:
+            for i in range(40):
+                await cl.ok("append", b"%d." % i, key=f"log{n}")
+                await cl.ok("add", key="count", amount=1)
+
+        await asyncio.gather(*(work(cl, n) for n, cl in enumerate(clients)))
+        # Read the directory while the coordinator still runs: what a kill -9 now would leave.
+        reader = Journal(state)
+        snap, records = reader.load()
+        reader.close()
+        recovered = CoordinatorState(clock=time.monotonic)
+        recovered.restore(snap, records)
+        kv = recovered.jobs["snap"].kv
+        assert kv["count"] == b"240"
+        expected = b"".join(b"%d." % i for i in range(40))
+        assert all(kv[f"log{n}"] == expected for n in range(6))
+        assert os.path.exists(os.path.join(state, "snapshot"))
