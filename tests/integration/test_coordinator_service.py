@@ -519,4 +519,4 @@ async def test_snapshots_taken_while_serving_keep_journal_and_snapshot_consisten
         assert kv["count"] == b"240"
         expected = b"".join(b"%d." % i for i in range(40))
         assert all(kv[f"log{n}"] == expected for n in range(6))
-        assert os.path.exists(os.path.join(state, "snapshot"))
+        assert (tmp_path / "state" / "snapshot").is_file()
