@@ -202,7 +202,12 @@ class _Connection(asyncio.BufferedProtocol):
             if not coord._conns and coord._all_closed is not None:
                 coord._all_closed.set()
             return  # shutting down: members will resume after the restart, not be declared lost
-        coord.state.disconnect(self.id, reason)
+        try:
+            coord.state.disconnect(self.id, reason)
+        except Exception:
+            log.exception(
+                "job=%s event=internal_error peer=%s while forgetting a connection", self.job, self.peer
+            )
         coord._after_batch()
 
     def pause_writing(self) -> None:
@@ -253,9 +258,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.hs_timer = None
         coord._handshaking.pop(self, None)
         self.job, self.role = hello["job"], hello["role"]
-        self.decoder = FrameDecoder(
-            max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=16 * 1024
-        )
+        self.decoder = FrameDecoder(max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=16 * 1024)
         self.authenticated = True
         coord._conns[self.id] = self
         log.debug("job=%s event=connected role=%s peer=%s", self.job, self.role, self.peer)
@@ -305,6 +308,9 @@ class _Connection(asyncio.BufferedProtocol):
         if self.closing:
             return
         self.closing = True
+        # Out of the handshake count now, not when the loop reports the close: a burst of new
+        # connections must each evict a different (live) one.
+        self.coord._handshaking.pop(self, None)
         if log_it:
             log.warning("job=%s event=%s peer=%s reason=%s", self.job or "-", event, self.peer, reason)
         transport = self.transport
@@ -679,7 +685,10 @@ class Coordinator:
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_when = float("inf")
-        self.state.tick()
+        try:
+            self.state.tick()
+        except Exception:  # never let one bad tick stop every future timeout
+            log.exception("event=internal_error in the coordinator's timer")
         self.metrics.set_jobs(len(self.state.jobs))
         self.metrics.set_members(self.state.member_count())
         self._after_batch()

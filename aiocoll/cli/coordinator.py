@@ -153,6 +153,6 @@ def _run(
     except OSError as exc:
         log.error("cannot listen on %s:%s: %s", args.host, args.port, exc)
         return 1
-    except ValueError as exc:
-        log.error("cannot start: %s", exc)
+    except (ValueError, RuntimeError) as exc:
+        log.error("the coordinator stopped: %s", exc)
         return 1

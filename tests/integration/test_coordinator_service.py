@@ -520,3 +520,37 @@ async def test_snapshots_taken_while_serving_keep_journal_and_snapshot_consisten
         expected = b"".join(b"%d." % i for i in range(40))
         assert all(kv[f"log{n}"] == expected for n in range(6))
         assert (tmp_path / "state" / "snapshot").is_file()
+
+
+@pytest.mark.timeout(30)
+async def test_client_that_never_reads_its_replies_is_closed_and_others_are_served(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import aiocoll.server._coordinator as shell
+
+    monkeypatch.setattr(shell, "WRITE_STALL_TIMEOUT", 0.5)
+    async with Coordinator("127.0.0.1", 0, token=TOKEN) as c:
+        good = await RawClient.connect(c.port)
+        await good.ok("set", b"z" * (1 << 20), key="big")
+        # A client that pipelines 300 gets of 1 MiB and never reads a byte of the replies.
+        reader, writer = await asyncio.open_connection("127.0.0.1", c.port)
+        hs = ClientHandshake(TOKEN, role="store", job="job")
+        writer.write(hs.start())
+        while not hs.done:
+            writer.write(hs.receive_data(await reader.read(4096)))
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        writer.transport.pause_reading()
+        for i in range(300):
+            writer.writelines(encode_frame({"op": "get", "id": i + 1, "key": "big"}))
+        # Everyone else is served meanwhile.
+        for _ in range(10):
+            assert (await good.ok("get", key="big"))[1][:1] == b"z"
+            await asyncio.sleep(0.1)
+        for _ in range(200):  # up to 10 s: the stall timeout is 0.5 s
+            if "has not read its replies" in caplog.text:
+                break
+            await asyncio.sleep(0.05)
+        assert "has not read its replies" in caplog.text
+        writer.close()
+        await good.close()
