@@ -285,11 +285,17 @@ class Engine:
             if op.abort_exc is None:
                 raise
         except MismatchError as exc:
+            if op.seq < 0:
+                # A point-to-point message of the wrong dtype or size was consumed whole: the
+                # streams stay in step, so only this receive fails.
+                if not fut.done():
+                    fut.set_exception(exc)
+                return
             err = self._name_mismatch(op, exc)
             if not fut.done():
                 fut.set_exception(err)
             self._notify_mismatch(op, err)
-            self._break(op.group, err, from_seq=op.seq if op.seq >= 0 else 0, except_op=op)
+            self._break(op.group, err, from_seq=op.seq, except_op=op)
         except PeerLostError as exc:
             if not fut.done():
                 fut.set_exception(exc)

@@ -1,0 +1,157 @@
+"""Point-to-point send/recv between real worker processes: matching, tags, sources, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocoll.testing.world import run_world, unwrap
+
+try:  # imported before any loop runs (a slow import inside a worker stalls its loop)
+    import torch
+except ImportError:  # pragma: no cover
+    torch = None
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+N = 3
+
+
+async def worker(pg: Any) -> dict[str, Any]:
+    from aiocoll import CollectiveTimeout, MismatchError
+
+    r, n = pg.rank, pg.size
+    out: dict[str, Any] = {}
+
+    # rank 0 -> 1 with a tag; the awaited value of recv is the source rank
+    if r == 0:
+        assert await pg.send(np.arange(5, dtype=np.float64), dst=1, tag=7) is None
+    elif r == 1:
+        buf = np.zeros(5, np.float64)
+        out["src"] = await pg.recv(buf, src=0, tag=7)
+        out["buf"] = buf
+
+    # recv from any source returns who sent it
+    if r == 2:
+        got = []
+        for _ in range(n - 1):
+            b = np.zeros(1, np.int32)
+            src = await pg.recv(b, tag=3)
+            got.append((src, int(b[0])))
+        out["any"] = sorted(got)
+    else:
+        await pg.send(np.array([100 + r], np.int32), dst=2, tag=3)
+
+    # same source and tag: messages match in the order they were sent; tags keep streams apart
+    if r == 0:
+        for i in range(20):
+            pg.isend(np.array([i], np.int64), dst=1, tag=i % 2)
+        await pg.barrier()
+    elif r == 1:
+        odd = [np.zeros(1, np.int64) for _ in range(10)]
+        even = [np.zeros(1, np.int64) for _ in range(10)]
+        works = [pg.irecv(o, src=0, tag=1) for o in odd] + [pg.irecv(e, src=0, tag=0) for e in even]
+        await asyncio.gather(*works)
+        out["odd"] = [int(o[0]) for o in odd]
+        out["even"] = [int(e[0]) for e in even]
+        await pg.barrier()
+    else:
+        await pg.barrier()
+
+    # every rank sends right and receives from the left at the same time (no deadlock), large
+    big = np.full(2_000_000, r, np.float32)
+    into = np.zeros_like(big)
+    w_send = pg.isend(big, dst=(r + 1) % n, tag=11)
+    w_recv = pg.irecv(into, src=(r - 1) % n, tag=11)
+    await asyncio.gather(w_send, w_recv)
+    out["ring_ok"] = bool((into == (r - 1) % n).all())
+
+    # torch tensors, non-contiguous receive buffer
+    if torch is not None:
+        if r == 0:
+            await pg.send(torch.arange(6, dtype=torch.int16), dst=2)
+        elif r == 2:
+            t = torch.zeros(3, 4, dtype=torch.int16)[:, ::2]
+            await pg.recv(t, src=0)
+            out["torch"] = t.contiguous().numpy().tolist()
+
+    # a wrong dtype or size on the receiving side is a MismatchError for that recv
+    if r == 0:
+        await pg.send(np.ones(4, np.float32), dst=1, tag=20)
+        await pg.send(np.ones(4, np.float32), dst=1, tag=21)
+    elif r == 1:
+        for tag, buf in ((20, np.zeros(4, np.int32)), (21, np.zeros(5, np.float32))):
+            try:
+                await pg.recv(buf, src=0, tag=tag)
+                out[f"mismatch{tag}"] = "no error"
+            except MismatchError as exc:
+                out[f"mismatch{tag}"] = str(exc)
+
+    # p2p inside a sub-group uses the sub-group's ranks
+    sub = await pg.new_group([1, 2])
+    if sub is not None:
+        if sub.rank == 0:
+            await sub.send(np.array([42], np.int8), dst=1)
+        else:
+            b = np.zeros(1, np.int8)
+            out["sub_src"] = await sub.recv(b, src=0)
+            out["sub_val"] = int(b[0])
+
+    # a recv nobody answers times out naming the silent rank (on a throwaway group)
+    lonely = await pg.new_group([0, 1])
+    if lonely is not None and lonely.rank == 0:
+        t0 = time.monotonic()
+        try:
+            await lonely.recv(np.zeros(1), src=1, tag=99, timeout=0.5)
+            out["timeout"] = "no error"
+        except CollectiveTimeout as exc:
+            out["timeout"] = (exc.missing_ranks, exc.op, time.monotonic() - t0)
+    await pg.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return unwrap(run_world(worker, N, timeout=100))
+
+
+def test_send_recv_with_tag_returns_the_source(results: list[dict[str, Any]]) -> None:
+    assert results[1]["src"] == 0
+    np.testing.assert_array_equal(results[1]["buf"], np.arange(5, dtype=np.float64))
+
+
+def test_recv_from_any_source_returns_each_sender(results: list[dict[str, Any]]) -> None:
+    assert results[2]["any"] == [(0, 100), (1, 101)]
+
+
+def test_same_tag_is_fifo_and_tags_are_separate_streams(results: list[dict[str, Any]]) -> None:
+    assert results[1]["odd"] == list(range(1, 20, 2))
+    assert results[1]["even"] == list(range(0, 20, 2))
+
+
+def test_simultaneous_large_exchange_around_a_ring(results: list[dict[str, Any]]) -> None:
+    assert all(res["ring_ok"] for res in results)
+
+
+def test_torch_tensor_into_noncontiguous_buffer(results: list[dict[str, Any]]) -> None:
+    pytest.importorskip("torch")
+    assert results[2]["torch"] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_wrong_dtype_or_size_on_recv_is_a_mismatch(results: list[dict[str, Any]]) -> None:
+    assert "float32" in results[1]["mismatch20"] and "int32" in results[1]["mismatch20"]
+    assert "bytes" in results[1]["mismatch21"] or "size" in results[1]["mismatch21"]
+
+
+def test_p2p_in_a_subgroup_uses_group_ranks(results: list[dict[str, Any]]) -> None:
+    assert results[2]["sub_src"] == 0 and results[2]["sub_val"] == 42
+
+
+def test_unanswered_recv_times_out_naming_the_silent_rank(results: list[dict[str, Any]]) -> None:
+    missing, op, elapsed = results[0]["timeout"]
+    assert missing == [1] and op == "recv"
+    assert elapsed < 5.0
