@@ -1,0 +1,134 @@
+"""Every example runs as written under `aiocoll run` and reports its own checked result.
+
+The examples assert their results themselves (exit non-zero otherwise); here we also check the
+line each prints on success, so an example that silently skipped its work fails the test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+
+torch_needed = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
+    reason="torch is not installed (pip install 'aiocoll[torch]')",
+)
+
+CASES = [
+    pytest.param(4, "demo.py", [], r"\[rank0\]: demo: 4 ranks agreed", id="demo"),
+    pytest.param(
+        2,
+        "send_recv.py",
+        [],
+        r"\[rank1\]: rank 1: non-blocking exchange received \[0\.0, 0\.0, 0\.0\]",
+        id="send_recv",
+        marks=torch_needed,
+    ),
+    pytest.param(
+        3,
+        "subgroup_all_reduce.py",
+        [],
+        r"\[rank2\]: rank 2: \[3\.0, 3\.0\]",
+        id="subgroup",
+        marks=torch_needed,
+    ),
+    pytest.param(3, "collectives_tour.py", [], r"collectives tour: 3 ranks", id="tour"),
+    pytest.param(
+        2,
+        "sync_sgd.py",
+        ["--epochs", "4"],
+        r"loss fell from .* all 2 ranks hold the same model",
+        id="sync_sgd",
+        marks=torch_needed,
+    ),
+    pytest.param(
+        3,
+        "ring_all_reduce.py",
+        [],
+        r"\[rank2\]: rank 2: ring all-reduce .* matches the library",
+        id="ring",
+        marks=torch_needed,
+    ),
+    pytest.param(
+        2,
+        "ddp_checkpoint.py",
+        ["--steps", "5"],
+        r"DDP on aiocoll: .* replicas identical",
+        id="ddp_checkpoint",
+        marks=torch_needed,
+    ),
+    pytest.param(
+        3,
+        "spmd.py",
+        ["--steps", "3"],
+        r"\[rank1\]: rank 1 \(local 1\) of 3: 3 steps agreed",
+        id="spmd",
+        marks=torch_needed,
+    ),
+    pytest.param(
+        2, "async_service.py", ["--requests", "10"], r"\[rank1\]: rank 1: served 10 requests", id="service"
+    ),
+]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["AIOCOLL_TOKEN"] = "examples-test-token"
+    env.pop("AIOCOLL_COORDINATOR", None)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(("nproc", "script", "args", "success"), CASES)
+def test_example_runs_and_reports_its_checked_result(
+    nproc: int, script: str, args: list[str], success: str, tmp_path: Path
+) -> None:
+    extra = ["--checkpoint", str(tmp_path / "ckpt.pt")] if script == "ddp_checkpoint.py" else []
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aiocoll",
+            "run",
+            "--nproc-per-node",
+            str(nproc),
+            str(EXAMPLES / script),
+            *args,
+            *extra,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert re.search(success, log), log[-4000:]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(150)
+def test_external_coordinator_example_runs_a_job_and_shows_its_status() -> None:
+    out = subprocess.run(
+        ["bash", str(EXAMPLES / "external_coordinator.sh"), "2"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=140,
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert re.search(r"demo: 2 ranks agreed", log), log[-4000:]
+    assert "external-demo" in log, log[-4000:]  # `aiocoll status` lists the job
