@@ -2,7 +2,8 @@
 
 Run by scripts/check_container.sh *inside* the image (with the image's own Python and its
 installed aiocoll), in the network namespace where the image's default command is serving.
-Checks: the handshake with the right token and a set/get/add round trip; a wrong token refused;
+Checks: the handshake with the right token and a set/get/add round trip; a wrong token refused
+(by the client's check of the coordinator's proof, and by the coordinator for a forged proof);
 /healthz, /metrics and /jobs over HTTP; `aiocoll status` from the image. Prints one PASS/FAIL
 line per check and exits 1 if any failed. Standard library plus aiocoll.protocol only.
 
@@ -21,7 +22,16 @@ import urllib.request
 from typing import Any
 
 from aiocoll._errors import AuthenticationError
-from aiocoll.protocol import ClientHandshake, FrameDecoder, encode_frame
+from aiocoll.protocol import (
+    HANDSHAKE_MAX_HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    ClientHandshake,
+    FrameDecoder,
+    encode_frame,
+    encode_header,
+    pack_prefix,
+)
 from aiocoll.protocol._coordinator import ROLE_STORE
 
 HOST = "127.0.0.1"
@@ -105,6 +115,45 @@ async def check_wrong_token(port: int) -> None:
     report(False, "a wrong token is refused", "the handshake succeeded")
 
 
+async def check_server_refuses_a_forged_proof(port: int) -> None:
+    """A client that does not hold the token answers the challenge with a made-up proof: the
+    coordinator must refuse it (and serve it nothing), whatever the client does with its own check."""
+    what = "the coordinator refuses a client that cannot prove the token"
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(HOST, port), 10)
+    try:
+        hello = encode_header(
+            {"t": "hello", "v": PROTOCOL_VERSION, "role": ROLE_STORE, "job": JOB, "nonce": os.urandom(32)}
+        )
+        writer.write(MAGIC + pack_prefix(len(hello), 0) + hello)
+        decoder = FrameDecoder(max_header=HANDSHAKE_MAX_HEADER, max_payload=0)
+        kinds: list[str] = []
+        while "challenge" not in kinds:
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            if not data:
+                report(False, what, "closed before sending a challenge")
+                return
+            kinds += [str(f.header.get("t")) for f in decoder.feed(data)]
+        auth = encode_header({"t": "auth", "proof": os.urandom(32)})
+        writer.write(pack_prefix(len(auth), 0) + auth)
+        # Then try a request anyway: it must not be answered.
+        writer.writelines(encode_frame({"op": "nkeys", "id": 1}))
+        after: list[dict[str, Any]] = []
+        while True:
+            try:
+                data = await asyncio.wait_for(reader.read(65536), 10)
+            except ConnectionError:
+                break
+            if not data:
+                break
+            after += [f.header for f in decoder.feed(data)]
+        welcomed = any(h.get("t") == "welcome" or "id" in h for h in after)
+        report(not welcomed, what, f"then: {[h.get('t') for h in after]} and the connection closed")
+    except Exception as exc:
+        report(False, what, repr(exc))
+    finally:
+        writer.close()
+
+
 def http_get(port: int, path: str) -> tuple[int, str, bytes]:
     with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=10) as response:
         return response.status, response.headers.get("Content-Type", ""), response.read()
@@ -152,6 +201,7 @@ def main() -> int:
     args = parser.parse_args()
     asyncio.run(check_store(args.port, args.token))
     asyncio.run(check_wrong_token(args.port))
+    asyncio.run(check_server_refuses_a_forged_proof(args.port))
     check_http(args.http_port)
     check_status_cli(args.port, args.token)
     print(f"probe: {len(failures)} check(s) failed" if failures else "probe: every check passed", flush=True)
