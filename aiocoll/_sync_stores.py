@@ -209,6 +209,8 @@ class TCPStore(Store):
         seconds = to_seconds(timeout)
         if seconds is None:
             raise ValueError("TCPStore needs a finite timeout")
+        if token is None:  # the coordinator we start and our connection must agree on it
+            token = os.environ.get("AIOCOLL_TOKEN") or None
         self.host = host_name
         self.libuvBackend = use_libuv
         self._coordinator: Any = None
