@@ -319,6 +319,9 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
         }
         assert samples[("aiocoll_coordinator_operations_total", (("op", "set"), ("outcome", "ok")))] >= 3
         assert samples[("aiocoll_coordinator_connections_open", ())] >= 2
+        # The wrong-token `aiocoll status` above closed after the coordinator's challenge.
+        assert samples[("aiocoll_coordinator_auth_failures_total", ())] >= 1
+        assert samples[("aiocoll_coordinator_members", ())] == 2
         for _, w, _ in workers:
             w.close()
         drain.cancel()
