@@ -161,6 +161,10 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._closed = False
         transport.on_peer_lost(self.peer_lost)
+        on_stray = getattr(transport, "on_stray", None)
+        self._retire = getattr(transport, "retire", None)
+        if on_stray is not None:
+            on_stray(self._on_stray)
         self._control = self._loop.create_task(self._control_loop())
 
     # -- groups ----------------------------------------------------------------------------
@@ -316,10 +320,16 @@ class Engine:
             op.timer.cancel()
             op.timer = None
         op.group.pending.discard(op)
+        if op.seq < 0:
+            return
         fut = op.future
-        if fut.done() and (fut.cancelled() or fut.exception() is not None):
-            if op.seq >= 0:
-                self.transport.discard(op.tag)
+        if fut.cancelled() or fut.exception() is not None:
+            self.transport.discard(op.tag)
+        elif self._retire is not None:
+            # Every message of a collective is consumed when all ranks agree; one that is left
+            # over (or arrives later) means some rank called something else (a root mismatch, say,
+            # where the disagreeing ranks only send).
+            self._retire(op.tag)
 
     def _abort(self, op: _Op, exc: BaseException) -> None:
         """Fail ``op`` now (its Work completes at once) and stop its body."""
@@ -425,6 +435,35 @@ class Engine:
                 self._on_notice(src, meta)
             except Exception:
                 log.exception("rank %d: bad control message from rank %d: %r", self.rank, src, meta)
+
+    def _on_stray(self, src: int, tag: Tag, meta: dict[str, Any]) -> None:
+        if len(tag) < 3 or tag[0] != "c":
+            return
+        gid, seq = str(tag[1]), tag[2]
+        group = self._groups.get(gid)
+        if group is None or not isinstance(seq, int) or self._closed:
+            return
+        if group.broken is not None and group.broken_seq <= seq:
+            return  # already known to be out of step: late messages are expected
+        desc = ", ".join(f"{k}={v!r}" for k, v in meta.items())
+        err = MismatchError(
+            f"rank {src} sent rank {self.rank} a message for seq {seq} of group {gid!r} that "
+            f"rank {self.rank}'s call did not expect (rank {src} called {{{desc}}}): the ranks "
+            f"called different operations or roots at this point. Every rank of a group must call "
+            f"the same operations, with the same root, dtype, size and reduce op, in the same order.",
+            group=gid,
+            seq=seq,
+            ranks=sorted({src, self.rank}),
+        )
+        log.warning("rank %d: %s", self.rank, err)
+        meta_out = {"g": gid, "s": seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
+        for peer in group.ranks:
+            if peer != self.rank:
+                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta_out))
+                task.add_done_callback(_ignore_outcome)
+        if seq >= group.next_seq:
+            group.notices[seq] = err
+        self._break(group, err, from_seq=seq)
 
     def _on_notice(self, src: int, meta: dict[str, Any]) -> None:
         gid, seq = str(meta["g"]), int(meta["s"])

@@ -24,7 +24,7 @@ import errno
 import logging
 import socket
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -43,7 +43,7 @@ from aiocoll.protocol import PREFIX, Frame
 
 from .._peer import PeerLink, client_handshake, server_handshake
 
-__all__ = ["TcpTransport", "route_interface"]
+__all__ = ["StrayHandler", "TcpTransport", "route_interface"]
 
 log = logging.getLogger("aiocoll.client.tcp")
 
@@ -52,6 +52,8 @@ _MAX_PENDING_HANDSHAKES = 64
 _DISCARD_MEMORY = 4096
 _BYE = PREFIX.pack(len(msgpack.packb({"k": "bye"})), 0) + msgpack.packb({"k": "bye"})
 _EMPTY = memoryview(b"")
+
+StrayHandler = Callable[[int, Tag, dict[str, Any]], None]
 
 
 def route_interface(host: str, port: int = 9) -> str:
@@ -163,8 +165,11 @@ class TcpTransport(Transport):
         # in stream order: one read may complete several frames before they are dispatched.
         self._filling: dict[int, deque[_Recv]] = {}
         self._order = 0
-        self._discarded: dict[int, set[Tag]] = {}
+        # Prefixes of finished operations (by length): late messages under them are dropped, or
+        # reported as strays when the operation finished successfully (see ``retire``).
+        self._discarded: dict[int, dict[Tag, bool]] = {}
         self._discard_fifo: deque[Tag] = deque()
+        self._stray_handlers: list[StrayHandler] = []
         self._packer = msgpack.Packer(use_bin_type=True)
         # Listening side.
         self._listener: socket.socket | None = None
@@ -500,10 +505,25 @@ class TcpTransport(Transport):
 
     def discard(self, tag_prefix: Tag) -> None:
         """Drop buffered messages and cancel posted recvs under ``tag_prefix``; late ones are dropped too."""
+        self._forget(tag_prefix, report=False)
+
+    def retire(self, tag_prefix: Tag) -> None:
+        """Mark an operation that completed successfully: any message under ``tag_prefix`` still
+        buffered, or arriving later, was sent by a rank that disagrees about the operation, and is
+        handed to the stray handlers (the engine turns it into a MismatchError)."""
+        self._forget(tag_prefix, report=True)
+
+    def on_stray(self, handler: StrayHandler) -> None:
+        """Register ``handler(src, tag, meta)`` for messages under a retired prefix."""
+        self._stray_handlers.append(handler)
+
+    def _forget(self, tag_prefix: Tag, *, report: bool) -> None:
         n = len(tag_prefix)
+        strays: list[tuple[int, Tag, dict[str, Any]]] = []
         for tag in [t for t in self._inbox if t[:n] == tag_prefix]:
             for msg in self._inbox.pop(tag):
                 self._unbuffer(msg)
+                strays.append((msg.src, tag, msg.meta))
         for key in [k for k in self._posted if k[1][:n] == tag_prefix]:
             for waiter in self._posted.pop(key):
                 if not waiter.fut.done():
@@ -512,13 +532,23 @@ class TcpTransport(Transport):
             for waiter in self._posted_any.pop(tag):
                 if not waiter.fut.done():
                     waiter.fut.cancel()
-        bucket = self._discarded.setdefault(n, set())
+        bucket = self._discarded.setdefault(n, {})
         if tag_prefix not in bucket:
-            bucket.add(tag_prefix)
             self._discard_fifo.append(tag_prefix)
             if len(self._discard_fifo) > _DISCARD_MEMORY:
                 old = self._discard_fifo.popleft()
-                self._discarded[len(old)].discard(old)
+                self._discarded[len(old)].pop(old, None)
+        bucket[tag_prefix] = report
+        if report:
+            for src, tag, meta in strays:
+                self._stray(src, tag, meta)
+
+    def _stray(self, src: int, tag: Tag, meta: dict[str, Any]) -> None:
+        for handler in list(self._stray_handlers):
+            try:
+                handler(src, tag, meta)
+            except Exception:
+                log.exception("stray-message handler failed")
 
     def on_peer_lost(self, handler: LostPeerHandler) -> None:
         self._handlers.append(handler)
@@ -652,8 +682,13 @@ class TcpTransport(Transport):
             link.pause_reading()
 
     def _deliver(self, src: int, tag: Tag, meta: dict[str, Any], payload: memoryview) -> None:
-        if self._discarded and any(tag[:n] in bucket for n, bucket in self._discarded.items()):
-            return
+        if self._discarded:
+            for n, bucket in self._discarded.items():
+                report = bucket.get(tag[:n])
+                if report is not None:
+                    if report:
+                        self._stray(src, tag, meta)
+                    return
         while True:
             waiter = self._match(src, tag)
             if waiter is None:
