@@ -21,6 +21,7 @@ import io
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,10 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
-from ._launch_config import LaunchConfig, worker_environment
+from ._launch_config import (
+    LaunchConfig,
+    LaunchConfigError,
+    format_host_port,
+    resolve_torch_store_address,
+    worker_environment,
+)
 from ._launch_coordinator import EmbeddedCoordinatorUnavailable, start_embedded_coordinator
 
-__all__ = ["Console", "exit_code_of", "describe_returncode", "run_agent"]
+__all__ = ["Console", "exit_code_of", "describe_returncode", "pick_free_port", "run_agent"]
 
 LOG_PREFIX = b"[aiocoll run] "
 # A line longer than this is passed on in pieces: the pending partial line is a bounded buffer.
@@ -68,6 +75,19 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def pick_free_port(host: str = "127.0.0.1") -> int:
+    """A port the kernel considers free on ``host``, for rank 0's torch store (MASTER_PORT).
+
+    The socket is closed at once, so another program could take the port before rank 0 binds it;
+    that race is torchrun's too, and the alternative (holding the socket) cannot work because the
+    store is opened by the worker, not by us.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 class Console:
@@ -284,12 +304,14 @@ class _Generation:
         console: Console,
         *,
         restart_count: int,
+        coordinator: tuple[str, int],
         master_addr: str,
         master_port: int,
     ) -> None:
         self._config = config
         self._console = console
         self._restart_count = restart_count
+        self._coordinator = coordinator
         self._master_addr = master_addr
         self._master_port = master_port
         self._workers: list[_Worker] = []
@@ -353,6 +375,7 @@ class _Generation:
             os.environ,
             local_rank=local_rank,
             restart_count=self._restart_count,
+            coordinator=self._coordinator,
             master_addr=self._master_addr,
             master_port=self._master_port,
         )
@@ -507,16 +530,40 @@ class _Agent:
         config = self._config
         placement = config.placement
         first, last = config.global_rank(0), config.global_rank(config.nproc_per_node - 1)
+        # One MASTER_PORT for the whole launch, not one per restart: torch's store listens with
+        # SO_REUSEADDR, so the TIME_WAIT connections a killed rank 0 leaves behind do not stop the
+        # next generation's rank 0 from binding the port again, and every process of the previous
+        # generation is SIGKILLed (by process group) before the next one starts. A stable port
+        # also keeps the address logged below true for the whole job. It is picked after the
+        # embedded coordinator is listening, so the kernel cannot hand out the coordinator's port.
+        try:
+            store = resolve_torch_store_address(config, (host, port), pick_free_port)
+        except LaunchConfigError as exc:
+            self._console.log(f"error: {exc}")
+            return EXIT_SETUP_FAILED
+        except OSError as exc:
+            self._console.log(f"error: cannot find a free port for MASTER_PORT on 127.0.0.1: {exc}")
+            return EXIT_SETUP_FAILED
+        for warning in store.warnings:
+            self._console.log(f"warning: {warning}")
         self._console.log(
             f"job {config.job!r}: node {placement.node_rank} of {placement.nnodes}, "
-            f"ranks {first}..{last} of world size {config.world_size}, coordinator {host}:{port}"
+            f"ranks {first}..{last} of world size {config.world_size}, "
+            f"coordinator {format_host_port(host, port)} (AIOCOLL_COORDINATOR), "
+            f"MASTER_ADDR:MASTER_PORT {format_host_port(store.addr, store.port)} "
+            f"(rank 0's torch store; {store.source})"
         )
         restart_count = 0
         while True:
             if self._received is not None:
                 return 128 + self._received
             generation = _Generation(
-                config, self._console, restart_count=restart_count, master_addr=host, master_port=port
+                config,
+                self._console,
+                restart_count=restart_count,
+                coordinator=(host, port),
+                master_addr=store.addr,
+                master_port=store.port,
             )
             self._current = generation
             try:
@@ -566,6 +613,7 @@ async def run_agent(config: LaunchConfig, console: Console) -> int:
     Returns:
         0 when every worker of a generation exited 0; the first failed worker's exit code (128+N
         if signal N killed it) when restarts ran out; 128+N when the launcher got signal N;
-        127 when a worker could not be started; 2 when the embedded coordinator could not start.
+        127 when a worker could not be started; 2 when the embedded coordinator could not start or
+        MASTER_ADDR:MASTER_PORT could not be chosen.
     """
     return await _Agent(config, console).run()

@@ -9,23 +9,31 @@ It imports only the standard library: the launcher must start fast and never imp
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "DEFAULT_COORDINATOR_PORT",
+    "DEFAULT_TORCH_STORE_PORT",
     "LaunchConfig",
     "LaunchConfigError",
     "NodePlacement",
+    "TorchStoreAddress",
     "build_worker_command",
     "default_job",
+    "format_host_port",
     "parse_coordinator_address",
     "read_token_file",
     "resolve_node_placement",
+    "resolve_torch_store_address",
     "worker_environment",
 ]
 
 DEFAULT_COORDINATOR_PORT = 29500
+# torchrun's default MASTER_PORT: used for the torch store of a job on several nodes when
+# --master-port is not given, so torchrun command lines keep meaning what they meant.
+DEFAULT_TORCH_STORE_PORT = 29500
+LOOPBACK_HOST = "127.0.0.1"
 
 
 class LaunchConfigError(ValueError):
@@ -65,7 +73,10 @@ class LaunchConfig:
         monitor_interval: seconds between checks of the workers' state.
         grace_period: seconds between the stop signal and SIGKILL.
         log_dir: where raw per-rank output is also written, or None.
-        embedded_port: the port an embedded coordinator listens on; 0 lets the kernel pick.
+        embedded_port: the port an embedded coordinator listens on; 0 lets the kernel pick (no
+            command-line option sets it: --master-port names the torch store's port instead).
+        master_addr: --master-addr, the host of torch.distributed's rank-0 store, or None.
+        master_port: --master-port, the port of that store, or None.
     """
 
     nproc_per_node: int
@@ -79,6 +90,8 @@ class LaunchConfig:
     grace_period: float = 10.0
     log_dir: str | None = None
     embedded_port: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
 
     @property
     def world_size(self) -> int:
@@ -247,12 +260,91 @@ def read_token_file(path: str) -> str:
     return token
 
 
+def format_host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 host in brackets (``[::1]:29500``), as parse_coordinator_address reads it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class TorchStoreAddress:
+    """MASTER_ADDR and MASTER_PORT: where rank 0 of a torch.distributed script binds its store.
+
+    Attributes:
+        addr: MASTER_ADDR.
+        port: MASTER_PORT.
+        source: how they were chosen, for the launcher's log.
+        warnings: things that will break torch-store scripts but not aiocoll's own rendezvous.
+    """
+
+    addr: str
+    port: int
+    source: str
+    warnings: tuple[str, ...] = ()
+
+
+def resolve_torch_store_address(
+    config: LaunchConfig, coordinator: tuple[str, int], pick_free_port: Callable[[], int]
+) -> TorchStoreAddress:
+    """Decide MASTER_ADDR/MASTER_PORT, which are *not* the coordinator's address.
+
+    torch's env:// rendezvous (``init_process_group("gloo")``, or any backend without a store)
+    makes rank 0 listen on MASTER_ADDR:MASTER_PORT, so that must be a port nobody else holds; the
+    aiocoll coordinator is named by AIOCOLL_COORDINATOR instead.
+
+    Single node: --master-addr, else 127.0.0.1; --master-port, else ``pick_free_port()``.
+    Several nodes: --master-addr, else the coordinator's host; --master-port, else 29500 (the
+    launchers on different nodes cannot agree on a free port, so torchrun's fixed default is used).
+
+    Args:
+        config: the launch (its placement, master_addr and master_port).
+        coordinator: (host, port) of the coordinator the workers use.
+        pick_free_port: returns a port free on 127.0.0.1 (called only when one is needed).
+
+    Raises:
+        LaunchConfigError: when --master-addr/--master-port name the coordinator's own address,
+            where rank 0's store could never bind.
+    """
+    warnings: list[str] = []
+    if config.placement.nnodes == 1:
+        addr = config.master_addr or LOOPBACK_HOST
+        if config.master_port is not None:
+            port, source = config.master_port, "--master-port"
+        else:
+            port, source = pick_free_port(), "a free port picked by the launcher"
+    else:
+        addr = config.master_addr or coordinator[0]
+        if config.master_port is not None:
+            port, source = config.master_port, "--master-port"
+        else:
+            port, source = DEFAULT_TORCH_STORE_PORT, f"the default port {DEFAULT_TORCH_STORE_PORT}"
+        if config.master_addr is None:
+            warnings.append(
+                f"MASTER_ADDR defaults to the coordinator's host {coordinator[0]}; a torch.distributed "
+                "script that uses env:// (gloo, or a store of its own) needs it to be node 0's "
+                "address: pass --master-addr NODE0_ADDR to every launcher"
+            )
+    if (addr, port) == coordinator:
+        explicit = config.master_addr is not None and config.master_port is not None
+        message = (
+            f"MASTER_ADDR:MASTER_PORT {format_host_port(addr, port)} is the coordinator's own address; "
+            "rank 0 of a torch.distributed script would fail to bind its store there (EADDRINUSE)"
+        )
+        if explicit:
+            raise LaunchConfigError(
+                f"{message}: --master-addr/--master-port name torch's rank-0 store, not the coordinator "
+                "(that is --coordinator); choose another port"
+            )
+        warnings.append(f"{message}; pass --master-port with another port if the script uses one")
+    return TorchStoreAddress(addr=addr, port=port, source=source, warnings=tuple(warnings))
+
+
 def worker_environment(
     config: LaunchConfig,
     base: Mapping[str, str],
     *,
     local_rank: int,
     restart_count: int,
+    coordinator: tuple[str, int],
     master_addr: str,
     master_port: int,
 ) -> dict[str, str]:
@@ -263,7 +355,9 @@ def worker_environment(
         base: the launcher's environment (AIOCOLL_TOKEN and everything else pass through).
         local_rank: the worker's index on this node.
         restart_count: how many times the generation has been restarted (0 at first).
-        master_addr, master_port: where the coordinator answers.
+        coordinator: (host, port) where the aiocoll coordinator answers (AIOCOLL_COORDINATOR).
+        master_addr, master_port: where rank 0 of a torch.distributed script binds its store
+            (MASTER_ADDR, MASTER_PORT); see resolve_torch_store_address.
     """
     env = dict(base)
     env.update(
@@ -276,6 +370,7 @@ def worker_environment(
             "GROUP_WORLD_SIZE": str(config.placement.nnodes),
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
+            "AIOCOLL_COORDINATOR": format_host_port(*coordinator),
             "AIOCOLL_JOB": config.job,
             "AIOCOLL_RESTART_COUNT": str(restart_count),
             "AIOCOLL_MAX_RESTARTS": str(config.max_restarts),

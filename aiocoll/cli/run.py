@@ -22,9 +22,13 @@ __all__ = ["add_arguments", "main"]
 
 _DESCRIPTION = """\
 Launch a multi-process job, as torchrun does: start --nproc-per-node workers running SCRIPT,
-each with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
-AIOCOLL_JOB and AIOCOLL_RESTART_COUNT set (AIOCOLL_TOKEN passes through). Without --coordinator
-the launcher runs a coordinator itself on 127.0.0.1, on a free port. Every output line of a worker
+each with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, AIOCOLL_COORDINATOR,
+MASTER_ADDR, MASTER_PORT, AIOCOLL_JOB and AIOCOLL_RESTART_COUNT set (AIOCOLL_TOKEN passes through).
+AIOCOLL_COORDINATOR names the aiocoll coordinator: --coordinator, or without it one the launcher
+runs itself on 127.0.0.1, on a free port. MASTER_ADDR:MASTER_PORT is left free for the store rank 0
+of a torch.distributed script binds (gloo via env://, or "aiocoll" after 'import aiocoll.torch'):
+on one node 127.0.0.1 and another free port, on several nodes --master-addr (else the
+coordinator's host) and --master-port (else 29500). Every output line of a worker
 is prefixed with '[rankN]: '. When one worker fails, the others are stopped (SIGTERM, then SIGKILL
 after --grace-period), the failure is reported with the rank, exit status and the last lines of
 its stderr, and the launcher exits with that worker's exit code (128+N if signal N killed it)
@@ -45,6 +49,14 @@ examples:
       --coordinator 10.0.0.1:29500 --token-file secret --job exp42 train.py   # on node 0
   aiocoll run --nnodes 2 --node-rank 1 --nproc-per-node 8 \\
       --coordinator 10.0.0.1:29500 --token-file secret --job exp42 train.py   # on node 1
+
+  # a plain torch.distributed gloo script, unchanged (rank 0's store gets a free MASTER_PORT)
+  aiocoll run --nproc-per-node 2 train_gloo.py
+
+  # torch-store scripts on several nodes: every launcher also names node 0 (here 10.0.0.2),
+  # where rank 0 binds its store (the line for node 1; node 0's differs only in --node-rank)
+  aiocoll run --nnodes 2 --node-rank 1 --nproc-per-node 8 --coordinator 10.0.0.1:29500 \\
+      --master-addr 10.0.0.2 --master-port 29600 train_gloo.py
 
   # SLURM: one launcher per node; node rank and node count come from SLURM_PROCID/SLURM_NTASKS
   srun --ntasks-per-node=1 aiocoll run --nproc-per-node 4 --coordinator $HEAD_IP:29500 train.py
@@ -74,6 +86,13 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {value}")
     return value
 
 
@@ -123,12 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST",
-        help="torchrun spelling: the same as --coordinator HOST:PORT with --master-port (default 29500)",
+        help="MASTER_ADDR for the workers: where rank 0 of a torch.distributed script binds its store "
+        "(not the coordinator; that is --coordinator). Default: 127.0.0.1 on one node, else the "
+        "coordinator's host; with several nodes pass node 0's address",
     )
     parser.add_argument(
-        "--master-port", "--master_port", dest="master_port", type=int, default=None, metavar="PORT",
-        help="with --master-addr, the coordinator's port; alone, the port the embedded coordinator "
-        "listens on instead of a free one",
+        "--master-port", "--master_port", dest="master_port", type=_port, default=None, metavar="PORT",
+        help="MASTER_PORT for the workers, the port of rank 0's torch store. Default: a free port on "
+        "one node, else 29500",
     )
     parser.add_argument(
         "--standalone", action="store_true",
@@ -191,22 +212,23 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
     placement = resolve_node_placement(args.nnodes, args.node_rank, environ)
     if args.standalone and placement.nnodes > 1:
         raise LaunchConfigError("--standalone means a single node; drop it or use --nnodes 1")
-    coordinator: tuple[str, int] | None
-    if args.coordinator is not None:
-        if args.master_addr is not None:
-            raise LaunchConfigError("give either --coordinator or --master-addr, not both")
-        coordinator = parse_coordinator_address(args.coordinator)
-    elif args.master_addr is not None:
-        port = args.master_port if args.master_port is not None else 29500
-        coordinator = parse_coordinator_address(f"{args.master_addr}:{port}")
-    else:
-        coordinator = None
+    # --master-addr/--master-port name torch's rank-0 store (MASTER_ADDR/MASTER_PORT), never the
+    # coordinator: the two must differ, or rank 0 of a gloo script cannot bind its store.
+    coordinator = parse_coordinator_address(args.coordinator) if args.coordinator is not None else None
     if coordinator is None and placement.nnodes > 1:
+        hint = (
+            " (--master-addr names the host of torch's rank-0 store, not the coordinator)"
+            if args.master_addr is not None
+            else ""
+        )
         raise LaunchConfigError(
             f"--nnodes {placement.nnodes} needs --coordinator HOST:PORT, an address every node can reach "
             "(start one with 'aiocoll coordinator --port 29500' on one machine); an embedded coordinator "
-            "serves a single node only"
+            f"serves a single node only{hint}"
         )
+    master_addr = args.master_addr.strip() if args.master_addr is not None else None
+    if master_addr is not None and not master_addr:
+        raise LaunchConfigError("--master-addr is empty; give the host where rank 0's torch store listens")
     token = read_token_file(args.token_file) if args.token_file is not None else None
     command = build_worker_command(
         args.script, args.script_args, module=args.module, no_python=args.no_python
@@ -222,7 +244,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         monitor_interval=args.monitor_interval,
         grace_period=args.grace_period,
         log_dir=args.log_dir,
-        embedded_port=args.master_port if coordinator is None and args.master_port is not None else 0,
+        master_addr=master_addr,
+        master_port=args.master_port,
     )
 
 

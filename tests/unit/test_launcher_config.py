@@ -14,8 +14,10 @@ from aiocoll.cli._launch_agent import describe_returncode, exit_code_of
 from aiocoll.cli._launch_config import (
     LaunchConfigError,
     build_worker_command,
+    format_host_port,
     parse_coordinator_address,
     resolve_node_placement,
+    resolve_torch_store_address,
     worker_environment,
 )
 
@@ -123,14 +125,16 @@ def test_worker_environment_numbers_ranks_by_node_and_passes_the_rest_through(tm
     )
     config = run.build_config(args, {})
     env = worker_environment(
-        config, {"PATH": "/bin", "AIOCOLL_TOKEN": "old"}, local_rank=1, restart_count=2,
-        master_addr="10.1.2.3", master_port=4567,
+        config, {"PATH": "/bin", "AIOCOLL_TOKEN": "old", "AIOCOLL_COORDINATOR": "stale:1"}, local_rank=1,
+        restart_count=2, coordinator=("10.1.2.3", 4567), master_addr="10.9.9.9", master_port=29500,
     )
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
         "RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "4",
     }
     assert env["GROUP_RANK"] == "2" and env["GROUP_WORLD_SIZE"] == "3"
-    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.1.2.3", "4567")
+    # The coordinator and torch's rank-0 store are two different addresses, each in its variable.
+    assert env["AIOCOLL_COORDINATOR"] == "10.1.2.3:4567"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.9.9.9", "29500")
     assert env["AIOCOLL_JOB"] == "exp" and env["AIOCOLL_RESTART_COUNT"] == "2"
     assert env["AIOCOLL_MAX_RESTARTS"] == "2"
     assert env["AIOCOLL_TOKEN"] == "s3cret"  # the token file wins over the inherited variable
@@ -141,7 +145,7 @@ def test_worker_environment_keeps_inherited_token_and_thread_settings() -> None:
     config = run.build_config(_parse("--nproc-per-node", "2", "--coordinator", "127.0.0.1:1", "t.py"), {})
     env = worker_environment(
         config, {"AIOCOLL_TOKEN": "inherited", "OMP_NUM_THREADS": "4"}, local_rank=0, restart_count=0,
-        master_addr="127.0.0.1", master_port=1,
+        coordinator=("127.0.0.1", 1), master_addr="127.0.0.1", master_port=2,
     )
     assert env["AIOCOLL_TOKEN"] == "inherited" and env["OMP_NUM_THREADS"] == "4"
     assert env["AIOCOLL_JOB"] == "default"
@@ -161,11 +165,84 @@ def test_options_after_the_script_belong_to_the_script() -> None:
     assert args.script == "train.py" and args.script_args == ["--nproc-per-node", "7", "-m"]
 
 
-def test_master_addr_and_port_name_the_coordinator_and_port_alone_the_embedded_one() -> None:
+def test_worker_environment_brackets_an_ipv6_coordinator() -> None:
+    config = run.build_config(_parse("--coordinator", "[fd00::1]:7000", "t.py"), {})
+    env = worker_environment(
+        config, {}, local_rank=0, restart_count=0, coordinator=("fd00::1", 7000),
+        master_addr="127.0.0.1", master_port=3,
+    )
+    assert env["AIOCOLL_COORDINATOR"] == "[fd00::1]:7000"
+    assert parse_coordinator_address(env["AIOCOLL_COORDINATOR"]) == ("fd00::1", 7000)
+    assert format_host_port("10.0.0.1", 5) == "10.0.0.1:5"
+
+
+def test_master_addr_and_port_name_the_torch_store_not_the_coordinator() -> None:
     config = run.build_config(_parse("--master_addr", "10.0.0.9", "--master_port", "1234", "s.py"), {})
-    assert config.coordinator == ("10.0.0.9", 1234)
-    config = run.build_config(_parse("--master-port", "1235", "s.py"), {})
-    assert config.coordinator is None and config.embedded_port == 1235
+    # No --coordinator: the launcher embeds one, on a port of its own choosing.
+    assert config.coordinator is None and config.embedded_port == 0
+    assert (config.master_addr, config.master_port) == ("10.0.0.9", 1234)
+    store = resolve_torch_store_address(config, ("127.0.0.1", 40000), _no_free_port)
+    assert (store.addr, store.port, store.warnings) == ("10.0.0.9", 1234, ())
+    # Both may be given together now: they name two different things.
+    config = run.build_config(
+        _parse("--coordinator", "10.0.0.1:29500", "--master-addr", "10.0.0.2", "--master-port", "29600",
+               "s.py"),
+        {},
+    )
+    assert config.coordinator == ("10.0.0.1", 29500)
+    assert (config.master_addr, config.master_port) == ("10.0.0.2", 29600)
+
+
+def _no_free_port() -> int:
+    raise AssertionError("no free port should be picked when --master-port is given")
+
+
+def test_single_node_store_is_loopback_on_a_free_port_distinct_from_the_coordinator() -> None:
+    config = run.build_config(_parse("--nproc-per-node", "2", "s.py"), {})
+    picked: list[int] = []
+
+    def pick() -> int:
+        picked.append(41001)
+        return 41001
+
+    store = resolve_torch_store_address(config, ("127.0.0.1", 41000), pick)
+    assert (store.addr, store.port) == ("127.0.0.1", 41001) and picked == [41001]
+    assert store.warnings == ()
+    # An external coordinator changes nothing: the workers are local, so is rank 0's store.
+    config = run.build_config(_parse("--coordinator", "10.0.0.1:29500", "s.py"), {})
+    store = resolve_torch_store_address(config, ("10.0.0.1", 29500), lambda: 41002)
+    assert (store.addr, store.port) == ("127.0.0.1", 41002)
+    # --master-port alone keeps the loopback address.
+    config = run.build_config(_parse("--master-port", "29511", "s.py"), {})
+    store = resolve_torch_store_address(config, ("127.0.0.1", 41000), _no_free_port)
+    assert (store.addr, store.port) == ("127.0.0.1", 29511)
+
+
+def test_several_nodes_default_to_the_coordinator_host_and_29500_and_say_to_pass_master_addr() -> None:
+    argv = ("--nnodes", "2", "--node-rank", "1", "--coordinator", "10.0.0.1:7000", "s.py")
+    config = run.build_config(_parse(*argv), {})
+    store = resolve_torch_store_address(config, ("10.0.0.1", 7000), _no_free_port)
+    assert (store.addr, store.port) == ("10.0.0.1", 29500)
+    assert len(store.warnings) == 1 and "--master-addr NODE0_ADDR" in store.warnings[0]
+    config = run.build_config(_parse("--master-addr", "10.0.0.2", *argv), {})
+    store = resolve_torch_store_address(config, ("10.0.0.1", 7000), _no_free_port)
+    assert (store.addr, store.port, store.warnings) == ("10.0.0.2", 29500, ())
+
+
+def test_a_store_address_equal_to_the_coordinators_is_refused_or_flagged() -> None:
+    explicit = run.build_config(
+        _parse("--coordinator", "127.0.0.1:29600", "--master-addr", "127.0.0.1", "--master-port", "29600",
+               "s.py"),
+        {},
+    )
+    with pytest.raises(LaunchConfigError, match=r"127\.0\.0\.1:29600 is the coordinator's own address"):
+        resolve_torch_store_address(explicit, ("127.0.0.1", 29600), _no_free_port)
+    # Several nodes with the defaults and a coordinator on 29500: aiocoll scripts work, torch-store
+    # scripts would not, so the launcher says so rather than refusing.
+    derived = run.build_config(_parse("--nnodes", "2", "--coordinator", "10.0.0.1:29500", "s.py"), {})
+    store = resolve_torch_store_address(derived, ("10.0.0.1", 29500), _no_free_port)
+    assert (store.addr, store.port) == ("10.0.0.1", 29500)
+    assert any("coordinator's own address" in w and "--master-port" in w for w in store.warnings)
 
 
 def test_job_defaults_to_the_environment_then_default() -> None:
@@ -179,7 +256,8 @@ def test_job_defaults_to_the_environment_then_default() -> None:
     [
         (["--nnodes", "2", "--node-rank", "0", "s.py"], "--nnodes 2 needs --coordinator HOST:PORT"),
         (["--standalone", "--nnodes", "2", "--coordinator", "h:1", "s.py"], "--standalone means a single"),
-        (["--coordinator", "h:1", "--master-addr", "h", "s.py"], "either --coordinator or --master-addr"),
+        (["--nnodes", "2", "--master-addr", "h", "s.py"], "--master-addr names the host of torch's rank-0"),
+        (["--master-addr", " ", "s.py"], "--master-addr is empty"),
         (["-m", "--no-python", "s"], "cannot be used together"),
         (["--token-file", "/nonexistent/token", "s.py"], "cannot read --token-file"),
     ],
@@ -196,6 +274,12 @@ def test_empty_token_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtu
     (tmp_path / "t").write_text("  \n")
     assert run.main(_parse("--token-file", str(tmp_path / "t"), "s.py")) == 2
     assert "is empty" in capsys.readouterr().err
+
+
+def test_master_port_must_be_a_port_number(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _parse("--master-port", "70000", "s.py")
+    assert info.value.code == 2 and "1..65535" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
