@@ -50,6 +50,10 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def _default_address() -> str:
+    # Inside an `aiocoll run` job the coordinator is AIOCOLL_COORDINATOR; MASTER_ADDR:MASTER_PORT
+    # is then rank 0's torch store, so it comes second.
+    if os.environ.get("AIOCOLL_COORDINATOR"):
+        return os.environ["AIOCOLL_COORDINATOR"]
     host = os.environ.get("MASTER_ADDR") or DEFAULT_HOST
     port = os.environ.get("MASTER_PORT") or str(DEFAULT_PORT)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -61,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--coordinator",
         metavar="HOST:PORT",
         default=None,
-        help=f"coordinator to ask (default: MASTER_ADDR:MASTER_PORT, else {DEFAULT_HOST}:{DEFAULT_PORT})",
+        help="coordinator to ask (default: AIOCOLL_COORDINATOR, else MASTER_ADDR:MASTER_PORT, "
+        f"else {DEFAULT_HOST}:{DEFAULT_PORT})",
     )
     parser.add_argument("--job", metavar="ID", default=None, help="show only this job (default: every job)")
     parser.add_argument(
