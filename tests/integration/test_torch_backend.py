@@ -63,7 +63,7 @@ def test_work_future_holds_the_output_tensors_and_runs_callbacks_off_the_loop(wo
 def test_a_failed_operation_raises_from_wait_and_fails_the_future(world: Any) -> None:
     # A bitwise reduction of floats: refused by aiocoll (torch does not check it itself).
     work = dist.all_reduce(torch.ones(2), op=dist.ReduceOp.BAND, async_op=True)
-    with pytest.raises(TypeError, match="(?i)band"):
+    with pytest.raises(TypeError, match=r"(?i)band"):
         work.wait()
     assert not work.is_success()
     with pytest.raises(RuntimeError):
