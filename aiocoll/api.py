@@ -800,13 +800,20 @@ async def init_process_group(
             raise ValueError(f"init_method {method!r} names no file")
         fstore = FileStore(path, world_size if isinstance(world_size, int) else -1)
         return await _init_with_store(fstore, rank, world_size, deadline, seconds, token, job, owns=True)
+    host: str | None
+    port: int | None
     if url.scheme == "env":
-        host = os.environ.get("MASTER_ADDR")
-        port = _env_int("MASTER_PORT")
-        if not host or port is None:
-            raise ValueError(
-                "env:// needs MASTER_ADDR and MASTER_PORT set (or pass init_method='tcp://HOST:PORT')"
-            )
+        named = os.environ.get("AIOCOLL_COORDINATOR")
+        if named:  # `aiocoll run` names its coordinator here and leaves MASTER_* to torch's store
+            host, port = _host_port(named, "AIOCOLL_COORDINATOR")
+        else:
+            host = os.environ.get("MASTER_ADDR")
+            port = _env_int("MASTER_PORT")
+            if not host or port is None:
+                raise ValueError(
+                    "env:// needs MASTER_ADDR and MASTER_PORT (or AIOCOLL_COORDINATOR) set, or pass "
+                    "init_method='tcp://HOST:PORT'"
+                )
     elif url.scheme == "tcp":
         host, port = url.hostname, url.port
         if not host or port is None:
@@ -814,6 +821,19 @@ async def init_process_group(
     else:
         raise ValueError(f"init_method {method!r}: expected env://, tcp://HOST:PORT or file:///PATH")
     return await _init_with_coordinator(host, port, rank, world_size, deadline, seconds, token, job)
+
+
+def _host_port(text: str, what: str) -> tuple[str, int]:
+    """Split HOST:PORT or [V6]:PORT (a leading tcp:// is allowed)."""
+    value = text.strip().removeprefix("tcp://")
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = value.rpartition(":")
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"{what}={text!r} must look like HOST:PORT")
+    return host, int(port_text)
 
 
 async def _coordinator_answers(host: str, port: int) -> bool:

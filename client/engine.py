@@ -38,6 +38,7 @@ log = logging.getLogger("aiocoll.client.engine")
 
 CONTROL_TAG: Tag = ("x",)
 _EMPTY = memoryview(b"")
+_EMPTY_SINK = memoryview(bytearray(0))  # control messages carry no payload; a writable target
 _MAX_ORPHAN_NOTICES = 1024
 
 Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
@@ -424,12 +425,19 @@ class Engine:
     async def _control_loop(self) -> None:
         while True:
             try:
-                src, meta = await self.transport.recv(None, CONTROL_TAG, _EMPTY)
+                src, meta = await self.transport.recv(None, CONTROL_TAG, _EMPTY_SINK)
             except asyncio.CancelledError:
                 raise
+            except PeerLostError:
+                # Some transports fail any-source receives while a peer is lost; notices from the
+                # survivors can still come, so keep listening, without spinning.
+                await asyncio.sleep(0.1)
+                continue
             except DistError:
-                if self._closed:
-                    return
+                return  # the transport is closed
+            except Exception:
+                log.exception("rank %d: receiving control messages failed; retrying", self.rank)
+                await asyncio.sleep(0.1)
                 continue
             try:
                 self._on_notice(src, meta)
