@@ -38,10 +38,8 @@ T = TypeVar("T")
 # Enough threads that one blocking callback (PowerSGD waiting on its second all_reduce) never
 # starves the completion of the operation it waits for.
 _COMPLETION_THREADS = 4
-# The coordinator's and peer links' protocols currently assert that their transport is an
-# asyncio.Transport, which uvloop's transports are not; until they accept any transport the
-# facade runs the standard loop by default (AIOCOLL_LOOP=uvloop opts in).
-_DEFAULT_LOOP = "asyncio"
+# uvloop when installed (faster wake-ups and socket I/O); AIOCOLL_LOOP=asyncio opts out.
+_DEFAULT_LOOP = "uvloop"
 
 
 class Outcome:

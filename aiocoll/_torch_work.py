@@ -12,6 +12,7 @@ completion pool, never on the network loop thread.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 from collections.abc import Callable
@@ -103,6 +104,10 @@ class AiocollWork(td.Work):
         finally:
             if self._outcome.done():
                 self._complete(self._outcome)
+                # Another thread may have won the race to complete it and still be inside
+                # set_result: wait until the future is marked done (that precedes its callbacks).
+                with contextlib.suppress(Exception):
+                    self._future.wait()
         return True
 
     def is_completed(self) -> bool:
