@@ -87,3 +87,17 @@ def test_shutdown_twice_is_fine(world: Any) -> None:
     assert backend is not None
     backend.shutdown()
     backend.shutdown()
+
+
+def test_sync_facade_rendezvous_through_a_torch_store(world: Any) -> None:
+    import aiocoll.sync as sdist
+
+    torch_store = dist.HashStore()
+    sdist.init_process_group(store=torch_store, rank=0, world_size=1)
+    try:
+        t = torch.arange(3.0)
+        sdist.all_reduce(t, op=dist.ReduceOp.MAX)  # torch's ReduceOp is accepted too
+        assert torch.equal(t, torch.arange(3.0))
+        assert torch_store.num_keys() > 0  # the peer address went through torch's store
+    finally:
+        sdist.destroy_process_group()
