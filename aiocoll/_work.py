@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Generator
 from typing import Any
@@ -29,12 +30,17 @@ class Work:
         description: what the operation is, for ``repr`` and errors ("all_reduce seq 3 of group '0'").
     """
 
-    __slots__ = ("_future", "_loop", "description")
+    __slots__ = ("_future", "_hooked", "_loop", "_waiters", "description")
 
     def __init__(self, future: asyncio.Future[Any], description: str = "operation") -> None:
         self._future = future
         self._loop = future.get_loop()
         self.description = description
+        # One future per pending ``await``: cancelling an awaiting task cancels only its own
+        # waiter, never the operation (what asyncio.shield does, minus a loop iteration: the
+        # engine calls ``wake`` right after completing the operation).
+        self._waiters: list[asyncio.Future[Any]] = []
+        self._hooked = False
 
     @classmethod
     def completed(cls, result: Any, description: str = "operation") -> Work:
@@ -47,7 +53,36 @@ class Work:
         fut = self._future
         if fut.done():
             return fut.result()
-        return (yield from asyncio.shield(fut).__await__())
+        waiter = self._loop.create_future()
+        self._waiters.append(waiter)
+        if not self._hooked:  # completions that do not call wake() still reach the waiters
+            self._hooked = True
+            fut.add_done_callback(self._on_done)
+        try:
+            return (yield from waiter.__await__())
+        finally:
+            if not waiter.done() or waiter.cancelled():
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+
+    def wake(self) -> None:
+        """Hand the finished operation's outcome to every pending ``await`` now (engine use)."""
+        fut = self._future
+        if not fut.done() or not self._waiters:
+            return
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if waiter.done():
+                continue
+            if fut.cancelled():
+                waiter.cancel()
+            elif fut.exception() is not None:
+                waiter.set_exception(fut.exception())  # type: ignore[arg-type]
+            else:
+                waiter.set_result(fut.result())
+
+    def _on_done(self, _fut: asyncio.Future[Any]) -> None:
+        self.wake()
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not."""

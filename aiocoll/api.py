@@ -100,7 +100,7 @@ def _same_numel(what: str, tensors: Sequence[Any], count: int) -> None:
 
 
 def _coerce_op(op: Any, name: str, kind: str) -> ReduceOp:
-    rop = ReduceOp.coerce(op)
+    rop = op if type(op) is ReduceOp else ReduceOp.coerce(op)
     try:
         check_reduce_op(rop, name)
     except (TypeError, ValueError) as exc:
@@ -339,9 +339,9 @@ class ProcessGroup:
         Raises:
             TypeError: not a tensor, or ``op`` meaningless for its dtype (AVG of ints, bitwise of floats).
         """
-        name = dtype_name(tensor)
-        rop = _coerce_op(op, name, "all_reduce")
         w = as_working(tensor)
+        name = w.dtype_name
+        rop = _coerce_op(op, name, "all_reduce")
         meta = self._meta("all_reduce", name, w.numel, op=rop.value)
         return self._collective("all_reduce", meta, (w.array,), (w.array,), (w,), tensor, timeout, op=rop)
 

@@ -10,7 +10,9 @@ What it guarantees:
 - A collective takes its group's next sequence number at call time, so operations match across
   ranks in call order however many are in flight. Its messages are tagged ``("c", group, seq, ...)``;
   point-to-point messages ``("p", group, user_tag)`` take no sequence number.
-- Every operation has a deadline (a loop timer, not a task). When it passes, the operation fails
+- Every operation has a deadline. One loop timer per engine, armed for the earliest deadline
+  (not a timer per operation: with the usual single timeout deadlines only grow, so the hot path
+  arms nothing). When a deadline passes, the operation fails
   with CollectiveTimeout naming the ranks whose messages were still outstanding.
 - A lost peer (a link closed, or the coordinator's notice) fails at once every pending operation of
   every group containing it, and those groups fail fast afterwards.
@@ -69,6 +71,7 @@ class GroupState:
 class _Op:
     __slots__ = (
         "abort_exc",
+        "deadline",
         "future",
         "group",
         "kind",
@@ -79,7 +82,7 @@ class _Op:
         "tag",
         "task",
         "timeout",
-        "timer",
+        "work",
     )
 
     def __init__(self, group: GroupState, kind: str, seq: int, tag: Tag, future: asyncio.Future[Any]):
@@ -89,12 +92,13 @@ class _Op:
         self.tag = tag
         self.future = future
         self.task: asyncio.Task[None] | None = None
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline: float | None = None
         self.timeout: float | None = None
         self.abort_exc: BaseException | None = None
         self.outstanding_recv: dict[int | None, int] = {}
         self.outstanding_send: dict[int, int] = {}
         self.peers_hint: tuple[int, ...] = ()
+        self.work: Work | None = None
 
     def describe(self) -> str:
         if self.seq >= 0:
@@ -167,6 +171,8 @@ class Engine:
         if on_stray is not None:
             on_stray(self._on_stray)
         self._control = self._loop.create_task(self._control_loop())
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # -- groups ----------------------------------------------------------------------------
     def group(self, gid: str, ranks: Sequence[int]) -> GroupState:
@@ -231,7 +237,7 @@ class Engine:
         fut: asyncio.Future[Any] = self._loop.create_future()
         op = _Op(group, kind, seq, tag, fut)
         op.peers_hint = tuple(peers)
-        work = Work(fut, op.describe())
+        work = op.work = Work(fut, op.describe())
         notice = group.notices.pop(seq, None) if seq >= 0 else None
         if notice is not None:
             fut.set_exception(notice)
@@ -239,7 +245,9 @@ class Engine:
         group.pending.add(op)
         if timeout is not None:
             op.timeout = timeout
-            op.timer = self._loop.call_later(timeout, self._expire, op)
+            op.deadline = deadline = self._loop.time() + timeout
+            if self._timer is None or deadline < self._timer_at:
+                self._arm(deadline)
         op.task = self._loop.create_task(self._run(op, body))
         return work
 
@@ -317,9 +325,8 @@ class Engine:
             self._finish(op)
 
     def _finish(self, op: _Op) -> None:
-        if op.timer is not None:
-            op.timer.cancel()
-            op.timer = None
+        if op.work is not None:
+            op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
         op.group.pending.discard(op)
         if op.seq < 0:
             return
@@ -338,14 +345,39 @@ class Engine:
             return
         op.abort_exc = exc
         op.future.set_exception(exc)
+        if op.work is not None:
+            op.work.wake()
         if op.seq >= 0:
             self.transport.discard(op.tag)
         if op.task is not None and not op.task.done():
             op.task.cancel()
 
     # -- deadlines -------------------------------------------------------------------------
+    def _arm(self, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = when
+        self._timer = self._loop.call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = self._loop.time()
+        nearest: float | None = None
+        expired: list[_Op] = []
+        for group in list(self._groups.values()):
+            for op in group.pending:
+                if op.deadline is None or op.future.done():
+                    continue
+                if op.deadline <= now:
+                    expired.append(op)
+                elif nearest is None or op.deadline < nearest:
+                    nearest = op.deadline
+        for op in sorted(expired, key=lambda o: o.seq):
+            self._expire(op)
+        if nearest is not None and not self._closed:
+            self._arm(nearest)
+
     def _expire(self, op: _Op) -> None:
-        op.timer = None
         if op.future.done():
             return
         missing = self._missing_ranks(op)
@@ -501,6 +533,9 @@ class Engine:
         self._closed = True
         for group in list(self._groups.values()):
             self._fail_pending(group, DistError(f"group {group.gid!r} was destroyed"), from_seq=0)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._control.cancel()
         try:
             await self._control

@@ -520,10 +520,17 @@ class TcpTransport(Transport):
     def _forget(self, tag_prefix: Tag, *, report: bool) -> None:
         n = len(tag_prefix)
         strays: list[tuple[int, Tag, dict[str, Any]]] = []
-        for tag in [t for t in self._inbox if t[:n] == tag_prefix]:
-            for msg in self._inbox.pop(tag):
-                self._unbuffer(msg)
-                strays.append((msg.src, tag, msg.meta))
+        if self._inbox:
+            for tag in [t for t in self._inbox if t[:n] == tag_prefix]:
+                for msg in self._inbox.pop(tag):
+                    self._unbuffer(msg)
+                    strays.append((msg.src, tag, msg.meta))
+        if report:
+            # A finished operation has no receives left: only late messages need watching for.
+            self._remember(tag_prefix, report)
+            for src, tag, meta in strays:
+                self._stray(src, tag, meta)
+            return
         for key in [k for k in self._posted if k[1][:n] == tag_prefix]:
             for waiter in self._posted.pop(key):
                 if not waiter.fut.done():
@@ -532,16 +539,18 @@ class TcpTransport(Transport):
             for waiter in self._posted_any.pop(tag):
                 if not waiter.fut.done():
                     waiter.fut.cancel()
-        bucket = self._discarded.setdefault(n, {})
+        self._remember(tag_prefix, report)
+
+    def _remember(self, tag_prefix: Tag, report: bool) -> None:
+        bucket = self._discarded.get(len(tag_prefix))
+        if bucket is None:
+            bucket = self._discarded[len(tag_prefix)] = {}
         if tag_prefix not in bucket:
             self._discard_fifo.append(tag_prefix)
             if len(self._discard_fifo) > _DISCARD_MEMORY:
                 old = self._discard_fifo.popleft()
                 self._discarded[len(old)].pop(old, None)
         bucket[tag_prefix] = report
-        if report:
-            for src, tag, meta in strays:
-                self._stray(src, tag, meta)
 
     def _stray(self, src: int, tag: Tag, meta: dict[str, Any]) -> None:
         for handler in list(self._stray_handlers):

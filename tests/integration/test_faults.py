@@ -167,10 +167,18 @@ def test_mismatched_calls_raise_mismatch_error_on_every_rank(
 
 @pytest.mark.timeout(150)
 def test_mismatch_names_what_differs(world_a_results: list[dict[str, Any]]) -> None:
-    messages = " ".join(res["dtype"]["first"].get("message", "") or "" for res in world_a_results)
-    assert "float64" in messages and "float32" in messages
-    roots = " ".join(res["root"]["first"].get("message", "") or "" for res in world_a_results)
-    assert "root" in roots
+    def messages(case: str) -> str:
+        out = []
+        for res in world_a_results:
+            for key in ("first", "second"):
+                outcome = res[case][key]
+                if outcome and outcome.get("message"):
+                    out.append(outcome["message"])
+        return " ".join(out)
+
+    assert "float64" in messages("dtype") and "float32" in messages("dtype")
+    assert "root" in messages("root")
+    assert "count" in messages("size")
 
 
 @pytest.mark.timeout(150)
