@@ -340,25 +340,33 @@ def _aiocoll_participant(
     job: str,
     timeout: float,
     loop_kind: str,
+    warm: bool,
     go: Any,
     release: Any,
     results: Any,
 ) -> None:
-    async def one(rank: int) -> Any:
-        from aiocoll.client.session import CoordinatorSession
+    from aiocoll.client.session import CoordinatorSession
 
-        session = await CoordinatorSession.connect(
+    async def connect(rank: int) -> Any:
+        return await CoordinatorSession.connect(
             "127.0.0.1", port, token=token, job=job, role="worker", timeout=timeout
         )
+
+    async def join(rank: int, session: Any) -> Any:
+        if session is None:
+            session = await connect(rank)
         # the advertised peer address is never dialled in this benchmark; only the table matters
         await session.join(rank, world_size, [("127.0.0.1", 20000 + rank % 40000)], "bench-host", timeout)
         return session
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
+        early: list[Any] = [None] * len(ranks)
+        if warm:
+            early = list(await asyncio.gather(*(connect(rank) for rank in ranks)))
         results.put(("ready", os.getpid()))
         await loop.run_in_executor(None, go.wait)
-        sessions = await asyncio.gather(*(one(rank) for rank in ranks))
+        sessions = await asyncio.gather(*(join(rank, s) for rank, s in zip(ranks, early, strict=True)))
         results.put(("done", time.monotonic()))
         # sessions stay up until every process is done, as a real job's would
         await loop.run_in_executor(None, release.wait, timeout)
@@ -384,6 +392,7 @@ def _tcpstore_participant(
     port: int,
     prefix: str,
     timeout: float,
+    warm: bool,
     go: Any,
     release: Any,
     results: Any,
@@ -396,15 +405,21 @@ def _tcpstore_participant(
         if len(ranks) != 1:
             raise ValueError("the TCPStore rendezvous runs one rank per process")
         rank = ranks[0]
+
+        def connect() -> Any:
+            return TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+
+        store = connect() if warm else None
         results.put(("ready", os.getpid()))
         go.wait()
-        store = TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        if store is None:
+            store = connect()
         store.set(f"{prefix}/addr/{rank}", f"127.0.0.1:{20000 + rank % 40000}@bench-host")
         if store.add(f"{prefix}/count", 1) == world_size:
             store.set(f"{prefix}/complete", "1")
@@ -462,10 +477,14 @@ def _rendezvous_launcher(
     timeout: float,
     loop_kind: str,
     verbose: bool,
+    warm: bool,
 ) -> None:
     """Import one implementation, fork the participants, release them at once, report the time."""
     raise_fd_limit()
     quiet_logs(verbose)  # inherited by every forked participant
+    if not verbose:
+        # torch's C++ warnings (one per client that retried its connect) would bury the table
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         if impl == "aiocoll":
             import aiocoll.client.session  # noqa: F401  (imported once, shared by every fork)
@@ -482,9 +501,9 @@ def _rendezvous_launcher(
         for p in range(procs):
             ranks = list(range(p * per_proc, (p + 1) * per_proc))
             if impl == "aiocoll":
-                args: tuple[Any, ...] = (ranks, world_size, port, token, job, timeout, loop_kind)
+                args: tuple[Any, ...] = (ranks, world_size, port, token, job, timeout, loop_kind, warm)
             else:
-                args = (ranks, world_size, port, job, timeout)
+                args = (ranks, world_size, port, job, timeout, warm)
             child = ctx.Process(target=target, args=(*args, go, release, results), daemon=True)
             child.start()
             children.append(child)
@@ -518,14 +537,22 @@ def _rendezvous_launcher(
 
 
 def _measure_rendezvous(
-    impl: str, procs: int, per_proc: int, port: int, token: str, timeout: float, loop_kind: str, verbose: bool
+    impl: str,
+    procs: int,
+    per_proc: int,
+    port: int,
+    token: str,
+    timeout: float,
+    loop_kind: str,
+    verbose: bool,
+    warm: bool,
 ) -> float:
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
     job = f"rdzv-{secrets.token_hex(4)}"
     launcher = ctx.Process(
         target=_rendezvous_launcher,
-        args=(child_conn, impl, procs, per_proc, port, token, job, timeout, loop_kind, verbose),
+        args=(child_conn, impl, procs, per_proc, port, token, job, timeout, loop_kind, verbose, warm),
         name=f"{impl}-rendezvous-launcher",
         daemon=False,  # it forks the participants, which daemonic processes may not do
     )
@@ -578,40 +605,53 @@ def run_rendezvous(args: argparse.Namespace) -> int:
             servers.append(tcp)
         step = 0
         for count in proc_counts:
-            samples: dict[str, list[float]] = {"aiocoll": []}
-            if tcp is not None:
-                samples["tcpstore"] = []
-            for _ in range(args.rounds):
-                order = list(samples) if step % 2 == 0 else list(samples)[::-1]
-                step += 1
-                for impl in order:
-                    port = coordinator.port if impl == "aiocoll" else tcp.port  # type: ignore[union-attr]
-                    samples[impl].append(
-                        _measure_rendezvous(
-                            impl, count, 1, port, token, args.timeout, loop_kind, args.verbose
+            for warm in (False, True):
+                samples: dict[str, list[float]] = {"aiocoll": []}
+                if tcp is not None:
+                    samples["tcpstore"] = []
+                for _ in range(args.rounds):
+                    order = list(samples) if step % 2 == 0 else list(samples)[::-1]
+                    step += 1
+                    for impl in order:
+                        port = coordinator.port if impl == "aiocoll" else tcp.port  # type: ignore[union-attr]
+                        samples[impl].append(
+                            _measure_rendezvous(
+                                impl, count, 1, port, token, args.timeout, loop_kind, args.verbose, warm
+                            )
                         )
-                    )
-            row: dict[str, Any] = {"mode": "processes", "processes": count, "clients": count}
-            for impl, values in samples.items():
-                row[impl] = statistics.median(values)
-                row[f"{impl}_rounds"] = values
-            if tcp is not None:
-                row["ratio"] = row["aiocoll"] / row["tcpstore"]
-            rows.append(row)
-            if not args.quiet:
-                sys.stderr.write(f"[bench rendezvous] {count} processes done\n")
+                row: dict[str, Any] = {
+                    "mode": "warm" if warm else "cold",
+                    "processes": count,
+                    "clients": count,
+                }
+                for impl, values in samples.items():
+                    row[impl] = statistics.median(values)
+                    row[f"{impl}_rounds"] = values
+                if tcp is not None:
+                    row["ratio"] = row["aiocoll"] / row["tcpstore"]
+                rows.append(row)
+                if not args.quiet:
+                    sys.stderr.write(f"[bench rendezvous] {count} processes ({row['mode']}) done\n")
         if args.simulated:
             procs = args.sim_procs
             per_proc = math.ceil(args.simulated / procs)
             values = [
                 _measure_rendezvous(
-                    "aiocoll", procs, per_proc, coordinator.port, token, args.timeout, loop_kind, args.verbose
+                    "aiocoll",
+                    procs,
+                    per_proc,
+                    coordinator.port,
+                    token,
+                    args.timeout,
+                    loop_kind,
+                    args.verbose,
+                    False,
                 )
                 for _ in range(args.rounds)
             ]
             rows.append(
                 {
-                    "mode": "simulated",
+                    "mode": "cold, simulated",
                     "processes": procs,
                     "clients": procs * per_proc,
                     "aiocoll": statistics.median(values),
@@ -626,6 +666,10 @@ def run_rendezvous(args: argparse.Namespace) -> int:
     print(
         f"# aiocoll bench: rendezvous time in seconds (median of {args.rounds} rounds), from the release of "
         f"ready processes until the last one holds the member table, {utc_now()}"
+    )
+    print(
+        "# cold: connecting is part of the rendezvous; warm: every process connected before the release "
+        "(only the exchange is timed)"
     )
     if with_tcp:
         print(
