@@ -44,20 +44,23 @@ class BenchError(RuntimeError):
 
 def _columns(with_gloo: bool) -> list[tuple[str, int]]:
     cols = [
-        ("size(B)", 10),
-        ("count", 10),
+        ("size(B)", 9),
+        ("count", 8),
         ("algo", 6),
-        ("time(us)", 10),
-        ("min(us)", 10),
-        ("algbw", 8),
-        ("busbw", 8),
+        ("time(us)", 9),
+        ("avg(us)", 9),
+        ("min(us)", 9),
+        ("algbw", 7),
+        ("busbw", 7),
     ]
     if with_gloo:
         cols += [
-            ("gloo(us)", 10),
-            ("gloo_min", 10),
+            ("gloo(us)", 9),
+            ("gloo_avg", 9),
+            ("gloo_min", 9),
             ("gloo_busbw", 10),
             ("time_ratio", 10),
+            ("avg_ratio", 9),
             ("busbw_ratio", 11),
         ]
     return cols
@@ -86,6 +89,7 @@ def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
         row["count"],
         row.get("algorithm", "-"),
         ours["time_us"],
+        ours["avg_us"],
         ours["min_us"],
         ours["algbw"],
         ours["busbw"],
@@ -93,13 +97,15 @@ def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
     if with_gloo:
         theirs = row.get("gloo")
         if theirs is None:
-            cells += [None] * 5
+            cells += [None] * 7
         else:
             cells += [
                 theirs["time_us"],
+                theirs["avg_us"],
                 theirs["min_us"],
                 theirs["busbw"],
                 row["time_ratio"],
+                row["avg_ratio"],
                 row["busbw_ratio"],
             ]
     return cells
@@ -117,7 +123,8 @@ def _print_header(op: str, n: int, args: argparse.Namespace, with_gloo: bool) ->
         f"{args.iters} iters after {args.warmup} warmup, algorithm {args.algorithm or 'auto'}, {utc_now()}"
     )
     print(
-        "# time = median over iterations of the slowest rank; min = fastest iteration; "
+        "# time = median over iterations of the slowest rank; avg = slowest rank's mean (nccl-tests' "
+        "time, outliers included); min = fastest iteration; "
         f"{bandwidth}; algo = what aiocoll ran"
         + ("; ratios are aiocoll/gloo (time: lower is better, busbw: higher is better)" if with_gloo else "")
     )
@@ -275,6 +282,7 @@ def run_collectives(args: argparse.Namespace) -> int:
             if with_gloo:
                 ours, theirs = row["aiocoll"], row["gloo"]
                 row["time_ratio"] = ours["time_us"] / theirs["time_us"] if theirs["time_us"] > 0 else math.nan
+                row["avg_ratio"] = ours["avg_us"] / theirs["avg_us"] if theirs["avg_us"] > 0 else math.nan
                 row["busbw_ratio"] = ours["busbw"] / theirs["busbw"] if theirs["busbw"] > 0 else math.nan
             if op not in printed_header:
                 if printed_header:

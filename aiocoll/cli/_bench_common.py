@@ -175,7 +175,8 @@ def summarize(
     """Turn per-rank, per-iteration times (seconds) into the reported row.
 
     Iteration ``i`` takes the slowest rank's time (an operation is done when every rank is done);
-    the row reports the median and the minimum of those, and bandwidths from the median, in GB/s
+    the row reports the median and the minimum of those, the slowest rank's mean (``avg_us``,
+    what nccl-tests prints, outliers included), and bandwidths from the median, in GB/s
     (10^9 bytes per second) as nccl-tests defines them: algbw = size / time,
     busbw = algbw * bus_factor(op, n).
 
@@ -189,8 +190,11 @@ def summarize(
     per_iter = [max(t[i] for t in ranks) for i in range(iters)]
     median = statistics.median(per_iter)
     algbw = size / median / 1e9 if median > 0 and op != "barrier" else math.nan
+    # nccl-tests' own time: a rank's iterations back to back, averaged; the slowest rank counts
+    average = max(sum(t[:iters]) for t in ranks) / iters
     return {
         "time_us": median * 1e6,
+        "avg_us": average * 1e6,
         "min_us": min(per_iter) * 1e6,
         "algbw": algbw,
         "busbw": algbw * bus_factor(op, world_size),
