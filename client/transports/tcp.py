@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import (
@@ -50,6 +51,7 @@ log = logging.getLogger("aiocoll.client.tcp")
 _HANDSHAKE_TIMEOUT = 10.0
 _MAX_PENDING_HANDSHAKES = 64
 _DISCARD_MEMORY = 4096
+_UNZEROED_MIN = 64 * 1024
 _BYE = PREFIX.pack(len(msgpack.packb({"k": "bye"})), 0) + msgpack.packb({"k": "bye"})
 _EMPTY = memoryview(b"")
 
@@ -163,7 +165,7 @@ class TcpTransport(Transport):
         self._inbox_size: dict[int, int] = {}
         # Receives whose buffer the decoder is filling (or has filled within the current read),
         # in stream order: one read may complete several frames before they are dispatched.
-        self._filling: dict[int, deque[_Recv]] = {}
+        self._filling: dict[int, deque[_Recv | None]] = {}
         self._order = 0
         # Prefixes of finished operations (by length): late messages under them are dropped, or
         # reported as strays when the operation finished successfully (see ``retire``).
@@ -177,6 +179,9 @@ class TcpTransport(Transport):
         self._handshakes: set[asyncio.Task[None]] = set()
         self.address: tuple[str, int] | None = None
         self.rejected = 0  # incoming connections refused (bad bytes, wrong token or job)
+        # Diagnostics: payloads received straight into their recv's buffer vs. through the inbox.
+        self.received_direct = 0
+        self.received_buffered = 0
         self._closed = False
 
     # -- setup -----------------------------------------------------------------------------
@@ -578,7 +583,7 @@ class TcpTransport(Transport):
             "posted": {repr(k): len(v) for k, v in self._posted.items()},
             "posted_any": {repr(k): len(v) for k, v in self._posted_any.items()},
             "inbox": {repr(k): [(m.src, len(m.payload)) for m in v] for k, v in self._inbox.items()},
-            "filling": {p: [repr(w.tag) for w in q] for p, q in self._filling.items()},
+            "filling": {p: [None if w is None else repr(w.tag) for w in q] for p, q in self._filling.items()},
             "links": {
                 p: {"reading": link.reading, "write_backlog": link.write_backlog, "mid_frame": link.mid_frame}
                 for p, link in self._links.items()
@@ -648,9 +653,15 @@ class TcpTransport(Transport):
         key = tuple(tag)
         waiter = self._peek(src, key)
         if waiter is None or len(waiter.into) != nbytes or waiter.fut.done():
-            return None
+            if nbytes < _UNZEROED_MIN:
+                return None  # small: the decoder's own allocation is as cheap
+            # Early (or mis-sized) large payload: land it in uninitialised memory, since zeroing a
+            # buffer that is about to be overwritten costs as much as receiving it.
+            self._filling[src].append(None)
+            return np.empty(nbytes, np.uint8).data
         self._match(src, key)
         self._filling[src].append(waiter)
+        self.received_direct += 1
         return waiter.into
 
     def _peek(self, src: int, tag: Tag) -> _Recv | None:
@@ -678,7 +689,9 @@ class TcpTransport(Transport):
             key = tuple(tag)
             if frame.in_sink:
                 waiter = self._filling[src].popleft()
-                if not waiter.fut.done():
+                if waiter is None:
+                    self._deliver(src, key, meta, frame.payload)
+                elif not waiter.fut.done():
                     waiter.fut.set_result((src, meta))
                 continue
             self._deliver(src, key, meta, frame.payload)
@@ -712,6 +725,7 @@ class TcpTransport(Transport):
                 waiter.fut.set_result((src, meta))
             return
         self._inbox.setdefault(tag, deque()).append(_Msg(src, meta, payload))
+        self.received_buffered += 1
         if src != self.rank:
             self._inbox_count[src] += 1
             self._inbox_size[src] += len(payload)
@@ -738,7 +752,7 @@ class TcpTransport(Transport):
         filling = self._filling.get(peer)
         while filling:
             waiter = filling.popleft()
-            if not waiter.fut.done():
+            if waiter is not None and not waiter.fut.done():
                 waiter.fut.set_exception(PeerLostError(peer, reason))
         for key in [k for k in self._posted if k[0] == peer]:
             for waiter in self._posted.pop(key):
