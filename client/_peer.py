@@ -182,8 +182,9 @@ class PeerLink:
         for _ in range(_READS_PER_EVENT):
             if not self._reading:
                 return
+            target = decoder.get_buffer()
             try:
-                n = recv_into(decoder.get_buffer())
+                n = recv_into(target)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -201,6 +202,8 @@ class PeerLink:
                 return
             if frames:
                 self._on_frames(self, frames)
+            if n < len(target):
+                return  # the socket is drained: skip the read that would only say EAGAIN
 
     # -- writing ---------------------------------------------------------------------------
     def write(self, views: list[memoryview]) -> asyncio.Future[None] | None:
