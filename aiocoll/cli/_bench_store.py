@@ -365,7 +365,9 @@ def _aiocoll_participant(
         if warm:
             early = list(await asyncio.gather(*(connect(rank) for rank in ranks)))
         results.put(("ready", os.getpid()))
-        await loop.run_in_executor(None, go.wait)
+        # Blocking on purpose, as torch's participants do: a thread hop here would be the
+        # harness's cost, not aiocoll's. Nothing needs the loop before joining (no heartbeats).
+        go.wait()
         sessions = await asyncio.gather(*(join(rank, s) for rank, s in zip(ranks, early, strict=True)))
         results.put(("done", time.monotonic()))
         # sessions stay up until every process is done, as a real job's would
