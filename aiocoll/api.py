@@ -946,7 +946,10 @@ async def _init_with_store(
     transport = TcpTransport(rank, world_size, token=token, job=job)
     try:
         addr = await transport.listen(host)
-        prefix = f"aiocoll/{job}/peer/"
+        # Each rank counts its own rendezvous rounds, so a store reused by a later
+        # init_process_group (after destroy) never hands out a previous round's dead addresses.
+        rnd = await store.add(f"aiocoll/{job}/rounds/{rank}", 1)
+        prefix = f"aiocoll/{job}/round{rnd}/peer/"
         await store.set(f"{prefix}{rank}", msgpack.packb([[addr[0], addr[1]]]))
         keys = [f"{prefix}{r}" for r in range(world_size)]
         try:

@@ -72,14 +72,17 @@ async def via_store(rank: int, world_size: int, init_method: str, path: str) -> 
     import aiocoll
 
     store = aiocoll.PrefixStore("mine", aiocoll.FileStore(path, world_size))
-    pg = await aiocoll.init_process_group(
-        store=store, rank=rank, world_size=world_size, token="s", timeout=30
-    )
-    try:
-        return await _use(pg)
-    finally:
-        await pg.destroy()
-        await store.aclose()
+    outs = []
+    for _ in range(2):  # a second rendezvous on the same store must not reuse the first's addresses
+        pg = await aiocoll.init_process_group(
+            store=store, rank=rank, world_size=world_size, token="s", timeout=30
+        )
+        try:
+            outs.append(await _use(pg))
+        finally:
+            await pg.destroy()
+    await store.aclose()
+    return {"sum": outs[0]["sum"], "second": outs[1]["sum"]}
 
 
 async def lonely(rank: int, world_size: int, init_method: str) -> dict[str, Any]:
@@ -124,6 +127,7 @@ def test_store_argument_rendezvous_through_any_store() -> None:
     with tempfile.TemporaryDirectory() as d:
         values = unwrap(run_world(via_store, 2, init=False, args=(os.path.join(d, "s"),), timeout=90))
     assert [v["sum"] for v in values] == [[3, 3]] * 2
+    assert [v["second"] for v in values] == [[3, 3]] * 2
 
 
 def test_ranks_join_an_external_coordinator_instead_of_embedding_one() -> None:
