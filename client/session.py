@@ -8,16 +8,16 @@ Reconnection. When the link drops (a coordinator restart, a cut cable) the sessi
 by itself, with exponential backoff and jitter, for up to ``timeout`` seconds, re-authenticates,
 and sends its rendezvous ``session`` id in the hello so the coordinator re-attaches it. Requests
 that were pending are sent again on the new link; a waiting request (get, wait, multi_get, join)
-resumes with what is left of its own deadline. Re-sending is safe for reads, waits and the
-operations whose effect does not change when applied twice: set and multi_set (last writer
-wins); compare_set (a second application finds ``desired`` in place and answers ``desired``,
-as the first did); join (the coordinator forgets a join whose link dropped and keeps no
-unfinished round across a restart, so joining again is how the rendezvous resumes). add, append
-and delete_key are not re-sent once their bytes left this process, since the coordinator may
-have applied them: the caller gets a StoreError saying so, rather than a counter silently
-counted twice. (They are re-sent when the link dropped before they were written.) Making them
-safe too would take a client request id the coordinator remembers with its reply (journaled
-with the mutation); the protocol has no such field yet.
+resumes with what is left of its own deadline. Every request is re-sent, and none is applied
+twice: reads and waits have no effect; join is forgotten by the coordinator when its link drops
+(and no unfinished round survives a restart), so joining again is how the rendezvous resumes;
+the mutations (set, multi_set, compare_set, add, append, delete_key) carry this session's client
+id (hello ``cid``) and a request number (``rid``), and the coordinator answers a number it has
+already carried out with the reply it gave the first time, from a memory it journals with the
+mutation itself, so this holds across a coordinator restart with --state-dir too. With every
+request the session also sends ``ack``, the number below which it holds every reply, so the
+coordinator keeps only the replies that may still be asked for again (at most DEDUPE_WINDOW:
+the session holds back a mutation that would have more outstanding).
 
 A joined worker that reconnects after its link was cut while the coordinator stayed up is told
 ``session_lost`` (the coordinator declared it lost when the link closed); its store operations
@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import heapq
 import logging
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +51,8 @@ from aiocoll._errors import (
 )
 from aiocoll.protocol import ClientHandshake
 from aiocoll.protocol._coordinator import (
+    CID_BYTES,
+    DEDUPE_WINDOW,
     ERR_INVALID,
     ERR_RENDEZVOUS,
     ERR_TIMEOUT,
@@ -58,6 +62,7 @@ from aiocoll.protocol._coordinator import (
     EV_SESSION_LOST,
     HEARTBEAT_INTERVAL,
     HEARTBEAT_TIMEOUT,
+    MUTATING_OPS,
     ROLE_ADMIN,
     ROLE_STORE,
     ROLE_WORKER,
@@ -179,6 +184,13 @@ class CoordinatorSession(Store):
         self.membership: Membership | None = None
         self.session_lost: str | None = None
         self.server_info: dict[str, Any] = {}
+        # Exactly-once mutations: our client id, the last request number handed out, and the
+        # numbers still waiting for their reply (a lazy min-heap over a set) for ``ack``.
+        self._cid = os.urandom(CID_BYTES)
+        self._rid = 0
+        self._unanswered: set[int] = set()
+        self._unanswered_heap: list[int] = []
+        self._window_moved = asyncio.Event()
 
     @property
     def address(self) -> str:
@@ -264,6 +276,8 @@ class CoordinatorSession(Store):
     # -- connecting ----------------------------------------------------------------------
     def _handshake(self) -> ClientHandshake:
         extra: dict[str, Any] = {}
+        if self.role != ROLE_ADMIN:
+            extra["cid"] = self._cid
         if self.membership is not None and self.session_lost is None:
             extra["session"] = self.membership.session
         return ClientHandshake(self._token, role=self.role, job=self.job, extra=extra)
@@ -401,16 +415,61 @@ class CoordinatorSession(Store):
         *,
         deadline: Deadline,
         waits: bool = False,
-        resend: bool = True,
         keys: Sequence[str] = (),
     ) -> tuple[dict[str, Any], bytes]:
-        """Send one request (again after a reconnect, when that is safe) and return the reply.
+        """Send one request (again after a reconnect) and return the reply.
 
         Args:
             waits: the coordinator may hold the request until ``timeout`` (a field we fill in).
-            resend: the request may be sent again when its link dropped after sending it.
             keys: the keys it is about, for error messages.
         """
+        if op not in MUTATING_OPS:
+            return await self._send(op, fields, payload, deadline=deadline, waits=waits, keys=keys)
+        rid = await self._next_rid(deadline, op, keys)
+        try:
+            return await self._send(op, fields, payload, deadline=deadline, waits=waits, keys=keys, rid=rid)
+        finally:
+            self._unanswered.discard(rid)
+            self._window_moved.set()
+
+    def _ack(self) -> int:
+        """The request number at and below which every mutation of ours has had its reply."""
+        heap, unanswered = self._unanswered_heap, self._unanswered
+        while heap and heap[0] not in unanswered:
+            heapq.heappop(heap)
+        return heap[0] - 1 if heap else self._rid
+
+    async def _next_rid(self, deadline: Deadline, op: str, keys: Sequence[str]) -> int:
+        """Number a mutation, waiting while DEDUPE_WINDOW of ours are unanswered below it."""
+        while self._rid + 1 - self._ack() > DEDUPE_WINDOW:
+            self._window_moved.clear()
+            remaining = deadline.remaining()
+            try:
+                await asyncio.wait_for(self._window_moved.wait(), remaining)
+            except asyncio.TimeoutError:
+                raise StoreTimeout(
+                    list(keys),
+                    deadline.timeout,
+                    f"{self._describe(op, keys)} timed out after {deadline.timeout:.3g}s: "
+                    f"{DEDUPE_WINDOW} earlier mutations of this session were still unanswered",
+                ) from None
+        self._rid += 1
+        rid = self._rid
+        self._unanswered.add(rid)
+        heapq.heappush(self._unanswered_heap, rid)
+        return rid
+
+    async def _send(
+        self,
+        op: str,
+        fields: dict[str, Any],
+        payload: bytes = b"",
+        *,
+        deadline: Deadline,
+        waits: bool = False,
+        keys: Sequence[str] = (),
+        rid: int | None = None,
+    ) -> tuple[dict[str, Any], bytes]:
 
         def timed_out(unreachable: bool) -> BaseException:
             why = (
@@ -433,6 +492,9 @@ class CoordinatorSession(Store):
         while True:
             link = await self._usable_link(deadline, op, lambda: timed_out(True))
             header = {"op": op, **fields}
+            if rid is not None:
+                header["rid"] = rid
+                header["ack"] = self._ack()
             remaining = deadline.remaining()
             if waits:
                 header["timeout"] = remaining
@@ -444,15 +506,8 @@ class CoordinatorSession(Store):
                 reply, body = await link.request(header, payload, bound)
             except TimeoutError:
                 raise timed_out(False) from None
-            except LinkLost as exc:
-                if exc.sent and not resend:
-                    raise StoreError(
-                        f"{self._describe(op, keys)}: the link to the coordinator at {self.address} dropped "
-                        f"after the request was sent, so it may or may not have been applied; it is not "
-                        f"re-sent because applying it twice would change the result. Check the key's "
-                        f"value before retrying"
-                    ) from exc
-                continue
+            except LinkLost:
+                continue  # re-sent on the next link; a numbered mutation is not applied twice
             if reply.get("ok") is True:
                 return reply, body
             raise self._error(op, reply, keys, deadline)
@@ -504,7 +559,7 @@ class CoordinatorSession(Store):
         key = check_key(key)
         amount = check_amount(key, amount)
         reply, _ = await self._call(
-            "add", {"key": key, "amount": amount}, deadline=self._deadline(timeout), resend=False, keys=[key]
+            "add", {"key": key, "amount": amount}, deadline=self._deadline(timeout), keys=[key]
         )
         return int(reply["value"])
 
@@ -532,7 +587,7 @@ class CoordinatorSession(Store):
     async def delete_key(self, key: str, *, timeout: float | None = None) -> bool:
         key = check_key(key)
         reply, _ = await self._call(
-            "del", {"key": key}, deadline=self._deadline(timeout), resend=False, keys=[key]
+            "del", {"key": key}, deadline=self._deadline(timeout), keys=[key]
         )
         return bool(reply["value"])
 
@@ -565,7 +620,7 @@ class CoordinatorSession(Store):
         key = check_key(key)
         raw = to_value(key, value)
         await self._call(
-            "append", {"key": key}, raw, deadline=self._deadline(timeout), resend=False, keys=[key]
+            "append", {"key": key}, raw, deadline=self._deadline(timeout), keys=[key]
         )
 
     async def status(self, job: str | None = None, *, timeout: float | None = None) -> list[dict[str, Any]]:
@@ -635,7 +690,6 @@ class CoordinatorSession(Store):
             waits=True,
             # A join whose link drops is dropped by the coordinator (its rank is free again) and
             # an unfinished round is not kept across a restart, so joining again is what resumes it.
-            resend=True,
         )
         members = [
             Member(

@@ -262,7 +262,9 @@ class _Connection(asyncio.BufferedProtocol):
         self.authenticated = True
         coord._conns[self.id] = self
         log.debug("job=%s event=connected role=%s peer=%s", self.job, self.role, self.peer)
-        coord.state.connect(self.id, self.job, self.role, peer=self.peer, session=hello.get("session"))
+        coord.state.connect(
+            self.id, self.job, self.role, peer=self.peer, session=hello.get("session"), cid=hello.get("cid")
+        )
         coord._after_batch()
 
     def _handshake_expired(self) -> None:

@@ -12,6 +12,11 @@ acknowledged mutations, for the durable log).
 Records in the journal are plain lists, so msgpack can carry them; ``apply_record`` replays one.
 Every mutation goes through the same helpers live and on replay, so a restored state equals the
 state that acknowledged the records.
+
+Exactly-once mutations: a mutation numbered by its client (hello ``cid``, header ``rid`` and
+``ack``, see protocol._coordinator) has its reply remembered per client and job, and its records
+are wrapped in one ``req`` record together with that reply, so that a crash can never keep the
+mutation but lose the memory of it. A re-sent rid is answered from that memory and not applied.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any
 import msgpack
 
 from aiocoll.protocol._coordinator import (
+    CID_BYTES,
+    DEDUPE_WINDOW,
     ERR_INVALID,
     ERR_RENDEZVOUS,
     ERR_TIMEOUT,
@@ -37,6 +44,7 @@ from aiocoll.protocol._coordinator import (
     EV_SESSION_LOST,
     HEARTBEAT_TIMEOUT,
     MAX_KEY_BYTES,
+    MUTATING_OPS,
     OPS,
     RESUME_GRACE,
     ROLE_ADMIN,
@@ -64,6 +72,8 @@ MAX_HOST_CHARS = 256
 # Liveness and expiry scans walk every member and job; once a second is plenty for a 10 s
 # heartbeat timeout and keeps a 10,000-member coordinator's housekeeping cheap.
 HOUSEKEEPING_INTERVAL = 1.0
+# Forgotten clients' dedupe memory is looked for this often (it holds no deadline anyone waits on).
+CLIENT_SWEEP_INTERVAL = 30.0
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # What each role may ask: admin connections (`aiocoll status`) only read.
@@ -93,10 +103,40 @@ class _Fatal(Exception):
     """A request so malformed that the connection cannot continue (no request id to answer)."""
 
 
+class _Client:
+    """What the coordinator remembers of one client (hello ``cid``) of one job: the replies of its
+    numbered mutations above ``floor`` (its latest ack), so that re-sent ones are not applied twice."""
+
+    __slots__ = ("attached", "floor", "last_seen", "replies")
+
+    def __init__(self, floor: int, now: float) -> None:
+        self.floor = floor
+        self.replies: dict[int, tuple[dict[str, Any], bytes]] = {}
+        self.attached = 0  # open connections that carry this cid
+        self.last_seen = now
+
+    def forget_through(self, ack: int) -> None:
+        """Drop replies the client has confirmed receiving (rid <= ack)."""
+        if ack <= self.floor:
+            return
+        self.floor = ack
+        replies = self.replies
+        # Rids mostly arrive in order, so the oldest entries come first; a re-sent one that came
+        # late is found by the full scan, done only when the window fills.
+        for rid in list(itertools.islice(replies, 64)):
+            if rid > ack:
+                break
+            del replies[rid]
+        if len(replies) >= DEDUPE_WINDOW:
+            for rid in [r for r in replies if r <= ack]:
+                del replies[rid]
+
+
 class _Conn:
-    __slots__ = ("id", "job", "joining", "last_seen", "member", "peer", "role", "waiters")
+    __slots__ = ("cid", "id", "job", "joining", "last_seen", "member", "peer", "role", "waiters")
 
     def __init__(self, conn_id: int, job: _Job, role: str, peer: str, now: float) -> None:
+        self.cid: bytes | None = None
         self.id = conn_id
         self.job = job
         self.role = role
@@ -184,10 +224,11 @@ class _Round:
 
 
 class _Job:
-    __slots__ = ("conns", "kv", "last_activity", "name", "next_round", "round", "waiters")
+    __slots__ = ("clients", "conns", "kv", "last_activity", "name", "next_round", "round", "waiters")
 
     def __init__(self, name: str, now: float) -> None:
         self.name = name
+        self.clients: dict[bytes, _Client] = {}
         self.kv: dict[str, bytes | bytearray] = {}
         self.waiters: dict[str, set[_Waiter]] = {}
         self.conns: set[_Conn] = set()
@@ -248,6 +289,8 @@ class CoordinatorState:
         job_ttl: seconds after which a job with no connections and no activity is dropped.
         heartbeat_timeout: silence after which a member is declared lost.
         resume_grace: seconds members get to re-attach after a restore.
+        client_ttl: seconds a client's dedupe memory is kept once it has no connection (None:
+            job_ttl). Keep it above the clients' reconnect timeout.
         durable: record acknowledged mutations in ``journal`` (the shell persists them).
         observe: optional hook ``(op, seconds, ok)`` called when a request is answered.
     """
@@ -261,6 +304,7 @@ class CoordinatorState:
         job_ttl: float = DEFAULT_JOB_TTL,
         heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
         resume_grace: float = RESUME_GRACE,
+        client_ttl: float | None = None,
         durable: bool = False,
         observe: Callable[[str, float, bool], None] | None = None,
     ) -> None:
@@ -270,6 +314,7 @@ class CoordinatorState:
         self.job_ttl = job_ttl
         self.heartbeat_timeout = heartbeat_timeout
         self.resume_grace = resume_grace
+        self.client_ttl = job_ttl if client_ttl is None else client_ttl
         self.durable = durable
         self.observe = observe
         self.jobs: dict[str, _Job] = {}
@@ -282,6 +327,8 @@ class CoordinatorState:
         self._timers: list[tuple[float, int, _Waiter | _Member]] = []
         self._timer_seq = itertools.count()
         self._next_housekeeping = clock() + HOUSEKEEPING_INTERVAL
+        self._next_client_sweep = clock() + CLIENT_SWEEP_INTERVAL
+        self.resends_answered = 0  # re-sent mutations answered from memory (for tests and logs)
         self._started = 0.0  # clock value when the request being handled arrived
         self._handlers: dict[str, Callable[[_Conn, int, dict[str, Any], memoryview], None]] = {
             "set": self._op_set,
@@ -302,14 +349,31 @@ class CoordinatorState:
         }
 
     # ------------------------------------------------------------------ connections
-    def connect(self, conn_id: int, job: str, role: str, *, peer: str = "", session: object = None) -> None:
-        """Register an authenticated connection to ``job``; re-attach a member when ``session`` names one."""
+    def connect(
+        self,
+        conn_id: int,
+        job: str,
+        role: str,
+        *,
+        peer: str = "",
+        session: object = None,
+        cid: object = None,
+    ) -> None:
+        """Register an authenticated connection to ``job``; re-attach a member when ``session`` names
+        one; ``cid`` (CID_BYTES bytes) names the client whose numbered mutations it carries."""
         now = self.clock()
         j = self._job(job, now)
         conn = _Conn(conn_id, j, role, peer, now)
         self.conns[conn_id] = conn
         j.conns.add(conn)
         j.last_activity = now
+        if type(cid) is bytes and len(cid) == CID_BYTES:
+            conn.cid = cid
+            client = j.clients.get(cid)
+            if client is None:
+                client = j.clients[cid] = _Client(0, now)
+            client.attached += 1
+            client.last_seen = now
         if session is None or role != ROLE_WORKER:
             return
         member = self._sessions.get(session) if isinstance(session, str) else None
@@ -345,6 +409,11 @@ class CoordinatorState:
         job = conn.job
         job.conns.discard(conn)
         job.last_activity = self.clock()
+        if conn.cid is not None:
+            client = job.clients.get(conn.cid)
+            if client is not None:
+                client.attached -= 1
+                client.last_seen = job.last_activity
         for w in conn.waiters:
             w.done = True
             for key in w.keys:
@@ -402,13 +471,89 @@ class CoordinatorState:
             )
             self._observe(str(op), now, False)
             return
+        rid = header.get("rid") if op in MUTATING_OPS else None
+        client: _Client | None = None
+        if rid is not None:
+            try:
+                client = self._numbered(conn, req_id, op, rid, header.get("ack"))
+            except _Refused as exc:
+                self.outbox.append((conn_id, _err(req_id, exc.err, f"{op}: {exc.msg}", exc.keys), b""))
+                self._observe(op, now, False)
+                return
+            if client is None:  # answered from memory
+                return
         n = len(self.outbox)
+        j = len(self.journal)
         try:
             handler(conn, req_id, header, payload)
         except _Refused as exc:
             del self.outbox[n:]
             self.outbox.append((conn_id, _err(req_id, exc.err, f"{op}: {exc.msg}", exc.keys), b""))
             self._observe(op, now, False)
+            return
+        if client is not None:
+            assert type(rid) is int and conn.cid is not None
+            self._remember_live(conn, client, req_id, rid, n, j)
+
+    def _numbered(self, conn: _Conn, req_id: int, op: str, rid: object, ack: object) -> _Client | None:
+        """Check a numbered mutation; answer a re-sent one from memory (returns None then), else
+        return its client's record, ready for ``_remember_live``."""
+        if conn.cid is None:
+            raise _Refused(ERR_INVALID, "'rid' needs a client id: send 'cid' in the hello")
+        if type(rid) is not int or type(ack) is not int or not 0 <= ack < rid:
+            raise _Refused(
+                ERR_INVALID, f"'rid' and 'ack' must be integers with 0 <= ack < rid, got {rid!r}, {ack!r}"
+            )
+        job = conn.job
+        client = job.clients[conn.cid]  # made by connect(), kept while a connection carries the cid
+        client.last_seen = self._started
+        stored = client.replies.get(rid)
+        if stored is not None:
+            client.forget_through(ack)
+            header, payload = stored
+            self.resends_answered += 1
+            log.info(
+                "job=%s event=resent_request_answered op=%s rid=%d peer=%s", job.name, op, rid, conn.peer
+            )
+            self._reply(conn, req_id, op, self._started, {**header, "id": req_id}, payload)
+            return None
+        if rid <= client.floor:
+            raise _Refused(
+                ERR_INVALID,
+                f"request number {rid} of this client was already acknowledged (ack {client.floor}); "
+                f"a client must not re-send a request it had the reply to",
+            )
+        if rid - max(ack, client.floor) > DEDUPE_WINDOW:
+            raise _Refused(
+                ERR_INVALID,
+                f"request number {rid} is more than {DEDUPE_WINDOW} beyond the client's acknowledged "
+                f"{max(ack, client.floor)}: a client may have at most {DEDUPE_WINDOW} mutations awaiting "
+                f"their reply",
+            )
+        client.forget_through(ack)
+        return client
+
+    def _remember_live(self, conn: _Conn, client: _Client, req_id: int, rid: int, n: int, j: int) -> None:
+        """Keep the reply of numbered mutation ``rid`` and wrap its journal records into one."""
+        reply = next(
+            (
+                (h, p)
+                for c, h, p in self.outbox[n:]
+                if c == conn.id and type(h) is dict and h.get("id") == req_id
+            ),
+            None,
+        )
+        if reply is None or reply[0].get("ok") is not True:
+            return  # mutations answer at once, so this does not happen; nothing to remember then
+        header, payload = reply
+        kept = {k: v for k, v in header.items() if k != "id"}
+        body = bytes(payload)
+        client.replies[rid] = (kept, body)
+        if self.durable:
+            records = self.journal[j:]
+            del self.journal[j:]
+            assert conn.cid is not None
+            self.journal.append(["req", conn.job.name, conn.cid, rid, client.floor, kept, body, records])
 
     def _observe(self, op: str, started: float, ok: bool) -> None:
         if self.observe is not None:
@@ -1096,6 +1241,13 @@ class CoordinatorState:
                 self._lose(
                     m, f"did not reconnect within {self.resume_grace:g}s after the coordinator restarted"
                 )
+        if now >= self._next_client_sweep:
+            self._next_client_sweep = now + CLIENT_SWEEP_INTERVAL
+            ttl = self.client_ttl
+            for job in self.jobs.values():
+                gone = [c for c, cl in job.clients.items() if cl.attached <= 0 and now - cl.last_seen > ttl]
+                for cid in gone:
+                    del job.clients[cid]
         for name, job in list(self.jobs.items()):
             if job.conns or now - job.last_activity <= self.job_ttl:
                 continue
@@ -1189,7 +1341,14 @@ class CoordinatorState:
                         for m in rnd.members.values()
                     ],
                 }
-            jobs.append({"name": j.name, "kv": j.kv, "next_round": j.next_round, "round": rd})
+            clients = [
+                [cid, c.floor, [[rid, h, p] for rid, (h, p) in c.replies.items()]]
+                for cid, c in j.clients.items()
+                if c.replies
+            ]
+            jobs.append(
+                {"name": j.name, "kv": j.kv, "next_round": j.next_round, "round": rd, "clients": clients}
+            )
         return {"format": 1, "jobs": jobs}
 
     def restore(self, snap: dict[str, Any] | None, records: list[Record]) -> None:
@@ -1207,6 +1366,10 @@ class CoordinatorState:
                 rd = jd["round"]
                 if rd is not None:
                     self._restore_round(job, rd["number"], rd["world_size"], rd["members"], rd["broken"])
+                for cid, floor, replies in jd.get("clients", []):
+                    client = job.clients[cid] = _Client(floor, now)
+                    for rid, header, payload in replies:
+                        client.replies[rid] = (header, payload)
             for rec in records:
                 self.apply_record(rec)
         finally:
@@ -1256,6 +1419,15 @@ class CoordinatorState:
                 for m in job.round.members.values():
                     self._sessions.pop(m.session, None)
             self._restore_round(job, rec[2], rec[3], rec[4], False)
+        elif kind == "req":
+            _, _, cid, rid, ack, header, payload, records = rec
+            for sub in records:
+                self.apply_record(sub)
+            client = job.clients.get(cid)
+            if client is None:
+                client = job.clients[cid] = _Client(0, now)
+            client.forget_through(ack)
+            client.replies[rid] = (header, payload)
         elif kind == "gone":
             rnd = job.round
             if rnd is not None and rnd.number == rec[2] and rec[3] in rnd.members:

@@ -54,6 +54,16 @@ been silent for HEARTBEAT_TIMEOUT seconds, and sends ``member_lost`` to every ot
 job at once. After a coordinator restart (state restored from --state-dir) members have
 RESUME_GRACE seconds to reconnect: a client that reconnects sends the hello extra field
 ``session`` (the id it got in the join reply as ``session``) and the coordinator re-attaches it.
+
+Exactly-once mutations: a client may send the hello extra field ``cid`` (CID_BYTES random bytes,
+one per client session) and then number its mutations (set, add, cas, del, mset, append) with the
+header fields ``rid`` (int, growing by one per mutation of that client) and ``ack`` (int: every
+mutation with rid <= ack has had its reply, so the coordinator may forget those replies). The
+coordinator remembers the reply of every numbered mutation above the client's ack, journaled in
+the same record as the mutation, so a request re-sent after a reconnect (or a coordinator restart
+with --state-dir) with the same cid and rid gets the first reply again and is not applied twice.
+A client keeps at most DEDUPE_WINDOW numbered mutations above its ack; a request beyond that, or
+one whose rid is at or below an ack already given, is refused with ERR_INVALID.
 """
 
 from __future__ import annotations
@@ -63,6 +73,8 @@ from collections.abc import Sequence
 from .._errors import ProtocolError
 
 __all__ = [
+    "CID_BYTES",
+    "DEDUPE_WINDOW",
     "ERR_INTERNAL",
     "ERR_INVALID",
     "ERR_RENDEZVOUS",
@@ -75,6 +87,7 @@ __all__ = [
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "MAX_KEY_BYTES",
+    "MUTATING_OPS",
     "OPS",
     "RESUME_GRACE",
     "ROLE_ADMIN",
@@ -111,6 +124,10 @@ HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TIMEOUT = 10.0
 RESUME_GRACE = 30.0
 MAX_KEY_BYTES = 4096
+CID_BYTES = 16
+DEDUPE_WINDOW = 1024
+# The store operations that change state; with ``rid`` they are applied at most once per client.
+MUTATING_OPS = frozenset({"set", "add", "cas", "del", "mset", "append"})
 
 
 def join_values(values: Sequence[bytes | bytearray | memoryview]) -> tuple[bytes, list[int]]:
