@@ -91,6 +91,15 @@ class _Recv:
         self.order = order
 
 
+class _Mismatched:
+    """A receive bound to a message of another size (it fails once the message is read)."""
+
+    __slots__ = ("waiter",)
+
+    def __init__(self, waiter: _Recv) -> None:
+        self.waiter = waiter
+
+
 class _Msg:
     """A message that arrived before its receive."""
 
@@ -165,7 +174,7 @@ class TcpTransport(Transport):
         self._inbox_size: dict[int, int] = {}
         # Receives whose buffer the decoder is filling (or has filled within the current read),
         # in stream order: one read may complete several frames before they are dispatched.
-        self._filling: dict[int, deque[_Recv | None]] = {}
+        self._filling: dict[int, deque[_Recv | _Mismatched | None]] = {}
         self._order = 0
         # Prefixes of finished operations (by length): late messages under them are dropped, or
         # reported as strays when the operation finished successfully (see ``retire``).
@@ -583,7 +592,7 @@ class TcpTransport(Transport):
             "posted": {repr(k): len(v) for k, v in self._posted.items()},
             "posted_any": {repr(k): len(v) for k, v in self._posted_any.items()},
             "inbox": {repr(k): [(m.src, len(m.payload)) for m in v] for k, v in self._inbox.items()},
-            "filling": {p: [None if w is None else repr(w.tag) for w in q] for p, q in self._filling.items()},
+            "filling": {p: [repr(getattr(w, "tag", w)) for w in q] for p, q in self._filling.items()},
             "links": {
                 p: {"reading": link.reading, "write_backlog": link.write_backlog, "mid_frame": link.mid_frame}
                 for p, link in self._links.items()
@@ -594,6 +603,22 @@ class TcpTransport(Transport):
     @property
     def lost_peers(self) -> dict[int, str]:
         return dict(self._lost)
+
+    def abort(self) -> None:
+        """Close every link and the listener at once, without goodbye: peers see what a crash
+        looks like (PeerLostError naming this rank). Pending receives fail; twice is fine."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+        for task in list(self._handshakes):
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+        for link in list(self._links.values()):
+            link.close("this rank aborted its transport", lost=False)
+        self._fail_all(DistError(f"rank {self.rank}'s transport was aborted"))
 
     async def aclose(self) -> None:
         """Say goodbye on every link, close them and the listener. Twice is fine."""
@@ -613,10 +638,14 @@ class TcpTransport(Transport):
             await link.flush(1.0)
         for link in links:
             link.close("this rank closed its transport", lost=False)
-        err = DistError(f"rank {self.rank}'s transport is closed")
-        waiters = [w for q in self._posted.values() for w in q] + [
-            w for q in self._posted_any.values() for w in q
-        ]
+        self._fail_all(DistError(f"rank {self.rank}'s transport is closed"))
+        if self._accept_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._accept_task
+
+    def _fail_all(self, err: BaseException) -> None:
+        waiters = [w for q in self._posted.values() for w in q]
+        waiters += [w for q in self._posted_any.values() for w in q]
         self._posted.clear()
         self._posted_any.clear()
         for waiter in waiters:
@@ -626,9 +655,6 @@ class TcpTransport(Transport):
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()
-        if self._accept_task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._accept_task
 
     # -- receiving -------------------------------------------------------------------------
     def _match(self, src: int, tag: Tag) -> _Recv | None:
@@ -652,6 +678,14 @@ class TcpTransport(Transport):
             return None
         key = tuple(tag)
         waiter = self._peek(src, key)
+        if waiter is not None and len(waiter.into) not in (0, nbytes) and not waiter.fut.done():
+            # The receive that is next in line expects another size: this message is its
+            # (mismatched) one. Bind it now, in stream order, or a later message of the right
+            # size in the same read would overtake it. (A zero-length receive is left to
+            # dispatch time, since zero-length messages never reach this sink.)
+            self._match(src, key)
+            self._filling[src].append(_Mismatched(waiter))
+            return np.empty(nbytes, np.uint8).data
         if waiter is None or len(waiter.into) != nbytes or waiter.fut.done():
             if nbytes < _UNZEROED_MIN:
                 return None  # small: the decoder's own allocation is as cheap
@@ -691,6 +725,10 @@ class TcpTransport(Transport):
                 waiter = self._filling[src].popleft()
                 if waiter is None:
                     self._deliver(src, key, meta, frame.payload)
+                elif isinstance(waiter, _Mismatched):
+                    w = waiter.waiter
+                    if not w.fut.done():
+                        w.fut.set_exception(_length_mismatch(src, key, len(frame.payload), len(w.into), meta))
                 elif not waiter.fut.done():
                     waiter.fut.set_result((src, meta))
                 continue
@@ -751,7 +789,8 @@ class TcpTransport(Transport):
     def _fail_from(self, peer: int, reason: str) -> None:
         filling = self._filling.get(peer)
         while filling:
-            waiter = filling.popleft()
+            entry = filling.popleft()
+            waiter = entry.waiter if isinstance(entry, _Mismatched) else entry
             if waiter is not None and not waiter.fut.done():
                 waiter.fut.set_exception(PeerLostError(peer, reason))
         for key in [k for k in self._posted if k[0] == peer]:

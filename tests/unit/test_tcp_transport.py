@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -11,6 +12,8 @@ from aiocoll.client.transports.tcp import TcpTransport, route_interface
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import AuthenticationError, MismatchError, PeerLostError, RendezvousError
+from aiocoll.algorithms._transport import Transport
+from aiocoll.testing.transport_conformance import KillRank, MakeWorld, TransportConformance
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -228,3 +231,28 @@ async def test_many_small_messages_completed_by_one_read_each_reach_their_own_re
             assert (outs[i] == i).all()
     finally:
         await close_all([a, b])
+
+
+class TestTcpTransportConformance(TransportConformance):
+    """The shared Transport conformance suite, run over real loopback links."""
+
+    @pytest.fixture
+    async def make_world(self) -> AsyncIterator[MakeWorld]:
+        worlds: list[list[TcpTransport]] = []
+
+        async def make(n: int) -> list[Transport]:
+            worlds.append(await make_world(n))
+            return list(worlds[-1])
+
+        yield make
+        for world in worlds:
+            await close_all(world)
+
+    @pytest.fixture
+    def kill_rank(self) -> KillRank:
+        def kill(world: list[Transport], rank: int) -> None:
+            victim = world[rank]
+            assert isinstance(victim, TcpTransport)
+            victim.abort()
+
+        return kill
