@@ -13,7 +13,9 @@ link authenticates (token, job, rank) before any frame is parsed.
 Wire format after the handshake: frames (aiocoll.protocol) whose header is ``{"t": tag, "m": meta}``
 for a message and ``{"k": "bye"}`` for an orderly goodbye. A message whose recv is already posted
 is received straight into the recv's buffer; others wait in a bounded per-peer inbox (the link
-stops reading while it is full).
+stops reading while it is full). The bound is backpressure by design: a rank that runs more than
+``inbox_messages`` messages (or ``inbox_bytes``) ahead of a peer waits for it, and an application
+whose ranks wait on each other beyond that bound gets a CollectiveTimeout, not unbounded memory.
 """
 
 from __future__ import annotations
