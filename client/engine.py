@@ -42,6 +42,7 @@ CONTROL_TAG: Tag = ("x",)
 _EMPTY = memoryview(b"")
 _EMPTY_SINK = memoryview(bytearray(0))  # control messages carry no payload; a writable target
 _MAX_ORPHAN_NOTICES = 1024
+_MAX_STUCK_REPORTS = 64
 
 Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
 
@@ -54,7 +55,18 @@ class GroupState:
         group-rank order. index: this process's rank within the group.
     """
 
-    __slots__ = ("broken", "broken_seq", "gid", "index", "members", "next_seq", "notices", "pending", "ranks")
+    __slots__ = (
+        "broken",
+        "broken_seq",
+        "gid",
+        "index",
+        "members",
+        "next_seq",
+        "notices",
+        "pending",
+        "ranks",
+        "stuck",
+    )
 
     def __init__(self, gid: str, ranks: Sequence[int], my_rank: int) -> None:
         self.gid = gid
@@ -66,6 +78,8 @@ class GroupState:
         self.broken: BaseException | None = None
         self.broken_seq = 0  # calls with seq >= broken_seq fail (p2p always, once broken)
         self.notices: dict[int, MismatchError] = {}  # mismatches reported for seqs not called yet
+        # seq -> {rank: ranks it was still waiting for} from timeout reports (see Engine._expire)
+        self.stuck: dict[int, dict[int, list[int]]] = {}
 
 
 class _Op:
@@ -378,9 +392,36 @@ class Engine:
             self._arm(nearest)
 
     def _expire(self, op: _Op) -> None:
+        """A deadline passed. For a collective, tell the group whom we wait for and fail a moment
+        later: a rank waiting on a rank that itself waits (a ring, a tree) then names the rank
+        at the end of the chain, the one that never called the operation, not its own neighbour."""
         if op.future.done():
             return
-        missing = self._missing_ranks(op)
+        op.deadline = None
+        direct = self._missing_ranks(op)
+        if op.seq < 0 or len(op.group.ranks) <= 2 or self._closed:
+            self._fail_timeout(op, direct)
+            return
+        group = op.group
+        stuck = group.stuck.setdefault(op.seq, {})
+        while len(group.stuck) > _MAX_STUCK_REPORTS:
+            del group.stuck[next(iter(group.stuck))]
+        stuck[self.rank] = direct
+        meta = {"k": "stuck", "g": group.gid, "s": op.seq, "r": self.rank, "waits": direct}
+        for peer in group.ranks:
+            if peer != self.rank:
+                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
+                task.add_done_callback(_ignore_outcome)
+        grace = min(1.0, max(0.05, 0.1 * (op.timeout or 0.0)))
+        self._loop.call_later(grace, self._fail_timeout, op, direct)
+
+    def _fail_timeout(self, op: _Op, direct: list[int]) -> None:
+        stuck = op.group.stuck.pop(op.seq, {}) if op.seq >= 0 else {}
+        if op.future.done():
+            return
+        # Ranks someone waits for that are not themselves stuck at this seq are the culprits.
+        ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
+        missing = ends or direct
         err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
         log.warning("rank %d: %s", self.rank, err)
         state = getattr(self.transport, "debug_state", None)
@@ -507,6 +548,14 @@ class Engine:
 
     def _on_notice(self, src: int, meta: dict[str, Any]) -> None:
         gid, seq = str(meta["g"]), int(meta["s"])
+        if meta.get("k") == "stuck":
+            group = self._groups.get(gid)
+            if group is not None:
+                waits = [int(w) for w in meta.get("waits", [])]
+                group.stuck.setdefault(seq, {})[src] = waits
+                while len(group.stuck) > _MAX_STUCK_REPORTS:
+                    del group.stuck[next(iter(group.stuck))]
+            return
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))
         group = self._groups.get(gid)

@@ -76,6 +76,16 @@ async def world_a(pg: Any) -> dict[str, Any]:
         out["straggler_next"] = await _outcome(lambda: g.barrier(timeout=BOUND))
     await pg.barrier()
 
+    # the same with an all_reduce, where rank 1 only ever waits on rank 0 (which waits on 2):
+    # both must still name rank 2, the one that did not call, not their own neighbour
+    g2 = await pg.new_group([0, 1, 2])
+    x = np.ones(4, np.float32)
+    if r == 2:
+        await asyncio.sleep(3.0)
+    else:
+        out["straggler_chain"] = await _outcome(lambda: g2.all_reduce(x, timeout=1.0))
+    await pg.barrier()
+
     # mismatches of size, dtype, operation and root
     out["size"] = await _mismatch_check(pg, lambda g: g.all_reduce(np.ones(8 if r == 1 else 4, np.float32)))
     out["dtype"] = await _mismatch_check(
@@ -149,6 +159,17 @@ def test_straggler_raises_collective_timeout_naming_the_late_rank(
         assert world_a_results[r]["straggler_next"]["error"] == "CollectiveTimeout"
         assert world_a_results[r]["straggler_next"]["elapsed"] < 1.0
     assert world_a_results[2]["straggler"]["error"] == "CollectiveTimeout"
+
+
+@pytest.mark.timeout(150)
+def test_timeout_names_the_rank_at_the_end_of_a_chain_of_waiting_ranks(
+    world_a_results: list[dict[str, Any]],
+) -> None:
+    for r in (0, 1):
+        res = world_a_results[r]["straggler_chain"]
+        assert res["error"] == "CollectiveTimeout", res
+        assert res["missing"] == [2], res
+        assert res["elapsed"] < BOUND
 
 
 @pytest.mark.timeout(150)
