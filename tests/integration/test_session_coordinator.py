@@ -20,7 +20,7 @@ import pytest
 from aiocoll.client.session import CoordinatorSession, CoordinatorUnreachable
 
 import aiocoll
-from aiocoll import AuthenticationError, RendezvousError, Store, StoreError, StoreTimeout
+from aiocoll import AuthenticationError, RendezvousError, Store, StoreTimeout
 from aiocoll.protocol._coordinator import EV_RESTARTED, EV_SESSION_LOST, ROLE_STORE
 from aiocoll.testing.fault_proxy import FaultProxy
 from aiocoll.testing.store_conformance import StoreConformance, StoreFactory
@@ -346,7 +346,7 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
     sessions: list[CoordinatorSession] = []
     try:
         store = await aiocoll.connect_store(_url(port), token=TOKEN, job=job, timeout=60)
-        sessions.append(store)  # type: ignore[arg-type]
+        sessions.append(store)
         workers = [
             await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, job=job, timeout=60)
             for _ in range(2)
@@ -374,7 +374,7 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
         second = CoordinatorProcess(tmp_path, port=port, state_dir=state)
 
         setter = await aiocoll.connect_store(_url(port), token=TOKEN, job=job, timeout=60)
-        sessions.append(setter)  # type: ignore[arg-type]
+        sessions.append(setter)
         await setter.set("after-restart", b"hello again")
         assert await asyncio.wait_for(waiting, 60) == b"hello again"
         assert await store.multi_get(list(acked)) == list(acked.values())
@@ -392,6 +392,69 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
         first.stop()
         if second is not None:
             second.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_count_exactly_once(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    coordinators = [CoordinatorProcess(tmp_path, state_dir=state)]
+    job = f"exact-{uuid.uuid4().hex}"
+    async with FaultProxy("127.0.0.1", coordinators[0].port) as proxy:
+        store = await CoordinatorSession.connect(
+            "127.0.0.1", proxy.port, token=TOKEN, job=job, role=ROLE_STORE, timeout=30
+        )
+        stop = asyncio.Event()
+        seen: list[int] = []  # every value an add answered with
+        appended: list[str] = []
+
+        async def writer(n: int) -> None:
+            i = 0
+            while not stop.is_set():
+                seen.append(await store.add("counter", 1))
+                await store.append("log", f"{n}.{i},".encode())
+                appended.append(f"{n}.{i}")
+                i += 1
+
+        async def cut_after_requests_arrived() -> None:
+            # Requests reach the coordinator after 0.15 s, replies would be back after 0.3 s.
+            proxy.delay(0.15)
+            await asyncio.sleep(0.22)
+            proxy.cut()
+            proxy.delay(0)
+
+        writers = [asyncio.ensure_future(writer(n)) for n in range(16)]
+        try:
+            await asyncio.sleep(0.3)
+            await cut_after_requests_arrived()
+            await asyncio.sleep(0.3)
+            proxy.cut()  # at whatever moment the requests are in
+            await asyncio.sleep(0.3)
+            coordinators[0].stop(signal.SIGKILL)  # mid-stream: some applied, unanswered
+            coordinators.append(CoordinatorProcess(tmp_path, state_dir=state))
+            proxy.retarget("127.0.0.1", coordinators[1].port)
+            await asyncio.sleep(0.5)
+            await cut_after_requests_arrived()
+            await asyncio.sleep(0.3)
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*writers), 30)  # no add or append failed
+            counter = int(await store.get("counter"))
+            log = (await store.get("log")).decode().split(",")[:-1]
+        finally:
+            stop.set()
+            for task in writers:
+                task.cancel()
+            await store.aclose()
+            for c in coordinators:
+                c.stop()
+    assert counter == len(seen) > 0
+    assert sorted(seen) == list(range(1, counter + 1)), "every add answered once, with its own value"
+    assert sorted(log) == sorted(appended) and len(set(log)) == len(log)
+    logs = [c.log_path.read_text(errors="replace") for c in coordinators]
+    answered = sum(text.count("event=resent_request_answered") for text in logs)
+    assert answered >= 1, "no re-sent request was answered from memory: the faults missed"
+    assert proxy.accepted >= 4
 
 
 @pytest.mark.timeout(60)
