@@ -202,8 +202,10 @@ class PeerLink:
                 return
             if frames:
                 self._on_frames(self, frames)
-            if n < len(target):
-                return  # the socket is drained: skip the read that would only say EAGAIN
+            if n < len(target) and not decoder.mid_frame:
+                # Drained between frames: skip the read that would only say EAGAIN. (Inside a
+                # large payload keep reading: more has usually arrived by now.)
+                return
 
     # -- writing ---------------------------------------------------------------------------
     def write(self, views: list[memoryview]) -> asyncio.Future[None] | None:
