@@ -913,6 +913,8 @@ async def _init_with_coordinator(
 async def _connect_session(
     cls: Any, host: str, port: int, token: str | None, job: str, role: str, deadline: Deadline
 ) -> Any:
+    from aiocoll.client.session import CoordinatorUnreachable
+
     remaining = deadline.remaining()
     try:
         # The session retries with backoff by itself while its timeout allows (rank 0 may still
@@ -920,10 +922,11 @@ async def _connect_session(
         return await cls.connect(
             host, port, token=token, job=job, role=role, timeout=remaining if remaining is not None else 1e9
         )
-    except (OSError, asyncio.TimeoutError) as exc:
+    except (OSError, asyncio.TimeoutError, CoordinatorUnreachable) as exc:
         raise RendezvousError(
             f"no aiocoll coordinator answered at {host}:{port} within the rendezvous timeout ({exc}); "
-            f"start one (aiocoll coordinator) or let rank 0 start it"
+            f"start one (aiocoll coordinator), or let the process with RANK=0 (rank=0) start one "
+            f"inside itself"
         ) from exc
 
 
