@@ -123,7 +123,8 @@ class _Client:
         replies = self.replies
         # Rids mostly arrive in order, so the oldest entries come first; a re-sent one that came
         # late is found by the full scan, done only when the window fills.
-        for rid in list(itertools.islice(replies, 64)):
+        while replies:
+            rid = next(iter(replies))
             if rid > ack:
                 break
             del replies[rid]
@@ -535,18 +536,21 @@ class CoordinatorState:
 
     def _remember_live(self, conn: _Conn, client: _Client, req_id: int, rid: int, n: int, j: int) -> None:
         """Keep the reply of numbered mutation ``rid`` and wrap its journal records into one."""
-        reply = next(
-            (
-                (h, p)
-                for c, h, p in self.outbox[n:]
-                if c == conn.id and type(h) is dict and h.get("id") == req_id
-            ),
-            None,
-        )
-        if reply is None or reply[0].get("ok") is not True:
+        outbox = self.outbox
+        # The reply is normally the last frame; replies to waiters the mutation woke come before it.
+        i = len(outbox) - 1
+        while i >= n:
+            c, h, p = outbox[i]
+            if c == conn.id and type(h) is dict and h.get("id") == req_id:
+                break
+            i -= 1
+        else:
             return  # mutations answer at once, so this does not happen; nothing to remember then
-        header, payload = reply
-        kept = {k: v for k, v in header.items() if k != "id"}
+        header, payload = h, p
+        if header.get("ok") is not True:
+            return
+        kept = dict(header)
+        del kept["id"]
         body = bytes(payload)
         client.replies[rid] = (kept, body)
         if self.durable:
