@@ -447,6 +447,12 @@ class Engine:
     # -- failures --------------------------------------------------------------------------
     def peer_lost(self, rank: int, exc: BaseException | str = "") -> None:
         """A peer is gone: fail every pending operation of every group containing it."""
+        if rank == self.rank:
+            # The coordinator thinks *we* are gone (our loop stalled past the heartbeat timeout,
+            # say). Our peers hear the same notice and fail what involves us; here there is
+            # nothing to fail on our own behalf.
+            log.warning("rank %d: the coordinator reported this rank lost: %s", self.rank, exc)
+            return
         if isinstance(exc, PeerLostError):
             err = exc
         else:

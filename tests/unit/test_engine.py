@@ -219,3 +219,16 @@ async def test_a_root_mismatch_where_disagreeing_ranks_only_send_is_still_detect
             await engs[r].submit(groups[r], "barrier", barrier_body((0, 1, 2), r), timeout=2)
     await close(engs)
     await close_all(ts)
+
+
+async def test_a_loss_notice_about_this_rank_itself_breaks_nothing_here() -> None:
+    _, engs = engines(2)
+    g = [e.group("w", (0, 1)) for e in engs]
+    engs[0].peer_lost(0, "silent for 10s")
+    x0, x1 = np.ones(2), np.ones(2)
+    await asyncio.gather(
+        engs[0].submit(g[0], "all_reduce", all_reduce_body(x0, (0, 1), 0), timeout=5),
+        engs[1].submit(g[1], "all_reduce", all_reduce_body(x1, (0, 1), 1), timeout=5),
+    )
+    assert (x0 == 2).all()
+    await close(engs)
