@@ -27,13 +27,12 @@ from ._bench_common import (
     DTYPE_SIZES,
     Progress,
     format_bytes,
-    free_port,
     machine_description,
     summarize,
     utc_now,
     write_json,
 )
-from ._bench_servers import start_coordinator
+from ._bench_servers import start_coordinator, start_tcpstore
 
 __all__ = ["run_collectives"]
 
@@ -201,10 +200,16 @@ def run_collectives(args: argparse.Namespace) -> int:
         args.loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     token = secrets.token_hex(16)
     coordinator = start_coordinator(token, verbose=args.verbose)
+    # torch's rendezvous goes through a TCPStore server of its own (port 0: no race for a port)
+    try:
+        gloo_store = start_tcpstore() if with_gloo else None
+    except BaseException:
+        coordinator.stop()
+        raise
     cfg = {
         "world_size": n,
         "port": coordinator.port,
-        "gloo_port": free_port() if with_gloo else 0,
+        "gloo_port": gloo_store.port if gloo_store is not None else 0,
         "token": token,
         "job": f"bench-{secrets.token_hex(4)}",
         "timeout": args.timeout,
@@ -297,6 +302,8 @@ def run_collectives(args: argparse.Namespace) -> int:
     finally:
         _terminate(procs)
         coordinator.stop()
+        if gloo_store is not None:
+            gloo_store.stop()
         with contextlib.suppress(Exception):
             results.close()
     meta = {

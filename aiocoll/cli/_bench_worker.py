@@ -261,13 +261,12 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
         timeout=cfg["timeout"],
     )
     if dist is not None:
+        timeout = datetime.timedelta(seconds=cfg["timeout"])
+        store = dist.TCPStore(
+            "127.0.0.1", cfg["gloo_port"], is_master=False, wait_for_workers=False, timeout=timeout
+        )
         await asyncio.to_thread(
-            dist.init_process_group,
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{cfg['gloo_port']}",
-            rank=rank,
-            world_size=n,
-            timeout=datetime.timedelta(seconds=cfg["timeout"]),
+            dist.init_process_group, "gloo", store=store, rank=rank, world_size=n, timeout=timeout
         )
     put(("ready", rank))
     use_torch = cfg["tensor"] == "torch"
