@@ -328,6 +328,7 @@ class CoordinatorState:
         self._timers: list[tuple[float, int, _Waiter | _Member]] = []
         self._timer_seq = itertools.count()
         self._next_housekeeping = clock() + HOUSEKEEPING_INTERVAL
+        self._last_housekeeping = clock()
         self._next_client_sweep = clock() + CLIENT_SWEEP_INTERVAL
         self.resends_answered = 0  # re-sent mutations answered from memory (for tests and logs)
         self._started = 0.0  # clock value when the request being handled arrived
@@ -1172,6 +1173,14 @@ class CoordinatorState:
             elif item.state == "joining":
                 self._expire_join(item)
         if now >= self._next_housekeeping:
+            # Silence is measured in time the coordinator could listen. When its own loop stalled
+            # (an embedded coordinator in a rank busy importing torch, a paused VM), the members'
+            # heartbeats wait unread in socket buffers; credit them the stall instead of
+            # declaring everyone lost on waking.
+            stalled = now - self._last_housekeeping - HOUSEKEEPING_INTERVAL
+            if stalled > self.heartbeat_timeout / 2:
+                self._credit_stall(stalled)
+            self._last_housekeeping = now
             self._next_housekeeping = now + HOUSEKEEPING_INTERVAL
             self._housekeeping(now)
 
@@ -1228,6 +1237,12 @@ class CoordinatorState:
                 )
             )
             self._observe("join", m.started, False)
+
+    def _credit_stall(self, seconds: float) -> None:
+        for m in self._live_members:
+            if m.state == "alive" and m.conn is not None:
+                m.conn.last_seen += seconds
+        log.warning("event=coordinator_stalled seconds=%.1f liveness clocks credited", seconds)
 
     def _housekeeping(self, now: float) -> None:
         limit = self.heartbeat_timeout

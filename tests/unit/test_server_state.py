@@ -359,6 +359,20 @@ def test_silent_member_is_lost_after_heartbeat_timeout_and_closed() -> None:
     assert [c for c, _ in h.state.closes] == [conns[1]]
 
 
+def test_coordinator_stall_is_not_counted_as_member_silence_but_later_silence_is() -> None:
+    h = Harness(heartbeat_timeout=10)
+    conns, _ = complete_round(h, 2)
+    h.tick(1)
+    h.tick(30)  # the coordinator's own loop did not run for 30 s (heartbeats unread meanwhile)
+    assert [f for c in conns for f in h.out(c) if "ev" in f[0]] == []
+    assert h.state.closes == []
+    for _ in range(4):  # after the stall, member 0 heartbeats and member 1 stays silent
+        h.tick(3)
+        h.send(conns[0], "hb")
+    frames = [f for f in h.out(conns[0]) if "ev" in f[0]]
+    assert [(f[0]["ev"], f[0]["rank"]) for f in frames] == [(EV_MEMBER_LOST, 1)]
+
+
 def test_leave_breaks_the_round_without_events_and_a_new_round_opens() -> None:
     h = Harness()
     conns, _ = complete_round(h, 2)
