@@ -235,7 +235,7 @@ def run_collectives(args: argparse.Namespace) -> int:
     ]
     impls = ["aiocoll", "gloo"] if with_gloo else ["aiocoll"]
     total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops)
-    progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=None if not args.quiet else False)
+    progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
     pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     done_ranks: set[int] = set()
