@@ -17,9 +17,11 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import io
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -504,6 +506,12 @@ class _Agent:
             if config.coordinator is None:
                 coordinator_logger.addHandler(log_handler)
                 token = config.token if config.token is not None else os.environ.get("AIOCOLL_TOKEN")
+                if not token:
+                    # Secure by default: the embedded coordinator and the workers' peer links are
+                    # only for this launch, so a fresh random secret costs the user nothing.
+                    token = secrets.token_urlsafe(24)
+                    config = self._config = dataclasses.replace(config, token=token)
+                    self._console.log("no AIOCOLL_TOKEN given: this job uses a random token of its own")
                 try:
                     coordinator, host, port = await start_embedded_coordinator(token, config.embedded_port)
                 except EmbeddedCoordinatorUnavailable as exc:

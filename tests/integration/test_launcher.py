@@ -475,3 +475,32 @@ def test_aiocoll_run_help_through_the_dispatcher_shows_examples(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr
     for fragment in ("examples:", "--nproc-per-node", "--max_restarts", "exit status:"):
         assert fragment in proc.stdout, fragment
+
+
+TOKEN_CLIENT = r'''
+import asyncio, os
+import aiocoll
+async def main():
+    store = await aiocoll.connect_store("tcp://" + os.environ["AIOCOLL_COORDINATOR"], timeout=20)
+    await store.set("rank" + os.environ["RANK"], "here")
+    await store.wait(["rank0", "rank1"])
+    await store.aclose()
+    print("TOKEN", os.environ["AIOCOLL_TOKEN"], flush=True)
+asyncio.run(main())
+'''
+
+
+@pytest.mark.skipif(not _has_coordinator(), reason="aiocoll.server.Coordinator has not landed yet")
+def test_without_a_token_each_launch_uses_a_random_secret_its_coordinator_requires(tmp_path: Path) -> None:
+    (tmp_path / "client.py").write_text(TOKEN_CLIENT)
+    tokens = []
+    for _ in range(2):
+        proc = _launch("--nproc-per-node", "2", "client.py", cwd=tmp_path, env=_clean_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "random token of its own" in proc.stderr
+        assert "no token" not in proc.stderr  # no worker had to warn about an open job
+        seen = {line.split()[-1] for rank in (0, 1) for line in _rank_lines(proc.stdout, rank)
+                if line.startswith("TOKEN ")}
+        assert len(seen) == 1 and len(next(iter(seen))) >= 24  # one shared secret per launch
+        tokens.append(seen.pop())
+    assert tokens[0] != tokens[1]
