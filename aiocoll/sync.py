@@ -249,11 +249,16 @@ def _group(group: Any) -> ProcessGroup | None:
     )
 
 
-def _not_member(op: str) -> None:
-    warnings.warn(
-        f"Running {op} on a rank that is not a member of the given group; nothing to do.",
-        stacklevel=3,
-    )
+def _member(group: Any, op: str) -> ProcessGroup | None:
+    """The handle for ``group=`` of operation ``op``; None, with torch's warning, for a non-member."""
+    pg = _group(group)
+    if pg is None:
+        # stacklevel 3: the warning names the line of the script that called the facade function.
+        warnings.warn(
+            f"Running {op} on a rank that is not a member of the given group; nothing to do.",
+            stacklevel=3,
+        )
+    return pg
 
 
 def _rank_in(
@@ -277,10 +282,6 @@ def _op(op: Any) -> ReduceOp:
     # torch's ReduceOp instances (as opposed to its RedOpType members) carry the kind in `.op`.
     inner = getattr(op, "op", None)
     return ReduceOp.coerce(op if inner is None or isinstance(op, ReduceOp) else inner)
-
-
-def _seconds(timeout: Any) -> float | None:
-    return to_seconds(timeout)
 
 
 def _launch(
@@ -338,7 +339,7 @@ def init_process_group(
         raise ValueError(f"unknown backend {backend!r}; aiocoll.sync accepts {list(_BACKENDS)} or None")
     if store is not None and init_method is not None:
         raise ValueError("init_method and store are mutually exclusive, pass only one")
-    seconds = _seconds(timeout if timeout is not None else DEFAULT_TIMEOUT)
+    seconds = to_seconds(timeout if timeout is not None else DEFAULT_TIMEOUT)
     async_store = as_async_store(store) if store is not None else None
     with _state_lock:
         if _world is not None:
@@ -456,9 +457,8 @@ def isend(
     tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
 ) -> Work | None:
     """Send ``tensor`` to ``dst`` without blocking; returns a Work (None for non-members)."""
-    pg = _group(group)
+    pg = _member(group, "isend")
     if pg is None:
-        _not_member("isend")
         return None
     peer = _rank_in(pg, dst, group_dst, "dst")
     return _launch(pg, "isend", lambda: pg.core.isend(tensor, peer, tag=tag), True, [tensor])
@@ -468,9 +468,8 @@ def irecv(
     tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None
 ) -> Work | None:
     """Receive into ``tensor`` from ``src`` (None: any rank) without blocking; returns a Work."""
-    pg = _group(group)
+    pg = _member(group, "irecv")
     if pg is None:
-        _not_member("irecv")
         return None
     peer = None if src is None and group_src is None else _rank_in(pg, src, group_src, "src")
     return _launch(pg, "irecv", lambda: pg.core.irecv(tensor, peer, tag=tag), True, [tensor], _source(pg))
@@ -480,9 +479,8 @@ def send(
     tensor: Any, dst: int | None = None, group: Any = None, tag: int = 0, group_dst: int | None = None
 ) -> None:
     """Send ``tensor`` to ``dst`` and block until it was handed over."""
-    pg = _group(group)
+    pg = _member(group, "send")
     if pg is None:
-        _not_member("send")
         return
     peer = _rank_in(pg, dst, group_dst, "dst")
     _launch(pg, "send", lambda: pg.core.send(tensor, peer, tag=tag), False, [tensor])
@@ -493,9 +491,8 @@ def recv(
 ) -> int:
     """Receive into ``tensor`` from ``src`` (None: any rank); returns the sender's global rank
     (-1 for non-members)."""
-    pg = _group(group)
+    pg = _member(group, "recv")
     if pg is None:
-        _not_member("recv")
         return -1
     peer = None if src is None and group_src is None else _rank_in(pg, src, group_src, "src")
     return _launch(pg, "recv", lambda: pg.core.recv(tensor, peer, tag=tag), False, [tensor], _source(pg))
@@ -577,9 +574,8 @@ def broadcast(
     group_src: int | None = None,
 ) -> Work | None:
     """Copy ``tensor`` of rank ``src`` into ``tensor`` on every rank."""
-    pg = _group(group)
+    pg = _member(group, "broadcast")
     if pg is None:
-        _not_member("broadcast")
         return None
     root = _rank_in(pg, src, group_src, "src")
     return _launch(pg, "broadcast", lambda: pg.core.broadcast(tensor, src=root), async_op, [tensor])
@@ -587,9 +583,8 @@ def broadcast(
 
 def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Work | None:
     """Reduce ``tensor`` across ranks with ``op``, in place on every rank."""
-    pg = _group(group)
+    pg = _member(group, "all_reduce")
     if pg is None:
-        _not_member("all_reduce")
         return None
     reduce_op = _op(op)
     return _launch(pg, "all_reduce", lambda: pg.core.all_reduce(tensor, op=reduce_op), async_op, [tensor])
@@ -604,9 +599,8 @@ def reduce(
     group_dst: int | None = None,
 ) -> Work | None:
     """Reduce ``tensor`` across ranks into ``tensor`` of rank ``dst``."""
-    pg = _group(group)
+    pg = _member(group, "reduce")
     if pg is None:
-        _not_member("reduce")
         return None
     root = _rank_in(pg, dst, group_dst, "dst")
     reduce_op = _op(op)
@@ -615,9 +609,8 @@ def reduce(
 
 def all_gather(tensor_list: list[Any], tensor: Any, group: Any = None, async_op: bool = False) -> Work | None:
     """Gather ``tensor`` of every rank into ``tensor_list`` (one entry per rank) on every rank."""
-    pg = _group(group)
+    pg = _member(group, "all_gather")
     if pg is None:
-        _not_member("all_gather")
         return None
     return _launch(
         pg, "all_gather", lambda: pg.core.all_gather(tensor_list, tensor), async_op, list(tensor_list)
@@ -628,9 +621,8 @@ def all_gather_into_tensor(
     output_tensor: Any, input_tensor: Any, group: Any = None, async_op: bool = False
 ) -> Work | None:
     """Gather every rank's ``input_tensor`` into ``output_tensor`` (concatenated or stacked)."""
-    pg = _group(group)
+    pg = _member(group, "all_gather_into_tensor")
     if pg is None:
-        _not_member("all_gather_into_tensor")
         return None
     return _launch(
         pg,
@@ -650,9 +642,8 @@ def gather(
     group_dst: int | None = None,
 ) -> Work | None:
     """Gather ``tensor`` of every rank into ``gather_list`` on rank ``dst`` (default 0)."""
-    pg = _group(group)
+    pg = _member(group, "gather")
     if pg is None:
-        _not_member("gather")
         return None
     root = _rank_in(pg, dst, group_dst, "dst", default=0)
     return _launch(
@@ -669,9 +660,8 @@ def scatter(
     group_src: int | None = None,
 ) -> Work | None:
     """Give rank i entry i of ``scatter_list`` of rank ``src`` (default 0), into ``tensor``."""
-    pg = _group(group)
+    pg = _member(group, "scatter")
     if pg is None:
-        _not_member("scatter")
         return None
     root = _rank_in(pg, src, group_src, "src", default=0)
     return _launch(
@@ -683,9 +673,8 @@ def reduce_scatter(
     output: Any, input_list: list[Any], op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Work | None:
     """Reduce entry i of every rank's ``input_list`` into ``output`` of rank i."""
-    pg = _group(group)
+    pg = _member(group, "reduce_scatter")
     if pg is None:
-        _not_member("reduce_scatter")
         return None
     reduce_op = _op(op)
     return _launch(
@@ -701,9 +690,8 @@ def reduce_scatter_tensor(
     output: Any, input: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False
 ) -> Work | None:
     """Reduce chunk i of every rank's ``input`` into ``output`` of rank i."""
-    pg = _group(group)
+    pg = _member(group, "reduce_scatter_tensor")
     if pg is None:
-        _not_member("reduce_scatter_tensor")
         return None
     reduce_op = _op(op)
     return _launch(
@@ -719,9 +707,8 @@ def all_to_all(
     output_tensor_list: list[Any], input_tensor_list: list[Any], group: Any = None, async_op: bool = False
 ) -> Work | None:
     """Send entry i of ``input_tensor_list`` to rank i; receive rank j's into output entry j."""
-    pg = _group(group)
+    pg = _member(group, "all_to_all")
     if pg is None:
-        _not_member("all_to_all")
         return None
     return _launch(
         pg,
@@ -741,9 +728,8 @@ def all_to_all_single(
     async_op: bool = False,
 ) -> Work | None:
     """all_to_all over the first dimension of single tensors, with optional split sizes."""
-    pg = _group(group)
+    pg = _member(group, "all_to_all_single")
     if pg is None:
-        _not_member("all_to_all_single")
         return None
     return _launch(
         pg,
@@ -763,11 +749,10 @@ def barrier(
         CollectiveTimeout: naming the ranks that did not arrive within ``timeout`` (default: the
             group's timeout).
     """
-    pg = _group(group)
+    pg = _member(group, "barrier")
     if pg is None:
-        _not_member("barrier")
         return None
-    seconds = _seconds(timeout)
+    seconds = to_seconds(timeout)
     if seconds is None:
         return _launch(pg, "barrier", lambda: pg.core.barrier(), async_op, [])
     return _launch(pg, "barrier", lambda: pg.core.barrier(timeout=seconds), async_op, [])
@@ -787,11 +772,10 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
         CollectiveTimeout (a DistError, i.e. RuntimeError): on rank 0, naming the global ranks that
             did not arrive; on the others, naming rank 0 when it did not answer.
     """
-    pg = _group(group)
+    pg = _member(group, "monitored_barrier")
     if pg is None:
-        _not_member("monitored_barrier")
         return
-    seconds = _seconds(timeout)
+    seconds = to_seconds(timeout)
     if seconds is None:
         seconds = pg.timeout
     get_loop_thread().run(_monitored_barrier(pg, seconds, wait_all_ranks))
@@ -868,9 +852,8 @@ def broadcast_object_list(
 
     Objects travel pickled, and only between authenticated peers.
     """
-    pg = _group(group)
+    pg = _member(group, "broadcast_object_list")
     if pg is None:
-        _not_member("broadcast_object_list")
         return
     root = _rank_in(pg, src, group_src, "src", default=0)
     sent = list(object_list)
@@ -881,9 +864,8 @@ def broadcast_object_list(
 
 def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> None:
     """Put every rank's ``obj`` into ``object_list`` (entry i from rank i) on every rank."""
-    pg = _group(group)
+    pg = _member(group, "all_gather_object")
     if pg is None:
-        _not_member("all_gather_object")
         return
     gathered = get_loop_thread().run(_await(pg.core.all_gather_object(obj)))
     for i, value in enumerate(gathered):
@@ -898,9 +880,8 @@ def gather_object(
     group_dst: int | None = None,
 ) -> None:
     """Put every rank's ``obj`` into ``object_gather_list`` of rank ``dst`` (default 0)."""
-    pg = _group(group)
+    pg = _member(group, "gather_object")
     if pg is None:
-        _not_member("gather_object")
         return
     root = _rank_in(pg, dst, group_dst, "dst", default=0)
     if pg.rank() == root and object_gather_list is None:
@@ -919,9 +900,8 @@ def scatter_object_list(
     group_src: int | None = None,
 ) -> None:
     """Put entry i of rank ``src``'s input list into ``scatter_object_output_list[0]`` of rank i."""
-    pg = _group(group)
+    pg = _member(group, "scatter_object_list")
     if pg is None:
-        _not_member("scatter_object_list")
         return
     if not isinstance(scatter_object_output_list, list) or len(scatter_object_output_list) < 1:
         raise ValueError("scatter_object_output_list must be a list of at least one element")
