@@ -20,6 +20,7 @@ from ..protocol._coordinator import MAX_KEY_BYTES
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "LocalStore",
     "Store",
     "Value",
     "check_amount",
@@ -244,3 +245,36 @@ class Store(abc.ABC):
         if len(keys) != len(values):
             raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
         return keys, [to_value(k, v) for k, v in zip(keys, values, strict=True)]
+
+
+class LocalStore(Store):
+    """A store whose values this process holds in ``_data`` (MemoryStore, FileStore).
+
+    The reads that wait (get, multi_get, wait) are the same for every such store once it can wait
+    for keys to appear in ``_data``; each subclass says how with ``_wait_for``.
+    """
+
+    def __init__(self, timeout: float | datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+        super().__init__(timeout)
+        self._data: dict[str, bytes] = {}
+
+    @abc.abstractmethod
+    async def _wait_for(self, keys: list[str], timeout: float) -> None:
+        """Return once every key is in ``_data``.
+
+        Raises:
+            StoreTimeout: naming the keys still missing after ``timeout`` seconds.
+        """
+
+    async def get(self, key: str) -> bytes:
+        key = check_key(key)
+        await self._wait_for([key], self.timeout)
+        return self._data[key]
+
+    async def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
+        await self._wait_for(check_keys(keys), self._wait_timeout(timeout))
+
+    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        keys = check_keys(keys)
+        await self._wait_for(keys, self.timeout)
+        return [self._data[k] for k in keys]

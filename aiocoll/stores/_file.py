@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Sequence
 from .._errors import StoreError, StoreTimeout
 from ._base import (
     DEFAULT_TIMEOUT,
-    Store,
+    LocalStore,
     Value,
     check_amount,
     check_key,
@@ -45,7 +45,7 @@ _POLL_FIRST = 0.001
 _POLL_MAX = 0.05
 
 
-class FileStore(Store):
+class FileStore(LocalStore):
     """A store kept in the file at ``path``, shared by every process that opens the same path.
 
     Use ``await FileStore.open(path)`` or ``FileStore(path)`` (the file is opened on first use).
@@ -71,7 +71,6 @@ class FileStore(Store):
         self.world_size = world_size
         self._fd: int | None = None
         self._offset = 0
-        self._data: dict[str, bytes] = {}
         self._users = 0
         self._finished = 0
         self._closed = False
@@ -121,7 +120,6 @@ class FileStore(Store):
                             self._fd = fd
                             self._replay()
                             self._write(_USERS, "", b"1")
-                            self._users += 1
                             return fd
                     finally:
                         fcntl.flock(fd, fcntl.LOCK_UN)
@@ -196,7 +194,10 @@ class FileStore(Store):
             raise StoreError(f"the FileStore file {self.path!r} holds an unknown record kind {kind!r}")
 
     def _write(self, kind: bytes, key: str, value: bytes) -> None:
-        """Append one record (caller holds the exclusive lock and has replayed the log)."""
+        """Append one record and apply it to this user's view of the data, as replay would.
+
+        The caller holds the exclusive lock and has replayed the log.
+        """
         assert self._fd is not None
         raw_key = key.encode("utf-8", "surrogatepass")
         record = memoryview(_RECORD.pack(kind, len(raw_key), len(value)) + raw_key + value)
@@ -204,6 +205,7 @@ class FileStore(Store):
             written = os.write(self._fd, record)
             record = record[written:]
         self._offset = os.fstat(self._fd).st_size
+        self._apply(kind, key, value)
 
     async def _wait_for(self, keys: list[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -228,12 +230,6 @@ class FileStore(Store):
         raw = to_value(key, value)
         async with self._locked(exclusive=True):
             self._write(_SET, key, raw)
-            self._data[key] = raw
-
-    async def get(self, key: str) -> bytes:
-        key = check_key(key)
-        await self._wait_for([key], self.timeout)
-        return self._data[key]
 
     async def add(self, key: str, amount: int) -> int:
         key = check_key(key)
@@ -242,7 +238,6 @@ class FileStore(Store):
             result = parse_counter(key, self._data.get(key)) + amount
             raw = str(result).encode("ascii")
             self._write(_SET, key, raw)
-            self._data[key] = raw
         return result
 
     async def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
@@ -253,11 +248,7 @@ class FileStore(Store):
             result, store = compare_set_result(self._data.get(key), exp, des)
             if store:
                 self._write(_SET, key, des)
-                self._data[key] = des
         return result
-
-    async def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
-        await self._wait_for(check_keys(keys), self._wait_timeout(timeout))
 
     async def check(self, keys: Sequence[str]) -> bool:
         keys = check_keys(keys)
@@ -270,31 +261,23 @@ class FileStore(Store):
             if key not in self._data:
                 return False
             self._write(_DELETE, key, b"")
-            del self._data[key]
             return True
 
     async def num_keys(self) -> int:
         async with self._locked(exclusive=False):
             return len(self._data)
 
-    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        keys = check_keys(keys)
-        await self._wait_for(keys, self.timeout)
-        return [self._data[k] for k in keys]
-
     async def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         pairs = list(zip(*self._pair(keys, values), strict=True))
         async with self._locked(exclusive=True):
             for key, raw in pairs:
                 self._write(_SET, key, raw)
-                self._data[key] = raw
 
     async def append(self, key: str, value: Value) -> None:
         key = check_key(key)
         raw = to_value(key, value)
         async with self._locked(exclusive=True):
             self._write(_APPEND, key, raw)
-            self._data[key] = self._data.get(key, b"") + raw
 
     async def aclose(self) -> None:
         """Count this user out of the file; the last user removes it. Twice is fine."""
@@ -308,8 +291,6 @@ class FileStore(Store):
             async with self._locked(exclusive=True):
                 self._write(_USERS, "", b"-1")
                 self._write(_FINISHED, "", b"1")
-                self._users -= 1
-                self._finished += 1
                 if self._users <= 0 and (self.world_size <= 0 or self._finished >= self.world_size):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self.path)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from .._errors import StoreTimeout
 from ._base import (
     DEFAULT_TIMEOUT,
-    Store,
+    LocalStore,
     Value,
     check_amount,
     check_key,
@@ -27,7 +27,7 @@ from ._base import (
 __all__ = ["MemoryStore"]
 
 
-class MemoryStore(Store):
+class MemoryStore(LocalStore):
     """A dict with waits. ``num_keys`` counts every key.
 
     Args:
@@ -36,7 +36,6 @@ class MemoryStore(Store):
 
     def __init__(self, timeout: float | datetime.timedelta = DEFAULT_TIMEOUT) -> None:
         super().__init__(timeout)
-        self._data: dict[str, bytes] = {}
         # Every mutation sets this event and replaces it, waking all waiters to re-check their
         # keys: simple, and waiters are few (ranks of one process), so re-checking is cheap.
         self._changed = asyncio.Event()
@@ -66,11 +65,6 @@ class MemoryStore(Store):
         self._data[key] = to_value(key, value)
         self._notify()
 
-    async def get(self, key: str) -> bytes:
-        key = check_key(key)
-        await self._wait_for([key], self.timeout)
-        return self._data[key]
-
     async def add(self, key: str, amount: int) -> int:
         key = check_key(key)
         amount = check_amount(key, amount)
@@ -89,9 +83,6 @@ class MemoryStore(Store):
             self._notify()
         return result
 
-    async def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
-        await self._wait_for(check_keys(keys), self._wait_timeout(timeout))
-
     async def check(self, keys: Sequence[str]) -> bool:
         return all(k in self._data for k in check_keys(keys))
 
@@ -104,11 +95,6 @@ class MemoryStore(Store):
 
     async def num_keys(self) -> int:
         return len(self._data)
-
-    async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        keys = check_keys(keys)
-        await self._wait_for(keys, self.timeout)
-        return [self._data[k] for k in keys]
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
         pairs = self._pair(keys, values)
