@@ -36,7 +36,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RankResult", "RemoteError", "World", "free_port", "run_world", "unwrap"]
+__all__ = [
+    "RankResult",
+    "RemoteError",
+    "World",
+    "free_port",
+    "free_ports",
+    "run_script_ranks",
+    "run_world",
+    "unwrap",
+]
 
 _ATTRS = ("rank", "ranks", "missing_ranks", "seq", "group", "op", "reason", "keys")
 
@@ -121,6 +130,79 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free a moment ago (all bound at once, then closed)."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+# Variables a torch.distributed script reads for its rendezvous: a script world sets its own.
+_TORCH_RENDEZVOUS_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_script_ranks(
+    script: str | os.PathLike[str],
+    args: Sequence[Sequence[str]],
+    log_dir: os.PathLike[str],
+    *,
+    timeout: float,
+    token: str,
+    grace: float = 5.0,
+) -> None:
+    """Run ``python script *args[r]`` once per rank r, for scripts that rendezvous by themselves.
+
+    ``run_world`` starts a function; this starts a whole script (e.g. a test module
+    with a ``__main__`` worker that uses torch.distributed or aiocoll.sync), with AIOCOLL_TOKEN set
+    to ``token`` and torch's rendezvous variables removed. Each rank's output goes to
+    ``log_dir/rank{r}.log``.
+
+    Args:
+        timeout: seconds before every rank still running is killed.
+        grace: once one rank failed, seconds the others get before they are killed, so a failure
+            never turns into a wait for the whole timeout.
+
+    Raises:
+        AssertionError: when a rank did not exit 0, with the end of every rank's log.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _TORCH_RENDEZVOUS_ENV}
+    env["AIOCOLL_TOKEN"] = token
+    logs = [os.path.join(log_dir, f"rank{r}.log") for r in range(len(args))]
+    procs: list[subprocess.Popen[bytes]] = []
+    for a, log in zip(args, logs, strict=True):
+        with open(log, "wb") as fh:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, os.fspath(script), *a], env=env, stdout=fh, stderr=subprocess.STDOUT
+                )
+            )
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + grace):
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    report = []
+    for r, (p, log) in enumerate(zip(procs, logs, strict=True)):
+        with open(log, encoding="utf-8", errors="replace") as fh:
+            report.append(f"--- rank {r} exit {p.returncode}\n{fh.read()[-3000:]}")
+    assert all(p.returncode == 0 for p in procs), "\n".join(report)
 
 
 _CHILD = "from aiocoll.testing.world import _child_main; _child_main()"

@@ -15,10 +15,7 @@ Run as a script (``python THIS worker RANK PORT_GLOO PORT_AIOCOLL RESULT``) it i
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
-import socket
-import subprocess
 import sys
 import time
 import warnings
@@ -26,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from aiocoll.testing.world import free_ports, run_script_ranks
 
 WORLD = 2
 STEPS = 6
@@ -194,56 +193,12 @@ def worker(rank: int, port_gloo: int, port_aiocoll: int, result: Path) -> None:
 # ------------------------------------------------------------------------------ the test side
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def run_world(args: list[list[str]], tmp: Path, timeout: float) -> None:
-    """Start one process per argument list; fail with every rank's output if any fails or hangs."""
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
-    env["AIOCOLL_TOKEN"] = "ddp-test"
-    logs = [tmp / f"rank{r}.log" for r in range(len(args))]
-    procs = []
-    for a, log in zip(args, logs, strict=True):
-        with open(log, "wb") as fh:
-            procs.append(
-                subprocess.Popen([sys.executable, __file__, *a], env=env, stdout=fh, stderr=subprocess.STDOUT)
-            )
-    deadline = time.monotonic() + timeout
-    failed_at = None
-    try:
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + 5):
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    report = "\n".join(
-        f"--- rank {r} exit {p.returncode}\n{logs[r].read_text(errors='replace')[-3000:]}"
-        for r, p in enumerate(procs)
-    )
-    assert all(p.returncode == 0 for p in procs), report
-
-
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ddp")
-    ports = [str(p) for p in _free_ports(2)]
-    run_world([["worker", str(r), *ports, str(tmp / f"rank{r}.pkl")] for r in range(WORLD)], tmp, timeout=150)
+    ports = [str(p) for p in free_ports(2)]
+    args = [["worker", str(r), *ports, str(tmp / f"rank{r}.pkl")] for r in range(WORLD)]
+    run_script_ranks(__file__, args, tmp, timeout=150, token="ddp-test")
     return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 
