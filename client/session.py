@@ -30,8 +30,10 @@ saying what to do.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime
+import hashlib
 import heapq
 import logging
 import os
@@ -39,6 +41,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgpack
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import (
@@ -125,14 +129,57 @@ class Membership:
         rank, world_size: this member's rank and the round's size.
         round: the job's round number (grows each time the job re-forms).
         session: the id the coordinator gave this member, used to resume after a reconnect.
-        members: every member, sorted by rank.
+        members: every member, sorted by rank (an immutable sequence, shared by the sessions of
+            this process that joined the same round).
     """
 
     rank: int
     world_size: int
     round: int
     session: str
-    members: list[Member] = field(default_factory=list)
+    members: Sequence[Member] = field(default_factory=tuple)
+
+
+# Member tables decoded in this process, by digest: sessions of one process that join the same
+# round share one immutable table instead of each decoding its own copy (N sessions x N members).
+_TABLES_KEPT = 8
+_TABLES: collections.OrderedDict[bytes, tuple[Member, ...]] = collections.OrderedDict()
+# Tables being fetched, by (event loop, digest): one ``table`` request per process and round.
+_TABLE_FETCHES: dict[tuple[int, bytes], asyncio.Future[tuple[Member, ...]]] = {}
+# Joins in flight, by (event loop, coordinator address, job): the first takes the table inline.
+_JOINS_IN_FLIGHT: dict[tuple[int, str, str], int] = {}
+
+
+def _remember_table(digest: bytes, table: tuple[Member, ...]) -> tuple[Member, ...]:
+    _TABLES[digest] = table
+    _TABLES.move_to_end(digest)
+    while len(_TABLES) > _TABLES_KEPT:
+        _TABLES.popitem(last=False)
+    return table
+
+
+def _unpack_table(payload: bytes) -> Any:
+    try:
+        return msgpack.unpackb(payload, raw=False)
+    except Exception as exc:
+        raise ProtocolError(f"the coordinator sent an undecodable member table: {exc}") from exc
+
+
+def _decode_members(raw: Any) -> tuple[Member, ...]:
+    """Members from the wire's list of {rank, addrs, host} maps, sorted by rank."""
+    if not isinstance(raw, list):
+        raise ProtocolError(f"the coordinator sent a member table of type {type(raw).__name__}")
+    try:
+        members = [
+            Member(
+                int(m["rank"]), [(str(a[0]), int(a[1])) for a in m.get("addrs", ())], str(m.get("host", ""))
+            )
+            for m in raw
+        ]
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ProtocolError(f"the coordinator sent a malformed member table: {exc!r}") from exc
+    members.sort(key=lambda m: m.rank)
+    return tuple(members)
 
 
 MemberLostCallback = Callable[[int, str], None]
@@ -683,26 +730,31 @@ class CoordinatorSession(Store):
             wire_addrs.append([addr[0], int(addr[1])])
         if not isinstance(host, str):
             raise TypeError(f"host must be a str, got {type(host).__name__}")
-        reply, _ = await self._call(
-            "join",
-            {"rank": rank, "world_size": world_size, "addrs": wire_addrs, "host": host},
-            deadline=self._deadline(timeout),
-            waits=True,
+        deadline = self._deadline(timeout)
+        fields: dict[str, Any] = {"rank": rank, "world_size": world_size, "addrs": wire_addrs, "host": host}
+        # The first session of this process joining this job right now takes the table inline;
+        # the others take only its digest and share the table the first one decodes (a process
+        # simulating many members would otherwise receive and decode N tables of N members).
+        loop = asyncio.get_running_loop()
+        group = (id(loop), self.address, self.job)
+        first = group not in _JOINS_IN_FLIGHT
+        fields["table_in_payload" if first else "table_ref"] = True
+        _JOINS_IN_FLIGHT[group] = _JOINS_IN_FLIGHT.get(group, 0) + 1
+        try:
             # A join whose link drops is dropped by the coordinator (its rank is free again) and
             # an unfinished round is not kept across a restart, so joining again is what resumes it.
-        )
-        members = [
-            Member(
-                int(m["rank"]), [(str(a[0]), int(a[1])) for a in m.get("addrs", [])], str(m.get("host", ""))
-            )
-            for m in reply.get("members", [])
-        ]
+            reply, body = await self._call("join", fields, deadline=deadline, waits=True)
+        finally:
+            left = _JOINS_IN_FLIGHT.pop(group) - 1
+            if left:
+                _JOINS_IN_FLIGHT[group] = left
+        members = await self._member_table(reply, body, deadline)
         self.membership = Membership(
             rank=int(reply["rank"]),
             world_size=int(reply["world_size"]),
             round=int(reply.get("round", 0)),
             session=str(reply.get("session", "")),
-            members=sorted(members, key=lambda m: m.rank),
+            members=members,
         )
         log.info(
             "job=%s rank=%d event=joined round=%d world_size=%d",
@@ -713,6 +765,69 @@ class CoordinatorSession(Store):
         )
         self._heartbeat_task = asyncio.ensure_future(self._heartbeats())
         return self.membership
+
+    async def _member_table(
+        self, reply: dict[str, Any], body: bytes, deadline: Deadline
+    ) -> tuple[Member, ...]:
+        """The join reply's member table: inline (header or payload) or by digest, shared."""
+        digest = reply.get("table_digest")
+        if digest is None:
+            if "members" in reply:  # a coordinator that predates table_in_payload
+                return _decode_members(reply["members"])
+            digest = hashlib.blake2b(body, digest_size=16).digest()
+            table = _TABLES.get(digest)
+            if table is None:
+                table = _remember_table(digest, _decode_members(_unpack_table(body)))
+            return table
+        if not isinstance(digest, bytes):
+            raise ProtocolError(f"the coordinator sent a table digest of type {type(digest).__name__}")
+        table = _TABLES.get(digest)
+        if table is not None:
+            return table
+        # One fetch per process and digest; the other sessions wait for it.
+        loop = asyncio.get_running_loop()
+        key = (id(loop), digest)
+        fetch = _TABLE_FETCHES.get(key)
+        if fetch is None:
+            fetch = loop.create_future()
+            _TABLE_FETCHES[key] = fetch
+            try:
+                head, payload = await self._call(
+                    "table", {"round": int(reply.get("round", 0))}, deadline=deadline
+                )
+                got = hashlib.blake2b(payload, digest_size=16).digest()
+                if got != digest or head.get("table_digest") != digest:
+                    raise RendezvousError(
+                        f"join (job {self.job!r}): the member table of round {reply.get('round')} changed "
+                        f"before it could be read (a newer round replaced it); join again"
+                    )
+                table = _TABLES.get(digest)
+                if table is None:
+                    table = _remember_table(digest, _decode_members(_unpack_table(payload)))
+            except BaseException as exc:
+                fetch.set_exception(
+                    exc
+                    if isinstance(exc, Exception)
+                    else RendezvousError(
+                        f"join (job {self.job!r}): the session fetching the member table was cancelled"
+                    )
+                )
+                fetch.exception()  # waiters may have given up; never "exception was never retrieved"
+                raise
+            else:
+                fetch.set_result(table)
+                return table
+            finally:
+                if _TABLE_FETCHES.get(key) is fetch:
+                    del _TABLE_FETCHES[key]
+        remaining = deadline.remaining()
+        try:
+            return await asyncio.wait_for(asyncio.shield(fetch), remaining)
+        except asyncio.TimeoutError:
+            raise RendezvousError(
+                f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: the member "
+                f"table did not arrive from the coordinator at {self.address}"
+            ) from None
 
     async def _heartbeats(self) -> None:
         """Send ``hb`` when the link has been idle for HEARTBEAT_INTERVAL; a heartbeat that gets

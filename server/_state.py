@@ -21,6 +21,7 @@ mutation but lose the memory of it. A re-sent rid is answered from that memory a
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 import logging
@@ -77,7 +78,7 @@ CLIENT_SWEEP_INTERVAL = 30.0
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 # What each role may ask: admin connections (`aiocoll status`) only read.
-_READ_OPS = frozenset({"get", "wait", "check", "nkeys", "mget", "hb", "status"})
+_READ_OPS = frozenset({"get", "wait", "check", "nkeys", "mget", "hb", "status", "table"})
 _ROLE_OPS: dict[str, frozenset[str]] = {
     ROLE_WORKER: OPS,
     ROLE_STORE: OPS - {"join", "leave"},
@@ -190,6 +191,7 @@ class _Member:
         "started",
         "state",
         "table_in_payload",
+        "table_ref",
         "timeout",
     )
 
@@ -209,10 +211,21 @@ class _Member:
         self.reason = ""
         self.last_seen = 0.0
         self.table_in_payload = False
+        self.table_ref = False
 
 
 class _Round:
-    __slots__ = ("broken", "complete", "free_hint", "job", "members", "number", "world_size")
+    __slots__ = (
+        "broken",
+        "complete",
+        "free_hint",
+        "job",
+        "members",
+        "number",
+        "table",
+        "table_digest",
+        "world_size",
+    )
 
     def __init__(self, job: _Job, number: int, world_size: int) -> None:
         self.job = job
@@ -222,6 +235,10 @@ class _Round:
         self.complete = False
         self.broken = False  # a member of the completed round left or was lost
         self.free_hint = 0  # lowest rank that may be free
+        # The completed round's member table, msgpack-encoded once, and its digest (for
+        # ``table_ref`` joins and the ``table`` operation); built on completion or on demand.
+        self.table: bytes | None = None
+        self.table_digest = b""
 
 
 class _Job:
@@ -348,6 +365,7 @@ class CoordinatorState:
             "hb": self._op_hb,
             "leave": self._op_leave,
             "status": self._op_status,
+            "table": self._op_table,
         }
 
     # ------------------------------------------------------------------ connections
@@ -998,6 +1016,7 @@ class CoordinatorState:
         member.timeout = timeout
         member.last_seen = now
         member.table_in_payload = h.get("table_in_payload") is True
+        member.table_ref = h.get("table_ref") is True
         conn.joining = member
         rnd.members[rank] = member
         log.debug(
@@ -1025,13 +1044,7 @@ class CoordinatorState:
         rnd.complete = True
         # Every member gets the same table: encode it once (a 10,000-member table is ~0.5 MB, and
         # encoding it per member would cost seconds).
-        members_packed = msgpack.packb(
-            [
-                {"rank": m.rank, "addrs": m.addrs, "host": m.host}
-                for m in sorted(rnd.members.values(), key=lambda m: m.rank)
-            ],
-            use_bin_type=True,
-        )
+        members_packed, digest = self._round_table(rnd)
         for m in rnd.members.values():
             m.session = os.urandom(16).hex()
             self._sessions[m.session] = m
@@ -1066,7 +1079,15 @@ class CoordinatorState:
                 },
                 use_bin_type=True,
             )
-            if m.table_in_payload:
+            if m.table_ref:
+                # The client may hold this table already (another session of its process got it):
+                # it fetches it with the ``table`` operation only when its digest is new to it.
+                ref = msgpack.packb(
+                    {"table_digest": digest, "table_size": len(members_packed)}, use_bin_type=True
+                )
+                # Two fixmaps (6 and 2 entries) merged into one of 8: 0x88.
+                self._reply(conn, m.req_id, "join", m.started, EncodedHeader((b"\x88" + head[1:], ref[1:])))
+            elif m.table_in_payload:
                 # The client asked for the table as a payload (msgpack) it may decode lazily.
                 self._reply(conn, m.req_id, "join", m.started, EncodedHeader((head,)), members_packed)
             else:
@@ -1075,6 +1096,38 @@ class CoordinatorState:
                 self._reply(conn, m.req_id, "join", m.started, header)
         log.info(
             "job=%s event=round_complete round=%d world_size=%d", rnd.job.name, rnd.number, rnd.world_size
+        )
+
+    @staticmethod
+    def _round_table(rnd: _Round) -> tuple[bytes, bytes]:
+        """The round's member table (msgpack, sorted by rank) and its digest, encoded once."""
+        if rnd.table is None:
+            rnd.table = msgpack.packb(
+                [
+                    {"rank": m.rank, "addrs": m.addrs, "host": m.host}
+                    for m in sorted(rnd.members.values(), key=lambda m: m.rank)
+                ],
+                use_bin_type=True,
+            )
+            rnd.table_digest = hashlib.blake2b(rnd.table, digest_size=16).digest()
+        return rnd.table, rnd.table_digest
+
+    def _op_table(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        number = h.get("round")
+        if type(number) is not int:
+            raise _Refused(ERR_INVALID, f"'round' must be an integer, got {type(number).__name__}")
+        job = conn.job
+        rnd = job.round
+        if rnd is None or not rnd.complete or rnd.number != number:
+            current = "no completed round" if rnd is None or not rnd.complete else f"round {rnd.number}"
+            raise _Refused(
+                ERR_RENDEZVOUS,
+                f"job {job.name!r} has {current}, not round {number}: its member table is gone "
+                f"(a newer round replaced it); join again",
+            )
+        table, digest = self._round_table(rnd)
+        self._reply(
+            conn, req_id, "table", self._started, {"id": req_id, "ok": True, "table_digest": digest}, table
         )
 
     def _drop_joining(self, member: _Member, why: str) -> None:

@@ -33,6 +33,20 @@ join may carry ``table_in_payload: True``: the reply then has no "members" field
 the msgpack encoding of that same list (a 10,000-member table is ~0.5 MB, so a client may decode it
 lazily, and the coordinator encodes it once for every member).
 
+join may instead carry ``table_ref: True`` (added after table_in_payload; a coordinator that does
+not know it answers as if it were absent, with "members"): the reply then carries neither
+"members" nor a payload but ``table_digest`` (16 bytes, BLAKE2b of the table's msgpack encoding,
+digest_size 16) and ``table_size`` (bytes). A client that already holds a table with that digest
+(another session of the same process joined the same round) uses it; otherwise it asks for it:
+
+    op        fields                                       payload            reply fields / payload
+    table     round (int)                                  -                  table_digest; payload =
+                                                                              the table (msgpack), as
+                                                                              with table_in_payload
+
+``table`` answers only for the job's current completed round; for any other round it fails with
+ERR_RENDEZVOUS (the table was replaced: join again). Every role may read it.
+
 ``timeout`` is seconds (float) or None (wait forever, bounded by the connection's life).
 Keys are str (1..MAX_KEY_BYTES UTF-8 bytes); values are bytes up to the coordinator's limit.
 cas follows torch's compareSet: if the key is missing and expected is empty, or the current value
@@ -103,7 +117,7 @@ ROLE_ADMIN = "admin"  # `aiocoll status`: read-only views across jobs
 
 OPS = frozenset(
     {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append",
-     "join", "hb", "leave", "status"}
+     "join", "hb", "leave", "status", "table"}
 )
 
 ERR_TIMEOUT = "timeout"  # a waiting get/wait/mget ran out; "keys" names the missing keys
