@@ -21,9 +21,10 @@ from aiocoll.client.session import CoordinatorSession, CoordinatorUnreachable
 
 import aiocoll
 from aiocoll import AuthenticationError, RendezvousError, Store, StoreTimeout
-from aiocoll.protocol._coordinator import EV_RESTARTED, EV_SESSION_LOST, ROLE_STORE
+from aiocoll.protocol._coordinator import EV_RESTARTED, EV_SESSION_LOST, ROLE_STORE, ROLE_WORKER
 from aiocoll.testing.fault_proxy import FaultProxy
 from aiocoll.testing.store_conformance import StoreConformance, StoreFactory
+from aiocoll.testing.world import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -81,6 +82,18 @@ def _url(port: int) -> str:
     return f"tcp://127.0.0.1:{port}"
 
 
+async def _connect(port: int, job: str, role: str = ROLE_WORKER, timeout: float = 20) -> CoordinatorSession:
+    """A session of ``job`` with the coordinator (or a fault proxy) on loopback ``port``."""
+    return await CoordinatorSession.connect(
+        "127.0.0.1", port, token=TOKEN, job=job, role=role, timeout=timeout
+    )
+
+
+async def _store(port: int, job: str, timeout: float = 20) -> Store:
+    """``aiocoll.connect_store`` for ``job`` at loopback ``port``, with the test token."""
+    return await aiocoll.connect_store(_url(port), token=TOKEN, job=job, timeout=timeout)
+
+
 class TestCoordinatorStore(StoreConformance):
     """The conformance suite against connect_store; each test gets its own job (key space)."""
 
@@ -90,7 +103,7 @@ class TestCoordinatorStore(StoreConformance):
         made: list[Store] = []
 
         async def make() -> Store:
-            made.append(await aiocoll.connect_store(_url(coordinator.port), token=TOKEN, job=job, timeout=20))
+            made.append(await _store(coordinator.port, job))
             return made[-1]
 
         yield make
@@ -104,7 +117,7 @@ async def test_many_concurrent_clients_each_see_every_other_clients_writes(
 ) -> None:
     job = f"many-{uuid.uuid4().hex}"
     clients = await asyncio.gather(
-        *(aiocoll.connect_store(_url(coordinator.port), token=TOKEN, job=job, timeout=30) for _ in range(32))
+        *(_store(coordinator.port, job, timeout=30) for _ in range(32))
     )
     try:
 
@@ -128,7 +141,7 @@ async def test_join_gives_every_member_the_same_table_and_reports_a_lost_member(
 ) -> None:
     job = f"rdzv-{uuid.uuid4().hex}"
     sessions = [
-        await CoordinatorSession.connect("127.0.0.1", coordinator.port, token=TOKEN, job=job, timeout=20)
+        await _connect(coordinator.port, job)
         for _ in range(4)
     ]
     try:
@@ -171,7 +184,7 @@ async def test_join_refuses_a_duplicate_rank_and_a_different_world_size(
 ) -> None:
     job = f"refuse-{uuid.uuid4().hex}"
     a, b, c = [
-        await CoordinatorSession.connect("127.0.0.1", coordinator.port, token=TOKEN, job=job, timeout=20)
+        await _connect(coordinator.port, job)
         for _ in range(3)
     ]
     try:
@@ -201,20 +214,12 @@ async def test_a_wrong_token_raises_authentication_error_at_once(coordinator: Co
 async def test_connect_store_without_a_token_warns() -> None:
     # Nothing listens on this port: the warning comes before the connection fails.
     with pytest.warns(RuntimeWarning, match="without a token"), pytest.raises(CoordinatorUnreachable):
-        await aiocoll.connect_store(_url(_free_port()), token="", job="x", timeout=0.3)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        await aiocoll.connect_store(_url(free_port()), token="", job="x", timeout=0.3)
 
 
 @pytest.mark.timeout(30)
 async def test_connection_refused_for_the_whole_budget_names_host_and_port() -> None:
-    port = _free_port()
+    port = free_port()
     started = time.monotonic()
     with pytest.raises(CoordinatorUnreachable, match=f"127.0.0.1:{port}"):
         await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, timeout=0.5)
@@ -225,10 +230,8 @@ async def test_connection_refused_for_the_whole_budget_names_host_and_port() -> 
 async def test_a_pending_wait_survives_a_cut_link_and_completes(coordinator: CoordinatorProcess) -> None:
     job = f"cut-{uuid.uuid4().hex}"
     async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
-        waiter = await CoordinatorSession.connect(
-            "127.0.0.1", proxy.port, token=TOKEN, job=job, role=ROLE_STORE, timeout=20
-        )
-        setter = await aiocoll.connect_store(_url(coordinator.port), token=TOKEN, job=job, timeout=20)
+        waiter = await _connect(proxy.port, job, role=ROLE_STORE)
+        setter = await _store(coordinator.port, job)
         events: list[dict[str, Any]] = []
         waiter.on_event(events.append)
         try:
@@ -251,12 +254,8 @@ async def test_mutations_whose_replies_are_lost_after_they_were_applied_are_rese
 ) -> None:
     job = f"add-{uuid.uuid4().hex}"
     async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
-        store = await CoordinatorSession.connect(
-            "127.0.0.1", proxy.port, token=TOKEN, job=job, role=ROLE_STORE, timeout=20
-        )
-        observer = await CoordinatorSession.connect(
-            "127.0.0.1", coordinator.port, token=TOKEN, job=job, role=ROLE_STORE, timeout=20
-        )
+        store = await _connect(proxy.port, job, role=ROLE_STORE)
+        observer = await _connect(coordinator.port, job, role=ROLE_STORE)
         try:
             await store.set("doomed", b"x")
             # Every chunk spends 0.3 s in the proxy each way: the requests reach the coordinator
@@ -286,9 +285,7 @@ async def test_a_silent_coordinator_gives_store_timeout_naming_the_key_not_a_han
     coordinator: CoordinatorProcess,
 ) -> None:
     async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
-        store = await CoordinatorSession.connect(
-            "127.0.0.1", proxy.port, token=TOKEN, job="silent", role=ROLE_STORE, timeout=20
-        )
+        store = await _connect(proxy.port, "silent", role=ROLE_STORE)
         try:
             proxy.pause()
             with pytest.raises(StoreTimeout) as info:
@@ -306,10 +303,8 @@ async def test_a_worker_whose_link_was_cut_learns_its_session_was_lost(
 ) -> None:
     job = f"lost-{uuid.uuid4().hex}"
     async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
-        cut_one = await CoordinatorSession.connect("127.0.0.1", proxy.port, token=TOKEN, job=job, timeout=20)
-        other = await CoordinatorSession.connect(
-            "127.0.0.1", coordinator.port, token=TOKEN, job=job, timeout=20
-        )
+        cut_one = await _connect(proxy.port, job)
+        other = await _connect(coordinator.port, job)
         try:
             await asyncio.gather(
                 cut_one.join(0, 2, [], "h", timeout=20), other.join(1, 2, [], "h", timeout=20)
@@ -345,10 +340,10 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
     second: CoordinatorProcess | None = None
     sessions: list[CoordinatorSession] = []
     try:
-        store = await aiocoll.connect_store(_url(port), token=TOKEN, job=job, timeout=60)
+        store = await _store(port, job, timeout=60)
         sessions.append(store)
         workers = [
-            await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, job=job, timeout=60)
+            await _connect(port, job, timeout=60)
             for _ in range(2)
         ]
         sessions += workers
@@ -364,7 +359,7 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
         assert await store.add("counter", 7) == 7
         waiting = asyncio.ensure_future(workers[0].get("after-restart", timeout=60))
         # A rendezvous half done when the coordinator dies: the early member's join resumes.
-        early = await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, job="durable-2", timeout=60)
+        early = await _connect(port, "durable-2", timeout=60)
         sessions.append(early)
         early_join = asyncio.ensure_future(early.join(0, 2, [], "h", timeout=60))
         await asyncio.sleep(0.2)
@@ -373,13 +368,13 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
         assert not waiting.done()
         second = CoordinatorProcess(tmp_path, port=port, state_dir=state)
 
-        setter = await aiocoll.connect_store(_url(port), token=TOKEN, job=job, timeout=60)
+        setter = await _store(port, job, timeout=60)
         sessions.append(setter)
         await setter.set("after-restart", b"hello again")
         assert await asyncio.wait_for(waiting, 60) == b"hello again"
         assert await store.multi_get(list(acked)) == list(acked.values())
         assert await store.add("counter", 1) == 8
-        late = await CoordinatorSession.connect("127.0.0.1", port, token=TOKEN, job="durable-2", timeout=60)
+        late = await _connect(port, "durable-2", timeout=60)
         sessions.append(late)
         late_table = await late.join(1, 2, [], "h", timeout=30)
         early_table = await asyncio.wait_for(early_join, 30)
@@ -402,9 +397,7 @@ async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_
     coordinators = [CoordinatorProcess(tmp_path, state_dir=state)]
     job = f"exact-{uuid.uuid4().hex}"
     async with FaultProxy("127.0.0.1", coordinators[0].port) as proxy:
-        store = await CoordinatorSession.connect(
-            "127.0.0.1", proxy.port, token=TOKEN, job=job, role=ROLE_STORE, timeout=30
-        )
+        store = await _connect(proxy.port, job, role=ROLE_STORE, timeout=30)
         stop = asyncio.Event()
         seen: list[int] = []  # every value an add answered with
         appended: list[str] = []
@@ -462,9 +455,7 @@ async def test_an_outage_longer_than_a_wait_names_the_keys_and_the_session_recov
     coordinator: CoordinatorProcess,
 ) -> None:
     async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
-        store = await CoordinatorSession.connect(
-            "127.0.0.1", proxy.port, token=TOKEN, job="outage", role=ROLE_STORE, timeout=30
-        )
+        store = await _connect(proxy.port, "outage", role=ROLE_STORE, timeout=30)
         try:
             proxy.refuse()
             proxy.cut()
@@ -484,9 +475,7 @@ async def test_a_session_whose_reconnect_budget_runs_out_says_the_coordinator_is
     coordinator: CoordinatorProcess,
 ) -> None:
     async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
-        store = await CoordinatorSession.connect(
-            "127.0.0.1", proxy.port, token=TOKEN, job="budget", role=ROLE_STORE, timeout=0.5
-        )
+        store = await _connect(proxy.port, "budget", role=ROLE_STORE, timeout=0.5)
         lost = asyncio.Event()
         store.on_event(lambda ev: lost.set() if ev["ev"] == "coordinator_lost" else None)
         try:
@@ -509,7 +498,7 @@ async def test_an_unanswered_heartbeat_drops_a_silent_link_and_the_worker_reconn
     monkeypatch.setattr(session_module, "_HEARTBEAT_REPLY_TIMEOUT", 0.5)
     job = f"silent-{uuid.uuid4().hex}"
     async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
-        worker = await CoordinatorSession.connect("127.0.0.1", proxy.port, token=TOKEN, job=job, timeout=30)
+        worker = await _connect(proxy.port, job, timeout=30)
         events: list[str] = []
         reconnected = asyncio.Event()
 
