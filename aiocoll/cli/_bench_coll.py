@@ -26,8 +26,9 @@ from ._bench_common import (
     BUSBW_FACTORS,
     DTYPE_SIZES,
     Progress,
+    bench_meta,
     format_bytes,
-    machine_description,
+    resolve_loop,
     summarize,
     utc_now,
     write_json,
@@ -196,8 +197,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         raise BenchError(str(exc)) from None
     n = args.world_size
     with_gloo = args.vs == "gloo"
-    if args.loop == "auto":
-        args.loop = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    args.loop = resolve_loop(args.loop)
     token = secrets.token_hex(16)
     coordinator = start_coordinator(token, verbose=args.verbose)
     # torch's rendezvous goes through a TCPStore server of its own (port 0: no race for a port)
@@ -306,22 +306,20 @@ def run_collectives(args: argparse.Namespace) -> int:
             gloo_store.stop()
         with contextlib.suppress(Exception):
             results.close()
-    meta = {
-        "kind": "collectives",
-        "ops": ops,
-        "world_size": n,
-        "dtype": args.dtype,
-        "tensor": args.tensor,
-        "iters": args.iters,
-        "warmup": args.warmup,
-        "algorithm": args.algorithm or "auto",
-        "loop": args.loop,
-        "vs": args.vs,
-        "date": utc_now(),
-        "machine": machine_description(),
-        "seconds": round(time.monotonic() - started, 2),
-        "units": {"time_us": "microseconds", "algbw": "GB/s (1e9 B/s)", "busbw": "GB/s (1e9 B/s)"},
-    }
+    meta = bench_meta(
+        "collectives",
+        started,
+        ops=ops,
+        world_size=n,
+        dtype=args.dtype,
+        tensor=args.tensor,
+        iters=args.iters,
+        warmup=args.warmup,
+        algorithm=args.algorithm or "auto",
+        loop=args.loop,
+        vs=args.vs,
+    )
+    meta["units"] = {"time_us": "microseconds", "algbw": "GB/s (1e9 B/s)", "busbw": "GB/s (1e9 B/s)"}
     if args.json:
         write_json(args.json, {"meta": meta, "results": all_rows})
     if args.plot:

@@ -1,14 +1,16 @@
 """Shared pieces of `aiocoll bench`: size parsing, bandwidth definitions, statistics, tables.
 
-Pure functions only (no sockets, no processes, no numpy, no torch), so the CLI can import this
-module at parse time and unit tests can check the arithmetic. May import only the standard
-library. It exists so that the collective, store and rendezvous benchmarks report numbers the
-same way: sizes in bytes, times in microseconds, bandwidths in GB/s (10^9 bytes) as nccl-tests.
+Functions only (no processes, no numpy, no torch), so the CLI can import this module at parse
+time and unit tests can check the arithmetic. May import only the standard library (uvloop loads
+inside run_loop, when asked for). It exists so that the collective, store and rendezvous
+benchmarks report numbers the same way: sizes in bytes, times in microseconds, bandwidths in GB/s
+(10^9 bytes) as nccl-tests.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -17,14 +19,16 @@ import re
 import socket
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
-from typing import Any, TextIO
+import time
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, TextIO, TypeVar
 
 __all__ = [
     "COLLECTIVE_OPS",
     "BUSBW_FACTORS",
     "DTYPE_SIZES",
     "SizedOp",
+    "bench_meta",
     "bus_factor",
     "format_bytes",
     "free_port",
@@ -34,7 +38,9 @@ __all__ = [
     "parse_sizes",
     "print_table",
     "Progress",
+    "resolve_loop",
     "rounded_size",
+    "run_loop",
     "summarize",
     "utc_now",
     "write_json",
@@ -290,6 +296,39 @@ def machine_description() -> str:
     except OSError:
         pass
     return f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}, {platform.system()}"
+
+
+def bench_meta(kind: str, started: float, **fields: Any) -> dict[str, Any]:
+    """The ``meta`` record of a --json report: ``kind``, the run's ``fields``, then when, where and
+    how long (``started`` is the run's ``time.monotonic()`` at its start)."""
+    return {
+        "kind": kind,
+        **fields,
+        "date": utc_now(),
+        "machine": machine_description(),
+        "seconds": round(time.monotonic() - started, 2),
+    }
+
+
+def resolve_loop(choice: str) -> str:
+    """The event loop for ``--loop choice``: "auto" is uvloop when it is installed, else asyncio."""
+    if choice == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    return str(choice)
+
+
+_T = TypeVar("_T")
+
+
+def run_loop(main: Coroutine[Any, Any, _T], loop_kind: str) -> _T:
+    """Run ``main`` on a fresh event loop of ``loop_kind`` ("uvloop" or "asyncio"); both load lazily."""
+    if loop_kind == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    import asyncio
+
+    return asyncio.run(main)
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:

@@ -36,7 +36,15 @@ import time
 import traceback
 from typing import Any
 
-from ._bench_common import machine_description, parse_int_list, print_table, utc_now, write_json
+from ._bench_common import (
+    bench_meta,
+    parse_int_list,
+    print_table,
+    resolve_loop,
+    run_loop,
+    utc_now,
+    write_json,
+)
 from ._bench_servers import quiet_logs, raise_fd_limit, start_coordinator, start_tcpstore
 
 __all__ = ["run_rendezvous", "run_store"]
@@ -57,14 +65,6 @@ def _need_torch(args: argparse.Namespace) -> None:
         )
     if args.vs not in (None, "tcpstore"):
         raise StoreBenchError(f"--op {args.op} compares with --vs tcpstore, not --vs {args.vs}")
-
-
-def _run_loop(coro: Any, loop_kind: str) -> Any:
-    if loop_kind == "uvloop":
-        import uvloop
-
-        return uvloop.run(coro)
-    return asyncio.run(coro)
 
 
 # --------------------------------------------------------------------------------------------
@@ -114,7 +114,7 @@ def _aiocoll_store_client(
         await store.aclose()
 
     try:
-        _run_loop(main(), loop_kind)
+        run_loop(main(), loop_kind)
     except BaseException as exc:
         with contextlib.suppress(OSError):
             conn.send(
@@ -239,7 +239,7 @@ def run_store(args: argparse.Namespace) -> int:
     _need_torch(args)
     clients_list = parse_int_list(args.clients, name="--clients")
     with_tcp = args.vs == "tcpstore"
-    loop_kind = _loop_kind(args)
+    loop_kind = resolve_loop(args.loop)
     token = secrets.token_hex(16)
     servers: list[Any] = []
     pools: list[_ClientPool] = []
@@ -307,25 +307,17 @@ def run_store(args: argparse.Namespace) -> int:
         ],
     )
     if args.json:
-        meta = {
-            "kind": "store",
-            "store_ops": args.store_ops,
-            "rounds": args.rounds,
-            "value_size": args.value_size,
-            "vs": args.vs,
-            "loop": loop_kind,
-            "date": utc_now(),
-            "machine": machine_description(),
-            "seconds": round(time.monotonic() - started, 2),
-        }
+        meta = bench_meta(
+            "store",
+            started,
+            store_ops=args.store_ops,
+            rounds=args.rounds,
+            value_size=args.value_size,
+            vs=args.vs,
+            loop=loop_kind,
+        )
         write_json(args.json, {"meta": meta, "results": rows})
     return 0
-
-
-def _loop_kind(args: argparse.Namespace) -> str:
-    if args.loop == "auto":
-        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    return str(args.loop)
 
 
 # --------------------------------------------------------------------------------------------
@@ -377,7 +369,7 @@ def _aiocoll_participant(
                 await session.aclose()
 
     try:
-        _run_loop(main(), loop_kind)
+        run_loop(main(), loop_kind)
     except BaseException as exc:
         results.put(
             (
@@ -593,7 +585,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
     _need_torch(args)
     proc_counts = parse_int_list(args.procs, name="--procs") if args.procs else []
     with_tcp = args.vs == "tcpstore"
-    loop_kind = _loop_kind(args)
+    loop_kind = resolve_loop(args.loop)
     token = secrets.token_hex(16)
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -690,14 +682,6 @@ def run_rendezvous(args: argparse.Namespace) -> int:
         ],
     )
     if args.json:
-        meta = {
-            "kind": "rendezvous",
-            "rounds": args.rounds,
-            "vs": args.vs,
-            "loop": loop_kind,
-            "date": utc_now(),
-            "machine": machine_description(),
-            "seconds": round(time.monotonic() - started, 2),
-        }
+        meta = bench_meta("rendezvous", started, rounds=args.rounds, vs=args.vs, loop=loop_kind)
         write_json(args.json, {"meta": meta, "results": rows})
     return 0

@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._bench_common import SizedOp
+from ._bench_common import SizedOp, run_loop
 from ._bench_servers import quiet_logs
 
 __all__ = ["worker_main"]
@@ -330,12 +330,7 @@ def worker_main(rank: int, cfg: dict[str, Any], queue: Any) -> None:
         queue.put(message)
 
     try:
-        if cfg["loop"] == "uvloop":
-            import uvloop
-
-            uvloop.run(_worker(rank, cfg, put))
-        else:
-            asyncio.run(_worker(rank, cfg, put))
+        run_loop(_worker(rank, cfg, put), cfg["loop"])
     except BaseException as exc:
         put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
         raise SystemExit(1) from None
