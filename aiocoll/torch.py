@@ -46,9 +46,17 @@ _DEFAULT_TIMEOUT = 1800.0
 
 
 def _reduce_op(opts: Any) -> ReduceOp:
+    """The reduction of c10d's options object; SUM when c10d passes none."""
+    if opts is None:
+        return ReduceOp.SUM
     op = opts.reduceOp
     inner = getattr(op, "op", None)  # c10d's ReduceOp wraps a RedOpType in .op
     return ReduceOp.coerce(op if inner is None else inner)
+
+
+def _root(opts: Any) -> int:
+    """The root rank of c10d's options object; 0 when c10d passes none."""
+    return int(opts.rootRank) if opts is not None else 0
 
 
 def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
@@ -139,24 +147,24 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
-        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts)
         t = _one(tensors, "allreduce")
         return self._launch("allreduce", lambda: self._core.all_reduce(t, op=op), [t])
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:
-        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts)
         ts = list(tensors)
         calls = [functools.partial(self._core.all_reduce, t, op=op) for t in ts]
         return self._many("allreduce_coalesced", calls, ts)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
-        root = int(opts.rootRank) if opts is not None else 0
+        root = _root(opts)
         t = _one(tensors, "broadcast")
         return self._launch("broadcast", lambda: self._core.broadcast(t, src=root), [t])
 
     def reduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
-        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
-        root = int(opts.rootRank) if opts is not None else 0
+        op = _reduce_op(opts)
+        root = _root(opts)
         t = _one(tensors, "reduce")
         return self._launch("reduce", lambda: self._core.reduce(t, dst=root, op=op), [t])
 
@@ -200,7 +208,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_tensors: Sequence[Sequence[torch.Tensor]],
         opts: Any = None,
     ) -> AiocollWork:
-        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts)
         out = _one(output_tensors, "reduce_scatter")
         ins = list(_one(input_tensors, "reduce_scatter"))  # type: ignore[arg-type]
         return self._launch("reduce_scatter", lambda: self._core.reduce_scatter(out, ins, op=op), [out])
@@ -208,7 +216,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AiocollWork:
-        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts)
         return self._launch(
             "reduce_scatter_tensor", lambda: self._core.reduce_scatter_tensor(output, input, op=op), [output]
         )
@@ -219,7 +227,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def reduce_scatter_tensor_coalesced(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
     ) -> AiocollWork:
-        op = _reduce_op(opts) if opts is not None else ReduceOp.SUM
+        op = _reduce_op(opts)
         pairs = list(zip(outputs, inputs, strict=True))
         calls = [functools.partial(self._core.reduce_scatter_tensor, o, i, op=op) for o, i in pairs]
         return self._many("reduce_scatter_tensor_coalesced", calls, list(outputs))
@@ -230,7 +238,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_tensors: Sequence[torch.Tensor],
         opts: Any = None,
     ) -> AiocollWork:
-        root = int(opts.rootRank) if opts is not None else 0
+        root = _root(opts)
         t = _one(input_tensors, "gather")
         outs = list(output_tensors[0]) if len(output_tensors) > 0 else None
         return self._launch("gather", lambda: self._core.gather(t, outs, dst=root), outs or [])
@@ -241,7 +249,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_tensors: Sequence[Sequence[torch.Tensor]],
         opts: Any = None,
     ) -> AiocollWork:
-        root = int(opts.rootRank) if opts is not None else 0
+        root = _root(opts)
         out = _one(output_tensors, "scatter")
         ins = list(input_tensors[0]) if len(input_tensors) > 0 else None
         return self._launch("scatter", lambda: self._core.scatter(out, ins, src=root), [out])
