@@ -1,4 +1,5 @@
-"""The blocking Work handle that aiocoll.sync returns for ``async_op=True`` and isend/irecv.
+"""The blocking Work handle that aiocoll.sync returns for ``async_op=True`` and isend/irecv, and
+the queries (done? failed? result?) it shares with the Work of aiocoll.torch.
 
 Imports only aiocoll foundations and the loop-thread bridge; torch is imported lazily, and only
 when the caller's process already loaded it, so a numpy-only script never pays for it. It exists
@@ -16,10 +17,56 @@ from typing import Any
 from ._deadline import to_seconds
 from ._sync_loop import Outcome
 
-__all__ = ["Work"]
+__all__ = ["OutcomeQueries", "Work"]
 
 
-class Work:
+class OutcomeQueries:
+    """The queries a Work answers from the bridge's Outcome, shared with aiocoll.torch's Work.
+
+    The class that uses it sets ``_outcome``, ``_op``, ``_tensors`` and ``_source_rank_of`` (as
+    this module's Work does) and defines ``wait``; only waiting differs between the two Works.
+    """
+
+    _outcome: Outcome
+    _op: str
+    _tensors: list[Any]
+    _source_rank_of: Callable[[Any], int] | None
+
+    def wait(self, timeout: float | datetime.timedelta | None = None) -> bool:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        """True once the operation finished, successfully or not."""
+        return self._outcome.done()
+
+    def is_success(self) -> bool:
+        """True once the operation finished without an error."""
+        return self._outcome.done() and self._outcome.exception() is None
+
+    def exception(self) -> BaseException | None:
+        """The operation's error, or None (also None while it is still running)."""
+        if not self._outcome.done():
+            return None
+        return self._outcome.exception()
+
+    def result(self) -> list[Any]:
+        """The output tensors, after waiting for completion (torch's ``Work.result``)."""
+        self.wait()
+        return list(self._tensors)
+
+    def _sender(self, method: str) -> int:
+        """What ``method`` (source_rank or _source_rank) returns: the rank a recv from any source
+        received from, once it completed.
+
+        Raises:
+            RuntimeError: for an operation that is not a recv from any source.
+        """
+        if self._source_rank_of is None:
+            raise RuntimeError(f"{method}() is only defined for recv from any source, not {self._op}")
+        return self._source_rank_of(self._outcome.result())
+
+
+class Work(OutcomeQueries):
     """A launched operation: torch.distributed's ``Work`` for the blocking facade.
 
     Args:
@@ -67,34 +114,13 @@ class Work:
             ) from None
         return True
 
-    def is_completed(self) -> bool:
-        """True once the operation finished, successfully or not."""
-        return self._outcome.done()
-
-    def is_success(self) -> bool:
-        """True once the operation finished without an error."""
-        return self._outcome.done() and self._outcome.exception() is None
-
-    def exception(self) -> BaseException | None:
-        """The operation's error, or None (also None while it is still running)."""
-        if not self._outcome.done():
-            return None
-        return self._outcome.exception()
-
-    def result(self) -> list[Any]:
-        """The output tensors, after waiting for completion (torch's ``Work.result``)."""
-        self.wait()
-        return list(self._tensors)
-
     def source_rank(self) -> int:
         """The global rank a recv from any source received from (waits for completion).
 
         Raises:
             RuntimeError: for an operation that is not a recv from any source.
         """
-        if self._source_rank_of is None:
-            raise RuntimeError(f"source_rank() is only defined for recv from any source, not {self._op}")
-        return self._source_rank_of(self._outcome.result())
+        return self._sender("source_rank")
 
     _source_rank = source_rank
 

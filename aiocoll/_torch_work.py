@@ -1,7 +1,8 @@
 """The torch.distributed ``Work`` that the aiocoll backend returns, and the error-carrying future.
 
-Imports torch and the loop-thread bridge (aiocoll._sync_loop); only aiocoll.torch imports it. It
-exists apart from torch.py so that the backend module reads as the list of methods c10d calls.
+Imports torch, the loop-thread bridge (aiocoll._sync_loop) and the queries both Works share
+(aiocoll._sync_work); only aiocoll.torch imports it. It exists apart from torch.py so that the
+backend module reads as the list of methods c10d calls.
 
 Two torch facts shape it: ``Future.set_exception`` stores the exception as a plain value at the
 C++ level (DDP's reducer would read it as a result), so errors are raised inside a ``.then``
@@ -23,6 +24,7 @@ import torch.distributed as td
 
 from ._deadline import to_seconds
 from ._sync_loop import Outcome
+from ._sync_work import OutcomeQueries
 
 __all__ = ["AiocollWork"]
 
@@ -43,7 +45,7 @@ def _unwrap(raw: torch.futures.Future[Any]) -> Any:
     return value
 
 
-class AiocollWork(td.Work):
+class AiocollWork(OutcomeQueries, td.Work):
     """One launched aiocoll operation, as torch.distributed's Work.
 
     Args:
@@ -110,27 +112,12 @@ class AiocollWork(td.Work):
                     self._future.wait()
         return True
 
-    def is_completed(self) -> bool:
-        return self._outcome.done()
-
-    def is_success(self) -> bool:
-        return self._outcome.done() and self._outcome.exception() is None
-
-    def exception(self) -> BaseException | None:
-        return self._outcome.exception() if self._outcome.done() else None
-
-    def result(self) -> list[torch.Tensor]:
-        self.wait()
-        return list(self._tensors)
-
     def get_future(self) -> torch.futures.Future[Any]:
         """A torch Future whose value is the list of output tensors (or that fails with the error)."""
         return self._future
 
     def _source_rank(self) -> int:
-        if self._source_rank_of is None:
-            raise RuntimeError(f"_source_rank() is only defined for recv from any source, not {self._op}")
-        return self._source_rank_of(self._outcome.result())
+        return self._sender("_source_rank")
 
     source_rank = _source_rank
 
