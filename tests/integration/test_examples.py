@@ -87,6 +87,14 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _run_ok(command: list[str]) -> str:
+    """Run ``command`` from the repository root; its output, once it has exited 0."""
+    out = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    return log
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("nproc", "script", "args", "success"), CASES)
@@ -94,41 +102,14 @@ def test_example_runs_and_reports_its_checked_result(
     nproc: int, script: str, args: list[str], success: str, tmp_path: Path
 ) -> None:
     extra = ["--checkpoint", str(tmp_path / "ckpt.pt")] if script == "ddp_checkpoint.py" else []
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aiocoll",
-            "run",
-            "--nproc-per-node",
-            str(nproc),
-            str(EXAMPLES / script),
-            *args,
-            *extra,
-        ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=140,
-    )
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
+    command = [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", str(nproc), str(EXAMPLES / script)]
+    log = _run_ok([*command, *args, *extra])
     assert re.search(success, log), log[-4000:]
 
 
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 def test_external_coordinator_example_runs_a_job_and_shows_its_status() -> None:
-    out = subprocess.run(
-        ["bash", str(EXAMPLES / "external_coordinator.sh"), "2"],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=140,
-    )
-    log = out.stdout + out.stderr
-    assert out.returncode == 0, log[-4000:]
+    log = _run_ok(["bash", str(EXAMPLES / "external_coordinator.sh"), "2"])
     assert re.search(r"demo: 2 ranks agreed", log), log[-4000:]
     assert "external-demo" in log, log[-4000:]  # `aiocoll status` lists the job
