@@ -15,6 +15,9 @@ once per test module (a module-scoped fixture), and let each test assert on its 
     results = run_world(checks, 3)             # list of RankResult, by rank
     values = unwrap(results)                   # raises with every rank's traceback on failure
 
+Tests whose ranks are whole scripts (a torch.distributed script, a module's ``__main__``) use
+``run_script_ranks`` instead: one process per argument list, every rank's log in the failure.
+
 Workers start with ``python -c`` (no re-import of the test runner), rank 0 embeds the coordinator
 on a free loopback port, and each worker's result or error comes back through a file. Errors are
 carried as ``RemoteError`` records (type names, message, the attributes tests look at: rank,
@@ -24,6 +27,8 @@ ranks, missing_ranks, seq, group, op), since aiocoll's errors do not all survive
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import os
 import pickle
 import socket
@@ -289,17 +294,9 @@ class World:
                     res.error, res.returned = value, True
                 os.unlink(path)
             results.append(res)
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.rmdir(self._dir)
         return results
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
 
 
 def run_world(
@@ -330,13 +327,8 @@ def _child_main() -> None:
     logging.basicConfig(
         level=getattr(logging, level), format=f"[rank {payload['rank']}] %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        import uvloop
-
-        use_uvloop = os.environ.get("AIOCOLL_TEST_UVLOOP") == "1"
-    except ImportError:
-        use_uvloop = False
-    if use_uvloop:
+    # AIOCOLL_TEST_UVLOOP=1 runs the worker on uvloop, when it is installed.
+    if os.environ.get("AIOCOLL_TEST_UVLOOP") == "1" and importlib.util.find_spec("uvloop") is not None:
         import uvloop
 
         outcome = uvloop.run(_child(payload))
