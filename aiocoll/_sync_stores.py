@@ -23,6 +23,7 @@ from typing import Any
 from ._deadline import to_seconds
 from ._errors import DistError, StoreTimeout
 from ._sync_loop import get_loop_thread
+from .stores import DEFAULT_TIMEOUT
 from .stores import FileStore as AsyncFileStore
 from .stores import MemoryStore as AsyncMemoryStore
 from .stores import PrefixStore as AsyncPrefixStore
@@ -38,7 +39,7 @@ __all__ = [
     "as_async_store",
 ]
 
-_DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
+_DEFAULT_TIMEOUT = datetime.timedelta(seconds=DEFAULT_TIMEOUT)
 # torch's TCPStore counts its workers in this key (so num_keys includes it, as in torch).
 _INIT_KEY = "init/"
 _WORKER_POLL = 0.01
@@ -328,7 +329,7 @@ class BlockingStoreAdapter(AsyncStore):
     def timeout(self) -> float:
         value = getattr(self._blocking, "timeout", None)
         seconds = to_seconds(value) if isinstance(value, (datetime.timedelta, int, float)) else None
-        return 300.0 if seconds is None else seconds
+        return DEFAULT_TIMEOUT if seconds is None else seconds
 
     @timeout.setter
     def timeout(self, value: float | datetime.timedelta) -> None:
