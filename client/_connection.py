@@ -17,8 +17,10 @@ import socket
 from collections.abc import Callable
 from typing import Any, cast
 
+import msgpack
+
 from aiocoll._errors import AuthenticationError, ProtocolError
-from aiocoll.protocol import PREFIX, ClientHandshake, FrameDecoder, encode_frame
+from aiocoll.protocol import PREFIX, ClientHandshake, FrameDecoder
 
 __all__ = ["CoordinatorLink", "LinkLost", "open_link"]
 
@@ -32,6 +34,8 @@ _MAX_PAYLOAD = 512 << 20
 _MAX_HEADER = 16 << 20
 # Bytes we hold while the handshake's frames arrive (they are tiny; more means not our protocol).
 _HANDSHAKE_BUFFER = 64 << 10
+# Payloads up to this size are copied into the frame's one write (one send call, no writev list).
+_COPY_PAYLOAD = 16 << 10
 
 
 class LinkLost(ConnectionError):
@@ -69,7 +73,14 @@ class CoordinatorLink(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._hs_buffer = bytearray()
         self._decoder: FrameDecoder | None = None
+        self.loop = loop
         self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        # Reply deadlines (loop time, timeout) of pending requests that have one, and one timer
+        # for the earliest: no timer is made and cancelled per request (the store's hot path);
+        # an entry leaves with its request, and the timer, when it fires, re-arms for what is left.
+        self._expiry: dict[int, tuple[float, float]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._ids = itertools.count(1)
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -168,6 +179,8 @@ class CoordinatorLink(asyncio.Protocol):
     ) -> tuple[dict[str, Any], bytes]:
         """Send one request and wait up to ``timeout`` seconds (None: no limit) for its reply.
 
+        ``header`` is the caller's to give away: its "id" field is set here (no copy is made).
+
         Raises:
             LinkLost: the link dropped (``sent`` says whether the request left this process).
             TimeoutError: no reply in time (a late reply is dropped).
@@ -179,18 +192,54 @@ class CoordinatorLink(asyncio.Protocol):
             if self.closed:
                 raise LinkLost(f"link to the coordinator at {self.peer} is closed", sent=False)
         req_id = next(self._ids)
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = loop.create_future()
-        self._pending[req_id] = fut
-        # A timer on the future, not asyncio.wait_for: no extra task per request on the hot path.
-        timer = None if timeout is None else loop.call_later(timeout, _expire, fut, timeout)
+        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = self.loop.create_future()
+        pending = self._pending
+        pending[req_id] = fut
+        if timeout is not None:
+            self._expect(req_id, timeout)
         try:
-            self._transport.writelines(encode_frame({**header, "id": req_id}, payload))
+            header["id"] = req_id
+            head = msgpack.packb(header, use_bin_type=True)
+            size = len(payload)
+            if size > _COPY_PAYLOAD:
+                self._transport.writelines([PREFIX.pack(len(head), size) + head, payload])
+            elif size:
+                self._transport.write(b"".join((PREFIX.pack(len(head), size), head, payload)))
+            else:
+                self._transport.write(PREFIX.pack(len(head), 0) + head)
             return await fut
         finally:
-            if timer is not None:
-                timer.cancel()
-            self._pending.pop(req_id, None)
+            pending.pop(req_id, None)
+            if timeout is not None:
+                self._expiry.pop(req_id, None)
+
+    def _expect(self, req_id: int, timeout: float) -> None:
+        """Fail request ``req_id`` with TimeoutError unless it is answered within ``timeout``."""
+        at = self.loop.time() + timeout
+        self._expiry[req_id] = (at, timeout)
+        if self._timer is None or at < self._timer_at:
+            self._arm(at)
+
+    def _arm(self, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self.loop.call_at(at, self._expire_due)
+
+    def _expire_due(self) -> None:
+        self._timer = None
+        now = self.loop.time()
+        earliest = None
+        for req_id, (at, timeout) in list(self._expiry.items()):
+            if at <= now:
+                del self._expiry[req_id]
+                fut = self._pending.get(req_id)
+                if fut is not None and not fut.done():
+                    fut.set_exception(TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
+            elif earliest is None or at < earliest:
+                earliest = at
+        if earliest is not None and not self.closed:
+            self._arm(earliest)
 
     def close(self) -> None:
         """Close now (no goodbye); pending requests fail with LinkLost. Twice is fine."""
@@ -202,6 +251,10 @@ class CoordinatorLink(asyncio.Protocol):
         self.closed = True
         self._lost = exc
         self._can_write.set()  # wake writers so they see the close
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._expiry.clear()
         if self._transport is not None and not from_transport:
             self._transport.abort()
         if not self.ready.done():
@@ -223,11 +276,6 @@ class CoordinatorLink(asyncio.Protocol):
                 )
         self._pending.clear()
         self._on_lost(self, exc)
-
-
-def _expire(fut: asyncio.Future[Any], timeout: float) -> None:
-    if not fut.done():
-        fut.set_exception(TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
 
 
 async def open_link(

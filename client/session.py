@@ -472,7 +472,13 @@ class CoordinatorSession(Store):
         """
         if op not in MUTATING_OPS:
             return await self._send(op, fields, payload, deadline=deadline, waits=waits, keys=keys)
-        rid = await self._next_rid(deadline, op, keys)
+        if self._rid + 1 - self._ack() <= DEDUPE_WINDOW:  # the common case: no wait, no coroutine
+            self._rid += 1
+            rid = self._rid
+            self._unanswered.add(rid)
+            heapq.heappush(self._unanswered_heap, rid)
+        else:
+            rid = await self._next_rid(deadline, op, keys)
         try:
             return await self._send(op, fields, payload, deadline=deadline, waits=waits, keys=keys, rid=rid)
         finally:
@@ -517,28 +523,16 @@ class CoordinatorSession(Store):
         keys: Sequence[str] = (),
         rid: int | None = None,
     ) -> tuple[dict[str, Any], bytes]:
-
-        def timed_out(unreachable: bool) -> BaseException:
-            why = (
-                f"the coordinator at {self.address} was unreachable (the session kept reconnecting)"
-                if unreachable
-                else f"the coordinator at {self.address} did not answer"
-            )
-            if op == "join":
-                return RendezvousError(
-                    f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: {why}"
-                )
-            if waits and not unreachable:
-                return StoreTimeout(keys, deadline.timeout, self._timeout_message(keys, deadline.timeout))
-            return StoreTimeout(
-                keys,
-                deadline.timeout,
-                f"{self._describe(op, keys)} timed out after {deadline.timeout:.3g}s: {why}",
-            )
-
+        """One request on the current link (waiting for one while reconnecting); ``fields`` is
+        the caller's fresh dict and becomes the header."""
         while True:
-            link = await self._usable_link(deadline, op, lambda: timed_out(True))
-            header = {"op": op, **fields}
+            link = self._link
+            if link is None or link.closed or self._closed or self._fatal is not None:
+                link = await self._usable_link(
+                    deadline, op, lambda: self._timed_out(op, deadline, waits, keys, True)
+                )
+            header = fields
+            header["op"] = op
             if rid is not None:
                 header["rid"] = rid
                 header["ack"] = self._ack()
@@ -548,16 +542,36 @@ class CoordinatorSession(Store):
                 bound = None if remaining is None else remaining + _REPLY_GRACE
             else:
                 bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
-            self._last_request = asyncio.get_running_loop().time()
+            self._last_request = link.loop.time()
             try:
                 reply, body = await link.request(header, payload, bound)
             except TimeoutError:
-                raise timed_out(False) from None
+                raise self._timed_out(op, deadline, waits, keys, False) from None
             except LinkLost:
                 continue  # re-sent on the next link; a numbered mutation is not applied twice
             if reply.get("ok") is True:
                 return reply, body
             raise self._error(op, reply, keys, deadline)
+
+    def _timed_out(
+        self, op: str, deadline: Deadline, waits: bool, keys: Sequence[str], unreachable: bool
+    ) -> BaseException:
+        why = (
+            f"the coordinator at {self.address} was unreachable (the session kept reconnecting)"
+            if unreachable
+            else f"the coordinator at {self.address} did not answer"
+        )
+        if op == "join":
+            return RendezvousError(
+                f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: {why}"
+            )
+        if waits and not unreachable:
+            return StoreTimeout(keys, deadline.timeout, self._timeout_message(keys, deadline.timeout))
+        return StoreTimeout(
+            keys,
+            deadline.timeout,
+            f"{self._describe(op, keys)} timed out after {deadline.timeout:.3g}s: {why}",
+        )
 
     def _describe(self, op: str, keys: Sequence[str]) -> str:
         if not keys:
