@@ -60,11 +60,7 @@ def describe_returncode(returncode: int) -> str:
     """``exit code 3`` or ``killed by signal SIGKILL`` for a Popen returncode."""
     if returncode >= 0:
         return f"exit code {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    return f"killed by signal {name}"
+    return f"killed by signal {_signal_name(-returncode)}"
 
 
 def exit_code_of(returncode: int) -> int:
