@@ -35,6 +35,7 @@ from aiocoll.protocol._coordinator import (
     EV_SESSION_LOST,
     join_values,
 )
+from aiocoll.testing.world import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -205,12 +206,6 @@ async def http_get(port: int, path: str) -> tuple[int, bytes]:
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
     return int(head.split()[1]), body
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_for_log(proc: CoordinatorProcess, pattern: str, within: float = 10.0) -> None:

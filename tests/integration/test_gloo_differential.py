@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocoll.testing.world import run_world, unwrap
+from aiocoll.testing.world import free_port, run_world, unwrap
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
@@ -46,7 +46,7 @@ async def worker(pg: Any) -> dict[str, Any]:
     import aiocoll
 
     r, n = pg.rank, pg.size
-    port = await pg.broadcast_object(_free_port() if r == 0 else None, src=0)
+    port = await pg.broadcast_object(free_port() if r == 0 else None, src=0)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -249,12 +249,6 @@ async def _p2p_ours(pg: Any, buf: Any, *, send_to: int | None, send_val: float, 
         await pg.recv(buf, src=recv_from)
         return buf.numpy().copy()
     return None
-
-
-def _free_port() -> int:
-    from aiocoll.testing.world import free_port
-
-    return free_port()
 
 
 @pytest.fixture(scope="module")
