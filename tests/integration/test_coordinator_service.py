@@ -14,8 +14,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,12 +33,12 @@ from aiocoll.protocol._coordinator import (
     EV_SESSION_LOST,
     join_values,
 )
+from aiocoll.testing.coordinator import CoordinatorProcess
 from aiocoll.testing.world import free_port
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "service-test-token"
-_LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
 
 
 # ---------------------------------------------------------------- helpers
@@ -129,52 +127,15 @@ class RawClient:
             self.task.cancel()
 
 
-class CoordinatorProcess:
-    """`python -m aiocoll coordinator --port 0` with its log in a file (a pipe could fill up)."""
+def _coordinator(tmp: Path, *args: str, name: str = "coordinator") -> CoordinatorProcess:
+    return CoordinatorProcess(tmp / f"{name}.log", *args, token=TOKEN)
 
-    def __init__(self, tmp: Path, *args: str, name: str = "coordinator") -> None:
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "wb")
-        env = {**os.environ, "AIOCOLL_TOKEN": TOKEN}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aiocoll", "coordinator", "--port", "0", *args],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-        self.port = self._wait_port()
 
-    def _wait_port(self) -> int:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            matches = _LISTENING.findall(self.log())
-            if matches:
-                return int(matches[-1])
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        self.stop(signal.SIGKILL)
-        raise RuntimeError(f"coordinator did not start:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def rss_kib(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-        raise AssertionError("no VmRSS")
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
+def rss_kib(coord: CoordinatorProcess) -> int:
+    for line in Path(f"/proc/{coord.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
 
 
 @pytest.fixture
@@ -223,7 +184,7 @@ async def test_coordinator_process_serves_everyone_despite_bad_input_and_drains_
     tmp_path: Path, spawned: list[CoordinatorProcess]
 ) -> None:
     http_port = free_port()
-    coord = CoordinatorProcess(tmp_path, "--max-value-bytes", "65536", "--http-port", str(http_port))
+    coord = _coordinator(tmp_path, "--max-value-bytes", "65536", "--http-port", str(http_port))
     spawned.append(coord)
     port = coord.port
     good = await RawClient.connect(port, job="train")
@@ -291,7 +252,7 @@ async def test_coordinator_process_serves_everyone_despite_bad_input_and_drains_
     await wait_for_log(coord, r"truncated")
 
     # Hundreds of half-open connections: memory stays bounded and everyone else is served.
-    rss_before = coord.rss_kib()
+    rss_before = rss_kib(coord)
     half_open = []
     for i in range(300):
         _, w = await asyncio.open_connection("127.0.0.1", port)
@@ -299,7 +260,7 @@ async def test_coordinator_process_serves_everyone_despite_bad_input_and_drains_
         half_open.append(w)
     await asyncio.sleep(0.3)
     assert (await good.ok("get", key="a", timeout=5))[1] == b"v1-tail"
-    growth_mib = (coord.rss_kib() - rss_before) / 1024
+    growth_mib = (rss_kib(coord) - rss_before) / 1024
     assert growth_mib < 40, f"300 half-open connections grew the coordinator by {growth_mib:.1f} MiB"
 
     # Many concurrent clients: every add is counted exactly once.
@@ -355,7 +316,7 @@ async def test_restart_after_kill_9_with_state_dir_loses_nothing_acknowledged(
     tmp_path: Path, spawned: list[CoordinatorProcess]
 ) -> None:
     state_dir = tmp_path / "state"
-    coord = CoordinatorProcess(tmp_path, "--state-dir", str(state_dir), name="first")
+    coord = _coordinator(tmp_path, "--state-dir", str(state_dir), name="first")
     spawned.append(coord)
     writers = await asyncio.gather(*(RawClient.connect(coord.port, job="durable") for _ in range(8)))
     acknowledged: dict[str, bytes] = {}
@@ -385,7 +346,7 @@ async def test_restart_after_kill_9_with_state_dir_loses_nothing_acknowledged(
             c.send("set", b"maybe", key=f"inflight-{i}")
     coord.stop(signal.SIGKILL)
 
-    again = CoordinatorProcess(tmp_path, "--state-dir", str(state_dir), name="second")
+    again = _coordinator(tmp_path, "--state-dir", str(state_dir), name="second")
     spawned.append(again)
     reader = await RawClient.connect(again.port, job="durable")
     keys = list(acknowledged)

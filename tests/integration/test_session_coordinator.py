@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +19,7 @@ from aiocoll.client.session import CoordinatorSession, CoordinatorUnreachable
 import aiocoll
 from aiocoll import AuthenticationError, RendezvousError, Store, StoreTimeout
 from aiocoll.protocol._coordinator import EV_RESTARTED, EV_SESSION_LOST, ROLE_STORE, ROLE_WORKER
+from aiocoll.testing.coordinator import CoordinatorProcess
 from aiocoll.testing.fault_proxy import FaultProxy
 from aiocoll.testing.store_conformance import StoreConformance, StoreFactory
 from aiocoll.testing.world import free_port
@@ -29,51 +27,17 @@ from aiocoll.testing.world import free_port
 pytestmark = pytest.mark.integration
 
 TOKEN = "integration-secret"
-_LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
-class CoordinatorProcess:
-    """``python -m aiocoll coordinator`` in a child process; its log goes to a file (never a pipe
-    that could fill up and stall it)."""
-
-    def __init__(self, tmp: Path, *, port: int = 0, state_dir: Path | None = None) -> None:
-        self.log_path = tmp / f"coordinator-{uuid.uuid4().hex[:8]}.log"
-        args = [sys.executable, "-m", "aiocoll", "coordinator", "--host", "127.0.0.1", "--port", str(port)]
-        if state_dir is not None:
-            args += ["--state-dir", str(state_dir)]
-        env = {**os.environ, "AIOCOLL_TOKEN": TOKEN}
-        self._log = open(self.log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        self.port = self._wait_listening()
-
-    def _wait_listening(self, timeout: float = 30.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            match = _LISTENING.search(self.log_path.read_text(errors="replace"))
-            if match:
-                return int(match.group(2))
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        self.stop()
-        raise RuntimeError(
-            f"coordinator did not start; its log:\n{self.log_path.read_text(errors='replace')}"
-        )
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(15)
-        self._log.close()
+def _coordinator(tmp: Path, *, port: int = 0, state_dir: Path | None = None) -> CoordinatorProcess:
+    args = ["--state-dir", str(state_dir)] if state_dir is not None else []
+    log_path = tmp / f"coordinator-{uuid.uuid4().hex[:8]}.log"
+    return CoordinatorProcess(log_path, *args, token=TOKEN, port=port)
 
 
 @pytest.fixture(scope="module")
 def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CoordinatorProcess]:
-    proc = CoordinatorProcess(tmp_path_factory.mktemp("coordinator"))
+    proc = _coordinator(tmp_path_factory.mktemp("coordinator"))
     yield proc
     proc.stop()
 
@@ -334,7 +298,7 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
-    first = CoordinatorProcess(tmp_path, state_dir=state)
+    first = _coordinator(tmp_path, state_dir=state)
     port = first.port
     job = "durable"
     second: CoordinatorProcess | None = None
@@ -366,7 +330,7 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
 
         first.stop(signal.SIGKILL)  # a crash: no drain, no final snapshot
         assert not waiting.done()
-        second = CoordinatorProcess(tmp_path, port=port, state_dir=state)
+        second = _coordinator(tmp_path, port=port, state_dir=state)
 
         setter = await _store(port, job, timeout=60)
         sessions.append(setter)
@@ -394,7 +358,7 @@ async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_
     tmp_path: Path,
 ) -> None:
     state = tmp_path / "state"
-    coordinators = [CoordinatorProcess(tmp_path, state_dir=state)]
+    coordinators = [_coordinator(tmp_path, state_dir=state)]
     job = f"exact-{uuid.uuid4().hex}"
     async with FaultProxy("127.0.0.1", coordinators[0].port) as proxy:
         store = await _connect(proxy.port, job, role=ROLE_STORE, timeout=30)
@@ -425,7 +389,7 @@ async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_
             proxy.cut()  # at whatever moment the requests are in
             await asyncio.sleep(0.3)
             coordinators[0].stop(signal.SIGKILL)  # mid-stream: some applied, unanswered
-            coordinators.append(CoordinatorProcess(tmp_path, state_dir=state))
+            coordinators.append(_coordinator(tmp_path, state_dir=state))
             proxy.retarget("127.0.0.1", coordinators[1].port)
             await asyncio.sleep(0.5)
             await cut_after_requests_arrived()
@@ -444,7 +408,7 @@ async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_
     assert counter == len(seen) > 0
     assert sorted(seen) == list(range(1, counter + 1)), "every add answered once, with its own value"
     assert sorted(log) == sorted(appended) and len(set(log)) == len(log)
-    logs = [c.log_path.read_text(errors="replace") for c in coordinators]
+    logs = [c.log() for c in coordinators]
     answered = sum(text.count("event=resent_request_answered") for text in logs)
     assert answered >= 1, "no re-sent request was answered from memory: the faults missed"
     assert proxy.accepted >= 4
