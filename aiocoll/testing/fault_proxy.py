@@ -20,6 +20,9 @@ from types import TracebackType
 __all__ = ["FaultProxy"]
 
 _CHUNK = 64 * 1024
+# A target that never answers a connect (SYNs dropped) must not leave the accepting task waiting
+# forever: the client's link is aborted, as a refused connect would be.
+_CONNECT_TIMEOUT = 10.0
 
 
 class _Link:
@@ -108,8 +111,10 @@ class FaultProxy:
             writer.transport.abort()
             return
         try:
-            up_reader, up_writer = await asyncio.open_connection(self.target_host, self.target_port)
-        except OSError:
+            up_reader, up_writer = await asyncio.wait_for(
+                asyncio.open_connection(self.target_host, self.target_port), _CONNECT_TIMEOUT
+            )
+        except (OSError, asyncio.TimeoutError):
             writer.transport.abort()
             return
         link = _Link(writer, up_writer)
