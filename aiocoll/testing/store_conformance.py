@@ -1,10 +1,11 @@
 """One conformance suite for every aiocoll Store (contract §4): memory, file, prefix, coordinator.
 
-Part of the public testing surface; imports pytest and aiocoll's public names only. Write a test
-class that inherits ``StoreConformance`` and defines a ``store_factory`` fixture: an async callable
-that returns a new client of one shared, empty store (every call must see the same data, so the
-suite can check visibility across clients); the fixture closes what it made. Every test then
-runs against that store, which keeps the stores' behaviour identical by construction.
+Part of the public testing surface; imports pytest and aiocoll's foundations (errors, stores)
+only. Write a test class that inherits ``StoreConformance`` and defines a ``store_factory``
+fixture: an async callable that returns a new client of one shared, empty store (every call must
+see the same data, so the suite can check visibility across clients); the fixture closes what it
+made. Every test then runs against that store, which keeps the stores' behaviour identical by
+construction.
 
     class TestMemoryStore(StoreConformance):
         @pytest.fixture
