@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 
-import aiocoll.torch  # noqa: F401  (registers the torch.distributed backend "aiocoll")
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+
+import aiocoll.torch  # noqa: F401  (registers the torch.distributed backend "aiocoll")
 
 
 def train(model: torch.nn.Module, steps: int, rank: int) -> float:

@@ -7,8 +7,9 @@ the total. The library's own all_reduce does this chunked and pipelined.
 
 from __future__ import annotations
 
-import aiocoll.sync as dist
 import torch
+
+import aiocoll.sync as dist
 
 
 def ring_all_reduce(send: torch.Tensor) -> torch.Tensor:

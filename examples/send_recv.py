@@ -7,8 +7,9 @@ each even rank pairs with the odd rank after it.
 
 from __future__ import annotations
 
-import aiocoll.sync as dist
 import torch
+
+import aiocoll.sync as dist
 
 
 def main() -> None:

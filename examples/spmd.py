@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 
-import aiocoll.sync as dist
 import torch
+
+import aiocoll.sync as dist
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ Run:  aiocoll run --nproc-per-node 4 examples/subgroup_all_reduce.py
 
 from __future__ import annotations
 
-import aiocoll.sync as dist
 import torch
+
+import aiocoll.sync as dist
 
 
 def main() -> None:

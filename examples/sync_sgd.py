@@ -12,10 +12,11 @@ from __future__ import annotations
 import argparse
 import random
 
-import aiocoll.sync as dist
 import torch
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
+
+import aiocoll.sync as dist
 
 
 class Partitioner:

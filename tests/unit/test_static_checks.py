@@ -21,7 +21,7 @@ def _tool(name: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_ruff_finds_nothing() -> None:
-    out = subprocess.run([_tool("ruff"), "check", "."], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([_tool("ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
