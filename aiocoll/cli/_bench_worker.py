@@ -75,31 +75,30 @@ class _Buffers:
 class _OpRunner:
     """How one implementation runs one op: ``run()`` once, ``check()`` once for correctness."""
 
-    def __init__(self, impl: str, op: str, bufs: _Buffers, pg: Any, kw: dict[str, Any]) -> None:
+    def __init__(self, impl: str, op: str, bufs: _Buffers, pg: Any) -> None:
         self.impl = impl
         self.op = op
         self.b = bufs
         self.pg = pg
-        self.kw = kw
 
     # The aiocoll calls (awaitables); gloo's are the same names on torch.distributed, blocking.
     def calls(self) -> Callable[[], Any]:
-        pg, b, kw, rank = self.pg, self.b, self.kw, self.b.rank
+        pg, b, rank = self.pg, self.b, self.b.rank
         op = self.op
         if op == "all_reduce":
-            return lambda: pg.all_reduce(b.inp, **kw)
+            return lambda: pg.all_reduce(b.inp)
         if op == "broadcast":
-            return lambda: pg.broadcast(b.inp, src=0, **kw)
+            return lambda: pg.broadcast(b.inp, src=0)
         if op == "reduce":
-            return lambda: pg.reduce(b.inp, dst=0, **kw)
+            return lambda: pg.reduce(b.inp, dst=0)
         if op == "all_gather":
-            return lambda: pg.all_gather_into_tensor(b.out, b.inp, **kw)
+            return lambda: pg.all_gather_into_tensor(b.out, b.inp)
         if op == "reduce_scatter":
-            return lambda: pg.reduce_scatter_tensor(b.out, b.inp, **kw)
+            return lambda: pg.reduce_scatter_tensor(b.out, b.inp)
         if op == "all_to_all":
-            return lambda: pg.all_to_all_single(b.out, b.inp, **kw)
+            return lambda: pg.all_to_all_single(b.out, b.inp)
         if op == "barrier":
-            return lambda: pg.barrier(**kw)
+            return lambda: pg.barrier()
         if op == "sendrecv":
             return self._pingpong(rank)
         raise ValueError(f"unknown op {op!r}")
@@ -288,7 +287,6 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
         )
     put(("ready", rank))
     use_torch = cfg["tensor"] == "torch"
-    kw: dict[str, Any] = {}
     hook = _AlgorithmHook(cfg["algorithm"])
     impls = ["aiocoll", "gloo"] if dist is not None else ["aiocoll"]
     step = 0
@@ -304,12 +302,12 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                     hook.last.pop(op, None)
                     bufs = _Buffers(sized, cfg["dtype"], use_torch, rank, n)
                     times = await _time_aiocoll(
-                        _OpRunner(impl, op, bufs, pg, kw), cfg["warmup"], cfg["iters"]
+                        _OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
                     )
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
                 else:
                     bufs = _Buffers(sized, cfg["dtype"], True, rank, n)
-                    runner = _OpRunner(impl, op, bufs, dist, {})
+                    runner = _OpRunner(impl, op, bufs, dist)
                     times = await _time_gloo(runner, cfg["warmup"], cfg["iters"])
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
