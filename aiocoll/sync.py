@@ -285,7 +285,6 @@ def _op(op: Any) -> ReduceOp:
 
 
 def _launch(
-    pg: ProcessGroup,
     name: str,
     start: Callable[[], Any],
     async_op: bool,
@@ -461,7 +460,7 @@ def isend(
     if pg is None:
         return None
     peer = _rank_in(pg, dst, group_dst, "dst")
-    return _launch(pg, "isend", lambda: pg.core.isend(tensor, peer, tag=tag), True, [tensor])
+    return _launch("isend", lambda: pg.core.isend(tensor, peer, tag=tag), True, [tensor])
 
 
 def irecv(
@@ -472,7 +471,7 @@ def irecv(
     if pg is None:
         return None
     peer = None if src is None and group_src is None else _rank_in(pg, src, group_src, "src")
-    return _launch(pg, "irecv", lambda: pg.core.irecv(tensor, peer, tag=tag), True, [tensor], _source(pg))
+    return _launch("irecv", lambda: pg.core.irecv(tensor, peer, tag=tag), True, [tensor], _source(pg))
 
 
 def send(
@@ -483,7 +482,7 @@ def send(
     if pg is None:
         return
     peer = _rank_in(pg, dst, group_dst, "dst")
-    _launch(pg, "send", lambda: pg.core.send(tensor, peer, tag=tag), False, [tensor])
+    _launch("send", lambda: pg.core.send(tensor, peer, tag=tag), False, [tensor])
 
 
 def recv(
@@ -495,7 +494,7 @@ def recv(
     if pg is None:
         return -1
     peer = None if src is None and group_src is None else _rank_in(pg, src, group_src, "src")
-    return _launch(pg, "recv", lambda: pg.core.recv(tensor, peer, tag=tag), False, [tensor], _source(pg))
+    return _launch("recv", lambda: pg.core.recv(tensor, peer, tag=tag), False, [tensor], _source(pg))
 
 
 def _source(pg: ProcessGroup) -> Callable[[Any], int]:
@@ -578,7 +577,7 @@ def broadcast(
     if pg is None:
         return None
     root = _rank_in(pg, src, group_src, "src")
-    return _launch(pg, "broadcast", lambda: pg.core.broadcast(tensor, src=root), async_op, [tensor])
+    return _launch("broadcast", lambda: pg.core.broadcast(tensor, src=root), async_op, [tensor])
 
 
 def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Work | None:
@@ -587,7 +586,7 @@ def all_reduce(tensor: Any, op: Any = ReduceOp.SUM, group: Any = None, async_op:
     if pg is None:
         return None
     reduce_op = _op(op)
-    return _launch(pg, "all_reduce", lambda: pg.core.all_reduce(tensor, op=reduce_op), async_op, [tensor])
+    return _launch("all_reduce", lambda: pg.core.all_reduce(tensor, op=reduce_op), async_op, [tensor])
 
 
 def reduce(
@@ -604,7 +603,7 @@ def reduce(
         return None
     root = _rank_in(pg, dst, group_dst, "dst")
     reduce_op = _op(op)
-    return _launch(pg, "reduce", lambda: pg.core.reduce(tensor, dst=root, op=reduce_op), async_op, [tensor])
+    return _launch("reduce", lambda: pg.core.reduce(tensor, dst=root, op=reduce_op), async_op, [tensor])
 
 
 def all_gather(tensor_list: list[Any], tensor: Any, group: Any = None, async_op: bool = False) -> Work | None:
@@ -613,7 +612,7 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: Any = None, async_op:
     if pg is None:
         return None
     return _launch(
-        pg, "all_gather", lambda: pg.core.all_gather(tensor_list, tensor), async_op, list(tensor_list)
+        "all_gather", lambda: pg.core.all_gather(tensor_list, tensor), async_op, list(tensor_list)
     )
 
 
@@ -625,7 +624,6 @@ def all_gather_into_tensor(
     if pg is None:
         return None
     return _launch(
-        pg,
         "all_gather_into_tensor",
         lambda: pg.core.all_gather_into_tensor(output_tensor, input_tensor),
         async_op,
@@ -647,7 +645,7 @@ def gather(
         return None
     root = _rank_in(pg, dst, group_dst, "dst", default=0)
     return _launch(
-        pg, "gather", lambda: pg.core.gather(tensor, gather_list, dst=root), async_op, list(gather_list or [])
+        "gather", lambda: pg.core.gather(tensor, gather_list, dst=root), async_op, list(gather_list or [])
     )
 
 
@@ -665,7 +663,7 @@ def scatter(
         return None
     root = _rank_in(pg, src, group_src, "src", default=0)
     return _launch(
-        pg, "scatter", lambda: pg.core.scatter(tensor, scatter_list or None, src=root), async_op, [tensor]
+        "scatter", lambda: pg.core.scatter(tensor, scatter_list or None, src=root), async_op, [tensor]
     )
 
 
@@ -678,7 +676,6 @@ def reduce_scatter(
         return None
     reduce_op = _op(op)
     return _launch(
-        pg,
         "reduce_scatter",
         lambda: pg.core.reduce_scatter(output, input_list, op=reduce_op),
         async_op,
@@ -695,7 +692,6 @@ def reduce_scatter_tensor(
         return None
     reduce_op = _op(op)
     return _launch(
-        pg,
         "reduce_scatter_tensor",
         lambda: pg.core.reduce_scatter_tensor(output, input, op=reduce_op),
         async_op,
@@ -711,7 +707,6 @@ def all_to_all(
     if pg is None:
         return None
     return _launch(
-        pg,
         "all_to_all",
         lambda: pg.core.all_to_all(output_tensor_list, input_tensor_list),
         async_op,
@@ -732,7 +727,6 @@ def all_to_all_single(
     if pg is None:
         return None
     return _launch(
-        pg,
         "all_to_all_single",
         lambda: pg.core.all_to_all_single(output, input, output_split_sizes, input_split_sizes),
         async_op,
@@ -754,8 +748,8 @@ def barrier(
         return None
     seconds = to_seconds(timeout)
     if seconds is None:
-        return _launch(pg, "barrier", lambda: pg.core.barrier(), async_op, [])
-    return _launch(pg, "barrier", lambda: pg.core.barrier(timeout=seconds), async_op, [])
+        return _launch("barrier", lambda: pg.core.barrier(), async_op, [])
+    return _launch("barrier", lambda: pg.core.barrier(timeout=seconds), async_op, [])
 
 
 def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bool = False) -> None:
