@@ -117,7 +117,10 @@ def main(args: argparse.Namespace) -> int:
         )
         return 2
     if args.op == "store" and (args.store_ops < 1 or args.rounds < 1 or args.value_size < 0):
-        print("aiocoll bench: --store-ops and --rounds must be at least 1", file=sys.stderr)
+        print(
+            "aiocoll bench: --store-ops and --rounds must be at least 1, --value-size at least 0",
+            file=sys.stderr,
+        )
         return 2
     if args.op == "rendezvous" and (args.rounds < 1 or args.sim_procs < 1 or args.simulated < 0):
         print(
