@@ -22,8 +22,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
+import msgpack
+
 from aiocoll._errors import AuthenticationError, ProtocolError
-from aiocoll.protocol import FrameDecoder, ServerHandshake, encode_frame, pack_prefix
+from aiocoll.protocol import FrameDecoder, ServerHandshake, pack_prefix
 from aiocoll.protocol._coordinator import (
     HEARTBEAT_TIMEOUT,
     RESUME_GRACE,
@@ -59,6 +61,10 @@ _LOW_WATER = 1024 * 1024
 _HS_READ = 4096
 _ROLES = frozenset({ROLE_WORKER, ROLE_STORE, ROLE_ADMIN})
 _conn_ids = itertools.count(1)
+# Reply payloads up to this size are copied into the frame's one write.
+_COPY_PAYLOAD = 16 * 1024
+# One packer for every reply header (the coordinator runs on one thread).
+_pack = msgpack.Packer(use_bin_type=True).pack
 
 
 def _error_category(exc: BaseException) -> str:
@@ -289,7 +295,12 @@ class _Connection(asyncio.BufferedProtocol):
             self.early.append((header, payload))
             return
         if type(header) is dict:
-            transport.writelines(encode_frame(header, payload))
+            head = _pack(header)
+            size = len(payload)
+            if size > _COPY_PAYLOAD:
+                transport.writelines([pack_prefix(len(head), size) + head, payload])
+            else:  # one buffer, one send call: the common store reply
+                transport.write(b"".join((pack_prefix(len(head), size), head, payload)))
         else:
             assert isinstance(header, EncodedHeader)
             transport.writelines([pack_prefix(header.size, len(payload)), *header.parts, payload])
