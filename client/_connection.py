@@ -82,6 +82,7 @@ class CoordinatorLink(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._ids = itertools.count(1)
+        self._pack = msgpack.Packer(use_bin_type=True).pack  # one per link: no allocation per request
         self._can_write = asyncio.Event()
         self._can_write.set()
         self._lost: BaseException | None = None
@@ -158,6 +159,7 @@ class CoordinatorLink(asyncio.Protocol):
             return
         fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
         if fut is not None and not fut.done():
+            self._expiry.pop(req_id, None)
             fut.set_result((header, payload))
         # An unknown id is the late answer to a request whose caller gave up: nothing to do.
 
@@ -191,27 +193,47 @@ class CoordinatorLink(asyncio.Protocol):
             await self._can_write.wait()
             if self.closed:
                 raise LinkLost(f"link to the coordinator at {self.peer} is closed", sent=False)
-        req_id = next(self._ids)
-        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = self.loop.create_future()
-        pending = self._pending
-        pending[req_id] = fut
-        if timeout is not None:
-            self._expect(req_id, timeout)
+        req_id, fut = self.start(header, payload, timeout)
         try:
-            header["id"] = req_id
-            head = msgpack.packb(header, use_bin_type=True)
-            size = len(payload)
-            if size > _COPY_PAYLOAD:
-                self._transport.writelines([PREFIX.pack(len(head), size) + head, payload])
-            elif size:
-                self._transport.write(b"".join((PREFIX.pack(len(head), size), head, payload)))
-            else:
-                self._transport.write(PREFIX.pack(len(head), 0) + head)
             return await fut
         finally:
-            pending.pop(req_id, None)
+            self._pending.pop(req_id, None)
             if timeout is not None:
                 self._expiry.pop(req_id, None)
+
+    def start(
+        self,
+        header: dict[str, Any],
+        payload: bytes | bytearray | memoryview = b"",
+        timeout: float | None = None,
+    ) -> tuple[int, asyncio.Future[tuple[dict[str, Any], bytes]]]:
+        """Write one request now and return (its id, the future of its reply), without waiting.
+
+        The caller must have checked that the link is open and writable (``writable``). The
+        future fails with LinkLost or TimeoutError like ``request``; its entry leaves the
+        link when it is answered, fails, or times out.
+        """
+        assert self._transport is not None
+        req_id = next(self._ids)
+        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = self.loop.create_future()
+        self._pending[req_id] = fut
+        if timeout is not None:
+            self._expect(req_id, timeout)
+        header["id"] = req_id
+        head = self._pack(header)
+        size = len(payload)
+        if size > _COPY_PAYLOAD:
+            self._transport.writelines([PREFIX.pack(len(head), size) + head, payload])
+        elif size:
+            self._transport.write(b"".join((PREFIX.pack(len(head), size), head, payload)))
+        else:
+            self._transport.write(PREFIX.pack(len(head), 0) + head)
+        return req_id, fut
+
+    @property
+    def writable(self) -> bool:
+        """Open, and its transport is not asking writers to wait."""
+        return not self.closed and self._transport is not None and self._can_write.is_set()
 
     def _expect(self, req_id: int, timeout: float) -> None:
         """Fail request ``req_id`` with TimeoutError unless it is answered within ``timeout``."""
@@ -233,7 +255,7 @@ class CoordinatorLink(asyncio.Protocol):
         for req_id, (at, timeout) in list(self._expiry.items()):
             if at <= now:
                 del self._expiry[req_id]
-                fut = self._pending.get(req_id)
+                fut = self._pending.pop(req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_exception(TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
             elif earliest is None or at < earliest:

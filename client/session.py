@@ -33,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import datetime
+import functools
 import hashlib
 import heapq
 import logging
@@ -208,6 +209,7 @@ class CoordinatorSession(Store):
         job: str = "default",
         role: str = ROLE_WORKER,
         timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+        pipeline_sets: bool = False,
     ) -> None:
         super().__init__(timeout)
         if role not in (ROLE_WORKER, ROLE_STORE, ROLE_ADMIN):
@@ -238,6 +240,15 @@ class CoordinatorSession(Store):
         self._unanswered: set[int] = set()
         self._unanswered_heap: list[int] = []
         self._window_moved = asyncio.Event()
+        # Pipelined sets (``pipeline_sets``): written but not yet answered, by request number;
+        # those whose link dropped (re-sent, in order, before this session's next request); and
+        # the first failure of one, raised by the next operation, ``flush`` or ``aclose``.
+        self.pipeline_sets = bool(pipeline_sets)
+        self._sets_in_flight: dict[int, tuple[str, bytes, Deadline]] = {}
+        self._lost_sets: list[tuple[int, str, bytes, Deadline]] = []
+        self._deferred: BaseException | None = None
+        self._sets_idle = asyncio.Event()
+        self._sets_idle.set()
 
     @property
     def address(self) -> str:
@@ -253,6 +264,7 @@ class CoordinatorSession(Store):
         job: str = "default",
         role: str = ROLE_WORKER,
         timeout: float | datetime.timedelta = DEFAULT_TIMEOUT,
+        pipeline_sets: bool = False,
     ) -> CoordinatorSession:
         """Connect and authenticate, retrying with backoff while ``timeout`` allows.
 
@@ -262,13 +274,18 @@ class CoordinatorSession(Store):
             job: the job's id; each job has its own keys and ranks. role: ROLE_WORKER (may join
                 a rendezvous and keeps heartbeats) or ROLE_STORE (a plain store client).
             timeout: seconds to keep trying, and the default for every operation.
+            pipeline_sets: ``set`` returns once its request is written, as torch's TCPStore
+                does, instead of after the coordinator's reply; see ``set`` for what is
+                promised then (docs/COORDINATOR.md, "Pipelined sets").
 
         Raises:
             CoordinatorUnreachable: nothing accepted at host:port for the whole timeout.
             AuthenticationError: the coordinator holds another token (not retried).
             ProtocolError: host:port is not an aiocoll coordinator of this version.
         """
-        session = cls(host, port, token=token, job=job, role=role, timeout=timeout)
+        session = cls(
+            host, port, token=token, job=job, role=role, timeout=timeout, pipeline_sets=pipeline_sets
+        )
         link = await session._connect(Deadline(session.timeout))
         session._link = link
         return session
@@ -470,6 +487,8 @@ class CoordinatorSession(Store):
             waits: the coordinator may hold the request until ``timeout`` (a field we fill in).
             keys: the keys it is about, for error messages.
         """
+        if self._deferred is not None or self._lost_sets:
+            await self._settle()
         if op not in MUTATING_OPS:
             return await self._send(op, fields, payload, deadline=deadline, waits=waits, keys=keys)
         if self._rid + 1 - self._ack() <= DEDUPE_WINDOW:  # the common case: no wait, no coroutine
@@ -548,7 +567,11 @@ class CoordinatorSession(Store):
             except TimeoutError:
                 raise self._timed_out(op, deadline, waits, keys, False) from None
             except LinkLost:
-                continue  # re-sent on the next link; a numbered mutation is not applied twice
+                # Re-sent on the next link (a numbered mutation is not applied twice), after the
+                # pipelined sets written before it, so that it still sees them.
+                if self._lost_sets:
+                    await self._resend_lost_sets()
+                continue
             if reply.get("ok") is True:
                 return reply, body
             raise self._error(op, reply, keys, deadline)
@@ -605,9 +628,124 @@ class CoordinatorSession(Store):
 
     # -- Store ---------------------------------------------------------------------------
     async def set(self, key: str, value: Value, *, timeout: float | None = None) -> None:
+        """Set ``key`` to ``value``.
+
+        By default it returns once the coordinator acknowledged the set (with --state-dir: once
+        it is on disk). With ``pipeline_sets`` it returns once the request is written to the
+        link, as torch's TCPStore.set does: it is acknowledged when any operation of this
+        session started after it returns (replies come in request order), or ``flush``/``aclose``
+        returns; a failure is raised by the first operation started after the failure's reply
+        arrived, and at the latest by ``flush`` or ``aclose``.
+
+        Raises:
+            StoreError: the coordinator refused it (too large, too many keys) — with
+                ``pipeline_sets``, this or an earlier pipelined set, raised here or later.
+            StoreTimeout: the coordinator could not be reached in time.
+        """
         key = check_key(key)
         raw = to_value(key, value)
-        await self._call("set", {"key": key}, raw, deadline=self._deadline(timeout), keys=[key])
+        deadline = self._deadline(timeout)
+        if self.pipeline_sets:
+            if self._deferred is not None or self._lost_sets:
+                await self._settle()
+            link = self._link
+            if (
+                link is not None
+                and link.writable
+                and not self._closed
+                and self._fatal is None
+                and self._rid + 1 - self._ack() <= DEDUPE_WINDOW
+            ):
+                self._rid += 1
+                rid = self._rid
+                self._unanswered.add(rid)
+                heapq.heappush(self._unanswered_heap, rid)
+                remaining = deadline.remaining()
+                header = {"key": key, "op": "set", "rid": rid, "ack": self._ack()}
+                self._last_request = link.loop.time()
+                _, fut = link.start(
+                    header, raw, None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+                )
+                self._sets_in_flight[rid] = (key, raw, deadline)
+                self._sets_idle.clear()
+                fut.add_done_callback(functools.partial(self._set_answered, rid))
+                return
+            # Reconnecting, paused by backpressure or a full window: the acknowledged path waits.
+        await self._call("set", {"key": key}, raw, deadline=deadline, keys=[key])
+
+    def _set_answered(
+        self, rid: int, fut: asyncio.Future[tuple[dict[str, Any], bytes]]
+    ) -> None:
+        """A pipelined set's reply (or failure) arrived."""
+        entry = self._sets_in_flight.pop(rid, None)
+        if not self._sets_in_flight:
+            self._sets_idle.set()
+        if entry is None:
+            return
+        key, raw, deadline = entry
+        exc = None if fut.cancelled() else fut.exception()
+        if isinstance(exc, LinkLost) or fut.cancelled():
+            self._lost_sets.append((rid, key, raw, deadline))  # still unanswered: re-sent later
+            return
+        self._unanswered.discard(rid)
+        self._window_moved.set()
+        if exc is not None:
+            failure: BaseException = self._timed_out("set", deadline, False, [key], False)
+        else:
+            reply, _ = fut.result()
+            if reply.get("ok") is True:
+                return
+            failure = self._error("set", reply, [key], deadline)
+        if self._deferred is None:
+            self._deferred = failure
+            log.error("job=%s event=pipelined_set_failed key=%r reason=%s", self.job, key[:256], failure)
+
+    async def _resend_lost_sets(self) -> None:
+        """Re-send, in order and one by one, the pipelined sets whose link dropped."""
+        while self._lost_sets:
+            lost = sorted(self._lost_sets, key=lambda entry: entry[0])
+            self._lost_sets.clear()
+            for i, (rid, key, raw, deadline) in enumerate(lost):
+                try:
+                    await self._send("set", {"key": key}, raw, deadline=deadline, keys=[key], rid=rid)
+                except Exception as exc:
+                    if self._deferred is None:
+                        self._deferred = exc
+                except BaseException:
+                    self._lost_sets[:0] = lost[i:]  # cancelled: keep them for the next caller
+                    raise
+                self._unanswered.discard(rid)
+                self._window_moved.set()
+
+    async def _settle(self) -> None:
+        """Re-send lost pipelined sets, then raise the first pipelined set's failure, if any."""
+        if self._lost_sets:
+            await self._resend_lost_sets()
+        exc, self._deferred = self._deferred, None
+        if exc is not None:
+            raise exc
+
+    async def flush(self, *, timeout: float | None = None) -> None:
+        """Wait until every pipelined set of this session is acknowledged.
+
+        Raises:
+            StoreError, StoreTimeout: a pipelined set failed (the first failure is raised once).
+        """
+        deadline = self._deadline(timeout)
+        while self._sets_in_flight or self._lost_sets or self._deferred is not None:
+            if self._sets_in_flight:
+                idle = self._sets_idle
+                try:
+                    await asyncio.wait_for(idle.wait(), deadline.remaining())
+                except asyncio.TimeoutError:
+                    raise StoreTimeout(
+                        [k for k, _, _ in self._sets_in_flight.values()][:8],
+                        deadline.timeout,
+                        f"flush (job {self.job!r}): {len(self._sets_in_flight)} pipelined set(s) "
+                        f"still unanswered by the coordinator at {self.address} after "
+                        f"{deadline.timeout:.3g}s",
+                    ) from None
+            await self._settle()
 
     async def get(self, key: str, *, timeout: float | None = None) -> bytes:
         key = check_key(key)
@@ -885,14 +1023,24 @@ class CoordinatorSession(Store):
         return self._closed
 
     async def aclose(self) -> None:
-        """Leave the rendezvous (when joined) and close. Twice is fine; never raises for a dead link."""
+        """Leave the rendezvous (when joined) and close. Twice is fine; never raises for a dead
+        link, except that with ``pipeline_sets`` it first waits for the pipelined sets (up to the
+        session's timeout) and, after closing, raises the failure of one that did not succeed."""
         if self._closed:
             return
+        failure: BaseException | None = None
+        if self._sets_in_flight or self._lost_sets or self._deferred is not None:
+            try:
+                await self.flush()
+            except Exception as exc:
+                failure = exc
         link = self._link
         if link is not None and self.membership is not None and self.session_lost is None:
             with contextlib.suppress(LinkLost, TimeoutError, OSError):
                 await link.request({"op": "leave"}, b"", _LEAVE_TIMEOUT)
         self.abort()
+        if failure is not None:
+            raise failure
 
     def abort(self) -> None:
         """Close at once without leaving: the coordinator will report this member lost."""
