@@ -51,6 +51,16 @@ _UFUNCS: dict[ReduceOp, Callable[..., Any]] = {
 }
 
 
+# Keyed by the enum's value: hashing a ReduceOp runs Python code, hashing its str value does not.
+_UFUNC_BY_VALUE: dict[str, Callable[..., Any]] = {op._value_: f for op, f in _UFUNCS.items()}
+_CHECK_AT_REDUCE = frozenset(op._value_ for op in (*BITWISE_OPS, ReduceOp.AVG))
+
+# (op value, dtype name) pairs already found meaningful: every collective checks its pair, and
+# the checks below (enum hashing and set lookups in Python) cost more than the reduction of a
+# small message. Bounded by the number of ops times the number of dtypes.
+_CHECKED: set[tuple[str, str]] = set()
+
+
 def check_reduce_op(op: ReduceOp, dtype_name: str) -> None:
     """Refuse reduce operations that mean nothing for a dtype.
 
@@ -61,6 +71,17 @@ def check_reduce_op(op: ReduceOp, dtype_name: str) -> None:
         TypeError: bitwise ops on floating or complex data, MIN/MAX on complex data, AVG on
             integer or bool data, or a dtype aiocoll cannot reduce.
     """
+    if type(op) is not ReduceOp:
+        _check_reduce_op(op, dtype_name)
+        return
+    key = (op._value_, dtype_name)
+    if key in _CHECKED:
+        return
+    _check_reduce_op(op, dtype_name)
+    _CHECKED.add(key)
+
+
+def _check_reduce_op(op: ReduceOp, dtype_name: str) -> None:
     if dtype_name not in _KNOWN:
         raise TypeError(
             f"aiocoll cannot reduce dtype {dtype_name!r}; supported: bool, int8..int64, uint8..uint64, "
@@ -128,10 +149,10 @@ def reduce_into(
             _UFUNCS[op](wide, other, out=wide)
         f32_to_bf16(wide, dst)
         return
-    ufunc = _UFUNCS.get(op)
-    if ufunc is None:  # pragma: no cover - every ReduceOp has an entry
+    ufunc = _UFUNC_BY_VALUE.get(op._value_) if type(op) is ReduceOp else None
+    if ufunc is None:
         raise TypeError(f"unknown reduce op {op!r}")
-    if op in BITWISE_OPS or op is ReduceOp.AVG or dst.dtype.kind == "c":
+    if op._value_ in _CHECK_AT_REDUCE or dst.dtype.kind == "c":
         check_reduce_op(op, dtype_name)
     if src_first:
         ufunc(src, dst, out=dst)

@@ -88,6 +88,9 @@ def dtype_name(obj: Any) -> str:
         TypeError: not a tensor, or a dtype aiocoll does not carry.
     """
     if isinstance(obj, np.ndarray):
+        known = _NUMPY_NAMES.get(obj.dtype)
+        if known is not None:
+            return known
         name = obj.dtype.name
     elif is_torch_tensor(obj):
         name = str(obj.dtype).removeprefix("torch.")
@@ -97,7 +100,14 @@ def dtype_name(obj: Any) -> str:
         raise TypeError(
             f"aiocoll does not carry dtype {name!r}; supported: {', '.join(sorted(SUPPORTED_DTYPES))}"
         )
+    if isinstance(obj, np.ndarray):
+        _NUMPY_NAMES[obj.dtype] = name
     return name
+
+
+# Supported numpy dtypes seen so far -> name: numpy computes ``dtype.name`` in Python, which
+# costs more than the rest of a small collective's bookkeeping. At most one entry per dtype.
+_NUMPY_NAMES: dict[np.dtype[Any], str] = {}
 
 
 def numel(obj: Any) -> int:

@@ -144,6 +144,27 @@ class OpTransport(Transport):
         finally:
             pending[dst] -= 1
 
+    def send_nowait(
+        self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
+    ) -> Awaitable[None] | None:
+        """Start a send inline when the inner transport can (see TcpTransport.send_nowait); else
+        the ``send`` coroutine, not yet started. None: the payload was handed off at once."""
+        start = getattr(self._inner, "send_nowait", None)
+        if start is None:
+            return self.send(dst, tag, payload, meta)
+        rest = start(dst, tag, payload, meta)
+        if rest is None:
+            return None
+        return self._counted_send(dst, rest)
+
+    async def _counted_send(self, dst: int, rest: Awaitable[None]) -> None:
+        pending = self._op.outstanding_send
+        pending[dst] = pending.get(dst, 0) + 1
+        try:
+            await rest
+        finally:
+            pending[dst] -= 1
+
     async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
         pending = self._op.outstanding_recv
         pending[src] = pending.get(src, 0) + 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,7 +120,17 @@ def choose_algorithm(kind: str, nbytes: int, world_size: int) -> str:
 class _Context:
     """What one running operation needs at every message: transport, tags, meta, op."""
 
-    __slots__ = ("bufs", "dtype_name", "global_ranks", "me_global", "meta", "op", "tag", "transport")
+    __slots__ = (
+        "bufs",
+        "dtype_name",
+        "global_ranks",
+        "me_global",
+        "meta",
+        "op",
+        "send_nowait",
+        "tag",
+        "transport",
+    )
 
     def __init__(
         self,
@@ -141,6 +151,24 @@ class _Context:
         self.bufs = bufs
         self.op = op
         self.dtype_name = dtype_name
+        # Transports that can hand a message to the kernel without a coroutine let a step send
+        # inline (no task, no loop iteration per message); see ``start_send``.
+        self.send_nowait: Callable[..., Awaitable[None] | None] | None = getattr(
+            transport, "send_nowait", None
+        )
+
+    def start_send(self, peer: int, step_id: int, data: np.ndarray) -> Awaitable[None] | None:
+        """Start sending now; None when the payload was handed off at once, else an awaitable
+        (a coroutine, not yet started, for transports without ``send_nowait``) that finishes it.
+
+        Raises:
+            PeerLostError: the peer is gone (only when sending inline).
+        """
+        if self.send_nowait is None:
+            return self.send(peer, step_id, data)
+        return self.send_nowait(
+            self.global_ranks[peer], (*self.tag, step_id), data.view(np.uint8).data, self.meta
+        )
 
     async def send(self, peer: int, step_id: int, data: np.ndarray) -> None:
         await self.transport.send(
@@ -237,7 +265,7 @@ async def _all(aws: Sequence[Awaitable[None]]) -> None:
         raise first
 
 
-async def _pair(send: Coroutine[Any, Any, None], recv: Coroutine[Any, Any, None]) -> None:
+async def _pair(send: Awaitable[None], recv: Awaitable[None]) -> None:
     """One send and one receive concurrently, with a single extra task (the common ring step).
 
     The receive runs inline; if the send fails first, this task is cancelled out of the receive
@@ -278,7 +306,10 @@ async def _run_lane(
     # One scratch per lane, reused by every step: reductions allocate nothing per message.
     scratch = np.empty(need, dtype=bufs[reduced].dtype) if reduced is not None else None
     for step in steps:
-        aws: list[Coroutine[Any, Any, None]] = []
+        # Sends start first, inline: a send the kernel takes at once costs no task. Receives are
+        # posted before control returns to the loop, so early payloads still land in place.
+        sends = _start_sends(step, bufs, ctx)
+        aws: list[Awaitable[None]] = []
         reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
         offset = 0
         for r in step.recvs:
@@ -291,17 +322,36 @@ async def _run_lane(
             else:
                 landing = target
             aws.append(ctx.recv(r.peer, step.id, landing))
-        for s in step.sends:
-            aws.append(ctx.send(s.peer, step.id, bufs[s.buf][s.start : s.stop]))
-        if len(aws) == 2 and len(step.recvs) == 1:
-            await _pair(aws[1], aws[0])
+        if len(aws) == 1 and not sends:
+            await aws[0]
+        elif len(aws) == 1 and len(sends) == 1:
+            await _pair(sends[0], aws[0])
         else:
-            await _all(aws)
+            await _all(aws + sends)
         # Only now: a reduced range may also have been the payload of one of this step's sends.
         if reductions:
             with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
                 for target, landing, first in reductions:
                     reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
+
+
+def _start_sends(step: S.Step, bufs: dict[S.BufRef, np.ndarray], ctx: _Context) -> list[Awaitable[None]]:
+    """Start every send of ``step``; returns those still in flight. If one fails at once, those
+    already in flight are abandoned (their operation fails with the error) and it is raised."""
+    pending: list[Awaitable[None]] = []
+    try:
+        for s in step.sends:
+            aw = ctx.start_send(s.peer, step.id, bufs[s.buf][s.start : s.stop])
+            if aw is not None:
+                pending.append(aw)
+    except BaseException:
+        for aw in pending:
+            if isinstance(aw, Coroutine):
+                aw.close()
+            elif isinstance(aw, asyncio.Future):
+                aw.cancel()
+        raise
+    return pending
 
 
 def _copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
@@ -464,6 +514,19 @@ async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, m
         MismatchError: a peer's signature or message size differs from ours.
         PeerLostError: a peer involved in the operation is gone.
     """
+    if spec.kind == "all_reduce" and spec.algorithm is None:
+        fast = _fast_all_reduce(spec, meta)
+        if fast is not None:
+            sched, bufs, dtype_name = fast
+            ctx = _Context(transport, tuple(tag), meta, spec.ranks, spec.me, bufs, spec.op, dtype_name)
+            if len(sched.lanes) == 1 and not sched.prologue and not sched.epilogue:
+                await _run_lane(sched.lanes[0], sched.scratch[0], ctx)
+            else:
+                await execute(sched, ctx)
+            if spec.op is ReduceOp.AVG:
+                with np.errstate(all="ignore"):
+                    finish_avg(bufs[S.W], len(spec.ranks), dtype_name)
+            return
     n = len(spec.ranks)
     if spec.kind not in ALGORITHMS:
         raise ValueError(f"unknown collective kind {spec.kind!r}; expected one of {KINDS}")
@@ -495,6 +558,47 @@ async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, m
 
 
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}
+
+# In-place all_reduce (the hot path of training loops) skips re-validating what it validated
+# before: (group size, my rank, op, dtype, count, dtype hints) -> (schedule, dtype name). Every
+# check of run_collective depends only on these, so a hit is as safe as the full path.
+_FAST_PLANS: dict[tuple[Any, ...], tuple[S.Schedule, str]] = {}
+_FAST_PLANS_MAX = 1024
+
+
+def _fast_all_reduce(
+    spec: CollectiveSpec, meta: dict[str, Any]
+) -> tuple[S.Schedule, dict[S.BufRef, np.ndarray], str] | None:
+    """(schedule, buffers, dtype name) for an in-place all_reduce seen before; else None after
+    remembering it when it passes the full checks (which then run again, harmlessly)."""
+    if len(spec.send) != 1 or len(spec.recv) != 1:
+        return None
+    x = spec.recv[0]
+    if spec.send[0] is not x or type(x) is not np.ndarray or x.ndim != 1 or not x.flags.c_contiguous:
+        return None
+    n = len(spec.ranks)
+    op = spec.op
+    op_key = op._value_ if type(op) is ReduceOp else op
+    key = (n, spec.me, op_key, x.dtype, x.size, spec.dtype, meta.get("dtype"))
+    plan = _FAST_PLANS.get(key)
+    if plan is None:
+        if not 0 <= spec.me < n or not 0 <= spec.root < n:
+            return None  # the full path raises the error
+        dtype_name = spec.dtype or _dtype_of((x,), meta)
+        try:
+            check_reduce_op(op, dtype_name)
+        except (TypeError, ValueError):
+            return None
+        algorithm = choose_algorithm("all_reduce", int(x.nbytes), n)
+        sched = _cached_schedule(
+            "all_reduce", algorithm, n, spec.me, 0, int(x.size), x.itemsize,
+            S.CHUNK_BYTES, S.RD_MAX_BYTES, None,
+        )
+        if len(_FAST_PLANS) >= _FAST_PLANS_MAX:
+            _FAST_PLANS.clear()
+        plan = _FAST_PLANS[key] = (sched, dtype_name)
+    sched, dtype_name = plan
+    return sched, {("s", 0): x, ("r", 0): x, S.W: x}, dtype_name
 
 
 def _dtype_of(arrays: Sequence[np.ndarray], meta: dict[str, Any]) -> str:

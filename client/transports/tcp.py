@@ -26,7 +26,7 @@ import errno
 import logging
 import socket
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -421,17 +421,45 @@ class TcpTransport(Transport):
         link = self._links.get(dst)
         if link is None:
             link = await self._wait_link(dst)
+        fut = self._write(link, dst, tag, payload, meta)
+        if fut is not None:
+            await self._finish_write(link, dst, fut)
+
+    def send_nowait(
+        self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
+    ) -> Awaitable[None] | None:
+        """Start ``send`` without a coroutine: None when the kernel took the whole message at
+        once (the common case for small messages), else an awaitable that finishes the send.
+
+        Raises:
+            PeerLostError: ``dst`` is gone (at once, when its link is known to be closed).
+        """
+        link = self._links.get(dst)
+        if link is None or dst == self.rank:
+            return self.send(dst, tag, payload, meta)
+        fut = self._write(link, dst, tag, payload, meta)
+        if fut is None:
+            return None
+        return self._finish_write(link, dst, fut)
+
+    def _write(
+        self, link: PeerLink, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
+    ) -> asyncio.Future[None] | None:
         head = self._packer.pack({"t": tag, "m": meta})
-        body = _as_bytes_view(payload) if len(payload) else _EMPTY
-        first = PREFIX.pack(len(head), len(body)) + head
         try:
-            fut = link.write([memoryview(first), body] if len(body) else [memoryview(first)])
-            if fut is not None:
-                try:
-                    await fut
-                except asyncio.CancelledError:
-                    link.drop_unsent(fut)
-                    raise
+            if len(payload):
+                body = payload if payload.format == "B" and payload.ndim == 1 else payload.cast("B")
+                return link.write([memoryview(PREFIX.pack(len(head), len(body)) + head), body])
+            return link.write([memoryview(PREFIX.pack(len(head), 0) + head)])
+        except ConnectionError as exc:
+            raise self._lost_error(dst) from exc
+
+    async def _finish_write(self, link: PeerLink, dst: int, fut: asyncio.Future[None]) -> None:
+        try:
+            await fut
+        except asyncio.CancelledError:
+            link.drop_unsent(fut)
+            raise
         except ConnectionError as exc:
             raise self._lost_error(dst) from exc
 
