@@ -21,7 +21,8 @@ def _tool(name: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_ruff_finds_nothing() -> None:
-    out = subprocess.run([_tool("ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
+    command = [_tool("ruff"), "check", "--no-cache", "."]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
