@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ._token_file import read_token_file as _read_token_file
+
 __all__ = [
     "DEFAULT_COORDINATOR_PORT",
     "DEFAULT_TORCH_STORE_PORT",
@@ -245,19 +247,15 @@ def build_worker_command(
 
 
 def read_token_file(path: str) -> str:
-    """The shared secret in ``path``, surrounding whitespace removed.
+    """The shared secret in ``path`` (see aiocoll.cli._token_file).
 
     Raises:
         LaunchConfigError: if the file cannot be read or holds only whitespace.
     """
     try:
-        with open(path, encoding="utf-8") as handle:
-            token = handle.read().strip()
-    except OSError as exc:
-        raise LaunchConfigError(f"cannot read --token-file {path!r}: {exc.strerror or exc}") from None
-    if not token:
-        raise LaunchConfigError(f"--token-file {path!r} is empty; put the shared secret in it")
-    return token
+        return _read_token_file(path)
+    except ValueError as exc:
+        raise LaunchConfigError(str(exc)) from None
 
 
 def format_host_port(host: str, port: int) -> str:

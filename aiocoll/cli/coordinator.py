@@ -72,16 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _read_token(args: argparse.Namespace) -> str | None:
     if args.token_file:
+        from ._token_file import read_token_file
+
         try:
-            with open(args.token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except OSError as exc:
-            raise SystemExit(
-                f"aiocoll coordinator: cannot read --token-file {args.token_file}: {exc}"
-            ) from exc
-        if not token:
-            raise SystemExit(f"aiocoll coordinator: --token-file {args.token_file} is empty")
-        return token
+            return read_token_file(args.token_file)
+        except ValueError as exc:
+            raise SystemExit(f"aiocoll coordinator: {exc}") from exc
     return os.environ.get("AIOCOLL_TOKEN") or None
 
 

@@ -84,12 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _read_token(token_file: str | None) -> str | None:
     if token_file is None:
         return os.environ.get("AIOCOLL_TOKEN")
+    from ._token_file import read_token_file
+
     try:
-        with open(token_file, encoding="utf-8") as fh:
-            # A trailing newline from `echo secret > file` is not part of the token.
-            return fh.read().strip()
-    except OSError as exc:
-        raise StatusError(f"cannot read the token file {token_file}: {exc.strerror or exc}") from exc
+        return read_token_file(token_file)
+    except ValueError as exc:
+        raise StatusError(str(exc)) from exc
 
 
 async def query_status(

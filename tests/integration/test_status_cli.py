@@ -209,7 +209,10 @@ async def test_status_rejects_a_malformed_address_and_unreadable_token_file(tmp_
     rc, _, err = await _status("--coordinator", "127.0.0.1")
     assert rc == 1 and "HOST:PORT" in err
     rc, _, err = await _status("--coordinator", "127.0.0.1:1", "--token-file", str(tmp_path / "missing"))
-    assert rc == 1 and "cannot read the token file" in err
+    assert rc == 1 and "cannot read --token-file" in err
+    (tmp_path / "empty").write_text("\n")
+    rc, _, err = await _status("--coordinator", "127.0.0.1:1", "--token-file", str(tmp_path / "empty"))
+    assert rc == 1 and "is empty" in err
 
 
 # -- against a real coordinator process -------------------------------------------------------
