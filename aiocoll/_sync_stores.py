@@ -259,9 +259,9 @@ async def _stop(coordinator: Any) -> None:
 
 async def _connect(host: str, port: int, token: str | None, job: str | None, timeout: float) -> AsyncStore:
     from aiocoll._connect import connect_store
+    from aiocoll._net import host_port
 
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    store = await connect_store(f"tcp://{address}", token=token, job=job, timeout=timeout)
+    store = await connect_store(f"tcp://{host_port(host, port)}", token=token, job=job, timeout=timeout)
     store.set_timeout(timeout)
     return store
 

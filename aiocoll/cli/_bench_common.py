@@ -16,12 +16,13 @@ import math
 import os
 import platform
 import re
-import socket
 import statistics
 import sys
 import time
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, TextIO, TypeVar
+
+from .._net import free_port
 
 __all__ = [
     "COLLECTIVE_OPS",
@@ -270,14 +271,6 @@ class Progress:
         else:
             sys.stderr.write(message + "\n")
         sys.stderr.flush()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago on ``host`` (for torch's own rendezvous store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def utc_now() -> str:

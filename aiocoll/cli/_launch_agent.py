@@ -23,7 +23,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
+from .._net import free_port as pick_free_port
 from ._launch_config import (
     LaunchConfig,
     LaunchConfigError,
@@ -73,19 +73,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def pick_free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel considers free on ``host``, for rank 0's torch store (MASTER_PORT).
-
-    The socket is closed at once, so another program could take the port before rank 0 binds it;
-    that race is torchrun's too, and the alternative (holding the socket) cannot work because the
-    store is opened by the worker, not by us.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Console:

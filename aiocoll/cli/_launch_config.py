@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .._net import host_port
 from ._token_file import read_token_file as _read_token_file
 
 __all__ = [
@@ -260,7 +261,7 @@ def read_token_file(path: str) -> str:
 
 def format_host_port(host: str, port: int) -> str:
     """``HOST:PORT``, an IPv6 host in brackets (``[::1]:29500``), as parse_coordinator_address reads it."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port(host, port)
 
 
 @dataclass(frozen=True)

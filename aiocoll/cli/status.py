@@ -56,7 +56,9 @@ def _default_address() -> str:
         return os.environ["AIOCOLL_COORDINATOR"]
     host = os.environ.get("MASTER_ADDR") or DEFAULT_HOST
     port = os.environ.get("MASTER_PORT") or str(DEFAULT_PORT)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    from .._net import host_port
+
+    return host_port(host, port)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

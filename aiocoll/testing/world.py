@@ -41,6 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiocoll._net import free_port
+
 __all__ = [
     "RankResult",
     "RemoteError",
@@ -128,13 +130,6 @@ def unwrap(results: Sequence[RankResult]) -> list[Any]:
     if problems:
         raise AssertionError("\n".join(problems))
     return [r.value for r in results]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (bind to 0, read, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
