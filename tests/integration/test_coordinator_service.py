@@ -510,3 +510,38 @@ async def test_client_that_never_reads_its_replies_is_closed_and_others_are_serv
         assert "has not read its replies" in caplog.text
         writer.close()
         await good.close()
+
+
+@pytest.mark.timeout(40)
+async def test_second_sigterm_exits_at_once_while_a_drain_is_stuck(
+    tmp_path: Path, spawned: list[CoordinatorProcess]
+) -> None:
+    coord = _coordinator(tmp_path)
+    spawned.append(coord)
+    good = await RawClient.connect(coord.port)
+    await good.ok("set", b"z" * (1 << 20), key="big")
+    # A client that asks for 300 MiB of replies and reads none: the drain cannot flush them.
+    reader, writer = await asyncio.open_connection("127.0.0.1", coord.port)
+    hs = ClientHandshake(TOKEN, role="store", job="job")
+    writer.write(hs.start())
+    while not hs.done:
+        writer.write(hs.receive_data(await asyncio.wait_for(reader.read(4096), 10)))
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    writer.transport.pause_reading()
+    for i in range(300):
+        writer.writelines(encode_frame({"op": "get", "id": i + 1, "key": "big"}))
+    await writer.drain()
+    await good.ok("get", key="big")  # the coordinator has read the pipelined requests by now
+
+    coord.proc.send_signal(signal.SIGTERM)
+    await wait_for_log(coord, "draining")
+    await asyncio.sleep(0.5)
+    assert coord.proc.poll() is None  # still draining: the stuck client holds it up to 5 s
+    started = time.monotonic()
+    coord.proc.send_signal(signal.SIGTERM)
+    status = await asyncio.to_thread(coord.proc.wait, 10)
+    assert status == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 3  # at once, not after the drain deadline
+    assert "second signal (SIGTERM): exiting at once" in coord.log()
+    writer.close()
+    await good.close()
