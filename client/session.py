@@ -39,9 +39,9 @@ import heapq
 import logging
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import msgpack
 
@@ -85,6 +85,7 @@ __all__ = [
     "CoordinatorSession",
     "CoordinatorUnreachable",
     "Member",
+    "MemberTable",
     "Membership",
 ]
 
@@ -130,8 +131,8 @@ class Membership:
         rank, world_size: this member's rank and the round's size.
         round: the job's round number (grows each time the job re-forms).
         session: the id the coordinator gave this member, used to resume after a reconnect.
-        members: every member, sorted by rank (an immutable sequence, shared by the sessions of
-            this process that joined the same round).
+        members: every member, sorted by rank (an immutable sequence, a MemberTable, shared by
+            the sessions of this process that joined the same round and decoded on first use).
     """
 
     rank: int
@@ -144,14 +145,14 @@ class Membership:
 # Member tables decoded in this process, by digest: sessions of one process that join the same
 # round share one immutable table instead of each decoding its own copy (N sessions x N members).
 _TABLES_KEPT = 8
-_TABLES: collections.OrderedDict[bytes, tuple[Member, ...]] = collections.OrderedDict()
+_TABLES: collections.OrderedDict[bytes, MemberTable] = collections.OrderedDict()
 # Tables being fetched, by (event loop, digest): one ``table`` request per process and round.
-_TABLE_FETCHES: dict[tuple[int, bytes], asyncio.Future[tuple[Member, ...]]] = {}
+_TABLE_FETCHES: dict[tuple[int, bytes], asyncio.Future[MemberTable]] = {}
 # Joins in flight, by (event loop, coordinator address, job): the first takes the table inline.
 _JOINS_IN_FLIGHT: dict[tuple[int, str, str], int] = {}
 
 
-def _remember_table(digest: bytes, table: tuple[Member, ...]) -> tuple[Member, ...]:
+def _remember_table(digest: bytes, table: MemberTable) -> MemberTable:
     _TABLES[digest] = table
     _TABLES.move_to_end(digest)
     while len(_TABLES) > _TABLES_KEPT:
@@ -170,17 +171,79 @@ def _decode_members(raw: Any) -> tuple[Member, ...]:
     """Members from the wire's list of {rank, addrs, host} maps, sorted by rank."""
     if not isinstance(raw, list):
         raise ProtocolError(f"the coordinator sent a member table of type {type(raw).__name__}")
+    # Filled in place of Member.__init__ (a frozen dataclass's __init__ goes through
+    # object.__setattr__ per field: half the cost of a 10,000-member table), after the same
+    # checks its fields' types would need.
+    new = object.__new__
+    members = []
     try:
-        members = [
-            Member(
-                int(m["rank"]), [(str(a[0]), int(a[1])) for a in m.get("addrs", ())], str(m.get("host", ""))
-            )
-            for m in raw
-        ]
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        for m in raw:
+            rank, addrs, host = m["rank"], m.get("addrs", ()), m.get("host", "")
+            pairs = [(h, p) for h, p in addrs]
+            if type(rank) is not int or type(host) is not str:
+                raise TypeError(f"entry {m!r:.200}")
+            for h, p in pairs:
+                if type(h) is not str or type(p) is not int:
+                    raise TypeError(f"address in entry {m!r:.200}")
+            member = new(Member)
+            fields = member.__dict__
+            fields["rank"] = rank
+            fields["addrs"] = pairs
+            fields["host"] = host
+            members.append(member)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
         raise ProtocolError(f"the coordinator sent a malformed member table: {exc!r}") from exc
-    members.sort(key=lambda m: m.rank)
+    if any(members[i].rank > members[i + 1].rank for i in range(len(members) - 1)):
+        members.sort(key=lambda m: m.rank)
     return tuple(members)
+
+
+class MemberTable(Sequence[Member]):
+    """The members of a round, sorted by rank: an immutable sequence of ``Member`` that keeps
+    the coordinator's encoding and decodes it on first use (len, index, iteration, equality).
+
+    A join returns as soon as the table's bytes are here, as a TCPStore rendezvous returns
+    with its address strings; the Member objects are built once per process and table, when
+    someone first looks. A malformed table raises ProtocolError then.
+    """
+
+    __slots__ = ("_members", "_raw")
+
+    def __init__(self, raw: bytes) -> None:
+        self._raw = raw
+        self._members: tuple[Member, ...] | None = None
+
+    def _decoded(self) -> tuple[Member, ...]:
+        members = self._members
+        if members is None:
+            members = self._members = _decode_members(_unpack_table(self._raw))
+            self._raw = b""
+        return members
+
+    @overload
+    def __getitem__(self, index: int) -> Member: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Member, ...]: ...
+    def __getitem__(self, index: int | slice) -> Member | tuple[Member, ...]:
+        return self._decoded()[index]
+
+    def __len__(self) -> int:
+        return len(self._decoded())
+
+    def __iter__(self) -> Iterator[Member]:
+        return iter(self._decoded())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MemberTable):
+            return other is self or self._decoded() == other._decoded()
+        if isinstance(other, (tuple, list)):
+            return list(self._decoded()) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"MemberTable({list(self._decoded())!r})"
 
 
 MemberLostCallback = Callable[[int, str], None]
@@ -920,22 +983,22 @@ class CoordinatorSession(Store):
 
     async def _member_table(
         self, reply: dict[str, Any], body: bytes, deadline: Deadline
-    ) -> tuple[Member, ...]:
+    ) -> Sequence[Member]:
         """The join reply's member table: inline (header or payload) or by digest, shared."""
         digest = reply.get("table_digest")
         if digest is None:
             if "members" in reply:  # a coordinator that predates table_in_payload
-                return _decode_members(reply["members"])
+                old_style = MemberTable(b"")
+                old_style._members = _decode_members(reply["members"])
+                return old_style
             digest = hashlib.blake2b(body, digest_size=16).digest()
-            table = _TABLES.get(digest)
-            if table is None:
-                table = _remember_table(digest, _decode_members(_unpack_table(body)))
-            return table
+            known = _TABLES.get(digest)
+            return known if known is not None else _remember_table(digest, MemberTable(body))
         if not isinstance(digest, bytes):
             raise ProtocolError(f"the coordinator sent a table digest of type {type(digest).__name__}")
-        table = _TABLES.get(digest)
-        if table is not None:
-            return table
+        known = _TABLES.get(digest)
+        if known is not None:
+            return known
         # One fetch per process and digest; the other sessions wait for it.
         loop = asyncio.get_running_loop()
         key = (id(loop), digest)
@@ -955,7 +1018,7 @@ class CoordinatorSession(Store):
                     )
                 table = _TABLES.get(digest)
                 if table is None:
-                    table = _remember_table(digest, _decode_members(_unpack_table(payload)))
+                    table = _remember_table(digest, MemberTable(payload))
             except BaseException as exc:
                 fetch.set_exception(
                     exc
