@@ -298,41 +298,105 @@ async def _pair(send: Awaitable[None], recv: Awaitable[None]) -> None:
     await task
 
 
+# A receive at least this large is posted one step early when that is safe (see _run_lane): a
+# payload that arrives before its receive is posted costs an extra copy through fresh memory.
+PREPOST_BYTES = 32 * 1024
+
+
 async def _run_lane(
     steps: Sequence[S.Step], scratch_need: tuple[int, S.BufRef | None], ctx: _Context
 ) -> None:
     bufs = ctx.bufs
     need, reduced = scratch_need
+    # Large messages: post step k+1's receive before waiting for step k, so a peer that runs a
+    # step ahead still lands its payload in place. Reduced payloads then alternate between two
+    # scratch halves (step k's is still being reduced while step k+1's arrives).
+    prepost = len(steps) > 1 and _largest_recv(steps[0], bufs) >= PREPOST_BYTES
     # One scratch per lane, reused by every step: reductions allocate nothing per message.
-    scratch = np.empty(need, dtype=bufs[reduced].dtype) if reduced is not None else None
-    for step in steps:
-        # Sends start first, inline: a send the kernel takes at once costs no task. Receives are
-        # posted before control returns to the loop, so early payloads still land in place.
-        sends = _start_sends(step, bufs, ctx)
-        aws: list[Awaitable[None]] = []
-        reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
-        offset = 0
-        for r in step.recvs:
-            target = bufs[r.buf][r.start : r.stop]
-            if r.reduce:
-                assert scratch is not None
-                landing = scratch[offset : offset + (r.stop - r.start)]
-                offset += r.stop - r.start
-                reductions.append((target, landing, r.first))
+    scratch = None
+    if reduced is not None:
+        scratch = np.empty(2 * need if prepost else need, dtype=bufs[reduced].dtype)
+    early: tuple[asyncio.Future[None], list[tuple[np.ndarray, np.ndarray, bool]]] | None = None
+    try:
+        for k, step in enumerate(steps):
+            # Sends start first, inline: a send the kernel takes at once costs no task. Receives
+            # are posted before control returns to the loop, so early payloads still land in place.
+            sends = _start_sends(step, bufs, ctx)
+            aws: list[Awaitable[None]]
+            if early is not None:
+                aws, reductions = [early[0]], early[1]
+                early = None
             else:
-                landing = target
-            aws.append(ctx.recv(r.peer, step.id, landing))
-        if len(aws) == 1 and not sends:
-            await aws[0]
-        elif len(aws) == 1 and len(sends) == 1:
-            await _pair(sends[0], aws[0])
+                aws, reductions = _post_recvs(step, bufs, scratch, need if prepost and k % 2 else 0, ctx)
+            if prepost and k + 1 < len(steps) and _may_prepost(step, steps[k + 1]):
+                nxt = steps[k + 1]
+                more, red = _post_recvs(nxt, bufs, scratch, need if (k + 1) % 2 else 0, ctx)
+                task = asyncio.ensure_future(more[0])
+                task.add_done_callback(_consume_outcome)
+                early = (task, red)
+            if len(aws) == 1 and not sends:
+                await aws[0]
+            elif len(aws) == 1 and len(sends) == 1:
+                await _pair(sends[0], aws[0])
+            else:
+                await _all(aws + sends)
+            # Only now: a reduced range may also have been the payload of one of this step's sends.
+            if reductions:
+                with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
+                    for target, landing, first in reductions:
+                        reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
+    finally:
+        if early is not None and not early[0].done():
+            early[0].cancel()
+
+
+def _largest_recv(step: S.Step, bufs: dict[S.BufRef, np.ndarray]) -> int:
+    return max(((r.stop - r.start) * bufs[r.buf].itemsize for r in step.recvs), default=0)
+
+
+def _post_recvs(
+    step: S.Step, bufs: dict[S.BufRef, np.ndarray], scratch: np.ndarray | None, base: int, ctx: _Context
+) -> tuple[list[Awaitable[None]], list[tuple[np.ndarray, np.ndarray, bool]]]:
+    """The step's receives (coroutines, not yet started) and the reductions to run after them;
+    reduced payloads land in ``scratch`` from ``base`` on."""
+    aws: list[Awaitable[None]] = []
+    reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
+    offset = base
+    for r in step.recvs:
+        target = bufs[r.buf][r.start : r.stop]
+        if r.reduce:
+            assert scratch is not None
+            landing = scratch[offset : offset + (r.stop - r.start)]
+            offset += r.stop - r.start
+            reductions.append((target, landing, r.first))
         else:
-            await _all(aws + sends)
-        # Only now: a reduced range may also have been the payload of one of this step's sends.
-        if reductions:
-            with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
-                for target, landing, first in reductions:
-                    reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
+            landing = target
+        aws.append(ctx.recv(r.peer, step.id, landing))
+    return aws, reductions
+
+
+def _may_prepost(step: S.Step, nxt: S.Step) -> bool:
+    """Whether ``nxt``'s single receive may be posted while ``step`` runs: its payload must not
+    land on anything ``step`` sends, receives or reduces into (reduced payloads land in the
+    other scratch half, so only direct receives need checking)."""
+    if len(nxt.recvs) != 1:
+        return False
+    r = nxt.recvs[0]
+    if r.reduce:
+        return True
+    for s in step.sends:
+        if s.buf == r.buf and s.start < r.stop and r.start < s.stop:
+            return False
+    for q in step.recvs:
+        if q.buf == r.buf and q.start < r.stop and r.start < q.stop:
+            return False
+    return True
+
+
+def _consume_outcome(fut: asyncio.Future[None]) -> None:
+    # An early receive abandoned because its lane failed must not log "never retrieved".
+    if not fut.cancelled():
+        fut.exception()
 
 
 def _start_sends(step: S.Step, bufs: dict[S.BufRef, np.ndarray], ctx: _Context) -> list[Awaitable[None]]:
