@@ -458,6 +458,22 @@ def _tree_reduce_steps(n: int, me: int, root: int, count: int, id_base: int = 0)
     return steps
 
 
+def _pipelined_tree(
+    steps_of: Callable[[int, int, int, int], list[Step]],
+    n: int,
+    me: int,
+    root: int,
+    count: int,
+    itemsize: int,
+    chunk_bytes: int,
+    max_lanes: int,
+) -> Schedule:
+    """A binomial-tree pattern (``steps_of(n, me, root, chunk_count)``) pipelined over chunks."""
+    span = _log2_ceil(n)
+    chunk = _chunk_elems(itemsize, chunk_bytes)
+    return pipelined(lambda m: _single(steps_of(n, me, root, m), span), count, chunk, max_lanes)
+
+
 def tree_broadcast_schedule(
     n: int,
     me: int,
@@ -469,13 +485,7 @@ def tree_broadcast_schedule(
     max_lanes: int = MAX_LANES,
 ) -> Schedule:
     """Binomial-tree broadcast of ``W`` from ``root`` (ceil(log2 n) rounds), pipelined in chunks."""
-    span = _log2_ceil(n)
-    return pipelined(
-        lambda m: _single(_tree_broadcast_steps(n, me, root, m), span),
-        count,
-        _chunk_elems(itemsize, chunk_bytes),
-        max_lanes,
-    )
+    return _pipelined_tree(_tree_broadcast_steps, n, me, root, count, itemsize, chunk_bytes, max_lanes)
 
 
 def tree_reduce_schedule(
@@ -489,13 +499,7 @@ def tree_reduce_schedule(
     max_lanes: int = MAX_LANES,
 ) -> Schedule:
     """Binomial-tree reduce of ``W`` to ``root``: each rank reduces its children, then sends up."""
-    span = _log2_ceil(n)
-    return pipelined(
-        lambda m: _single(_tree_reduce_steps(n, me, root, m), span),
-        count,
-        _chunk_elems(itemsize, chunk_bytes),
-        max_lanes,
-    )
+    return _pipelined_tree(_tree_reduce_steps, n, me, root, count, itemsize, chunk_bytes, max_lanes)
 
 
 def tree_all_reduce_schedule(
