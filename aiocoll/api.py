@@ -395,28 +395,43 @@ class ProcessGroup:
         meta = self._meta("all_gather", name, n)
         return self._collective("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout)
 
+    def _root_list(
+        self, op: str, list_name: str, root_name: str, root: int, value: Any, dtype: str, count: int
+    ) -> list[Any] | None:
+        """The per-rank list a rooted op takes on its root (checked), or None elsewhere.
+
+        Raises:
+            ValueError/TypeError: the root gave no list, or one of the wrong length, dtype or sizes;
+                a non-root gave a list.
+        """
+        if root != self.rank:
+            if value:
+                raise ValueError(
+                    f"{op}: {list_name} must be None on rank {self.rank}, which is not {root_name}={root}"
+                )
+            return None
+        if value is None:
+            raise ValueError(
+                f"{op}: rank {root} is {root_name} and must pass {list_name} of {self.size} tensors"
+            )
+        what = f"{op}: {list_name}"
+        tensors = _check_list(what, value, self.size)
+        _same_dtype(what, tensors, dtype)
+        _same_numel(what, tensors, count)
+        return tensors
+
     def gather(self, tensor: Any, gather_list: Any = None, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Gather every rank's ``tensor`` into ``gather_list`` of group rank ``dst``; awaits to
         ``gather_list`` there and None elsewhere."""
         root = _check_rank("dst", dst, self.size)
         name = dtype_name(tensor)
         w = as_working(tensor, write=False)
-        if root == self.rank:
-            if gather_list is None:
-                raise ValueError(
-                    f"gather: rank {root} is dst and must pass gather_list of {self.size} tensors"
-                )
-            outs = _check_list("gather: gather_list", gather_list, self.size)
-            _same_dtype("gather: gather_list", outs, name)
-            _same_numel("gather: gather_list", outs, w.numel)
+        outs = self._root_list("gather", "gather_list", "dst", root, gather_list, name, w.numel)
+        if outs is not None:
             wo = [as_working(t, read=False) for t in outs]
             recv = [x.array for x in wo]
             result: Any = gather_list
         else:
-            if gather_list:
-                raise ValueError(
-                    f"gather: gather_list must be None on rank {self.rank}, which is not dst={root}"
-                )
             wo, recv, result = [], [], None
         meta = self._meta("gather", name, w.numel, root=root)
         return self._collective("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
@@ -428,21 +443,8 @@ class ProcessGroup:
         root = _check_rank("src", src, self.size)
         name = dtype_name(tensor)
         w = as_working(tensor, read=False)
-        if root == self.rank:
-            if scatter_list is None:
-                raise ValueError(
-                    f"scatter: rank {root} is src and must pass scatter_list of {self.size} tensors"
-                )
-            ins = _check_list("scatter: scatter_list", scatter_list, self.size)
-            _same_dtype("scatter: scatter_list", ins, name)
-            _same_numel("scatter: scatter_list", ins, w.numel)
-            send = [as_working(t, write=False).array for t in ins]
-        else:
-            if scatter_list:
-                raise ValueError(
-                    f"scatter: scatter_list must be None on rank {self.rank}, which is not src={root}"
-                )
-            send = []
+        ins = self._root_list("scatter", "scatter_list", "src", root, scatter_list, name, w.numel)
+        send = [] if ins is None else [as_working(t, write=False).array for t in ins]
         meta = self._meta("scatter", name, w.numel, root=root)
         return self._collective("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
 
