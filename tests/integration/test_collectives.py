@@ -265,6 +265,10 @@ def bad_argument_checks(pg: Any) -> dict[str, str]:
             np.zeros(6), np.zeros(6), input_split_sizes=[1] * n, output_split_sizes=[2] * n
         ),
         "gather_list_missing_at_dst": lambda: pg.gather(np.zeros(2), None, dst=pg.rank),
+        "scatter_list_on_a_non_src_rank": lambda: pg.scatter(
+            np.zeros(2), [np.zeros(2)] * n, src=(pg.rank + 1) % n
+        ),
+        "scatter_list_wrong_sizes_at_src": lambda: pg.scatter(np.zeros(2), [np.zeros(3)] * n, src=pg.rank),
         "all_gather_into_tensor_size": lambda: pg.all_gather_into_tensor(np.zeros(5), np.zeros(2)),
         "readonly_output": lambda: pg.all_reduce(np.frombuffer(b"\0" * 8, np.float32)),
     }
@@ -450,6 +454,10 @@ def test_bad_arguments_raise_at_call_time_naming_the_problem(results: list[dict[
         assert "int32" in bad["avg_of_ints"]
         assert "float32" in bad["band_of_floats"]
         assert "datetime64" in bad["unsupported_dtype"]
+        assert "is dst and must pass gather_list" in bad["gather_list_missing_at_dst"]
+        assert "scatter_list must be None on rank" in bad["scatter_list_on_a_non_src_rank"]
+        assert "ValueError" in bad["scatter_list_wrong_sizes_at_src"]
+        assert "scatter_list[0] has 3 elements" in bad["scatter_list_wrong_sizes_at_src"]
 
 
 def test_torch_tensors_including_bfloat16_and_noncontiguous(results: list[dict[str, Any]]) -> None:
