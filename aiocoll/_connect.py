@@ -46,6 +46,7 @@ async def connect_store(
     token: str | None = None,
     job: str | None = None,
     timeout: float | datetime.timedelta = 300.0,
+    pipeline_sets: bool = False,
 ) -> CoordinatorSession:
     """Connect to the coordinator at ``url`` as a plain store client.
 
@@ -54,6 +55,9 @@ async def connect_store(
         token: the shared secret; default: the environment variable AIOCOLL_TOKEN.
         job: whose key space to use; default: AIOCOLL_JOB, else "default".
         timeout: seconds for connecting, reconnecting after a drop, and every wait by default.
+        pipeline_sets: ``set`` returns once written instead of once acknowledged, as torch's
+            TCPStore does; a refused set is raised by a later call, ``flush()`` or ``aclose()``
+            (docs/COORDINATOR.md says what "acknowledged" means then).
 
     Returns:
         An ``aiocoll.Store`` (a CoordinatorSession with role "store"); close it with ``aclose``.
@@ -76,5 +80,5 @@ async def connect_store(
         warnings.warn(message, RuntimeWarning, stacklevel=2)
         log.warning(message)
     return await CoordinatorSession.connect(
-        host, port, token=token, job=job, role=ROLE_STORE, timeout=timeout
+        host, port, token=token, job=job, role=ROLE_STORE, timeout=timeout, pipeline_sets=pipeline_sets
     )

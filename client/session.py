@@ -54,6 +54,7 @@ from aiocoll._errors import (
     StoreError,
     StoreTimeout,
 )
+from aiocoll._net import host_port
 from aiocoll.protocol import ClientHandshake
 from aiocoll.protocol._coordinator import (
     CID_BYTES,
@@ -315,7 +316,7 @@ class CoordinatorSession(Store):
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return host_port(self.host, self.port)
 
     @classmethod
     async def connect(

@@ -83,3 +83,21 @@ async def test_pipelined_sets_cut_in_flight_are_resent_once_and_in_order() -> No
                 assert not store._lost_sets and not store._unanswered
             finally:
                 await store.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_connect_store_passes_pipeline_sets_through_and_defaults_to_acknowledged_sets() -> None:
+    from aiocoll import connect_store
+
+    async with Coordinator("127.0.0.1", 0, token=TOKEN) as coord:
+        url = f"tcp://127.0.0.1:{coord.port}"
+        pipelined = await connect_store(url, token=TOKEN, job="pipe-url", pipeline_sets=True)
+        plain = await connect_store(url, token=TOKEN, job="pipe-url")
+        try:
+            assert pipelined.pipeline_sets and not plain.pipeline_sets
+            await pipelined.set("a", "1")
+            await pipelined.flush()
+            assert await plain.get("a") == b"1"
+        finally:
+            await pipelined.aclose()
+            await plain.aclose()
