@@ -90,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     store.add_argument("--value-size", type=int, default=32, help="bytes per stored value (default 32)")
     store.add_argument(
+        "--pipeline-sets",
+        action="store_true",
+        help="aiocoll's set returns once written, like TCPStore's (the timed loop still ends with a "
+        "flush that waits for every acknowledgement; TCPStore never waits for one)",
+    )
+    store.add_argument(
         "--rounds", type=int, default=3, help="rounds per measurement; the median is kept (default 3)"
     )
     store.add_argument(
