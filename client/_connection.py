@@ -36,6 +36,7 @@ _MAX_HEADER = 16 << 20
 _HANDSHAKE_BUFFER = 64 << 10
 # Payloads up to this size are copied into the frame's one write (one send call, no writev list).
 _COPY_PAYLOAD = 16 << 10
+_pack_prefix = PREFIX.pack
 
 
 class LinkLost(ConnectionError):
@@ -107,8 +108,15 @@ class CoordinatorLink(asyncio.Protocol):
                 data = self._handshake_data(data)
                 if self._decoder is None or not data:
                     return
-            for frame in self._decoder.feed(data):
-                self._dispatch(frame.header, bytes(frame.payload))
+            pending = self._pending
+            for header, payload in self._decoder.feed_messages(data):
+                req_id = header.get("id")
+                fut = pending.pop(req_id, None) if isinstance(req_id, int) else None
+                if fut is None:
+                    self._dispatch(header, payload)  # an event, or a reply nobody waits for
+                elif not fut.done():
+                    self._expiry.pop(req_id, None)
+                    fut.set_result((header, payload))
         except (ProtocolError, AuthenticationError) as exc:
             self._fail(exc)
 
@@ -197,9 +205,12 @@ class CoordinatorLink(asyncio.Protocol):
         try:
             return await fut
         finally:
-            self._pending.pop(req_id, None)
-            if timeout is not None:
-                self._expiry.pop(req_id, None)
+            self.forget(req_id)
+
+    def forget(self, req_id: int) -> None:
+        """Drop what is kept for request ``req_id`` (its caller stopped waiting, or got the reply)."""
+        if self._pending.pop(req_id, None) is not None:
+            self._expiry.pop(req_id, None)
 
     def start(
         self,
@@ -213,21 +224,25 @@ class CoordinatorLink(asyncio.Protocol):
         future fails with LinkLost or TimeoutError like ``request``; its entry leaves the
         link when it is answered, fails, or times out.
         """
-        assert self._transport is not None
+        transport = self._transport
+        assert transport is not None
         req_id = next(self._ids)
         fut: asyncio.Future[tuple[dict[str, Any], bytes]] = self.loop.create_future()
         self._pending[req_id] = fut
         if timeout is not None:
-            self._expect(req_id, timeout)
+            at = self.loop.time() + timeout
+            self._expiry[req_id] = (at, timeout)
+            if self._timer is None or at < self._timer_at:
+                self._arm(at)
         header["id"] = req_id
         head = self._pack(header)
         size = len(payload)
-        if size > _COPY_PAYLOAD:
-            self._transport.writelines([PREFIX.pack(len(head), size) + head, payload])
-        elif size:
-            self._transport.write(b"".join((PREFIX.pack(len(head), size), head, payload)))
+        if not size:
+            transport.write(_pack_prefix(len(head), 0) + head)
+        elif size > _COPY_PAYLOAD:
+            transport.writelines([_pack_prefix(len(head), size) + head, payload])
         else:
-            self._transport.write(PREFIX.pack(len(head), 0) + head)
+            transport.write(b"".join((_pack_prefix(len(head), size), head, payload)))
         return req_id, fut
 
     @property

@@ -553,20 +553,56 @@ class CoordinatorSession(Store):
         """
         if self._deferred is not None or self._lost_sets:
             await self._settle()
-        if op not in MUTATING_OPS:
-            return await self._send(op, fields, payload, deadline=deadline, waits=waits, keys=keys)
-        if self._rid + 1 - self._ack() <= DEDUPE_WINDOW:  # the common case: no wait, no coroutine
-            self._rid += 1
-            rid = self._rid
-            self._unanswered.add(rid)
-            heapq.heappush(self._unanswered_heap, rid)
-        else:
-            rid = await self._next_rid(deadline, op, keys)
+        rid: int | None = None
+        if op in MUTATING_OPS:
+            if self._rid + 1 - self._ack() <= DEDUPE_WINDOW:  # the common case: no wait, no coroutine
+                self._rid += 1
+                rid = self._rid
+                self._unanswered.add(rid)
+                heapq.heappush(self._unanswered_heap, rid)
+            else:
+                rid = await self._next_rid(deadline, op, keys)
         try:
-            return await self._send(op, fields, payload, deadline=deadline, waits=waits, keys=keys, rid=rid)
+            link = self._link
+            if link is None or not link.writable or self._closed or self._fatal is not None:
+                return await self._send(
+                    op, fields, payload, deadline=deadline, waits=waits, keys=keys, rid=rid
+                )
+            # The hot path, inline: one request on an open link, awaited here (not through
+            # _send and link.request: each coroutine level costs every resumption). Anything
+            # unusual (a dropped link, a timeout) goes the way _send goes.
+            header = fields
+            header["op"] = op
+            if rid is not None:
+                header["rid"] = rid
+                header["ack"] = self._ack()
+            remaining = deadline.remaining()
+            if waits:
+                header["timeout"] = remaining
+                bound = None if remaining is None else remaining + _REPLY_GRACE
+            else:
+                bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+            self._last_request = link.loop.time()
+            req_id, fut = link.start(header, payload, bound)
+            try:
+                reply, body = await fut
+            except TimeoutError:
+                raise self._timed_out(op, deadline, waits, keys, False) from None
+            except LinkLost:
+                if self._lost_sets:
+                    await self._resend_lost_sets()
+                return await self._send(
+                    op, fields, payload, deadline=deadline, waits=waits, keys=keys, rid=rid
+                )
+            finally:
+                link.forget(req_id)
+            if reply.get("ok") is True:
+                return reply, body
+            raise self._error(op, reply, keys, deadline)
         finally:
-            self._unanswered.discard(rid)
-            self._window_moved.set()
+            if rid is not None:
+                self._unanswered.discard(rid)
+                self._window_moved.set()
 
     def _ack(self) -> int:
         """The request number at and below which every mutation of ours has had its reply."""

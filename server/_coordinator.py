@@ -157,15 +157,17 @@ class _Connection(asyncio.BufferedProtocol):
         except ProtocolError as exc:
             self._protocol_error(exc)
             return
+        if not frames:
+            return  # a frame is still arriving: nothing was decided
         coord = self.coord
-        state = coord.state
-        if frames and self.early is not None:
+        if self.early is not None:
             early, self.early = self.early, None
-            for header, payload in early:
-                self.send(header, payload)
+            self.send_many(early)
+        request = coord.state.request
+        conn_id = self.id
         for frame in frames:
             try:
-                state.request(self.id, frame.header, frame.payload)
+                request(conn_id, frame.header, frame.payload)
             except ValueError as exc:
                 self._protocol_error(exc)
                 break
@@ -286,6 +288,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -- output and closing
     def send(self, header: dict[str, Any] | EncodedHeader, payload: bytes | bytearray | memoryview) -> None:
+        """Write one frame (a reply or an event)."""
         transport = self.transport
         if transport is None or self.closing:
             return
@@ -304,7 +307,45 @@ class _Connection(asyncio.BufferedProtocol):
         else:
             assert isinstance(header, EncodedHeader)
             transport.writelines([pack_prefix(header.size, len(payload)), *header.parts, payload])
-        if self.paused and transport.get_write_buffer_size() > self.coord.max_output_bytes:
+        if self.paused:
+            self._check_backlog(transport)
+
+    def send_many(
+        self, frames: list[tuple[dict[str, Any] | EncodedHeader, bytes | bytearray | memoryview]]
+    ) -> None:
+        """Write several frames, in order, with one write: the replies to the requests that
+        arrived in one read (pipelined sets) cost one send call instead of one each."""
+        transport = self.transport
+        if transport is None or self.closing:
+            return
+        if self.early is not None:
+            self.early.extend(frames)
+            return
+        parts: list[bytes | bytearray | memoryview] = []
+        small = True
+        for header, payload in frames:
+            size = len(payload)
+            if type(header) is dict:
+                head = _pack(header)
+                parts.append(pack_prefix(len(head), size) + head)
+            else:
+                assert isinstance(header, EncodedHeader)
+                parts.append(pack_prefix(header.size, size))
+                parts.extend(header.parts)
+                small = False
+            if size:
+                parts.append(payload)
+                if size > _COPY_PAYLOAD:
+                    small = False
+        if small:
+            transport.write(b"".join(parts))
+        else:
+            transport.writelines(parts)
+        if self.paused:
+            self._check_backlog(transport)
+
+    def _check_backlog(self, transport: asyncio.Transport) -> None:
+        if transport.get_write_buffer_size() > self.coord.max_output_bytes:
             self.close(
                 f"more than {self.coord.max_output_bytes} bytes of replies are waiting for the "
                 f"client to read them",
@@ -630,10 +671,27 @@ class Coordinator:
 
     def _deliver(self, out: list[Send]) -> None:
         conns = self._conns
-        for conn_id, header, payload in out:
+        if len(out) == 1:
+            conn_id, header, payload = out[0]
             conn = conns.get(conn_id)
             if conn is not None:
                 conn.send(header, payload)
+            return
+        # One write per connection for everything decided at once (in order per connection).
+        by_conn: dict[int, list[tuple[dict[str, Any] | EncodedHeader, bytes | bytearray | memoryview]]] = {}
+        for conn_id, header, payload in out:
+            frames = by_conn.get(conn_id)
+            if frames is None:
+                by_conn[conn_id] = [(header, payload)]
+            else:
+                frames.append((header, payload))
+        for conn_id, frames in by_conn.items():
+            conn = conns.get(conn_id)
+            if conn is not None:
+                if len(frames) == 1:
+                    conn.send(*frames[0])
+                else:
+                    conn.send_many(frames)
 
     def _kick_flush(self) -> None:
         if self._flush_wanted is not None:

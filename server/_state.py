@@ -135,13 +135,14 @@ class _Client:
 
 
 class _Conn:
-    __slots__ = ("cid", "id", "job", "joining", "last_seen", "member", "peer", "role", "waiters")
+    __slots__ = ("allowed", "cid", "id", "job", "joining", "last_seen", "member", "peer", "role", "waiters")
 
     def __init__(self, conn_id: int, job: _Job, role: str, peer: str, now: float) -> None:
         self.cid: bytes | None = None
         self.id = conn_id
         self.job = job
         self.role = role
+        self.allowed = _ROLE_OPS.get(role, OPS)  # the operations this role may ask
         self.peer = peer
         self.member: _Member | None = None  # set once this connection joined or resumed
         self.joining: _Member | None = None  # a join waiting for the round to complete
@@ -463,8 +464,7 @@ class CoordinatorState:
         op = header.get("op")
         now = self._started = self.clock()
         conn.last_seen = now
-        job = conn.job
-        job.last_activity = now
+        conn.job.last_activity = now
         handler = self._handlers.get(op) if type(op) is str else None
         if handler is None:
             self.outbox.append(
@@ -476,7 +476,7 @@ class CoordinatorState:
             )
             self._observe(str(op), now, False)
             return
-        if op not in _ROLE_OPS.get(conn.role, OPS):
+        if op not in conn.allowed:
             self.outbox.append(
                 (
                     conn_id,
@@ -565,18 +565,21 @@ class CoordinatorState:
             i -= 1
         else:
             return  # mutations answer at once, so this does not happen; nothing to remember then
-        header, payload = h, p
-        if header.get("ok") is not True:
+        if h.get("ok") is not True:
             return
-        kept = dict(header)
+        body = p if type(p) is bytes else bytes(p)
+        if not self.durable:
+            # Kept as sent, "id" included (the hot path: no copy); a re-sent request is answered
+            # with the id replaced, and nothing else reads it.
+            client.replies[rid] = (h, body)
+            return
+        kept = dict(h)
         del kept["id"]
-        body = bytes(payload)
         client.replies[rid] = (kept, body)
-        if self.durable:
-            records = self.journal[j:]
-            del self.journal[j:]
-            assert conn.cid is not None
-            self.journal.append(["req", conn.job.name, conn.cid, rid, client.floor, kept, body, records])
+        records = self.journal[j:]
+        del self.journal[j:]
+        assert conn.cid is not None
+        self.journal.append(["req", conn.job.name, conn.cid, rid, client.floor, kept, body, records])
 
     def _observe(self, op: str, started: float, ok: bool) -> None:
         if self.observe is not None:
@@ -745,8 +748,10 @@ class CoordinatorState:
             current = 0
         else:
             try:
-                current = int(bytes(old).decode("ascii"))
-            except (UnicodeDecodeError, ValueError):
+                # int() of ASCII bytes accepts what int() of their text does; any other byte
+                # fails as decoding would
+                current = int(old)
+            except ValueError:
                 raise _Refused(
                     ERR_INVALID,
                     f"key {key!r} holds a value that is not an integer "

@@ -30,11 +30,12 @@ __all__ = [
 ]
 
 PREFIX = struct.Struct("!IQ")
+_PREFIX_SIZE = PREFIX.size
 _EMPTY = memoryview(b"")
 
-# Limits on what msgpack will build from an untrusted header: no container may be larger than
-# the header itself could describe, and extension types are refused outright.
-_UNPACK_LIMITS: dict[str, Any] = {"raw": False, "strict_map_key": False, "use_list": True}
+# What msgpack may build from an untrusted header: no container larger than the header itself
+# could describe (unpackb's own default), and no extension types (see _decode_header).
+_unpackb = msgpack.unpackb
 
 
 def encode_header(header: dict[str, Any]) -> bytes:
@@ -134,6 +135,84 @@ class FrameDecoder:
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         """Decode ``data``; convenient where zero-copy receive does not matter."""
+        if (
+            type(data) is bytes
+            and self._start == self._end
+            and self._pending_payload is None
+            and self.sink is None
+        ):
+            # Nothing buffered: parse the whole frames straight out of ``data`` (a reply link's
+            # common case, one or a few small frames per read) and buffer only what is left.
+            frames, used = self._parse_bytes(data)
+            if used == len(data):
+                return frames
+            frames.extend(self._feed_slow(memoryview(data)[used:]))
+            return frames
+        return self._feed_slow(data)
+
+    def feed_messages(self, data: bytes | bytearray | memoryview) -> list[tuple[dict[str, Any], bytes]]:
+        """Decode ``data`` like ``feed``, as (header, payload bytes) pairs: for a consumer that
+        keeps each payload as bytes anyway (a request/reply link), without Frame objects and
+        with one copy of each payload.
+
+        Raises:
+            ProtocolError: as ``feed``.
+        """
+        if type(data) is bytes and self._start == self._end and self._pending_payload is None:
+            messages: list[tuple[dict[str, Any], bytes]] = []
+            pos = 0
+            end = len(data)
+            unpack = PREFIX.unpack_from
+            max_header, max_payload = self.max_header, self.max_payload
+            # A sink is not consulted here: only frames with no payload are parsed on this path
+            # then, and the buffered path below hands the others to it.
+            sinkless = self.sink is None
+            while end - pos >= _PREFIX_SIZE:
+                header_len, payload_len = unpack(data, pos)
+                if header_len == 0 or header_len > max_header or payload_len > max_payload:
+                    break  # the buffered path raises the precise error
+                if payload_len and not sinkless:
+                    break
+                hstart = pos + _PREFIX_SIZE
+                pstart = hstart + header_len
+                pend = pstart + payload_len
+                if pend > end:
+                    break
+                messages.append((self._decode_header(data[hstart:pstart]), data[pstart:pend]))
+                pos = pend
+            if pos == end:
+                return messages
+            messages.extend((f.header, bytes(f.payload)) for f in self.feed(memoryview(data)[pos:]))
+            return messages
+        return [(f.header, bytes(f.payload)) for f in self.feed(data)]
+
+    def _parse_bytes(self, data: bytes) -> tuple[list[Frame], int]:
+        """Whole frames at the front of ``data``, with the same checks as ``_parse``; returns the
+        frames and how many bytes they took (a partial frame is left to the buffered path)."""
+        frames: list[Frame] = []
+        pos = 0
+        end = len(data)
+        unpack = PREFIX.unpack_from
+        max_header = self.max_header
+        while end - pos >= _PREFIX_SIZE:
+            header_len, payload_len = unpack(data, pos)
+            if header_len == 0 or header_len > max_header or payload_len > self.max_payload:
+                break  # the buffered path raises the precise error
+            hstart = pos + _PREFIX_SIZE
+            pstart = hstart + header_len
+            pend = pstart + payload_len
+            if pend > end:
+                break
+            header = self._decode_header(data[hstart:pstart])
+            if payload_len:
+                payload = memoryview(bytearray(data[pstart:pend]))
+            else:
+                payload = _EMPTY
+            frames.append(Frame(header, payload, False))
+            pos = pend
+        return frames, pos
+
+    def _feed_slow(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         frames: list[Frame] = []
         mv = memoryview(data).cast("B")
         while len(mv):
@@ -161,39 +240,52 @@ class FrameDecoder:
 
     def _parse(self) -> list[Frame]:
         frames: list[Frame] = []
-        while self._pending_payload is None:
-            avail = self._end - self._start
-            if avail < PREFIX.size:
-                break
-            header_len, payload_len = PREFIX.unpack_from(self._buf, self._start)
+        buf, view = self._buf, self._view
+        start, end = self._start, self._end
+        unpack = PREFIX.unpack_from
+        while end - start >= _PREFIX_SIZE:
+            header_len, payload_len = unpack(buf, start)
             if header_len == 0 or header_len > self.max_header:
+                self._start = start
                 raise ProtocolError(
                     f"frame header of {header_len} bytes is outside 1..{self.max_header}; "
                     f"closing the connection"
                 )
             if payload_len > self.max_payload:
+                self._start = start
                 raise ProtocolError(
                     f"frame payload of {payload_len} bytes exceeds the limit of {self.max_payload}"
                 )
-            if avail < PREFIX.size + header_len:
-                if PREFIX.size + header_len > len(self._buf) - self._start:
-                    self._grow(PREFIX.size + header_len)
-                break
-            hstart = self._start + PREFIX.size
-            header = self._decode_header(self._view[hstart : hstart + header_len])
-            self._start = hstart + header_len
+            hstart = start + _PREFIX_SIZE
+            pstart = hstart + header_len
+            if pstart > end:
+                self._start = start
+                if pstart > len(buf):
+                    self._grow(pstart - start)
+                return frames
+            self._start = start
+            header = self._decode_header(view[hstart:pstart])
+            if not payload_len:
+                frames.append(Frame(header, _EMPTY, False))
+                start = pstart
+                continue
+            self._start = pstart
             payload, in_sink = self._payload_target(header, payload_len)
-            have = min(self._end - self._start, payload_len)
-            if have:
-                payload[:have] = self._view[self._start : self._start + have]
-                self._start += have
-            if have == payload_len:
+            have = end - pstart
+            if have >= payload_len:
+                start = pstart + payload_len
+                payload[:] = view[pstart:start]
                 frames.append(Frame(header, payload, in_sink))
-            else:
-                self._pending_header = header
-                self._pending_payload = payload
-                self._pending_in_sink = in_sink
-                self._pending_filled = have
+                continue
+            if have:
+                payload[:have] = view[pstart:end]
+            self._start = end
+            self._pending_header = header
+            self._pending_payload = payload
+            self._pending_in_sink = in_sink
+            self._pending_filled = have
+            return frames
+        self._start = start
         return frames
 
     def _grow(self, frame_head: int) -> None:
@@ -219,18 +311,12 @@ class FrameDecoder:
                 return target, True
         return memoryview(bytearray(payload_len)), False
 
-    def _decode_header(self, raw: memoryview) -> dict[str, Any]:
-        n = len(raw)
+    def _decode_header(self, raw: bytes | memoryview) -> dict[str, Any]:
         try:
-            header = msgpack.unpackb(
-                raw,
-                max_str_len=n,
-                max_bin_len=n,
-                max_array_len=n,
-                max_map_len=n,
-                max_ext_len=0,
-                **_UNPACK_LIMITS,
-            )
+            # unpackb caps every str, bin, array and map at the input's own length by default
+            # (msgpack >= 1.0; test_protocol checks it), so only ext types need refusing here.
+            # Spelling the other limits out cost more than the decoding of a small header.
+            header = _unpackb(raw, max_ext_len=0, strict_map_key=False)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             raise ProtocolError(f"undecodable frame header ({type(exc).__name__}: {exc})") from exc
         if not isinstance(header, dict):
