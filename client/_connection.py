@@ -111,11 +111,11 @@ class CoordinatorLink(asyncio.Protocol):
             pending = self._pending
             for header, payload in self._decoder.feed_messages(data):
                 req_id = header.get("id")
-                fut = pending.pop(req_id, None) if isinstance(req_id, int) else None
+                fut = pending.pop(req_id, None) if type(req_id) is int else None
                 if fut is None:
                     self._dispatch(header, payload)  # an event, or a reply nobody waits for
                 elif not fut.done():
-                    self._expiry.pop(req_id, None)
+                    self._expiry.pop(cast(int, req_id), None)
                     fut.set_result((header, payload))
         except (ProtocolError, AuthenticationError) as exc:
             self._fail(exc)
