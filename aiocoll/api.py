@@ -35,6 +35,7 @@ from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec, run_collective
+from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
 from aiocoll.client.engine import Engine, GroupState, OpTransport
 from aiocoll.client.transports.tcp import TcpTransport, route_interface
 from aiocoll.stores import FileStore, Store
@@ -249,6 +250,24 @@ class ProcessGroup:
             op=op,
             dtype=meta.get("dtype"),
         )
+
+        plan = eager_plan(spec, meta)
+        if plan is not None:
+            # Small single-lane operations run from message callbacks, without a task.
+            def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> EagerLane:
+                def done(exc: BaseException | None) -> None:
+                    if exc is None:
+                        for w in workings:
+                            w.finish()
+                    finish(result, exc)
+
+                return start_eager(plan, spec, transport, tag, meta, done)
+
+            if self._destroyed:
+                raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
+            return self._rt.engine.submit_eager(
+                self._state, kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
+            )
 
         async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
             await run_collective(spec, transport, tag, meta)

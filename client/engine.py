@@ -28,13 +28,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
 from aiocoll._work import Work
-from aiocoll.algorithms._transport import LostPeerHandler, Tag, Transport
+from aiocoll.algorithms._transport import LostPeerHandler, RecvCallback, Tag, Transport
 
-__all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport"]
+__all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
 log = logging.getLogger("aiocoll.client.engine")
 
@@ -45,6 +45,14 @@ _MAX_ORPHAN_NOTICES = 1024
 _MAX_STUCK_REPORTS = 64
 
 Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
+Finish = Callable[[Any, BaseException | None], None]
+Starter = Callable[[Tag, "OpTransport", Finish], "Stoppable"]
+
+
+class Stoppable(Protocol):
+    """What an eager operation's starter returns: ``stop()`` when the engine failed it."""
+
+    def stop(self) -> None: ...
 
 
 class GroupState:
@@ -89,6 +97,7 @@ class _Op:
         "future",
         "group",
         "kind",
+        "lane",
         "outstanding_recv",
         "outstanding_send",
         "peers_hint",
@@ -106,6 +115,7 @@ class _Op:
         self.tag = tag
         self.future = future
         self.task: asyncio.Task[None] | None = None
+        self.lane: Stoppable | None = None  # an eager operation's runner (it has no task)
         self.deadline: float | None = None
         self.timeout: float | None = None
         self.abort_exc: BaseException | None = None
@@ -172,6 +182,16 @@ class OpTransport(Transport):
             return await self._inner.recv(src, tag, into)
         finally:
             pending[src] -= 1
+
+    def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
+        pending = self._op.outstanding_recv
+        pending[src] = pending.get(src, 0) + 1
+
+        def counted(result: tuple[int, dict[str, Any]] | None, exc: BaseException | None) -> None:
+            pending[src] -= 1
+            callback(result, exc)
+
+        self._inner.post_recv(src, tag, into, counted)
 
     def discard(self, tag_prefix: Tag) -> None:
         self._inner.discard(tag_prefix)
@@ -258,6 +278,59 @@ class Engine:
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
+        op = self._open(group, kind, timeout, p2p_tag, peers)
+        if not op.future.done():
+            op.task = self._loop.create_task(self._run(op, body))
+        return self._work_of(op)
+
+    def submit_eager(
+        self,
+        group: GroupState,
+        kind: str,
+        start: Starter,
+        *,
+        timeout: float | None,
+        peers: Iterable[int] = (),
+    ) -> Work:
+        """Start a collective driven by message callbacks instead of a task (see
+        aiocoll.algorithms._eager): ``start(tag, transport, finish)`` begins it inside this
+        call and arranges ``finish(result, None)`` or ``finish(None, error)`` exactly once.
+        Sequencing, deadlines, failures and their fan-out are the same as ``submit``'s.
+
+        Raises:
+            the group's failure, when an earlier operation broke it (fail fast).
+        """
+        op = self._open(group, kind, timeout, None, peers)
+        if op.future.done():
+            return self._work_of(op)
+        transport = OpTransport(self.transport, op)
+
+        def finish(result: Any, exc: BaseException | None) -> None:
+            if op.lane is _FINISHED:
+                return
+            op.lane = _FINISHED
+            self._settle(op, result, exc)
+            self._finish(op)
+
+        op.lane = _STARTING
+        try:
+            lane = start(op.tag, transport, finish)
+        except BaseException as exc:
+            finish(None, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return self._work_of(op)
+        if op.lane is _STARTING:
+            op.lane = lane
+        else:  # it finished, or was failed from outside, while starting
+            lane.stop()
+        return self._work_of(op)
+
+    def _open(
+        self, group: GroupState, kind: str, timeout: float | None, p2p_tag: Any, peers: Iterable[int]
+    ) -> _Op:
+        """Sequence and register a new operation. Its future is already failed when a notice
+        said its seq is mismatched (then it is not registered and must not be started)."""
         if self._closed:
             raise DistError(f"{kind}: the process group is destroyed")
         if p2p_tag is None:
@@ -272,19 +345,23 @@ class Engine:
         fut: asyncio.Future[Any] = self._loop.create_future()
         op = _Op(group, kind, seq, tag, fut)
         op.peers_hint = tuple(peers)
-        work = op.work = Work(fut, op.describe())
+        op.work = Work(fut, op.describe())
         notice = group.notices.pop(seq, None) if seq >= 0 else None
         if notice is not None:
             fut.set_exception(notice)
-            return work
+            return op
         group.pending.add(op)
         if timeout is not None:
             op.timeout = timeout
             op.deadline = deadline = self._loop.time() + timeout
             if self._timer is None or deadline < self._timer_at:
                 self._arm(deadline)
-        op.task = self._loop.create_task(self._run(op, body))
-        return work
+        return op
+
+    @staticmethod
+    def _work_of(op: _Op) -> Work:
+        assert op.work is not None
+        return op.work
 
     def _check_usable(self, group: GroupState, kind: str, seq: int) -> None:
         cause = group.broken
@@ -332,7 +409,25 @@ class Engine:
                     )
             if op.abort_exc is None:
                 raise
-        except MismatchError as exc:
+        except BaseException as exc:
+            self._settle(op, None, exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            self._settle(op, result, None)
+        finally:
+            self._finish(op)
+
+    def _settle(self, op: _Op, result: Any, exc: BaseException | None) -> None:
+        """Complete ``op``'s future with its outcome, and carry a failure to the group: a
+        mismatch is named, told to the other ranks and breaks the group from its seq; a lost peer
+        breaks the whole group."""
+        fut = op.future
+        if exc is None:
+            if not fut.done():
+                fut.set_result(result)
+            return
+        if isinstance(exc, MismatchError):
             if op.seq < 0:
                 # A point-to-point message of the wrong dtype or size was consumed whole: the
                 # streams stay in step, so only this receive fails.
@@ -344,20 +439,11 @@ class Engine:
                 fut.set_exception(err)
             self._notify_mismatch(op, err)
             self._break(op.group, err, from_seq=op.seq, except_op=op)
-        except PeerLostError as exc:
-            if not fut.done():
-                fut.set_exception(exc)
+            return
+        if not fut.done():
+            fut.set_exception(exc)
+        if isinstance(exc, PeerLostError):
             self._break(op.group, exc, from_seq=0, except_op=op)
-        except BaseException as exc:
-            if not fut.done():
-                fut.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            if not fut.done():
-                fut.set_result(result)
-        finally:
-            self._finish(op)
 
     def _finish(self, op: _Op) -> None:
         if op.work is not None:
@@ -386,6 +472,11 @@ class Engine:
             self.transport.discard(op.tag)
         if op.task is not None and not op.task.done():
             op.task.cancel()
+        lane = op.lane
+        if lane is not None and lane is not _FINISHED:
+            op.lane = _FINISHED
+            lane.stop()
+            self._finish(op)
 
     # -- deadlines -------------------------------------------------------------------------
     def _arm(self, when: float) -> None:
@@ -617,6 +708,17 @@ class Engine:
             await self._control
         except (asyncio.CancelledError, Exception):
             pass
+
+
+class _Finished:
+    """Marks an eager operation the engine has finished (its runner's late outcome is ignored)."""
+
+    def stop(self) -> None:
+        return None
+
+
+_FINISHED = _Finished()
+_STARTING = _Finished()  # an eager operation whose starter has not returned yet
 
 
 def _for_op(err: BaseException, op: _Op) -> BaseException:

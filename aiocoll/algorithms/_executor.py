@@ -124,7 +124,7 @@ def choose_algorithm(kind: str, nbytes: int, world_size: int) -> str:
     return ALGORITHMS[kind][0]
 
 
-class _Context:
+class Context:
     """What one running operation needs at every message: transport, tags, meta, op."""
 
     __slots__ = (
@@ -187,12 +187,23 @@ class _Context:
         try:
             _, remote_meta = await self.transport.recv(src, (*self.tag, step_id), into.view(np.uint8).data)
         except MismatchError as exc:
-            remote = getattr(exc, "remote_meta", None)
-            if isinstance(remote, dict) and not _same_meta(remote, self.meta):
-                raise self._mismatch(src, remote) from exc
-            raise self._mismatch(src, remote, size_detail=str(exc)) from exc
+            raise self.recv_error(src, exc) from exc
         if remote_meta != self.meta and not _same_meta(remote_meta, self.meta):
             raise self._mismatch(src, remote_meta)
+
+    def recv_error(self, src: int, exc: MismatchError) -> MismatchError:
+        """The error to raise for a receive from global rank ``src`` that the transport failed
+        with ``exc`` (a message of the wrong length): named by whatever differs in the calls."""
+        remote = getattr(exc, "remote_meta", None)
+        if isinstance(remote, dict) and not _same_meta(remote, self.meta):
+            return self._mismatch(src, remote)
+        return self._mismatch(src, remote, size_detail=str(exc))
+
+    def meta_error(self, src: int, remote_meta: dict[str, Any]) -> MismatchError | None:
+        """None when global rank ``src``'s signature matches ours, else the MismatchError."""
+        if remote_meta == self.meta or _same_meta(remote_meta, self.meta):
+            return None
+        return self._mismatch(src, remote_meta)
 
     def _mismatch(self, src: int, remote: Any, size_detail: str | None = None) -> MismatchError:
         group, seq = "", -1
@@ -311,7 +322,7 @@ PREPOST_BYTES = 32 * 1024
 
 
 async def _run_lane(
-    steps: Sequence[S.Step], scratch_need: tuple[int, S.BufRef | None], ctx: _Context
+    steps: Sequence[S.Step], scratch_need: tuple[int, S.BufRef | None], ctx: Context
 ) -> None:
     bufs = ctx.bufs
     need, reduced = scratch_need
@@ -328,7 +339,7 @@ async def _run_lane(
         for k, step in enumerate(steps):
             # Sends start first, inline: a send the kernel takes at once costs no task. Receives
             # are posted before control returns to the loop, so early payloads still land in place.
-            sends = _start_sends(step, bufs, ctx)
+            sends = start_sends(step, bufs, ctx)
             aws: list[Awaitable[None]]
             if early is not None:
                 aws, reductions = [early[0]], early[1]
@@ -347,11 +358,7 @@ async def _run_lane(
                 await _pair(sends[0], aws[0])
             else:
                 await _all(aws + sends)
-            # Only now: a reduced range may also have been the payload of one of this step's sends.
-            if reductions:
-                with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
-                    for target, landing, first in reductions:
-                        reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
+            apply_reductions(reductions, ctx)
     finally:
         if early is not None and not early[0].done():
             early[0].cancel()
@@ -362,11 +369,21 @@ def _largest_recv(step: S.Step, bufs: dict[S.BufRef, np.ndarray]) -> int:
 
 
 def _post_recvs(
-    step: S.Step, bufs: dict[S.BufRef, np.ndarray], scratch: np.ndarray | None, base: int, ctx: _Context
+    step: S.Step, bufs: dict[S.BufRef, np.ndarray], scratch: np.ndarray | None, base: int, ctx: Context
 ) -> tuple[list[Awaitable[None]], list[tuple[np.ndarray, np.ndarray, bool]]]:
     """The step's receives (coroutines, not yet started) and the reductions to run after them;
     reduced payloads land in ``scratch`` from ``base`` on."""
-    aws: list[Awaitable[None]] = []
+    landings, reductions = landing_zones(step, bufs, scratch, base)
+    return [ctx.recv(peer, step.id, landing) for peer, landing in landings], reductions
+
+
+def landing_zones(
+    step: S.Step, bufs: dict[S.BufRef, np.ndarray], scratch: np.ndarray | None, base: int
+) -> tuple[list[tuple[int, np.ndarray]], list[tuple[np.ndarray, np.ndarray, bool]]]:
+    """Where each receive of ``step`` lands ((group rank, array) in the step's order) and the
+    reductions (target, landed payload, received-is-left-operand) to run once all arrived.
+    Reduced payloads land in ``scratch`` from element ``base`` on, the others in place."""
+    landings: list[tuple[int, np.ndarray]] = []
     reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
     offset = base
     for r in step.recvs:
@@ -378,8 +395,17 @@ def _post_recvs(
             reductions.append((target, landing, r.first))
         else:
             landing = target
-        aws.append(ctx.recv(r.peer, step.id, landing))
-    return aws, reductions
+        landings.append((r.peer, landing))
+    return landings, reductions
+
+
+def apply_reductions(reductions: Sequence[tuple[np.ndarray, np.ndarray, bool]], ctx: Context) -> None:
+    """Combine a step's landed payloads into their targets (after the step's transfers completed:
+    a reduced range may also have been the payload of one of the step's sends)."""
+    if reductions:
+        with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
+            for target, landing, first in reductions:
+                reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
 
 
 def _may_prepost(step: S.Step, nxt: S.Step) -> bool:
@@ -406,7 +432,7 @@ def _consume_outcome(fut: asyncio.Future[None]) -> None:
         fut.exception()
 
 
-def _start_sends(step: S.Step, bufs: dict[S.BufRef, np.ndarray], ctx: _Context) -> list[Awaitable[None]]:
+def start_sends(step: S.Step, bufs: dict[S.BufRef, np.ndarray], ctx: Context) -> list[Awaitable[None]]:
     """Start every send of ``step``; returns those still in flight. If one fails at once, those
     already in flight are abandoned (their operation fails with the error) and it is raised."""
     pending: list[Awaitable[None]] = []
@@ -425,7 +451,7 @@ def _start_sends(step: S.Step, bufs: dict[S.BufRef, np.ndarray], ctx: _Context) 
     return pending
 
 
-def _copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
+def copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
     for c in copies:
         if c.count:
             np.copyto(
@@ -434,14 +460,14 @@ def _copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, np.ndarray]) -> None:
             )
 
 
-async def execute(schedule: S.Schedule, ctx: _Context) -> None:
+async def execute(schedule: S.Schedule, ctx: Context) -> None:
     """Run one rank's schedule: prologue, lanes concurrently, epilogue."""
-    _copies(schedule.prologue, ctx.bufs)
+    copies(schedule.prologue, ctx.bufs)
     if schedule.lanes:
         await _all(
             [_run_lane(lane, need, ctx) for lane, need in zip(schedule.lanes, schedule.scratch, strict=True)]
         )
-    _copies(schedule.epilogue, ctx.bufs)
+    copies(schedule.epilogue, ctx.bufs)
 
 
 def _check_flat(arrays: Sequence[np.ndarray], what: str) -> None:
@@ -571,34 +597,50 @@ def _plan(
     return sched, bufs, results
 
 
-async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any]) -> None:
-    """Run one collective operation for this rank, in place on ``spec``'s arrays.
+@dataclass(slots=True)
+class Prepared:
+    """One rank's validated plan for one operation: what ``run_collective`` and the eager runner
+    (``_eager``) execute.
+
+    Attributes:
+        sched: this rank's schedule. bufs: the schedule's buffer names mapped onto the arrays.
+        averaged: arrays that hold a result to divide by the group size afterwards (AVG only).
+        dtype_name: the canonical dtype. op: the reduce op. nbytes: bytes of one rank's vector.
+    """
+
+    sched: S.Schedule
+    bufs: dict[S.BufRef, np.ndarray]
+    averaged: list[np.ndarray]
+    dtype_name: str
+    op: ReduceOp
+    group_size: int
+    nbytes: int
+
+    def finish(self) -> None:
+        """What runs after the last message: AVG's division."""
+        if self.averaged:
+            with np.errstate(all="ignore"):
+                for result in self.averaged:
+                    finish_avg(result, self.group_size, self.dtype_name)
+
+
+def prepare(spec: CollectiveSpec, meta: dict[str, Any]) -> Prepared:
+    """Validate ``spec`` and plan it for this rank (no message moves yet).
 
     Args:
-        spec: the operation (see CollectiveSpec).
-        transport: carries the messages; peers are addressed by global rank.
-        tag: the operation's unique tag prefix; message k is tagged ``(*tag, k)``.
-        meta: the operation's signature, sent with every message and compared on receipt.
+        spec: the operation (see CollectiveSpec). meta: its signature (reads "dtype" for bfloat16).
     Raises:
         ValueError: inconsistent spec (arrays, ranks, root, unknown algorithm for the kind).
         TypeError: a reduce op that means nothing for the dtype.
-        MismatchError: a peer's signature or message size differs from ours.
-        PeerLostError: a peer involved in the operation is gone.
     """
+    n = len(spec.ranks)
     if spec.kind == "all_reduce" and spec.algorithm is None:
         fast = _fast_all_reduce(spec, meta)
         if fast is not None:
             sched, bufs, dtype_name = fast
-            ctx = _Context(transport, tuple(tag), meta, spec.ranks, spec.me, bufs, spec.op, dtype_name)
-            if len(sched.lanes) == 1 and not sched.prologue and not sched.epilogue:
-                await _run_lane(sched.lanes[0], sched.scratch[0], ctx)
-            else:
-                await execute(sched, ctx)
-            if spec.op is ReduceOp.AVG:
-                with np.errstate(all="ignore"):
-                    finish_avg(bufs[S.W], len(spec.ranks), dtype_name)
-            return
-    n = len(spec.ranks)
+            x = bufs[S.W]
+            averaged = [x] if spec.op is ReduceOp.AVG else []
+            return Prepared(sched, bufs, averaged, dtype_name, spec.op, n, int(x.nbytes))
     if spec.kind not in ALGORITHMS:
         raise ValueError(f"unknown collective kind {spec.kind!r}; expected one of {KINDS}")
     if not 0 <= spec.me < n:
@@ -614,18 +656,48 @@ async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, m
         check_reduce_op(spec.op, dtype_name)
         if any(a.dtype != arrays[0].dtype for a in arrays):
             raise ValueError(f"{spec.kind}: every array must have the same dtype")
-    algorithm = spec.algorithm or choose_algorithm(spec.kind, _nbytes(spec), n)
+    nbytes = _nbytes(spec)
+    algorithm = spec.algorithm or choose_algorithm(spec.kind, nbytes, n)
     if algorithm not in ALGORITHMS[spec.kind]:
         raise ValueError(
             f"algorithm {algorithm!r} is not available for {spec.kind}; choose one of {ALGORITHMS[spec.kind]}"
         )
     sched, bufs, results = _plan(spec, algorithm)
-    ctx = _Context(transport, tuple(tag), meta, spec.ranks, spec.me, bufs, spec.op, dtype_name)
-    await execute(sched, ctx)
-    if reduces and spec.op is ReduceOp.AVG:
-        for result in results:
-            with np.errstate(all="ignore"):
-                finish_avg(result, n, dtype_name)
+    averaged = results if reduces and spec.op is ReduceOp.AVG else []
+    return Prepared(sched, bufs, averaged, dtype_name, spec.op, n, nbytes)
+
+
+def context(
+    prepared: Prepared, spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any]
+) -> Context:
+    """The per-message context of one prepared operation (shared with the eager runner)."""
+    return Context(
+        transport, tuple(tag), meta, spec.ranks, spec.me, prepared.bufs, prepared.op, prepared.dtype_name
+    )
+
+
+async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any]) -> None:
+    """Run one collective operation for this rank, in place on ``spec``'s arrays.
+
+    Args:
+        spec: the operation (see CollectiveSpec).
+        transport: carries the messages; peers are addressed by global rank.
+        tag: the operation's unique tag prefix; message k is tagged ``(*tag, k)``.
+        meta: the operation's signature, sent with every message and compared on receipt.
+    Raises:
+        ValueError: inconsistent spec (arrays, ranks, root, unknown algorithm for the kind).
+        TypeError: a reduce op that means nothing for the dtype.
+        MismatchError: a peer's signature or message size differs from ours.
+        PeerLostError: a peer involved in the operation is gone.
+    """
+    prepared = prepare(spec, meta)
+    sched = prepared.sched
+    ctx = context(prepared, spec, transport, tag, meta)
+    if len(sched.lanes) == 1 and not sched.prologue and not sched.epilogue:
+        await _run_lane(sched.lanes[0], sched.scratch[0], ctx)
+    else:
+        await execute(sched, ctx)
+    prepared.finish()
 
 
 _DTYPE_NAMES: dict[np.dtype[Any], str] = {}

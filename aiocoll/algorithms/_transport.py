@@ -1,4 +1,4 @@
-"""The transport interface the algorithm executor runs over; imports only _errors.
+"""The transport interface the algorithm executor runs over; imports only the standard library.
 
 A transport moves whole messages between the ranks of one job (global ranks). Implementations:
 client/transports/memory.py (in-process, for unit tests of algorithms), client/transports/tcp.py
@@ -19,14 +19,19 @@ transport can.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["LostPeerHandler", "Tag", "Transport"]
+__all__ = ["LostPeerHandler", "RecvCallback", "Tag", "Transport"]
 
 Tag = tuple[Hashable, ...]
 LostPeerHandler = Callable[[int, BaseException], None]
+RecvCallback = Callable[[tuple[int, dict[str, Any]] | None, BaseException | None], None]
+"""``callback(result, exc)`` for ``post_recv``: ``result`` is what ``recv`` returns, or ``exc`` what
+it raises (asyncio.CancelledError when the receive was discarded)."""
 
 
 class Transport(ABC):
@@ -59,6 +64,17 @@ class Transport(ABC):
                 consumed; the sender's meta is attached to the error as ``.remote_meta``).
         """
 
+    def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
+        """Post a receive like ``recv`` whose outcome is handed to ``callback`` on the loop
+        instead of being awaited (small operations run without a task of their own this way).
+
+        Transports that can call ``callback`` straight from their reader override this, which
+        saves an event-loop iteration per message; this default runs ``recv`` in a task.
+        ``callback`` may run before ``post_recv`` returns, when the message is already here.
+        """
+        task = asyncio.ensure_future(self.recv(src, tag, into))
+        task.add_done_callback(functools.partial(_hand_over, callback))
+
     @abstractmethod
     def discard(self, tag_prefix: Tag) -> None:
         """Forget buffered messages and cancel waiting recvs whose tag starts with ``tag_prefix``.
@@ -73,3 +89,11 @@ class Transport(ABC):
     @abstractmethod
     async def aclose(self) -> None:
         """Close every link; pending recvs fail. Calling it twice is fine."""
+
+
+def _hand_over(callback: RecvCallback, task: asyncio.Future[tuple[int, dict[str, Any]]]) -> None:
+    if task.cancelled():
+        callback(None, asyncio.CancelledError())
+        return
+    exc = task.exception()
+    callback(None if exc is not None else task.result(), exc)

@@ -1,0 +1,399 @@
+"""The eager runner (small single-lane operations driven by message callbacks) and what it stands
+on: ``Transport.post_recv`` (the task-based default on the memory transport, the direct callback
+of the TCP transport) and ``Engine.submit_eager`` (sequencing, deadlines, loss and mismatch)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import numpy as np
+import pytest
+from aiocoll.client.engine import Engine
+from aiocoll.client.transports.memory import MemoryWorld
+from aiocoll.client.transports.tcp import TcpTransport
+
+from aiocoll._deadline import Deadline
+from aiocoll._errors import CollectiveTimeout, MismatchError, PeerLostError
+from aiocoll._types import ReduceOp
+from aiocoll.algorithms import CollectiveSpec, Transport
+from aiocoll.algorithms._eager import EAGER_BYTES, eager_plan, start_eager
+
+pytestmark = pytest.mark.timeout(60)
+
+TAG = ("c", "g", 0)
+LIMIT = 20.0
+
+
+def meta_of(spec: CollectiveSpec) -> dict[str, Any]:
+    return {"kind": spec.kind, "root": spec.root, "op": spec.op.value}
+
+
+async def run_eager(specs: list[CollectiveSpec], transports: list[Transport], tag: Any = TAG) -> list[Any]:
+    """Start every rank's spec eagerly; the outcomes (None or the error) in rank order."""
+    loop = asyncio.get_running_loop()
+    outcomes: list[asyncio.Future[BaseException | None]] = []
+    for spec in specs:
+        meta = meta_of(spec)
+        plan = eager_plan(spec, meta)
+        assert plan is not None, f"{spec.kind} with {len(spec.ranks)} ranks should run eagerly"
+        fut: asyncio.Future[BaseException | None] = loop.create_future()
+        start_eager(plan, spec, transports[spec.ranks[spec.me]], tag, meta, fut.set_result)
+        outcomes.append(fut)
+    return list(await asyncio.wait_for(asyncio.gather(*outcomes), LIMIT))
+
+
+def values(n: int, count: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(-1000, 1000, size=count).astype(np.int64) for _ in range(n)]
+
+
+def every_kind(n: int, count: int, seed: int) -> tuple[list[list[CollectiveSpec]], Any]:
+    """Specs of every kind for ``n`` ranks and a check of their results against numpy."""
+    ranks = tuple(range(n))
+    root = (seed + 1) % n
+    ar = values(n, count, seed)
+    want_ar = np.sum(ar, axis=0)
+    bc = values(n, count, seed + 1)
+    want_bc = bc[root].copy()
+    rd = values(n, count, seed + 2)
+    want_rd = np.sum(rd, axis=0)
+    ag_in = values(n, count, seed + 3)
+    ag_out = [[np.zeros(count, np.int64) for _ in ranks] for _ in ranks]
+    rs_in = [values(n, count, seed + 4 + r) for r in ranks]
+    rs_out = [np.zeros(count, np.int64) for _ in ranks]
+    a2a_in = [values(n, count, seed + 20 + r) for r in ranks]
+    a2a_out = [[np.zeros(count, np.int64) for _ in ranks] for _ in ranks]
+    sc_in = values(n, count, seed + 40)
+    sc_out = [np.zeros(count, np.int64) for _ in ranks]
+    ga_out = [np.zeros(count, np.int64) for _ in ranks]
+    specs = [
+        [CollectiveSpec("all_reduce", ranks, r, (ar[r],), (ar[r],)) for r in ranks],
+        [CollectiveSpec("all_reduce", ranks, r, (ar[r],), (ar[r],), op=ReduceOp.MAX) for r in ranks],
+        [CollectiveSpec("broadcast", ranks, r, (), (bc[r],), root=root) for r in ranks],
+        [CollectiveSpec("reduce", ranks, r, (rd[r],), (rd[r],), root=root) for r in ranks],
+        [CollectiveSpec("all_gather", ranks, r, (ag_in[r],), tuple(ag_out[r])) for r in ranks],
+        [CollectiveSpec("reduce_scatter", ranks, r, tuple(rs_in[r]), (rs_out[r],)) for r in ranks],
+        [CollectiveSpec("all_to_all", ranks, r, tuple(a2a_in[r]), tuple(a2a_out[r])) for r in ranks],
+        [
+            CollectiveSpec("scatter", ranks, r, tuple(sc_in) if r == root else (), (sc_out[r],), root=root)
+            for r in ranks
+        ],
+        [
+            CollectiveSpec("gather", ranks, r, (ag_in[r],), tuple(ga_out) if r == root else (), root=root)
+            for r in ranks
+        ],
+        [CollectiveSpec("barrier", ranks, r, (), ()) for r in ranks],
+    ]
+
+    def check() -> None:
+        for r in ranks:
+            # all_reduce SUM then MAX of the identical sums: still the sum.
+            np.testing.assert_array_equal(ar[r], want_ar)
+            np.testing.assert_array_equal(bc[r], want_bc)
+            for j in ranks:
+                np.testing.assert_array_equal(ag_out[r][j], ag_in[j])
+                np.testing.assert_array_equal(a2a_out[r][j], a2a_in[j][r])
+            np.testing.assert_array_equal(rs_out[r], np.sum([rs_in[j][r] for j in ranks], axis=0))
+            np.testing.assert_array_equal(sc_out[r], sc_in[r])
+        np.testing.assert_array_equal(rd[root], want_rd)
+        for j in ranks:
+            np.testing.assert_array_equal(ga_out[j], ag_in[j])
+
+    return specs, check
+
+
+# ------------------------------------------------------------------------------ the runner
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+async def test_every_small_kind_runs_eagerly_over_the_memory_transport_and_matches_numpy(n: int) -> None:
+    world = MemoryWorld(n)
+    for count in (0, 1, 7, 300):
+        specs, check = every_kind(n, count, seed=count + n)
+        for i, per_rank in enumerate(specs):
+            assert await run_eager(per_rank, list(world), tag=("c", "g", count, i)) == [None] * n
+        check()
+
+
+async def make_tcp_world(n: int) -> list[TcpTransport]:
+    ts = [TcpTransport(r, n, token="t", job="j") for r in range(n)]
+    addrs = {r: [await t.listen("127.0.0.1")] for r, t in enumerate(ts)}
+    await asyncio.gather(*(t.connect(addrs, Deadline(10)) for t in ts))
+    return ts
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+async def test_every_small_kind_runs_eagerly_over_tcp_from_the_read_callbacks(n: int) -> None:
+    ts = await make_tcp_world(n)
+    try:
+        for count in (1, 1000):
+            specs, check = every_kind(n, count, seed=count * n)
+            for i, per_rank in enumerate(specs):
+                assert await run_eager(per_rank, list(ts), tag=("c", "g", count, i)) == [None] * n
+            check()
+        # Ranks started at different times: the late rank's messages wait in the inbox and the
+        # early ranks' receives are answered from the read callback.
+        xs = values(n, 5, 99)
+        want = np.sum(xs, axis=0)
+        staggered = [CollectiveSpec("all_reduce", tuple(range(n)), r, (xs[r],), (xs[r],)) for r in range(n)]
+        loop = asyncio.get_running_loop()
+        futs = []
+        for spec in staggered:
+            fut: asyncio.Future[BaseException | None] = loop.create_future()
+            plan = eager_plan(spec, meta_of(spec))
+            assert plan is not None
+            start_eager(plan, spec, ts[spec.me], ("c", "late", 0), meta_of(spec), fut.set_result)
+            futs.append(fut)
+            await asyncio.sleep(0.02)
+        assert await asyncio.wait_for(asyncio.gather(*futs), LIMIT) == [None] * n
+        for x in xs:
+            np.testing.assert_array_equal(x, want)
+    finally:
+        await asyncio.gather(*(t.aclose() for t in ts))
+
+
+def test_only_small_single_lane_specs_without_an_override_run_eagerly() -> None:
+    small = np.zeros(4, np.float32)
+    spec = CollectiveSpec("all_reduce", (0, 1), 0, (small,), (small,))
+    assert eager_plan(spec, meta_of(spec)) is not None
+    big = np.zeros(EAGER_BYTES // 4 + 1, np.float32)
+    assert eager_plan(CollectiveSpec("all_reduce", (0, 1), 0, (big,), (big,)), {}) is None
+    forced = CollectiveSpec("all_reduce", (0, 1), 0, (small,), (small,), algorithm="ring")
+    assert eager_plan(forced, {}) is None
+    # An invalid spec is never eager: the executor's path raises its error.
+    bad_op = CollectiveSpec("all_reduce", (0, 1), 0, (small,), (small,), op=ReduceOp.BAND)
+    assert eager_plan(bad_op, {}) is None
+    bad_root = CollectiveSpec("broadcast", (0, 1), 0, (), (small,), root=5)
+    assert eager_plan(bad_root, {}) is None
+
+
+async def test_a_signature_mismatch_fails_both_ranks_naming_both() -> None:
+    world = MemoryWorld(2)
+    x = [np.ones(3, np.int64), np.ones(3, np.int64)]
+    specs = [CollectiveSpec("all_reduce", (0, 1), r, (x[r],), (x[r],)) for r in range(2)]
+    loop = asyncio.get_running_loop()
+    futs = []
+    for r, spec in enumerate(specs):
+        meta = {"kind": "all_reduce", "op": "sum" if r == 0 else "max"}
+        plan = eager_plan(spec, meta)
+        assert plan is not None
+        fut: asyncio.Future[BaseException | None] = loop.create_future()
+        start_eager(plan, spec, world[r], TAG, meta, fut.set_result)
+        futs.append(fut)
+    errors = await asyncio.wait_for(asyncio.gather(*futs), LIMIT)
+    for err in errors:
+        assert isinstance(err, MismatchError)
+        assert err.ranks == [0, 1] and "op" in str(err)
+
+
+async def test_a_size_mismatch_over_tcp_fails_the_receiver_with_mismatch_error() -> None:
+    a, b = await make_tcp_world(2)
+    try:
+        xa, xb = np.ones(3, np.int64), np.ones(4, np.int64)
+        loop = asyncio.get_running_loop()
+        futs = []
+        for t, x, r in ((a, xa, 0), (b, xb, 1)):
+            spec = CollectiveSpec("all_reduce", (0, 1), r, (x,), (x,))
+            fut: asyncio.Future[BaseException | None] = loop.create_future()
+            plan = eager_plan(spec, {"kind": "all_reduce"})
+            assert plan is not None
+            start_eager(plan, spec, t, TAG, {"kind": "all_reduce"}, fut.set_result)
+            futs.append(fut)
+        errors = await asyncio.wait_for(asyncio.gather(*futs), LIMIT)
+        assert all(isinstance(e, MismatchError) for e in errors)
+        assert "wrong size" in str(errors[0])
+    finally:
+        await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_a_killed_peer_fails_the_waiting_rank_and_a_stopped_lane_never_reports() -> None:
+    world = MemoryWorld(3)
+    x = np.ones(2, np.int64)
+    spec = CollectiveSpec("all_reduce", (0, 1, 2), 0, (x,), (x,))
+    plan = eager_plan(spec, meta_of(spec))
+    assert plan is not None
+    fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+    start_eager(plan, spec, world[0], TAG, meta_of(spec), fut.set_result)
+    world.kill(1)
+    err = await asyncio.wait_for(fut, LIMIT)
+    assert isinstance(err, PeerLostError) and err.rank == 1
+
+    reported: list[Any] = []
+    y = np.ones(2, np.int64)
+    spec2 = CollectiveSpec("all_reduce", (0, 2), 0, (y,), (y,))
+    plan2 = eager_plan(spec2, meta_of(spec2))
+    assert plan2 is not None
+    lane = start_eager(plan2, spec2, world[0], ("c", "g", 1), meta_of(spec2), reported.append)
+    lane.stop()
+    world[0].discard(("c", "g", 1))
+    await asyncio.sleep(0.05)
+    assert reported == []
+
+
+# ------------------------------------------------------------------ TCP post_recv itself
+
+
+async def test_tcp_post_recv_answers_at_once_for_a_buffered_message_and_later_from_the_reader() -> None:
+    a, b = await make_tcp_world(2)
+    try:
+        await a.send(1, ("c", "g", 0, 0), np.arange(3, dtype=np.int32).data, {"k": 1})
+        await asyncio.sleep(0.05)
+        got: list[Any] = []
+        out = np.zeros(3, np.int32)
+        b.post_recv(0, ("c", "g", 0, 0), out.data, lambda res, exc: got.append((res, exc)))
+        assert got == [((0, {"k": 1}), None)]  # before post_recv returned
+        np.testing.assert_array_equal(out, [0, 1, 2])
+
+        arrived = asyncio.get_running_loop().create_future()
+        out2 = np.zeros(3, np.int32)
+        b.post_recv(0, ("c", "g", 0, 1), out2.data, lambda res, exc: arrived.set_result((res, exc)))
+        assert not arrived.done()
+        await a.send(1, ("c", "g", 0, 1), np.full(3, 7, np.int32).data, {"k": 2})
+        assert await asyncio.wait_for(arrived, LIMIT) == ((0, {"k": 2}), None)
+        np.testing.assert_array_equal(out2, [7, 7, 7])
+    finally:
+        await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_tcp_post_recv_reports_wrong_lengths_discards_and_lost_peers_to_the_callback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    a, b = await make_tcp_world(2)
+    try:
+        loop = asyncio.get_running_loop()
+        wrong = loop.create_future()
+        b.post_recv(0, ("c", "g", 1, 0), np.zeros(2, np.int32).data, lambda r, e: wrong.set_result(e))
+        await a.send(1, ("c", "g", 1, 0), np.zeros(5, np.int32).data, {"who": "a"})
+        err = await asyncio.wait_for(wrong, LIMIT)
+        assert isinstance(err, MismatchError) and err.remote_meta == {"who": "a"}  # type: ignore[attr-defined]
+
+        dropped = loop.create_future()
+        b.post_recv(0, ("c", "g", 2, 0), np.zeros(1, np.int32).data, lambda r, e: dropped.set_result(e))
+        b.discard(("c", "g", 2))
+        assert isinstance(await asyncio.wait_for(dropped, LIMIT), asyncio.CancelledError)
+
+        # A callback that raises is logged; the link keeps working.
+        def boom(res: Any, exc: Any) -> None:
+            raise RuntimeError("callback bug")
+
+        b.post_recv(0, ("c", "g", 3, 0), np.zeros(1, np.int32).data, boom)
+        with caplog.at_level(logging.ERROR):
+            await a.send(1, ("c", "g", 3, 0), np.zeros(1, np.int32).data, {})
+            await a.send(1, ("c", "g", 4, 0), np.ones(1, np.int32).data, {})
+            out = np.zeros(1, np.int32)
+            assert (await asyncio.wait_for(b.recv(0, ("c", "g", 4, 0), out.data), LIMIT))[0] == 0
+        assert out[0] == 1 and "callback failed" in caplog.text
+
+        lost = loop.create_future()
+        b.post_recv(0, ("c", "g", 5, 0), np.zeros(1, np.int32).data, lambda r, e: lost.set_result(e))
+        a.abort()
+        err = await asyncio.wait_for(lost, LIMIT)
+        assert isinstance(err, PeerLostError) and err.rank == 0
+        after: list[Any] = []
+        b.post_recv(0, ("c", "g", 6, 0), np.zeros(1, np.int32).data, lambda r, e: after.append(e))
+        assert len(after) == 1 and isinstance(after[0], PeerLostError)  # at once, not a hang
+    finally:
+        await asyncio.gather(a.aclose(), b.aclose())
+
+
+# ------------------------------------------------------------------ Engine.submit_eager
+
+
+def eager_all_reduce(
+    x: np.ndarray, ranks: tuple[int, ...], me: int, meta: dict[str, Any] | None = None
+) -> Any:
+    spec = CollectiveSpec("all_reduce", ranks, me, (x,), (x,))
+    meta = meta or {"kind": "all_reduce", "dtype": x.dtype.name, "count": x.size}
+    plan = eager_plan(spec, meta)
+    assert plan is not None
+
+    def start(tag: Any, transport: Any, finish: Any) -> Any:
+        return start_eager(plan, spec, transport, tag, meta, lambda exc: finish(x, exc))
+
+    return start
+
+
+async def test_submit_eager_sequences_many_in_flight_calls_made_in_different_orders() -> None:
+    world = MemoryWorld(3)
+    engs = [Engine(world[r], default_timeout=10) for r in range(3)]
+    try:
+        groups = [e.group("w", (0, 1, 2)) for e in engs]
+        xs = [[np.full(2, r * 10 + i, np.int64) for i in range(30)] for r in range(3)]
+        works = []
+        for r in (2, 0, 1):
+            works += [
+                engs[r].submit_eager(groups[r], "all_reduce", eager_all_reduce(x, (0, 1, 2), r), timeout=10)
+                for x in xs[r]
+            ]
+        await asyncio.wait_for(asyncio.gather(*works), LIMIT)
+        for i in range(30):
+            want = sum(r * 10 + i for r in range(3))
+            for r in range(3):
+                np.testing.assert_array_equal(xs[r][i], [want, want])
+    finally:
+        for e in engs:
+            await e.aclose()
+
+
+async def test_submit_eager_deadline_names_the_silent_rank_and_breaks_the_group() -> None:
+    world = MemoryWorld(2)
+    engs = [Engine(world[r], default_timeout=10) for r in range(2)]
+    try:
+        group = engs[0].group("w", (0, 1))
+        x = np.ones(1, np.int64)
+        work = engs[0].submit_eager(group, "all_reduce", eager_all_reduce(x, (0, 1), 0), timeout=0.2)
+        with pytest.raises(CollectiveTimeout) as info:
+            await asyncio.wait_for(work, LIMIT)
+        assert info.value.missing_ranks == [1] and info.value.seq == 0
+        with pytest.raises(CollectiveTimeout, match="out of step"):
+            engs[0].submit_eager(group, "all_reduce", eager_all_reduce(x, (0, 1), 0), timeout=1)
+        assert not group.pending
+    finally:
+        for e in engs:
+            await e.aclose()
+
+
+async def test_submit_eager_fails_every_rank_on_a_mismatch_and_on_a_lost_peer() -> None:
+    world = MemoryWorld(3)
+    engs = [Engine(world[r], default_timeout=10) for r in range(3)]
+    try:
+        groups = [e.group("w", (0, 1, 2)) for e in engs]
+        works = [
+            engs[r].submit_eager(
+                groups[r],
+                "all_reduce",
+                eager_all_reduce(np.ones(2, np.int64), (0, 1, 2), r, {"kind": "all_reduce", "x": r == 2}),
+                timeout=10,
+            )
+            for r in range(3)
+        ]
+        outcomes = await asyncio.wait_for(asyncio.gather(*works, return_exceptions=True), LIMIT)
+        assert all(isinstance(o, MismatchError) for o in outcomes), outcomes
+
+        pair = [e.group("p", (0, 1)) for e in engs[:2]]
+        start = eager_all_reduce(np.ones(1), (0, 1), 0)
+        work = engs[0].submit_eager(pair[0], "all_reduce", start, timeout=10)
+        await asyncio.sleep(0.01)
+        world.kill(1)
+        with pytest.raises(PeerLostError) as info:
+            await asyncio.wait_for(work, LIMIT)
+        assert info.value.rank == 1
+        with pytest.raises(PeerLostError):
+            engs[0].submit_eager(pair[0], "all_reduce", eager_all_reduce(np.ones(1), (0, 1), 0), timeout=10)
+    finally:
+        for e in engs:
+            await e.aclose()
+
+
+async def test_submit_eager_of_a_single_rank_group_completes_inside_the_call() -> None:
+    world = MemoryWorld(1)
+    eng = Engine(world[0], default_timeout=10)
+    try:
+        group = eng.group("solo", (0,))
+        x = np.arange(3)
+        work = eng.submit_eager(group, "all_reduce", eager_all_reduce(x, (0,), 0), timeout=1)
+        assert work.is_completed() and work.result() is x and not group.pending
+    finally:
+        await eng.aclose()
