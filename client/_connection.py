@@ -37,6 +37,9 @@ _HANDSHAKE_BUFFER = 64 << 10
 # Payloads up to this size are copied into the frame's one write (one send call, no writev list).
 _COPY_PAYLOAD = 16 << 10
 _pack_prefix = PREFIX.pack
+# Held-back frames (send_nowait) go out once this many are waiting, or this many bytes.
+_CORK_FRAMES = 64
+_CORK_BYTES = 64 << 10
 
 
 class LinkLost(ConnectionError):
@@ -54,6 +57,9 @@ class LinkLost(ConnectionError):
 
 EventCallback = Callable[[dict[str, Any]], None]
 LostCallback = Callable[["CoordinatorLink", BaseException | None], None]
+# (reply header, reply payload, None) once answered, or (None, b"", the failure: LinkLost or
+# TimeoutError); called from the link's own callbacks, so it must not raise.
+ReplyCallback = Callable[[dict[str, Any] | None, bytes, BaseException | None], None]
 
 
 class CoordinatorLink(asyncio.Protocol):
@@ -83,6 +89,11 @@ class CoordinatorLink(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._ids = itertools.count(1)
+        # Requests answered by a callback instead of a future (``send_nowait``: pipelined sets),
+        # and their frames held back to go out together (one send call for many).
+        self._callbacks: dict[int, ReplyCallback] = {}
+        self._corked: list[bytes] = []  # one whole frame each
+        self._corked_bytes = 0
         self._pack = msgpack.Packer(use_bin_type=True).pack  # one per link: no allocation per request
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -112,11 +123,17 @@ class CoordinatorLink(asyncio.Protocol):
             for header, payload in self._decoder.feed_messages(data):
                 req_id = header.get("id")
                 fut = pending.pop(req_id, None) if type(req_id) is int else None
-                if fut is None:
-                    self._dispatch(header, payload)  # an event, or a reply nobody waits for
-                elif not fut.done():
+                if fut is not None:
+                    if not fut.done():
+                        self._expiry.pop(cast(int, req_id), None)
+                        fut.set_result((header, payload))
+                    continue
+                callback = self._callbacks.pop(req_id, None) if type(req_id) is int else None
+                if callback is not None:
                     self._expiry.pop(cast(int, req_id), None)
-                    fut.set_result((header, payload))
+                    callback(header, payload, None)
+                else:
+                    self._dispatch(header, payload)  # an event, or a reply nobody waits for
         except (ProtocolError, AuthenticationError) as exc:
             self._fail(exc)
 
@@ -237,13 +254,68 @@ class CoordinatorLink(asyncio.Protocol):
         header["id"] = req_id
         head = self._pack(header)
         size = len(payload)
-        if not size:
+        if self._corked:
+            self._cork(head, payload)  # behind the held-back frames, in order
+            self._uncork()
+        elif not size:
             transport.write(_pack_prefix(len(head), 0) + head)
         elif size > _COPY_PAYLOAD:
             transport.writelines([_pack_prefix(len(head), size) + head, payload])
         else:
             transport.write(b"".join((_pack_prefix(len(head), size), head, payload)))
         return req_id, fut
+
+    def send_nowait(
+        self,
+        header: dict[str, Any],
+        payload: bytes,
+        timeout: float | None,
+        callback: ReplyCallback,
+    ) -> int:
+        """Queue one request whose reply goes to ``callback``; returns its id.
+
+        Its frame is held back, with others queued in the same turn of the event loop, and
+        written with them at the end of that turn (or before any later request, or once
+        _CORK_FRAMES frames or _CORK_BYTES bytes are waiting): one send call for many small
+        requests. The caller must have checked ``writable``. ``callback`` is called exactly once:
+        with the reply, or with LinkLost or TimeoutError.
+        """
+        req_id = next(self._ids)
+        self._callbacks[req_id] = callback
+        if timeout is not None:
+            at = self.loop.time() + timeout
+            self._expiry[req_id] = (at, timeout)
+            if self._timer is None or at < self._timer_at:
+                self._arm(at)
+        header["id"] = req_id
+        if not self._corked:
+            self.loop.call_soon(self._uncork)
+        self._cork(self._pack(header), payload)
+        if len(self._corked) >= _CORK_FRAMES or self._corked_bytes >= _CORK_BYTES:
+            self._uncork()
+        return req_id
+
+    def _cork(self, head: bytes, payload: bytes | bytearray | memoryview) -> None:
+        size = len(payload)
+        if size > _COPY_PAYLOAD and self._transport is not None:
+            # A large payload is not copied into the batch: what is held back goes first.
+            self._uncork()
+            self._transport.writelines([_pack_prefix(len(head), size) + head, payload])
+            return
+        if size:
+            self._corked.append(b"".join((_pack_prefix(len(head), size), head, payload)))
+        else:
+            self._corked.append(_pack_prefix(len(head), 0) + head)
+        self._corked_bytes += len(head) + size + PREFIX.size
+
+    def _uncork(self) -> None:
+        """Write the held-back frames (a no-op when there are none, or the link is closed)."""
+        corked = self._corked
+        if not corked or self.closed or self._transport is None:
+            return
+        self._corked = []
+        self._corked_bytes = 0
+        self._transport.write(b"".join(corked))
 
     @property
     def writable(self) -> bool:
@@ -273,6 +345,9 @@ class CoordinatorLink(asyncio.Protocol):
                 fut = self._pending.pop(req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_exception(TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
+                callback = self._callbacks.pop(req_id, None)
+                if callback is not None:
+                    callback(None, b"", TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
             elif earliest is None or at < earliest:
                 earliest = at
         if earliest is not None and not self.closed:
@@ -312,6 +387,13 @@ class CoordinatorLink(asyncio.Protocol):
                     LinkLost(f"link to the coordinator at {self.peer} was lost{reason}", sent=True)
                 )
         self._pending.clear()
+        callbacks, self._callbacks = self._callbacks, {}
+        self._corked = []
+        self._corked_bytes = 0
+        for callback in callbacks.values():
+            callback(
+                None, b"", LinkLost(f"link to the coordinator at {self.peer} was lost{reason}", sent=True)
+            )
         self._on_lost(self, exc)
 
 

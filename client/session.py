@@ -763,36 +763,38 @@ class CoordinatorSession(Store):
                 remaining = deadline.remaining()
                 header = {"key": key, "op": "set", "rid": rid, "ack": self._ack()}
                 self._last_request = link.loop.time()
-                _, fut = link.start(
-                    header, raw, None if remaining is None else max(remaining, _MIN_REPLY_TIME)
-                )
                 self._sets_in_flight[rid] = (key, raw, deadline)
                 self._sets_idle.clear()
-                fut.add_done_callback(functools.partial(self._set_answered, rid))
+                # No future and no task: the reply goes straight to _set_answered, and the frame
+                # goes out with the others of this turn of the event loop in one write.
+                link.send_nowait(
+                    header,
+                    raw,
+                    None if remaining is None else max(remaining, _MIN_REPLY_TIME),
+                    functools.partial(self._set_answered, rid),
+                )
                 return
             # Reconnecting, paused by backpressure or a full window: the acknowledged path waits.
         await self._call("set", {"key": key}, raw, deadline=deadline, keys=[key])
 
     def _set_answered(
-        self, rid: int, fut: asyncio.Future[tuple[dict[str, Any], bytes]]
+        self, rid: int, reply: dict[str, Any] | None, body: bytes, exc: BaseException | None
     ) -> None:
-        """A pipelined set's reply (or failure) arrived."""
+        """A pipelined set's reply (or failure: LinkLost, TimeoutError) arrived."""
         entry = self._sets_in_flight.pop(rid, None)
         if not self._sets_in_flight:
             self._sets_idle.set()
         if entry is None:
             return
         key, raw, deadline = entry
-        exc = None if fut.cancelled() else fut.exception()
-        if isinstance(exc, LinkLost) or fut.cancelled():
+        if isinstance(exc, LinkLost):
             self._lost_sets.append((rid, key, raw, deadline))  # still unanswered: re-sent later
             return
         self._unanswered.discard(rid)
         self._window_moved.set()
-        if exc is not None:
+        if exc is not None or reply is None:
             failure: BaseException = self._timed_out("set", deadline, False, [key], False)
         else:
-            reply, _ = fut.result()
             if reply.get("ok") is True:
                 return
             failure = self._error("set", reply, [key], deadline)
