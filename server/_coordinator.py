@@ -459,6 +459,7 @@ class Coordinator:
         self._flusher: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_when = float("inf")
+        self._timers_seen = -1
         self._draining = False
         self._stopping = False
         self._started = False
@@ -744,7 +745,11 @@ class Coordinator:
     def _arm_timer(self) -> None:
         if self._stopping:
             return
-        when = self.state.next_deadline()
+        state = self.state
+        if self._timer is not None and state.timers_pushed == self._timers_seen:
+            return  # armed, and no deadline was added since: the common store request
+        self._timers_seen = state.timers_pushed
+        when = state.next_deadline()
         if self._timer is not None:
             if when >= self._timer_when:
                 return

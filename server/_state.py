@@ -344,6 +344,9 @@ class CoordinatorState:
         self._sessions: dict[str, _Member] = {}
         self._live_members: set[_Member] = set()  # alive or resuming: watched by housekeeping
         self._timers: list[tuple[float, int, _Waiter | _Member]] = []
+        # Grows with every deadline pushed: a shell whose timer is armed and that saw the same
+        # count need not ask next_deadline again (nothing earlier can have appeared).
+        self.timers_pushed = 0
         self._timer_seq = itertools.count()
         self._next_housekeeping = clock() + HOUSEKEEPING_INTERVAL
         self._last_housekeeping = clock()
@@ -712,6 +715,7 @@ class CoordinatorState:
         conn.job.waiters.setdefault(missing[0], set()).add(w)
         if deadline is not None:
             heapq.heappush(self._timers, (deadline, next(self._timer_seq), w))
+            self.timers_pushed += 1
 
     # -- operations
     def _op_set(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
@@ -1037,6 +1041,7 @@ class CoordinatorState:
         elif timeout is not None:
             member.deadline = now + timeout
             heapq.heappush(self._timers, (member.deadline, next(self._timer_seq), member))
+            self.timers_pushed += 1
 
     def _open_round(self, job: _Job, world_size: int) -> _Round:
         rnd = _Round(job, job.next_round, world_size)
