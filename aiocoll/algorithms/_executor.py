@@ -410,15 +410,20 @@ def apply_reductions(reductions: Sequence[tuple[np.ndarray, np.ndarray, bool]], 
 
 def _may_prepost(step: S.Step, nxt: S.Step) -> bool:
     """Whether ``nxt``'s single receive may be posted while ``step`` runs: its payload must not
-    land on anything ``step`` sends, receives or reduces into (reduced payloads land in the
-    other scratch half, so only direct receives need checking)."""
+    land on anything ``step`` receives or reduces into (reduced payloads land in the other
+    scratch half, so only direct receives need checking), nor on what ``step`` sends to another
+    rank. A range that ``step`` sends to the very peer ``nxt`` receives from is safe: that peer
+    receives our step-k message in its own step k and sends its step-k+1 message only after that
+    step completed (a lane runs its steps in order, ids increasing), so its payload cannot arrive
+    before ours has been handed off whole. Halving-doubling relies on this: each all-gather step
+    receives into the range the matching reduce-scatter step sent to the same partner."""
     if len(nxt.recvs) != 1:
         return False
     r = nxt.recvs[0]
     if r.reduce:
         return True
     for s in step.sends:
-        if s.buf == r.buf and s.start < r.stop and r.start < s.stop:
+        if s.buf == r.buf and s.start < r.stop and r.start < s.stop and s.peer != r.peer:
             return False
     for q in step.recvs:
         if q.buf == r.buf and q.start < r.stop and r.start < q.stop:
