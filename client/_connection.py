@@ -97,6 +97,9 @@ class CoordinatorLink(asyncio.Protocol):
         self._pack = msgpack.Packer(use_bin_type=True).pack  # one per link: no allocation per request
         self._can_write = asyncio.Event()
         self._can_write.set()
+        # Open, connected and not paused by the transport: what ``writable`` says, kept as a
+        # plain attribute because every request asks.
+        self.can_send = False
         self._lost: BaseException | None = None
         self.closed = False
         self.peer = ""
@@ -105,6 +108,7 @@ class CoordinatorLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports are not asyncio.Transport subclasses, so no isinstance check here.
         self._transport = cast(asyncio.Transport, transport)
+        self.can_send = not self.closed
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -190,9 +194,11 @@ class CoordinatorLink(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._can_write.clear()
+        self.can_send = False
 
     def resume_writing(self) -> None:
         self._can_write.set()
+        self.can_send = not self.closed and self._transport is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(exc, from_transport=True)
@@ -320,7 +326,7 @@ class CoordinatorLink(asyncio.Protocol):
     @property
     def writable(self) -> bool:
         """Open, and its transport is not asking writers to wait."""
-        return not self.closed and self._transport is not None and self._can_write.is_set()
+        return self.can_send
 
     def _expect(self, req_id: int, timeout: float) -> None:
         """Fail request ``req_id`` with TimeoutError unless it is answered within ``timeout``."""
@@ -361,6 +367,7 @@ class CoordinatorLink(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        self.can_send = False
         self._lost = exc
         self._can_write.set()  # wake writers so they see the close
         if self._timer is not None:

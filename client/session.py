@@ -564,7 +564,7 @@ class CoordinatorSession(Store):
                 rid = await self._next_rid(deadline, op, keys)
         try:
             link = self._link
-            if link is None or not link.writable or self._closed or self._fatal is not None:
+            if link is None or not link.can_send or self._closed or self._fatal is not None:
                 return await self._send(
                     op, fields, payload, deadline=deadline, waits=waits, keys=keys, rid=rid
                 )
@@ -724,7 +724,7 @@ class CoordinatorSession(Store):
         return DistError(f"the coordinator at {self.address} failed {op} ({err}): {msg}")
 
     def _deadline(self, timeout: float | datetime.timedelta | None) -> Deadline:
-        return Deadline(self.timeout if timeout is None else self._check_timeout(timeout))
+        return Deadline(self._timeout if timeout is None else self._check_timeout(timeout))
 
     # -- Store ---------------------------------------------------------------------------
     async def set(self, key: str, value: Value, *, timeout: float | None = None) -> None:

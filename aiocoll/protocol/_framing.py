@@ -115,6 +115,7 @@ class FrameDecoder:
             if len(self._buf) > self._read_size:  # a large header came and went: shrink back
                 self._buf = bytearray(self._read_size)
                 self._view = memoryview(self._buf)
+            return self._view  # the whole buffer: no new view per read
         elif len(self._buf) - self._end < PREFIX.size + 1024 or self._start > len(self._buf) // 2:
             # Compact: move the unparsed tail to the front so there is room to read.
             tail = self._end - self._start
