@@ -5,7 +5,9 @@ of the TCP transport) and ``Engine.submit_eager`` (sequencing, deadlines, loss a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -315,10 +317,19 @@ def eager_all_reduce(
     return start
 
 
-async def test_submit_eager_sequences_many_in_flight_calls_made_in_different_orders() -> None:
-    world = MemoryWorld(3)
-    engs = [Engine(world[r], default_timeout=10) for r in range(3)]
+@contextlib.asynccontextmanager
+async def engines(n: int) -> AsyncIterator[tuple[MemoryWorld, list[Engine]]]:
+    world = MemoryWorld(n)
+    engs = [Engine(world[r], default_timeout=10) for r in range(n)]
     try:
+        yield world, engs
+    finally:
+        for e in engs:
+            await e.aclose()
+
+
+async def test_submit_eager_sequences_many_in_flight_calls_made_in_different_orders() -> None:
+    async with engines(3) as (_, engs):
         groups = [e.group("w", (0, 1, 2)) for e in engs]
         xs = [[np.full(2, r * 10 + i, np.int64) for i in range(30)] for r in range(3)]
         works = []
@@ -332,15 +343,10 @@ async def test_submit_eager_sequences_many_in_flight_calls_made_in_different_ord
             want = sum(r * 10 + i for r in range(3))
             for r in range(3):
                 np.testing.assert_array_equal(xs[r][i], [want, want])
-    finally:
-        for e in engs:
-            await e.aclose()
 
 
 async def test_submit_eager_deadline_names_the_silent_rank_and_breaks_the_group() -> None:
-    world = MemoryWorld(2)
-    engs = [Engine(world[r], default_timeout=10) for r in range(2)]
-    try:
+    async with engines(2) as (_, engs):
         group = engs[0].group("w", (0, 1))
         x = np.ones(1, np.int64)
         work = engs[0].submit_eager(group, "all_reduce", eager_all_reduce(x, (0, 1), 0), timeout=0.2)
@@ -350,15 +356,10 @@ async def test_submit_eager_deadline_names_the_silent_rank_and_breaks_the_group(
         with pytest.raises(CollectiveTimeout, match="out of step"):
             engs[0].submit_eager(group, "all_reduce", eager_all_reduce(x, (0, 1), 0), timeout=1)
         assert not group.pending
-    finally:
-        for e in engs:
-            await e.aclose()
 
 
 async def test_submit_eager_fails_every_rank_on_a_mismatch_and_on_a_lost_peer() -> None:
-    world = MemoryWorld(3)
-    engs = [Engine(world[r], default_timeout=10) for r in range(3)]
-    try:
+    async with engines(3) as (world, engs):
         groups = [e.group("w", (0, 1, 2)) for e in engs]
         works = [
             engs[r].submit_eager(
@@ -382,9 +383,6 @@ async def test_submit_eager_fails_every_rank_on_a_mismatch_and_on_a_lost_peer() 
         assert info.value.rank == 1
         with pytest.raises(PeerLostError):
             engs[0].submit_eager(pair[0], "all_reduce", eager_all_reduce(np.ones(1), (0, 1), 0), timeout=10)
-    finally:
-        for e in engs:
-            await e.aclose()
 
 
 async def test_submit_eager_of_a_single_rank_group_completes_inside_the_call() -> None:
