@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
 from aiocoll._work import Work
@@ -44,6 +44,7 @@ _EMPTY_SINK = memoryview(bytearray(0))  # control messages carry no payload; a w
 _MAX_ORPHAN_NOTICES = 1024
 _MAX_STUCK_REPORTS = 64
 
+_T = TypeVar("_T")
 Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
 Finish = Callable[[Any, BaseException | None], None]
 Starter = Callable[[Tag, "OpTransport", Finish], "Stoppable"]
@@ -147,12 +148,7 @@ class OpTransport(Transport):
         return self._inner
 
     async def send(self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> None:
-        pending = self._op.outstanding_send
-        pending[dst] = pending.get(dst, 0) + 1
-        try:
-            await self._inner.send(dst, tag, payload, meta)
-        finally:
-            pending[dst] -= 1
+        await _counting(self._op.outstanding_send, dst, self._inner.send(dst, tag, payload, meta))
 
     def send_nowait(
         self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
@@ -165,23 +161,15 @@ class OpTransport(Transport):
         rest = start(dst, tag, payload, meta)
         if rest is None:
             return None
-        return self._counted_send(dst, rest)
-
-    async def _counted_send(self, dst: int, rest: Awaitable[None]) -> None:
-        pending = self._op.outstanding_send
-        pending[dst] = pending.get(dst, 0) + 1
-        try:
-            await rest
-        finally:
-            pending[dst] -= 1
+        return _counting(self._op.outstanding_send, dst, rest)
 
     async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
-        pending = self._op.outstanding_recv
-        pending[src] = pending.get(src, 0) + 1
-        try:
-            return await self._inner.recv(src, tag, into)
-        finally:
-            pending[src] -= 1
+        return await _counting(self._op.outstanding_recv, src, self._inner.recv(src, tag, into))
+
+    async def recv_landed(
+        self, src: int | None, tag: Tag, into: memoryview
+    ) -> tuple[int, dict[str, Any], memoryview]:
+        return await _counting(self._op.outstanding_recv, src, self._inner.recv_landed(src, tag, into))
 
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         pending = self._op.outstanding_recv
@@ -755,6 +743,15 @@ def _for_op(err: BaseException, op: _Op) -> BaseException:
         return err
     out.__cause__ = err
     return out
+
+
+async def _counting(pending: dict[Any, int], key: Any, transfer: Awaitable[_T]) -> _T:
+    """Await ``transfer`` while ``pending[key]`` counts it (what a timeout reports as missing)."""
+    pending[key] = pending.get(key, 0) + 1
+    try:
+        return await transfer
+    finally:
+        pending[key] -= 1
 
 
 def _ignore_outcome(task: asyncio.Task[Any]) -> None:

@@ -27,6 +27,7 @@ from ._executor import (
     CollectiveSpec,
     Context,
     Prepared,
+    Reduction,
     apply_reductions,
     context,
     copies,
@@ -86,7 +87,7 @@ class EagerLane:
         self._over = False
         self._step = 0
         self._waiting = 0
-        self._reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
+        self._reductions: list[Reduction] = []
         need, reduced = prepared.sched.scratch[0] if prepared.sched.lanes else (0, None)
         # One scratch for every step: reduced payloads of a step land in it, and the step's
         # reductions finish before the next step's receives are posted.
@@ -120,7 +121,7 @@ class EagerLane:
                     self._waiting += 1
                     asyncio.ensure_future(pending).add_done_callback(self._on_sent)
                 landings, self._reductions = landing_zones(step, bufs, self._scratch, 0)
-                for peer, landing in landings:
+                for peer, landing, _ in landings:
                     self._waiting += 1
                     ctx.transport.post_recv(
                         ctx.global_ranks[peer],

@@ -191,6 +191,20 @@ class Context:
         if remote_meta != self.meta and not _same_meta(remote_meta, self.meta):
             raise self._mismatch(src, remote_meta)
 
+    async def recv_reduced(self, peer: int, step_id: int, reduction: Reduction) -> None:
+        """Receive a payload to be reduced; one that arrived early is reduced from where it
+        landed (``reduction.landing`` is pointed there) instead of being copied first."""
+        src = self.global_ranks[peer]
+        into = reduction.landing.view(np.uint8).data
+        try:
+            _, remote_meta, landed = await self.transport.recv_landed(src, (*self.tag, step_id), into)
+        except MismatchError as exc:
+            raise self.recv_error(src, exc) from exc
+        if remote_meta != self.meta and not _same_meta(remote_meta, self.meta):
+            raise self._mismatch(src, remote_meta)
+        if landed is not into:
+            reduction.landing = np.frombuffer(landed, dtype=reduction.landing.dtype)
+
     def recv_error(self, src: int, exc: MismatchError) -> MismatchError:
         """The error to raise for a receive from global rank ``src`` that the transport failed
         with ``exc`` (a message of the wrong length): named by whatever differs in the calls."""
@@ -334,7 +348,7 @@ async def _run_lane(
     scratch = None
     if reduced is not None:
         scratch = np.empty(2 * need if prepost else need, dtype=bufs[reduced].dtype)
-    early: tuple[asyncio.Future[None], list[tuple[np.ndarray, np.ndarray, bool]]] | None = None
+    early: tuple[asyncio.Future[None], list[Reduction]] | None = None
     try:
         for k, step in enumerate(steps):
             # Sends start first, inline: a send the kernel takes at once costs no task. Receives
@@ -370,21 +384,41 @@ def _largest_recv(step: S.Step, bufs: dict[S.BufRef, np.ndarray]) -> int:
 
 def _post_recvs(
     step: S.Step, bufs: dict[S.BufRef, np.ndarray], scratch: np.ndarray | None, base: int, ctx: Context
-) -> tuple[list[Awaitable[None]], list[tuple[np.ndarray, np.ndarray, bool]]]:
+) -> tuple[list[Awaitable[None]], list[Reduction]]:
     """The step's receives (coroutines, not yet started) and the reductions to run after them;
-    reduced payloads land in ``scratch`` from ``base`` on."""
+    reduced payloads land in ``scratch`` from ``base`` on (or stay where they arrived)."""
     landings, reductions = landing_zones(step, bufs, scratch, base)
-    return [ctx.recv(peer, step.id, landing) for peer, landing in landings], reductions
+    return [
+        ctx.recv(peer, step.id, landing) if reduction is None else ctx.recv_reduced(peer, step.id, reduction)
+        for peer, landing, reduction in landings
+    ], reductions
+
+
+class Reduction:
+    """One received payload to combine into ``target`` once its step's transfers completed.
+
+    Attributes:
+        target: where the result goes. landing: the received values (scratch, or the transport's
+        own buffer when the payload arrived before its receive). first: the received values are
+        the left operand.
+    """
+
+    __slots__ = ("first", "landing", "target")
+
+    def __init__(self, target: np.ndarray, landing: np.ndarray, first: bool) -> None:
+        self.target = target
+        self.landing = landing
+        self.first = first
 
 
 def landing_zones(
     step: S.Step, bufs: dict[S.BufRef, np.ndarray], scratch: np.ndarray | None, base: int
-) -> tuple[list[tuple[int, np.ndarray]], list[tuple[np.ndarray, np.ndarray, bool]]]:
-    """Where each receive of ``step`` lands ((group rank, array) in the step's order) and the
-    reductions (target, landed payload, received-is-left-operand) to run once all arrived.
-    Reduced payloads land in ``scratch`` from element ``base`` on, the others in place."""
-    landings: list[tuple[int, np.ndarray]] = []
-    reductions: list[tuple[np.ndarray, np.ndarray, bool]] = []
+) -> tuple[list[tuple[int, np.ndarray, Reduction | None]], list[Reduction]]:
+    """Where each receive of ``step`` lands ((group rank, array, its reduction or None) in the
+    step's order) and the reductions to run once all arrived. Reduced payloads land in
+    ``scratch`` from element ``base`` on, the others in place."""
+    landings: list[tuple[int, np.ndarray, Reduction | None]] = []
+    reductions: list[Reduction] = []
     offset = base
     for r in step.recvs:
         target = bufs[r.buf][r.start : r.stop]
@@ -392,20 +426,21 @@ def landing_zones(
             assert scratch is not None
             landing = scratch[offset : offset + (r.stop - r.start)]
             offset += r.stop - r.start
-            reductions.append((target, landing, r.first))
+            reduction = Reduction(target, landing, r.first)
+            reductions.append(reduction)
+            landings.append((r.peer, landing, reduction))
         else:
-            landing = target
-        landings.append((r.peer, landing))
+            landings.append((r.peer, target, None))
     return landings, reductions
 
 
-def apply_reductions(reductions: Sequence[tuple[np.ndarray, np.ndarray, bool]], ctx: Context) -> None:
+def apply_reductions(reductions: Sequence[Reduction], ctx: Context) -> None:
     """Combine a step's landed payloads into their targets (after the step's transfers completed:
     a reduced range may also have been the payload of one of the step's sends)."""
     if reductions:
         with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
-            for target, landing, first in reductions:
-                reduce_into(ctx.op, target, landing, ctx.dtype_name, src_first=first)
+            for r in reductions:
+                reduce_into(ctx.op, r.target, r.landing, ctx.dtype_name, src_first=r.first)
 
 
 def _may_prepost(step: S.Step, nxt: S.Step) -> bool:

@@ -64,6 +64,16 @@ class Transport(ABC):
                 consumed; the sender's meta is attached to the error as ``.remote_meta``).
         """
 
+    async def recv_landed(
+        self, src: int | None, tag: Tag, into: memoryview
+    ) -> tuple[int, dict[str, Any], memoryview]:
+        """``recv`` for a payload that is only read afterwards (to be reduced): returns (source,
+        meta, the memory holding the payload). That is ``into`` itself, unless the transport kept
+        a message that arrived before its receive in a buffer of its own: then that buffer, and
+        the copy into ``into`` is saved. This default always receives into ``into``."""
+        got, meta = await self.recv(src, tag, into)
+        return got, meta, into
+
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         """Post a receive like ``recv`` whose outcome is handed to ``callback`` on the loop
         instead of being awaited (small operations run without a task of their own this way).

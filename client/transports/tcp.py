@@ -93,7 +93,7 @@ class _Notify:
     def done(self) -> bool:
         return self._done
 
-    def set_result(self, result: tuple[int, dict[str, Any]]) -> None:
+    def set_result(self, result: Any) -> None:  # (src, meta): post_recv never asks for in_place
         self._hand_over(result, None)
 
     def set_exception(self, exc: BaseException) -> None:
@@ -116,18 +116,26 @@ class _Notify:
 
 
 class _Recv:
-    """A posted receive."""
+    """A posted receive. ``in_place``: its result names the memory holding the payload (``into``,
+    or the buffer an early payload already landed in, which is then not copied)."""
 
-    __slots__ = ("fut", "into", "order", "src", "tag")
+    __slots__ = ("fut", "in_place", "into", "order", "src", "tag")
 
     def __init__(
-        self, src: int | None, tag: Tag, into: memoryview, fut: asyncio.Future[Any] | _Notify, order: int
+        self,
+        src: int | None,
+        tag: Tag,
+        into: memoryview,
+        fut: asyncio.Future[Any] | _Notify,
+        order: int,
+        in_place: bool = False,
     ):
         self.src = src
         self.tag = tag
         self.into = into
         self.fut = fut
         self.order = order
+        self.in_place = in_place
 
 
 class _Mismatched:
@@ -534,6 +542,23 @@ class TcpTransport(Transport):
             self._unpost(waiter)
             raise
 
+    async def recv_landed(
+        self, src: int | None, tag: Tag, into: memoryview
+    ) -> tuple[int, dict[str, Any], memoryview]:
+        """``recv`` that may leave the payload where it arrived (see Transport.recv_landed): a
+        message that came before its receive is not copied into ``into``."""
+        into = _as_bytes_view(into) if len(into) else _EMPTY
+        msg = self._pop_buffered(src, tag, len(into))
+        if msg is not None:
+            return msg.src, msg.meta, msg.payload
+        fut: asyncio.Future[tuple[int, dict[str, Any], memoryview]] = self._get_loop().create_future()
+        waiter = self._post(src, tag, into, fut, in_place=True)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._unpost(waiter)
+            raise
+
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         """``recv`` with its outcome handed to ``callback`` right where the message is read (no
         task, no extra loop iteration); see Transport.post_recv."""
@@ -548,10 +573,12 @@ class TcpTransport(Transport):
             return
         callback(got, None)
 
-    def _take_buffered(
-        self, src: int | None, tag: Tag, into: memoryview
-    ) -> tuple[int, dict[str, Any]] | None:
-        """Consume a message that arrived before its receive (None: none yet)."""
+    def _pop_buffered(self, src: int | None, tag: Tag, want: int) -> _Msg | None:
+        """Take a message that arrived before its receive (None: none yet).
+
+        Raises:
+            MismatchError: its payload is not ``want`` bytes long (it is consumed all the same).
+        """
         queue = self._inbox.get(tag)
         if queue:
             for i, msg in enumerate(queue):
@@ -560,14 +587,31 @@ class TcpTransport(Transport):
                     if not queue:
                         del self._inbox[tag]
                     self._unbuffer(msg)
-                    if len(msg.payload) != len(into):
-                        raise _length_mismatch(msg.src, tag, len(msg.payload), len(into), msg.meta)
-                    if len(into):
-                        into[:] = msg.payload
-                    return msg.src, msg.meta
+                    if len(msg.payload) != want:
+                        raise _length_mismatch(msg.src, tag, len(msg.payload), want, msg.meta)
+                    return msg
         return None
 
-    def _post(self, src: int | None, tag: Tag, into: memoryview, fut: asyncio.Future[Any] | _Notify) -> _Recv:
+    def _take_buffered(
+        self, src: int | None, tag: Tag, into: memoryview
+    ) -> tuple[int, dict[str, Any]] | None:
+        """Copy a message that arrived before its receive into ``into`` (None: none yet)."""
+        msg = self._pop_buffered(src, tag, len(into))
+        if msg is None:
+            return None
+        if len(into):
+            into[:] = msg.payload
+        return msg.src, msg.meta
+
+    def _post(
+        self,
+        src: int | None,
+        tag: Tag,
+        into: memoryview,
+        fut: asyncio.Future[Any] | _Notify,
+        *,
+        in_place: bool = False,
+    ) -> _Recv:
         """Post a receive for a message not here yet.
 
         Raises:
@@ -578,7 +622,7 @@ class TcpTransport(Transport):
         if self._closed:
             raise DistError("the transport is closed")
         self._order += 1
-        waiter = _Recv(src, tag, into, fut, self._order)
+        waiter = _Recv(src, tag, into, fut, self._order, in_place)
         if src is None:
             self._posted_any.setdefault(tag, deque()).append(waiter)
         else:
@@ -829,7 +873,7 @@ class TcpTransport(Transport):
                     if not w.fut.done():
                         w.fut.set_exception(_length_mismatch(src, key, len(frame.payload), len(w.into), meta))
                 elif not waiter.fut.done():
-                    waiter.fut.set_result((src, meta))
+                    waiter.fut.set_result((src, meta, waiter.into) if waiter.in_place else (src, meta))
                 continue
             self._deliver(src, key, meta, frame.payload)
         if link.closed:
@@ -856,6 +900,8 @@ class TcpTransport(Transport):
                 continue
             if len(payload) != len(waiter.into):
                 waiter.fut.set_exception(_length_mismatch(src, tag, len(payload), len(waiter.into), meta))
+            elif waiter.in_place:
+                waiter.fut.set_result((src, meta, payload))
             else:
                 if len(payload):
                     waiter.into[:] = payload

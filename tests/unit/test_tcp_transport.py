@@ -256,3 +256,30 @@ class TestTcpTransportConformance(TransportConformance):
             victim.abort()
 
         return kill
+
+
+async def test_recv_landed_leaves_an_early_payload_where_it_arrived_and_lands_a_late_one_in_place() -> None:
+    a, b = await make_world(2)
+    try:
+        early = np.arange(100_000, dtype=np.float32)  # above the size whose early landing skips zeroing
+        await a.send(1, ("c", "g", 0, 0), early.data, {"k": "early"})
+        await asyncio.sleep(0.05)
+        into = np.zeros_like(early)
+        src, meta, landed = await b.recv_landed(0, ("c", "g", 0, 0), into.data)
+        assert (src, meta) == (0, {"k": "early"})
+        np.testing.assert_array_equal(np.frombuffer(landed, np.float32), early)
+        assert not into.any()  # not copied: the caller reads the payload where it is
+
+        late = asyncio.ensure_future(b.recv_landed(0, ("c", "g", 0, 1), into.data))
+        await asyncio.sleep(0.01)
+        await a.send(1, ("c", "g", 0, 1), (early * 2).data, {"k": "late"})
+        src, meta, landed = await asyncio.wait_for(late, 10)
+        assert meta == {"k": "late"} and landed.obj is into.data.obj
+        np.testing.assert_array_equal(into, early * 2)
+
+        wrong = asyncio.ensure_future(b.recv_landed(0, ("c", "g", 0, 2), into.data))
+        await a.send(1, ("c", "g", 0, 2), early[:10].data, {"k": "short"})
+        with pytest.raises(MismatchError):
+            await asyncio.wait_for(wrong, 10)
+    finally:
+        await close_all([a, b])
