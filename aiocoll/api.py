@@ -257,8 +257,11 @@ class ProcessGroup:
             def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> EagerLane:
                 def done(exc: BaseException | None) -> None:
                     if exc is None:
-                        for w in workings:
-                            w.finish()
+                        try:
+                            for w in workings:
+                                w.finish()
+                        except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
+                            exc = copy_back
                     finish(result, exc)
 
                 return start_eager(plan, spec, transport, tag, meta, done)

@@ -454,17 +454,22 @@ class Engine:
             return
         op.abort_exc = exc
         op.future.set_exception(exc)
+        lane = op.lane
+        if lane is not None:
+            # An eager operation: stop its runner before its receives are discarded (their
+            # callbacks then find it stopped), and finish it here, once (it has no task whose
+            # ending would).
+            if lane is not _FINISHED:
+                op.lane = _FINISHED
+                lane.stop()
+                self._finish(op)
+            return
         if op.work is not None:
             op.work.wake()
         if op.seq >= 0:
             self.transport.discard(op.tag)
         if op.task is not None and not op.task.done():
             op.task.cancel()
-        lane = op.lane
-        if lane is not None and lane is not _FINISHED:
-            op.lane = _FINISHED
-            lane.stop()
-            self._finish(op)
 
     # -- deadlines -------------------------------------------------------------------------
     def _arm(self, when: float) -> None:

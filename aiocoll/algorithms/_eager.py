@@ -55,9 +55,14 @@ def eager_plan(spec: CollectiveSpec, meta: dict[str, Any]) -> Prepared | None:
         prepared = prepare(spec, meta)
     except (TypeError, ValueError):
         return None
-    if prepared.nbytes > EAGER_BYTES or len(prepared.sched.lanes) > 1:
+    if len(prepared.sched.lanes) > 1 or _largest_array(spec) > EAGER_BYTES:
         return None
     return prepared
+
+
+def _largest_array(spec: CollectiveSpec) -> int:
+    """Bytes of the largest array (a message never carries more than one array holds)."""
+    return max((a.nbytes for a in (*spec.send, *spec.recv)), default=0)
 
 
 def start_eager(
@@ -78,7 +83,17 @@ def start_eager(
 class EagerLane:
     """One running eager operation (see the module docstring)."""
 
-    __slots__ = ("_ctx", "_done", "_over", "_prepared", "_reductions", "_scratch", "_step", "_waiting")
+    __slots__ = (
+        "_ctx",
+        "_done",
+        "_over",
+        "_prepared",
+        "_reductions",
+        "_scratch",
+        "_sending",
+        "_step",
+        "_waiting",
+    )
 
     def __init__(self, prepared: Prepared, ctx: Context, done: Done) -> None:
         self._prepared = prepared
@@ -88,6 +103,7 @@ class EagerLane:
         self._step = 0
         self._waiting = 0
         self._reductions: list[Reduction] = []
+        self._sending: list[asyncio.Future[None]] = []  # sends the kernel did not take at once
         need, reduced = prepared.sched.scratch[0] if prepared.sched.lanes else (0, None)
         # One scratch for every step: reduced payloads of a step land in it, and the step's
         # reductions finish before the next step's receives are posted.
@@ -102,8 +118,15 @@ class EagerLane:
         self._run_from(0)
 
     def stop(self) -> None:
-        """The operation was failed from outside (deadline, lost peer): do nothing more."""
+        """The operation was failed from outside (deadline, lost peer): do nothing more, and
+        drop what is still queued to send (it must not read the caller's tensor any longer)."""
         self._over = True
+        self._cancel_sends()
+
+    def _cancel_sends(self) -> None:
+        sending, self._sending = self._sending, []
+        for fut in sending:
+            fut.cancel()
 
     def _run_from(self, k: int) -> None:
         lanes = self._prepared.sched.lanes
@@ -119,7 +142,9 @@ class EagerLane:
                 self._waiting = 1
                 for pending in start_sends(step, bufs, ctx):
                     self._waiting += 1
-                    asyncio.ensure_future(pending).add_done_callback(self._on_sent)
+                    sending = asyncio.ensure_future(pending)
+                    self._sending.append(sending)
+                    sending.add_done_callback(self._on_sent)
                 landings, self._reductions = landing_zones(step, bufs, self._scratch, 0)
                 for peer, landing, _ in landings:
                     self._waiting += 1
@@ -161,6 +186,8 @@ class EagerLane:
         self._arrived()
 
     def _on_sent(self, fut: asyncio.Future[None]) -> None:
+        if fut in self._sending:
+            self._sending.remove(fut)
         if self._over:
             if not fut.cancelled():
                 fut.exception()
@@ -189,5 +216,6 @@ class EagerLane:
         if self._over:
             return
         self._over = True
+        self._cancel_sends()
         self._done(exc)
 

@@ -158,6 +158,11 @@ class _Msg:
         self.payload = payload
 
 
+def _take_matching(posted: dict[Any, deque[_Recv]], matches: Callable[[Any], bool]) -> list[_Recv]:
+    """Remove the queues of ``posted`` whose key ``matches``; their receives, in order."""
+    return [waiter for key in [k for k in posted if matches(k)] for waiter in posted.pop(key)]
+
+
 def _as_bytes_view(buf: memoryview) -> memoryview:
     if buf.format == "B" and buf.ndim == 1:
         return buf
@@ -688,15 +693,14 @@ class TcpTransport(Transport):
             for src, tag, meta in strays:
                 self._stray(src, tag, meta)
             return
-        for key in [k for k in self._posted if k[1][:n] == tag_prefix]:
-            for waiter in self._posted.pop(key):
-                if not waiter.fut.done():
-                    waiter.fut.cancel()
-        for tag in [t for t in self._posted_any if t[:n] == tag_prefix]:
-            for waiter in self._posted_any.pop(tag):
-                if not waiter.fut.done():
-                    waiter.fut.cancel()
+        # Unpost every matching receive before cancelling any: a cancelled receive may call back
+        # into its operation (post_recv), which may discard other prefixes right away.
+        waiters = _take_matching(self._posted, lambda key: key[1][:n] == tag_prefix)
+        waiters += _take_matching(self._posted_any, lambda tag: tag[:n] == tag_prefix)
         self._remember(tag_prefix, report)
+        for waiter in waiters:
+            if not waiter.fut.done():
+                waiter.fut.cancel()
 
     def _remember(self, tag_prefix: Tag, report: bool) -> None:
         bucket = self._discarded.get(len(tag_prefix))
@@ -874,8 +878,10 @@ class TcpTransport(Transport):
                         w.fut.set_exception(_length_mismatch(src, key, len(frame.payload), len(w.into), meta))
                 elif not waiter.fut.done():
                     waiter.fut.set_result((src, meta, waiter.into) if waiter.in_place else (src, meta))
-                continue
-            self._deliver(src, key, meta, frame.payload)
+            else:
+                self._deliver(src, key, meta, frame.payload)
+            if link.closed:
+                return  # a receive's callback sent on this link and the send failed: nothing more
         if link.closed:
             return
         if (
@@ -932,16 +938,20 @@ class TcpTransport(Transport):
                     log.exception("peer-lost handler failed")
 
     def _fail_from(self, peer: int, reason: str) -> None:
+        # Take every receive bound to ``peer`` out first, then fail them: failing one may call
+        # back into its operation (post_recv) and on into discard() of other prefixes.
+        waiters: list[_Recv] = []
         filling = self._filling.get(peer)
-        while filling:
-            entry = filling.popleft()
-            waiter = entry.waiter if isinstance(entry, _Mismatched) else entry
-            if waiter is not None and not waiter.fut.done():
+        if filling:
+            for entry in filling:
+                waiter = entry.waiter if isinstance(entry, _Mismatched) else entry
+                if waiter is not None:
+                    waiters.append(waiter)
+            filling.clear()
+        waiters += _take_matching(self._posted, lambda key: key[0] == peer)
+        for waiter in waiters:
+            if not waiter.fut.done():
                 waiter.fut.set_exception(PeerLostError(peer, reason))
-        for key in [k for k in self._posted if k[0] == peer]:
-            for waiter in self._posted.pop(key):
-                if not waiter.fut.done():
-                    waiter.fut.set_exception(PeerLostError(peer, reason))
         fut = self._link_ready.get(peer)
         if fut is None:
             fut = self._ready_future(peer)

@@ -169,6 +169,9 @@ def test_only_small_single_lane_specs_without_an_override_run_eagerly() -> None:
     assert eager_plan(bad_op, {}) is None
     bad_root = CollectiveSpec("broadcast", (0, 1), 0, (), (small,), root=5)
     assert eager_plan(bad_root, {}) is None
+    # Judged by the largest message, not the first array: an all_to_all whose first block is empty.
+    blocks = (np.zeros(0, np.float32), big)
+    assert eager_plan(CollectiveSpec("all_to_all", (0, 1), 0, blocks, blocks), {}) is None
 
 
 async def test_a_signature_mismatch_fails_both_ranks_naming_both() -> None:
@@ -395,3 +398,91 @@ async def test_submit_eager_of_a_single_rank_group_completes_inside_the_call() -
         assert work.is_completed() and work.result() is x and not group.pending
     finally:
         await eng.aclose()
+
+
+# ------------------------------------------------------ failures that re-enter the transport
+
+
+def eager_all_gather(me: int, n: int) -> Any:
+    """A direct all_gather: one step with n-1 receives, so failing one re-enters the others."""
+    x = np.full(2, me, np.int64)
+    outs = tuple(np.zeros(2, np.int64) for _ in range(n))
+    spec = CollectiveSpec("all_gather", tuple(range(n)), me, (x,), outs)
+    meta = {"kind": "all_gather"}
+    plan = eager_plan(spec, meta)
+    assert plan is not None and max(len(s.recvs) for s in plan.sched.lanes[0]) == n - 1
+
+    def start(tag: Any, transport: Any, finish: Any) -> Any:
+        return start_eager(plan, spec, transport, tag, meta, lambda exc: finish(outs, exc))
+
+    return start
+
+
+def loop_errors() -> list[Any]:
+    errors: list[Any] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    return errors
+
+
+async def test_a_lost_peer_fails_every_eager_op_of_every_group_over_tcp_and_leaves_nothing_posted() -> None:
+    a, b = await make_tcp_world(2)
+    errors = loop_errors()
+    engine = Engine(a, default_timeout=30)
+    try:
+        w, v = engine.group("w", (0, 1)), engine.group("v", (0, 1))
+        works = [
+            engine.submit_eager(g, "all_reduce", eager_all_reduce(np.ones(2, np.int64), (0, 1), 0), timeout=9)
+            for g in (w, w, v)
+        ]
+        await asyncio.sleep(0.05)
+        b.abort()
+        outcomes = await asyncio.wait_for(asyncio.gather(*works, return_exceptions=True), LIMIT)
+        assert all(isinstance(o, PeerLostError) and o.rank == 1 for o in outcomes), outcomes
+        assert errors == [] and not w.pending and not v.pending
+        assert a.debug_state()["posted"] == {} and isinstance(v.broken, PeerLostError)
+    finally:
+        await engine.aclose()
+        await asyncio.gather(a.aclose(), b.aclose())
+
+
+async def test_a_deadline_and_a_close_fail_eager_ops_with_several_receives_per_step() -> None:
+    ts = await make_tcp_world(3)
+    errors = loop_errors()
+    engine = Engine(ts[0], default_timeout=30)
+    try:
+        group = engine.group("w", (0, 1, 2))
+        short = engine.submit_eager(group, "all_gather", eager_all_gather(0, 3), timeout=0.2)
+        long = engine.submit_eager(group, "all_gather", eager_all_gather(0, 3), timeout=100)
+        with pytest.raises(CollectiveTimeout) as info:
+            await asyncio.wait_for(short, LIMIT)
+        assert info.value.missing_ranks == [1, 2]
+        with pytest.raises(CollectiveTimeout):  # the group is out of step, so the next one fails too
+            await asyncio.wait_for(long, LIMIT)
+
+        other = Engine(ts[1], default_timeout=30)
+        z = other.group("z", (0, 1, 2))
+        pending = other.submit_eager(z, "all_gather", eager_all_gather(1, 3), timeout=100)
+        await other.aclose()
+        assert pending.is_completed() and pending.exception() is not None
+        assert errors == [] and not group.pending
+    finally:
+        await engine.aclose()
+        await asyncio.gather(*(t.aclose() for t in ts))
+
+
+async def test_destroying_a_group_with_a_small_all_gather_pending_closes_everything(tmp_path: Any) -> None:
+    from aiocoll.api import init_process_group
+
+    store = f"file://{tmp_path / 'store'}"
+    pgs = await asyncio.wait_for(
+        asyncio.gather(*(init_process_group(store, rank=r, world_size=3, token="t") for r in range(3))),
+        LIMIT,
+    )
+    outs = [np.zeros(2, np.int64) for _ in range(3)]
+    work = pgs[0].all_gather(outs, np.ones(2, np.int64))
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(pgs[0].destroy(), LIMIT)
+    assert work.is_completed() and work.exception() is not None
+    assert pgs[0]._rt.transport._closed
+    for pg in pgs[1:]:
+        await asyncio.wait_for(pg.destroy(), LIMIT)
