@@ -18,6 +18,7 @@ kernel does not accept at once (and, before Python 3.12, joins writelines into o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import socket
@@ -44,6 +45,9 @@ log = logging.getLogger("aiocoll.client.peer")
 PEER_ROLE = "peer"
 # recv_into calls per readable event: enough to drain a large payload without starving the loop.
 _READS_PER_EVENT = 64
+# SO_RCVLOWAT inside large payloads (see PeerLink._wake_after).
+_LOWAT_MIN = 128 * 1024
+_LOWAT_MAX = 1024 * 1024
 _IOV_MAX = 64
 
 
@@ -158,6 +162,7 @@ class PeerLink:
         self._wqueue: deque[tuple[list[memoryview], asyncio.Future[None] | None]] = deque()
         self._writing = False
         self._reading = False
+        self._lowat = 1
         self.closed = False
         self.close_reason = ""
 
@@ -177,6 +182,11 @@ class PeerLink:
         return self._reading
 
     def _on_readable(self) -> None:
+        self._read_some()
+        if not self.closed:
+            self._wake_after(self._decoder.payload_remaining)
+
+    def _read_some(self) -> None:
         decoder = self._decoder
         recv_into = self.sock.recv_into
         for _ in range(_READS_PER_EVENT):
@@ -206,6 +216,19 @@ class PeerLink:
                 # Drained between frames: skip the read that would only say EAGAIN. (Inside a
                 # large payload keep reading: more has usually arrived by now.)
                 return
+
+    def _wake_after(self, remaining: int) -> None:
+        """Inside a large payload, ask the kernel to report the socket readable only once a
+        good part of the rest has arrived (SO_RCVLOWAT, never more than the rest, so the rest
+        always satisfies it): each wake-up costs a loop iteration and a read, and a peer
+        streaming megabytes would otherwise wake us per 64 KiB. Between frames (and for small
+        remainders) any byte wakes us again. Set after every read callback, whatever ended it,
+        so a pause or a frame boundary never leaves a mark that small frames cannot reach."""
+        lowat = min(remaining, _LOWAT_MAX) if remaining >= _LOWAT_MIN else 1
+        if lowat != self._lowat:
+            self._lowat = lowat
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, lowat)
 
     # -- writing ---------------------------------------------------------------------------
     def write(self, views: list[memoryview]) -> asyncio.Future[None] | None:

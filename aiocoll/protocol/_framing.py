@@ -225,6 +225,13 @@ class FrameDecoder:
         return frames
 
     @property
+    def payload_remaining(self) -> int:
+        """Bytes of the current frame's payload still to arrive (0 outside a payload)."""
+        if self._pending_payload is None:
+            return 0
+        return len(self._pending_payload) - self._pending_filled
+
+    @property
     def mid_frame(self) -> bool:
         """True while a frame is partly received (a close now truncates it)."""
         return self._pending_payload is not None or self._end > self._start

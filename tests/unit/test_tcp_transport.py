@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator
 
 import numpy as np
@@ -281,5 +282,45 @@ async def test_recv_landed_leaves_an_early_payload_where_it_arrived_and_lands_a_
         await a.send(1, ("c", "g", 0, 2), early[:10].data, {"k": "short"})
         with pytest.raises(MismatchError):
             await asyncio.wait_for(wrong, 10)
+    finally:
+        await close_all([a, b])
+
+
+async def test_large_payloads_raise_the_wake_up_mark_and_small_frames_after_them_still_arrive() -> None:
+    """Inside a large payload the link asks to be woken only after a good part of the rest
+    arrived (SO_RCVLOWAT); at every frame boundary, and while reading is paused for a full
+    inbox, the mark is back at one byte so a small frame behind a large one is never stranded."""
+    a, b = await make_world(2, inbox_messages=1)
+    try:
+        big = np.arange(48 << 20, dtype=np.uint8)  # more than the kernel buffers of a link hold
+        marks: list[int] = []
+        link = b._links[0]
+        sock = link.sock
+        original = link._wake_after
+
+        def spy(remaining: int) -> None:
+            original(remaining)
+            marks.append(sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT))
+
+        link._wake_after = spy  # type: ignore[method-assign]
+        for round_ in range(3):
+            into = np.zeros_like(big)
+            small = np.zeros(1, np.uint8)
+            posted = asyncio.ensure_future(b.recv(0, ("p", "big", round_), into.data))
+            await asyncio.sleep(0)
+            # the small frames arrive unexpected: the one-message inbox pauses reading behind them
+            await asyncio.gather(
+                a.send(1, ("p", "big", round_), big.data, {}),
+                a.send(1, ("p", "small", round_), np.full(1, 7, np.uint8).data, {}),
+                a.send(1, ("p", "small2", round_), np.full(1, 8, np.uint8).data, {}),
+            )
+            await asyncio.wait_for(posted, 10)
+            np.testing.assert_array_equal(into, big)
+            await asyncio.wait_for(b.recv(0, ("p", "small", round_), small.data), 10)
+            assert small[0] == 7
+            await asyncio.wait_for(b.recv(0, ("p", "small2", round_), small.data), 10)
+            assert small[0] == 8
+        assert max(marks) > 1  # raised inside the large payloads
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1
     finally:
         await close_all([a, b])
