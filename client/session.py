@@ -994,45 +994,69 @@ class CoordinatorSession(Store):
         first = group not in _JOINS_IN_FLIGHT
         fields["table_in_payload" if first else "table_ref"] = True
         _JOINS_IN_FLIGHT[group] = _JOINS_IN_FLIGHT.get(group, 0) + 1
-        try:
-            # A join whose link drops is dropped by the coordinator (its rank is free again) and
-            # an unfinished round is not kept across a restart, so joining again is what resumes it.
-            reply, body = await self._call("join", fields, deadline=deadline, waits=True)
-        finally:
-            left = _JOINS_IN_FLIGHT.pop(group) - 1
-            if left:
-                _JOINS_IN_FLIGHT[group] = left
-        members = await self._member_table(reply, body, deadline)
-        self.membership = Membership(
-            rank=int(reply["rank"]),
-            world_size=int(reply["world_size"]),
-            round=int(reply.get("round", 0)),
-            session=str(reply.get("session", "")),
-            members=members,
-        )
-        log.info(
-            "job=%s rank=%d event=joined round=%d world_size=%d",
-            self.job,
-            self.membership.rank,
-            self.membership.round,
-            self.membership.world_size,
-        )
+        # The heartbeat task is made now, while the round gathers, not after the reply: when a
+        # round completes, every member handles its reply at the same moment, and on a shared
+        # machine that burst is the rendezvous's critical path. It sends nothing before the join
+        # succeeded.
         self._heartbeat_task = asyncio.ensure_future(self._heartbeats())
-        return self.membership
+        try:
+            try:
+                # A join whose link drops is dropped by the coordinator (its rank is free again)
+                # and an unfinished round is not kept across a restart, so joining again is what
+                # resumes it.
+                reply, body = await self._call("join", fields, deadline=deadline, waits=True)
+            finally:
+                left = _JOINS_IN_FLIGHT.pop(group) - 1
+                if left:
+                    _JOINS_IN_FLIGHT[group] = left
+            members = await self._member_table(reply, body, deadline)
+        except BaseException:
+            self._stop_heartbeats()
+            raise
+        # Every member runs this at once when the round completes (see above): it calls as few
+        # functions as it can, since each one first run in a freshly forked worker costs page
+        # faults (copy-on-write of its code and objects): no dataclass __init__, and the log
+        # call only when INFO is on.
+        membership = object.__new__(Membership)
+        attrs = membership.__dict__
+        attrs["rank"] = int(reply["rank"])
+        attrs["world_size"] = int(reply["world_size"])
+        attrs["round"] = int(reply.get("round", 0))
+        attrs["session"] = str(reply.get("session", ""))
+        attrs["members"] = members
+        self.membership = membership
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "job=%s rank=%d event=joined round=%d world_size=%d",
+                self.job,
+                membership.rank,
+                membership.round,
+                membership.world_size,
+            )
+        return membership
 
     async def _member_table(
         self, reply: dict[str, Any], body: bytes, deadline: Deadline
     ) -> Sequence[Member]:
         """The join reply's member table: inline (header or payload) or by digest, shared."""
         digest = reply.get("table_digest")
-        if digest is None:
+        if digest is None or body:
             if "members" in reply:  # a coordinator that predates table_in_payload
                 old_style = MemberTable(b"")
                 old_style._members = _decode_members(reply["members"])
                 return old_style
-            digest = hashlib.blake2b(body, digest_size=16).digest()
+            # The table came inline. Its digest comes with it from coordinators that send it
+            # (no hashing here, on the path every member of a round takes at once); older ones
+            # leave it to us.
+            if type(digest) is not bytes or len(digest) != 16:
+                digest = hashlib.blake2b(body, digest_size=16).digest()
             known = _TABLES.get(digest)
-            return known if known is not None else _remember_table(digest, MemberTable(body))
+            if known is not None:
+                return known
+            inline = _TABLES[digest] = MemberTable(body)  # what _remember_table does, inline
+            if len(_TABLES) > _TABLES_KEPT:
+                _TABLES.popitem(last=False)
+            return inline
         if not isinstance(digest, bytes):
             raise ProtocolError(f"the coordinator sent a table digest of type {type(digest).__name__}")
         known = _TABLES.get(digest)
@@ -1089,6 +1113,9 @@ class CoordinatorSession(Store):
         loop = asyncio.get_running_loop()
         while not self._closed and self.session_lost is None:
             idle = loop.time() - self._last_request
+            if self.membership is None:  # still joining: no beats yet
+                await asyncio.sleep(HEARTBEAT_INTERVAL)
+                continue
             if idle < HEARTBEAT_INTERVAL:
                 await asyncio.sleep(HEARTBEAT_INTERVAL - idle)
                 continue

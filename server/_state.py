@@ -1069,6 +1069,8 @@ class CoordinatorState:
                 ]
             )
         now = self.clock()
+        # "table_digest": bin8 of 16 bytes, appended to a reply header's map (one more entry).
+        digest_field = b"".join(msgpack.packb(x, use_bin_type=True) for x in ("table_digest", digest))
         for m in rnd.members.values():
             conn = m.conn
             assert conn is not None
@@ -1098,8 +1100,10 @@ class CoordinatorState:
                 # Two fixmaps (6 and 2 entries) merged into one of 8: 0x88.
                 self._reply(conn, m.req_id, "join", m.started, EncodedHeader((b"\x88" + head[1:], ref[1:])))
             elif m.table_in_payload:
-                # The client asked for the table as a payload (msgpack) it may decode lazily.
-                self._reply(conn, m.req_id, "join", m.started, EncodedHeader((head,)), members_packed)
+                # The client asked for the table as a payload (msgpack) it may decode lazily; its
+                # digest rides along, so the client need not hash the table to share it.
+                header = EncodedHeader((b"\x87" + head[1:], digest_field))
+                self._reply(conn, m.req_id, "join", m.started, header, members_packed)
             else:
                 # A fixmap of 6 entries (0x86) becomes one of 7 with "members" appended.
                 header = EncodedHeader((b"\x87" + head[1:], _MEMBERS_KEY, members_packed))

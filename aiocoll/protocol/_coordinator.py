@@ -31,7 +31,8 @@ Requests (client -> coordinator), header ``{"op": OP, "id": int, ...}``:
 
 join may carry ``table_in_payload: True``: the reply then has no "members" field; its payload is
 the msgpack encoding of that same list (a 10,000-member table is ~0.5 MB, so a client may decode it
-lazily, and the coordinator encodes it once for every member).
+lazily, and the coordinator encodes it once for every member), and its header carries that
+encoding's ``table_digest`` (as below; added later: a client computes it when it is absent).
 
 join may instead carry ``table_ref: True`` (added after table_in_payload; a coordinator that does
 not know it answers as if it were absent, with "members"): the reply then carries neither

@@ -56,6 +56,9 @@ def test_a_table_ref_join_gets_the_digest_of_the_table_the_others_get() -> None:
     assert "members" not in ref and ref_payload == b""
     assert ref["table_digest"] == hashlib.blake2b(table, digest_size=16).digest()
     assert ref["table_size"] == len(table)
+    # The inline table comes with its digest too (the client need not hash it to share it).
+    assert inline["table_digest"] == ref["table_digest"] and "members" not in inline
+    assert inline["ok"] is True and inline["rank"] == 0 and inline["session"] != ref["session"]
 
     state.request(2, {"op": "table", "id": 9, "round": ref["round"]}, memoryview(b""))
     [(head, fetched)] = _frames(state, 2)
