@@ -125,8 +125,13 @@ class EagerLane:
 
     def _cancel_sends(self) -> None:
         sending, self._sending = self._sending, []
+        if not sending:
+            return
+        # Cancel on the next turn: a send task not started yet would be cancelled before its
+        # coroutine ever ran, and could not take its frame back out of the link's queue.
+        call_soon = asyncio.get_running_loop().call_soon
         for fut in sending:
-            fut.cancel()
+            call_soon(fut.cancel)
 
     def _run_from(self, k: int) -> None:
         lanes = self._prepared.sched.lanes

@@ -158,6 +158,11 @@ class _Msg:
         self.payload = payload
 
 
+def _consume_outcome(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 def _take_matching(posted: dict[Any, deque[_Recv]], matches: Callable[[Any], bool]) -> list[_Recv]:
     """Remove the queues of ``posted`` whose key ``matches``; their receives, in order."""
     return [waiter for key in [k for k in posted if matches(k)] for waiter in posted.pop(key)]
@@ -508,7 +513,10 @@ class TcpTransport(Transport):
         try:
             await fut
         except asyncio.CancelledError:
-            link.drop_unsent(fut)
+            if not link.drop_unsent(fut):
+                # Already on the wire: it completes for the stream's sake, unawaited; its outcome
+                # (a closed link, say) must not be reported as never retrieved.
+                fut.add_done_callback(_consume_outcome)
             raise
         except ConnectionError as exc:
             raise self._lost_error(dst) from exc
