@@ -108,6 +108,8 @@ _MIN_REPLY_TIME = 1.0
 # A heartbeat unanswered for this long means the link is dead even if TCP has not noticed.
 _HEARTBEAT_REPLY_TIMEOUT = HEARTBEAT_TIMEOUT / 2
 _LEAVE_TIMEOUT = 2.0
+# A pipelined set gives the event loop a turn once in this many (see ``set``).
+_PIPELINE_YIELD_EVERY = 64
 
 
 class CoordinatorUnreachable(DistError):
@@ -313,6 +315,7 @@ class CoordinatorSession(Store):
         self._deferred: BaseException | None = None
         self._sets_idle = asyncio.Event()
         self._sets_idle.set()
+        self._sets_since_yield = 0
 
     @property
     def address(self) -> str:
@@ -751,7 +754,7 @@ class CoordinatorSession(Store):
             link = self._link
             if (
                 link is not None
-                and link.writable
+                and link.can_send
                 and not self._closed
                 and self._fatal is None
                 and self._rid + 1 - self._ack() <= DEDUPE_WINDOW
@@ -773,6 +776,13 @@ class CoordinatorSession(Store):
                     None if remaining is None else max(remaining, _MIN_REPLY_TIME),
                     functools.partial(self._set_answered, rid),
                 )
+                self._sets_since_yield += 1
+                if self._sets_since_yield >= _PIPELINE_YIELD_EVERY:
+                    # A caller setting in a tight loop never lets the event loop run: give it a
+                    # turn now and then, so replies are read as they come (the window of
+                    # unanswered sets never fills and stalls) while the coordinator keeps busy.
+                    self._sets_since_yield = 0
+                    await asyncio.sleep(0)
                 return
             # Reconnecting, paused by backpressure or a full window: the acknowledged path waits.
         await self._call("set", {"key": key}, raw, deadline=deadline, keys=[key])
