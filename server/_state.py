@@ -76,6 +76,9 @@ HOUSEKEEPING_INTERVAL = 1.0
 # Forgotten clients' dedupe memory is looked for this often (it holds no deadline anyone waits on).
 CLIENT_SWEEP_INTERVAL = 30.0
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+# A str of at most this many characters is at most MAX_KEY_BYTES in UTF-8 (4 bytes a character):
+# the hot operations take such a key without encoding it.
+_SURELY_SHORT_KEY = MAX_KEY_BYTES // 4
 
 # What each role may ask: admin connections (`aiocoll status`) only read.
 _READ_OPS = frozenset({"get", "wait", "check", "nkeys", "mget", "hb", "status", "table"})
@@ -719,7 +722,9 @@ class CoordinatorState:
 
     # -- operations
     def _op_set(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = self._key(h)
+        key = h.get("key")
+        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+            key = self._key(h)  # the full check, and its error
         job = conn.job
         if len(payload) > self.max_value_bytes:
             self._value(key, payload)
@@ -729,7 +734,9 @@ class CoordinatorState:
         self._reply(conn, req_id, "set", self._started)
 
     def _op_get(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = self._key(h)
+        key = h.get("key")
+        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+            key = self._key(h)  # the full check, and its error
         value = conn.job.kv.get(key)
         if value is not None:
             self._reply(conn, req_id, "get", self._started, None, value)
@@ -737,7 +744,9 @@ class CoordinatorState:
         self._park(conn, req_id, "get", [key], [key], self._timeout(h))
 
     def _op_add(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = self._key(h)
+        key = h.get("key")
+        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+            key = self._key(h)  # the full check, and its error
         amount = h.get("amount")
         if type(amount) is not int:
             raise _Refused(
