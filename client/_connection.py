@@ -249,15 +249,9 @@ class CoordinatorLink(asyncio.Protocol):
         """
         transport = self._transport
         assert transport is not None
-        req_id = next(self._ids)
+        req_id = self._number(header, timeout)
         fut: asyncio.Future[tuple[dict[str, Any], bytes]] = self.loop.create_future()
         self._pending[req_id] = fut
-        if timeout is not None:
-            at = self.loop.time() + timeout
-            self._expiry[req_id] = (at, timeout)
-            if self._timer is None or at < self._timer_at:
-                self._arm(at)
-        header["id"] = req_id
         head = self._pack(header)
         size = len(payload)
         if self._corked:
@@ -270,6 +264,17 @@ class CoordinatorLink(asyncio.Protocol):
         else:
             transport.write(b"".join((_pack_prefix(len(head), size), head, payload)))
         return req_id, fut
+
+    def _number(self, header: dict[str, Any], timeout: float | None) -> int:
+        """Give a new request its id (in ``header``) and its reply deadline; returns the id."""
+        req_id = next(self._ids)
+        if timeout is not None:
+            at = self.loop.time() + timeout
+            self._expiry[req_id] = (at, timeout)
+            if self._timer is None or at < self._timer_at:
+                self._arm(at)
+        header["id"] = req_id
+        return req_id
 
     def send_nowait(
         self,
@@ -286,14 +291,8 @@ class CoordinatorLink(asyncio.Protocol):
         requests. The caller must have checked ``writable``. ``callback`` is called exactly once:
         with the reply, or with LinkLost or TimeoutError.
         """
-        req_id = next(self._ids)
+        req_id = self._number(header, timeout)
         self._callbacks[req_id] = callback
-        if timeout is not None:
-            at = self.loop.time() + timeout
-            self._expiry[req_id] = (at, timeout)
-            if self._timer is None or at < self._timer_at:
-                self._arm(at)
-        header["id"] = req_id
         if not self._corked:
             self.loop.call_soon(self._uncork)
         self._cork(self._pack(header), payload)

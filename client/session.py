@@ -574,17 +574,7 @@ class CoordinatorSession(Store):
             # The hot path, inline: one request on an open link, awaited here (not through
             # _send and link.request: each coroutine level costs every resumption). Anything
             # unusual (a dropped link, a timeout) goes the way _send goes.
-            header = fields
-            header["op"] = op
-            if rid is not None:
-                header["rid"] = rid
-                header["ack"] = self._ack()
-            remaining = deadline.remaining()
-            if waits:
-                header["timeout"] = remaining
-                bound = None if remaining is None else remaining + _REPLY_GRACE
-            else:
-                bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+            header, bound = self._header(op, fields, rid, deadline, waits)
             self._last_request = link.loop.time()
             req_id, fut = link.start(header, payload, bound)
             try:
@@ -606,6 +596,21 @@ class CoordinatorSession(Store):
             if rid is not None:
                 self._unanswered.discard(rid)
                 self._window_moved.set()
+
+    def _header(
+        self, op: str, fields: dict[str, Any], rid: int | None, deadline: Deadline, waits: bool
+    ) -> tuple[dict[str, Any], float | None]:
+        """The request header (``fields`` itself, completed) and how long to wait for its reply:
+        a waiting op tells the coordinator its deadline and allows a grace for the reply."""
+        fields["op"] = op
+        if rid is not None:
+            fields["rid"] = rid
+            fields["ack"] = self._ack()
+        remaining = deadline.remaining()
+        if waits:
+            fields["timeout"] = remaining
+            return fields, None if remaining is None else remaining + _REPLY_GRACE
+        return fields, None if remaining is None else max(remaining, _MIN_REPLY_TIME)
 
     def _ack(self) -> int:
         """The request number at and below which every mutation of ours has had its reply."""
@@ -653,17 +658,7 @@ class CoordinatorSession(Store):
                 link = await self._usable_link(
                     deadline, op, lambda: self._timed_out(op, deadline, waits, keys, True)
                 )
-            header = fields
-            header["op"] = op
-            if rid is not None:
-                header["rid"] = rid
-                header["ack"] = self._ack()
-            remaining = deadline.remaining()
-            if waits:
-                header["timeout"] = remaining
-                bound = None if remaining is None else remaining + _REPLY_GRACE
-            else:
-                bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+            header, bound = self._header(op, fields, rid, deadline, waits)
             self._last_request = link.loop.time()
             try:
                 reply, body = await link.request(header, payload, bound)

@@ -759,11 +759,10 @@ class TcpTransport(Transport):
     def lost_peers(self) -> dict[int, str]:
         return dict(self._lost)
 
-    def abort(self) -> None:
-        """Close every link and the listener at once, without goodbye: peers see what a crash
-        looks like (PeerLostError naming this rank). Pending receives fail; twice is fine."""
+    def _stop_accepting(self) -> bool:
+        """Mark the transport closed and stop taking peers; False when it already was."""
         if self._closed:
-            return
+            return False
         self._closed = True
         if self._accept_task is not None:
             self._accept_task.cancel()
@@ -771,21 +770,21 @@ class TcpTransport(Transport):
             task.cancel()
         if self._listener is not None:
             self._listener.close()
+        return True
+
+    def abort(self) -> None:
+        """Close every link and the listener at once, without goodbye: peers see what a crash
+        looks like (PeerLostError naming this rank). Pending receives fail; twice is fine."""
+        if not self._stop_accepting():
+            return
         for link in list(self._links.values()):
             link.close("this rank aborted its transport", lost=False)
         self._fail_all(DistError(f"rank {self.rank}'s transport was aborted"))
 
     async def aclose(self) -> None:
         """Say goodbye on every link, close them and the listener. Twice is fine."""
-        if self._closed:
+        if not self._stop_accepting():
             return
-        self._closed = True
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-        for task in list(self._handshakes):
-            task.cancel()
-        if self._listener is not None:
-            self._listener.close()
         links = list(self._links.values())
         for link in links:
             link.write_nowait([memoryview(_BYE)])
