@@ -9,41 +9,12 @@ from typing import Any
 import pytest
 from aiocoll.client._connection import CoordinatorLink, LinkLost
 from aiocoll.client.session import CoordinatorSession
+from coordinator_link_fakes import FakeTransport
 
 from aiocoll import AuthenticationError, RendezvousError
 from aiocoll._connect import parse_tcp_url
 from aiocoll.protocol import ClientHandshake, FrameDecoder, ServerHandshake, encode_frame
 from aiocoll.protocol._coordinator import ROLE_STORE, ROLE_WORKER
-
-
-class FakeTransport:
-    """Records what the link writes; lets the test play the coordinator."""
-
-    def __init__(self) -> None:
-        self.written = bytearray()
-        self.aborted = False
-        self.limits: dict[str, int] = {}
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def writelines(self, pieces: list[Any]) -> None:
-        for piece in pieces:
-            self.written += bytes(piece)
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        self.limits = {"high": high, "low": low}
-
-    def get_extra_info(self, name: str) -> Any:
-        return ("127.0.0.1", 29500) if name == "peername" else None
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    def take(self) -> bytes:
-        data = bytes(self.written)
-        self.written.clear()
-        return data
 
 
 def _frames(*pieces: tuple[dict[str, Any], bytes]) -> bytes:

@@ -9,47 +9,12 @@ from typing import Any
 
 import pytest
 from aiocoll.client import _connection
-from aiocoll.client._connection import CoordinatorLink, LinkLost
+from aiocoll.client._connection import LinkLost
+from coordinator_link_fakes import handshaken_link
 
-from aiocoll.protocol import ClientHandshake, FrameDecoder, ServerHandshake, encode_frame
-from aiocoll.protocol._coordinator import ROLE_WORKER
+from aiocoll.protocol import FrameDecoder, encode_frame
 
 pytestmark = pytest.mark.timeout(20)
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-
-    def write(self, data: bytes) -> None:
-        self.writes.append(bytes(data))
-
-    def writelines(self, pieces: list[Any]) -> None:
-        self.writes.append(b"".join(bytes(piece) for piece in pieces))
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
-
-    def get_extra_info(self, name: str) -> Any:
-        return ("127.0.0.1", 1) if name == "peername" else None
-
-    def abort(self) -> None:
-        pass
-
-    def take(self) -> list[bytes]:
-        writes, self.writes = self.writes, []
-        return writes
-
-
-async def _link() -> tuple[CoordinatorLink, _Transport]:
-    link = CoordinatorLink(ClientHandshake("t", role=ROLE_WORKER, job="j"), lambda e: None, lambda *_: None)
-    transport = _Transport()
-    link.connection_made(transport)  # type: ignore[arg-type]
-    server = ServerHandshake("t", roles={ROLE_WORKER})
-    link.data_received(server.receive_data(b"".join(transport.take())))
-    link.data_received(server.receive_data(b"".join(transport.take())))
-    await asyncio.wait_for(link.ready, 1)
-    return link, transport
 
 
 def _headers(writes: list[bytes]) -> list[dict[str, Any]]:
@@ -57,18 +22,18 @@ def _headers(writes: list[bytes]) -> list[dict[str, Any]]:
 
 
 async def test_queued_frames_go_out_in_one_write_at_the_end_of_the_turn_and_before_a_later_request() -> None:
-    link, transport = await _link()
+    link, transport = await handshaken_link()
     answers: list[tuple[Any, ...]] = []
     for i in range(5):
         link.send_nowait({"op": "set", "key": f"k{i}"}, b"v", 10.0, lambda *a: answers.append(a))
-    assert transport.take() == [], "held back until the event loop's turn ends"
+    assert transport.take_writes() == [], "held back until the event loop's turn ends"
     await asyncio.sleep(0)
-    writes = transport.take()
+    writes = transport.take_writes()
     assert len(writes) == 1 and [h["key"] for h in _headers(writes)] == [f"k{i}" for i in range(5)]
 
     link.send_nowait({"op": "set", "key": "late"}, b"v", 10.0, lambda *a: answers.append(a))
     link.start({"op": "get", "key": "late"}, b"", 10.0)  # must follow the set it may read
-    writes = transport.take()
+    writes = transport.take_writes()
     assert len(writes) == 1 and [h["op"] for h in _headers(writes)] == ["set", "get"]
 
     reply = {"id": _headers(writes)[0]["id"], "ok": True}
@@ -78,20 +43,20 @@ async def test_queued_frames_go_out_in_one_write_at_the_end_of_the_turn_and_befo
 
 
 async def test_enough_waiting_frames_are_written_without_waiting_for_the_turn() -> None:
-    link, transport = await _link()
+    link, transport = await handshaken_link()
     for i in range(_connection._CORK_FRAMES):
         link.send_nowait({"op": "set", "key": f"k{i}"}, b"v", 10.0, lambda *a: None)
-    writes = transport.take()
+    writes = transport.take_writes()
     assert len(writes) == 1 and len(_headers(writes)) == _connection._CORK_FRAMES
     big = b"x" * (_connection._COPY_PAYLOAD + 1)
     link.send_nowait({"op": "set", "key": "small"}, b"v", 10.0, lambda *a: None)
     link.send_nowait({"op": "set", "key": "big"}, big, 10.0, lambda *a: None)
-    frames = FrameDecoder().feed(b"".join(transport.take()))
+    frames = FrameDecoder().feed(b"".join(transport.take_writes()))
     assert [(f.header["key"], bytes(f.payload)) for f in frames] == [("small", b"v"), ("big", big)]
 
 
 async def test_each_callback_is_called_once_with_timeout_or_link_lost() -> None:
-    link, transport = await _link()
+    link, transport = await handshaken_link()
     timed_out: list[tuple[Any, ...]] = []
     lost: list[tuple[Any, ...]] = []
     link.send_nowait({"op": "set", "key": "slow"}, b"v", 0.05, lambda *a: timed_out.append(a))
@@ -104,4 +69,5 @@ async def test_each_callback_is_called_once_with_timeout_or_link_lost() -> None:
     assert len(lost) == 2 and all(a[0] is None and isinstance(a[2], LinkLost) for a in lost)
     await asyncio.sleep(0)
     assert len(timed_out) == 1 and len(lost) == 2, "never called twice"
-    assert all(b"never written" not in w for w in transport.take()), "a closed link writes nothing more"
+    writes = transport.take_writes()
+    assert all(b"never written" not in w for w in writes), "a closed link writes nothing more"

@@ -5,52 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 import pytest
 from aiocoll.client._connection import CoordinatorLink
+from coordinator_link_fakes import handshaken_link
 
-from aiocoll.protocol import ClientHandshake, FrameDecoder, ServerHandshake, encode_frame
-from aiocoll.protocol._coordinator import ROLE_WORKER
+from aiocoll.protocol import FrameDecoder, encode_frame
 
 pytestmark = pytest.mark.timeout(20)
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.written = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def writelines(self, pieces: list[Any]) -> None:
-        for piece in pieces:
-            self.written += bytes(piece)
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
-
-    def get_extra_info(self, name: str) -> Any:
-        return ("127.0.0.1", 1) if name == "peername" else None
-
-    def abort(self) -> None:
-        pass
-
-    def take(self) -> bytes:
-        data = bytes(self.written)
-        self.written.clear()
-        return data
-
-
-async def _link() -> tuple[CoordinatorLink, _Transport]:
-    link = CoordinatorLink(ClientHandshake("t", role=ROLE_WORKER, job="j"), lambda e: None, lambda *_: None)
-    transport = _Transport()
-    link.connection_made(transport)  # type: ignore[arg-type]
-    server = ServerHandshake("t", roles={ROLE_WORKER})
-    link.data_received(server.receive_data(transport.take()))
-    link.data_received(server.receive_data(transport.take()))
-    await asyncio.wait_for(link.ready, 1)
-    return link, transport
 
 
 def _reply(link: CoordinatorLink, req_id: int) -> None:
@@ -58,7 +20,7 @@ def _reply(link: CoordinatorLink, req_id: int) -> None:
 
 
 async def test_each_unanswered_request_times_out_on_its_own_deadline_and_answered_ones_do_not() -> None:
-    link, transport = await _link()
+    link, transport = await handshaken_link()
     began = time.monotonic()
     long = asyncio.ensure_future(link.request({"op": "nkeys"}, b"", 1.2))
     answered = asyncio.ensure_future(link.request({"op": "nkeys"}, b"", 0.2))
@@ -79,7 +41,7 @@ async def test_each_unanswered_request_times_out_on_its_own_deadline_and_answere
 
 
 async def test_requests_without_a_timeout_wait_and_a_late_reply_is_ignored() -> None:
-    link, transport = await _link()
+    link, transport = await handshaken_link()
     patient = asyncio.ensure_future(link.request({"op": "get", "key": "k"}))
     hasty = asyncio.ensure_future(link.request({"op": "get", "key": "k"}, b"", 0.05))
     await asyncio.sleep(0)
