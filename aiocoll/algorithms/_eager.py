@@ -51,18 +51,20 @@ def eager_plan(spec: CollectiveSpec, meta: dict[str, Any]) -> Prepared | None:
     which also raises any error the spec has: an invalid spec is never eager)."""
     if spec.algorithm is not None:
         return None  # an explicit algorithm is a benchmark's or a test's: run the executor
+    # Judged before planning: run_collective plans a large operation itself, and planning some
+    # (a ring reduce_scatter concatenates its inputs) is too costly to do twice.
+    if _largest_array(spec) > EAGER_BYTES:
+        return None
     try:
         prepared = prepare(spec, meta)
     except (TypeError, ValueError):
         return None
-    if len(prepared.sched.lanes) > 1 or _largest_array(spec) > EAGER_BYTES:
-        return None
-    return prepared
+    return prepared if len(prepared.sched.lanes) <= 1 else None
 
 
 def _largest_array(spec: CollectiveSpec) -> int:
     """Bytes of the largest array (a message never carries more than one array holds)."""
-    return max((a.nbytes for a in (*spec.send, *spec.recv)), default=0)
+    return max((getattr(a, "nbytes", 0) for a in (*spec.send, *spec.recv)), default=0)
 
 
 def start_eager(
