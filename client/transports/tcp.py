@@ -547,13 +547,8 @@ class TcpTransport(Transport):
         got = self._take_buffered(src, tag, into)
         if got is not None:
             return got
-        fut: asyncio.Future[tuple[int, dict[str, Any]]] = self._get_loop().create_future()
-        waiter = self._post(src, tag, into, fut)
-        try:
-            return await fut
-        except asyncio.CancelledError:
-            self._unpost(waiter)
-            raise
+        result: tuple[int, dict[str, Any]] = await self._posted_result(src, tag, into, in_place=False)
+        return result
 
     async def recv_landed(
         self, src: int | None, tag: Tag, into: memoryview
@@ -564,8 +559,15 @@ class TcpTransport(Transport):
         msg = self._pop_buffered(src, tag, len(into))
         if msg is not None:
             return msg.src, msg.meta, msg.payload
-        fut: asyncio.Future[tuple[int, dict[str, Any], memoryview]] = self._get_loop().create_future()
-        waiter = self._post(src, tag, into, fut, in_place=True)
+        landed: tuple[int, dict[str, Any], memoryview]
+        landed = await self._posted_result(src, tag, into, in_place=True)
+        return landed
+
+    async def _posted_result(self, src: int | None, tag: Tag, into: memoryview, *, in_place: bool) -> Any:
+        """Post a receive for a message not here yet and wait for its result (unposted again
+        if the wait is cancelled)."""
+        fut: asyncio.Future[Any] = self._get_loop().create_future()
+        waiter = self._post(src, tag, into, fut, in_place=in_place)
         try:
             return await fut
         except asyncio.CancelledError:
