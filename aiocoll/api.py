@@ -201,6 +201,10 @@ class ProcessGroup:
     def default_timeout(self) -> float | None:
         return self._rt.default_timeout
 
+    def _set_label(self, label: str) -> None:
+        """Name this group in error messages (the torch backend passes torch's group name)."""
+        self._state.label = label
+
     @property
     def store(self) -> Store | None:
         """The rendezvous store when one was given or made (file://, ``store=``), else None."""

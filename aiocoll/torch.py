@@ -34,6 +34,7 @@ import torch
 import torch.distributed as td
 
 from ._deadline import to_seconds
+from ._monitored_barrier import monitored_barrier as run_monitored_barrier
 from ._sync_loop import get_loop_thread
 from ._sync_stores import as_async_store
 from ._torch_work import AiocollWork
@@ -117,9 +118,22 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
+        self._name_core_group()
 
     def _set_group_desc(self, desc: str) -> None:
         self._group_desc = desc
+        self._name_core_group()
+
+    @property
+    def _label(self) -> str:
+        """The name errors give this group: the description the user gave, else torch's name."""
+        if self._group_desc and self._group_desc != "undefined":
+            return self._group_desc
+        return self._group_name or "default"
+
+    def _name_core_group(self) -> None:
+        # Each torch group is its own aiocoll world (group id "w" inside): name it as torch does.
+        self._core._set_label(self._label)
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -149,7 +163,31 @@ class AiocollProcessGroup(td.ProcessGroup):
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
         op = _reduce_op(opts)
         t = _one(tensors, "allreduce")
+        if t.layout == torch.sparse_coo:
+            return self._sparse_allreduce(t, op)
         return self._launch("allreduce", lambda: self._core.all_reduce(t, op=op), [t])
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: ReduceOp) -> AiocollWork:
+        """Sum sparse COO tensors: gather every rank's (indices, values), add them up, in place.
+
+        One core operation (an object all-gather, whose links are authenticated) carries each
+        rank's entries, so the call keeps its place in the group's order.
+        """
+        if op != ReduceOp.SUM:
+            raise ValueError(
+                f"aiocoll allreduce: sparse COO tensors reduce with SUM only, got {op.name}; "
+                f"use a dense tensor (t.to_dense()) for other reductions"
+            )
+        mine = t.coalesce()
+        entries = (mine.indices(), mine.values())
+
+        async def add_up(gathered: Any) -> None:
+            parts = await gathered
+            indices = torch.cat([i for i, _ in parts], dim=1)
+            values = torch.cat([v for _, v in parts])
+            t.copy_(torch.sparse_coo_tensor(indices, values, t.shape).coalesce())
+
+        return self._launch("allreduce", lambda: add_up(self._core.all_gather_object(entries)), [t])
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:
         op = _reduce_op(opts)
@@ -184,9 +222,19 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_list: Sequence[torch.Tensor],
         opts: Any = None,
     ) -> AiocollWork:
-        pairs = [(list(outs), t) for outs, t in zip(output_lists, input_list, strict=True)]
-        calls = [functools.partial(self._core.all_gather, o, t) for o, t in pairs]
-        return self._many("allgather_coalesced", calls, [x for o, _ in pairs for x in o])
+        """c10d's layout: ``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        inputs = list(input_list)
+        if len(output_lists) != self.size() or any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(
+                f"aiocoll allgather_coalesced: expected output_tensor_lists as {self.size()} lists (one "
+                f"per rank) of {len(inputs)} tensors (one per input), got lengths "
+                f"{[len(outs) for outs in output_lists]}"
+            )
+        calls = [
+            functools.partial(self._core.all_gather, [outs[i] for outs in output_lists], t)
+            for i, t in enumerate(inputs)
+        ]
+        return self._many("allgather_coalesced", calls, [x for outs in output_lists for x in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
         return self._launch(
@@ -281,6 +329,24 @@ class AiocollProcessGroup(td.ProcessGroup):
         if seconds is None:
             return self._launch("barrier", lambda: self._core.barrier(), [])
         return self._launch("barrier", lambda: self._core.barrier(timeout=seconds), [])
+
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | float | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """torch's ``ProcessGroup.monitored_barrier``: rank 0 names the ranks that did not arrive.
+
+        ``torch.distributed.monitored_barrier(group)`` refuses every group not recorded as gloo
+        (torch's own check); call this on the group instead, e.g.
+        ``dist.group.WORLD.monitored_barrier(timedelta(seconds=30))``.
+
+        Raises:
+            CollectiveTimeout (a RuntimeError): on rank 0 "Rank N failed to pass monitoredBarrier
+                in T ms"; on the others, when rank 0 did not answer within the timeout.
+        """
+        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        self._loop.run(
+            run_monitored_barrier(self._core, seconds, bool(wait_all_ranks), group=self._label, rank_name=int)
+        )
 
     # -- point to point ------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int = 0) -> AiocollWork:

@@ -61,7 +61,9 @@ class GroupState:
 
     Attributes:
         gid: the group id (the same string on every member). ranks: members' global ranks, in
-        group-rank order. index: this process's rank within the group.
+        group-rank order. index: this process's rank within the group. label: the name messages
+        give the group (the gid unless the layer above names it, as the torch backend does with
+        torch's group name).
     """
 
     __slots__ = (
@@ -69,6 +71,7 @@ class GroupState:
         "broken_seq",
         "gid",
         "index",
+        "label",
         "members",
         "next_seq",
         "notices",
@@ -79,6 +82,7 @@ class GroupState:
 
     def __init__(self, gid: str, ranks: Sequence[int], my_rank: int) -> None:
         self.gid = gid
+        self.label = gid
         self.ranks = tuple(ranks)
         self.members = frozenset(ranks)
         self.index = self.ranks.index(my_rank)
@@ -127,8 +131,8 @@ class _Op:
 
     def describe(self) -> str:
         if self.seq >= 0:
-            return f"{self.kind} (group {self.group.gid!r}, seq {self.seq})"
-        return f"{self.kind} (group {self.group.gid!r})"
+            return f"{self.kind} (group {self.group.label!r}, seq {self.seq})"
+        return f"{self.kind} (group {self.group.label!r})"
 
 
 class OpTransport(Transport):
@@ -355,7 +359,7 @@ class Engine:
         cause = group.broken
         if cause is None or (seq >= 0 and seq < group.broken_seq):
             return
-        where = f"{kind} (group {group.gid!r}" + (f", seq {seq})" if seq >= 0 else ")")
+        where = f"{kind} (group {group.label!r}" + (f", seq {seq})" if seq >= 0 else ")")
         if isinstance(cause, PeerLostError):
             raise PeerLostError(
                 cause.rank,
@@ -374,7 +378,7 @@ class Engine:
         if isinstance(cause, CollectiveTimeout):
             raise CollectiveTimeout(
                 kind,
-                group.gid,
+                group.label,
                 seq,
                 cause.missing_ranks,
                 cause.timeout,
@@ -527,7 +531,7 @@ class Engine:
         # Ranks someone waits for that are not themselves stuck at this seq are the culprits.
         ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
         missing = ends or direct
-        err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
+        err = CollectiveTimeout(op.kind, op.group.label, op.seq, missing, op.timeout)
         log.warning("rank %d: %s", self.rank, err)
         state = getattr(self.transport, "debug_state", None)
         if state is not None and log.isEnabledFor(logging.DEBUG):
@@ -670,8 +674,9 @@ class Engine:
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))
         group = self._groups.get(gid)
+        label = group.label if group is not None else gid
         err = MismatchError(
-            f"rank {src} found that the ranks' calls at seq {seq} of group {gid!r} disagree: {why}",
+            f"rank {src} found that the ranks' calls at seq {seq} of group {label!r} disagree: {why}",
             group=gid,
             seq=seq,
             ranks=ranks,
@@ -737,7 +742,7 @@ def _for_op(err: BaseException, op: _Op) -> BaseException:
             return err
         out = CollectiveTimeout(
             op.kind,
-            op.group.gid,
+            op.group.label,
             op.seq,
             err.missing_ranks,
             err.timeout,
