@@ -205,6 +205,11 @@ class ProcessGroup:
         """Name this group in error messages (the torch backend passes torch's group name)."""
         self._state.label = label
 
+    def _set_default_timeout(self, seconds: float | None) -> None:
+        """Change the default deadline of later operations of every group on this runtime
+        (torch's ``ProcessGroup.set_timeout``; each torch group has a runtime of its own)."""
+        self._rt.default_timeout = seconds
+
     @property
     def store(self) -> Store | None:
         """The rendezvous store when one was given or made (file://, ``store=``), else None."""

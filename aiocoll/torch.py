@@ -35,14 +35,16 @@ import torch.distributed as td
 
 from ._deadline import to_seconds
 from ._monitored_barrier import monitored_barrier as run_monitored_barrier
-from ._sync_loop import get_loop_thread
+from ._sync_loop import Outcome, get_loop_thread
 from ._sync_stores import as_async_store
 from ._torch_work import AiocollWork
 from ._types import ReduceOp
 
-__all__ = ["BACKEND_NAME", "AiocollProcessGroup", "AiocollWork", "create_process_group"]
+__all__ = ["BACKEND_NAME", "DEVICES", "AiocollProcessGroup", "AiocollWork", "create_process_group"]
 
 BACKEND_NAME = "aiocoll"
+# The devices whose tensors the backend moves: registered with torch, and checked at every call.
+DEVICES = ("cpu",)
 _DEFAULT_TIMEOUT = 1800.0
 
 
@@ -65,7 +67,29 @@ def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
         raise ValueError(
             f"aiocoll {op}: expected a list of exactly one tensor per process, got {len(tensors)}"
         )
+    _check_devices(op, tensors)
     return tensors[0]
+
+
+def _check_devices(op: str, tensors: Sequence[Any]) -> None:
+    for t in tensors:
+        _check_device(op, getattr(t, "device", None))
+
+
+def _check_device(op: str, device: Any) -> None:
+    if device is not None:
+        device = torch.device(device)
+        if device.type not in DEVICES:
+            raise ValueError(
+                f"aiocoll {op}: got a tensor on device {device}; the aiocoll backend moves tensors on "
+                f"{', '.join(DEVICES)} only. Copy it there (.cpu()), or give torch a backend per device, "
+                f"e.g. init_process_group('cpu:aiocoll,cuda:nccl')"
+            )
+
+
+def _not_on_aiocoll(what: str, instead: str) -> NotImplementedError:
+    """The error for a torch feature this backend does not offer (a RuntimeError, as torch's)."""
+    return NotImplementedError(f"the aiocoll backend does not support {what}; {instead}")
 
 
 async def _all(works: list[Any]) -> list[Any]:
@@ -97,6 +121,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         self._group_desc = ""
         self._closed = False
         self._lock = threading.Lock()
+        self._coalescing = threading.local()  # .works: the Works issued since _start_coalescing
         self._loop = get_loop_thread()
         async_store = as_async_store(store)
 
@@ -151,9 +176,14 @@ class AiocollProcessGroup(td.ProcessGroup):
         tensors: list[torch.Tensor],
         source_rank: Callable[[Any], int] | None = None,
     ) -> AiocollWork:
+        _check_devices(op, tensors)
         # The launch (and so the sequence number's order) happens here, on the calling thread.
         outcome = self._loop.issue(start)
-        return AiocollWork(outcome, op, tensors, source_rank)
+        work = AiocollWork(outcome, op, tensors, source_rank)
+        coalesced = getattr(self._coalescing, "works", None)
+        if coalesced is not None:
+            coalesced.append(work)
+        return work
 
     def _many(self, op: str, calls: Sequence[Callable[[], Any]], tensors: list[torch.Tensor]) -> AiocollWork:
         """Launch several core operations back to back (one loop callback) as one Work."""
@@ -364,6 +394,47 @@ class AiocollProcessGroup(td.ProcessGroup):
         # torch maps the group rank _source_rank() gives to a global rank itself.
         return self._launch("recv_anysource", lambda: self._core.recv(t, None, tag=int(tag)), [t], int)
 
+    # -- what torch may ask and this backend does not offer ------------------------------------
+    # Left to the C++ base, these fail with torch's misleading "No backend type associated with
+    # device type cpu" (a Python group has no per-device C++ backend); say what to use instead.
+    def _get_backend(self, device: Any) -> Any:
+        raise _not_on_aiocoll(
+            f"ProcessGroup._get_backend({device!s}): an aiocoll group is a Python process group with "
+            f"no per-device C++ backend object",
+            "call the group's operations (dist.all_reduce(t, group=g), ...) directly; features built on "
+            "that object (split_group, the collective time estimator, symmetric memory) need gloo or nccl, "
+            "and dist.new_group(ranks) replaces split_group",
+        )
+
+    # -- coalescing (dist._coalescing_manager(group, device=...)) -----------------------------
+    # Operations inside run as they are issued (in order, as always); the Work _end_coalescing
+    # returns completes once every one of them did. Per thread, as torch's coalescing state is.
+    def _start_coalescing(self, device: Any) -> None:
+        _check_device("coalescing", device)
+        if getattr(self._coalescing, "works", None) is not None:
+            raise ValueError("aiocoll: _start_coalescing called twice without _end_coalescing")
+        self._coalescing.works = []
+
+    def _end_coalescing(self, device: Any) -> AiocollWork:
+        works: list[AiocollWork] | None = getattr(self._coalescing, "works", None)
+        if works is None:
+            raise ValueError("aiocoll: _end_coalescing without _start_coalescing")
+        self._coalescing.works = None
+        outcome = Outcome.all_of([w.outcome for w in works])
+        return AiocollWork(outcome, "coalesced", [t for w in works for t in w.result_tensors])
+
+    def _register_on_completion_hook(self, hook: Any) -> None:
+        raise _not_on_aiocoll(
+            "ProcessGroup._register_on_completion_hook",
+            "chain a callback on each operation's future instead: work.get_future().then(callback)",
+        )
+
+    def set_timeout(self, timeout: datetime.timedelta | float) -> None:
+        """Change the default deadline of this group's later operations (and of monitored_barrier)."""
+        seconds = to_seconds(timeout)
+        self._timeout = seconds if seconds else _DEFAULT_TIMEOUT
+        self._core._set_default_timeout(self._timeout)
+
     # -- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
         """Close this group's links (idempotent); pending operations fail."""
@@ -399,7 +470,7 @@ def create_process_group(
 def _register() -> None:
     if BACKEND_NAME.upper() in getattr(td.Backend, "_plugins", {}):
         return
-    td.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])
+    td.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICES))
 
 
 _register()
