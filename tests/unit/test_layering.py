@@ -130,3 +130,18 @@ def test_importing_aiocoll_is_cheap() -> None:
     code = "import sys, aiocoll\nprint(','.join(sorted(m for m in ('torch', 'numpy') if m in sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_only_the_cuda_device_module_calls_torch_cuda() -> None:
+    # The GPU path's CUDA calls live in one thin module behind aiocoll._device's interface, so
+    # that everything above it is tested against the thread-backed device without a GPU.
+    callers = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == ROOT / "aiocoll" / "_cuda.py":
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Attribute) and node.attr == "cuda":
+                    callers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not callers, "torch.cuda used outside aiocoll/_cuda.py:\n" + "\n".join(callers)
