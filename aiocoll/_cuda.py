@@ -21,8 +21,19 @@ import numpy as np
 import torch
 
 from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream
+from aiocoll._staging import CallerStreamContext
 
-__all__ = ["CudaDevice", "CudaTensor", "cuda_device", "wrap_cuda_tensor"]
+__all__ = [
+    "CudaDevice",
+    "CudaTensor",
+    "caller_streams",
+    "cuda_device",
+    "cuda_unavailable",
+    "device_count",
+    "set_device",
+    "synchronize",
+    "wrap_cuda_tensor",
+]
 
 
 class CudaStream(Stream):
@@ -253,3 +264,45 @@ def wrap_cuda_tensor(tensor: Any, dtype_name: str) -> CudaTensor:
         )
     index = tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
     return CudaTensor(cuda_device(int(index)), tensor, dtype_name)
+
+
+def caller_streams(tensors: Any) -> CallerStreamContext | None:
+    """For the torch backend, on the calling thread: events recorded now on the current stream of
+    every CUDA device among ``tensors`` (None when none is a CUDA tensor). The operation, run
+    later on aiocoll's loop thread, stages after these events instead of after the loop
+    thread's own (unrelated) current stream, and leaves its completion events in the context
+    for the caller's stream to wait on."""
+    indices = {t.device.index for t in tensors if t.is_cuda}
+    if not indices:
+        return None
+    context = CallerStreamContext()
+    for index in indices:
+        device = cuda_device(int(index) if index is not None else torch.cuda.current_device())
+        event = device.new_event()
+        event.record(device.current_stream())
+        context.ready[device.name] = event
+    return context
+
+
+def cuda_unavailable() -> str | None:
+    """None when this process can use a CUDA device, else why not (for clear errors)."""
+    if not torch.backends.cuda.is_built():
+        return f"this torch ({torch.__version__}) is built without CUDA"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False in this process (no GPU visible, or no driver)"
+    return None
+
+
+def device_count() -> int:
+    return int(torch.cuda.device_count()) if cuda_unavailable() is None else 0
+
+
+def set_device(index: int) -> torch.device:
+    """Make ``index`` this process's current CUDA device; returns it as a torch.device."""
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def synchronize(index: int | None = None) -> None:
+    """Block until all work on the device (default: current) finished (benchmarks only)."""
+    torch.cuda.synchronize(index)

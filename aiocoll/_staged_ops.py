@@ -62,6 +62,9 @@ def has_device_arrays(*groups: Sequence[Any]) -> bool:
 class StagedOp:
     """One operation with device tensors, set up at call time.
 
+    ``StagedOp.last_path`` names the device path the latest operation of this process took
+    ("staged" today), for ``aiocoll bench``; each operation logs it at DEBUG too.
+
     Args:
         kind: the operation ("all_reduce", "send", ...). group_size: ranks in the group.
         send, recv: the operation's arrays (DeviceSpans and host numpy arrays, any mix).
@@ -69,6 +72,8 @@ class StagedOp:
     Raises:
         ValueError: device tensors on more than one device.
     """
+
+    last_path = "-"
 
     def __init__(
         self, kind: str, group_size: int, send: Sequence[Any], recv: Sequence[Any], *, rank: int
@@ -97,7 +102,7 @@ class StagedOp:
         # Recorded now, at call time: the values the caller computed so far are what is sent.
         self.ready = ready_event(self.device)
         self.context: CallerStreamContext | None = caller_context.get()
-        self.path = "pinned staging"
+        self.path = "staged"
 
     # -- the pieces of one chunk -------------------------------------------------------------
     def _cut(self, a: int, b: int) -> tuple[list[Piece], list[Any], list[Any]]:
@@ -146,9 +151,10 @@ class StagedOp:
             await move(k, self._fill(send, views), self._fill(recv, views))
 
         context = self.context
+        StagedOp.last_path = self.path
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "rank %s: %s on %s via %s: %d chunk(s) of up to %d elements",
+                "rank %s: %s on %s via %s (pinned host buffers): %d chunk(s) of up to %d elements",
                 self.rank,
                 what,
                 self.device.name,

@@ -42,7 +42,7 @@ class BenchError(RuntimeError):
     """A benchmark run that could not complete; the message says why and what to do."""
 
 
-def _columns(with_gloo: bool) -> list[tuple[str, int]]:
+def _columns(theirs: str | None) -> list[tuple[str, int]]:
     cols = [
         ("size(B)", 9),
         ("count", 8),
@@ -53,12 +53,12 @@ def _columns(with_gloo: bool) -> list[tuple[str, int]]:
         ("algbw", 7),
         ("busbw", 7),
     ]
-    if with_gloo:
+    if theirs:
         cols += [
-            ("gloo(us)", 9),
-            ("gloo_avg", 9),
-            ("gloo_min", 9),
-            ("gloo_busbw", 10),
+            (f"{theirs}(us)", 9),
+            (f"{theirs}_avg", 9),
+            (f"{theirs}_min", 9),
+            (f"{theirs}_busbw", 10),
             ("time_ratio", 10),
             ("avg_ratio", 9),
             ("busbw_ratio", 11),
@@ -82,7 +82,7 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
+def _row_cells(row: dict[str, Any], theirs_name: str | None) -> list[object]:
     ours = row["aiocoll"]
     cells: list[object] = [
         row["size"],
@@ -94,8 +94,8 @@ def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
         ours["algbw"],
         ours["busbw"],
     ]
-    if with_gloo:
-        theirs = row.get("gloo")
+    if theirs_name:
+        theirs = row.get(theirs_name)
         if theirs is None:
             cells += [None] * 7
         else:
@@ -111,7 +111,7 @@ def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
     return cells
 
 
-def _print_header(op: str, n: int, args: argparse.Namespace, with_gloo: bool) -> None:
+def _print_header(op: str, n: int, args: argparse.Namespace, theirs: str | None) -> None:
     factor = BUSBW_FACTORS[op]
     bandwidth = (
         "barrier moves no data: only time"
@@ -126,18 +126,18 @@ def _print_header(op: str, n: int, args: argparse.Namespace, with_gloo: bool) ->
         "# time = median over iterations of the slowest rank; avg = slowest rank's mean (nccl-tests' "
         "time, outliers included); min = fastest iteration; "
         f"{bandwidth}; algo = what aiocoll ran"
-        + ("; ratios are aiocoll/gloo (time: lower is better, busbw: higher is better)" if with_gloo else "")
+        + (f"; ratios are aiocoll/{theirs} (time: lower is better, busbw: higher is better)" * bool(theirs))
     )
     if op == "sendrecv":
         print("# sendrecv: ping-pong between ranks 0 and 1; time is half the round trip")
-    cols = _columns(with_gloo)
+    cols = _columns(theirs)
     print("  ".join(name.rjust(width) for name, width in cols))
     sys.stdout.flush()
 
 
-def _print_row(row: dict[str, Any], with_gloo: bool) -> None:
-    cols = _columns(with_gloo)
-    cells = _row_cells(row, with_gloo)
+def _print_row(row: dict[str, Any], theirs: str | None) -> None:
+    cols = _columns(theirs)
+    cells = _row_cells(row, theirs)
     print("  ".join(_fmt(c).rjust(w) for c, (_, w) in zip(cells, cols, strict=True)))
     sys.stdout.flush()
 
@@ -152,14 +152,30 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
         raise BenchError("--iters must be at least 1 and --warmup at least 0")
     if args.dtype not in DTYPE_SIZES:
         raise BenchError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-    if args.dtype == "bfloat16" and args.tensor != "torch":
+    if args.dtype == "bfloat16" and args.tensor == "numpy":
         raise BenchError("numpy has no bfloat16: add --tensor torch to measure bfloat16")
-    needs_torch = args.vs == "gloo" or args.tensor == "torch"
+    needs_torch = args.vs in ("gloo", "nccl") or args.tensor != "numpy"
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise BenchError(
             "torch is not installed, so there is nothing to compare with: install it "
-            "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch"
+            "(pip install 'aiocoll[torch]') or drop --vs / --tensor torch"
         )
+    if args.vs == "nccl" and args.tensor != "torch-cuda":
+        raise BenchError("--vs nccl measures CUDA tensors: add --tensor torch-cuda")
+    if args.tensor == "torch-cuda":
+        from aiocoll._cuda import cuda_unavailable
+
+        why = cuda_unavailable()
+        if why is not None:
+            raise BenchError(
+                f"--tensor torch-cuda needs a CUDA device, and {why}; run it on a machine with a GPU, "
+                "or measure CPU tensors with --tensor torch"
+            )
+    if args.vs == "nccl":
+        import torch.distributed
+
+        if not torch.distributed.is_nccl_available():
+            raise BenchError("--vs nccl: this torch has no NCCL; use --vs gloo")
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         raise BenchError(
             "--loop uvloop: uvloop is not installed (pip install uvloop) — or use --loop asyncio"
@@ -196,13 +212,13 @@ def run_collectives(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     n = args.world_size
-    with_gloo = args.vs == "gloo"
+    theirs = args.vs if args.vs in ("gloo", "nccl") else None
     args.loop = resolve_loop(args.loop)
     token = secrets.token_hex(16)
     coordinator = start_coordinator(token, verbose=args.verbose)
     # torch's rendezvous goes through a TCPStore server of its own (port 0: no race for a port)
     try:
-        gloo_store = start_tcpstore() if with_gloo else None
+        gloo_store = start_tcpstore() if theirs else None
     except BaseException:
         coordinator.stop()
         raise
@@ -233,7 +249,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         ctx.Process(target=worker_main, args=(rank, cfg, results), name=f"bench-rank-{rank}", daemon=True)
         for rank in range(n)
     ]
-    impls = ["aiocoll", "gloo"] if with_gloo else ["aiocoll"]
+    impls = ["aiocoll", theirs] if theirs else ["aiocoll"]
     total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops)
     progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
     pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
@@ -284,17 +300,17 @@ def run_collectives(args: argparse.Namespace) -> int:
                 row["algorithm"] = algorithm
             if not all(i in row for i in impls):
                 continue
-            if with_gloo:
-                ours, theirs = row["aiocoll"], row["gloo"]
-                row["time_ratio"] = ours["time_us"] / theirs["time_us"] if theirs["time_us"] > 0 else math.nan
-                row["avg_ratio"] = ours["avg_us"] / theirs["avg_us"] if theirs["avg_us"] > 0 else math.nan
-                row["busbw_ratio"] = ours["busbw"] / theirs["busbw"] if theirs["busbw"] > 0 else math.nan
+            if theirs:
+                ours, other = row["aiocoll"], row[theirs]
+                row["time_ratio"] = ours["time_us"] / other["time_us"] if other["time_us"] > 0 else math.nan
+                row["avg_ratio"] = ours["avg_us"] / other["avg_us"] if other["avg_us"] > 0 else math.nan
+                row["busbw_ratio"] = ours["busbw"] / other["busbw"] if other["busbw"] > 0 else math.nan
             if op not in printed_header:
                 if printed_header:
                     print()
-                _print_header(op, n, args, with_gloo)
+                _print_header(op, n, args, theirs)
                 printed_header.add(op)
-            _print_row(row, with_gloo)
+            _print_row(row, theirs)
             all_rows.append(row)
             progress.step(f"{op} {format_bytes(size)}")
         for proc in procs:

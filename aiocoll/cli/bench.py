@@ -21,6 +21,7 @@ _EPILOG = """\
 examples:
   aiocoll bench --op all_reduce --sizes 4:64M --world-size 4 --vs gloo --plot allreduce.png
   aiocoll bench --op all --sizes 4,64K,16M --world-size 2 --json out.json
+  aiocoll bench --op all_reduce --sizes 4K:256M --tensor torch-cuda --vs nccl
   aiocoll bench --op store --clients 1,8 --vs tcpstore
   aiocoll bench --op rendezvous --procs 64,256 --vs tcpstore --simulated 10000
 
@@ -43,10 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of local ranks (default 2)")
     parser.add_argument(
         "--vs",
-        choices=["gloo", "tcpstore"],
+        choices=["gloo", "nccl", "tcpstore"],
         default=None,
-        help="also run torch.distributed in the same invocation: gloo for collectives, "
-        "tcpstore for --op store/rendezvous",
+        help="also run torch.distributed in the same invocation: gloo (or nccl, with --tensor "
+        "torch-cuda) for collectives, tcpstore for --op store/rendezvous",
     )
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of busbw (and time) against size")
     parser.add_argument("--json", metavar="FILE", help="write every result as JSON")
@@ -56,9 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor",
         default="numpy",
-        choices=["numpy", "torch"],
-        help="what aiocoll's buffers are: numpy arrays (default) or torch CPU tensors "
-        "(gloo always uses torch)",
+        choices=["numpy", "torch", "torch-cuda"],
+        help="what aiocoll's buffers are: numpy arrays (default), torch CPU tensors, or torch CUDA "
+        "tensors (rank r on GPU r %% count; staged through pinned memory, the path is shown in the "
+        "algo column; fails without CUDA). gloo/nccl always use torch, on the same device",
     )
     parser.add_argument(
         "--algorithm",

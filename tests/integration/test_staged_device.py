@@ -123,6 +123,36 @@ async def worker(pg: Any) -> dict[str, Any]:
     await pg.all_reduce(small)
     out["mixed"] = small if r == 2 else small.snapshot()
 
+    # The torch backend's mode: the caller's event comes from the context (recorded on the
+    # caller's stream by another thread, here a busy stream that is not this thread's current
+    # one), and the operation leaves its completion events there instead of waiting on the host.
+    from aiocoll._staging import CallerStreamContext, caller_context
+
+    busy = d.dev.new_stream()
+    vals = d.empty(600, np.float32)
+
+    def late() -> None:
+        time.sleep(0.05)
+        vals.flat[:] = r + 1
+
+    d.dev.launch(busy, late)
+    ready = d.dev.new_event()
+    ready.record(busy)
+    context = CallerStreamContext(ready={d.dev.name: ready})
+    token = caller_context.set(context)
+    try:
+        work = pg.all_reduce(vals)
+    finally:
+        caller_context.reset(token)
+    await work
+    reader = d.dev.new_stream()
+    for _device, event in context.completion:
+        reader.wait_event(event)
+    seen: list[np.ndarray] = []
+    d.dev.launch(reader, lambda: seen.append(vals.flat.copy()))
+    d.dev.synchronize()
+    out["context"] = (len(context.completion), seen[0])
+
     # many operations in flight at once share the bounded pool without deadlock
     many = [d.tensor(np.full(400, r + i, np.float32)) for i in range(8)]
     await asyncio.gather(*(pg.all_reduce(t) for t in many))
@@ -151,6 +181,9 @@ def test_reductions(results: list[dict[str, Any]]) -> None:
         np.testing.assert_array_equal(res["reduce_scatter"], np.full(100, sum(r + i for i in range(N))))
         np.testing.assert_array_equal(res["reduce_scatter_tensor"], np.arange(r * 70, r * 70 + 70) * N)
         np.testing.assert_array_equal(res["mixed"], np.full(8, 6.0))
+        completions, seen = res["context"]
+        assert completions == 1
+        np.testing.assert_array_equal(seen, np.full(600, 6.0))
         for i, t in enumerate(res["many"]):
             np.testing.assert_array_equal(t, np.full(400, sum(k + i for k in range(N))))
 
