@@ -23,12 +23,12 @@ from typing import Any
 from ._bench_common import SizedOp, run_loop
 from ._bench_servers import quiet_logs
 
-__all__ = ["worker_main"]
+__all__ = ["Buffers", "OpRunner", "time_blocking", "worker_main"]
 
 Msg = tuple[Any, ...]
 
 
-class _Buffers:
+class Buffers:
     """The input/output buffers of one op at one size, as numpy arrays or torch tensors."""
 
     def __init__(
@@ -74,10 +74,10 @@ class _Buffers:
         self.fill(self.out, 0)
 
 
-class _OpRunner:
+class OpRunner:
     """How one implementation runs one op: ``run()`` once, ``check()`` once for correctness."""
 
-    def __init__(self, impl: str, op: str, bufs: _Buffers, pg: Any) -> None:
+    def __init__(self, impl: str, op: str, bufs: Buffers, pg: Any) -> None:
         self.impl = impl
         self.op = op
         self.b = bufs
@@ -193,7 +193,7 @@ class _AlgorithmHook:
         return algorithm
 
 
-async def _time_aiocoll(runner: _OpRunner, warmup: int, iters: int) -> list[float]:
+async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float]:
     pg = runner.pg
     call = runner.calls()
     if runner.op != "barrier":
@@ -224,19 +224,24 @@ async def _time_aiocoll(runner: _OpRunner, warmup: int, iters: int) -> list[floa
 _GLOO_SLICE = 0.5
 
 
-async def _time_gloo(runner: _OpRunner, warmup: int, iters: int, cuda: bool) -> list[float]:
+async def time_blocking(
+    runner: OpRunner, warmup: int, iters: int, *, on_device: bool = False
+) -> list[float]:
+    """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks).
+
+    ``on_device``: CUDA tensors, whose calls (NCCL's) return once the work is queued on a
+    stream; each timed call then includes waiting for the device, as aiocoll's does."""
     dist = runner.pg
-    issue = runner.calls()
-    if cuda:
-        # NCCL (and gloo on CUDA tensors) return once the work is queued on a stream: the timed
-        # call includes waiting for the device, as aiocoll's (which completes on the device) does.
+    call = runner.calls()
+    if on_device:
         from aiocoll._cuda import synchronize
 
-        def call() -> None:
+        issue = call
+
+        def call() -> Any:
             issue()
             synchronize()
-    else:
-        call = issue
+
     clock = time.perf_counter
     slice_start = clock()
 
@@ -272,7 +277,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
     import aiocoll
 
     dist: Any = None
-    theirs = cfg["vs"] if cfg["vs"] in ("gloo", "nccl") else None
+    theirs = next((c for c in cfg["vs"] if c in ("gloo", "nccl")), None)  # torch.distributed's
     device = None
     if cfg["tensor"] == "torch-cuda":
         from aiocoll._cuda import device_count, set_device
@@ -306,7 +311,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
     put(("ready", rank))
     use_torch = cfg["tensor"] != "numpy"
     hook = _AlgorithmHook(cfg["algorithm"])
-    impls = ["aiocoll", theirs] if theirs and dist is not None else ["aiocoll"]
+    impls = ["aiocoll", theirs] if theirs else ["aiocoll"]
     step = 0
     for op in cfg["ops"]:
         sizes = [0] if op == "barrier" else cfg["sizes"]
@@ -318,19 +323,18 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
             for impl in order:
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
-                    bufs = _Buffers(sized, cfg["dtype"], use_torch, rank, n, device)
-                    times = await _time_aiocoll(
-                        _OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
-                    )
+                    bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n, device)
+                    times = await _time_aiocoll(OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"])
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
                     if device is not None:
                         from aiocoll._staged_ops import StagedOp
 
                         algorithm = f"{algorithm}+{StagedOp.last_path}"  # which device path ran
                 else:
-                    bufs = _Buffers(sized, cfg["dtype"], True, rank, n, device)
-                    runner = _OpRunner(impl, op, bufs, dist)
-                    times = await _time_gloo(runner, cfg["warmup"], cfg["iters"], device is not None)
+                    bufs = Buffers(sized, cfg["dtype"], True, rank, n, device)
+                    runner = OpRunner(impl, op, bufs, dist)
+                    on_device = device is not None
+                    times = await time_blocking(runner, cfg["warmup"], cfg["iters"], on_device=on_device)
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
                     times = [t / 2 for t in times] if rank == 0 else []
@@ -344,6 +348,8 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
 def worker_main(rank: int, cfg: dict[str, Any], queue: Any) -> None:
     """Entry point of a spawned bench worker; reports ``("error", rank, text)`` instead of dying silently."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores: no thread pools fighting the ranks
+    if cfg["transport"] is not None:  # --transport: the link factory reads it when the group forms
+        os.environ["AIOCOLL_TRANSPORT"] = cfg["transport"]
     quiet_logs(cfg["verbose"])
 
     def put(message: Msg) -> None:
