@@ -20,8 +20,9 @@ import msgpack
 import numpy as np
 import torch
 
-from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream
+from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
 from aiocoll._staging import CallerStreamContext
+from aiocoll._types import ReduceOp
 
 __all__ = [
     "CudaDevice",
@@ -168,6 +169,52 @@ class CudaDevice(Device):
         host = _host_slice(pinned, src)
         with torch.cuda.stream(stream.native):
             dst.raw(stream)[offset : offset + src.nbytes].copy_(host, non_blocking=True)
+
+    def empty(self, nbytes: int) -> DeviceTensor:
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
+        return CudaTensor(self, flat, "uint8")
+
+    def reduce_into(
+        self,
+        op: ReduceOp,
+        dst: DeviceTensor,
+        dst_offset: int,
+        src: DeviceTensor,
+        src_offset: int,
+        count: int,
+        dtype_name: str,
+        stream: Stream,
+    ) -> None:
+        assert isinstance(dst, CudaTensor) and isinstance(src, CudaTensor) and isinstance(stream, CudaStream)
+        dtype = getattr(torch, dtype_name)
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        d = dst.raw(stream)[dst_offset : dst_offset + nbytes].view(dtype)
+        r = src.raw(stream)[src_offset : src_offset + nbytes].view(dtype)
+        boolean = dtype == torch.bool
+        with torch.cuda.stream(stream.native), torch.no_grad():
+            if op in (ReduceOp.SUM, ReduceOp.AVG):
+                torch.logical_or(d, r, out=d) if boolean else d.add_(r)
+            elif op == ReduceOp.PRODUCT:
+                torch.logical_and(d, r, out=d) if boolean else d.mul_(r)
+            elif op == ReduceOp.MIN:
+                torch.minimum(d, r, out=d)
+            elif op == ReduceOp.MAX:
+                torch.maximum(d, r, out=d)
+            elif op == ReduceOp.BAND:
+                d.bitwise_and_(r)
+            elif op == ReduceOp.BOR:
+                d.bitwise_or_(r)
+            elif op == ReduceOp.BXOR:
+                d.bitwise_xor_(r)
+            else:
+                raise DeviceError(f"{self.name}: no device kernel for {op}")
+
+    def identity(self) -> str:
+        try:
+            uuid = str(torch.cuda.get_device_properties(self.index).uuid)
+        except (RuntimeError, AttributeError):
+            uuid = self.name
+        return f"{host_identity()}/{uuid}"
 
     # -- IPC -----------------------------------------------------------------------------------
     def ipc_supported(self) -> str | None:

@@ -20,10 +20,14 @@ The semantics are CUDA's, kept to what the pipeline needs:
 
 from __future__ import annotations
 
+import os
+import socket
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
+
+from aiocoll._types import ReduceOp
 
 __all__ = ["Device", "DeviceError", "DeviceTensor", "Event", "HostBuffer", "Stream"]
 
@@ -146,7 +150,31 @@ class Device(ABC):
         """Queue on ``stream`` a copy of ``src`` (a uint8 view inside ``pinned``) into ``dst`` at
         byte ``offset``; returns at once."""
 
+    @abstractmethod
+    def empty(self, nbytes: int) -> DeviceTensor:
+        """``nbytes`` of device memory (a uint8 DeviceTensor; contents undefined)."""
+
+    @abstractmethod
+    def reduce_into(
+        self,
+        op: ReduceOp,
+        dst: DeviceTensor,
+        dst_offset: int,
+        src: DeviceTensor,
+        src_offset: int,
+        count: int,
+        dtype_name: str,
+        stream: Stream,
+    ) -> None:
+        """Queue on ``stream``: ``count`` elements of ``dtype_name`` at byte ``dst_offset`` of
+        ``dst`` become ``dst (op) src`` (``src`` at byte ``src_offset``, possibly a peer's opened
+        buffer on this device). AVG reduces as SUM."""
+
     # -- IPC: device memory and events shared with other processes on this host ---------------
+    def identity(self) -> str:
+        """Which physical device this is, the same string in every process that uses it."""
+        return f"{host_identity()}/{self.name}"
+
     def ipc_supported(self) -> str | None:
         """None when buffers and events can be shared with other processes, else why not."""
         return f"{self.name} does not share device memory between processes"
@@ -178,3 +206,14 @@ class Device(ABC):
     ) -> None:
         """Queue on ``stream`` a device-to-device copy (possibly from a peer's opened buffer)."""
         raise DeviceError(f"{self.name} has no device-to-device copy")
+
+
+def host_identity() -> str:
+    """This machine as IPC needs it: the host name and this boot's id (two containers with one
+    host name on different machines differ in the boot id)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot = fh.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}:{boot}:{os.getuid()}"

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from aiocoll._device import Device, DeviceTensor
+from aiocoll._ipc import IPC_KINDS, IPC_OPS, ipc_groups
 from aiocoll._staging import (
     CallerStreamContext,
     DeviceSpan,
@@ -69,6 +70,7 @@ class StagedOp:
         kind: the operation ("all_reduce", "send", ...). group_size: ranks in the group.
         send, recv: the operation's arrays (DeviceSpans and host numpy arrays, any mix).
         rank: this process's global rank, for log lines.
+        group_key: names the group for its IPC state (aiocoll._ipc); None: never IPC.
     Raises:
         ValueError: device tensors on more than one device.
     """
@@ -76,9 +78,17 @@ class StagedOp:
     last_path = "-"
 
     def __init__(
-        self, kind: str, group_size: int, send: Sequence[Any], recv: Sequence[Any], *, rank: int
+        self,
+        kind: str,
+        group_size: int,
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        *,
+        rank: int,
+        group_key: tuple[Any, ...] | None = None,
     ) -> None:
         self.kind = kind
+        self.group_key = group_key
         self.send = list(send)
         self.recv = list(recv)
         self.rank = rank
@@ -103,6 +113,7 @@ class StagedOp:
         self.ready = ready_event(self.device)
         self.context: CallerStreamContext | None = caller_context.get()
         self.path = "staged"
+        self._ipc_off = ""
 
     # -- the pieces of one chunk -------------------------------------------------------------
     def _cut(self, a: int, b: int) -> tuple[list[Piece], list[Any], list[Any]]:
@@ -134,17 +145,30 @@ class StagedOp:
     def _bounds(self, count: int) -> list[tuple[int, int]]:
         return chunk_bounds(count, self.chunk_elems)
 
+    def _prepare(self, stream: Any) -> None:
+        for tensor, read in self.tensors.values():
+            tensor.prepare(stream, read=read)
+
+    def _finish(self, stream: Any) -> None:
+        for tensor, _ in self.tensors.values():
+            tensor.finish(stream)
+
+    def _log(self, what: str, chunks: int, how: str) -> None:
+        StagedOp.last_path = self.path
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "rank %s: %s on %s via %s (%s): %d chunk(s) of up to %d elements",
+                self.rank,
+                what,
+                self.device.name,
+                self.path,
+                how,
+                chunks,
+                self.chunk_elems,
+            )
+
     async def _run(self, bounds: list[tuple[int, int]], move: Any, what: str) -> None:
         cuts = [self._cut(a, b) for a, b in bounds]
-        tensors = list(self.tensors.values())
-
-        def prepare(stream: Any) -> None:
-            for tensor, read in tensors:
-                tensor.prepare(stream, read=read)
-
-        def finish(stream: Any) -> None:
-            for tensor, _ in tensors:
-                tensor.finish(stream)
 
         async def transfer(k: int, views: list[np.ndarray]) -> None:
             _, send, recv = cuts[k]
@@ -169,12 +193,68 @@ class StagedOp:
             ready=self.ready,
             lease=self.staging.pool.lease(),
             what=what,
-            prepare=prepare,
-            finish=finish,
+            prepare=self._prepare,
+            finish=self._finish,
             host_wait=context is None,
         )
         if context is not None:
             context.completion.append((self.device, done))
+
+    async def _try_ipc(
+        self,
+        transport: Transport,
+        tag: tuple[Any, ...],
+        meta: dict[str, Any],
+        bounds: list[tuple[int, int]],
+        *,
+        ranks: tuple[int, ...],
+        me: int,
+        root: int,
+        op: ReduceOp,
+        what: str,
+    ) -> bool:
+        """Run the operation device to device through IPC when the group can (aiocoll._ipc);
+        False when it cannot (the caller stages it). Every rank reaches the same answer: the
+        conditions are the operation's signature, and the group's setup is collective."""
+        if (
+            self.group_key is None
+            or self.kind not in IPC_KINDS
+            or op not in IPC_OPS
+            or len(bounds) < 2  # one chunk: a peer may be using a host tensor (module header)
+            or len(self.tensors) != 1
+        ):
+            return False
+        group = ipc_groups.get((*self.group_key, self.device.name), self.staging)
+        async with group.lock:  # one IPC operation of a group at a time, in call order
+            if group.enabled is None:
+                await group.setup(transport, tag, ranks, me)
+            if not group.enabled:
+                self.path = "staged"
+                self._ipc_off = group.why
+                return False
+            self.path = "ipc"
+            self._log(what, len(bounds), "device to device")
+            tensor = next(iter(self.tensors.values()))[0]
+            done = await group.run(
+                self.kind,
+                tensor,
+                bounds,
+                transport,
+                tag,
+                meta,
+                ranks=ranks,
+                me=me,
+                root=root,
+                op=op,
+                ready=self.ready,
+                prepare=self._prepare,
+                finish=self._finish,
+                host_wait=self.context is None,
+                what=what,
+            )
+        if self.context is not None:
+            self.context.completion.append((self.device, done))
+        return True
 
     # -- operations --------------------------------------------------------------------------
     async def collective(
@@ -205,6 +285,8 @@ class StagedOp:
 
         bounds = self._bounds(count)
         total = len(bounds)
+        if await self._try_ipc(transport, tag, meta, bounds, ranks=ranks, me=me, root=root, op=op, what=what):
+            return
         await self._run(bounds, move, what)
 
     def chain(self, key: tuple[Any, ...]) -> None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from aiocoll._deadline import Deadline, to_seconds
 from aiocoll._errors import DistError, MismatchError, RendezvousError
+from aiocoll._ipc import ipc_groups
 from aiocoll._reduce import check_reduce_op
 from aiocoll._staged_ops import StagedOp, has_device_arrays
 from aiocoll._tensors import Working, as_working, dtype_name, numel
@@ -296,7 +297,9 @@ class ProcessGroup:
         op: ReduceOp,
     ) -> Work:
         """A collective over device tensors, chunk by chunk through pinned staging."""
-        staged = StagedOp(kind, self.size, send, recv, rank=self._rt.transport.rank)
+        staged = StagedOp(
+            kind, self.size, send, recv, rank=self._rt.transport.rank, group_key=(id(self._rt), self.group_id)
+        )
         ranks, me, gid = tuple(self.ranks), self.rank, self.group_id
 
         async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
@@ -778,8 +781,10 @@ class ProcessGroup:
         self._destroyed = True
         if self._owner:
             await self._rt.aclose()
+            ipc_groups.forget((id(self._rt),))
         else:
             self._rt.engine.forget_group(self.group_id)
+            ipc_groups.forget((id(self._rt), self.group_id))
 
     async def __aenter__(self) -> ProcessGroup:
         return self

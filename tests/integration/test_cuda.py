@@ -52,6 +52,8 @@ ROOT = Path(__file__).resolve().parents[2]
 async def async_worker(pg: Any) -> dict[str, Any]:
     import torch
 
+    from aiocoll._staged_ops import StagedOp
+
     r, n = pg.rank, pg.size
     dev = torch.device("cuda", r % torch.cuda.device_count())
     torch.cuda.set_device(dev)
@@ -60,6 +62,7 @@ async def async_worker(pg: Any) -> dict[str, Any]:
     x = torch.arange(300_000, dtype=torch.float32, device=dev) * (r + 1)  # many 64 KiB chunks
     await pg.all_reduce(x)
     out["all_reduce"] = x.cpu().numpy()
+    out["path"] = StagedOp.last_path  # "ipc" between processes of one host, unless disabled
 
     b = torch.tensor([1.5, 2.0, -3.25], dtype=torch.bfloat16, device=dev) * (r + 1)
     await pg.all_reduce(b)
@@ -97,10 +100,15 @@ async def async_worker(pg: Any) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+@pytest.fixture(scope="module", params=["ipc", "staged"])
+def results(request: Any) -> list[dict[str, Any]]:
     env = {"AIOCOLL_STAGING_CHUNK_BYTES": str(64 * 1024)}
-    return unwrap(run_world(async_worker, N, timeout=240, env=env))
+    if request.param == "staged":
+        env["AIOCOLL_CUDA_IPC"] = "0"
+    out = unwrap(run_world(async_worker, N, timeout=240, env=env))
+    for res in out:
+        assert res["path"] == request.param, "set AIOCOLL_TEST_LOG_LEVEL=DEBUG to see why IPC was off"
+    return out
 
 
 def test_collectives_on_cuda_tensors_match_numpy(results: list[dict[str, Any]]) -> None:
