@@ -315,13 +315,16 @@ def wrap_cuda_tensor(tensor: Any, dtype_name: str) -> CudaTensor:
 
 def caller_streams(tensors: Any) -> CallerStreamContext | None:
     """For the torch backend, on the calling thread: events recorded now on the current stream of
-    every CUDA device among ``tensors`` (None when none is a CUDA tensor). The operation, run
-    later on aiocoll's loop thread, stages after these events instead of after the loop
-    thread's own (unrelated) current stream, and leaves its completion events in the context
-    for the caller's stream to wait on."""
+    every CUDA device among ``tensors`` (c10d passes some methods' inputs apart from their
+    outputs, so with none among them, the current device's when CUDA is in use; None when it is
+    not). The operation, run later on aiocoll's loop thread, stages after these events instead
+    of after the loop thread's own (unrelated) current stream, and leaves its completion events
+    in the context for the caller's stream to wait on."""
     indices = {t.device.index for t in tensors if t.is_cuda}
     if not indices:
-        return None
+        if not torch.cuda.is_initialized():
+            return None
+        indices = {torch.cuda.current_device()}
     context = CallerStreamContext()
     for index in indices:
         device = cuda_device(int(index) if index is not None else torch.cuda.current_device())

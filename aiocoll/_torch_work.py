@@ -119,19 +119,24 @@ class AiocollWork(OutcomeQueries, td.Work):
                 f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()"
             ) from None
         finally:
-            if self._outcome.done() and self._streams is None:
+            if self._outcome.done() and not self._on_device():
                 self._complete(self._outcome)
                 # Another thread may have won the race to complete it and still be inside
                 # set_result: wait until the future is marked done (that precedes its callbacks).
                 with contextlib.suppress(Exception):
                     self._future.wait()
-        if self._streams is not None:
+        if self._on_device():
+            assert self._streams is not None
             # CUDA tensors: the network part was waited for on the host; the caller's current
             # stream waits for the copies back (as torch's collectives do), not the host. The
             # future completes on the completion pool once they were reached.
             for device, event in self._streams.completion:
                 device.current_stream().wait_event(event)
         return True
+
+    def _on_device(self) -> bool:
+        """True when the operation left completion events (CUDA tensors); final once it is done."""
+        return self._streams is not None and bool(self._streams.completion)
 
     def get_future(self) -> torch.futures.Future[Any]:
         """A torch Future whose value is the list of output tensors (or that fails with the error)."""

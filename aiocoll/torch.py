@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import functools
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -343,13 +344,13 @@ class AiocollProcessGroup(td.ProcessGroup):
 
 
 def _caller_streams(tensors: Sequence[torch.Tensor]) -> Any:
-    """The caller's CUDA stream events when any tensor is on a CUDA device, else None."""
-    for t in tensors:
-        if t.is_cuda:
-            from ._cuda import caller_streams
+    """The caller's CUDA stream events (aiocoll._cuda.caller_streams) once CUDA is in use in
+    this process, else None (nothing is recorded for CPU-only processes)."""
+    if not any(t.is_cuda for t in tensors) and "aiocoll._cuda" not in sys.modules:
+        return None  # no CUDA tensor seen yet by aiocoll: skip the import and the check
+    from ._cuda import caller_streams
 
-            return caller_streams(tensors)
-    return None
+    return caller_streams(tensors)
 
 
 def _opts_timeout(opts: Any) -> float | None:
