@@ -209,6 +209,16 @@ class CudaDevice(Device):
             else:
                 raise DeviceError(f"{self.name}: no device kernel for {op}")
 
+    def finish_avg(
+        self, tensor: DeviceTensor, offset: int, count: int, dtype_name: str, group_size: int, stream: Stream
+    ) -> None:
+        assert isinstance(tensor, CudaTensor) and isinstance(stream, CudaStream)
+        dtype = getattr(torch, dtype_name)
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        part = tensor.raw(stream)[offset : offset + nbytes].view(dtype)
+        with torch.cuda.stream(stream.native), torch.no_grad():
+            part.div_(group_size)
+
     def identity(self) -> str:
         try:
             uuid = str(torch.cuda.get_device_properties(self.index).uuid)

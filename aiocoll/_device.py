@@ -170,6 +170,13 @@ class Device(ABC):
         ``dst`` become ``dst (op) src`` (``src`` at byte ``src_offset``, possibly a peer's opened
         buffer on this device). AVG reduces as SUM."""
 
+    @abstractmethod
+    def finish_avg(
+        self, tensor: DeviceTensor, offset: int, count: int, dtype_name: str, group_size: int, stream: Stream
+    ) -> None:
+        """Queue on ``stream``: divide ``count`` elements at byte ``offset`` by ``group_size``
+        (ReduceOp.AVG's last step, on a SUM)."""
+
     # -- IPC: device memory and events shared with other processes on this host ---------------
     def identity(self) -> str:
         """Which physical device this is, the same string in every process that uses it."""

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
-from aiocoll._reduce import reduce_into
+from aiocoll._reduce import finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 
 __all__ = ["ThreadDevice", "ThreadDeviceTensor"]
@@ -359,6 +359,14 @@ class ThreadDevice(Device):
         d = dst.flat.view(np.uint8)[dst_offset : dst_offset + nbytes].view(host)
         r = src.flat.view(np.uint8)[src_offset : src_offset + nbytes].view(host)
         stream.enqueue(lambda _s: reduce_into(op, d, r, dtype_name))
+
+    def finish_avg(
+        self, tensor: DeviceTensor, offset: int, count: int, dtype_name: str, group_size: int, stream: Stream
+    ) -> None:
+        assert isinstance(tensor, ThreadDeviceTensor) and isinstance(stream, _ThreadStream)
+        host = np.dtype("uint16") if dtype_name == "bfloat16" else np.dtype(dtype_name)
+        part = tensor.flat.view(np.uint8)[offset : offset + count * host.itemsize].view(host)
+        stream.enqueue(lambda _s: finish_avg(part, group_size, dtype_name))
 
     def copy_device(
         self,

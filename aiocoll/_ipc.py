@@ -19,7 +19,8 @@ One chunk of an all_reduce (a broadcast is the same with one writer):
    the peer's copy has landed) and computes mailbox_0 (op) mailbox_1 (op) ... in rank order
    straight from the peers' mailboxes (the same order on every rank, so every rank gets the same
    bits), into the caller's tensor; a peer on another device is first copied device to device
-   into a local scratch buffer;
+   into a local scratch buffer; AVG then divides. These copies and reductions go through the
+   step driver's buffer interface, implemented for device memory (aiocoll._device_buffers);
 3. when those reads are done (an event, waited for on the host) it tells every peer "done".
 A rank overwrites its mailbox for the next chunk, and an operation ends, only after every peer
 said "done" with it: producers outlive their consumers. A group's IPC operations run one at a
@@ -38,8 +39,9 @@ import msgpack
 import numpy as np
 
 from aiocoll._device import Device, DeviceError, DeviceTensor, Event, Stream
+from aiocoll._device_buffers import DeviceBuffers
 from aiocoll._errors import MismatchError
-from aiocoll._staging import Staging
+from aiocoll._staging import DeviceSpan, Staging
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Transport, run_collective
 
@@ -48,7 +50,7 @@ __all__ = ["IPC_OPS", "IPC_KINDS", "IpcGroup", "ipc_groups"]
 log = logging.getLogger("aiocoll.staging")
 
 IPC_KINDS = frozenset({"all_reduce", "broadcast"})
-IPC_OPS = frozenset({ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX})
+IPC_OPS = frozenset({ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG})
 _RECORD_BYTES = 4096  # an exchanged record's bound (handles are ~100-200 bytes)
 _SIGNATURE = ("kind", "root", "dtype", "count", "op")
 
@@ -160,7 +162,7 @@ class IpcGroup:
     async def run(
         self,
         kind: str,
-        tensor: DeviceTensor,
+        whole: DeviceSpan,
         bounds: Sequence[tuple[int, int]],
         transport: Transport,
         tag: tuple[Any, ...],
@@ -176,10 +178,18 @@ class IpcGroup:
         host_wait: bool,
         what: str,
     ) -> Event:
-        """all_reduce or broadcast of ``tensor`` (flat, prepared) chunk by chunk; see the header."""
+        """all_reduce or broadcast of ``whole`` (a prepared tensor's span) chunk by chunk; see
+        the module header."""
         assert self.enabled and self.mailbox is not None and self.event is not None
         device, side, waiter = self.device, self.staging.side, self.staging.waiter
-        itemsize, dtype = tensor.itemsize, str(meta.get("dtype"))
+        bufs = DeviceBuffers(device, side)
+        dtype = str(meta.get("dtype"))
+        slots = self.size // whole.itemsize
+
+        def box(memory: DeviceTensor) -> DeviceSpan:
+            return DeviceSpan(memory, whole.dtype, 0, slots, read=False, write=False)
+
+        mine = box(self.mailbox)
         peers = [i for i in range(len(ranks)) if i != me]
         writers = peers if kind == "all_reduce" else ([root] if root != me else [])
         readers = peers if kind == "all_reduce" or me == root else []
@@ -198,16 +208,15 @@ class IpcGroup:
             for i, (_, theirs) in zip(frm, got, strict=True):
                 if any(theirs.get(k) != meta.get(k) for k in _SIGNATURE):
                     raise MismatchError(
-                        f"{what}: rank {i} called {theirs} where this rank called {meta}",
-                        ranks=[ranks[i]],
+                        f"{what}: rank {i} called {theirs} where this rank called {meta}", ranks=[ranks[i]]
                     )
 
         for c, (a, b) in enumerate(bounds):
-            offset, nbytes, count = a * itemsize, (b - a) * itemsize, b - a
+            x, count = bufs.view(whole, a, b), b - a
             if c and readers:
                 await hear(readers, "done", c - 1)  # every reader finished with our mailbox
             if kind == "all_reduce" or me == root:
-                device.copy_device(self.mailbox, 0, tensor, offset, nbytes, side)
+                bufs.copy(bufs.view(mine, 0, count), x)
                 self.event.record(side)
                 await tell(readers, "posted", c)
             if writers:
@@ -215,22 +224,22 @@ class IpcGroup:
                 for i in writers:
                     side.wait_event(self.peers[i][1])
                 if kind == "broadcast":
-                    device.copy_device(tensor, offset, self._readable(root, nbytes, side), 0, nbytes, side)
+                    bufs.copy(x, self._readable(bufs, root, x))
                 else:
                     # rank order on every rank: the same bits everywhere
                     if me != 0:
-                        device.copy_device(tensor, offset, self._readable(0, nbytes, side), 0, nbytes, side)
+                        bufs.copy(x, self._readable(bufs, 0, x))
                     for i in range(1, len(ranks)):
-                        src = self.mailbox if i == me else self._readable(i, nbytes, side)
-                        device.reduce_into(op, tensor, offset, src, 0, count, dtype, side)
+                        src = bufs.view(mine, 0, count) if i == me else self._readable(bufs, i, x)
+                        bufs.reduce_into(op, x, src, dtype, src_first=False)
+                    if op == ReduceOp.AVG:
+                        bufs.finish_avg(x, len(ranks), dtype)
                 reads = device.new_event()
                 reads.record(side)
                 try:
                     await waiter.wait(reads)
                 except DeviceError as exc:
-                    raise DeviceError(
-                        f"{what}: reading peers' buffers for chunk {c + 1} failed: {exc}"
-                    ) from exc
+                    raise DeviceError(f"{what}: reading peers' chunk {c + 1} failed: {exc}") from exc
                 await tell(writers, "done", c)
         if readers:
             await hear(readers, "done", len(bounds) - 1)
@@ -241,15 +250,17 @@ class IpcGroup:
             await waiter.wait(done)
         return done
 
-    def _readable(self, i: int, nbytes: int, stream: Stream) -> DeviceTensor:
-        """Peer ``i``'s mailbox as this device can read it: directly on the same device, else
-        copied device to device into the local scratch buffer first."""
-        box, _event, same = self.peers[i]
+    def _readable(self, bufs: DeviceBuffers, i: int, like: DeviceSpan) -> DeviceSpan:
+        """Peer ``i``'s mailbox, as many elements as ``like`` has, as this device can read it:
+        directly on the same device, else first copied device to device into local scratch."""
+        memory, _event, same = self.peers[i]
+        peer = DeviceSpan(memory, like.dtype, 0, like.size, read=False, write=False)
         if same:
-            return box
+            return peer
         assert self.scratch is not None
-        self.device.copy_device(self.scratch, 0, box, 0, nbytes, stream)
-        return self.scratch
+        local = DeviceSpan(self.scratch, like.dtype, 0, like.size, read=False, write=False)
+        bufs.copy(local, peer)
+        return local
 
 
 class _Registry:

@@ -234,10 +234,10 @@ class StagedOp:
                 return False
             self.path = "ipc"
             self._log(what, len(bounds), "device to device")
-            tensor = next(iter(self.tensors.values()))[0]
+            whole = next(a for a in (*self.send, *self.recv) if isinstance(a, DeviceSpan))
             done = await group.run(
                 self.kind,
-                tensor,
+                whole,
                 bounds,
                 transport,
                 tag,
