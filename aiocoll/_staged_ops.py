@@ -111,7 +111,10 @@ class StagedOp:
         self.chunk_elems = max(1, self.staging.pool.buffer_bytes // (itemsize * ranges))
         # Recorded now, at call time: the values the caller computed so far are what is sent.
         self.ready = ready_event(self.device)
-        self.context: CallerStreamContext | None = caller_context.get()
+        context = caller_context.get()
+        # Where to leave completion events for the caller's stream; None: complete once the
+        # results landed on the device.
+        self.context: CallerStreamContext | None = context if context and not context.wait_on_host else None
         self.path = "staged"
         self._ipc_off = ""
 

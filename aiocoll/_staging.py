@@ -379,12 +379,15 @@ class CallerStreamContext:
     Attributes:
         ready: events recorded on the caller's current stream at call time, by device name (the
             loop thread's own current stream is not the caller's).
-        completion: filled by the operation: events the caller's stream must wait for before it
-            uses the results; when set, the operation completes without waiting on the host.
+        completion: filled by the operation unless ``wait_on_host``: events the caller's stream
+            must wait for before it uses the results (the operation completes without waiting
+            for them on the host).
+        wait_on_host: the operation completes only once its results are on the device.
     """
 
     ready: dict[str, Event] = field(default_factory=dict)
     completion: list[tuple[Device, Event]] = field(default_factory=list)
+    wait_on_host: bool = False
 
 
 caller_context: contextvars.ContextVar[CallerStreamContext | None] = contextvars.ContextVar(

@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import functools
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,8 +43,7 @@ import torch
 import torch.distributed as td
 
 from ._deadline import to_seconds
-from ._staging import caller_context
-from ._sync_loop import get_loop_thread
+from ._sync_loop import get_loop_thread, issue_on_caller_streams
 from ._sync_stores import as_async_store
 from ._torch_work import AiocollWork
 from ._types import ReduceOp
@@ -156,17 +154,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         source_rank: Callable[[Any], int] | None = None,
     ) -> AiocollWork:
         # The launch (and so the sequence number's order) happens here, on the calling thread.
-        streams = _caller_streams(tensors)
-        if streams is None:
-            outcome = self._loop.issue(start)
-        else:
-            # issue() hands the loop a copy of this thread's context: the core reads the events
-            # recorded on this thread's CUDA streams from it, at call time.
-            token = caller_context.set(streams)
-            try:
-                outcome = self._loop.issue(start)
-            finally:
-                caller_context.reset(token)
+        outcome, streams = issue_on_caller_streams(start, tensors, wait_on_host=False)
         return AiocollWork(outcome, op, tensors, source_rank, streams)
 
     def _many(self, op: str, calls: Sequence[Callable[[], Any]], tensors: list[torch.Tensor]) -> AiocollWork:
@@ -341,16 +329,6 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"<AiocollProcessGroup {self._group_name!r} rank {self.rank()}/{self.size()}>"
-
-
-def _caller_streams(tensors: Sequence[torch.Tensor]) -> Any:
-    """The caller's CUDA stream events (aiocoll._cuda.caller_streams) once CUDA is in use in
-    this process, else None (nothing is recorded for CPU-only processes)."""
-    if not any(t.is_cuda for t in tensors) and "aiocoll._cuda" not in sys.modules:
-        return None  # no CUDA tensor seen yet by aiocoll: skip the import and the check
-    from ._cuda import caller_streams
-
-    return caller_streams(tensors)
 
 
 def _opts_timeout(opts: Any) -> float | None:
