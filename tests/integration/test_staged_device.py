@@ -217,3 +217,41 @@ def test_pinned_buffers_stay_within_the_pool(results: list[dict[str, Any]]) -> N
     for res in results:
         allocated, capacity, in_use, pinned = res["pool"]
         assert capacity == 3 and allocated <= 3 and pinned == allocated and in_use == 0
+
+
+async def dies_mid_pipeline(pg: Any) -> dict[str, Any]:
+    """Rank 1 is killed while a 400-chunk all_reduce of device tensors is under way."""
+    import os
+    import signal
+
+    from aiocoll._device_threads import ThreadDevice
+    from aiocoll._staging import staging_for
+
+    dev = ThreadDevice(copy_delay=0.001)
+    x = dev.tensor(np.ones(25_600, np.float32))  # 400 chunks of 256 bytes
+    await pg.barrier()
+    if pg.rank == 1:
+        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGKILL)
+    out: dict[str, Any] = {}
+    try:
+        await pg.all_reduce(x, timeout=60)
+        out["error"] = None
+    except Exception as exc:
+        out["error"] = (type(exc).__name__, str(exc))
+    pool = staging_for(dev).pool
+    out["pool"] = (pool.in_use, pool.allocated)
+    return out
+
+
+def test_a_rank_lost_mid_pipeline_fails_the_operation_and_the_pool_gets_its_buffers_back() -> None:
+    import signal
+
+    env = {"AIOCOLL_STAGING_CHUNK_BYTES": str(CHUNK), "AIOCOLL_STAGING_BUFFERS": "3"}
+    results = run_world(dies_mid_pipeline, 2, timeout=120, env=env)
+    assert results[1].exitcode == -signal.SIGKILL
+    out = results[0].value
+    assert out is not None, results[0].error
+    assert out["error"] is not None and out["error"][0] == "PeerLostError", out["error"]
+    assert "rank 1" in out["error"][1]
+    in_use, allocated = out["pool"]
+    assert in_use == 0 and 1 <= allocated <= 3
