@@ -1,11 +1,12 @@
 """Operations on device tensors, run chunk by chunk through the pinned staging pipeline.
 
-Foundation layer: imports aiocoll._staging, aiocoll._device, the algorithms (run_collective,
+Foundation layer: imports aiocoll._staging, aiocoll._ipc, aiocoll._device, the algorithms (run_collective,
 CollectiveSpec, the Transport interface) and numpy; never client/, server/ or the public surface.
 The public layer describes an operation as it does for host tensors (send and receive lists cut
 from its tensors' Working arrays); when some of those are DeviceSpans it builds a StagedOp at
-call time (which records the caller's event then) and awaits ``collective``, ``send`` or
-``recv`` in the operation's body.
+call time (which records the caller's event then) and awaits ``collective``, ``send_to`` or
+``recv_from`` in the operation's body. A multi-chunk all_reduce or broadcast between ranks of
+one host goes device to device instead when the group can (aiocoll._ipc); the rest is staged.
 
 Chunking: every array of a collective is cut into the same element ranges
 [c*m, (c+1)*m), and chunk c runs as an ordinary collective over the chunk's host views, tagged
@@ -64,7 +65,7 @@ class StagedOp:
     """One operation with device tensors, set up at call time.
 
     ``StagedOp.last_path`` names the device path the latest operation of this process took
-    ("staged" today), for ``aiocoll bench``; each operation logs it at DEBUG too.
+    ("staged" or "ipc"), for ``aiocoll bench``; each operation logs it at DEBUG too.
 
     Args:
         kind: the operation ("all_reduce", "send", ...). group_size: ranks in the group.
