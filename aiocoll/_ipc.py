@@ -147,7 +147,7 @@ class IpcGroup:
         log.debug(
             "rank %s: group %s on %s: CUDA IPC %s",
             ranks[me],
-            self.key[-1],
+            self.key[1],
             self.device.name,
             "on" if self.enabled else f"off ({self.why})",
         )

@@ -179,17 +179,8 @@ class StagedOp:
             await move(k, self._fill(send, views), self._fill(recv, views))
 
         context = self.context
-        StagedOp.last_path = self.path
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "rank %s: %s on %s via %s (pinned host buffers): %d chunk(s) of up to %d elements",
-                self.rank,
-                what,
-                self.device.name,
-                self.path,
-                len(bounds),
-                self.chunk_elems,
-            )
+        off = f"; IPC off: {self._ipc_off}" if self._ipc_off else ""
+        self._log(what, len(bounds), f"pinned host buffers{off}")
         done = await run_pipeline(
             self.staging,
             [c[0] for c in cuts],
