@@ -344,7 +344,7 @@ class ProcessGroup:
                 await staged.send_to(transport, t, peer, meta, what)
 
             work = self._submit("send", staged_body, timeout, p2p_tag=utag, peers=(peer,))
-            staged.chain(("send", self.group_id, utag, peer))  # once submitted: its body will run
+            staged.chain(("send", id(self._rt), self.group_id, utag, peer), work)
             return work
         payload = _bytes_of(w.array)
 
@@ -393,7 +393,7 @@ class ProcessGroup:
 
         work = self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
         if staged is not None:
-            staged.chain(("recv", gid, utag))  # once submitted: its body will run
+            staged.chain(("recv", id(self._rt), gid, utag), work)
         return work
 
     isend = send
