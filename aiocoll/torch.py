@@ -8,6 +8,15 @@ collective logic: ``AiocollProcessGroup`` subclasses ``torch.distributed.Process
 each call c10d makes (lists of tensors plus an options object) into one operation of an
 ``aiocoll.ProcessGroup`` running on aiocoll's loop thread, and returns an ``AiocollWork``.
 
+Devices: registered for "cpu" and "cuda". CUDA tensors go through aiocoll's pinned staging
+pipeline (aiocoll._staging). As torch's own collectives do, an operation orders itself on the
+caller's current CUDA stream: the values staged are those the caller's stream computed before
+the call (an event recorded on the calling thread at call time), and ``Work.wait()`` makes the
+caller's current stream wait for the results instead of blocking the host on the last copy
+(the network part of the operation is host-driven and is waited for on the host). The Work's
+future completes once the results are on the device. ``device_id`` in ``init_process_group``
+is accepted (the group is not split per device: one aiocoll group serves every device).
+
 Rendezvous goes through the store torch hands the backend (already prefixed per group), wrapped
 as an aiocoll async store; each torch group, default or made by ``new_group``, is its own aiocoll
 group with its own peer links.
@@ -35,7 +44,7 @@ import torch.distributed as td
 
 from ._deadline import to_seconds
 from ._monitored_barrier import monitored_barrier as run_monitored_barrier
-from ._sync_loop import Outcome, get_loop_thread
+from ._sync_loop import Outcome, get_loop_thread, issue_on_caller_streams
 from ._sync_stores import as_async_store
 from ._torch_work import AiocollWork
 from ._types import ReduceOp
@@ -44,7 +53,7 @@ __all__ = ["BACKEND_NAME", "DEVICES", "AiocollProcessGroup", "AiocollWork", "cre
 
 BACKEND_NAME = "aiocoll"
 # The devices whose tensors the backend moves: registered with torch, and checked at every call.
-DEVICES = ("cpu",)
+DEVICES = ("cpu", "cuda")
 _DEFAULT_TIMEOUT = 1800.0
 
 
@@ -83,7 +92,7 @@ def _check_device(op: str, device: Any) -> None:
             raise ValueError(
                 f"aiocoll {op}: got a tensor on device {device}; the aiocoll backend moves tensors on "
                 f"{', '.join(DEVICES)} only. Copy it there (.cpu()), or give torch a backend per device, "
-                f"e.g. init_process_group('cpu:aiocoll,cuda:nccl')"
+                f"e.g. init_process_group('cpu:aiocoll,xpu:xccl')"
             )
 
 
@@ -141,6 +150,13 @@ class AiocollProcessGroup(td.ProcessGroup):
     def name(self) -> str:
         return BACKEND_NAME
 
+    # torch asks the group for its backend of the device given as init_process_group's
+    # device_id; one aiocoll group serves every device, and does not split per device.
+    supports_splitting = False
+
+    def _get_backend(self, device: Any) -> AiocollProcessGroup:  # type: ignore[override]
+        return self
+
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
         self._name_core_group()
@@ -178,8 +194,8 @@ class AiocollProcessGroup(td.ProcessGroup):
     ) -> AiocollWork:
         _check_devices(op, tensors)
         # The launch (and so the sequence number's order) happens here, on the calling thread.
-        outcome = self._loop.issue(start)
-        work = AiocollWork(outcome, op, tensors, source_rank)
+        outcome, streams = issue_on_caller_streams(start, tensors, wait_on_host=False)
+        work = AiocollWork(outcome, op, tensors, source_rank, streams)
         coalesced = getattr(self._coalescing, "works", None)
         if coalesced is not None:
             coalesced.append(work)
@@ -394,23 +410,17 @@ class AiocollProcessGroup(td.ProcessGroup):
         # torch maps the group rank _source_rank() gives to a global rank itself.
         return self._launch("recv_anysource", lambda: self._core.recv(t, None, tag=int(tag)), [t], int)
 
-    # -- what torch may ask and this backend does not offer ------------------------------------
-    # Left to the C++ base, these fail with torch's misleading "No backend type associated with
-    # device type cpu" (a Python group has no per-device C++ backend); say what to use instead.
-    def _get_backend(self, device: Any) -> Any:
-        raise _not_on_aiocoll(
-            f"ProcessGroup._get_backend({device!s}): an aiocoll group is a Python process group with "
-            f"no per-device C++ backend object",
-            "call the group's operations (dist.all_reduce(t, group=g), ...) directly; features built on "
-            "that object (split_group, the collective time estimator, symmetric memory) need gloo or nccl, "
-            "and dist.new_group(ranks) replaces split_group",
-        )
-
     # -- coalescing (dist._coalescing_manager(group, device=...)) -----------------------------
     # Operations inside run as they are issued (in order, as always); the Work _end_coalescing
     # returns completes once every one of them did. Per thread, as torch's coalescing state is.
     def _start_coalescing(self, device: Any) -> None:
-        _check_device("coalescing", device)
+        if torch.device(device).type != "cpu":
+            raise _not_on_aiocoll(
+                f"device-level coalescing on {device}",
+                "use dist._coalescing_manager(group) without device= (its all_reduce, "
+                "all_gather_into_tensor and reduce_scatter_tensor run as one coalesced call), or issue "
+                "the operations one by one and wait for their Works",
+            )
         if getattr(self._coalescing, "works", None) is not None:
             raise ValueError("aiocoll: _start_coalescing called twice without _end_coalescing")
         self._coalescing.works = []
@@ -423,6 +433,8 @@ class AiocollProcessGroup(td.ProcessGroup):
         outcome = Outcome.all_of([w.outcome for w in works])
         return AiocollWork(outcome, "coalesced", [t for w in works for t in w.result_tensors])
 
+    # Left to the C++ base, this fails with torch's misleading "Could not find the default
+    # backend type"; say what to use instead.
     def _register_on_completion_hook(self, hook: Any) -> None:
         raise _not_on_aiocoll(
             "ProcessGroup._register_on_completion_hook",

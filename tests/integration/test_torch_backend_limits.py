@@ -9,7 +9,7 @@ the tests assert on it:
   group as the user made it (its ``group_desc``), not aiocoll's internal id;
 - ``set_timeout`` changes a group's later deadlines;
 - what the backend cannot do raises at the call with what to use instead (a tensor on another
-  device, ``_get_backend``), and leaves the group usable; device-level coalescing works.
+  device, ``_register_on_completion_hook``), and leaves the group usable; device-level coalescing works.
 
 torch's own tests of the same features (all_gather_coalesced's layout, sparse all_reduce, barrier
 timeouts, monitored_barrier's rank-0 timeout) run against gloo in test_torch_suite_subset.py.
@@ -92,7 +92,7 @@ def worker(rank: int, port: int, result: Path) -> None:
         dist.all_reduce(b)
     cm.wait()
     out["coalescing"] = (a.tolist(), b.tolist())
-    out["get_backend"] = _outcome(lambda: dist.group.WORLD._get_backend(torch.device("cpu")))
+    out["on_completion_hook"] = _outcome(lambda: dist.group.WORLD._register_on_completion_hook(print))
     # The world is still usable afterwards.
     t = torch.full((2,), float(rank))
     dist.all_reduce(t)
@@ -150,8 +150,8 @@ def test_what_the_backend_cannot_do_raises_at_the_call_with_what_to_use(world: l
         name, _, message = out["device"]
         assert name == "ValueError" and "device meta" in message and ".cpu()" in message, message
         assert out["coalescing"] == ([3.0, 3.0], [3.0, 3.0, 3.0])
-        _, _, message = out["get_backend"]
-        assert "No backend type associated" not in message and "new_group" in message, message
+        name, is_runtime, message = out["on_completion_hook"]
+        assert name == "NotImplementedError" and is_runtime and "get_future().then" in message, message
         assert out["after"] == [3.0, 3.0]  # 0 + 1 + 2: the world still works
 
 
