@@ -78,6 +78,7 @@ from aiocoll.protocol._coordinator import (
 from aiocoll.stores import DEFAULT_TIMEOUT, Store
 from aiocoll.stores._base import Value, check_amount, check_key, check_keys, to_value
 
+from ._beat import BeatThread, Report
 from ._connection import CoordinatorLink, LinkLost, open_link
 
 __all__ = [
@@ -291,6 +292,7 @@ class CoordinatorSession(Store):
         self._link_changed = asyncio.Event()
         self._reconnect_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._beats: BeatThread | None = None
         self._fatal: BaseException | None = None
         self._closed = False
         self._last_request = 0.0
@@ -1146,6 +1148,28 @@ class CoordinatorSession(Store):
             except LinkLost:
                 pass  # the reconnect logic has it
 
+    def start_beats(self, report: Report) -> BeatThread:
+        """Beat from a thread on a connection of its own (client/_beat.py), so that this member
+        stays alive while its event loop is busy, and send ``report(full)``'s progress reports.
+
+        Raises:
+            RendezvousError: this session has not joined.
+        """
+        if self.membership is None:
+            raise RendezvousError("start_beats: this session has not joined a rendezvous")
+        if self._beats is None:
+            self._beats = BeatThread(
+                self.host,
+                self.port,
+                token=self._token,
+                job=self.job,
+                session=self.membership.session,
+                rank=self.membership.rank,
+                report=report,
+            )
+            self._beats.start()
+        return self._beats
+
     def _stop_heartbeats(self) -> None:
         task, self._heartbeat_task = self._heartbeat_task, None
         if task is not None and task is not asyncio.current_task():
@@ -1182,6 +1206,9 @@ class CoordinatorSession(Store):
             return
         self._closed = True
         self._stop_heartbeats()
+        beats, self._beats = self._beats, None
+        if beats is not None:
+            beats.stop()
         task, self._reconnect_task = self._reconnect_task, None
         if task is not None:
             task.cancel()
