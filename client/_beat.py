@@ -135,7 +135,7 @@ class BeatThread:
     def _beat(self, sock: socket.socket, decoder: FrameDecoder) -> None:
         last_beat = 0.0
         want = False
-        while not self._stopping.wait(self._check_every if last_beat else 0.0):
+        while not self._stopping.wait(self._check_every if last_beat and not want else 0.0):
             report = self._report(want)
             now = time.monotonic()
             if report is not None:

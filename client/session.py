@@ -1192,6 +1192,9 @@ class CoordinatorSession(Store):
                 await self.flush()
             except Exception as exc:
                 failure = exc
+        beats, self._beats = self._beats, None
+        if beats is not None:
+            beats.stop()  # before leaving: a member that left has nothing to beat for
         link = self._link
         if link is not None and self.membership is not None and self.session_lost is None:
             with contextlib.suppress(LinkLost, TimeoutError, OSError):
