@@ -36,6 +36,7 @@ from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec, run_collective
 from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
+from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
 from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
 from aiocoll.client.transports.tcp import route_interface
@@ -144,11 +145,14 @@ class _Runtime:
         self.owns_store = owns_store
         self.default_timeout = default_timeout
         self.closed = False
+        self.store_progress: StoreProgress | None = None
 
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.store_progress is not None:
+            await self.store_progress.aclose()
         await self.engine.aclose()
         if self.coordinator is not None:
             # Others still use the embedded coordinator until they leave: each leaves its session
@@ -1025,6 +1029,9 @@ async def _init_with_store(
         table = [PeerRow(r, **msgpack.unpackb(v)) for r, v in enumerate(values)]
         await connect_links(transport, table, deadline)
         engine = Engine(transport, default_timeout=seconds)
+        # issue 10 hook: no coordinator here, so stalls are cross-checked through the store
+        progress = StoreProgress(engine, store, f"aiocoll/{job}/round{rnd}/progress/")
+        progress.start()
     except BaseException:
         await transport.aclose()
         if owns:
@@ -1032,4 +1039,5 @@ async def _init_with_store(
                 await store.aclose()
         raise
     runtime = _Runtime(engine, transport, store=store, owns_store=owns, default_timeout=seconds)
+    runtime.store_progress = progress
     return ProcessGroup(runtime, engine.group(WORLD_GID, range(world_size)), owner=True)

@@ -93,6 +93,7 @@ class ProgressTracker:
         self.loop_stamp = time.monotonic()
         self._stamper: asyncio.TimerHandle | None = None
         self._last_sent: Any = None  # what the last report said (None: nothing reported)
+        self.wanted = False  # a peer asked for a full report (store mode; see ask_progress)
         self.reports_sent = 0
         # (group, seq) -> (ranks the coordinator found behind, its message); see ``behind_at``.
         self._behind: collections.OrderedDict[tuple[str, int], tuple[list[int], str]] = (

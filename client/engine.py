@@ -26,6 +26,7 @@ What it guarantees:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -46,6 +47,10 @@ _EMPTY = memoryview(b"")
 _EMPTY_SINK = memoryview(bytearray(0))  # control messages carry no payload; a writable target
 _MAX_ORPHAN_NOTICES = 1024
 _MAX_STUCK_REPORTS = 64
+# A process group closed within this long of a mismatch lingers that long before it says goodbye:
+# a peer still waiting on this rank must handle the mismatch notice before it sees the goodbye
+# (its receive from us would fail with PeerLostError), so every rank raises MismatchError.
+_MISMATCH_LINGER = 1.0
 
 _T = TypeVar("_T")
 Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
@@ -238,6 +243,7 @@ class Engine:
         self.progress = ProgressTracker(self.rank, self._groups.values)
         self.progress.start(self._loop)
         self._recorded_losses: set[int] = set()
+        self._mismatch_at = -_MISMATCH_LINGER  # when this rank last failed an op with a mismatch
 
     # -- groups ----------------------------------------------------------------------------
     def group(self, gid: str, ranks: Sequence[int]) -> GroupState:
@@ -553,10 +559,7 @@ class Engine:
             del group.stuck[next(iter(group.stuck))]
         stuck[self.rank] = direct
         meta = {"k": "stuck", "g": group.gid, "s": op.seq, "r": self.rank, "waits": direct}
-        for peer in group.ranks:
-            if peer != self.rank:
-                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
-                task.add_done_callback(_ignore_outcome)
+        self._tell(group.ranks, meta)
         grace = min(1.0, max(0.05, 0.1 * (op.timeout or 0.0)))
         self._loop.call_later(grace, self._fail_timeout, op, direct)
 
@@ -595,10 +598,7 @@ class Engine:
                 "t": op.timeout,
                 "why": str(err)[:2000],
             }
-            for peer in op.group.ranks:
-                if peer != self.rank:
-                    task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
-                    task.add_done_callback(_ignore_outcome)
+            self._tell(op.group.ranks, meta)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d: transport state at the timeout: %r", self.rank, self.transport.debug_state())
         # The operation may have exchanged part of its messages, so this rank is no longer in step
@@ -635,6 +635,11 @@ class Engine:
         if rank not in self._recorded_losses and not self._closed:
             self._recorded_losses.add(rank)
             self.progress.log_record(f"lost rank {rank} ({err.reason})")
+        # A turn of the loop later: a control notice that arrived just before the peer's goodbye
+        # (a mismatch it found, say) has woken the control loop already, and is handled first.
+        self._loop.call_soon(self._break_groups_of, rank, err)
+
+    def _break_groups_of(self, rank: int, err: PeerLostError) -> None:
         for group in list(self._groups.values()):
             if rank in group.members and not isinstance(group.broken, PeerLostError):
                 self._break(group, err, from_seq=0)
@@ -642,6 +647,8 @@ class Engine:
     def _break(
         self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
     ) -> None:
+        if isinstance(err, MismatchError):
+            self._mismatch_at = _monotonic()
         if group.broken is None or from_seq < group.broken_seq or isinstance(err, PeerLostError):
             if not isinstance(group.broken, PeerLostError):
                 group.broken = err
@@ -671,7 +678,11 @@ class Engine:
         if op.seq < 0:
             return
         meta = {"g": op.group.gid, "s": op.seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
-        for peer in op.group.ranks:
+        self._tell(op.group.ranks, meta)
+
+    def _tell(self, ranks: Iterable[int], meta: dict[str, Any]) -> None:
+        """Send the control message ``meta`` to every rank of ``ranks`` but this one (best effort)."""
+        for peer in ranks:
             if peer != self.rank:
                 task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
                 task.add_done_callback(_ignore_outcome)
@@ -718,10 +729,7 @@ class Engine:
         )
         log.warning("rank %d: %s", self.rank, err)
         meta_out = {"g": gid, "s": seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
-        for peer in group.ranks:
-            if peer != self.rank:
-                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta_out))
-                task.add_done_callback(_ignore_outcome)
+        self._tell(group.ranks, meta_out)
         if seq >= group.next_seq:
             group.notices[seq] = err
         self._break(group, err, from_seq=seq)
@@ -739,6 +747,9 @@ class Engine:
         if meta.get("k") == "gave_up":
             self._peer_gave_up(src, gid, seq, meta)
             return
+        if meta.get("k") == "want":  # a stalled rank asks for a full progress report (store mode)
+            self.progress.wanted = True
+            return
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))
         err = MismatchError(
@@ -749,13 +760,30 @@ class Engine:
         )
         self._fail_at(gid, seq, err)
 
+    def ask_progress(self, ranks: Iterable[int]) -> None:
+        """Ask ``ranks`` for a full progress report (store mode: they publish it in the store)."""
+        self._tell(ranks, {"k": "want", "g": "", "s": -1})
+
+    async def share_mismatch(self, gid: str, seq: int, ranks: Sequence[int], why: str) -> None:
+        """Store mode: this rank found the mismatch; tell the group's other ranks first (their
+        notices must be on the wire before this rank's failure lets it leave), then fail here."""
+        group = self._groups.get(gid)
+        if group is not None and not self._closed:
+            meta = {"g": gid, "s": seq, "r": self.rank, "why": why[:2000], "ranks": list(ranks)}
+            sends = [self.transport.send(p, CONTROL_TAG, _EMPTY, meta) for p in group.ranks if p != self.rank]
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 1.0)
+        self.remote_mismatch(gid, seq, ranks, why)
+
     def remote_mismatch(self, gid: str, seq: int, ranks: Sequence[int], why: str) -> None:
-        """issue 10 hook: the coordinator compared the members' progress reports and found that
-        they called different operations at (gid, seq): fail it here too, as a MismatchError."""
+        """issue 10 hook: the members' progress reports, compared (by the coordinator, or by a
+        rank in store mode), show that they called different operations at (gid, seq): fail it
+        here too, as a MismatchError."""
         if self._closed:
             return
         err = MismatchError(
-            f"the coordinator found that the ranks' calls at seq {seq} of group {gid!r} disagree: {why}",
+            f"comparing the ranks' progress reports showed that their calls at seq {seq} of group {gid!r} "
+            f"disagree: {why}",
             group=gid,
             seq=seq,
             ranks=sorted({int(r) for r in ranks}),
@@ -801,6 +829,9 @@ class Engine:
         """Fail every pending operation and stop; the transport is closed by its owner."""
         if self._closed:
             return
+        linger = self._mismatch_at + _MISMATCH_LINGER - _monotonic()
+        if linger > 0:
+            await asyncio.sleep(linger)
         self._closed = True
         self.progress.stop()
         for group in list(self._groups.values()):

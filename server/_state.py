@@ -32,6 +32,7 @@ from typing import Any
 
 import msgpack
 
+from aiocoll._progress_check import JobProgress, ProgressError, Verdict
 from aiocoll.protocol._coordinator import (
     CID_BYTES,
     DEDUPE_WINDOW,
@@ -55,8 +56,6 @@ from aiocoll.protocol._coordinator import (
     ROLE_STORE,
     ROLE_WORKER,
 )
-
-from ._progress import JobProgress, ProgressError, Verdict
 
 __all__ = [
     "DEFAULT_JOB_TTL",

@@ -1,12 +1,16 @@
-"""The coordinator's view of what each rank is doing, and the cross-check on a stall.
+"""The cross-check of the ranks' progress reports: what each rank is doing, and whether their calls
+at the same (group, seq) disagree or some ranks are behind.
 
-Pure: no sockets, no asyncio, no clock of its own (callers pass ``now``). May import foundations
-only, never client/ or the public surface. CoordinatorState keeps one ``JobProgress`` per job and
-feeds it the ``progress`` reports that workers send over their beat connection (protocol
-._coordinator, "Progress"); it turns the verdicts into ``mismatch`` / ``behind`` events and the
-``status`` view into `aiocoll status` lines.
+Pure: no sockets, no asyncio, no clock of its own (callers pass ``now``). A foundation module:
+imports nothing of aiocoll, so both sides use the one mechanism. The coordinator
+(server/_state.py) keeps one ``JobProgress`` per job and feeds it the ``progress`` reports that
+workers send over their beat connection (protocol._coordinator, "Progress"); it turns the
+verdicts into ``mismatch`` / ``behind`` events and the ``status`` view into `aiocoll status`
+lines. A job that rendezvoused through a store and has no coordinator (the torch backend,
+file://) runs the same check on its stalled ranks over reports kept in that store
+(client/_store_progress.py).
 
-Why here: two ranks whose calls disagree but never exchange a message (ranks 0 and 1 in an
+Why: two ranks whose calls disagree but never exchange a message (ranks 0 and 1 in an
 all_reduce ring, rank 2 in a broadcast from 0) cannot find out from each other; only someone who
 hears every rank can compare what they called at the same (group, seq). Workers report only what
 waits longer than a threshold, so this costs nothing while operations complete quickly.
