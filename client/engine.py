@@ -570,7 +570,7 @@ class Engine:
         # Ranks someone waits for that are not themselves stuck at this seq are the culprits.
         ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
         missing = ends or direct
-        # issue 10 hook: the coordinator compared the members' progress and named who is behind.
+        # issue 10 hook: the members' progress reports, compared, named the ranks behind.
         behind = self.progress.behind_at(op.group.gid, op.seq) if op.seq >= 0 else None
         if behind is not None:
             missing = behind[0]
@@ -580,8 +580,8 @@ class Engine:
                 op.seq,
                 missing,
                 op.timeout,
-                message=f"{op.describe()} timed out after {op.timeout}s; the coordinator found that "
-                f"{behind[1]}",
+                message=f"{op.describe()} timed out after {op.timeout}s; the ranks' progress reports "
+                f"show that {behind[1]}",
             )
         else:
             err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
