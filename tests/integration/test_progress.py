@@ -250,6 +250,7 @@ def test_a_straggler_is_named_by_status_while_late_and_by_the_timeout(
     for r in (0, 1):
         res = world_p_results[r]["straggler"]
         assert res["error"] == "CollectiveTimeout" and res["missing"] == [2], res
+        assert "progress reports show that rank(s) [2] have not called" in res["message"], res
 
 
 @pytest.mark.timeout(200)
