@@ -64,6 +64,7 @@ from aiocoll.protocol._coordinator import (
     ERR_TIMEOUT,
     ERR_TOO_LARGE,
     EV_MEMBER_LOST,
+    EV_REFUSED,
     EV_RESTARTED,
     EV_SESSION_LOST,
     HEARTBEAT_INTERVAL,
@@ -398,6 +399,17 @@ class CoordinatorSession(Store):
             self.session_lost = str(event.get("reason", "the coordinator refused to resume the session"))
             log.error("job=%s rank=%s event=session_lost reason=%s", self.job, self._rank, self.session_lost)
             self._stop_heartbeats()
+        elif name == EV_REFUSED:
+            log.warning(
+                "job=%s rank=%s event=join_refused peer=%s reason=%s: the coordinator refused a process "
+                "that tried to join this job; if it is one of this job's ranks, give it the same token "
+                "(AIOCOLL_TOKEN or --token-file) and start it again, or this rendezvous waits for it "
+                "until its timeout",
+                self.job,
+                self._rank,
+                event.get("peer"),
+                event.get("reason"),
+            )
         elif name == EV_RESTARTED:
             log.info("job=%s rank=%s event=coordinator_restarted", self.job, self._rank)
         self._emit(event)

@@ -202,6 +202,9 @@ class _Connection(asyncio.BufferedProtocol):
                     self.peer,
                     self.hs.hello.get("job"),
                 )
+                self._tell_refused(
+                    self.hs, "it hung up after the coordinator's challenge: its token differs (most likely)"
+                )
             return
         reason = "closed by the client" if exc is None else f"connection error: {exc}"
         if self.decoder is not None and self.decoder.mid_frame and not self.closing:
@@ -249,6 +252,7 @@ class _Connection(asyncio.BufferedProtocol):
             log.warning("event=auth_failed peer=%s reason=%s", self.peer, exc)
             transport.write(ServerHandshake.reject_bytes("authentication failed: wrong token"))
             self.close("authentication failed", log_it=False)
+            self._tell_refused(hs, "it failed authentication (a wrong token)")
             return
         except ProtocolError as exc:
             self._protocol_error(exc, reject=True)
@@ -257,6 +261,14 @@ class _Connection(asyncio.BufferedProtocol):
             transport.write(out)
         if hs.done:
             self._authenticated()
+
+    def _tell_refused(self, hs: ServerHandshake, why: str) -> None:
+        """A worker naming a job failed authentication: its members waiting to form a round hear of
+        it (a notice only: the hello is unauthenticated; see CoordinatorState.refused_connection)."""
+        job = hs.hello.get("job")
+        if isinstance(job, str):
+            self.coord.state.refused_connection(job, hs.hello.get("role"), self.peer, why)
+            self.coord._after_batch()
 
     def _authenticated(self) -> None:
         coord = self.coord

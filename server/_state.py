@@ -44,6 +44,7 @@ from aiocoll.protocol._coordinator import (
     EV_BEHIND,
     EV_MEMBER_LOST,
     EV_MISMATCH,
+    EV_REFUSED,
     EV_RESTARTED,
     EV_SESSION_LOST,
     HEARTBEAT_TIMEOUT,
@@ -479,6 +480,19 @@ class CoordinatorState:
             self.closes.append((old.id, f"rank {member.rank}'s beats moved to a new connection"))
         member.beat = conn
         conn.beat_of = member
+
+    def refused_connection(self, job: str, role: object, peer: str, reason: str) -> None:
+        """A connection naming ``job`` failed authentication: tell that job's members waiting in a
+        forming round (EV_REFUSED), so their logs say why a rank may never arrive. Only a notice:
+        the hello is unauthenticated, and an outsider must not be able to fail a rendezvous."""
+        j = self.jobs.get(job)
+        rnd = j.round if j is not None else None
+        if role != ROLE_WORKER or rnd is None or rnd.complete:
+            return
+        event = {"ev": EV_REFUSED, "peer": peer[:300], "reason": reason[:500]}
+        for m in rnd.members.values():
+            if m.state == "joining" and m.conn is not None:
+                self.outbox.append((m.conn.id, event, b""))
 
     def disconnect(self, conn_id: int, reason: str) -> None:
         """Forget a connection: drop its waiters, declare its member lost (unless it left)."""

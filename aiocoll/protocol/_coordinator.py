@@ -68,6 +68,10 @@ Events (coordinator -> worker, unsolicited, no "id"): ``{"ev": EV_*, ...}``:
                   msg                 member of the group fails that operation with MismatchError
     behind        group, seq, ranks,  members of the group that have not called seq yet while
                   msg                 others wait there (named in a CollectiveTimeout later)
+    refused       peer, reason        sent to the members waiting in a forming round when a worker
+                                      connection that named this job failed authentication (a wrong
+                                      token): informational only, since nothing an unauthenticated
+                                      peer says may fail anyone's rendezvous
 
 Sessions and liveness: a connection with role ROLE_WORKER that has joined is a member's session.
 The worker sends ``hb`` every HEARTBEAT_INTERVAL seconds (any request counts as a heartbeat). The
@@ -127,6 +131,7 @@ __all__ = [
     "EV_SESSION_LOST",
     "EV_MISMATCH",
     "EV_BEHIND",
+    "EV_REFUSED",
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "MAX_KEY_BYTES",
@@ -167,6 +172,7 @@ EV_RESTARTED = "restarted"
 EV_SESSION_LOST = "session_lost"
 EV_MISMATCH = "mismatch"
 EV_BEHIND = "behind"
+EV_REFUSED = "refused"
 
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TIMEOUT = 10.0

@@ -290,13 +290,14 @@ def test_a_frozen_rank_is_reported_lost_within_seconds(world_p_results: list[dic
 # -- refused joins ---------------------------------------------------------------------------
 
 _JOINER = """
-import asyncio, sys, time
+import asyncio, logging, sys, time
 import aiocoll
+logging.basicConfig(level=logging.WARNING)
 async def main():
     t0 = time.monotonic()
     try:
         pg = await aiocoll.init_process_group(sys.argv[1], rank=int(sys.argv[2]), world_size=int(sys.argv[3]),
-                                              timeout=60, job=sys.argv[4])
+                                              timeout=float(sys.argv[5]), job=sys.argv[4])
     except Exception as exc:
         print(f"{type(exc).__name__}|{time.monotonic() - t0:.2f}|{exc}", flush=True)
         return
@@ -320,7 +321,7 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
         for job, late in (("dup", ["1", "3"]), ("size", ["2", "4"])):
             waiting = [
                 subprocess.Popen(
-                    [sys.executable, "-c", _JOINER, url, str(rank), "3", job],
+                    [sys.executable, "-c", _JOINER, url, str(rank), "3", job, "60"],
                     env=env,
                     stdout=subprocess.PIPE,
                     text=True,
@@ -330,7 +331,7 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
             time.sleep(3.0)  # both are waiting in the rendezvous now
             started = time.monotonic()
             refused = subprocess.run(
-                [sys.executable, "-c", _JOINER, url, late[0], late[1], job],
+                [sys.executable, "-c", _JOINER, url, late[0], late[1], job, "60"],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -344,6 +345,30 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
                 assert "refused a join" in message
                 assert ("same rank" in message) if job == "dup" else ("world size 4" in message)
             assert time.monotonic() - started < BOUND  # not the 60 s rendezvous timeout
+        # A wrong token: the waiting members only hear of it (in their log), they are not failed.
+        waiting = [
+            subprocess.Popen(
+                [sys.executable, "-c", _JOINER, url, str(rank), "3", "tok", "6"],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+        time.sleep(2.0)
+        wrong = subprocess.run(
+            [sys.executable, "-c", _JOINER, url, "2", "3", "tok", "60"],
+            env=dict(env, AIOCOLL_TOKEN="not-the-token"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert wrong.stdout.startswith("RendezvousError|") or wrong.stdout.startswith("AuthenticationError|")
+        for proc in waiting:
+            out, err = proc.communicate(timeout=30)
+            assert out.startswith("RendezvousError|") and "timed out" in out, out  # their own timeout
+            assert "event=join_refused" in err and "give it the same token" in err, err
     finally:
         coordinator.terminate()
         coordinator.wait(10)

@@ -124,3 +124,21 @@ def test_a_malformed_report_is_refused_and_nothing_is_kept() -> None:
     store = h.connect(role="store")
     refused(h.call(store, "progress", ops=[], seqs={}), ERR_INVALID)
     assert h.state.status("j")[0]["progress_reports"] == 0
+
+
+def test_a_wrong_token_join_is_reported_to_the_members_waiting_in_a_forming_round_only() -> None:
+    h = Harness()
+    waiting = h.connect()
+    join(h, waiting, 0, 2)
+    h.state.refused_connection("j", "worker", "10.0.0.9:4242", "it failed authentication (a wrong token)")
+    (event,) = _events(h, waiting)
+    assert event["ev"] == "refused" and event["peer"] == "10.0.0.9:4242" and "wrong token" in event["reason"]
+    h.state.refused_connection("j", "admin", "10.0.0.9:4242", "wrong token")  # not a would-be member
+    h.state.refused_connection("other-job", "worker", "10.0.0.9:4242", "wrong token")
+    assert _events(h, waiting) == []
+    late = h.connect()
+    join(h, late, 1, 2)  # the round completes: nobody waits any more
+    h.out()
+    h.state.refused_connection("j", "worker", "10.0.0.9:4242", "wrong token")
+    assert h.out() == []
+    assert all(m["alive"] for m in h.state.status("j")[0]["members"])  # a notice, never a failure
