@@ -245,16 +245,25 @@ def run_collectives(args: argparse.Namespace) -> int:
     impls = ["aiocoll", *contenders]
     total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops) * len(impls)
     progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
-    pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
+    pending: dict[tuple[str, int, str], dict[int, tuple[list[float], dict[str, float]]]] = defaultdict(dict)
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     printed_header: set[str] = set()
     all_rows: list[dict[str, Any]] = []
     started = time.monotonic()
 
-    def record(op: str, size: int, impl: str, per_rank: list[list[float]], algorithm: str) -> None:
+    def record(
+        op: str,
+        size: int,
+        impl: str,
+        per_rank: list[list[float]],
+        usage: list[dict[str, float]],
+        algorithm: str,
+    ) -> None:
         """One implementation finished one op and size on every rank: print the row once all did."""
         row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
         row[impl] = summarize(op, size, n, per_rank)
+        # per operation, averaged over the ranks (JSON only): CPU µs, voluntary/involuntary switches
+        row[impl]["usage"] = {key: sum(u[key] for u in usage) / len(usage) for key in usage[0]}
         if impl == "aiocoll":
             row["algorithm"] = algorithm
         progress.step(f"{impl} {op} {format_bytes(size)}")
@@ -271,7 +280,9 @@ def run_collectives(args: argparse.Namespace) -> int:
 
     if "mpi" in contenders:
         try:
-            run_mpi_phase(cfg, lambda op, size, per_rank: record(op, size, "mpi", per_rank, ""), args.timeout)
+            run_mpi_phase(
+                cfg, lambda op, size, times, usage: record(op, size, "mpi", times, usage, ""), args.timeout
+            )
         except (MpiUnavailable, RuntimeError) as exc:
             raise BenchError(str(exc)) from None
 
@@ -323,11 +334,12 @@ def run_collectives(args: argparse.Namespace) -> int:
                 continue
             if kind != "times":
                 continue
-            _, rank, op, size, impl, times, algorithm = message
+            _, rank, op, size, impl, times, algorithm, usage = message
             key = (op, size, impl)
-            pending[key][rank] = times
+            pending[key][rank] = (times, usage)
             if len(pending[key]) == n:
-                record(op, size, impl, list(pending.pop(key).values()), algorithm)
+                reports = list(pending.pop(key).values())
+                record(op, size, impl, [t for t, _ in reports], [u for _, u in reports], algorithm)
         for proc in procs:
             proc.join(10)
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import resource
 import time
 import traceback
 import warnings
@@ -191,7 +192,21 @@ class _AlgorithmHook:
         return algorithm
 
 
-async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float]:
+def _rusage() -> tuple[float, int, int]:
+    """(CPU seconds, voluntary, involuntary context switches) of this process, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
+
+
+def usage_per_op(before: tuple[float, int, int], iters: int) -> dict[str, float]:
+    """What the timed iterations since ``before`` cost this process per operation: CPU time
+    (µs), voluntary context switches (it blocked: waits, wake-ups) and involuntary ones (it was
+    preempted: the CPU was wanted elsewhere). Under load these explain where time went."""
+    cpu, voluntary, involuntary = (a - b for a, b in zip(_rusage(), before, strict=True))
+    return {"cpu_us": cpu * 1e6 / iters, "vcsw": voluntary / iters, "ivcsw": involuntary / iters}
+
+
+async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> tuple[list[float], dict[str, float]]:
     pg = runner.pg
     call = runner.calls()
     if runner.op != "barrier":
@@ -208,11 +223,12 @@ async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float
     await pg.barrier()
     times = []
     clock = time.perf_counter
+    before = _rusage()
     for _ in range(iters):
         start = clock()
         await call()
         times.append(clock() - start)
-    return times
+    return times, usage_per_op(before, iters)
 
 
 # gloo's calls block. They run on the event loop's own thread, as a plain torch script would run
@@ -222,7 +238,7 @@ async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float
 _GLOO_SLICE = 0.5
 
 
-async def time_blocking(runner: OpRunner, warmup: int, iters: int) -> list[float]:
+async def time_blocking(runner: OpRunner, warmup: int, iters: int) -> tuple[list[float], dict[str, float]]:
     """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks)."""
     dist = runner.pg
     call = runner.calls()
@@ -249,12 +265,13 @@ async def time_blocking(runner: OpRunner, warmup: int, iters: int) -> list[float
         await breathe()
     dist.barrier()
     times = []
+    before = _rusage()
     for _ in range(iters):
         start = clock()
         call()
         times.append(clock() - start)
         await breathe()
-    return times
+    return times, usage_per_op(before, iters)
 
 
 async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) -> None:
@@ -303,16 +320,29 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
                     bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n)
-                    times = await _time_aiocoll(OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"])
+                    times, usage = await _time_aiocoll(
+                        OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
+                    )
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
                 else:
                     bufs = Buffers(sized, cfg["dtype"], True, rank, n)
                     runner = OpRunner(impl, op, bufs, dist)
-                    times = await time_blocking(runner, cfg["warmup"], cfg["iters"])
+                    times, usage = await time_blocking(runner, cfg["warmup"], cfg["iters"])
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
                     times = [t / 2 for t in times] if rank == 0 else []
-                put(("times", rank, op, sized.size, impl, times, algorithm if impl == "aiocoll" else ""))
+                put(
+                    (
+                        "times",
+                        rank,
+                        op,
+                        sized.size,
+                        impl,
+                        times,
+                        algorithm if impl == "aiocoll" else "",
+                        usage,
+                    )
+                )
     await pg.destroy()
     if dist is not None:
         await asyncio.to_thread(dist.destroy_process_group)
