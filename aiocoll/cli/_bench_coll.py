@@ -178,6 +178,13 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
             "torch is not installed, so there is nothing to compare with: install it "
             "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch"
         )
+    if args.transport is not None:
+        from aiocoll.client.transports import transport_choice
+
+        try:  # the link factory's own check, here before any process starts
+            transport_choice(args.transport)
+        except ValueError as exc:
+            raise BenchError(f"--transport {args.transport}: {exc}") from None
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         raise BenchError(
             "--loop uvloop: uvloop is not installed (pip install uvloop) — or use --loop asyncio"

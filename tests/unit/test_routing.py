@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiocoll.client.routing import choose_route, host_layout, run_routed
-from aiocoll.client.transports.memory import MemoryTransport, MemoryWorld
+from aiocoll.client.transports.memory import MemoryLink, MemoryWorld
 
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec
@@ -44,19 +44,19 @@ def test_only_an_all_reduce_over_several_crowded_hosts_with_a_regroupable_op_goe
 
 
 class _CrossHostCounter:
-    """Counts the payload bytes each send puts between two different hosts."""
+    """Counts the payload bytes the memory links carry between two different hosts."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.bytes = 0
-        original = MemoryTransport.send
+        original = MemoryLink.send_nowait
         counter = self
 
-        async def send(self: MemoryTransport, dst: int, tag: Any, payload: memoryview, meta: Any) -> None:
-            if HOSTS[self.rank] != HOSTS[dst]:
+        def send_nowait(self: MemoryLink, tag: Any, payload: memoryview, meta: Any) -> Any:
+            if HOSTS[self._owner.rank] != HOSTS[self.peer]:
                 counter.bytes += payload.nbytes
-            await original(self, dst, tag, payload, meta)
+            return original(self, tag, payload, meta)
 
-        monkeypatch.setattr(MemoryTransport, "send", send)
+        monkeypatch.setattr(MemoryLink, "send_nowait", send_nowait)
 
 
 @pytest.mark.timeout(60)
@@ -97,9 +97,9 @@ async def test_hierarchical_all_reduce_matches_numpy_and_sends_one_vector_per_ho
     )
     for x in xs:
         np.testing.assert_array_equal(x, expected)
-    # Three leaders: an all_reduce among 3 moves at most 2 * 3 vectors between hosts (flat among
-    # 6 ranks would move at least 2 * 5 * (5/6) vectors, most of them across hosts).
-    assert counter.bytes <= 2 * 3 * count * 8 + 64
+    # Three leaders: an all_reduce among 3 moves between 2 and 6 vectors between hosts (flat among
+    # these 6 ranks moved 8-10 vectors across hosts, measured with this counter).
+    assert 2 * count * 8 <= counter.bytes <= 2 * 3 * count * 8 + 64
 
 
 @pytest.mark.timeout(30)
