@@ -192,18 +192,45 @@ class _AlgorithmHook:
         return algorithm
 
 
-def _rusage() -> tuple[float, int, int]:
-    """(CPU seconds, voluntary, involuntary context switches) of this process, every thread."""
+_Usage = tuple[float, float, int, int, dict[str, int]]
+
+
+def _thread_ticks() -> dict[str, int]:
+    """CPU clock ticks (user + system) of each thread of this process, by thread id (Linux)."""
+    ticks = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as handle:
+                fields = handle.read().rpartition(")")[2].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+    except OSError:
+        pass
+    return ticks
+
+
+def _rusage() -> _Usage:
+    """(wall clock, CPU seconds, voluntary and involuntary context switches, per-thread ticks)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime, usage.ru_nvcsw, usage.ru_nivcsw
+    cpu = usage.ru_utime + usage.ru_stime
+    return time.perf_counter(), cpu, usage.ru_nvcsw, usage.ru_nivcsw, _thread_ticks()
 
 
-def usage_per_op(before: tuple[float, int, int], iters: int) -> dict[str, float]:
+def usage_per_op(before: _Usage, iters: int) -> dict[str, float]:
     """What the timed iterations since ``before`` cost this process per operation: CPU time
-    (µs), voluntary context switches (it blocked: waits, wake-ups) and involuntary ones (it was
-    preempted: the CPU was wanted elsewhere). Under load these explain where time went."""
-    cpu, voluntary, involuntary = (a - b for a, b in zip(_rusage(), before, strict=True))
-    return {"cpu_us": cpu * 1e6 / iters, "vcsw": voluntary / iters, "ivcsw": involuntary / iters}
+    (µs, every thread), voluntary context switches (it blocked: waits, wake-ups), involuntary
+    ones (it was preempted: the CPU was wanted elsewhere), and how many threads did a tenth or
+    more of that CPU work (under load each runnable thread gets its own share of the cores)."""
+    wall, cpu, voluntary, involuntary, ticks = _rusage()
+    cpu -= before[1]
+    grown = [t - before[4].get(tid, 0) for tid, t in ticks.items()]
+    busy = sum(1 for g in grown if g > 0.1 * sum(grown)) if sum(grown) > 0 else 0
+    return {
+        "cpu_us": cpu * 1e6 / iters,
+        "cpu_share": cpu / (wall - before[0]) if wall > before[0] else 0.0,
+        "vcsw": (voluntary - before[2]) / iters,
+        "ivcsw": (involuntary - before[3]) / iters,
+        "busy_threads": busy,
+    }
 
 
 async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> tuple[list[float], dict[str, float]]:
