@@ -29,7 +29,9 @@ import numpy as np
 
 from aiocoll._deadline import Deadline, to_seconds
 from aiocoll._errors import DistError, MismatchError, RendezvousError
+from aiocoll._ipc import ipc_groups
 from aiocoll._reduce import check_reduce_op
+from aiocoll._staged_ops import StagedOp, has_device_arrays
 from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
@@ -245,6 +247,8 @@ class ProcessGroup:
         root: int = 0,
         op: ReduceOp = ReduceOp.SUM,
     ) -> Work:
+        if has_device_arrays(send, recv):
+            return self._staged_collective(kind, meta, send, recv, workings, result, timeout, root, op)
         spec = CollectiveSpec(
             kind,
             tuple(self.ranks),
@@ -287,6 +291,33 @@ class ProcessGroup:
 
         return self._submit(kind, body, timeout)
 
+    def _staged_collective(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Working],
+        result: Any,
+        timeout: Any,
+        root: int,
+        op: ReduceOp,
+    ) -> Work:
+        """A collective over device tensors, chunk by chunk through pinned staging."""
+        staged = StagedOp(
+            kind, self.size, send, recv, rank=self._rt.transport.rank, group_key=(id(self._rt), self.group_id)
+        )
+        ranks, me, gid = tuple(self.ranks), self.rank, self.group_id
+
+        async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
+            what = f"{kind} (group {gid!r}, seq {tag[2]})"
+            await staged.collective(transport, tag, meta, ranks=ranks, me=me, root=root, op=op, what=what)
+            for w in workings:
+                w.finish()
+            return result
+
+        return self._submit(kind, body, timeout)
+
     def _meta(
         self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
     ) -> dict[str, Any]:
@@ -312,6 +343,16 @@ class ProcessGroup:
         w = as_working(tensor, read=True, write=False)
         meta = {"dtype": w.dtype_name, "count": w.numel}
         peer = self.ranks[d]
+        if has_device_arrays((w.array,)):
+            staged = StagedOp("send", self.size, (w.array,), (), rank=self._rt.transport.rank)
+            what = f"send (group {self.group_id!r}, tag {utag}) to rank {d}"
+
+            async def staged_body(t: tuple[Any, ...], transport: OpTransport) -> None:
+                await staged.send_to(transport, t, peer, meta, what)
+
+            work = self._submit("send", staged_body, timeout, p2p_tag=utag, peers=(peer,))
+            staged.chain(("send", id(self._rt), self.group_id, utag, peer), work)
+            return work
         payload = _bytes_of(w.array)
 
         async def body(t: tuple[Any, ...], transport: OpTransport) -> None:
@@ -331,14 +372,22 @@ class ProcessGroup:
             raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
         utag = _check_tag(tag)
         w = as_working(tensor, read=False, write=True)
-        into = _bytes_of(w.array)
         name = w.dtype_name
         peer = None if s is None else self.ranks[s]
         index = {g: i for i, g in enumerate(self.ranks)}
         gid = self.group_id
+        staged: StagedOp | None = None
+        if has_device_arrays((w.array,)):
+            staged = StagedOp("recv", self.size, (), (w.array,), rank=self._rt.transport.rank)
+            what = f"recv (group {gid!r}, tag {utag})"
+        else:
+            into = _bytes_of(w.array)
 
         async def body(t: tuple[Any, ...], transport: OpTransport) -> int:
-            got, meta = await transport.recv(peer, t, into)
+            if staged is not None:
+                got, meta = await staged.recv_from(transport, t, peer, what)
+            else:
+                got, meta = await transport.recv(peer, t, into)
             if meta.get("dtype") != name:
                 raise MismatchError(
                     f"recv (group {gid!r}, tag {utag}): rank {index.get(got, got)} sent {meta.get('dtype')} "
@@ -349,7 +398,10 @@ class ProcessGroup:
             w.finish()
             return index[got]
 
-        return self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
+        work = self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
+        if staged is not None:
+            staged.chain(("recv", id(self._rt), gid, utag), work)
+        return work
 
     isend = send
     irecv = recv
@@ -736,8 +788,10 @@ class ProcessGroup:
         self._destroyed = True
         if self._owner:
             await self._rt.aclose()
+            ipc_groups.forget((id(self._rt),))
         else:
             self._rt.engine.forget_group(self.group_id)
+            ipc_groups.forget((id(self._rt), self.group_id))
 
     async def __aenter__(self) -> ProcessGroup:
         return self

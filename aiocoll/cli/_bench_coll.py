@@ -168,11 +168,11 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
         raise BenchError("--iters must be at least 1 and --warmup at least 0")
     if args.dtype not in DTYPE_SIZES:
         raise BenchError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-    if args.dtype == "bfloat16" and args.tensor != "torch":
+    if args.dtype == "bfloat16" and args.tensor == "numpy":
         raise BenchError("numpy has no bfloat16: add --tensor torch to measure bfloat16")
     if "mpi" in args.contenders and args.dtype not in MPI_DTYPES:
         raise BenchError(f"--vs mpi: MPI has no {args.dtype} reduction; use one of {', '.join(MPI_DTYPES)}")
-    needs_torch = "gloo" in args.contenders or args.tensor == "torch"
+    needs_torch = bool({"gloo", "nccl"} & set(args.contenders)) or args.tensor != "numpy"
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise BenchError(
             "torch is not installed, so there is nothing to compare with: install it "
@@ -185,6 +185,26 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
             transport_choice(args.transport)
         except ValueError as exc:
             raise BenchError(f"--transport {args.transport}: {exc}") from None
+    _check_cuda_args(args)
+
+
+def _check_cuda_args(args: argparse.Namespace) -> None:
+    if "nccl" in args.contenders and args.tensor != "torch-cuda":
+        raise BenchError("--vs nccl measures CUDA tensors: add --tensor torch-cuda")
+    if args.tensor == "torch-cuda":
+        from aiocoll._cuda import cuda_unavailable
+
+        why = cuda_unavailable()
+        if why is not None:
+            raise BenchError(
+                f"--tensor torch-cuda needs a CUDA device, and {why}; run it on a machine with a GPU, "
+                "or measure CPU tensors with --tensor torch"
+            )
+    if "nccl" in args.contenders:
+        import torch.distributed
+
+        if not torch.distributed.is_nccl_available():
+            raise BenchError("--vs nccl: this torch has no NCCL; use --vs gloo")
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         raise BenchError(
             "--loop uvloop: uvloop is not installed (pip install uvloop) — or use --loop asyncio"
@@ -227,7 +247,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         raise BenchError(str(exc)) from None
     n = args.world_size
     contenders: list[str] = list(args.contenders)
-    with_gloo = "gloo" in contenders
+    with_torch = bool({"gloo", "nccl"} & set(contenders))  # torch.distributed in the workers
     args.loop = resolve_loop(args.loop)
     cfg = {
         "world_size": n,
@@ -297,7 +317,7 @@ def run_collectives(args: argparse.Namespace) -> int:
     cfg["port"] = coordinator.port
     # torch's rendezvous goes through a TCPStore server of its own (port 0: no race for a port)
     try:
-        gloo_store = start_tcpstore() if with_gloo else None
+        gloo_store = start_tcpstore() if with_torch else None
     except BaseException:
         coordinator.stop()
         raise

@@ -32,7 +32,9 @@ Msg = tuple[Any, ...]
 class Buffers:
     """The input/output buffers of one op at one size, as numpy arrays or torch tensors."""
 
-    def __init__(self, sized: SizedOp, dtype: str, use_torch: bool, rank: int, world_size: int) -> None:
+    def __init__(
+        self, sized: SizedOp, dtype: str, use_torch: bool, rank: int, world_size: int, device: Any = None
+    ) -> None:
         self.sized = sized
         self.rank = rank
         self.n = world_size
@@ -40,8 +42,8 @@ class Buffers:
             import torch
 
             tdtype = getattr(torch, dtype)
-            self.inp: Any = torch.zeros(sized.in_count, dtype=tdtype)
-            self.out: Any = torch.zeros(sized.out_count, dtype=tdtype)
+            self.inp: Any = torch.zeros(sized.in_count, dtype=tdtype, device=device)
+            self.out: Any = torch.zeros(sized.out_count, dtype=tdtype, device=device)
         else:
             import numpy as np
 
@@ -265,10 +267,24 @@ async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> tuple[list
 _GLOO_SLICE = 0.5
 
 
-async def time_blocking(runner: OpRunner, warmup: int, iters: int) -> tuple[list[float], dict[str, float]]:
-    """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks)."""
+async def time_blocking(
+    runner: OpRunner, warmup: int, iters: int, *, on_device: bool = False
+) -> tuple[list[float], dict[str, float]]:
+    """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks).
+
+    ``on_device``: CUDA tensors, whose calls (NCCL's) return once the work is queued on a
+    stream; each timed call then includes waiting for the device, as aiocoll's does."""
     dist = runner.pg
     call = runner.calls()
+    if on_device:
+        from aiocoll._cuda import synchronize
+
+        issue = call
+
+        def call() -> Any:
+            issue()
+            synchronize()
+
     clock = time.perf_counter
     slice_start = clock()
 
@@ -305,14 +321,19 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
     import aiocoll
 
     dist: Any = None
-    with_gloo = "gloo" in cfg["vs"]
-    if with_gloo or cfg["tensor"] == "torch":
+    theirs = next((c for c in cfg["vs"] if c in ("gloo", "nccl")), None)  # torch.distributed's
+    device = None
+    if cfg["tensor"] == "torch-cuda":
+        from aiocoll._cuda import device_count, set_device
+
+        device = set_device(rank % device_count())
+    if theirs or cfg["tensor"] != "numpy":
         # Import torch before joining: an import of seconds inside the running group would stall
         # the event loop past the coordinator's heartbeat timeout.
         warnings.simplefilter("ignore", FutureWarning)  # torch's renames of *_tensor ops
         import torch.distributed
 
-        if with_gloo:
+        if theirs:
             dist = torch.distributed
     n = cfg["world_size"]
     pg = await aiocoll.init_process_group(
@@ -329,12 +350,12 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
             "127.0.0.1", cfg["gloo_port"], is_master=False, wait_for_workers=False, timeout=timeout
         )
         await asyncio.to_thread(
-            dist.init_process_group, "gloo", store=store, rank=rank, world_size=n, timeout=timeout
+            dist.init_process_group, theirs, store=store, rank=rank, world_size=n, timeout=timeout
         )
     put(("ready", rank))
-    use_torch = cfg["tensor"] == "torch"
+    use_torch = cfg["tensor"] != "numpy"
     hook = _AlgorithmHook(cfg["algorithm"])
-    impls = ["aiocoll", "gloo"] if dist is not None else ["aiocoll"]
+    impls = ["aiocoll", theirs] if theirs else ["aiocoll"]
     step = 0
     for op in cfg["ops"]:
         sizes = [0] if op == "barrier" else cfg["sizes"]
@@ -346,15 +367,22 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
             for impl in order:
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
-                    bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n)
+                    bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n, device)
                     times, usage = await _time_aiocoll(
                         OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
                     )
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
+                    if device is not None:
+                        from aiocoll._staged_ops import StagedOp
+
+                        algorithm = f"{algorithm}+{StagedOp.last_path}"  # which device path ran
                 else:
-                    bufs = Buffers(sized, cfg["dtype"], True, rank, n)
+                    bufs = Buffers(sized, cfg["dtype"], True, rank, n, device)
                     runner = OpRunner(impl, op, bufs, dist)
-                    times, usage = await time_blocking(runner, cfg["warmup"], cfg["iters"])
+                    on_device = device is not None
+                    times, usage = await time_blocking(
+                        runner, cfg["warmup"], cfg["iters"], on_device=on_device
+                    )
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
                     times = [t / 2 for t in times] if rank == 0 else []
