@@ -21,7 +21,7 @@ import logging
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -36,10 +36,11 @@ from aiocoll._staged_ops import StagedOp, has_device_arrays
 from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
-from aiocoll.algorithms import CollectiveSpec, run_collective
+from aiocoll.algorithms import CollectiveSpec
 from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
 from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
+from aiocoll.client.routing import choose_route, host_layout, run_routed
 from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
 from aiocoll.client.transports.tcp import route_interface
 from aiocoll.stores import FileStore, Store
@@ -138,8 +139,11 @@ class _Runtime:
         store: Store | None = None,
         owns_store: bool = False,
         default_timeout: float | None,
+        hosts: Mapping[int, str] | None = None,
     ) -> None:
         self.engine = engine
+        # global rank -> host identity, from the membership table (empty: unknown, nothing assumed)
+        self.hosts: Mapping[int, str] = hosts or {}
         self.transport = transport
         self.session = session
         self.coordinator = coordinator
@@ -200,6 +204,7 @@ class ProcessGroup:
         self.ranks = list(state.ranks)
         self.group_id = state.gid
         self._destroyed = False
+        self._layout = host_layout(self.ranks, state.ranks[state.index], runtime.hosts)
 
     def __repr__(self) -> str:
         return f"<aiocoll.ProcessGroup {self.group_id!r} rank {self.rank}/{self.size} ranks={self.ranks}>"
@@ -262,7 +267,9 @@ class ProcessGroup:
             dtype=meta.get("dtype"),
         )
 
-        plan = eager_plan(spec, meta)
+        layout = self._layout
+        route = choose_route(kind, op, layout)
+        plan = eager_plan(spec, meta) if route == "flat" else None
         if plan is not None:
             # Small single-lane operations run from message callbacks, without a task.
             def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> EagerLane:
@@ -288,7 +295,7 @@ class ProcessGroup:
             )
 
         async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
-            await run_collective(spec, transport, tag, meta)
+            await run_routed(spec, transport, tag, meta, layout)
             for w in workings:
                 w.finish()
             return result
@@ -667,11 +674,11 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             size = np.array([len(data)], dtype=np.int64)
             meta = {"kind": "broadcast_object", "root": root}
-            await run_collective(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta)
+            await run_routed(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta, self._layout)
             buf = (
                 np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
             )
-            await run_collective(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta, self._layout)
             return obj if me == root else pickle.loads(buf.tobytes())
 
         signature = {"kind": "broadcast_object", "root": root}
@@ -688,7 +695,7 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)]
             meta = {"kind": "all_gather_object"}
-            await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta)
+            await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta, self._layout)
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
         signature = {"kind": "all_gather_object"}
@@ -697,7 +704,7 @@ class ProcessGroup:
     async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
         mine = np.array([n], dtype=np.int64)
         outs = [np.empty(1, np.int64) for _ in range(self.size)]
-        await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind})
+        await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind}, self._layout)
         return np.array([int(o[0]) for o in outs], dtype=np.int64)
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
@@ -713,7 +720,7 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)] if me == root else []
             meta = {"kind": "gather_object", "root": root}
-            await run_collective(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta, self._layout)
             if me != root:
                 return None
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
@@ -736,7 +743,7 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             sizes = np.array([len(b) for b in blobs] or [0] * self.size, dtype=np.int64)
             meta = {"kind": "scatter_object", "root": root}
-            await run_collective(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta)
+            await run_routed(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta, self._layout)
             longest = int(sizes.max())
             send = []
             if me == root:
@@ -745,7 +752,7 @@ class ProcessGroup:
                     arr[: len(b)] = np.frombuffer(b, np.uint8)
                     send.append(arr)
             out = np.empty(longest, np.uint8)
-            await run_collective(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta, self._layout)
             return pickle.loads(out[: int(sizes[me])].tobytes())
 
         signature = {"kind": "scatter_object", "root": root}
@@ -777,7 +784,7 @@ class ProcessGroup:
         meta = {"kind": "new_group", "ranks": chosen}
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
-            await run_collective(self._spec("barrier", (), ()), tp, tag, meta)
+            await run_routed(self._spec("barrier", (), ()), tp, tag, meta, self._layout)
             return f"{self.group_id}.{tag[2]}"
 
         gid = await self._submit("new_group", body, timeout, signature=meta)
@@ -991,7 +998,12 @@ async def _init_with_coordinator(
         session.on_event(functools.partial(_on_verdict, engine))
         session.start_beats(engine.progress.report)
         runtime = _Runtime(
-            engine, transport, session=session, coordinator=coordinator, default_timeout=seconds
+            engine,
+            transport,
+            session=session,
+            coordinator=coordinator,
+            default_timeout=seconds,
+            hosts={m.rank: m.host for m in membership.members},
         )
     except BaseException:
         await transport.aclose()
@@ -1092,6 +1104,13 @@ async def _init_with_store(
             with contextlib.suppress(Exception):
                 await store.aclose()
         raise
-    runtime = _Runtime(engine, transport, store=store, owns_store=owns, default_timeout=seconds)
+    runtime = _Runtime(
+        engine,
+        transport,
+        store=store,
+        owns_store=owns,
+        default_timeout=seconds,
+        hosts={row.rank: row.host for row in table},
+    )
     runtime.store_progress = progress
     return ProcessGroup(runtime, engine.group(WORLD_GID, range(world_size)), owner=True)
