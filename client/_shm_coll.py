@@ -1,0 +1,565 @@
+"""Collectives that read each other's memory, for groups whose members all share one host.
+
+Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._types) and client._shm; never
+the public surface. The arenas and their exchange are client._shm's; this module holds what
+runs over them: one region per group in every member's arena, the operations as generators
+that yield what they wait for, and the driver that waits (spin, then sleep on the eventfd).
+
+A group's region in each member's arena (cache lines apart, so writers do not share them):
+
+    0     sleeping   1 while the owner sleeps on its eventfd (publishers then wake it)
+    64    inp        last step whose input (and signature) the owner has written
+    128   red        last step whose share the owner has reduced into its result area
+    192   done       last step whose data the owner has finished reading (its slots are free)
+    256   sig[2]     per slot: the operation's seq and signature (kind, root, dtype, count, op)
+    4096  data       two slots (step t uses slot t % 2), each an input area and a result area
+                     of ``chunk`` bytes
+
+Every operation is a sequence of steps, numbered alike on every member (the group runs its
+operations in call order). A step: wait until every member finished reading the slot two steps
+back (``done``), write my part into my slot, publish ``inp``; wait for everyone's ``inp``; read
+the others' slots directly (a reduction reads the others' inputs for my share of the chunk and
+publishes the share as ``red``; everyone then copies all shares); publish ``done``. Large
+payloads run as many steps of ``chunk`` bytes, the next step's input written while the peers
+still reduce the current one. The first step of every operation compares every member's
+signature with ours before any data is read: a mismatch raises MismatchError on every member.
+Reductions go through aiocoll._reduce (the one set of kernels), folded in rank order, so every
+member computes the same bits (rank-order left fold, as numpy's reference does).
+
+Waiting: the owner spins for a bounded time (with sched_yield when the host has more ranks
+than cores, so a waiting rank does not starve the one it waits for), then sets ``sleeping``,
+re-checks, and returns to the event loop, which watches the eventfd; a publisher writes to the
+eventfd of every peer that sleeps. The flag write and the check (and the counter write and the
+flag read) are separated by a full memory barrier (``_shm.fence``), so a wake-up cannot be lost;
+a slow timer re-checks anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from aiocoll._errors import DistError, MismatchError, PeerLostError
+from aiocoll._reduce import finish_avg, reduce_into
+from aiocoll._types import ReduceOp
+
+from ._shm import ARENA_HEADER, ShmHost, fence
+
+__all__ = ["ShmGroup", "ShmWaker", "region_bytes"]
+
+# counters, as indexes into the region's int64 view
+_SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
+_SIG = 256
+_SIG_BYTES = 256
+_DATA = 4096
+_SIG_HEAD = struct.Struct("<qH")
+_RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
+
+Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
+Finish = Callable[[Any, BaseException | None], None]
+OpGen = Generator[Wait, None, Any]
+
+
+def region_bytes(chunk: int) -> int:
+    """Bytes of one group region for steps of ``chunk`` bytes."""
+    return _DATA + 4 * chunk
+
+
+class _ShmOp:
+    __slots__ = ("finish", "gen", "group", "wait")
+
+    def __init__(self, group: ShmGroup, gen: OpGen, finish: Finish) -> None:
+        self.group = group
+        self.gen = gen
+        self.finish = finish
+        self.wait: Wait | None = None
+
+    def stop(self) -> None:
+        """The engine failed this operation (deadline, closing): the group is out of step."""
+        self.group._stop(self)
+
+
+class ShmWaker:
+    """Watches this process's eventfd and resumes the groups sleeping on it."""
+
+    def __init__(self, host: ShmHost) -> None:
+        self._efd = host.efd
+        self._loop = asyncio.get_running_loop()
+        self.sleeping: set[ShmGroup] = set()
+        self._loop.add_reader(self._efd, self._on_wake)
+        self.wakeups = 0
+
+    def _on_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._efd)
+        self.wakeups += 1
+        self.resume()
+
+    def resume(self) -> None:
+        for group in list(self.sleeping):
+            group._wake()
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self._efd)
+
+
+class ShmGroup:
+    """One process group's collectives over the members' arenas.
+
+    Every member must create its ShmGroup (which clears its own region) before any member starts
+    an operation in it; the group's creation is itself collective, which orders that.
+
+    Args:
+        host: this process's ShmHost, connected to every other member.
+        waker: the host's ShmWaker. region: the group's region index (the same on every member).
+        ranks: members' global ranks, by group rank. me: my group rank.
+        chunk: bytes per step (the same on every member). ranks_on_host: processes on this host
+            that may spin at once (decides whether waiting yields the CPU).
+        spin_s: how long to spin before sleeping.
+    """
+
+    def __init__(
+        self,
+        host: ShmHost,
+        waker: ShmWaker,
+        region: int,
+        ranks: Sequence[int],
+        me: int,
+        *,
+        chunk: int,
+        ranks_on_host: int,
+        spin_s: float | None = None,
+    ) -> None:
+        if not 0 <= region < host.regions or region_bytes(chunk) != host.region_bytes:
+            raise ValueError(f"region {region} of {chunk}-byte chunks does not fit this host's arena")
+        self.ranks = tuple(ranks)
+        self.n = len(self.ranks)
+        self.me = me
+        self.chunk = chunk
+        self._waker = waker
+        self._loop = asyncio.get_running_loop()
+        base = ARENA_HEADER + region * host.region_bytes
+        mems = [host.mem if r == host.rank else host.peers[r].mem for r in self.ranks]
+        self._raw = [memoryview(m)[base : base + _DATA] for m in mems]
+        self._ctl = [v.cast("q") for v in self._raw]
+        self._data = [np.frombuffer(m, np.uint8, count=4 * chunk, offset=base + _DATA) for m in mems]
+        self._efds = [-1 if r == host.rank else host.peers[r].efd for r in self.ranks]
+        self._raw[me][:] = bytes(_DATA)  # a fresh region: counters at zero
+        self.others = tuple(j for j in range(self.n) if j != me)
+        self.everyone = tuple(range(self.n))
+        self.step = 0
+        self.queue: deque[_ShmOp] = deque()
+        self.broken: BaseException | None = None
+        cores = os.cpu_count() or 1
+        self._yield = ranks_on_host > cores
+        if spin_s is None:
+            spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if self._yield else "100")) * 1e-6
+        self._spin_s = spin_s
+        self._timer: asyncio.TimerHandle | None = None
+        self._gid = ""
+        self.sleeps = 0
+
+    # -- operations ------------------------------------------------------------------------
+    def all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes, finish: Finish) -> _ShmOp:
+        """Reduce ``x`` (1-D, contiguous) in place across the group."""
+        gen = self._all_reduce(x, op, dtype_name, sig)
+        return self._submit(gen, finish)
+
+    def broadcast(self, x: np.ndarray, root: int, sig: bytes, finish: Finish) -> _ShmOp:
+        return self._submit(self._broadcast(x.view(np.uint8), root, sig), finish)
+
+    def all_gather(self, outs: Sequence[np.ndarray], x: np.ndarray, sig: bytes, finish: Finish) -> _ShmOp:
+        return self._submit(self._all_gather([o.view(np.uint8) for o in outs], x.view(np.uint8), sig), finish)
+
+    def reduce_scatter(
+        self,
+        out: np.ndarray,
+        ins: Sequence[np.ndarray],
+        op: ReduceOp,
+        dtype_name: str,
+        sig: bytes,
+        finish: Finish,
+    ) -> _ShmOp:
+        return self._submit(self._reduce_scatter(out, list(ins), op, dtype_name, sig), finish)
+
+    def barrier(self, sig: bytes, finish: Finish) -> _ShmOp:
+        return self._submit(self._barrier(sig), finish)
+
+    @staticmethod
+    def signature(seq: int, meta: dict[str, Any]) -> bytes:
+        """What every member publishes with an operation: its seq and its signature."""
+        packed = msgpack.packb(meta, use_bin_type=True)
+        if _SIG_HEAD.size + len(packed) > _SIG_BYTES:
+            import hashlib
+
+            packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
+        return _SIG_HEAD.pack(seq, len(packed)) + packed
+
+    # -- the steps -------------------------------------------------------------------------
+    def _announce(self, t: int, sig: bytes | None, fill: Callable[[np.ndarray], None] | None) -> OpGen:
+        """Write my part of step ``t`` once my slot is free, then publish it."""
+        if t > 2:
+            yield (_DONE, t - 2, self.everyone)
+        s = t & 1
+        if fill is not None:
+            fill(self._data[self.me][s * 2 * self.chunk : (s + 1) * 2 * self.chunk])
+        if sig is not None:
+            o = _SIG + s * _SIG_BYTES
+            self._raw[self.me][o : o + len(sig)] = sig
+        self._publish(_INP, t)
+
+    def _steps(self, count: int) -> int:
+        t0 = self.step + 1
+        self.step += count
+        return t0
+
+    def _all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes) -> OpGen:
+        b = x.view(np.uint8)
+        isz = x.itemsize
+        per = self.chunk // isz  # elements per step
+        total = x.size
+        rounds = max(1, -(-total // per))
+        t0 = self._steps(rounds)
+        if rounds == 1:
+            # one shot: everyone writes everything, everyone reduces everything
+            nb = b.size
+            yield from self._announce(t0, sig, lambda slot: np.copyto(slot[:nb], b))
+            yield (_INP, t0, self.others)
+            self._check(t0, sig)
+            base = (t0 & 1) * 2 * self.chunk
+            self._fold(x, [d[base : base + nb].view(x.dtype) for d in self._data], op, dtype_name)
+            self._publish(_DONE, t0)
+            return None
+
+        def part(r: int) -> tuple[int, int]:
+            return r * per, min(total, (r + 1) * per)
+
+        def filler(r: int) -> Callable[[np.ndarray], None]:
+            lo, hi = part(r)
+            return lambda slot: np.copyto(slot[: (hi - lo) * isz], b[lo * isz : hi * isz])
+
+        n, me, chunk = self.n, self.me, self.chunk
+        yield from self._announce(t0, sig, filler(0))
+        for r in range(rounds):
+            t = t0 + r
+            lo, hi = part(r)
+            length = hi - lo
+            cuts = [lo + length * j // n for j in range(n + 1)]
+            base = (t & 1) * 2 * chunk
+            yield (_INP, t, self.others)
+            if r == 0:
+                self._check(t, sig)
+            a, z = (cuts[me] - lo) * isz, (cuts[me + 1] - lo) * isz
+            mine = self._data[me][base + chunk + a : base + chunk + z].view(x.dtype)
+            self._fold(
+                mine, [d[base + a : base + z].view(x.dtype) for d in self._data], op, dtype_name, copy=True
+            )
+            self._publish(_RED, t)
+            if r + 1 < rounds:
+                yield from self._announce(t + 1, None, filler(r + 1))
+            yield (_RED, t, self.others)
+            for j, d in enumerate(self._data):
+                a, z = (cuts[j] - lo) * isz, (cuts[j + 1] - lo) * isz
+                np.copyto(b[cuts[j] * isz : cuts[j + 1] * isz], d[base + chunk + a : base + chunk + z])
+            self._publish(_DONE, t)
+        return None
+
+    def _pipeline(
+        self,
+        rounds: int,
+        sig: bytes,
+        filler: Callable[[int], Callable[[np.ndarray], None] | None],
+        consume: Callable[[int, int], None],
+    ) -> OpGen:
+        """Steps where everyone writes, then reads the others' slots: ``filler(r)`` writes my
+        part of round ``r`` into my slot; ``consume(r, base)`` reads round ``r``'s slots (at
+        offset ``base`` of every member's data) once all are written. Round r+1 is written
+        before round r is read, so a fast rank runs a step ahead."""
+        t0 = self._steps(rounds)
+        yield from self._announce(t0, sig, filler(0))
+        for r in range(rounds):
+            t = t0 + r
+            yield (_INP, t, self.others)
+            if r == 0:
+                self._check(t, sig)
+            if r + 1 < rounds:
+                yield from self._announce(t + 1, None, filler(r + 1))
+            consume(r, (t & 1) * 2 * self.chunk)
+            self._publish(_DONE, t)
+        return None
+
+    def _broadcast(self, b: np.ndarray, root: int, sig: bytes) -> OpGen:
+        chunk, total = self.chunk, b.size
+        is_root = self.me == root
+
+        def filler(r: int) -> Callable[[np.ndarray], None] | None:
+            if not is_root:
+                return None
+            lo, hi = r * chunk, min(total, (r + 1) * chunk)
+            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
+
+        def consume(r: int, base: int) -> None:
+            if not is_root:
+                lo, hi = r * chunk, min(total, (r + 1) * chunk)
+                np.copyto(b[lo:hi], self._data[root][base : base + hi - lo])
+
+        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+
+    def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes) -> OpGen:
+        chunk, total, me = self.chunk, b.size, self.me
+
+        def filler(r: int) -> Callable[[np.ndarray], None]:
+            lo, hi = r * chunk, min(total, (r + 1) * chunk)
+            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
+
+        def consume(r: int, base: int) -> None:
+            lo, hi = r * chunk, min(total, (r + 1) * chunk)
+            for j, d in enumerate(self._data):
+                np.copyto(outs[j][lo:hi], b[lo:hi] if j == me else d[base : base + hi - lo])
+
+        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+
+    def _reduce_scatter(
+        self, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp, dtype_name: str, sig: bytes
+    ) -> OpGen:
+        n, isz, total = self.n, out.itemsize, out.size
+        per = max(1, self.chunk // (n * isz))  # elements of each part per step
+        ins_b = [a.view(np.uint8) for a in ins]
+
+        def filler(r: int) -> Callable[[np.ndarray], None]:
+            lo, hi = r * per * isz, min(total, (r + 1) * per) * isz
+
+            def fill(slot: np.ndarray) -> None:
+                for j, a in enumerate(ins_b):
+                    np.copyto(slot[j * per * isz : j * per * isz + hi - lo], a[lo:hi])
+
+            return fill
+
+        def consume(r: int, base: int) -> None:
+            lo, hi = r * per, min(total, (r + 1) * per)
+            a = base + self.me * per * isz
+            srcs = [d[a : a + (hi - lo) * isz].view(out.dtype) for d in self._data]
+            self._fold(out[lo:hi], srcs, op, dtype_name, copy=True)
+
+        return self._pipeline(max(1, -(-total // per)), sig, filler, consume)
+
+    def _barrier(self, sig: bytes) -> OpGen:
+        t = self._steps(1)
+        yield from self._announce(t, sig, None)
+        yield (_INP, t, self.others)
+        self._check(t, sig)
+        self._publish(_DONE, t)
+        return None
+
+    def _fold(
+        self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str, *, copy: bool = False
+    ) -> None:
+        """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
+        my own input already unless ``copy``."""
+        n, me = self.n, self.me
+        with np.errstate(all="ignore"):
+            if n > 1:
+                if copy or me > 1:
+                    np.copyto(dst, srcs[0])
+                    start = 1
+                elif me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
+                    reduce_into(op, dst, srcs[0], dtype_name, src_first=True)
+                    start = 2
+                else:
+                    start = 1
+                for j in range(start, n):
+                    reduce_into(op, dst, srcs[j], dtype_name)
+            elif copy:
+                np.copyto(dst, srcs[0])
+            if op is ReduceOp.AVG:
+                finish_avg(dst, n, dtype_name)
+
+    # -- signatures ------------------------------------------------------------------------
+    def _check(self, t: int, sig: bytes) -> None:
+        o = _SIG + (t & 1) * _SIG_BYTES
+        end = o + len(sig)
+        for j in self.others:
+            if self._raw[j][o:end] != sig:
+                self._publish(_DONE, t)  # let the others read on to their own verdict
+                raise self._mismatch(j, bytes(self._raw[j][o : o + _SIG_BYTES]), sig)
+
+    def _mismatch(self, j: int, theirs: bytes, mine: bytes) -> MismatchError:
+        seq, _ = _SIG_HEAD.unpack_from(mine)
+        my_meta = msgpack.unpackb(mine[_SIG_HEAD.size :], raw=False)
+        their_seq, their_size = _SIG_HEAD.unpack_from(theirs)
+        try:
+            their_meta = msgpack.unpackb(theirs[_SIG_HEAD.size : _SIG_HEAD.size + their_size], raw=False)
+        except Exception:
+            their_meta = {"unreadable": theirs.hex()}
+        if their_seq != seq:
+            their_meta = {**their_meta, "seq": their_seq}
+            my_meta = {**my_meta, "seq": seq}
+        keys = sorted(str(k) for k in set(my_meta) | set(their_meta) if my_meta.get(k) != their_meta.get(k))
+        me_g, them = self.ranks[self.me], self.ranks[j]
+        where = f" (group {self._gid!r}, seq {seq})" if self._gid else f" (seq {seq})"
+        return MismatchError(
+            f"rank {me_g} and rank {them} called different collectives at one point{where}: they differ "
+            f"in {', '.join(keys) or 'signature'}; rank {me_g}: {my_meta}; rank {them}: {their_meta}. Every "
+            "rank of a group must call the same operations, with the same root, dtype, size and reduce "
+            "op, in the same order.",
+            group=self._gid,
+            seq=seq,
+            ranks=sorted({me_g, them}),
+        )
+
+    # -- the driver ------------------------------------------------------------------------
+    def _publish(self, counter: int, t: int) -> None:
+        self._ctl[self.me][counter] = t
+        fence()  # the counter is visible before we look at who sleeps
+        ctl, efds = self._ctl, self._efds
+        for j in self.others:
+            if ctl[j][_SLEEP]:
+                os.eventfd_write(efds[j], 1)
+
+    def _ready(self, wait: Wait) -> bool:
+        counter, t, members = wait
+        ctl = self._ctl
+        for j in members:
+            if ctl[j][counter] < t:
+                return False
+        return True
+
+    def _submit(self, gen: OpGen, finish: Finish) -> _ShmOp:
+        op = _ShmOp(self, gen, finish)
+        if self.broken is not None:
+            finish(None, self.broken)
+            return op
+        self.queue.append(op)
+        if len(self.queue) == 1:
+            self._run()
+        return op
+
+    def _advance(self, op: _ShmOp) -> bool:
+        """Run ``op`` until it waits for something not there yet (False) or ends (True)."""
+        wait = op.wait
+        gen = op.gen
+        while True:
+            if wait is not None and not self._ready(wait):
+                op.wait = wait
+                return False
+            try:
+                wait = gen.send(None)
+            except StopIteration as done:
+                self._end(op, done.value, None)
+                return True
+            except Exception as exc:
+                self._end(op, None, exc)
+                return True
+
+    def _end(self, op: _ShmOp, result: Any, exc: BaseException | None) -> None:
+        if self.queue and self.queue[0] is op:
+            self.queue.popleft()
+        if exc is not None and self.broken is None:
+            self.broken = exc
+        op.finish(result, exc)
+
+    def _run(self) -> None:
+        queue = self.queue
+        while queue:
+            op = queue[0]
+            if self._advance(op):
+                if self.broken is not None:
+                    self._fail_queued(self.broken)
+                continue
+            if not self._spin(op) and self._sleep():
+                return
+
+    def _spin(self, op: _ShmOp) -> bool:
+        wait = op.wait
+        assert wait is not None
+        ready = self._ready
+        stop = time.perf_counter() + self._spin_s
+        if self._yield:
+            sched_yield = os.sched_yield
+            while True:
+                sched_yield()
+                if ready(wait):
+                    return True
+                if time.perf_counter() > stop:
+                    return False
+        while True:
+            if ready(wait):
+                return True
+            if time.perf_counter() > stop:
+                return False
+
+    def _sleep(self) -> bool:
+        """Sleep on the eventfd unless what we wait for arrived meanwhile (then False)."""
+        ctl = self._ctl[self.me]
+        ctl[_SLEEP] = 1
+        fence()  # the flag is visible before we look once more
+        op = self.queue[0]
+        if op.wait is not None and self._ready(op.wait):
+            ctl[_SLEEP] = 0
+            return False
+        self.sleeps += 1
+        self._waker.sleeping.add(self)
+        if self._timer is None:
+            self._timer = self._loop.call_later(_RECHECK_S, self._recheck)
+        return True
+
+    def _recheck(self) -> None:
+        self._timer = None
+        if self in self._waker.sleeping:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._waker.sleeping.discard(self)
+        self._ctl[self.me][_SLEEP] = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.queue:
+            self._run()
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        while self.queue:
+            op = self.queue.popleft()
+            op.gen.close()
+            op.finish(None, exc)
+
+    def _stop(self, op: _ShmOp) -> None:
+        if op in self.queue:
+            self.queue.remove(op)
+            op.gen.close()
+            if self.broken is None:
+                self.broken = DistError(
+                    "an operation of this group was stopped midway; the group is out of step"
+                )
+            self._fail_queued(self.broken)
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail every queued operation (a member was lost); the group stays failed."""
+        if self.broken is None:
+            self.broken = exc
+        self._waker.sleeping.discard(self)
+        self._fail_queued(exc)
+
+    def peer_lost(self, rank: int, reason: str) -> None:
+        if rank in self.ranks:
+            self.fail(PeerLostError(rank, reason))
+
+    def close(self) -> None:
+        self.fail(DistError("the process group was closed"))
+        if self._timer is not None:
+            self._timer.cancel()
+        self._data.clear()
+        self._ctl.clear()
+        for v in self._raw:
+            v.release()
+        self._raw.clear()
