@@ -35,8 +35,16 @@ from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec, run_collective
 from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
+from aiocoll.client._shm_coll import ShmGroup, shm_starter, world_group
 from aiocoll.client.engine import Engine, GroupState, OpTransport
-from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
+from aiocoll.client.transports import (
+    LinkTransport,
+    PeerRow,
+    connect_links,
+    host_identity,
+    listen_addresses,
+    open_transport,
+)
 from aiocoll.client.transports.tcp import route_interface
 from aiocoll.stores import FileStore, Store
 
@@ -143,12 +151,19 @@ class _Runtime:
         self.owns_store = owns_store
         self.default_timeout = default_timeout
         self.closed = False
+        # Groups whose members all share this host: their collectives' shared-memory side.
+        self.shm_groups: dict[str, ShmGroup] = {}
+        shm = world_group(transport)
+        if shm is not None:
+            self.shm_groups[WORLD_GID] = shm
 
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
         await self.engine.aclose()
+        for shm in self.shm_groups.values():
+            shm.close()
         if self.coordinator is not None:
             # Others still use the embedded coordinator until they leave: each leaves its session
             # before it says goodbye on its links, so once every link is closed the coordinator
@@ -193,6 +208,7 @@ class ProcessGroup:
         self.ranks = list(state.ranks)
         self.group_id = state.gid
         self._destroyed = False
+        self._shm = runtime.shm_groups.get(state.gid)
 
     def __repr__(self) -> str:
         return f"<aiocoll.ProcessGroup {self.group_id!r} rank {self.rank}/{self.size} ranks={self.ranks}>"
@@ -251,6 +267,9 @@ class ProcessGroup:
             dtype=meta.get("dtype"),
         )
 
+        work = self._intra_host(spec, meta, workings, result, timeout)
+        if work is not None:
+            return work
         plan = eager_plan(spec, meta)
         if plan is not None:
             # Small single-lane operations run from message callbacks, without a task.
@@ -279,6 +298,35 @@ class ProcessGroup:
             return result
 
         return self._submit(kind, body, timeout)
+
+    def _intra_host(
+        self,
+        spec: CollectiveSpec,
+        meta: dict[str, Any],
+        workings: Sequence[Working],
+        result: Any,
+        timeout: Any,
+    ) -> Work | None:
+        """The one place where a collective leaves the links for a faster path: when every
+        member of the group shares this host, the kinds the shared-memory arenas serve run
+        there (client/_shm_coll.py). None: run it over the links."""
+        shm = self._shm
+        if shm is None:
+            return None
+
+        def done(_: BaseException | None) -> Any:
+            for w in workings:
+                w.finish()
+            return result
+
+        start = shm_starter(shm, spec, meta, done)
+        if start is None:
+            return None
+        if self._destroyed:
+            raise DistError(f"{spec.kind}: process group {self.group_id!r} was destroyed")
+        return self._rt.engine.submit_eager(
+            self._state, spec.kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
+        )
 
     def _meta(
         self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
@@ -891,7 +939,7 @@ async def _init_with_coordinator(
     coordinator = None
     session = None
     try:
-        addr = await transport.listen(iface)
+        addrs = await listen_addresses(transport, iface, token=token, job=job)
         if rank == 0 and not await _coordinator_answers(host, port):
             from aiocoll.server import Coordinator
 
@@ -908,7 +956,7 @@ async def _init_with_coordinator(
                 coordinator = None
         session = await _connect_session(CoordinatorSession, host, port, token, job, ROLE_WORKER, deadline)
         membership = await session.join(
-            rank, world_size, [[addr[0], addr[1]]], host_identity(), deadline.remaining()
+            rank, world_size, addrs, host_identity(), deadline.remaining()
         )
         if membership.world_size != world_size:
             raise RendezvousError(
@@ -972,13 +1020,13 @@ async def _init_with_store(
     )
     transport = open_transport(rank, world_size, token=token, job=job)
     try:
-        addr = await transport.listen(host)
+        addrs = await listen_addresses(transport, host, token=token, job=job)
         # Each rank counts its own rendezvous rounds, so a store reused by a later
         # init_process_group (after destroy) never hands out a previous round's dead addresses.
         rnd = await store.add(f"aiocoll/{job}/rounds/{rank}", 1)
         prefix = f"aiocoll/{job}/round{rnd}/peer/"
         await store.set(
-            f"{prefix}{rank}", msgpack.packb({"addrs": [[addr[0], addr[1]]], "host": host_identity()})
+            f"{prefix}{rank}", msgpack.packb({"addrs": addrs, "host": host_identity()})
         )
         keys = [f"{prefix}{r}" for r in range(world_size)]
         try:

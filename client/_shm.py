@@ -178,13 +178,16 @@ class ShmPeer:
         self.pid = pid
         self.shared = False
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.efd)
-        self.efd = -1
+    def close(self, *, sock: bool = True) -> None:
+        """Release the mapping and the eventfd; the socket too unless a link owns it."""
+        if self.efd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.efd)
+            self.efd = -1
         with contextlib.suppress(BufferError, ValueError):
             self.mem.close()  # views still alive keep it mapped until they go
-        self.sock.close()
+        if sock:
+            self.sock.close()
 
 
 class ShmHost:
@@ -195,23 +198,28 @@ class ShmHost:
     ranks after it; only then are descriptors exchanged and the sharing confirmed.
 
     Args:
-        rank: this process's global rank. token, job: as for the TCP links.
+        rank: this process's global rank (None: not known yet, see ``assign``).
+        token, job: as for the TCP links.
         regions: how many group regions the arena holds. region_bytes: the size of each.
         watch: watch every peer's socket for end-of-file and report it through ``on_lost``
             (leave False when a link reads the socket and reports loss itself).
+        on_peer: called with every peer that dialled us, once its sharing is confirmed.
     """
 
     def __init__(
         self,
-        rank: int,
+        rank: int | None,
         *,
         token: str | bytes | None,
         job: str,
         regions: int,
         region_bytes: int,
         watch: bool = True,
+        on_peer: Callable[[ShmPeer], None] | None = None,
     ) -> None:
-        self.rank = rank
+        self.rank = -1 if rank is None else rank
+        self._known: asyncio.Future[None] | None = None
+        self._on_peer = on_peer
         self._token = token
         self._job = job
         self.region_bytes = region_bytes
@@ -219,7 +227,7 @@ class ShmHost:
         self.arena_bytes = ARENA_HEADER + regions * region_bytes
         self._watch = watch
         self._loop = asyncio.get_running_loop()
-        fd = os.memfd_create(f"aiocoll-r{rank}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = os.memfd_create("aiocoll-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, self.arena_bytes)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
@@ -240,8 +248,24 @@ class ShmHost:
         self.address = ""
         self.rejected = 0
         self.closed = False
+        self.waker: Any = None  # client._shm_coll's ShmWaker, made with the first group
+        self.chunk = 0  # bytes per collective step (set by whoever sized the regions)
+        self.forced = False  # AIOCOLL_TRANSPORT=shm: no falling back to tcp
 
     # -- setting up ------------------------------------------------------------------------
+    def assign(self, rank: int) -> None:
+        """Fix this process's rank once rendezvous told it (peers may dial before that)."""
+        self.rank = rank
+        if self._known is not None and not self._known.done():
+            self._known.set_result(None)
+
+    async def _known_rank(self) -> None:
+        if self.rank >= 0:
+            return
+        if self._known is None:
+            self._known = self._loop.create_future()
+        await asyncio.shield(self._known)
+
     def listen(self) -> str:
         """Listen on a fresh abstract Unix address; returns it ("@name", to publish)."""
         name = f"aiocoll-{secrets.token_hex(16)}"
@@ -326,6 +350,7 @@ class ShmHost:
             # Credentials first: a process of another user is turned away before we read a byte.
             pid = _same_user(sock)
             hello = await asyncio.wait_for(server_handshake(sock, token=self._token), _HANDSHAKE_TIMEOUT)
+            await asyncio.wait_for(self._known_rank(), _HANDSHAKE_TIMEOUT)
             peer = hello.get("rank")
             if hello.get("job") != self._job:
                 raise ProtocolError(f"peer names job {hello.get('job')!r}, this rank serves {self._job!r}")
@@ -406,6 +431,8 @@ class ShmHost:
             shm.close()
             return
         self.peers[shm.rank] = shm
+        if self._on_peer is not None:
+            self._on_peer(shm)
         if self._watch:
             self._loop.add_reader(shm.sock.fileno(), self._on_socket, shm)
         fut = self._waiting.pop(shm.rank, None)
@@ -439,6 +466,8 @@ class ShmHost:
         if self.closed:
             return
         self.closed = True
+        if self.waker is not None:
+            self.waker.close()  # it watches our eventfd: unwatch before closing it
         if self._accepting is not None:
             self._accepting.cancel()
         for task in list(self._handshakes):
@@ -449,7 +478,7 @@ class ShmHost:
             if self._watch:
                 with contextlib.suppress(ValueError, OSError):
                     self._loop.remove_reader(shm.sock.fileno())
-            shm.close()
+            shm.close(sock=self._watch)  # an unwatched socket is a link's: it says goodbye on it
         self.peers.clear()
         for fut in self._waiting.values():
             if not fut.done():

@@ -51,10 +51,13 @@ import numpy as np
 from aiocoll._errors import DistError, MismatchError, PeerLostError
 from aiocoll._reduce import finish_avg, reduce_into
 from aiocoll._types import ReduceOp
+from aiocoll.algorithms import CollectiveSpec
 
 from ._shm import ARENA_HEADER, ShmHost, fence
+from .transports._link import LinkTransport
+from .transports.shm import shm_host
 
-__all__ = ["ShmGroup", "ShmWaker", "region_bytes"]
+__all__ = ["ShmGroup", "ShmWaker", "region_bytes", "shm_starter", "world_group"]
 
 # counters, as indexes into the region's int64 view
 _SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
@@ -63,6 +66,7 @@ _SIG_BYTES = 256
 _DATA = 4096
 _SIG_HEAD = struct.Struct("<qH")
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
+_SPIN_MIN_S = 5e-6
 
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
 Finish = Callable[[Any, BaseException | None], None]
@@ -133,7 +137,7 @@ class ShmGroup:
         host: ShmHost,
         waker: ShmWaker,
         region: int,
-        ranks: Sequence[int],
+        ranks: Sequence[int] | range,
         me: int,
         *,
         chunk: int,
@@ -165,6 +169,7 @@ class ShmGroup:
         if spin_s is None:
             spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if self._yield else "100")) * 1e-6
         self._spin_s = spin_s
+        self._spin_budget = spin_s
         self._timer: asyncio.TimerHandle | None = None
         self._gid = ""
         self.sleeps = 0
@@ -480,22 +485,27 @@ class ShmGroup:
                 return
 
     def _spin(self, op: _ShmOp) -> bool:
+        """Wait a bounded time for ``op``'s condition. The budget adapts: it halves after a
+        spin that ended in sleep (the peer is slow, or the CPU is shared: spinning only takes
+        time from the rank we wait for) and doubles back after one that succeeded. With more
+        ranks than cores every check yields the CPU first; otherwise every 16th does."""
         wait = op.wait
         assert wait is not None
         ready = self._ready
-        stop = time.perf_counter() + self._spin_s
-        if self._yield:
-            sched_yield = os.sched_yield
-            while True:
-                sched_yield()
-                if ready(wait):
-                    return True
-                if time.perf_counter() > stop:
-                    return False
+        budget = self._spin_budget
+        stop = time.perf_counter() + budget
+        every = 1 if self._yield else 16
+        sched_yield = os.sched_yield
+        i = 0
         while True:
+            i += 1
+            if i % every == 0:
+                sched_yield()
             if ready(wait):
+                self._spin_budget = min(self._spin_s, budget * 2)
                 return True
             if time.perf_counter() > stop:
+                self._spin_budget = max(_SPIN_MIN_S, budget / 2)
                 return False
 
     def _sleep(self) -> bool:
@@ -563,3 +573,65 @@ class ShmGroup:
         for v in self._raw:
             v.release()
         self._raw.clear()
+
+
+# -- wiring: the world group, and the one dispatch point's starter --------------------------
+
+_SERVED = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"})
+
+
+def world_group(transport: LinkTransport) -> ShmGroup | None:
+    """The world group's shared-memory collectives, when every other rank has an shm link
+    (every member on this host, the memory confirmed shared); else None."""
+    host = shm_host(transport)
+    n = transport.world_size
+    kinds = transport.link_kinds()
+    if host is None or n < 2 or len(kinds) != n - 1 or any(k != "shm" for k in kinds.values()):
+        return None
+    if host.waker is None:
+        host.waker = ShmWaker(host)
+    group = ShmGroup(
+        host, host.waker, 0, range(n), transport.rank, chunk=host.chunk, ranks_on_host=len(host.peers) + 1
+    )
+    transport.on_peer_lost(lambda rank, exc: group.peer_lost(rank, str(exc)))
+    return group
+
+
+def shm_starter(
+    group: ShmGroup, spec: CollectiveSpec, meta: dict[str, Any], done: Callable[[BaseException | None], Any]
+) -> Callable[[Any, Any, Finish], _ShmOp] | None:
+    """An engine starter (see Engine.submit_eager) that runs ``spec`` over ``group``'s shared
+    memory, or None when this operation is not one the arenas serve (its kind, an algorithm
+    override, an out-of-place all_reduce). ``done(exc)`` turns the outcome into the Work's:
+    it returns the Work's result."""
+    kind = spec.kind
+    if kind not in _SERVED or spec.algorithm is not None:
+        return None
+    if kind == "all_reduce" and spec.send[0] is not spec.recv[0]:
+        return None
+    dtype_name = str(meta.get("dtype") or (spec.recv or spec.send or (np.empty(0, np.uint8),))[0].dtype.name)
+    op = spec.op
+
+    def start(tag: Any, transport: Any, finish: Finish) -> _ShmOp:
+        sig = ShmGroup.signature(tag[2], meta)
+
+        def fin(_: Any, exc: BaseException | None) -> None:
+            if exc is None:
+                try:
+                    finish(done(None), None)
+                except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
+                    finish(None, copy_back)
+            else:
+                finish(None, exc)
+
+        if kind == "all_reduce":
+            return group.all_reduce(spec.recv[0], op, dtype_name, sig, fin)
+        if kind == "broadcast":
+            return group.broadcast(spec.recv[0], spec.root, sig, fin)
+        if kind == "all_gather":
+            return group.all_gather(spec.recv, spec.send[0], sig, fin)
+        if kind == "reduce_scatter":
+            return group.reduce_scatter(spec.recv[0], spec.send, op, dtype_name, sig, fin)
+        return group.barrier(sig, fin)
+
+    return start
