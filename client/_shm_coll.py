@@ -173,6 +173,7 @@ class ShmGroup:
         self._timer: asyncio.TimerHandle | None = None
         self._gid = ""
         self.sleeps = 0
+        self.completed = 0  # operations finished here (diagnostics: the bench names the path)
 
     # -- operations ------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes, finish: Finish) -> _ShmOp:
@@ -469,6 +470,7 @@ class ShmGroup:
     def _end(self, op: _ShmOp, result: Any, exc: BaseException | None) -> None:
         if self.queue and self.queue[0] is op:
             self.queue.popleft()
+        self.completed += 1
         if exc is not None and self.broken is None:
             self.broken = exc
         op.finish(result, exc)
