@@ -160,7 +160,6 @@ class ShmGroup:
         self._efds = [-1 if r == host.rank else host.peers[r].efd for r in self.ranks]
         self._raw[me][:] = bytes(_DATA)  # a fresh region: counters at zero
         self.others = tuple(j for j in range(self.n) if j != me)
-        self.everyone = tuple(range(self.n))
         self.step = 0
         self.queue: deque[_ShmOp] = deque()
         self.broken: BaseException | None = None
@@ -174,6 +173,7 @@ class ShmGroup:
         self._gid = ""
         self.sleeps = 0
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
+        self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
 
     # -- operations ------------------------------------------------------------------------
     def all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes, finish: Finish) -> _ShmOp:
@@ -215,14 +215,31 @@ class ShmGroup:
     def _announce(self, t: int, sig: bytes | None, fill: Callable[[np.ndarray], None] | None) -> OpGen:
         """Write my part of step ``t`` once my slot is free, then publish it."""
         if t > 2:
-            yield (_DONE, t - 2, self.everyone)
+            yield (_DONE, t - 2, self.others)
         s = t & 1
         if fill is not None:
             fill(self._data[self.me][s * 2 * self.chunk : (s + 1) * 2 * self.chunk])
         if sig is not None:
-            o = _SIG + s * _SIG_BYTES
-            self._raw[self.me][o : o + len(sig)] = sig
+            self._write_sig(s, sig)
         self._publish(_INP, t)
+
+    def _write_sig(self, slot: int, sig: bytes) -> None:
+        o = _SIG + slot * _SIG_BYTES
+        self._raw[self.me][o : o + len(sig)] = sig
+
+    def _views(self, slot: int, nbytes: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(my slot's first ``nbytes`` as bytes, every member's as ``dtype``): made once per
+        size (a training loop repeats a few sizes; slicing and viewing cost more than a small
+        reduction)."""
+        key = (slot, nbytes, dtype)
+        got = self._view_cache.get(key)
+        if got is None:
+            base = slot * 2 * self.chunk
+            views = [d[base : base + nbytes].view(dtype) for d in self._data]
+            if len(self._view_cache) >= 64:
+                self._view_cache.clear()
+            got = self._view_cache[key] = (self._data[self.me][base : base + nbytes], views)
+        return got
 
     def _steps(self, count: int) -> int:
         t0 = self.step + 1
@@ -238,12 +255,15 @@ class ShmGroup:
         t0 = self._steps(rounds)
         if rounds == 1:
             # one shot: everyone writes everything, everyone reduces everything
-            nb = b.size
-            yield from self._announce(t0, sig, lambda slot: np.copyto(slot[:nb], b))
+            if t0 > 2:
+                yield (_DONE, t0 - 2, self.others)
+            mine, views = self._views(t0 & 1, b.size, x.dtype)
+            np.copyto(mine, b)
+            self._write_sig(t0 & 1, sig)
+            self._publish(_INP, t0)
             yield (_INP, t0, self.others)
             self._check(t0, sig)
-            base = (t0 & 1) * 2 * self.chunk
-            self._fold(x, [d[base : base + nb].view(x.dtype) for d in self._data], op, dtype_name)
+            self._fold(x, views, op, dtype_name)
             self._publish(_DONE, t0)
             return None
 
@@ -373,21 +393,21 @@ class ShmGroup:
         """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
         my own input already unless ``copy``."""
         n, me = self.n, self.me
-        with np.errstate(all="ignore"):
-            if n > 1:
-                if copy or me > 1:
-                    np.copyto(dst, srcs[0])
-                    start = 1
-                elif me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
-                    reduce_into(op, dst, srcs[0], dtype_name, src_first=True)
-                    start = 2
-                else:
-                    start = 1
-                for j in range(start, n):
-                    reduce_into(op, dst, srcs[j], dtype_name)
-            elif copy:
+        if n > 1:
+            if copy or me > 1:
                 np.copyto(dst, srcs[0])
-            if op is ReduceOp.AVG:
+                start = 1
+            elif me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
+                reduce_into(op, dst, srcs[0], dtype_name, src_first=True)
+                start = 2
+            else:
+                start = 1
+            for j in range(start, n):
+                reduce_into(op, dst, srcs[j], dtype_name)
+        elif copy:
+            np.copyto(dst, srcs[0])
+        if op is ReduceOp.AVG:
+            with np.errstate(all="ignore"):
                 finish_avg(dst, n, dtype_name)
 
     # -- signatures ------------------------------------------------------------------------

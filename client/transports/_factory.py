@@ -235,4 +235,4 @@ async def connect_links(
 # The shm kind builds on the names above (LinkKind, the tcp kind's transport).
 from .shm import ShmKind  # noqa: E402
 
-KINDS[ShmKind.name] = ShmKind()
+KINDS["shm"] = ShmKind()
