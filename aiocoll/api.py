@@ -35,7 +35,7 @@ from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec, run_collective
 from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
-from aiocoll.client._shm_coll import ShmGroup, shm_starter, world_group
+from aiocoll.client._shm_coll import ShmGroup, intra_host_group, region_offer, shm_starter, world_group
 from aiocoll.client.engine import Engine, GroupState, OpTransport
 from aiocoll.client.transports import (
     LinkTransport,
@@ -153,7 +153,7 @@ class _Runtime:
         self.closed = False
         # Groups whose members all share this host: their collectives' shared-memory side.
         self.shm_groups: dict[str, ShmGroup] = {}
-        shm = world_group(transport)
+        shm = world_group(transport, WORLD_GID)
         if shm is not None:
             self.shm_groups[WORLD_GID] = shm
 
@@ -756,15 +756,24 @@ class ProcessGroup:
                 raise ValueError("new_group: ranks is empty")
         members = [self.ranks[r] for r in chosen]
         meta = {"kind": "new_group", "ranks": chosen}
+        # Every rank offers the shared-memory regions it could give the new group; the AND of
+        # the offers (an all_reduce is a barrier too) is what every member can use.
+        offers = np.array([region_offer(self._rt.transport, members)], np.uint64)
+        agree = CollectiveSpec(
+            "all_reduce", tuple(self.ranks), self.rank, (offers,), (offers,), op=ReduceOp.BAND
+        )
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
-            await run_collective(self._spec("barrier", (), ()), tp, tag, meta)
+            await run_collective(agree, tp, tag, meta)
             return f"{self.group_id}.{tag[2]}"
 
         gid = await self._submit("new_group", body, timeout)
         if self._rt.transport.rank not in members:
             return None
         state = self._rt.engine.group(gid, members)
+        shm = intra_host_group(self._rt.transport, members, int(offers[0]), gid)
+        if shm is not None:
+            self._rt.shm_groups[gid] = shm
         return ProcessGroup(self._rt, state)
 
     async def destroy(self) -> None:
@@ -779,6 +788,9 @@ class ProcessGroup:
             await self._rt.aclose()
         else:
             self._rt.engine.forget_group(self.group_id)
+            shm = self._rt.shm_groups.pop(self.group_id, None)
+            if shm is not None:
+                shm.close()
 
     async def __aenter__(self) -> ProcessGroup:
         return self

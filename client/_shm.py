@@ -250,6 +250,7 @@ class ShmHost:
         self.closed = False
         self.waker: Any = None  # client._shm_coll's ShmWaker, made with the first group
         self.chunk = 0  # bytes per collective step (set by whoever sized the regions)
+        self.regions_used: set[int] = set()  # group regions of our arena in use by live groups
         self.forced = False  # AIOCOLL_TRANSPORT=shm: no falling back to tcp
 
     # -- setting up ------------------------------------------------------------------------
@@ -421,6 +422,13 @@ class ShmHost:
             )
         shm.shared = True
         return shm
+
+    def free_regions(self) -> int:
+        """A bit mask of the group regions no live group of this process uses."""
+        mask = (1 << self.regions) - 1
+        for region in self.regions_used:
+            mask &= ~(1 << region)
+        return mask
 
     def _map(self, fd: int, size: int) -> mmap.mmap:
         """Map a peer's arena (a seam for the test that simulates memory that is not shared)."""

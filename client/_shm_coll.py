@@ -12,6 +12,8 @@ A group's region in each member's arena (cache lines apart, so writers do not sh
     128   red        last step whose share the owner has reduced into its result area
     192   done       last step whose data the owner has finished reading (its slots are free)
     256   sig[2]     per slot: the operation's seq and signature (kind, root, dtype, count, op)
+    768   group      which group owns the region now (a hash of its id): a region is reused by
+                     later groups, and counters are trusted only next to the right owner
     4096  data       two slots (step t uses slot t % 2), each an input area and a result area
                      of ``chunk`` bytes
 
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import struct
 import time
@@ -57,16 +60,27 @@ from ._shm import ARENA_HEADER, ShmHost, fence
 from .transports._link import LinkTransport
 from .transports.shm import shm_host
 
-__all__ = ["ShmGroup", "ShmWaker", "region_bytes", "shm_starter", "world_group"]
+__all__ = [
+    "ALL_REGIONS",
+    "ShmGroup",
+    "ShmWaker",
+    "intra_host_group",
+    "region_bytes",
+    "region_offer",
+    "shm_starter",
+    "world_group",
+]
 
 # counters, as indexes into the region's int64 view
 _SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
 _SIG = 256
+_OWNER = 96  # (byte 768)
 _SIG_BYTES = 256
 _DATA = 4096
 _SIG_HEAD = struct.Struct("<qH")
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
 _SPIN_MIN_S = 5e-6
+_INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
 Finish = Callable[[Any, BaseException | None], None]
@@ -142,10 +156,16 @@ class ShmGroup:
         *,
         chunk: int,
         ranks_on_host: int,
+        gid: str = "",
         spin_s: float | None = None,
     ) -> None:
         if not 0 <= region < host.regions or region_bytes(chunk) != host.region_bytes:
             raise ValueError(f"region {region} of {chunk}-byte chunks does not fit this host's arena")
+        if region in host.regions_used:
+            raise ValueError(f"region {region} is in use by another group")
+        host.regions_used.add(region)
+        self._host = host
+        self.region = region
         self.ranks = tuple(ranks)
         self.n = len(self.ranks)
         self.me = me
@@ -158,7 +178,15 @@ class ShmGroup:
         self._ctl = [v.cast("q") for v in self._raw]
         self._data = [np.frombuffer(m, np.uint8, count=4 * chunk, offset=base + _DATA) for m in mems]
         self._efds = [-1 if r == host.rank else host.peers[r].efd for r in self.ranks]
-        self._raw[me][:] = bytes(_DATA)  # a fresh region: counters at zero
+        # Take the region: counters at zero first, then our group's mark. A member reads a
+        # peer's counters only next to the mark of this group (stale counters of an earlier
+        # group in that region, or of a later one, are never taken for ours).
+        self._owner = (
+            int.from_bytes(hashlib.blake2b(gid.encode(), digest_size=8).digest(), "little") >> 1 or 1
+        )
+        self._raw[me][:] = bytes(_DATA)
+        fence()
+        self._ctl[me][_OWNER] = self._owner
         self.others = tuple(j for j in range(self.n) if j != me)
         self.step = 0
         self.queue: deque[_ShmOp] = deque()
@@ -169,8 +197,9 @@ class ShmGroup:
             spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if self._yield else "100")) * 1e-6
         self._spin_s = spin_s
         self._spin_budget = spin_s
+        self._inline_since: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._gid = ""
+        self._gid = gid
         self.sleeps = 0
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
         self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
@@ -454,9 +483,10 @@ class ShmGroup:
 
     def _ready(self, wait: Wait) -> bool:
         counter, t, members = wait
-        ctl = self._ctl
+        ctl, owner = self._ctl, self._owner
         for j in members:
-            if ctl[j][counter] < t:
+            c = ctl[j]
+            if c[counter] < t or c[_OWNER] != owner:
                 return False
         return True
 
@@ -467,8 +497,22 @@ class ShmGroup:
             return op
         self.queue.append(op)
         if len(self.queue) == 1:
+            now = time.perf_counter()
+            if self._inline_since is None:
+                # the first operation run inside its call since the loop last turned
+                self._inline_since = now
+                self._loop.call_soon(self._loop_turned)
+            elif now - self._inline_since > _INLINE_S:
+                # A loop of awaited operations that all complete inside their calls would never
+                # give the event loop a turn (heartbeats, other tasks, signals): now and then
+                # the next one starts from the loop instead.
+                self._loop.call_soon(self._run)
+                return op
             self._run()
         return op
+
+    def _loop_turned(self) -> None:
+        self._inline_since = None
 
     def _advance(self, op: _ShmOp) -> bool:
         """Run ``op`` until it waits for something not there yet (False) or ends (True)."""
@@ -587,9 +631,16 @@ class ShmGroup:
             self.fail(PeerLostError(rank, reason))
 
     def close(self) -> None:
+        """Fail what is queued and give the region back (the next group to take it marks it as
+        its own). Twice is fine."""
         self.fail(DistError("the process group was closed"))
         if self._timer is not None:
             self._timer.cancel()
+        if not self._raw:
+            return
+        # The counters stay as they are: a peer may still be finishing our last operation.
+        self._host.regions_used.discard(self.region)
+        self._view_cache.clear()
         self._data.clear()
         self._ctl.clear()
         for v in self._raw:
@@ -602,21 +653,61 @@ class ShmGroup:
 _SERVED = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"})
 
 
-def world_group(transport: LinkTransport) -> ShmGroup | None:
-    """The world group's shared-memory collectives, when every other rank has an shm link
-    (every member on this host, the memory confirmed shared); else None."""
+ALL_REGIONS = (1 << 64) - 1  # what a rank that is not a member offers (see region_offer)
+
+
+def region_offer(transport: LinkTransport, members: Sequence[int]) -> int:
+    """What this rank offers when a group of ``members`` (global ranks) forms: the regions of
+    its arena free for it (a bit mask), 0 when the group cannot use shared memory from here
+    (a member without an shm link to us), all ones when we are not a member. The AND over the
+    parent group's ranks (ReduceOp.BAND) is the set every member can use; its lowest bit is
+    the group's region (``intra_host_group``)."""
+    me = transport.rank
+    if me not in members:
+        return ALL_REGIONS
     host = shm_host(transport)
-    n = transport.world_size
     kinds = transport.link_kinds()
-    if host is None or n < 2 or len(kinds) != n - 1 or any(k != "shm" for k in kinds.values()):
+    if host is None or len(members) < 2 or any(kinds.get(r) != "shm" for r in members if r != me):
+        return 0
+    return host.free_regions()
+
+
+def intra_host_group(
+    transport: LinkTransport, members: Sequence[int], offers: int, gid: str
+) -> ShmGroup | None:
+    """The shared-memory side of a new group of ``members`` (global ranks, in group order), in
+    the lowest region of ``offers`` (the AND of every rank's ``region_offer``); None when there
+    is none or we are not a member."""
+    host = shm_host(transport)
+    me = transport.rank
+    if host is None or offers in (0, ALL_REGIONS) or me not in members:
         return None
+    region = (offers & -offers).bit_length() - 1
     if host.waker is None:
         host.waker = ShmWaker(host)
     group = ShmGroup(
-        host, host.waker, 0, range(n), transport.rank, chunk=host.chunk, ranks_on_host=len(host.peers) + 1
+        host,
+        host.waker,
+        region,
+        members,
+        list(members).index(me),
+        chunk=host.chunk,
+        ranks_on_host=len(host.peers) + 1,
+        gid=gid,
     )
     transport.on_peer_lost(lambda rank, exc: group.peer_lost(rank, str(exc)))
     return group
+
+
+def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
+    """The world group's shared-memory collectives (region 0, free on every rank at start),
+    when every other rank has an shm link (every member on this host, the memory confirmed
+    shared); else None."""
+    n = transport.world_size
+    kinds = transport.link_kinds()
+    if n < 2 or len(kinds) != n - 1 or any(k != "shm" for k in kinds.values()):
+        return None
+    return intra_host_group(transport, range(n), 1, gid)
 
 
 def shm_starter(

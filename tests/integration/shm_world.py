@@ -71,7 +71,7 @@ async def _setup(rank: int, n: int, conn: Any, chunk: int, token: str) -> Ctx:
     for peer in range(rank + 1, n):
         await host.peer(peer, 20)
     waker = ShmWaker(host)
-    group = ShmGroup(host, waker, 0, list(range(n)), rank, chunk=chunk, ranks_on_host=n)
+    group = ShmGroup(host, waker, 0, list(range(n)), rank, chunk=chunk, ranks_on_host=n, gid="w")
     host.on_lost(group.peer_lost)
     conn.send("ready")
     assert conn.recv() == "go"
