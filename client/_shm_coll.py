@@ -28,8 +28,8 @@ signature with ours before any data is read: a mismatch raises MismatchError on 
 Reductions go through aiocoll._reduce (the one set of kernels), folded in rank order, so every
 member computes the same bits (rank-order left fold, as numpy's reference does).
 
-Waiting: the owner spins for a bounded time (with sched_yield when the host has more ranks
-than cores, so a waiting rank does not starve the one it waits for), then sets ``sleeping``,
+Waiting: the owner spins for a bounded time (yielding the CPU at every check, so a waiting rank
+does not starve the one it waits for when they share a core), then sets ``sleeping``,
 re-checks, and returns to the event loop, which watches the eventfd; a publisher writes to the
 eventfd of every peer that sleeps. The flag write and the check (and the counter write and the
 flag read) are separated by a full memory barrier (``_shm.fence``), so a wake-up cannot be lost;
@@ -191,10 +191,10 @@ class ShmGroup:
         self.step = 0
         self.queue: deque[_ShmOp] = deque()
         self.broken: BaseException | None = None
-        cores = os.cpu_count() or 1
-        self._yield = ranks_on_host > cores
+        # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
+        oversubscribed = ranks_on_host > (os.cpu_count() or 1)
         if spin_s is None:
-            spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if self._yield else "100")) * 1e-6
+            spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if oversubscribed else "100")) * 1e-6
         self._spin_s = spin_s
         self._spin_budget = spin_s
         self._inline_since: float | None = None
@@ -551,22 +551,19 @@ class ShmGroup:
                 return
 
     def _spin(self, op: _ShmOp) -> bool:
-        """Wait a bounded time for ``op``'s condition. The budget adapts: it halves after a
-        spin that ended in sleep (the peer is slow, or the CPU is shared: spinning only takes
-        time from the rank we wait for) and doubles back after one that succeeded. With more
-        ranks than cores every check yields the CPU first; otherwise every 16th does."""
+        """Wait a bounded time for ``op``'s condition, yielding the CPU at every check: the
+        rank we wait for may be queued on our core (more ranks than cores, or other work on
+        the machine), and then only a yield lets it run; on an idle core a yield returns at
+        once. The budget adapts: it halves after a spin that ended in sleep (the peer is slow:
+        spinning only costs) and doubles back after one that succeeded."""
         wait = op.wait
         assert wait is not None
         ready = self._ready
         budget = self._spin_budget
         stop = time.perf_counter() + budget
-        every = 1 if self._yield else 16
         sched_yield = os.sched_yield
-        i = 0
         while True:
-            i += 1
-            if i % every == 0:
-                sched_yield()
+            sched_yield()
             if ready(wait):
                 self._spin_budget = min(self._spin_s, budget * 2)
                 return True
