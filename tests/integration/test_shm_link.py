@@ -125,8 +125,14 @@ async def test_an_address_in_another_namespace_is_unavailable_not_an_error() -> 
         b.close()
 
 
-def _dev_shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+def _dev_shm_in_use() -> list[str]:
+    """What this process maps or holds open under /dev/shm (race-free, unlike listing the
+    directory, which other jobs on the machine may write meanwhile)."""
+    with open("/proc/self/maps") as maps:
+        mapped = [line.split()[-1] for line in maps if "/dev/shm" in line]
+    fds = os.listdir("/proc/self/fd")
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+    return mapped + [h for h in held if h.startswith("/dev/shm")]
 
 
 async def killed_mid_collective(ctx: Ctx) -> dict[str, Any]:
@@ -134,6 +140,7 @@ async def killed_mid_collective(ctx: Ctx) -> dict[str, Any]:
     for _ in range(3):
         await ctx.all_reduce(x, ReduceOp.SUM, "float32")
     if ctx.rank == 2:
+        assert not _dev_shm_in_use()  # all of its shared memory is anonymous (memfd)
         publish = ctx.group._publish
         calls = [0]
 
@@ -150,18 +157,22 @@ async def killed_mid_collective(ctx: Ctx) -> dict[str, Any]:
             await ctx.all_reduce(x, ReduceOp.SUM, "float32")
     except Exception as exc:
         elapsed = time.monotonic() - start
-        return {"type": type(exc).__name__, "rank": getattr(exc, "rank", None), "after": elapsed}
+        return {
+            "type": type(exc).__name__,
+            "rank": getattr(exc, "rank", None),
+            "after": elapsed,
+            "dev_shm": _dev_shm_in_use(),
+        }
     return {"type": None}
 
 
 def test_a_rank_killed_mid_collective_fails_every_survivor_and_leaves_nothing() -> None:
-    before = _dev_shm()
     results = shm_world(killed_mid_collective, 3, chunk=64 * 1024)
     assert results[2] == ("killed", signal.SIGKILL)
     for survivor in values(results[:2]):
         assert survivor["type"] == "PeerLostError" and survivor["rank"] == 2, survivor
         assert survivor["after"] < 5.0, survivor
-    assert _dev_shm() == before
+        assert survivor["dev_shm"] == []  # nothing under /dev/shm, so nothing there to leak
 
 
 async def waits_for_a_late_peer(ctx: Ctx) -> dict[str, Any]:
