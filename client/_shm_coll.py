@@ -80,6 +80,9 @@ _DATA = 4096
 _SIG_HEAD = struct.Struct("<qH")
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
 _SPIN_MIN_S = 5e-6
+# Between the steps of a large operation the peers are a copy away: sleeping there hands the
+# core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
+_INNER_SPIN_S = 1e-3
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
@@ -198,6 +201,7 @@ class ShmGroup:
         self._spin_s = spin_s
         self._spin_budget = spin_s
         self._inline_since: float | None = None
+        self._inner = False  # inside a multi-step operation: its waits are short, spin longer
         self._timer: asyncio.TimerHandle | None = None
         self._gid = gid
         self.sleeps = 0
@@ -304,6 +308,7 @@ class ShmGroup:
             return lambda slot: np.copyto(slot[: (hi - lo) * isz], b[lo * isz : hi * isz])
 
         n, me, chunk = self.n, self.me, self.chunk
+        self._inner = True
         yield from self._announce(t0, sig, filler(0))
         for r in range(rounds):
             t = t0 + r
@@ -341,6 +346,7 @@ class ShmGroup:
         offset ``base`` of every member's data) once all are written. Round r+1 is written
         before round r is read, so a fast rank runs a step ahead."""
         t0 = self._steps(rounds)
+        self._inner = rounds > 1
         yield from self._announce(t0, sig, filler(0))
         for r in range(rounds):
             t = t0 + r
@@ -532,6 +538,7 @@ class ShmGroup:
                 return True
 
     def _end(self, op: _ShmOp, result: Any, exc: BaseException | None) -> None:
+        self._inner = False
         if self.queue and self.queue[0] is op:
             self.queue.popleft()
         self.completed += 1
@@ -555,20 +562,24 @@ class ShmGroup:
         rank we wait for may be queued on our core (more ranks than cores, or other work on
         the machine), and then only a yield lets it run; on an idle core a yield returns at
         once. The budget adapts: it halves after a spin that ended in sleep (the peer is slow:
-        spinning only costs) and doubles back after one that succeeded."""
+        spinning only costs) and doubles back after one that succeeded. Between the steps of a
+        large operation the budget is at least _INNER_SPIN_S."""
         wait = op.wait
         assert wait is not None
         ready = self._ready
-        budget = self._spin_budget
+        inner = self._inner
+        budget = max(self._spin_budget, _INNER_SPIN_S) if inner else self._spin_budget
         stop = time.perf_counter() + budget
         sched_yield = os.sched_yield
         while True:
             sched_yield()
             if ready(wait):
-                self._spin_budget = min(self._spin_s, budget * 2)
+                if not inner:
+                    self._spin_budget = min(self._spin_s, budget * 2)
                 return True
             if time.perf_counter() > stop:
-                self._spin_budget = max(_SPIN_MIN_S, budget / 2)
+                if not inner:
+                    self._spin_budget = max(_SPIN_MIN_S, budget / 2)
                 return False
 
     def _sleep(self) -> bool:
