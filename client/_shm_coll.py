@@ -80,6 +80,7 @@ _DATA = 4096
 _SIG_HEAD = struct.Struct("<qH")
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
 _SPIN_MIN_S = 5e-6
+_PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
 # Between the steps of a large operation the peers are a copy away: sleeping there hands the
 # core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
 _INNER_SPIN_S = 1e-3
@@ -558,18 +559,25 @@ class ShmGroup:
                 return
 
     def _spin(self, op: _ShmOp) -> bool:
-        """Wait a bounded time for ``op``'s condition, yielding the CPU at every check: the
-        rank we wait for may be queued on our core (more ranks than cores, or other work on
-        the machine), and then only a yield lets it run; on an idle core a yield returns at
-        once. The budget adapts: it halves after a spin that ended in sleep (the peer is slow:
-        spinning only costs) and doubles back after one that succeeded. Between the steps of a
-        large operation the budget is at least _INNER_SPIN_S."""
+        """Wait a bounded time for ``op``'s condition: first a few microseconds of plain
+        checks (a peer on another core answers within them), then checks that each yield the
+        CPU first (the rank we wait for may be queued on our core, behind us or other work on
+        the machine, and only a yield lets it run; a yield can also hand the core to someone
+        else's process for a while, hence not from the start). The budget adapts: it halves
+        after a spin that ended in sleep (the peer is slow: spinning only costs) and doubles
+        back after one that succeeded. Between the steps of a large operation the budget is at
+        least _INNER_SPIN_S."""
         wait = op.wait
         assert wait is not None
         ready = self._ready
         inner = self._inner
         budget = max(self._spin_budget, _INNER_SPIN_S) if inner else self._spin_budget
-        stop = time.perf_counter() + budget
+        clock = time.perf_counter
+        start = clock()
+        plain, stop = start + min(budget, _PLAIN_SPIN_S), start + budget
+        while clock() < plain:
+            if ready(wait):
+                return True
         sched_yield = os.sched_yield
         while True:
             sched_yield()
@@ -577,7 +585,7 @@ class ShmGroup:
                 if not inner:
                     self._spin_budget = min(self._spin_s, budget * 2)
                 return True
-            if time.perf_counter() > stop:
+            if clock() > stop:
                 if not inner:
                     self._spin_budget = max(_SPIN_MIN_S, budget / 2)
                 return False
