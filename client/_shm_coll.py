@@ -633,7 +633,14 @@ class ShmGroup:
                 self.broken = DistError(
                     "an operation of this group was stopped midway; the group is out of step"
                 )
+            self._abandon()
             self._fail_queued(self.broken)
+
+    def _abandon(self) -> None:
+        """Take our mark off the region: what we published for an operation we gave up on
+        (a deadline) must not complete it for a late peer, which then times out as we did."""
+        if self._ctl:
+            self._ctl[self.me][_OWNER] = 0
 
     def fail(self, exc: BaseException) -> None:
         """Fail every queued operation (a member was lost); the group stays failed."""
