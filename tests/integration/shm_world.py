@@ -158,3 +158,17 @@ def values(results: list[Any]) -> list[Any]:
     if bad:
         raise AssertionError("\n".join(bad))
     return [res[1] for res in results]
+
+
+def dev_shm_in_use() -> list[str]:
+    """What this process maps or holds open under /dev/shm (race-free, unlike listing the
+    directory, which other jobs on the machine may write meanwhile)."""
+    with open("/proc/self/maps") as maps:
+        mapped = [line.split()[-1] for line in maps if "/dev/shm" in line]
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            held.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed meanwhile (the listing's own descriptor)
+            pass
+    return mapped + [h for h in held if h.startswith("/dev/shm")]

@@ -115,32 +115,22 @@ def test_transport_tcp_keeps_ranks_of_one_host_on_tcp() -> None:
     assert results == [{"kinds": ["tcp"], "shm": False, "x": [3.0] * 3}] * 2
 
 
-def dev_shm_in_use() -> list[str]:
-    """What this process maps or holds open under /dev/shm (race-free, unlike listing the
-    directory, which other jobs on the machine may write meanwhile)."""
-    with open("/proc/self/maps") as maps:
-        mapped = [line.split()[-1] for line in maps if "/dev/shm" in line]
-    held = [
-        os.readlink(f"/proc/self/fd/{fd}")
-        for fd in os.listdir("/proc/self/fd")
-        if os.path.exists(f"/proc/self/fd/{fd}")
-    ]
-    return mapped + [h for h in held if h.startswith("/dev/shm")]
-
-
 async def killed(pg: Any) -> dict[str, Any]:
+    from shm_world import dev_shm_in_use
+
+    inherited = set(dev_shm_in_use())  # nothing in a fresh interpreter; only what appears counts
     x = np.ones(4_000_000, np.float32)  # 16 MB: many steps
     for _ in range(2):
         await pg.all_reduce(x)
     if pg.rank == 2:
-        assert not dev_shm_in_use()  # the victim's memory is all anonymous (memfd)
+        assert not set(dev_shm_in_use()) - inherited  # the victim's memory is all anonymous (memfd)
         asyncio.get_running_loop().call_later(0.005, os.kill, os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     for _ in range(100):
         res = await _error(pg.all_reduce(x, timeout=60))
         if res["error"]:
             res["after"] = time.monotonic() - t0
-            res["dev_shm"] = dev_shm_in_use()
+            res["dev_shm"] = sorted(set(dev_shm_in_use()) - inherited)
             return res
     return {"error": None}
 
