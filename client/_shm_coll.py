@@ -52,11 +52,14 @@ import msgpack
 import numpy as np
 
 from aiocoll._errors import DistError, MismatchError, PeerLostError
+from aiocoll._progress_check import _sig as progress_sig
+from aiocoll._progress_check import describe_sig
 from aiocoll._reduce import finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec
 
 from ._shm import ARENA_HEADER, ShmHost, fence
+from .engine import OpTransport
 from .transports._link import LinkTransport
 from .transports.shm import shm_host
 
@@ -89,6 +92,27 @@ _INLINE_S = 0.002  # at most this long of operations completing inside their cal
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
 Finish = Callable[[Any, BaseException | None], None]
 OpGen = Generator[Wait, None, Any]
+OnWait = Callable[[list[int]], None]
+
+
+def _read_sig(raw: bytes) -> dict[str, Any]:
+    """A member's published signature (an authenticated peer's bytes, only ever shown)."""
+    seq, size = _SIG_HEAD.unpack_from(raw)
+    try:
+        meta = msgpack.unpackb(raw[_SIG_HEAD.size : _SIG_HEAD.size + size], raw=False)
+    except Exception:
+        return {"unreadable": raw.hex(), "seq": seq}
+    return {**meta, "seq": seq} if isinstance(meta, dict) else {"meta": meta, "seq": seq}
+
+
+def _describe(meta: dict[str, Any], *, with_seq: bool) -> str:
+    """``all_reduce(dtype=float32, count=4, op=sum)``, as progress reports describe a call."""
+    fields = {k: v for k, v in meta.items() if k != "seq"}
+    try:
+        text = describe_sig(progress_sig(fields))
+    except Exception:
+        text = repr(fields)
+    return f"{text} at seq {meta.get('seq')}" if with_seq else text
 
 
 def region_bytes(chunk: int) -> int:
@@ -97,12 +121,13 @@ def region_bytes(chunk: int) -> int:
 
 
 class _ShmOp:
-    __slots__ = ("finish", "gen", "group", "wait")
+    __slots__ = ("finish", "gen", "group", "on_wait", "wait")
 
-    def __init__(self, group: ShmGroup, gen: OpGen, finish: Finish) -> None:
+    def __init__(self, group: ShmGroup, gen: OpGen, finish: Finish, on_wait: OnWait | None) -> None:
         self.group = group
         self.gen = gen
         self.finish = finish
+        self.on_wait = on_wait  # told whom the operation waits for when it goes to sleep
         self.wait: Wait | None = None
 
     def stop(self) -> None:
@@ -210,16 +235,33 @@ class ShmGroup:
         self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
 
     # -- operations ------------------------------------------------------------------------
-    def all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes, finish: Finish) -> _ShmOp:
+    def all_reduce(
+        self,
+        x: np.ndarray,
+        op: ReduceOp,
+        dtype_name: str,
+        sig: bytes,
+        finish: Finish,
+        on_wait: OnWait | None = None,
+    ) -> _ShmOp:
         """Reduce ``x`` (1-D, contiguous) in place across the group."""
-        gen = self._all_reduce(x, op, dtype_name, sig)
-        return self._submit(gen, finish)
+        return self._submit(self._all_reduce(x, op, dtype_name, sig), finish, on_wait)
 
-    def broadcast(self, x: np.ndarray, root: int, sig: bytes, finish: Finish) -> _ShmOp:
-        return self._submit(self._broadcast(x.view(np.uint8), root, sig), finish)
+    def broadcast(
+        self, x: np.ndarray, root: int, sig: bytes, finish: Finish, on_wait: OnWait | None = None
+    ) -> _ShmOp:
+        return self._submit(self._broadcast(x.view(np.uint8), root, sig), finish, on_wait)
 
-    def all_gather(self, outs: Sequence[np.ndarray], x: np.ndarray, sig: bytes, finish: Finish) -> _ShmOp:
-        return self._submit(self._all_gather([o.view(np.uint8) for o in outs], x.view(np.uint8), sig), finish)
+    def all_gather(
+        self,
+        outs: Sequence[np.ndarray],
+        x: np.ndarray,
+        sig: bytes,
+        finish: Finish,
+        on_wait: OnWait | None = None,
+    ) -> _ShmOp:
+        gen = self._all_gather([o.view(np.uint8) for o in outs], x.view(np.uint8), sig)
+        return self._submit(gen, finish, on_wait)
 
     def reduce_scatter(
         self,
@@ -229,11 +271,12 @@ class ShmGroup:
         dtype_name: str,
         sig: bytes,
         finish: Finish,
+        on_wait: OnWait | None = None,
     ) -> _ShmOp:
-        return self._submit(self._reduce_scatter(out, list(ins), op, dtype_name, sig), finish)
+        return self._submit(self._reduce_scatter(out, list(ins), op, dtype_name, sig), finish, on_wait)
 
-    def barrier(self, sig: bytes, finish: Finish) -> _ShmOp:
-        return self._submit(self._barrier(sig), finish)
+    def barrier(self, sig: bytes, finish: Finish, on_wait: OnWait | None = None) -> _ShmOp:
+        return self._submit(self._barrier(sig), finish, on_wait)
 
     @staticmethod
     def signature(seq: int, meta: dict[str, Any]) -> bytes:
@@ -453,30 +496,34 @@ class ShmGroup:
         for j in self.others:
             if self._raw[j][o:end] != sig:
                 self._publish(_DONE, t)  # let the others read on to their own verdict
-                raise self._mismatch(j, bytes(self._raw[j][o : o + _SIG_BYTES]), sig)
+                raise self._mismatch(o, sig)
 
-    def _mismatch(self, j: int, theirs: bytes, mine: bytes) -> MismatchError:
+    def _mismatch(self, o: int, mine: bytes) -> MismatchError:
+        """Every member's call at this point (we hold all their signatures), grouped by what
+        they called, worded as the coordinator's progress check words it."""
         seq, _ = _SIG_HEAD.unpack_from(mine)
-        my_meta = msgpack.unpackb(mine[_SIG_HEAD.size :], raw=False)
-        their_seq, their_size = _SIG_HEAD.unpack_from(theirs)
-        try:
-            their_meta = msgpack.unpackb(theirs[_SIG_HEAD.size : _SIG_HEAD.size + their_size], raw=False)
-        except Exception:
-            their_meta = {"unreadable": theirs.hex()}
-        if their_seq != seq:
-            their_meta = {**their_meta, "seq": their_seq}
-            my_meta = {**my_meta, "seq": seq}
-        keys = sorted(str(k) for k in set(my_meta) | set(their_meta) if my_meta.get(k) != their_meta.get(k))
-        me_g, them = self.ranks[self.me], self.ranks[j]
-        where = f" (group {self._gid!r}, seq {seq})" if self._gid else f" (seq {seq})"
+        mine_meta = _read_sig(mine)
+        metas = [
+            mine_meta if j == self.me else _read_sig(bytes(self._raw[j][o : o + _SIG_BYTES]))
+            for j in range(self.n)
+        ]
+        differing = {
+            str(k) for meta in metas for k in set(meta) | set(mine_meta) if meta.get(k) != mine_meta.get(k)
+        }
+        calls: dict[str, list[int]] = {}
+        for j, meta in enumerate(metas):
+            calls.setdefault(_describe(meta, with_seq="seq" in differing), []).append(self.ranks[j])
+        called = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} called {call}"
+            for call, rs in calls.items()
+        )
         return MismatchError(
-            f"rank {me_g} and rank {them} called different collectives at one point{where}: they differ "
-            f"in {', '.join(keys) or 'signature'}; rank {me_g}: {my_meta}; rank {them}: {their_meta}. Every "
-            "rank of a group must call the same operations, with the same root, dtype, size and reduce "
-            "op, in the same order.",
+            f"the ranks called different operations at seq {seq} of group {self._gid!r} (they differ in "
+            f"{', '.join(sorted(differing))}): {called}. Every rank of a group must call the same "
+            "operations, with the same root, dtype, size and reduce op, in the same order",
             group=self._gid,
             seq=seq,
-            ranks=sorted({me_g, them}),
+            ranks=sorted(self.ranks),
         )
 
     # -- the driver ------------------------------------------------------------------------
@@ -497,8 +544,8 @@ class ShmGroup:
                 return False
         return True
 
-    def _submit(self, gen: OpGen, finish: Finish) -> _ShmOp:
-        op = _ShmOp(self, gen, finish)
+    def _submit(self, gen: OpGen, finish: Finish, on_wait: OnWait | None = None) -> _ShmOp:
+        op = _ShmOp(self, gen, finish, on_wait)
         if self.broken is not None:
             finish(None, self.broken)
             return op
@@ -600,6 +647,15 @@ class ShmGroup:
             ctl[_SLEEP] = 0
             return False
         self.sleeps += 1
+        if op.on_wait is not None and op.wait is not None:
+            counter, t, members = op.wait
+            op.on_wait(
+                [
+                    self.ranks[j]
+                    for j in members
+                    if self._ctl[j][counter] < t or self._ctl[j][_OWNER] != self._owner
+                ]
+            )
         self._waker.sleeping.add(self)
         if self._timer is None:
             self._timer = self._loop.call_later(_RECHECK_S, self._recheck)
@@ -735,7 +791,7 @@ def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
 
 def shm_starter(
     group: ShmGroup, spec: CollectiveSpec, meta: dict[str, Any], done: Callable[[BaseException | None], Any]
-) -> Callable[[Any, Any, Finish], _ShmOp] | None:
+) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
     """An engine starter (see Engine.submit_eager) that runs ``spec`` over ``group``'s shared
     memory, or None when this operation is not one the arenas serve (its kind, an algorithm
     override, an out-of-place all_reduce). ``done(exc)`` turns the outcome into the Work's:
@@ -748,7 +804,7 @@ def shm_starter(
     dtype_name = str(meta.get("dtype") or (spec.recv or spec.send or (np.empty(0, np.uint8),))[0].dtype.name)
     op = spec.op
 
-    def start(tag: Any, transport: Any, finish: Finish) -> _ShmOp:
+    def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
         sig = ShmGroup.signature(tag[2], meta)
 
         def fin(_: Any, exc: BaseException | None) -> None:
@@ -760,14 +816,15 @@ def shm_starter(
             else:
                 finish(None, exc)
 
+        on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
         if kind == "all_reduce":
-            return group.all_reduce(spec.recv[0], op, dtype_name, sig, fin)
+            return group.all_reduce(spec.recv[0], op, dtype_name, sig, fin, on_wait)
         if kind == "broadcast":
-            return group.broadcast(spec.recv[0], spec.root, sig, fin)
+            return group.broadcast(spec.recv[0], spec.root, sig, fin, on_wait)
         if kind == "all_gather":
-            return group.all_gather(spec.recv, spec.send[0], sig, fin)
+            return group.all_gather(spec.recv, spec.send[0], sig, fin, on_wait)
         if kind == "reduce_scatter":
-            return group.reduce_scatter(spec.recv[0], spec.send, op, dtype_name, sig, fin)
-        return group.barrier(sig, fin)
+            return group.reduce_scatter(spec.recv[0], spec.send, op, dtype_name, sig, fin, on_wait)
+        return group.barrier(sig, fin, on_wait)
 
     return start
