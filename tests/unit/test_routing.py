@@ -30,13 +30,13 @@ def test_layout_groups_members_by_host_in_group_order_and_leads_with_the_first()
     assert host_layout([0, 1, 7], 0, HOSTS) is None  # rank 7's host is unknown: assume nothing
 
 
-def test_only_an_all_reduce_over_several_crowded_hosts_with_a_regroupable_op_goes_hierarchical() -> None:
+def test_only_an_all_reduce_over_several_crowded_hosts_goes_hierarchical() -> None:
     spanning = host_layout(range(6), 0, HOSTS)
     one_host = host_layout([0, 2, 5], 0, HOSTS)
     one_each = host_layout([0, 1, 3], 0, HOSTS)
     assert choose_route("all_reduce", ReduceOp.SUM, spanning) == "hierarchical"
     assert choose_route("all_reduce", ReduceOp.MAX, spanning) == "hierarchical"
-    assert choose_route("all_reduce", ReduceOp.AVG, spanning) == "flat"  # per-host averages weigh hosts
+    assert choose_route("all_reduce", ReduceOp.AVG, spanning) == "hierarchical"  # SUM, divided once
     assert choose_route("broadcast", ReduceOp.SUM, spanning) == "flat"
     assert choose_route("all_reduce", ReduceOp.SUM, one_host) == "flat"
     assert choose_route("all_reduce", ReduceOp.SUM, one_each) == "flat"
@@ -128,3 +128,30 @@ async def test_hierarchical_all_reduce_out_of_place_writes_the_result_and_keeps_
     for r in ranks:
         np.testing.assert_array_equal(outs[r], np.full(5, 21.0))
         np.testing.assert_array_equal(ins[r], np.full(5, r + 1.0))
+
+
+@pytest.mark.timeout(30)
+async def test_hierarchical_average_divides_the_whole_sum_once_by_the_number_of_ranks() -> None:
+    """Hosts hold 3, 2 and 1 ranks: an average of per-host averages would be wrong."""
+    n = len(HOSTS)
+    xs = [np.full(7, float(r * r), dtype=np.float64) for r in range(n)]
+    world = MemoryWorld(n)
+    ranks = tuple(range(n))
+    meta = {"kind": "all_reduce", "dtype": "float64", "count": 7, "op": "avg"}
+    await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                run_routed(
+                    CollectiveSpec("all_reduce", ranks, r, (xs[r],), (xs[r],), op=ReduceOp.AVG),
+                    world[r],
+                    ("c", "w", 0),
+                    meta,
+                    host_layout(ranks, r, HOSTS),
+                )
+                for r in ranks
+            )
+        ),
+        20,
+    )
+    for x in xs:
+        np.testing.assert_array_equal(x, np.full(7, sum(r * r for r in ranks) / n))
