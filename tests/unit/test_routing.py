@@ -59,15 +59,40 @@ class _CrossHostCounter:
         monkeypatch.setattr(MemoryLink, "send_nowait", send_nowait)
 
 
+RANKS = tuple(range(len(HOSTS)))
+
+
+async def _all_reduce_by_host(
+    ins: list[np.ndarray], outs: list[np.ndarray], op: ReduceOp, dtype: str
+) -> None:
+    """Every rank of HOSTS runs one all_reduce through run_routed over one memory world."""
+    world = MemoryWorld(len(RANKS))
+    meta = {"kind": "all_reduce", "dtype": dtype, "count": len(ins[0]), "op": op.value}
+    await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                run_routed(
+                    CollectiveSpec("all_reduce", RANKS, r, (ins[r],), (outs[r],), op=op),
+                    world[r],
+                    ("c", "w", 0),
+                    meta,
+                    host_layout(RANKS, r, HOSTS),
+                )
+                for r in RANKS
+            )
+        ),
+        30,
+    )
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MIN, ReduceOp.PRODUCT, ReduceOp.BXOR])
 @pytest.mark.parametrize("count", [1, 1000, 70_000])
 async def test_hierarchical_all_reduce_matches_numpy_and_sends_one_vector_per_host_pair(
     op: ReduceOp, count: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    n = len(HOSTS)
     rng = np.random.default_rng(count)
-    xs = [rng.integers(1, 4, size=count).astype(np.int64) for _ in range(n)]
+    xs = [rng.integers(1, 4, size=count).astype(np.int64) for _ in RANKS]
     combine = {
         ReduceOp.SUM: np.add,
         ReduceOp.MIN: np.minimum,
@@ -76,25 +101,7 @@ async def test_hierarchical_all_reduce_matches_numpy_and_sends_one_vector_per_ho
     }[op]
     expected = combine.reduce(np.stack(xs), axis=0)
     counter = _CrossHostCounter(monkeypatch)
-    world = MemoryWorld(n)
-    meta = {"kind": "all_reduce", "dtype": "int64", "count": count, "op": op.value}
-    ranks = tuple(range(n))
-    layouts = [host_layout(ranks, r, HOSTS) for r in ranks]
-    await asyncio.wait_for(
-        asyncio.gather(
-            *(
-                run_routed(
-                    CollectiveSpec("all_reduce", ranks, r, (xs[r],), (xs[r],), op=op),
-                    world[r],
-                    ("c", "w", 0),
-                    meta,
-                    layouts[r],
-                )
-                for r in ranks
-            )
-        ),
-        30,
-    )
+    await _all_reduce_by_host(xs, xs, op, "int64")
     for x in xs:
         np.testing.assert_array_equal(x, expected)
     # Three leaders: an all_reduce among 3 moves between 2 and 6 vectors between hosts (flat among
@@ -104,28 +111,10 @@ async def test_hierarchical_all_reduce_matches_numpy_and_sends_one_vector_per_ho
 
 @pytest.mark.timeout(30)
 async def test_hierarchical_all_reduce_out_of_place_writes_the_result_and_keeps_the_input() -> None:
-    n = len(HOSTS)
-    ins = [np.full(5, r + 1, dtype=np.float64) for r in range(n)]
-    outs = [np.zeros(5) for _ in range(n)]
-    world = MemoryWorld(n)
-    ranks = tuple(range(n))
-    meta = {"kind": "all_reduce", "dtype": "float64", "count": 5, "op": "sum"}
-    await asyncio.wait_for(
-        asyncio.gather(
-            *(
-                run_routed(
-                    CollectiveSpec("all_reduce", ranks, r, (ins[r],), (outs[r],)),
-                    world[r],
-                    ("c", "w", 0),
-                    meta,
-                    host_layout(ranks, r, HOSTS),
-                )
-                for r in ranks
-            )
-        ),
-        20,
-    )
-    for r in ranks:
+    ins = [np.full(5, r + 1, dtype=np.float64) for r in RANKS]
+    outs = [np.zeros(5) for _ in RANKS]
+    await _all_reduce_by_host(ins, outs, ReduceOp.SUM, "float64")
+    for r in RANKS:
         np.testing.assert_array_equal(outs[r], np.full(5, 21.0))
         np.testing.assert_array_equal(ins[r], np.full(5, r + 1.0))
 
@@ -133,25 +122,7 @@ async def test_hierarchical_all_reduce_out_of_place_writes_the_result_and_keeps_
 @pytest.mark.timeout(30)
 async def test_hierarchical_average_divides_the_whole_sum_once_by_the_number_of_ranks() -> None:
     """Hosts hold 3, 2 and 1 ranks: an average of per-host averages would be wrong."""
-    n = len(HOSTS)
-    xs = [np.full(7, float(r * r), dtype=np.float64) for r in range(n)]
-    world = MemoryWorld(n)
-    ranks = tuple(range(n))
-    meta = {"kind": "all_reduce", "dtype": "float64", "count": 7, "op": "avg"}
-    await asyncio.wait_for(
-        asyncio.gather(
-            *(
-                run_routed(
-                    CollectiveSpec("all_reduce", ranks, r, (xs[r],), (xs[r],), op=ReduceOp.AVG),
-                    world[r],
-                    ("c", "w", 0),
-                    meta,
-                    host_layout(ranks, r, HOSTS),
-                )
-                for r in ranks
-            )
-        ),
-        20,
-    )
+    xs = [np.full(7, float(r * r), dtype=np.float64) for r in RANKS]
+    await _all_reduce_by_host(xs, xs, ReduceOp.AVG, "float64")
     for x in xs:
-        np.testing.assert_array_equal(x, np.full(7, sum(r * r for r in ranks) / n))
+        np.testing.assert_array_equal(x, np.full(7, sum(r * r for r in RANKS) / len(RANKS)))
