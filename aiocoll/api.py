@@ -35,7 +35,8 @@ from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec, run_collective
-from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
+from aiocoll.algorithms._driver import Driver, start_collective
+from aiocoll.algorithms._plan import prepare
 from aiocoll.client.engine import Engine, GroupState, OpTransport
 from aiocoll.client.transports.tcp import TcpTransport, route_interface
 from aiocoll.stores import FileStore, Store
@@ -251,34 +252,25 @@ class ProcessGroup:
             dtype=meta.get("dtype"),
         )
 
-        plan = eager_plan(spec, meta)
-        if plan is not None:
-            # Small single-lane operations run from message callbacks, without a task.
-            def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> EagerLane:
-                def done(exc: BaseException | None) -> None:
-                    if exc is None:
-                        try:
-                            for w in workings:
-                                w.finish()
-                        except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
-                            exc = copy_back
-                    finish(result, exc)
+        if self._destroyed:
+            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
 
-                return start_eager(plan, spec, transport, tag, meta, done)
+        # Every collective runs from message callbacks, without a task (aiocoll.algorithms._driver).
+        def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> Driver:
+            def done(exc: BaseException | None) -> None:
+                if exc is None:
+                    try:
+                        for w in workings:
+                            w.finish()
+                    except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
+                        exc = copy_back
+                finish(result, exc)
 
-            if self._destroyed:
-                raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
-            return self._rt.engine.submit_eager(
-                self._state, kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
-            )
+            return start_collective(prepare(spec, meta), spec, transport, tag, meta, done)
 
-        async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
-            await run_collective(spec, transport, tag, meta)
-            for w in workings:
-                w.finish()
-            return result
-
-        return self._submit(kind, body, timeout)
+        return self._rt.engine.submit_eager(
+            self._state, kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
+        )
 
     def _meta(
         self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
