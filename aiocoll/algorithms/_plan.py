@@ -1,7 +1,7 @@
 """Planning one collective: the operation as the engine describes it (CollectiveSpec), the
 choice of algorithm, validation, and this rank's schedule bound to the operation's arrays.
 
-Imports only foundations (_buffers, _errors-free: _reduce, _types, _schedule); never asyncio,
+Imports only foundations (_buffers, _reduce, _types, _schedule); never asyncio, numpy,
 client/ or the public surface. ``prepare`` is the one planning path for every kind and size; the
 step driver (``_driver``) runs what it returns.
 
