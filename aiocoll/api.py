@@ -19,7 +19,6 @@ import datetime
 import logging
 import os
 import pickle
-import socket
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +37,8 @@ from aiocoll.algorithms import CollectiveSpec, run_collective
 from aiocoll.algorithms._driver import Driver, start_collective
 from aiocoll.algorithms._plan import prepare
 from aiocoll.client.engine import Engine, GroupState, OpTransport
-from aiocoll.client.transports.tcp import TcpTransport, route_interface
+from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
+from aiocoll.client.transports.tcp import route_interface
 from aiocoll.stores import FileStore, Store
 
 __all__ = ["ProcessGroup", "init_process_group"]
@@ -128,7 +128,7 @@ class _Runtime:
     def __init__(
         self,
         engine: Engine,
-        transport: TcpTransport,
+        transport: LinkTransport,
         *,
         session: Any = None,
         coordinator: Any = None,
@@ -879,7 +879,7 @@ async def _init_with_coordinator(
     _check_world(rank, world_size, need_rank=False)
     assert world_size is not None
     iface = route_interface(host, port)
-    transport = TcpTransport(None, None, token=token, job=job)
+    transport = open_transport(None, None, token=token, job=job)
     coordinator = None
     session = None
     try:
@@ -900,14 +900,14 @@ async def _init_with_coordinator(
                 coordinator = None
         session = await _connect_session(CoordinatorSession, host, port, token, job, ROLE_WORKER, deadline)
         membership = await session.join(
-            rank, world_size, [[addr[0], addr[1]]], socket.gethostname(), deadline.remaining()
+            rank, world_size, [[addr[0], addr[1]]], host_identity(), deadline.remaining()
         )
         if membership.world_size != world_size:
             raise RendezvousError(
                 f"the coordinator reports world_size {membership.world_size}, we asked for {world_size}"
             )
         transport.assign(membership.rank, membership.world_size)
-        await transport.connect({m.rank: m.addrs for m in membership.members}, deadline)
+        await connect_links(transport, membership.members, deadline)
         engine = Engine(transport, default_timeout=seconds)
         session.on_member_lost(lambda r, reason: engine.peer_lost(int(r), str(reason)))
         runtime = _Runtime(
@@ -962,14 +962,16 @@ async def _init_with_store(
     host = os.environ.get("AIOCOLL_PEER_HOST") or (
         route_interface(os.environ["MASTER_ADDR"]) if os.environ.get("MASTER_ADDR") else "127.0.0.1"
     )
-    transport = TcpTransport(rank, world_size, token=token, job=job)
+    transport = open_transport(rank, world_size, token=token, job=job)
     try:
         addr = await transport.listen(host)
         # Each rank counts its own rendezvous rounds, so a store reused by a later
         # init_process_group (after destroy) never hands out a previous round's dead addresses.
         rnd = await store.add(f"aiocoll/{job}/rounds/{rank}", 1)
         prefix = f"aiocoll/{job}/round{rnd}/peer/"
-        await store.set(f"{prefix}{rank}", msgpack.packb([[addr[0], addr[1]]]))
+        await store.set(
+            f"{prefix}{rank}", msgpack.packb({"addrs": [[addr[0], addr[1]]], "host": host_identity()})
+        )
         keys = [f"{prefix}{r}" for r in range(world_size)]
         try:
             await asyncio.wait_for(store.wait(keys, deadline.remaining()), deadline.remaining())
@@ -979,8 +981,8 @@ async def _init_with_store(
                 f"rank {rank}: not every rank of {world_size} published its address in the store within "
                 f"the rendezvous timeout"
             ) from exc
-        addrs = {r: msgpack.unpackb(v) for r, v in enumerate(values)}
-        await transport.connect(addrs, deadline)
+        table = [PeerRow(r, **msgpack.unpackb(v)) for r, v in enumerate(values)]
+        await connect_links(transport, table, deadline)
         engine = Engine(transport, default_timeout=seconds)
     except BaseException:
         await transport.aclose()

@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 
 from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
 from aiocoll._work import Work
-from aiocoll.algorithms._transport import LostPeerHandler, RecvCallback, Tag, Transport
+from aiocoll.algorithms._transport import LostPeerHandler, RecvCallback, StrayHandler, Tag, Transport
 
 __all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
@@ -153,12 +153,9 @@ class OpTransport(Transport):
     def send_nowait(
         self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
     ) -> Awaitable[None] | None:
-        """Start a send inline when the inner transport can (see TcpTransport.send_nowait); else
-        the ``send`` coroutine, not yet started. None: the payload was handed off at once."""
-        start = getattr(self._inner, "send_nowait", None)
-        if start is None:
-            return self.send(dst, tag, payload, meta)
-        rest = start(dst, tag, payload, meta)
+        """Start a send inline where the inner transport can (see Transport.send_nowait). None:
+        the payload was handed off at once."""
+        rest = self._inner.send_nowait(dst, tag, payload, meta)
         if rest is None:
             return None
         return _counting(self._op.outstanding_send, dst, rest)
@@ -184,8 +181,24 @@ class OpTransport(Transport):
     def discard(self, tag_prefix: Tag) -> None:
         self._inner.discard(tag_prefix)
 
+    def retire(self, tag_prefix: Tag) -> None:
+        self._inner.retire(tag_prefix)
+
+    def on_stray(self, handler: StrayHandler) -> None:
+        self._inner.on_stray(handler)
+
     def on_peer_lost(self, handler: LostPeerHandler) -> None:
         self._inner.on_peer_lost(handler)
+
+    def mark_lost(self, rank: int, reason: str) -> None:
+        self._inner.mark_lost(rank, reason)
+
+    @property
+    def lost_peers(self) -> dict[int, str]:
+        return self._inner.lost_peers
+
+    def debug_state(self) -> dict[str, Any]:
+        return self._inner.debug_state()
 
     async def aclose(self) -> None:  # an operation never closes the shared transport
         return None
@@ -209,10 +222,7 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._closed = False
         transport.on_peer_lost(self.peer_lost)
-        on_stray = getattr(transport, "on_stray", None)
-        self._retire = getattr(transport, "retire", None)
-        if on_stray is not None:
-            on_stray(self._on_stray)
+        transport.on_stray(self._on_stray)
         self._control = self._loop.create_task(self._control_loop())
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
@@ -240,8 +250,7 @@ class Engine:
             self._fail_pending(group, DistError(f"group {gid!r} was destroyed"), from_seq=0)
 
     def _lost_ranks(self) -> set[int]:
-        lost = getattr(self.transport, "lost_peers", None)
-        return set(lost) if lost else set()
+        return set(self.transport.lost_peers)
 
     # -- submitting ------------------------------------------------------------------------
     def submit(
@@ -442,11 +451,11 @@ class Engine:
         fut = op.future
         if fut.cancelled() or fut.exception() is not None:
             self.transport.discard(op.tag)
-        elif self._retire is not None:
+        else:
             # Every message of a collective is consumed when all ranks agree; one that is left
             # over (or arrives later) means some rank called something else (a root mismatch, say,
             # where the disagreeing ranks only send).
-            self._retire(op.tag)
+            self.transport.retire(op.tag)
 
     def _abort(self, op: _Op, exc: BaseException) -> None:
         """Fail ``op`` now (its Work completes at once) and stop its body."""
@@ -529,9 +538,8 @@ class Engine:
         missing = ends or direct
         err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
         log.warning("rank %d: %s", self.rank, err)
-        state = getattr(self.transport, "debug_state", None)
-        if state is not None and log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d: transport state at the timeout: %r", self.rank, state())
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("rank %d: transport state at the timeout: %r", self.rank, self.transport.debug_state())
         # The operation may have exchanged part of its messages, so this rank is no longer in step
         # with the others on this group: break it rather than let a later call match stale data.
         self._break(op.group, err, from_seq=op.seq if op.seq >= 0 else 0, except_op=op)
@@ -562,9 +570,7 @@ class Engine:
             err = exc
         else:
             err = PeerLostError(rank, str(exc) or "lost")
-        mark = getattr(self.transport, "mark_lost", None)
-        if mark is not None:
-            mark(rank, err.reason)  # re-enters here through the transport's handler; harmless
+        self.transport.mark_lost(rank, err.reason)  # re-enters here through the transport's handler; harmless
         for group in list(self._groups.values()):
             if rank in group.members and not isinstance(group.broken, PeerLostError):
                 self._break(group, err, from_seq=0)
@@ -613,10 +619,9 @@ class Engine:
             except asyncio.CancelledError:
                 raise
             except PeerLostError:
-                # Some transports fail any-source receives while a peer is lost; notices from the
-                # survivors can still come, so keep listening, without spinning.
-                await asyncio.sleep(0.1)
-                continue
+                # A receive from any source fails only once no other rank is left (the matcher's
+                # rule): nobody can send a notice any more.
+                return
             except DistError:
                 return  # the transport is closed
             except Exception:

@@ -78,23 +78,18 @@ class Context:
         self.op = prepared.op
         self.dtype_name = prepared.dtype_name
         self.payload = prepared.buffers.payload
-        # Transports that can hand a message to the kernel without a coroutine let a step send
-        # inline (no task, no loop iteration per message); see ``start_send``.
-        self.send_nowait: Callable[..., Awaitable[None] | None] | None = getattr(
-            transport, "send_nowait", None
-        )
+        # Bound once: every send of the operation goes through it (see ``start_send``).
+        self.send_nowait = transport.send_nowait
 
     def start_send(self, peer: int, step_id: int, data: Any) -> Awaitable[None] | None:
-        """Start sending now; None when the payload was handed off at once, else an awaitable
-        (a coroutine, not yet started, for transports without ``send_nowait``) that finishes it.
+        """Start sending now (inline where the transport can: no task, no loop iteration per
+        message); None when the payload was handed off at once, else an awaitable, not started
+        yet, that finishes it (``Transport.send_nowait``).
 
         Raises:
-            PeerLostError: the peer is gone (only when sending inline).
+            PeerLostError: the peer is gone (at once, when that is already known).
         """
-        dst, tag, payload = self.global_ranks[peer], (*self.tag, step_id), self.payload(data)
-        if self.send_nowait is None:
-            return self.transport.send(dst, tag, payload, self.meta)
-        return self.send_nowait(dst, tag, payload, self.meta)
+        return self.send_nowait(self.global_ranks[peer], (*self.tag, step_id), self.payload(data), self.meta)
 
     def recv_error(self, src: int, exc: MismatchError) -> MismatchError:
         """The error to raise for a receive from global rank ``src`` that the transport failed

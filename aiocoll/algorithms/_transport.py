@@ -1,9 +1,13 @@
-"""The transport interface the algorithm executor runs over; imports only the standard library.
+"""The transport interface the algorithm driver and the engine run over; imports only the
+standard library (and aiocoll._matching for the Tag type).
 
-A transport moves whole messages between the ranks of one job (global ranks). Implementations:
-client/transports/memory.py (in-process, for unit tests of algorithms), client/transports/tcp.py
-(authenticated peer links), and later shm (same host) and cuda (staging / IPC). Algorithms never
-see which one they run on.
+A transport moves whole messages between the ranks of one job (global ranks). There is one per
+process: client/transports/_link.py's LinkTransport, which matches messages with the one
+sans-IO matcher (aiocoll/_matching.py) and moves them over one link per peer, whatever its kind
+(tcp, memory for unit tests, and next shm and cuda). Algorithms and the engine never see which
+kinds they run on. Every method the engine or the driver calls is declared here (nothing is
+reached by getattr), and aiocoll/testing/transport_conformance.py covers each one for every
+link kind.
 
 Matching: a message is identified by (source rank, tag). Tags are tuples of str/int; collective
 operations use ("c", group_id, seq, step), which is unique, so order never matters; point-to-point
@@ -22,12 +26,13 @@ from __future__ import annotations
 import asyncio
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["LostPeerHandler", "RecvCallback", "Tag", "Transport"]
+from aiocoll._matching import StrayHandler, Tag
 
-Tag = tuple[Hashable, ...]
+__all__ = ["LostPeerHandler", "RecvCallback", "StrayHandler", "Tag", "Transport"]
+
 LostPeerHandler = Callable[[int, BaseException], None]
 RecvCallback = Callable[[tuple[int, dict[str, Any]] | None, BaseException | None], None]
 """``callback(result, exc)`` for ``post_recv``: ``result`` is what ``recv`` returns, or ``exc`` what
@@ -51,6 +56,19 @@ class Transport(ABC):
         Raises:
             PeerLostError: ``dst`` is gone (or becomes so before the bytes are handed off).
         """
+
+    def send_nowait(
+        self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
+    ) -> Awaitable[None] | None:
+        """Start ``send`` without a coroutine where the transport can: None when the payload was
+        handed off at once (the common case for small messages: the caller may reuse it), else an
+        awaitable that finishes the send (await it before reusing ``payload``). This default
+        returns the ``send`` coroutine, not started.
+
+        Raises:
+            PeerLostError: ``dst`` is gone (at once, when that is already known).
+        """
+        return self.send(dst, tag, payload, meta)
 
     @abstractmethod
     async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
@@ -93,8 +111,31 @@ class Transport(ABC):
         """
 
     @abstractmethod
+    def retire(self, tag_prefix: Tag) -> None:
+        """Mark an operation that completed successfully: a message under ``tag_prefix`` still
+        buffered, or arriving later, was sent by a rank that called something else, and is handed
+        to the ``on_stray`` handlers (the engine turns it into a MismatchError)."""
+
+    @abstractmethod
+    def on_stray(self, handler: StrayHandler) -> None:
+        """Register ``handler(src, tag, meta)`` for messages under a retired prefix."""
+
+    @abstractmethod
     def on_peer_lost(self, handler: LostPeerHandler) -> None:
         """Register a callback run (on the loop) when a peer's link breaks."""
+
+    @abstractmethod
+    def mark_lost(self, rank: int, reason: str) -> None:
+        """Treat ``rank`` as gone (the coordinator said so): close its link, fail its receives."""
+
+    @property
+    @abstractmethod
+    def lost_peers(self) -> dict[int, str]:
+        """Ranks whose link is gone (lost, or closed in order), with the reason."""
+
+    @abstractmethod
+    def debug_state(self) -> dict[str, Any]:
+        """A snapshot of matching and link state, for diagnosing a stuck operation."""
 
     @abstractmethod
     async def aclose(self) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import math
 import multiprocessing
+import os
 import queue as queue_module
 import secrets
 import sys
@@ -33,6 +34,7 @@ from ._bench_common import (
     utc_now,
     write_json,
 )
+from ._bench_mpi import MPI_DTYPES, MpiUnavailable, run_mpi_phase
 from ._bench_servers import start_coordinator, start_tcpstore
 
 __all__ = ["run_collectives"]
@@ -42,7 +44,8 @@ class BenchError(RuntimeError):
     """A benchmark run that could not complete; the message says why and what to do."""
 
 
-def _columns(with_gloo: bool) -> list[tuple[str, int]]:
+def _columns(contenders: Sequence[str]) -> list[tuple[str, int]]:
+    """aiocoll's columns, each contender's, then the ratios to every contender side by side."""
     cols = [
         ("size(B)", 9),
         ("count", 8),
@@ -53,16 +56,10 @@ def _columns(with_gloo: bool) -> list[tuple[str, int]]:
         ("algbw", 7),
         ("busbw", 7),
     ]
-    if with_gloo:
-        cols += [
-            ("gloo(us)", 9),
-            ("gloo_avg", 9),
-            ("gloo_min", 9),
-            ("gloo_busbw", 10),
-            ("time_ratio", 10),
-            ("avg_ratio", 9),
-            ("busbw_ratio", 11),
-        ]
+    for c in contenders:
+        cols += [(f"{c}(us)", 9), (f"{c}_avg", 9), (f"{c}_min", 9), (f"{c}_busbw", max(10, len(c) + 7))]
+    for what in ("time", "avg", "busbw"):
+        cols += [(f"{what}/{c}", max(9, len(what) + len(c) + 2)) for c in contenders]
     return cols
 
 
@@ -82,7 +79,20 @@ def _fmt(value: object) -> str:
     return str(value)
 
 
-def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
+def _ratio(ours: float, theirs: float) -> float:
+    return ours / theirs if theirs > 0 else math.nan
+
+
+def _ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float]:
+    """aiocoll/contender: time and avg (lower is better for aiocoll), busbw (higher is better)."""
+    return {
+        "time": _ratio(ours["time_us"], theirs["time_us"]),
+        "avg": _ratio(ours["avg_us"], theirs["avg_us"]),
+        "busbw": _ratio(ours["busbw"], theirs["busbw"]),
+    }
+
+
+def _row_cells(row: dict[str, Any], contenders: Sequence[str]) -> list[object]:
     ours = row["aiocoll"]
     cells: list[object] = [
         row["size"],
@@ -94,24 +104,15 @@ def _row_cells(row: dict[str, Any], with_gloo: bool) -> list[object]:
         ours["algbw"],
         ours["busbw"],
     ]
-    if with_gloo:
-        theirs = row.get("gloo")
-        if theirs is None:
-            cells += [None] * 7
-        else:
-            cells += [
-                theirs["time_us"],
-                theirs["avg_us"],
-                theirs["min_us"],
-                theirs["busbw"],
-                row["time_ratio"],
-                row["avg_ratio"],
-                row["busbw_ratio"],
-            ]
+    for c in contenders:
+        theirs = row[c]
+        cells += [theirs["time_us"], theirs["avg_us"], theirs["min_us"], theirs["busbw"]]
+    for what in ("time", "avg", "busbw"):
+        cells += [row["ratios"][c][what] for c in contenders]
     return cells
 
 
-def _print_header(op: str, n: int, args: argparse.Namespace, with_gloo: bool) -> None:
+def _print_header(op: str, n: int, args: argparse.Namespace, contenders: Sequence[str]) -> None:
     factor = BUSBW_FACTORS[op]
     bandwidth = (
         "barrier moves no data: only time"
@@ -120,26 +121,41 @@ def _print_header(op: str, n: int, args: argparse.Namespace, with_gloo: bool) ->
     )
     print(
         f"# aiocoll bench: {op}, world size {n}, {args.dtype} ({args.tensor}), "
-        f"{args.iters} iters after {args.warmup} warmup, algorithm {args.algorithm or 'auto'}, {utc_now()}"
+        f"{args.iters} iters after {args.warmup} warmup, algorithm {args.algorithm or 'auto'}, "
+        f"transport {args.transport or os.environ.get('AIOCOLL_TRANSPORT') or 'auto'}, loop {args.loop}, "
+        f"{args.hog} CPU hog(s), load {_loadavg()}, {utc_now()}"
     )
     print(
         "# time = median over iterations of the slowest rank; avg = slowest rank's mean (nccl-tests' "
         "time, outliers included); min = fastest iteration; "
         f"{bandwidth}; algo = what aiocoll ran"
-        + ("; ratios are aiocoll/gloo (time: lower is better, busbw: higher is better)" if with_gloo else "")
+        + (
+            "; X/c = aiocoll's X over contender c's (time: lower is better, busbw: higher is better)"
+            if contenders
+            else ""
+        )
     )
+    if "mpi" in contenders:
+        print("# mpi = mpi4py over the MPI its mpiexec belongs to, run as its own job in the same invocation")
     if op == "sendrecv":
         print("# sendrecv: ping-pong between ranks 0 and 1; time is half the round trip")
-    cols = _columns(with_gloo)
+    cols = _columns(contenders)
     print("  ".join(name.rjust(width) for name, width in cols))
     sys.stdout.flush()
 
 
-def _print_row(row: dict[str, Any], with_gloo: bool) -> None:
-    cols = _columns(with_gloo)
-    cells = _row_cells(row, with_gloo)
+def _print_row(row: dict[str, Any], contenders: Sequence[str]) -> None:
+    cols = _columns(contenders)
+    cells = _row_cells(row, contenders)
     print("  ".join(_fmt(c).rjust(w) for c, (_, w) in zip(cells, cols, strict=True)))
     sys.stdout.flush()
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "unknown"
 
 
 def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
@@ -154,7 +170,9 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
         raise BenchError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
     if args.dtype == "bfloat16" and args.tensor != "torch":
         raise BenchError("numpy has no bfloat16: add --tensor torch to measure bfloat16")
-    needs_torch = args.vs == "gloo" or args.tensor == "torch"
+    if "mpi" in args.contenders and args.dtype not in MPI_DTYPES:
+        raise BenchError(f"--vs mpi: MPI has no {args.dtype} reduction; use one of {', '.join(MPI_DTYPES)}")
+    needs_torch = "gloo" in args.contenders or args.tensor == "torch"
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise BenchError(
             "torch is not installed, so there is nothing to compare with: install it "
@@ -181,11 +199,16 @@ def _terminate(procs: Sequence[multiprocessing.process.BaseProcess]) -> None:
 def run_collectives(args: argparse.Namespace) -> int:
     """Run the collective sweep described by ``args`` and print/save the results.
 
+    ``args.contenders`` lists what to compare with ("gloo", "mpi"). gloo runs inside the aiocoll
+    worker processes, alternating with aiocoll size by size; MPI runs first as a job of its own
+    (mpiexec), and its rows wait for aiocoll's. ``args.hog`` busy processes run beside the whole
+    invocation (bench.main starts them).
+
     Returns:
         The exit code: 0 on success.
 
     Raises:
-        BenchError: for bad arguments, a missing torch, or a worker that failed or went silent.
+        BenchError: for bad arguments, a missing torch or MPI, or a worker that failed or went silent.
     """
     from ._bench_common import COLLECTIVE_OPS, parse_sizes
 
@@ -196,24 +219,18 @@ def run_collectives(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise BenchError(str(exc)) from None
     n = args.world_size
-    with_gloo = args.vs == "gloo"
+    contenders: list[str] = list(args.contenders)
+    with_gloo = "gloo" in contenders
     args.loop = resolve_loop(args.loop)
-    token = secrets.token_hex(16)
-    coordinator = start_coordinator(token, verbose=args.verbose)
-    # torch's rendezvous goes through a TCPStore server of its own (port 0: no race for a port)
-    try:
-        gloo_store = start_tcpstore() if with_gloo else None
-    except BaseException:
-        coordinator.stop()
-        raise
     cfg = {
         "world_size": n,
-        "port": coordinator.port,
-        "gloo_port": gloo_store.port if gloo_store is not None else 0,
-        "token": token,
+        "port": 0,
+        "gloo_port": 0,
+        "token": secrets.token_hex(16),
         "job": f"bench-{secrets.token_hex(4)}",
         "timeout": args.timeout,
-        "vs": args.vs,
+        "vs": contenders,
+        "transport": args.transport,
         "ops": ops,
         "sizes": sizes,
         "dtype": args.dtype,
@@ -225,6 +242,48 @@ def run_collectives(args: argparse.Namespace) -> int:
         "loop": args.loop,
         "verbose": args.verbose,
     }
+    impls = ["aiocoll", *contenders]
+    total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops) * len(impls)
+    progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
+    pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    printed_header: set[str] = set()
+    all_rows: list[dict[str, Any]] = []
+    started = time.monotonic()
+
+    def record(op: str, size: int, impl: str, per_rank: list[list[float]], algorithm: str) -> None:
+        """One implementation finished one op and size on every rank: print the row once all did."""
+        row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
+        row[impl] = summarize(op, size, n, per_rank)
+        if impl == "aiocoll":
+            row["algorithm"] = algorithm
+        progress.step(f"{impl} {op} {format_bytes(size)}")
+        if not all(i in row for i in impls):
+            return
+        row["ratios"] = {c: _ratios(row["aiocoll"], row[c]) for c in contenders}
+        if op not in printed_header:
+            if printed_header:
+                print()
+            _print_header(op, n, args, contenders)
+            printed_header.add(op)
+        _print_row(row, contenders)
+        all_rows.append(row)
+
+    if "mpi" in contenders:
+        try:
+            run_mpi_phase(cfg, lambda op, size, per_rank: record(op, size, "mpi", per_rank, ""), args.timeout)
+        except (MpiUnavailable, RuntimeError) as exc:
+            raise BenchError(str(exc)) from None
+
+    coordinator = start_coordinator(cfg["token"], verbose=args.verbose)
+    cfg["port"] = coordinator.port
+    # torch's rendezvous goes through a TCPStore server of its own (port 0: no race for a port)
+    try:
+        gloo_store = start_tcpstore() if with_gloo else None
+    except BaseException:
+        coordinator.stop()
+        raise
+    cfg["gloo_port"] = gloo_store.port if gloo_store is not None else 0
     ctx = multiprocessing.get_context("spawn")
     results: Any = ctx.Queue()
     from ._bench_worker import worker_main
@@ -233,15 +292,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         ctx.Process(target=worker_main, args=(rank, cfg, results), name=f"bench-rank-{rank}", daemon=True)
         for rank in range(n)
     ]
-    impls = ["aiocoll", "gloo"] if with_gloo else ["aiocoll"]
-    total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops)
-    progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
-    pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
     done_ranks: set[int] = set()
-    printed_header: set[str] = set()
-    all_rows: list[dict[str, Any]] = []
-    started = time.monotonic()
     try:
         for proc in procs:
             proc.start()
@@ -275,28 +326,8 @@ def run_collectives(args: argparse.Namespace) -> int:
             _, rank, op, size, impl, times, algorithm = message
             key = (op, size, impl)
             pending[key][rank] = times
-            if len(pending[key]) < n:
-                continue
-            summary = summarize(op, size, n, list(pending.pop(key).values()))
-            row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
-            row[impl] = summary
-            if impl == "aiocoll":
-                row["algorithm"] = algorithm
-            if not all(i in row for i in impls):
-                continue
-            if with_gloo:
-                ours, theirs = row["aiocoll"], row["gloo"]
-                row["time_ratio"] = ours["time_us"] / theirs["time_us"] if theirs["time_us"] > 0 else math.nan
-                row["avg_ratio"] = ours["avg_us"] / theirs["avg_us"] if theirs["avg_us"] > 0 else math.nan
-                row["busbw_ratio"] = ours["busbw"] / theirs["busbw"] if theirs["busbw"] > 0 else math.nan
-            if op not in printed_header:
-                if printed_header:
-                    print()
-                _print_header(op, n, args, with_gloo)
-                printed_header.add(op)
-            _print_row(row, with_gloo)
-            all_rows.append(row)
-            progress.step(f"{op} {format_bytes(size)}")
+            if len(pending[key]) == n:
+                record(op, size, impl, list(pending.pop(key).values()), algorithm)
         for proc in procs:
             proc.join(10)
     finally:
@@ -317,7 +348,11 @@ def run_collectives(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         algorithm=args.algorithm or "auto",
         loop=args.loop,
-        vs=args.vs,
+        vs=contenders,
+        transport=args.transport or os.environ.get("AIOCOLL_TRANSPORT") or "auto",
+        hog=args.hog,
+        hog_pids=args.hog_pids,
+        load=_loadavg(),
     )
     meta["units"] = {"time_us": "microseconds", "algbw": "GB/s (1e9 B/s)", "busbw": "GB/s (1e9 B/s)"}
     if args.json:

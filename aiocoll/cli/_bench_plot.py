@@ -13,7 +13,12 @@ from ._bench_common import format_bytes
 
 __all__ = ["plot_collectives"]
 
-_STYLE = {"aiocoll": {"color": "#1f6fb4", "marker": "o"}, "gloo": {"color": "#d9661f", "marker": "s"}}
+_STYLE = {
+    "aiocoll": {"color": "#1f6fb4", "marker": "o"},
+    "gloo": {"color": "#d9661f", "marker": "s"},
+    "mpi": {"color": "#3a9a3a", "marker": "^"},
+}
+_LABELS = {"aiocoll": "aiocoll", "gloo": "torch gloo", "mpi": "MPI (mpi4py)"}
 
 
 def _pyplot() -> Any:
@@ -41,14 +46,14 @@ def plot_collectives(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]
     ops = [op for op in meta["ops"] if op != "barrier" and any(r["op"] == op for r in rows)]
     if not ops:
         raise RuntimeError("--plot: no op with sizes was measured (barrier has no bandwidth to draw)")
-    impls = ["aiocoll", "gloo"] if meta.get("vs") == "gloo" else ["aiocoll"]
+    impls = ["aiocoll", *meta.get("vs", [])]
     fig, axes = plt.subplots(len(ops), 2, figsize=(11, 3.8 * len(ops) + 0.6), squeeze=False)
     for line, op in enumerate(ops):
         op_rows = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size"])
         sizes = [r["size"] for r in op_rows]
         ax_bw, ax_t = axes[line]
         for impl in impls:
-            label = "aiocoll" if impl == "aiocoll" else "torch gloo"
+            label = _LABELS[impl]
             busbw = [r[impl]["busbw"] if impl in r else math.nan for r in op_rows]
             times = [r[impl]["time_us"] if impl in r else math.nan for r in op_rows]
             if _finite(busbw):
@@ -69,9 +74,10 @@ def plot_collectives(path: str, meta: dict[str, Any], rows: list[dict[str, Any]]
         ax_bw.set_title(f"{op}: bus bandwidth (higher is better)", fontsize=10)
         ax_t.set_title(f"{op}: time (lower is better)", fontsize=10)
     what = ", ".join(ops) if len(ops) <= 2 else f"{len(ops)} collectives"
-    versus = " vs torch gloo" if "gloo" in impls else ""
+    versus = " vs " + " and ".join(_LABELS[i] for i in impls[1:]) if len(impls) > 1 else ""
     fig.suptitle(
-        f"aiocoll{versus}: {what} — world size {meta['world_size']}, {meta['dtype']} — {meta['date']}",
+        f"aiocoll{versus}: {what} — world size {meta['world_size']}, {meta['dtype']}, "
+        f"{meta.get('hog', 0)} CPU hog(s) — {meta['date']}",
         fontsize=12,
     )
     fig.tight_layout(rect=(0, 0, 1, 0.97))

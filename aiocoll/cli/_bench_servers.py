@@ -12,11 +12,14 @@ import contextlib
 import multiprocessing
 import multiprocessing.connection
 import resource
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["ServerProcess", "quiet_logs", "raise_fd_limit", "start_coordinator", "start_tcpstore"]
+__all__ = ["ServerProcess", "cpu_hogs", "quiet_logs", "raise_fd_limit", "start_coordinator", "start_tcpstore"]
 
 
 def quiet_logs(verbose: bool) -> None:
@@ -40,6 +43,27 @@ def raise_fd_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             return hard
     return soft
+
+
+# A hog is plain Python arithmetic in a loop: CPU work like a data-loader worker's, no I/O, no
+# sleeping, so the scheduler must share the cores between it and the ranks.
+_HOG_PROGRAM = "x = 0\nwhile True:\n    x = (x + 1) % 1000003\n"
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Run ``count`` busy processes for the duration of the block (nice 0, like the job), then end
+    them, even when the block fails."""
+    hogs: list[subprocess.Popen[bytes]] = []
+    try:
+        for _ in range(count):
+            hogs.append(subprocess.Popen([sys.executable, "-c", _HOG_PROGRAM], stdin=subprocess.DEVNULL))
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+        for hog in hogs:
+            hog.wait(10)
 
 
 class ServerProcess:

@@ -23,12 +23,12 @@ from typing import Any
 from ._bench_common import SizedOp, run_loop
 from ._bench_servers import quiet_logs
 
-__all__ = ["worker_main"]
+__all__ = ["Buffers", "OpRunner", "time_blocking", "worker_main"]
 
 Msg = tuple[Any, ...]
 
 
-class _Buffers:
+class Buffers:
     """The input/output buffers of one op at one size, as numpy arrays or torch tensors."""
 
     def __init__(self, sized: SizedOp, dtype: str, use_torch: bool, rank: int, world_size: int) -> None:
@@ -72,10 +72,10 @@ class _Buffers:
         self.fill(self.out, 0)
 
 
-class _OpRunner:
+class OpRunner:
     """How one implementation runs one op: ``run()`` once, ``check()`` once for correctness."""
 
-    def __init__(self, impl: str, op: str, bufs: _Buffers, pg: Any) -> None:
+    def __init__(self, impl: str, op: str, bufs: Buffers, pg: Any) -> None:
         self.impl = impl
         self.op = op
         self.b = bufs
@@ -191,7 +191,7 @@ class _AlgorithmHook:
         return algorithm
 
 
-async def _time_aiocoll(runner: _OpRunner, warmup: int, iters: int) -> list[float]:
+async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float]:
     pg = runner.pg
     call = runner.calls()
     if runner.op != "barrier":
@@ -222,7 +222,8 @@ async def _time_aiocoll(runner: _OpRunner, warmup: int, iters: int) -> list[floa
 _GLOO_SLICE = 0.5
 
 
-async def _time_gloo(runner: _OpRunner, warmup: int, iters: int) -> list[float]:
+async def time_blocking(runner: OpRunner, warmup: int, iters: int) -> list[float]:
+    """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks)."""
     dist = runner.pg
     call = runner.calls()
     clock = time.perf_counter
@@ -260,13 +261,14 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
     import aiocoll
 
     dist: Any = None
-    if cfg["vs"] == "gloo" or cfg["tensor"] == "torch":
+    with_gloo = "gloo" in cfg["vs"]
+    if with_gloo or cfg["tensor"] == "torch":
         # Import torch before joining: an import of seconds inside the running group would stall
         # the event loop past the coordinator's heartbeat timeout.
         warnings.simplefilter("ignore", FutureWarning)  # torch's renames of *_tensor ops
         import torch.distributed
 
-        if cfg["vs"] == "gloo":
+        if with_gloo:
             dist = torch.distributed
     n = cfg["world_size"]
     pg = await aiocoll.init_process_group(
@@ -300,13 +302,13 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
             for impl in order:
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
-                    bufs = _Buffers(sized, cfg["dtype"], use_torch, rank, n)
-                    times = await _time_aiocoll(_OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"])
+                    bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n)
+                    times = await _time_aiocoll(OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"])
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
                 else:
-                    bufs = _Buffers(sized, cfg["dtype"], True, rank, n)
-                    runner = _OpRunner(impl, op, bufs, dist)
-                    times = await _time_gloo(runner, cfg["warmup"], cfg["iters"])
+                    bufs = Buffers(sized, cfg["dtype"], True, rank, n)
+                    runner = OpRunner(impl, op, bufs, dist)
+                    times = await time_blocking(runner, cfg["warmup"], cfg["iters"])
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
                     times = [t / 2 for t in times] if rank == 0 else []
@@ -320,6 +322,8 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
 def worker_main(rank: int, cfg: dict[str, Any], queue: Any) -> None:
     """Entry point of a spawned bench worker; reports ``("error", rank, text)`` instead of dying silently."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # two cores: no thread pools fighting the ranks
+    if cfg["transport"] is not None:  # --transport: the link factory reads it when the group forms
+        os.environ["AIOCOLL_TRANSPORT"] = cfg["transport"]
     quiet_logs(cfg["verbose"])
 
     def put(message: Msg) -> None:

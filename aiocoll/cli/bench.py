@@ -20,6 +20,7 @@ __all__ = ["add_arguments", "main"]
 _EPILOG = """\
 examples:
   aiocoll bench --op all_reduce --sizes 4:64M --world-size 4 --vs gloo --plot allreduce.png
+  aiocoll bench --op all_reduce --sizes 4,1M,16M --world-size 2 --vs gloo,mpi --hog 4
   aiocoll bench --op all --sizes 4,64K,16M --world-size 2 --json out.json
   aiocoll bench --op store --clients 1,8 --vs tcpstore
   aiocoll bench --op rendezvous --procs 64,256 --vs tcpstore --simulated 10000
@@ -43,10 +44,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world-size", type=int, default=2, help="number of local ranks (default 2)")
     parser.add_argument(
         "--vs",
-        choices=["gloo", "tcpstore"],
         default=None,
-        help="also run torch.distributed in the same invocation: gloo for collectives, "
-        "tcpstore for --op store/rendezvous",
+        metavar="gloo,mpi|tcpstore",
+        help="also measure others in the same invocation, with ratios side by side: gloo (torch) and/or "
+        "mpi (mpi4py + the MPI its mpiexec belongs to: pip install 'aiocoll[mpi]') for collectives, "
+        "tcpstore (torch) for --op store/rendezvous",
+    )
+    parser.add_argument(
+        "--transport",
+        default=None,
+        choices=["auto", "tcp", "shm"],
+        help="links between aiocoll's ranks, passed to them as AIOCOLL_TRANSPORT (default: the "
+        "environment's, else auto: shared memory on one host, TCP across hosts)",
+    )
+    parser.add_argument(
+        "--hog",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N busy processes (pure-Python spin loops) beside the whole run, the same for every "
+        "contender, to measure how each holds up when it must share the CPU (default 0)",
     )
     parser.add_argument("--plot", metavar="FILE", help="write a PNG of busbw (and time) against size")
     parser.add_argument("--json", metavar="FILE", help="write every result as JSON")
@@ -116,12 +133,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run the benchmark ``args`` describe; returns the exit code (2 for a usage problem)."""
     collective = args.op not in ("store", "rendezvous")
-    if collective and args.vs == "tcpstore":
+    contenders = [c.strip() for c in (args.vs or "").split(",") if c.strip()]
+    unknown = [c for c in contenders if c not in ("gloo", "mpi", "tcpstore")]
+    if unknown or len(set(contenders)) != len(contenders):
+        print(f"aiocoll bench: --vs {args.vs!r}: name gloo, mpi or tcpstore, each once", file=sys.stderr)
+        return 2
+    if collective and "tcpstore" in contenders:
         print(
-            "aiocoll bench: --vs tcpstore goes with --op store or --op rendezvous; use --vs gloo here",
+            "aiocoll bench: --vs tcpstore goes with --op store or --op rendezvous; use --vs gloo and/or "
+            "mpi here (--vs gloo,mpi)",
             file=sys.stderr,
         )
         return 2
+    if not collective and contenders not in ([], ["tcpstore"]):
+        print(f"aiocoll bench: --op {args.op} compares with --vs tcpstore only", file=sys.stderr)
+        return 2
+    if args.hog < 0:
+        print("aiocoll bench: --hog must be 0 or more", file=sys.stderr)
+        return 2
+    args.contenders = contenders
+    args.vs = "tcpstore" if contenders == ["tcpstore"] else None if not contenders else args.vs
     if args.op == "store" and (args.store_ops < 1 or args.rounds < 1 or args.value_size < 0):
         print(
             "aiocoll bench: --store-ops and --rounds must be at least 1, --value-size at least 0",
@@ -134,22 +165,31 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    try:
-        if collective:
-            from ._bench_coll import BenchError, run_collectives
+    from ._bench_servers import cpu_hogs
 
-            try:
-                return run_collectives(args)
-            except BenchError as exc:
-                print(f"aiocoll bench: {exc}", file=sys.stderr)
-                return 1
-        from ._bench_store import StoreBenchError, run_rendezvous, run_store
+    try:
+        with cpu_hogs(args.hog) as hogs:
+            args.hog_pids = [hog.pid for hog in hogs]  # in --json, so one can check they are gone
+            return _run(args, collective)
+    except RuntimeError as exc:  # a server that would not start, matplotlib missing
+        print(f"aiocoll bench: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace, collective: bool) -> int:
+    """The measurement itself; its own errors become exit code 1 with the reason on stderr."""
+    if collective:
+        from ._bench_coll import BenchError, run_collectives
 
         try:
-            return run_store(args) if args.op == "store" else run_rendezvous(args)
-        except (StoreBenchError, ValueError) as exc:
+            return run_collectives(args)
+        except BenchError as exc:
             print(f"aiocoll bench: {exc}", file=sys.stderr)
             return 1
-    except RuntimeError as exc:  # a server that would not start, matplotlib missing
+    from ._bench_store import StoreBenchError, run_rendezvous, run_store
+
+    try:
+        return run_store(args) if args.op == "store" else run_rendezvous(args)
+    except (StoreBenchError, ValueError) as exc:
         print(f"aiocoll bench: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,31 @@
+"""The worker's transport: per-peer links of several kinds behind one interface (_link.py), the
+one factory that picks a kind per peer (_factory.py), and the kinds (tcp; memory for tests).
+
+Imports only foundations and the modules of this package; never the public surface.
+"""
+
+from ._factory import (
+    TRANSPORT_ENV,
+    LinkKind,
+    PeerRow,
+    choose_link_kinds,
+    connect_links,
+    host_identity,
+    open_transport,
+    transport_choice,
+)
+from ._link import Link, LinkHost, LinkTransport
+
+__all__ = [
+    "TRANSPORT_ENV",
+    "Link",
+    "LinkHost",
+    "LinkKind",
+    "LinkTransport",
+    "PeerRow",
+    "choose_link_kinds",
+    "connect_links",
+    "host_identity",
+    "open_transport",
+    "transport_choice",
+]

@@ -7,6 +7,7 @@ right rows and columns come out and that the bandwidth follows its definition fr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -112,6 +113,47 @@ def test_bench_all_reduce_two_ranks_prints_table_and_writes_json_and_png(tmp_pat
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(
+    importlib.util.find_spec("mpi4py") is None or importlib.util.find_spec("torch") is None,
+    reason="--vs gloo,mpi needs torch and mpi4py with an MPI (pip install 'aiocoll[torch,mpi]')",
+)
+def test_bench_against_gloo_and_mpi_at_once_under_cpu_hogs(tmp_path: Path) -> None:
+    """One invocation: aiocoll, gloo and MPI in one table and one JSON, with two hogs beside them
+    that are gone afterwards; each contender's result was checked by the bench before timing."""
+    json_path = tmp_path / "bench.json"
+    result = _bench(
+        *("--op", "all_reduce", "--sizes", "4,64K", "--world-size", "2", "--iters", "2", "--warmup", "1"),
+        *("--vs", "gloo,mpi", "--hog", "2", "--transport", "tcp", "--timeout", "60", "--quiet"),
+        *("--json", str(json_path)),
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    header = next(line for line in result.stdout.splitlines() if "size(B)" in line).split()
+    for column in ("gloo(us)", "mpi(us)", "mpi_busbw", "time/gloo", "time/mpi", "busbw/gloo", "busbw/mpi"):
+        assert column in header
+    assert "2 CPU hog(s)" in result.stdout and "transport tcp" in result.stdout
+    report = json.loads(json_path.read_text())
+    meta = report["meta"]
+    assert meta["vs"] == ["gloo", "mpi"] and meta["hog"] == 2 and meta["transport"] == "tcp"
+    assert [r["size"] for r in report["results"]] == [4, 65536]
+    for row in report["results"]:
+        for contender in ("gloo", "mpi"):
+            assert row[contender]["iters"] == 2
+            ratio = row["aiocoll"]["time_us"] / row[contender]["time_us"]
+            assert math.isclose(row["ratios"][contender]["time"], ratio, rel_tol=1e-9)
+    for pid in meta["hog_pids"]:  # ended by the bench, not left spinning
+        assert not Path(f"/proc/{pid}").exists() or "1000003" not in Path(f"/proc/{pid}/cmdline").read_text()
+
+
+@pytest.mark.timeout(30)
+def test_bench_rejects_an_unknown_or_misplaced_contender() -> None:
+    unknown = _bench("--vs", "gloo,nccl", timeout=25)
+    assert unknown.returncode == 2 and "gloo,nccl" in unknown.stderr
+    misplaced = _bench("--op", "store", "--vs", "mpi", timeout=25)
+    assert misplaced.returncode == 2 and "tcpstore" in misplaced.stderr
+
+
 def test_size_sweep_doubles_and_lists_parse_with_suffixes() -> None:
     assert parse_sizes("4:64") == [4, 8, 16, 32, 64]
     assert parse_sizes("1K:4K") == [1024, 2048, 4096]
@@ -150,8 +192,17 @@ def test_summary_takes_the_slowest_rank_per_iteration_then_the_median() -> None:
 def test_bench_store_with_pipelined_sets_prints_every_op_and_records_the_mode(tmp_path: Path) -> None:
     json_path = tmp_path / "store.json"
     result = _bench(
-        "--op", "store", "--clients", "1", "--store-ops", "50", "--rounds", "1", "--pipeline-sets",
-        "--json", str(json_path),
+        "--op",
+        "store",
+        "--clients",
+        "1",
+        "--store-ops",
+        "50",
+        "--rounds",
+        "1",
+        "--pipeline-sets",
+        "--json",
+        str(json_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "# aiocoll sets are pipelined" in result.stdout

@@ -454,6 +454,22 @@ class RecordingTransport(Transport):
     def on_peer_lost(self, handler: Any) -> None:
         self.inner.on_peer_lost(handler)
 
+    def retire(self, tag_prefix: Any) -> None:
+        self.inner.retire(tag_prefix)
+
+    def on_stray(self, handler: Any) -> None:
+        self.inner.on_stray(handler)
+
+    def mark_lost(self, rank: int, reason: str) -> None:
+        self.inner.mark_lost(rank, reason)
+
+    @property
+    def lost_peers(self) -> dict[int, str]:
+        return self.inner.lost_peers
+
+    def debug_state(self) -> dict[str, Any]:
+        return self.inner.debug_state()
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 

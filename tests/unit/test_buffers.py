@@ -286,6 +286,8 @@ async def test_large_reductions_run_in_blocks_one_per_loop_turn_with_the_same_re
             per_turn = Counter[int]()
             for turn, size in rec.reductions:
                 per_turn[turn] += size
-            # At most one block per lane in any one turn of the loop, however much a step reduces.
-            assert max(per_turn.values(), default=0) <= lanes * block, (algorithm, lanes, per_turn)
-        assert any(sum(size for _, size in rec.reductions) > lanes * block for rec in recs)
+            # However much a step reduces, a lane reduces at most one block per turn of the loop,
+            # plus, when a handed-off step finishes, the first block of the next step if its
+            # payload is already here (the next step starts at once rather than a turn later).
+            assert max(per_turn.values(), default=0) <= 2 * lanes * block, (algorithm, lanes, per_turn)
+        assert any(sum(size for _, size in rec.reductions) > 4 * lanes * block for rec in recs)

@@ -132,6 +132,27 @@ def test_importing_aiocoll_is_cheap() -> None:
     assert out.stdout.strip() == ""
 
 
+def test_the_matcher_is_sans_io_and_link_kinds_sit_in_the_client_layer() -> None:
+    """aiocoll/_matching.py is a foundation that touches no sockets and no event loop (every link
+    kind feeds it); the link interface, its kinds and their factory live in client/transports."""
+    matching = ROOT / "aiocoll" / "_matching.py"
+    assert _layer(_module_name(matching)[0]) == "foundation"
+    tree = ast.parse(matching.read_text())
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    imported |= {
+        (node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    }
+    assert not imported & {"asyncio", "socket", "selectors", "numpy", "uvloop"}, imported
+    for name in ("_link", "_factory", "tcp", "memory"):
+        module, _ = _module_name(ROOT / "client" / "transports" / f"{name}.py")
+        assert _layer(module) == "client", module
+
+
 def _top_level_imports(rel: str) -> set[str]:
     tree = ast.parse((ROOT / rel).read_text(), rel)
     names = {

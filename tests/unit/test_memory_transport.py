@@ -74,11 +74,20 @@ async def test_a_send_waiting_for_room_fails_with_peer_lost_when_the_receiver_di
 
 
 @pytest.mark.timeout(30)
-async def test_a_receive_from_any_source_fails_once_a_peer_is_lost() -> None:
+async def test_a_receive_from_any_source_keeps_waiting_for_live_peers_and_fails_once_none_is_left() -> None:
+    # One rule for every link kind (aiocoll/_matching.py): a lost peer does not fail a receive
+    # from any source while another rank may still send; it fails once no other rank is left.
     world = MemoryWorld(3)
     pending = asyncio.ensure_future(world[0].recv(None, ("any",), memoryview(bytearray(1))))
     await asyncio.sleep(0.01)
     world.kill(2)
+    await asyncio.sleep(0.01)
+    assert not pending.done()
+    await world[1].send(0, ("any",), memoryview(b"1"), META)
+    assert await asyncio.wait_for(pending, 5) == (1, META)
+    pending = asyncio.ensure_future(world[0].recv(None, ("any",), memoryview(bytearray(1))))
+    await asyncio.sleep(0.01)
+    world.kill(1)
     with pytest.raises(PeerLostError):
         await asyncio.wait_for(pending, 5)
 

@@ -1,0 +1,530 @@
+"""The message matcher: one per process, sans-IO (events in, outcomes out; no sockets, no loop).
+
+Imports only the standard library and aiocoll._errors; never asyncio, sockets, numpy, client/,
+server/ or the public surface. Every link kind (client/transports: tcp, memory, and next shm and
+cuda) feeds the one Matcher of its process, so the rules below hold identically whatever carries
+the bytes, and nothing else in aiocoll matches messages.
+
+Rules (the Transport contract of aiocoll/algorithms/_transport.py, decided here once):
+
+- A message is identified by (source rank, tag). Receives are posted by (source, tag) or by tag
+  from any source; a message goes to the earliest-posted receive that accepts it, and messages of
+  one source with one tag match in the order they were sent (links are FIFO).
+- A message that arrives before its receive waits in a bounded per-source inbox. Once a source's
+  inbox holds ``inbox_messages`` messages or ``inbox_bytes`` bytes the matcher tells that source's
+  link to stop reading (``Flow.pause_reading``) and to resume once a receive drains it below both
+  bounds: backpressure, so a rank far ahead of another cannot grow memory without bound.
+- A payload whose length differs from the receive's buffer fails that receive with MismatchError
+  carrying the sender's meta (``.remote_meta``); the message is consumed, so streams stay in step.
+- ``discard(prefix)`` drops buffered messages and cancels posted receives under a tag prefix and
+  drops late ones; ``retire(prefix)`` marks a prefix finished successfully: a message under it that
+  is still buffered or arrives later is a *stray* (a rank that called something else), handed to
+  the stray handlers. The last ``discard_memory`` prefixes are remembered.
+- Loss of a peer: receives bound to it fail with PeerLostError; messages it delivered before
+  going stay receivable. A receive from any source keeps waiting while some other rank is still
+  live (a message may still come from it, as with MPI or torch's ``recv(src=None)`` in a group
+  that does not contain the lost rank) and fails with PeerLostError only once no other rank is
+  left to send; the engine fails every operation of a group that contains a lost rank itself.
+
+Outcomes go to the ``Completion`` handed in with each receive (an asyncio.Future fits, or any
+object with the same four methods), called synchronously from the event that decides them: a
+completion must not raise, and may re-enter the matcher (post, discard) from its callback.
+
+Zero-copy receive: a link that learns a payload's length before its bytes (a stream decoder, a
+shared-memory slot header) asks ``claim`` where to put them, in stream order; ``claim`` returns
+the posted receive's own buffer when it is next in line, so the payload lands in place, and the
+link reports the finished frame with ``landed``; a frame it did not claim it reports with
+``arrived``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Any, Protocol
+
+from aiocoll._errors import DistError, MismatchError, PeerLostError
+
+__all__ = [
+    "Completion",
+    "Early",
+    "Flow",
+    "LARGE_PAYLOAD",
+    "Matcher",
+    "Posted",
+    "StrayHandler",
+    "Tag",
+    "length_mismatch",
+]
+
+log = logging.getLogger("aiocoll.matching")
+
+Tag = tuple[Hashable, ...]
+StrayHandler = Callable[[int, Tag, dict[str, Any]], None]
+# An early payload at least this large is landed by ``claim`` in memory from ``landing`` (the
+# transport's uninitialised allocation), since zeroing a buffer about to be overwritten costs as
+# much as receiving it; smaller ones are left to the link's own allocation.
+LARGE_PAYLOAD = 64 * 1024
+_DISCARD_MEMORY = 4096
+
+
+class Completion(Protocol):
+    """Where a receive's outcome goes: ``(src, meta)``, or ``(src, meta, memory)`` for an in-place
+    receive, or an exception; ``cancel`` when the receive is discarded."""
+
+    def done(self) -> bool: ...
+
+    def set_result(self, result: Any) -> None: ...
+
+    def set_exception(self, exception: BaseException) -> None: ...
+
+    def cancel(self) -> bool: ...
+
+
+class Flow(Protocol):
+    """A link's reading side, switched by the matcher for backpressure."""
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+
+class Posted:
+    """A posted receive. ``in_place``: its result names the memory holding the payload (``into``,
+    or the buffer an early payload already landed in, which is then not copied)."""
+
+    __slots__ = ("done", "in_place", "into", "order", "src", "tag")
+
+    def __init__(
+        self, src: int | None, tag: Tag, into: memoryview, done: Completion, order: int, in_place: bool
+    ):
+        self.src = src
+        self.tag = tag
+        self.into = into
+        self.done = done
+        self.order = order
+        self.in_place = in_place
+
+
+class _Mismatched:
+    """A receive bound by ``claim`` to a message of another size (it fails once the frame lands)."""
+
+    __slots__ = ("posted",)
+
+    def __init__(self, posted: Posted) -> None:
+        self.posted = posted
+
+
+class Early:
+    """A message that arrived before its receive."""
+
+    __slots__ = ("meta", "payload", "src")
+
+    def __init__(self, src: int, meta: dict[str, Any], payload: memoryview):
+        self.src = src
+        self.meta = meta
+        self.payload = payload
+
+
+def length_mismatch(src: int, tag: Tag, got: int, want: int, meta: dict[str, Any]) -> MismatchError:
+    """The error for a payload of ``got`` bytes where the receive expected ``want``."""
+    err = MismatchError(
+        f"rank {src} sent {got} bytes for message {tag!r} but this rank expected {want}: the ranks "
+        f"called the operation with different sizes or dtypes (sender's signature: {meta!r})",
+        ranks=[src],
+    )
+    err.remote_meta = meta  # type: ignore[attr-defined]
+    return err
+
+
+def _take_matching(posted: dict[Any, deque[Posted]], matches: Callable[[Any], bool]) -> list[Posted]:
+    """Remove the queues of ``posted`` whose key ``matches``; their receives, in order."""
+    return [waiter for key in [k for k in posted if matches(k)] for waiter in posted.pop(key)]
+
+
+def _fresh(n: int) -> memoryview:
+    return memoryview(bytearray(n))
+
+
+class Matcher:
+    """Posted receives, early arrivals and their bounds for one process (see the module header).
+
+    Args:
+        rank, world_size: this process's global rank and the job's size (``assign`` sets them
+            later when they are not known yet; a process alone in its world is rank 0 of 1).
+        inbox_bytes, inbox_messages: per-source bounds on messages buffered before their receive.
+        landing: allocates ``n`` bytes for a large early payload (default: a zeroed bytearray).
+    """
+
+    def __init__(
+        self,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        inbox_bytes: int = 64 * 1024 * 1024,
+        inbox_messages: int = 8192,
+        landing: Callable[[int], memoryview] = _fresh,
+        discard_memory: int = _DISCARD_MEMORY,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.inbox_bytes = inbox_bytes
+        self.inbox_messages = inbox_messages
+        self._landing = landing
+        self._discard_memory = discard_memory
+        self._posted: dict[tuple[int, Tag], deque[Posted]] = {}
+        self._posted_any: dict[Tag, deque[Posted]] = {}
+        self._inbox: dict[Tag, deque[Early]] = {}
+        self._count: dict[int, int] = {}
+        self._size: dict[int, int] = {}
+        self._flows: dict[int, Flow] = {}
+        # Receives bound by ``claim`` (or None for a claimed early payload), per source, in
+        # stream order: one read may complete several frames before they are reported.
+        self._filling: dict[int, deque[Posted | _Mismatched | None]] = {}
+        self._order = 0
+        # Finished prefixes by length: True reports late messages as strays, False drops them.
+        self._finished: dict[int, dict[Tag, bool]] = {}
+        self._finished_fifo: deque[Tag] = deque()
+        self._stray_handlers: list[StrayHandler] = []
+        self.lost: dict[int, str] = {}
+        self.closed_reason: str | None = None
+        # Diagnostics: payloads received straight into their receive's buffer vs. through the inbox.
+        self.received_direct = 0
+        self.received_buffered = 0
+
+    def assign(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    # -- links ------------------------------------------------------------------------------
+    def attach(self, peer: int, flow: Flow) -> None:
+        """Start matching messages from ``peer``, whose link's reading ``flow`` switches."""
+        self._flows[peer] = flow
+        self._count.setdefault(peer, 0)
+        self._size.setdefault(peer, 0)
+        self._filling.setdefault(peer, deque())
+        if self._count[peer] >= self.inbox_messages or self._size[peer] >= self.inbox_bytes:
+            flow.pause_reading()
+        else:
+            flow.resume_reading()
+
+    def is_full(self, peer: int) -> bool:
+        """Whether ``peer``'s inbox is at its bound (its link should not read)."""
+        return self._count.get(peer, 0) >= self.inbox_messages or self._size.get(peer, 0) >= self.inbox_bytes
+
+    # -- receiving --------------------------------------------------------------------------
+    def take(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
+        """Copy a message that arrived before its receive into ``into``; None when none is here.
+
+        Raises:
+            MismatchError: its payload is not ``len(into)`` bytes (it is consumed all the same).
+        """
+        early = self.take_early(src, tag, len(into))
+        if early is None:
+            return None
+        if len(into):
+            into[:] = early.payload
+        return early.src, early.meta
+
+    def take_early(self, src: int | None, tag: Tag, want: int) -> Early | None:
+        """Take a message that arrived before its receive, leaving its payload where it is.
+
+        Raises:
+            MismatchError: its payload is not ``want`` bytes long (it is consumed all the same).
+        """
+        queue = self._inbox.get(tag)
+        if queue:
+            for i, early in enumerate(queue):
+                if src is None or early.src == src:
+                    del queue[i]
+                    if not queue:
+                        del self._inbox[tag]
+                    self._unbuffer(early)
+                    if len(early.payload) != want:
+                        raise length_mismatch(early.src, tag, len(early.payload), want, early.meta)
+                    return early
+        return None
+
+    def post(
+        self, src: int | None, tag: Tag, into: memoryview, done: Completion, *, in_place: bool = False
+    ) -> Posted:
+        """Post a receive for a message not here yet (``take`` first); ``done`` gets its outcome.
+
+        Raises:
+            PeerLostError: ``src`` is gone (or, from any source, every other rank is).
+            DistError: the transport is closed.
+        """
+        if self.closed_reason is not None:
+            raise DistError(f"{self.closed_reason}; no more messages can be received")
+        if src is not None:
+            if src in self.lost:
+                raise PeerLostError(src, self.lost[src])
+        elif self.lost and self._no_live_source():
+            last = next(reversed(self.lost))
+            raise PeerLostError(last, f"every other rank is gone ({self.lost[last]})")
+        self._order += 1
+        posted = Posted(src, tag, into, done, self._order, in_place)
+        if src is None:
+            queue = self._posted_any.get(tag)
+            if queue is None:
+                queue = self._posted_any[tag] = deque()
+        else:
+            queue = self._posted.get((src, tag))
+            if queue is None:
+                queue = self._posted[(src, tag)] = deque()
+        queue.append(posted)
+        return posted
+
+    def unpost(self, posted: Posted) -> None:
+        """Withdraw a receive whose caller stopped waiting (a cancelled await)."""
+        if posted.src is None:
+            queues: dict[Any, deque[Posted]] = self._posted_any
+            key: Any = posted.tag
+        else:
+            queues = self._posted
+            key = (posted.src, posted.tag)
+        queue = queues.get(key)
+        if queue is not None:
+            try:
+                queue.remove(posted)
+            except ValueError:
+                pass
+            if not queue:
+                del queues[key]
+
+    def _no_live_source(self) -> bool:
+        others = self.world_size - 1
+        return others > 0 and sum(1 for r in self.lost if r != self.rank) >= others
+
+    # -- arrivals ---------------------------------------------------------------------------
+    def _next_in_line(self, src: int, tag: Tag) -> Posted | None:
+        specific = self._posted.get((src, tag))
+        anyq = self._posted_any.get(tag)
+        if specific and (not anyq or specific[0].order < anyq[0].order):
+            return specific[0]
+        return anyq[0] if anyq else None
+
+    def _match(self, src: int, tag: Tag) -> Posted | None:
+        specific = self._posted.get((src, tag))
+        anyq = self._posted_any.get(tag)
+        if specific and (not anyq or specific[0].order < anyq[0].order):
+            posted = specific.popleft()
+            if not specific:
+                del self._posted[(src, tag)]
+            return posted
+        if anyq:
+            posted = anyq.popleft()
+            if not anyq:
+                del self._posted_any[tag]
+            return posted
+        return None
+
+    def claim(self, src: int, tag: Tag, nbytes: int) -> memoryview | None:
+        """Where the ``nbytes`` payload of a message from ``src`` whose header just arrived should
+        land: the next posted receive's own buffer (bound now, in stream order, so a later message
+        in the same read cannot overtake it), a landing buffer for a large early or mis-sized
+        payload, or None (the link lands it itself and reports it with ``arrived``). A frame given
+        a buffer here must be reported with ``landed``, in order."""
+        posted = self._next_in_line(src, tag)
+        if posted is not None and not posted.done.done():
+            want = len(posted.into)
+            if want == nbytes:
+                self._match(src, tag)
+                self._filling[src].append(posted)
+                self.received_direct += 1
+                return posted.into
+            if want:
+                # Its (mismatched) message: binding it now keeps the stream order. A zero-length
+                # receive is left to ``arrived``: zero-length payloads are never claimed.
+                self._match(src, tag)
+                self._filling[src].append(_Mismatched(posted))
+                return self._landing(nbytes)
+        if nbytes < LARGE_PAYLOAD:
+            return None
+        self._filling[src].append(None)
+        return self._landing(nbytes)
+
+    def landed(self, src: int, tag: Tag, meta: dict[str, Any], payload: memoryview) -> None:
+        """A frame whose payload went where ``claim`` said has fully arrived."""
+        entry = self._filling[src].popleft()
+        if entry is None:
+            self.arrived(src, tag, meta, payload)
+        elif isinstance(entry, _Mismatched):
+            posted = entry.posted
+            if not posted.done.done():
+                posted.done.set_exception(length_mismatch(src, tag, len(payload), len(posted.into), meta))
+        elif not entry.done.done():
+            entry.done.set_result((src, meta, entry.into) if entry.in_place else (src, meta))
+
+    def arrived(self, src: int, tag: Tag, meta: dict[str, Any], payload: memoryview) -> None:
+        """A whole message from ``src`` that was not claimed: hand it to its receive (copying
+        the payload into the receive's buffer) or keep it in the inbox. ``payload`` must stay
+        valid (the matcher keeps it, without copying, until a receive takes it)."""
+        if self._finished:
+            for n, bucket in self._finished.items():
+                report = bucket.get(tag[:n])
+                if report is not None:
+                    if report:
+                        self._stray(src, tag, meta)
+                    return
+        while True:
+            posted = self._match(src, tag)
+            if posted is None:
+                break
+            done = posted.done
+            if done.done():
+                continue
+            if len(payload) != len(posted.into):
+                done.set_exception(length_mismatch(src, tag, len(payload), len(posted.into), meta))
+            elif posted.in_place:
+                done.set_result((src, meta, payload))
+            else:
+                if len(payload):
+                    posted.into[:] = payload
+                done.set_result((src, meta))
+            return
+        queue = self._inbox.get(tag)
+        if queue is None:
+            queue = self._inbox[tag] = deque()
+        queue.append(Early(src, meta, payload))
+        self.received_buffered += 1
+        if src != self.rank:
+            count = self._count[src] = self._count.get(src, 0) + 1
+            size = self._size[src] = self._size.get(src, 0) + len(payload)
+            if count >= self.inbox_messages or size >= self.inbox_bytes:
+                flow = self._flows.get(src)
+                if flow is not None:
+                    flow.pause_reading()
+
+    def _unbuffer(self, early: Early) -> None:
+        src = early.src
+        if src == self.rank:
+            return
+        count = self._count[src] = self._count[src] - 1
+        size = self._size[src] = self._size[src] - len(early.payload)
+        if count < self.inbox_messages and size < self.inbox_bytes:
+            flow = self._flows.get(src)
+            if flow is not None:
+                flow.resume_reading()
+
+    # -- finished operations ----------------------------------------------------------------
+    def discard(self, tag_prefix: Tag) -> None:
+        """Drop buffered messages and cancel posted receives under ``tag_prefix``; late ones
+        are dropped too."""
+        self._forget(tag_prefix, report=False)
+
+    def retire(self, tag_prefix: Tag) -> None:
+        """Mark an operation that completed successfully: a message under ``tag_prefix`` still
+        buffered, or arriving later, is handed to the stray handlers."""
+        self._forget(tag_prefix, report=True)
+
+    def on_stray(self, handler: StrayHandler) -> None:
+        """Register ``handler(src, tag, meta)`` for messages under a retired prefix."""
+        self._stray_handlers.append(handler)
+
+    def _forget(self, tag_prefix: Tag, *, report: bool) -> None:
+        n = len(tag_prefix)
+        strays: list[tuple[int, Tag, dict[str, Any]]] = []
+        if self._inbox:
+            for tag in [t for t in self._inbox if t[:n] == tag_prefix]:
+                for early in self._inbox.pop(tag):
+                    self._unbuffer(early)
+                    strays.append((early.src, tag, early.meta))
+        if report:
+            # A finished operation has no receives left: only late messages need watching for.
+            self._remember(tag_prefix, report)
+            for src, tag, meta in strays:
+                self._stray(src, tag, meta)
+            return
+        # Unpost every matching receive before cancelling any: a cancelled receive may call back
+        # into its operation, which may discard other prefixes right away.
+        waiting = _take_matching(self._posted, lambda key: key[1][:n] == tag_prefix)
+        waiting += _take_matching(self._posted_any, lambda tag: tag[:n] == tag_prefix)
+        self._remember(tag_prefix, report)
+        for posted in waiting:
+            if not posted.done.done():
+                posted.done.cancel()
+
+    def _remember(self, tag_prefix: Tag, report: bool) -> None:
+        bucket = self._finished.get(len(tag_prefix))
+        if bucket is None:
+            bucket = self._finished[len(tag_prefix)] = {}
+        if tag_prefix not in bucket:
+            self._finished_fifo.append(tag_prefix)
+            if len(self._finished_fifo) > self._discard_memory:
+                old = self._finished_fifo.popleft()
+                self._finished[len(old)].pop(old, None)
+        bucket[tag_prefix] = report
+
+    def _stray(self, src: int, tag: Tag, meta: dict[str, Any]) -> None:
+        for handler in list(self._stray_handlers):
+            try:
+                handler(src, tag, meta)
+            except Exception:
+                log.exception("stray-message handler failed")
+
+    # -- loss and closing -------------------------------------------------------------------
+    def peer_lost(self, peer: int, reason: str) -> bool:
+        """``peer``'s link is gone: fail the receives bound to it (and receives from any source
+        once no other rank is left). Its delivered messages stay receivable. False when it was
+        already known lost."""
+        if peer in self.lost or peer == self.rank:
+            return False
+        self.lost[peer] = reason
+        self._flows.pop(peer, None)
+        # Take every receive out first, then fail them: failing one may call back into its
+        # operation and on into ``discard`` of other prefixes.
+        waiting: list[Posted] = []
+        filling = self._filling.get(peer)
+        if filling:
+            for entry in filling:
+                posted = entry.posted if isinstance(entry, _Mismatched) else entry
+                if posted is not None:
+                    waiting.append(posted)
+            filling.clear()
+        waiting += _take_matching(self._posted, lambda key: key[0] == peer)
+        if self._posted_any and self._no_live_source():
+            waiting += _take_matching(self._posted_any, lambda tag: True)
+        for posted in waiting:
+            if not posted.done.done():
+                posted.done.set_exception(PeerLostError(peer, reason))
+        return True
+
+    def close(self, reason: str) -> None:
+        """The transport is closing: fail every posted receive with DistError(``reason``) and
+        refuse new ones. Twice is fine."""
+        if self.closed_reason is not None:
+            return
+        self.closed_reason = reason
+        waiting = [p for q in self._posted.values() for p in q]
+        waiting += [p for q in self._posted_any.values() for p in q]
+        waiting += [
+            e.posted if isinstance(e, _Mismatched) else e
+            for q in self._filling.values()
+            for e in q
+            if e is not None
+        ]
+        self._posted.clear()
+        self._posted_any.clear()
+        for queue in self._filling.values():
+            queue.clear()
+        self._flows.clear()
+        for posted in waiting:
+            if not posted.done.done():
+                posted.done.set_exception(DistError(f"{reason} while a receive was waiting"))
+
+    def debug_state(self) -> dict[str, Any]:
+        """A snapshot for diagnosing a stuck operation."""
+        return {
+            "posted": {repr(k): len(v) for k, v in self._posted.items()},
+            "posted_any": {repr(k): len(v) for k, v in self._posted_any.items()},
+            "inbox": {repr(k): [(e.src, len(e.payload)) for e in v] for k, v in self._inbox.items()},
+            "buffered": {p: (self._count[p], self._size[p]) for p in self._count if self._count[p]},
+            "filling": {p: len(q) for p, q in self._filling.items() if q},
+            "lost": dict(self.lost),
+        }
+
+    def buffered(self, peer: int) -> int:
+        """Messages from ``peer`` waiting in the inbox."""
+        return self._count.get(peer, 0)

@@ -1,0 +1,481 @@
+"""Per-peer links behind one interface, and the one process-level transport they plug into.
+
+Imports only foundations (aiocoll._errors, aiocoll._deadline, aiocoll._matching,
+aiocoll.algorithms._transport); never the public surface. A link kind is a plug-in: adding one
+(shared memory, cuda) means writing a ``Link`` subclass and its connector (see _factory.py),
+nothing else; the engine, the driver and the matcher never learn which kind carries a message.
+
+The interface, both directions:
+
+``Link`` (one object per peer, made by its kind's connector) must provide
+  - ``peer`` (the other end's global rank), ``kind`` (a class attribute: "tcp", "memory", ...)
+    and ``closed`` (True once closed, never reset);
+  - ``send_nowait(tag, payload, meta)``: queue one message, FIFO with every other message on this
+    link; return None once ``payload`` was handed off (the caller may reuse it), else an awaitable
+    that finishes when it was. Cancelling that awaitable withdraws the message if none of it has
+    left yet (the stream stays whole either way). Raise PeerLostError when the link is closed;
+  - ``pause_reading()`` / ``resume_reading()``: stop and restart taking messages from the peer
+    (the matcher calls them for backpressure; a paused link must make its peer's sends wait once
+    whatever buffering the medium has is full, never drop or reorder);
+  - ``close(reason, lost=...)``: close at once (queued sends fail with PeerLostError); ``lost``
+    says whether this was unexpected (a crash, a cut) or orderly; twice is fine;
+  - ``aclose()``: an orderly goodbye (the peer sees an orderly close), bounded in time, then
+    ``close(..., lost=False)``; twice is fine;
+  - ``debug_state()``: a small dict for diagnosing a stuck operation.
+
+and must report to its ``LinkHost`` (the LinkTransport it was attached to):
+  - every message it takes from the peer, to ``host.matcher``: ``claim(peer, tag, nbytes)`` when it
+    learns a payload's length before its bytes (land them where it answers, then
+    ``landed(peer, tag, meta, payload)``), or ``arrived(peer, tag, meta, payload)`` for a whole
+    message it did not claim (the matcher keeps ``payload`` without copying: it must stay valid);
+  - its closing, once, to ``host.link_closed(link, reason, lost)``, from inside ``close``.
+
+``LinkTransport`` (one per process) is the Transport of aiocoll/algorithms/_transport.py over a
+dict of links, one per peer, of any mix of kinds: it routes sends by destination, matches every
+receive with its one Matcher, turns a link's close into PeerLostError for the receives bound to
+that peer, and runs the lost-peer handlers. A connector makes a link and calls ``attach(link)``;
+``wait_links(peers, deadline)`` waits until every expected peer has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Collection
+from typing import Any, ClassVar, Protocol
+
+from aiocoll._deadline import Deadline
+from aiocoll._errors import DistError, MismatchError, PeerLostError, RendezvousError
+from aiocoll._matching import Matcher, Posted
+from aiocoll.algorithms._transport import LostPeerHandler, RecvCallback, StrayHandler, Tag, Transport
+
+__all__ = ["Link", "LinkHost", "LinkTransport", "as_bytes_view"]
+
+log = logging.getLogger("aiocoll.client.links")
+
+_EMPTY = memoryview(b"")
+
+
+def as_bytes_view(buf: memoryview) -> memoryview:
+    """``buf`` as a flat byte view (no copy); the empty view for an empty buffer."""
+    if not len(buf):
+        return _EMPTY
+    if buf.format == "B" and buf.ndim == 1:
+        return buf
+    return buf.cast("B")
+
+
+class LinkHost(Protocol):
+    """What a link reports to (a LinkTransport)."""
+
+    matcher: Matcher
+
+    def link_closed(self, link: Link, reason: str, lost: bool) -> None: ...
+
+
+class Link(ABC):
+    """One peer's link, of one kind (see the module header for the whole contract)."""
+
+    kind: ClassVar[str]
+    peer: int
+    closed: bool
+
+    @abstractmethod
+    def send_nowait(self, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> Awaitable[None] | None:
+        """Queue one message; None once handed off, else an awaitable finishing the hand-off.
+
+        Raises:
+            PeerLostError: the link is closed.
+        """
+
+    @abstractmethod
+    def pause_reading(self) -> None:
+        """Stop taking messages from the peer (its sends wait once the medium's buffers fill)."""
+
+    @abstractmethod
+    def resume_reading(self) -> None:
+        """Take messages from the peer again."""
+
+    @abstractmethod
+    def close(self, reason: str, *, lost: bool) -> None:
+        """Close at once; reports to the host once. Twice is fine."""
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Say goodbye (bounded in time), then close as orderly. Twice is fine."""
+
+    @abstractmethod
+    def debug_state(self) -> dict[str, Any]:
+        """A small dict for diagnosing a stuck operation."""
+
+
+class _Notify:
+    """A posted receive's completion that hands the outcome straight to a callback, from inside
+    the event that decided it (``post_recv``): no future, no task, no loop iteration."""
+
+    __slots__ = ("_callback", "_done")
+
+    def __init__(self, callback: RecvCallback) -> None:
+        self._callback = callback
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: Any) -> None:  # (src, meta): post_recv never asks for in_place
+        self._hand_over(result, None)
+
+    def set_exception(self, exception: BaseException) -> None:
+        self._hand_over(None, exception)
+
+    def cancel(self) -> bool:
+        if self._done:
+            return False
+        self._hand_over(None, asyncio.CancelledError())
+        return True
+
+    def _hand_over(self, result: tuple[int, dict[str, Any]] | None, exc: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._callback(result, exc)
+        except Exception:  # the link's reading state must survive a faulty callback
+            log.exception("a receive callback failed")
+
+
+class LinkTransport(Transport):
+    """The process's transport over one link per peer (any mix of kinds) and one Matcher.
+
+    Args:
+        rank, world_size: this process's global rank and the job's size (None: set later by
+            ``assign``, once rendezvous has told them).
+        inbox_bytes, inbox_messages: per-peer bounds on messages buffered before their receive.
+    """
+
+    def __init__(
+        self,
+        rank: int | None,
+        world_size: int | None,
+        *,
+        inbox_bytes: int = 64 * 1024 * 1024,
+        inbox_messages: int = 8192,
+    ) -> None:
+        self.rank = -1
+        self.world_size = 0
+        self.matcher = Matcher(inbox_bytes=inbox_bytes, inbox_messages=inbox_messages, landing=_landing)
+        self._identity: asyncio.Future[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._links: dict[int, Link] = {}
+        self._link_ready: dict[int, asyncio.Future[None]] = {}
+        self._handlers: list[LostPeerHandler] = []
+        self._closed = False
+        if rank is not None and world_size is not None:
+            self.assign(rank, world_size)
+
+    # -- setup -----------------------------------------------------------------------------
+    def assign(self, rank: int, world_size: int) -> None:
+        """Fix this process's rank once rendezvous has assigned it (before links are made).
+
+        Raises:
+            ValueError: rank outside 0..world_size-1.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside the world of size {world_size}")
+        self.rank = rank
+        self.world_size = world_size
+        self.matcher.assign(rank, world_size)
+        if self._identity is not None and not self._identity.done():
+            self._identity.set_result(None)
+
+    async def _known_identity(self) -> None:
+        if self.world_size:
+            return
+        if self._identity is None:
+            self._identity = self._get_loop().create_future()
+        await asyncio.shield(self._identity)
+
+    def _get_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def _ready_future(self, peer: int) -> asyncio.Future[None]:
+        """Resolved once ``peer`` has a link (failed if it cannot have one)."""
+        fut = self._link_ready.get(peer)
+        if fut is None:
+            fut = self._get_loop().create_future()
+            self._link_ready[peer] = fut
+            if peer in self._links:
+                fut.set_result(None)
+            elif peer in self.matcher.lost:
+                fut.set_exception(PeerLostError(peer, self.matcher.lost[peer]))
+                fut.exception()
+        return fut
+
+    def attach(self, link: Link) -> None:
+        """Take ``link`` into service for its peer (a connector calls this once per peer).
+
+        Raises:
+            ValueError: the peer already has a link.
+        """
+        peer = link.peer
+        if self._closed:
+            link.close("this rank's transport is closed", lost=False)
+            return
+        if peer in self._links:
+            raise ValueError(f"rank {peer} already has a {self._links[peer].kind} link to rank {self.rank}")
+        self._links[peer] = link
+        self.matcher.attach(peer, link)
+        fut = self._link_ready.get(peer)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def has_link(self, peer: int) -> bool:
+        """Whether ``peer`` has (or had) a link."""
+        return peer in self._links or peer in self.matcher.lost
+
+    def fail_link(self, peer: int, exc: BaseException) -> None:
+        """A connector could not make ``peer``'s link: ``wait_links`` raises ``exc``."""
+        fut = self._ready_future(peer)
+        if not fut.done():
+            fut.set_exception(exc)
+            fut.exception()
+
+    async def wait_links(self, peers: Collection[int], deadline: Deadline) -> None:
+        """Wait until every rank in ``peers`` has a link.
+
+        Raises:
+            RendezvousError: some did not within the deadline (names them); or what a connector
+                passed to ``fail_link``.
+        """
+        waits = [self._ready_future(p) for p in peers]
+        if not waits:
+            return
+        done, pending = await asyncio.wait(
+            waits, timeout=deadline.remaining(), return_when=asyncio.FIRST_EXCEPTION
+        )
+        for fut in done:
+            fut.result()
+        if pending:
+            missing = sorted(p for p in peers if not self._link_ready[p].done())
+            raise RendezvousError(
+                f"rank {self.rank}: no peer link with rank(s) {missing} within the rendezvous "
+                f"timeout; check that they run, share the token and job, and can reach each "
+                f"other's advertised addresses"
+            )
+
+    def link_kinds(self) -> dict[int, str]:
+        """Each linked peer's link kind."""
+        return {peer: link.kind for peer, link in self._links.items()}
+
+    # -- LinkHost ---------------------------------------------------------------------------
+    def link_closed(self, link: Link, reason: str, lost: bool) -> None:
+        peer = link.peer
+        if self._links.get(peer) is link:
+            del self._links[peer]
+        if not self.matcher.peer_lost(peer, reason):
+            return
+        self._fail_ready(peer, reason)
+        if lost and not self._closed:
+            exc = PeerLostError(peer, reason)
+            log.warning("rank %d lost its link to rank %d: %s", self.rank, peer, reason)
+            for handler in list(self._handlers):
+                try:
+                    handler(peer, exc)
+                except Exception:
+                    log.exception("peer-lost handler failed")
+
+    def _fail_ready(self, peer: int, reason: str) -> None:
+        fut = self._link_ready.get(peer)
+        if fut is not None and not fut.done():
+            fut.set_exception(PeerLostError(peer, reason))
+            fut.exception()
+
+    # -- Transport: sending -----------------------------------------------------------------
+    async def send(self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> None:
+        """Send one message; returns when ``payload`` may be reused.
+
+        Raises:
+            PeerLostError: ``dst`` is gone. ValueError: no such rank.
+        """
+        if dst == self.rank:
+            self.matcher.arrived(dst, tag, meta, memoryview(bytes(as_bytes_view(payload))))
+            return
+        link = self._links.get(dst)
+        if link is None:
+            link = await self._wait_link(dst)
+        rest = link.send_nowait(tag, payload, meta)
+        if rest is not None:
+            await rest
+
+    def send_nowait(
+        self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
+    ) -> Awaitable[None] | None:
+        """See Transport.send_nowait: a small message usually leaves inside this call."""
+        link = self._links.get(dst)
+        if link is None or dst == self.rank:
+            return self.send(dst, tag, payload, meta)
+        return link.send_nowait(tag, payload, meta)
+
+    async def _wait_link(self, dst: int) -> Link:
+        if dst in self.matcher.lost:
+            raise self._lost_error(dst)
+        if not 0 <= dst < self.world_size:
+            raise ValueError(
+                f"rank {self.rank}: destination rank {dst} is outside the world of size {self.world_size}"
+            )
+        if self._closed:
+            raise DistError(f"rank {self.rank}'s transport is closed")
+        await asyncio.shield(self._ready_future(dst))
+        link = self._links.get(dst)
+        if link is None:
+            raise self._lost_error(dst)
+        return link
+
+    def _lost_error(self, rank: int) -> PeerLostError:
+        return PeerLostError(rank, self.matcher.lost.get(rank, "the link is closed"))
+
+    # -- Transport: receiving ---------------------------------------------------------------
+    async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
+        """Receive the next message ``tag`` from ``src`` (None: any rank) into ``into``.
+
+        Raises:
+            PeerLostError, MismatchError (wrong length; the message is consumed), DistError
+            (closed), ValueError (no such rank).
+        """
+        into = as_bytes_view(into)
+        got = self.matcher.take(src, tag, into)
+        if got is not None:
+            return got
+        result: tuple[int, dict[str, Any]] = await self._posted_result(src, tag, into, in_place=False)
+        return result
+
+    async def recv_landed(
+        self, src: int | None, tag: Tag, into: memoryview
+    ) -> tuple[int, dict[str, Any], memoryview]:
+        """``recv`` that may leave the payload where it arrived (see Transport.recv_landed): a
+        message that came before its receive is not copied into ``into``."""
+        into = as_bytes_view(into)
+        early = self.matcher.take_early(src, tag, len(into))
+        if early is not None:
+            return early.src, early.meta, early.payload
+        landed: tuple[int, dict[str, Any], memoryview]
+        landed = await self._posted_result(src, tag, into, in_place=True)
+        return landed
+
+    async def _posted_result(self, src: int | None, tag: Tag, into: memoryview, *, in_place: bool) -> Any:
+        """Post a receive for a message not here yet and wait for its result (withdrawn again if
+        the wait is cancelled)."""
+        fut: asyncio.Future[Any] = self._get_loop().create_future()
+        posted = self._post(src, tag, into, fut, in_place)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.matcher.unpost(posted)
+            raise
+
+    def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:
+        if src is not None and self.world_size and not 0 <= src < self.world_size:
+            raise ValueError(
+                f"rank {self.rank}: source rank {src} is outside the world of size {self.world_size}"
+            )
+        return self.matcher.post(src, tag, into, done, in_place=in_place)
+
+    def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
+        """``recv`` with its outcome handed to ``callback`` right where the message is read (no
+        task, no extra loop iteration); see Transport.post_recv."""
+        into = as_bytes_view(into)
+        try:
+            got = self.matcher.take(src, tag, into)
+            if got is None:
+                self._post(src, tag, into, _Notify(callback), False)
+                return
+        except (DistError, MismatchError, ValueError) as exc:
+            callback(None, exc)
+            return
+        callback(got, None)
+
+    # -- Transport: finished operations, loss, diagnostics ----------------------------------
+    def discard(self, tag_prefix: Tag) -> None:
+        self.matcher.discard(tag_prefix)
+
+    def retire(self, tag_prefix: Tag) -> None:
+        self.matcher.retire(tag_prefix)
+
+    def on_stray(self, handler: StrayHandler) -> None:
+        self.matcher.on_stray(handler)
+
+    def on_peer_lost(self, handler: LostPeerHandler) -> None:
+        self._handlers.append(handler)
+
+    def mark_lost(self, rank: int, reason: str) -> None:
+        link = self._links.get(rank)
+        if link is not None:
+            link.close(reason, lost=True)
+        elif rank != self.rank and self.matcher.peer_lost(rank, reason):
+            self._fail_ready(rank, reason)
+
+    @property
+    def lost_peers(self) -> dict[int, str]:
+        return dict(self.matcher.lost)
+
+    @property
+    def received_direct(self) -> int:
+        """Diagnostics: payloads received straight into their receive's buffer."""
+        return self.matcher.received_direct
+
+    @property
+    def received_buffered(self) -> int:
+        """Diagnostics: payloads that waited in the inbox for their receive."""
+        return self.matcher.received_buffered
+
+    def debug_state(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            **self.matcher.debug_state(),
+            "links": {peer: {"kind": link.kind, **link.debug_state()} for peer, link in self._links.items()},
+        }
+
+    # -- closing ----------------------------------------------------------------------------
+    def _begin_close(self) -> bool:
+        """Mark the transport closed; False when it already was. Kinds with more to stop (a
+        listener) extend this."""
+        if self._closed:
+            return False
+        self._closed = True
+        return True
+
+    def abort(self) -> None:
+        """Close every link at once, without goodbye: peers see what a crash looks like
+        (PeerLostError naming this rank). Pending receives fail; twice is fine."""
+        if not self._begin_close():
+            return
+        for link in list(self._links.values()):
+            link.close("this rank aborted its transport", lost=False)
+        self._fail_all(f"rank {self.rank}'s transport was aborted")
+
+    async def aclose(self) -> None:
+        """Say goodbye on every link and close them. Twice is fine."""
+        if not self._begin_close():
+            return
+        links = list(self._links.values())
+        if links:
+            await asyncio.gather(*(link.aclose() for link in links), return_exceptions=True)
+        self._fail_all(f"rank {self.rank}'s transport is closed")
+
+    def _fail_all(self, reason: str) -> None:
+        self.matcher.close(reason)
+        err = DistError(reason)
+        for fut in self._link_ready.values():
+            if not fut.done():
+                fut.set_exception(err)
+                fut.exception()
+
+
+def _landing(nbytes: int) -> memoryview:
+    """Uninitialised memory for a large early payload (zeroing it would cost a pass over it)."""
+    import numpy as np
+
+    return np.empty(nbytes, np.uint8).data
