@@ -272,6 +272,8 @@ class Driver:
         self._lanes_left -= 1
         if not self._lanes_left:
             self._lanes_done()
+            for lane in self._lanes:  # every transfer completed: nothing writes into scratch now
+                lane.release_scratch()
 
     def _lanes_done(self) -> None:
         prepared = self._prepared
@@ -539,6 +541,12 @@ class _Lane:
             self._driver.fail(exc)
             return
         self.run_from(self._k + 1)
+
+    def release_scratch(self) -> None:
+        for half, scratch in enumerate(self._scratch):
+            if scratch is not None:
+                self._scratch[half] = None
+                self._buffers.release(scratch)
 
     # -- stopping ---------------------------------------------------------------------------
     def abandon(self) -> None:

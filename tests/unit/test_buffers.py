@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from aiocoll.client.transports.memory import MemoryWorld
 
-from aiocoll._buffers import NumpyBuffers
+from aiocoll._buffers import SCRATCH_KEEP_BYTES, NumpyBuffers
 from aiocoll._reduce import BF16_BLOCK, bf16_to_f32, f32_to_bf16, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import ALGORITHMS, CollectiveSpec, run_collective
@@ -134,6 +134,7 @@ class RecordingBuffers(NumpyBuffers):
     """Host buffers that count what the planner and driver ask of them."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.calls: Counter[str] = Counter()
 
     def scratch(self, like: np.ndarray, count: int) -> np.ndarray:
@@ -217,6 +218,7 @@ class TurnTakingBuffers(NumpyBuffers):
     """Records the event-loop turn and size of every reduction of one rank."""
 
     def __init__(self, ticker: Ticker) -> None:
+        super().__init__()
         self.ticker = ticker
         self.reductions: list[tuple[int, int]] = []  # (turn, bytes)
 
@@ -291,3 +293,60 @@ async def test_large_reductions_run_in_blocks_one_per_loop_turn_with_the_same_re
             # payload is already here (the next step starts at once rather than a turn later).
             assert max(per_turn.values(), default=0) <= 2 * lanes * block, (algorithm, lanes, per_turn)
         assert any(sum(size for _, size in rec.reductions) > 4 * lanes * block for rec in recs)
+
+
+# ------------------------------------------------------------------ scratch kept between operations
+
+
+class KeepingBuffers(NumpyBuffers):
+    """Host buffers that remember which scratch arrays they handed out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: list[np.ndarray] = []
+
+    def scratch(self, like: np.ndarray, count: int) -> np.ndarray:
+        array = super().scratch(like, count)
+        self.handed.append(array)
+        return array
+
+
+async def test_a_large_operations_scratch_serves_the_next_one_and_the_kept_total_is_bounded() -> None:
+    n, count = 2, 256 * 1024  # 1 MiB of float32: the reduced half lands in 512 KiB of scratch
+    keeping = [KeepingBuffers() for _ in range(n)]
+    world = MemoryWorld(n)
+    for seq in range(3):
+        xs = [np.full(count, r + seq, np.float32) for r in range(n)]
+        specs = [
+            CollectiveSpec("all_reduce", (0, 1), r, (xs[r],), (xs[r],), buffers=keeping[r]) for r in range(n)
+        ]
+        await asyncio.wait_for(
+            asyncio.gather(
+                *(run_collective(s, world[s.me], ("c", "k", seq), {"kind": "all_reduce"}) for s in specs)
+            ),
+            LIMIT,
+        )
+        for x in xs:
+            np.testing.assert_array_equal(x, np.full(count, 1 + 2 * seq, np.float32))
+    for rank in keeping:
+        assert len(rank.handed) == 3 and all(a is rank.handed[0] for a in rank.handed)
+
+    bounded = NumpyBuffers()
+    like = np.empty(0, np.uint8)
+    kept = [bounded.scratch(like, 16 * MIB) for _ in range(5)]
+    for array in kept:
+        bounded.release(array)
+    assert bounded._kept_bytes == SCRATCH_KEEP_BYTES  # the oldest was dropped
+    assert bounded.scratch(like, 16 * MIB) is kept[-1]
+    bounded.release(np.empty(SCRATCH_KEEP_BYTES + 1, np.uint8))  # too large to keep at all
+    assert bounded._kept_bytes == SCRATCH_KEEP_BYTES - 16 * MIB
+
+
+async def test_a_failed_operation_keeps_no_scratch_a_late_message_could_still_land_in() -> None:
+    keeping = KeepingBuffers()
+    world = MemoryWorld(2)
+    x = np.ones(256 * 1024, np.float32)
+    spec = CollectiveSpec("all_reduce", (0, 1), 0, (x,), (x,), buffers=keeping)
+    with pytest.raises(asyncio.TimeoutError):  # rank 1 never joins
+        await asyncio.wait_for(run_collective(spec, world[0], ("c", "f", 0), {"kind": "all_reduce"}), 0.2)
+    assert keeping.handed and keeping._kept_bytes == 0
