@@ -12,6 +12,9 @@ safe:
 * Issue order is launch order. ``Bridge.issue`` appends the call to the loop's ready queue on
   the calling thread (``call_soon_threadsafe`` is FIFO), so the core takes its per-group
   sequence number in the order the callers launched, whichever thread they ran on.
+* CUDA tensors are ordered on the caller's streams, not the loop thread's:
+  ``issue_on_caller_streams`` records events on the calling thread's current CUDA streams and
+  hands them to the core with the call (aiocoll._staging.caller_context).
 * Nothing a user supplies runs on the loop thread. A callback that blocks (PowerSGD's waits on
   another all_reduce) would otherwise deadlock the network; futures are completed on
   ``completion_pool()`` instead.
@@ -23,12 +26,14 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import os
+import sys
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ._errors import DistError
+from ._run import new_event_loop
+from ._staging import CallerStreamContext, caller_context
 from ._work import Work as _CoreWork
 
 __all__ = ["Outcome", "completion_pool", "get_loop_thread", "LoopThread"]
@@ -38,8 +43,6 @@ T = TypeVar("T")
 # Enough threads that one blocking callback (PowerSGD waiting on its second all_reduce) never
 # starves the completion of the operation it waits for.
 _COMPLETION_THREADS = 4
-# uvloop when installed (faster wake-ups and socket I/O); AIOCOLL_LOOP=asyncio opts out.
-_DEFAULT_LOOP = "uvloop"
 
 
 class Outcome:
@@ -112,7 +115,7 @@ class LoopThread:
     """An asyncio event loop running forever on a daemon thread."""
 
     def __init__(self, name: str = "aiocoll-loop") -> None:
-        self.loop = _new_event_loop()
+        self.loop = new_event_loop()
         self._started = threading.Event()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
@@ -188,6 +191,33 @@ class LoopThread:
         return outcome
 
 
+def issue_on_caller_streams(
+    start: Callable[[], Awaitable[Any]], tensors: Sequence[Any], *, wait_on_host: bool
+) -> tuple[Outcome, CallerStreamContext | None]:
+    """``get_loop_thread().issue(start)``, with the calling thread's CUDA stream events.
+
+    Once CUDA is in use in this process (a CUDA tensor among ``tensors`` or seen before), events
+    recorded now on the calling thread's current streams go with the call (issue() hands the
+    loop a copy of this thread's context), so the operation stages what the caller's streams
+    computed before the call. ``wait_on_host``: the operation completes once its results are on
+    the device (aiocoll.sync); else it leaves completion events in the returned context for the
+    caller's stream to wait on (aiocoll.torch's Work). The context is None without CUDA.
+    """
+    streams: CallerStreamContext | None = None
+    if "aiocoll._cuda" in sys.modules or any(getattr(t, "is_cuda", False) for t in tensors):
+        from ._cuda import caller_streams
+
+        streams = caller_streams(tensors)
+    if streams is None:
+        return get_loop_thread().issue(start), None
+    streams.wait_on_host = wait_on_host
+    token = caller_context.set(streams)
+    try:
+        return get_loop_thread().issue(start), streams
+    finally:
+        caller_context.reset(token)
+
+
 def _start_on_loop(start: Callable[[], Awaitable[Any]], outcome: Outcome) -> None:
     try:
         work = start()
@@ -218,18 +248,6 @@ def _finish_core(work: _CoreWork, outcome: Outcome) -> None:
         outcome._set_exception(exc)
     else:
         outcome._set_result(work.result())
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed and chosen; AIOCOLL_LOOP=asyncio|uvloop overrides the default."""
-    choice = os.environ.get("AIOCOLL_LOOP", _DEFAULT_LOOP).strip().lower()
-    if choice == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            return asyncio.new_event_loop()
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
 
 
 _lock = threading.Lock()

@@ -1,15 +1,17 @@
 """Tensor buffer handling: numpy arrays and torch tensors to contiguous 1-D numpy working arrays.
 
-Imports nothing from aiocoll and never imports torch: a torch tensor can only exist if the
+Imports only aiocoll's device foundations (aiocoll._device, aiocoll._staging; aiocoll._cuda
+when a CUDA tensor is met) and never imports torch itself: a torch tensor can only exist if the
 caller already imported torch, so we look for it in ``sys.modules``. The engine turns every
 tensor an operation touches into a ``Working`` (a flat numpy view of the same memory where
 possible, a staging copy otherwise) before the algorithms run, and calls ``finish()`` afterwards
 so results land in the caller's tensor in place. Signatures use ``dtype_name`` and ``numel``.
 
-Staging copies are needed for: non-contiguous or non-native-byte-order numpy arrays, torch
-tensors that are not contiguous or carry a lazy conjugate/negative bit, and tensors on an
-accelerator (copied through host memory; pinned buffers and a device path can replace the
-staging here without touching the algorithms). bfloat16 travels as its raw bits in a uint16
+Staging copies are needed for: non-contiguous or non-native-byte-order numpy arrays and CPU torch
+tensors that are not contiguous or carry a lazy conjugate/negative bit. Tensors in device memory
+(torch CUDA tensors, any aiocoll._device.DeviceTensor) are not copied here: their Working's
+``array`` is a ``DeviceSpan`` and the operation runs through the pinned staging pipeline
+(aiocoll._staged_ops), chunk by chunk. bfloat16 travels as its raw bits in a uint16
 array (numpy has no bfloat16); ``aiocoll._reduce`` knows how to reduce those bits.
 """
 
@@ -21,6 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from aiocoll._device import DeviceTensor
+from aiocoll._staging import DeviceSpan
 
 __all__ = ["SUPPORTED_DTYPES", "Working", "as_working", "dtype_name", "is_torch_tensor", "numel"]
 
@@ -94,6 +99,8 @@ def dtype_name(obj: Any) -> str:
         name = obj.dtype.name
     elif is_torch_tensor(obj):
         name = str(obj.dtype).removeprefix("torch.")
+    elif isinstance(obj, DeviceTensor):
+        name = obj.dtype_name
     else:
         raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
     if name not in SUPPORTED_DTYPES:
@@ -116,6 +123,8 @@ def numel(obj: Any) -> int:
         return int(obj.size)
     if is_torch_tensor(obj):
         return int(obj.numel())
+    if isinstance(obj, DeviceTensor):
+        return obj.numel
     raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
 
 
@@ -138,6 +147,8 @@ def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
         return _numpy_working(obj, read=read, write=write)
     if is_torch_tensor(obj):
         return _torch_working(obj, read=read, write=write)
+    if isinstance(obj, DeviceTensor):
+        return device_working(obj, read=read, write=write)
     raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
 
 
@@ -175,11 +186,10 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
     device = tensor.device
     if device.type == "meta":
         raise TypeError("a tensor on the 'meta' device has no data to communicate")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"tensor is on {device} but torch reports no usable CUDA device in this process; "
-            "move it to the CPU (tensor.cpu()) or run where CUDA is available"
-        )
+    if device.type == "cuda":
+        from aiocoll._cuda import wrap_cuda_tensor
+
+        return device_working(wrap_cuda_tensor(tensor, name), read=read, write=write)
     source = tensor.detach()
     direct = device.type == "cpu" and source.is_contiguous() and not source.is_conj() and not source.is_neg()
     if direct:
@@ -201,6 +211,18 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
             tensor.copy_(flat.view(shape))
 
     return Working(array, name, shape, staged=True, _finish=finish if write else _nothing)
+
+
+def _host_dtype(name: str) -> np.dtype[Any]:
+    """The numpy dtype a host view of a device tensor has (bfloat16 as its uint16 bits)."""
+    return np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
+
+
+def device_working(tensor: DeviceTensor, *, read: bool, write: bool) -> Working:
+    """A Working whose array is a DeviceSpan over the whole device tensor: operations see it as
+    they see a host array and run through the staging pipeline (see the module header)."""
+    span = DeviceSpan(tensor, _host_dtype(tensor.dtype_name), 0, tensor.numel, read=read, write=write)
+    return Working(span, tensor.dtype_name, tensor.shape, staged=True)  # type: ignore[arg-type]
 
 
 def _torch_flat_to_numpy(flat: Any, name: str) -> np.ndarray:

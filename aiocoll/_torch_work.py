@@ -23,6 +23,8 @@ import torch
 import torch.distributed as td
 
 from ._deadline import to_seconds
+from ._device import DeviceError
+from ._staging import CallerStreamContext
 from ._sync_loop import Outcome
 from ._sync_work import OutcomeQueries
 
@@ -54,6 +56,9 @@ class AiocollWork(OutcomeQueries, td.Work):
         tensors: the future's value and ``result()``: the output tensors, as c10d returns them.
         source_rank: for recv from any source, turns the core's result (the group rank of the
             sender) into what ``_source_rank()`` returns.
+        streams: for CUDA tensors, the caller's stream context (aiocoll._staging); the operation
+            leaves its completion events there. ``wait()`` makes the caller's current stream wait
+            for them; the future completes once they were reached.
     """
 
     def __init__(
@@ -62,8 +67,10 @@ class AiocollWork(OutcomeQueries, td.Work):
         op: str,
         tensors: list[torch.Tensor],
         source_rank: Callable[[Any], int] | None = None,
+        streams: CallerStreamContext | None = None,
     ) -> None:
         super().__init__()
+        self._streams = streams
         self._outcome = outcome
         self._op = op
         self._tensors = tensors
@@ -83,6 +90,14 @@ class AiocollWork(OutcomeQueries, td.Work):
                 return
             self._completed = True
         exc = outcome.exception()
+        if exc is None and self._streams is not None:
+            # On the completion pool: the future's users (DDP's reducer, comm hooks) read the
+            # results on their own streams, so they must be on the device first.
+            try:
+                for _device, event in self._streams.completion:
+                    event.wait(None)
+            except DeviceError as failed:
+                exc = failed
         self._raw.set_result(_Failed(exc) if exc is not None else self._tensors)
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
@@ -104,13 +119,24 @@ class AiocollWork(OutcomeQueries, td.Work):
                 f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()"
             ) from None
         finally:
-            if self._outcome.done():
+            if self._outcome.done() and not self._on_device():
                 self._complete(self._outcome)
                 # Another thread may have won the race to complete it and still be inside
                 # set_result: wait until the future is marked done (that precedes its callbacks).
                 with contextlib.suppress(Exception):
                     self._future.wait()
+        if self._on_device():
+            assert self._streams is not None
+            # CUDA tensors: the network part was waited for on the host; the caller's current
+            # stream waits for the copies back (as torch's collectives do), not the host. The
+            # future completes on the completion pool once they were reached.
+            for device, event in self._streams.completion:
+                device.current_stream().wait_event(event)
         return True
+
+    def _on_device(self) -> bool:
+        """True when the operation left completion events (CUDA tensors); final once it is done."""
+        return self._streams is not None and bool(self._streams.completion)
 
     def get_future(self) -> torch.futures.Future[Any]:
         """A torch Future whose value is the list of output tensors (or that fails with the error)."""

@@ -20,7 +20,7 @@ import logging
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -29,14 +29,17 @@ import numpy as np
 
 from aiocoll._deadline import Deadline, to_seconds
 from aiocoll._errors import DistError, MismatchError, RendezvousError
+from aiocoll._ipc import ipc_groups
 from aiocoll._reduce import check_reduce_op
+from aiocoll._staged_ops import StagedOp, has_device_arrays
 from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
-from aiocoll.algorithms import CollectiveSpec, run_collective
+from aiocoll.algorithms import CollectiveSpec
 from aiocoll.algorithms._driver import Driver, start_collective
 from aiocoll.algorithms._plan import prepare
 from aiocoll.client.engine import Engine, GroupState, OpTransport
+from aiocoll.client.routing import choose_route, host_layout, run_routed
 from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
 from aiocoll.client.transports.tcp import route_interface
 from aiocoll.stores import FileStore, Store
@@ -135,8 +138,11 @@ class _Runtime:
         store: Store | None = None,
         owns_store: bool = False,
         default_timeout: float | None,
+        hosts: Mapping[int, str] | None = None,
     ) -> None:
         self.engine = engine
+        # global rank -> host identity, from the membership table (empty: unknown, nothing assumed)
+        self.hosts: Mapping[int, str] = hosts or {}
         self.transport = transport
         self.session = session
         self.coordinator = coordinator
@@ -194,6 +200,7 @@ class ProcessGroup:
         self.ranks = list(state.ranks)
         self.group_id = state.gid
         self._destroyed = False
+        self._layout = host_layout(self.ranks, state.ranks[state.index], runtime.hosts)
 
     def __repr__(self) -> str:
         return f"<aiocoll.ProcessGroup {self.group_id!r} rank {self.rank}/{self.size} ranks={self.ranks}>"
@@ -241,6 +248,8 @@ class ProcessGroup:
         root: int = 0,
         op: ReduceOp = ReduceOp.SUM,
     ) -> Work:
+        if has_device_arrays(send, recv):
+            return self._staged_collective(kind, meta, send, recv, workings, result, timeout, root, op)
         spec = CollectiveSpec(
             kind,
             tuple(self.ranks),
@@ -254,23 +263,60 @@ class ProcessGroup:
 
         if self._destroyed:
             raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
+        layout = self._layout
+        if choose_route(kind, op, layout) == "flat":
+            # Every flat collective runs from message callbacks, without a task
+            # (aiocoll.algorithms._driver).
+            def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> Driver:
+                def done(exc: BaseException | None) -> None:
+                    if exc is None:
+                        try:
+                            for w in workings:
+                                w.finish()
+                        except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
+                            exc = copy_back
+                    finish(result, exc)
 
-        # Every collective runs from message callbacks, without a task (aiocoll.algorithms._driver).
-        def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> Driver:
-            def done(exc: BaseException | None) -> None:
-                if exc is None:
-                    try:
-                        for w in workings:
-                            w.finish()
-                    except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
-                        exc = copy_back
-                finish(result, exc)
+                return start_collective(prepare(spec, meta), spec, transport, tag, meta, done)
 
-            return start_collective(prepare(spec, meta), spec, transport, tag, meta, done)
+            return self._rt.engine.submit_eager(
+                self._state, kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
+            )
 
-        return self._rt.engine.submit_eager(
-            self._state, kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
+        async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
+            await run_routed(spec, transport, tag, meta, layout)
+            for w in workings:
+                w.finish()
+            return result
+
+        return self._submit(kind, body, timeout)
+
+    def _staged_collective(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Working],
+        result: Any,
+        timeout: Any,
+        root: int,
+        op: ReduceOp,
+    ) -> Work:
+        """A collective over device tensors, chunk by chunk through pinned staging."""
+        staged = StagedOp(
+            kind, self.size, send, recv, rank=self._rt.transport.rank, group_key=(id(self._rt), self.group_id)
         )
+        ranks, me, gid = tuple(self.ranks), self.rank, self.group_id
+
+        async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
+            what = f"{kind} (group {gid!r}, seq {tag[2]})"
+            await staged.collective(transport, tag, meta, ranks=ranks, me=me, root=root, op=op, what=what)
+            for w in workings:
+                w.finish()
+            return result
+
+        return self._submit(kind, body, timeout)
 
     def _meta(
         self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
@@ -297,6 +343,16 @@ class ProcessGroup:
         w = as_working(tensor, read=True, write=False)
         meta = {"dtype": w.dtype_name, "count": w.numel}
         peer = self.ranks[d]
+        if has_device_arrays((w.array,)):
+            staged = StagedOp("send", self.size, (w.array,), (), rank=self._rt.transport.rank)
+            what = f"send (group {self.group_id!r}, tag {utag}) to rank {d}"
+
+            async def staged_body(t: tuple[Any, ...], transport: OpTransport) -> None:
+                await staged.send_to(transport, t, peer, meta, what)
+
+            work = self._submit("send", staged_body, timeout, p2p_tag=utag, peers=(peer,))
+            staged.chain(("send", id(self._rt), self.group_id, utag, peer), work)
+            return work
         payload = _bytes_of(w.array)
 
         async def body(t: tuple[Any, ...], transport: OpTransport) -> None:
@@ -316,14 +372,22 @@ class ProcessGroup:
             raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
         utag = _check_tag(tag)
         w = as_working(tensor, read=False, write=True)
-        into = _bytes_of(w.array)
         name = w.dtype_name
         peer = None if s is None else self.ranks[s]
         index = {g: i for i, g in enumerate(self.ranks)}
         gid = self.group_id
+        staged: StagedOp | None = None
+        if has_device_arrays((w.array,)):
+            staged = StagedOp("recv", self.size, (), (w.array,), rank=self._rt.transport.rank)
+            what = f"recv (group {gid!r}, tag {utag})"
+        else:
+            into = _bytes_of(w.array)
 
         async def body(t: tuple[Any, ...], transport: OpTransport) -> int:
-            got, meta = await transport.recv(peer, t, into)
+            if staged is not None:
+                got, meta = await staged.recv_from(transport, t, peer, what)
+            else:
+                got, meta = await transport.recv(peer, t, into)
             if meta.get("dtype") != name:
                 raise MismatchError(
                     f"recv (group {gid!r}, tag {utag}): rank {index.get(got, got)} sent {meta.get('dtype')} "
@@ -334,7 +398,10 @@ class ProcessGroup:
             w.finish()
             return index[got]
 
-        return self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
+        work = self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
+        if staged is not None:
+            staged.chain(("recv", id(self._rt), gid, utag), work)
+        return work
 
     isend = send
     irecv = recv
@@ -596,11 +663,11 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             size = np.array([len(data)], dtype=np.int64)
             meta = {"kind": "broadcast_object", "root": root}
-            await run_collective(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta)
+            await run_routed(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta, self._layout)
             buf = (
                 np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
             )
-            await run_collective(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta, self._layout)
             return obj if me == root else pickle.loads(buf.tobytes())
 
         return self._submit("broadcast_object", body, timeout)
@@ -616,7 +683,7 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)]
             meta = {"kind": "all_gather_object"}
-            await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta)
+            await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta, self._layout)
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
         return self._submit("all_gather_object", body, timeout)
@@ -624,7 +691,7 @@ class ProcessGroup:
     async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
         mine = np.array([n], dtype=np.int64)
         outs = [np.empty(1, np.int64) for _ in range(self.size)]
-        await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind})
+        await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind}, self._layout)
         return np.array([int(o[0]) for o in outs], dtype=np.int64)
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
@@ -640,7 +707,7 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)] if me == root else []
             meta = {"kind": "gather_object", "root": root}
-            await run_collective(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta, self._layout)
             if me != root:
                 return None
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
@@ -662,7 +729,7 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             sizes = np.array([len(b) for b in blobs] or [0] * self.size, dtype=np.int64)
             meta = {"kind": "scatter_object", "root": root}
-            await run_collective(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta)
+            await run_routed(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta, self._layout)
             longest = int(sizes.max())
             send = []
             if me == root:
@@ -671,7 +738,7 @@ class ProcessGroup:
                     arr[: len(b)] = np.frombuffer(b, np.uint8)
                     send.append(arr)
             out = np.empty(longest, np.uint8)
-            await run_collective(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta, self._layout)
             return pickle.loads(out[: int(sizes[me])].tobytes())
 
         return self._submit("scatter_object", body, timeout)
@@ -702,7 +769,7 @@ class ProcessGroup:
         meta = {"kind": "new_group", "ranks": chosen}
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
-            await run_collective(self._spec("barrier", (), ()), tp, tag, meta)
+            await run_routed(self._spec("barrier", (), ()), tp, tag, meta, self._layout)
             return f"{self.group_id}.{tag[2]}"
 
         gid = await self._submit("new_group", body, timeout)
@@ -721,8 +788,10 @@ class ProcessGroup:
         self._destroyed = True
         if self._owner:
             await self._rt.aclose()
+            ipc_groups.forget((id(self._rt),))
         else:
             self._rt.engine.forget_group(self.group_id)
+            ipc_groups.forget((id(self._rt), self.group_id))
 
     async def __aenter__(self) -> ProcessGroup:
         return self
@@ -911,7 +980,12 @@ async def _init_with_coordinator(
         engine = Engine(transport, default_timeout=seconds)
         session.on_member_lost(lambda r, reason: engine.peer_lost(int(r), str(reason)))
         runtime = _Runtime(
-            engine, transport, session=session, coordinator=coordinator, default_timeout=seconds
+            engine,
+            transport,
+            session=session,
+            coordinator=coordinator,
+            default_timeout=seconds,
+            hosts={m.rank: m.host for m in membership.members},
         )
     except BaseException:
         await transport.aclose()
@@ -990,5 +1064,12 @@ async def _init_with_store(
             with contextlib.suppress(Exception):
                 await store.aclose()
         raise
-    runtime = _Runtime(engine, transport, store=store, owns_store=owns, default_timeout=seconds)
+    runtime = _Runtime(
+        engine,
+        transport,
+        store=store,
+        owns_store=owns,
+        default_timeout=seconds,
+        hosts={row.rank: row.host for row in table},
+    )
     return ProcessGroup(runtime, engine.group(WORLD_GID, range(world_size)), owner=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 from ._deadline import to_seconds
 from ._errors import CollectiveTimeout, DistError
-from ._sync_loop import Outcome, get_loop_thread
+from ._sync_loop import get_loop_thread, issue_on_caller_streams
 from ._sync_stores import FileStore, HashStore, PrefixStore, Store, TCPStore, as_async_store
 from ._sync_work import Work
 from ._types import ReduceOp
@@ -291,8 +291,9 @@ def _launch(
     tensors: list[Any],
     source_rank: Callable[[Any], int] | None = None,
 ) -> Any:
-    """Issue one core operation; block for it, or return a Work when ``async_op``."""
-    outcome: Outcome = get_loop_thread().issue(start)
+    """Issue one core operation; block for it, or return a Work when ``async_op``. CUDA tensors
+    are staged after the caller's current streams and land before the operation completes."""
+    outcome, _streams = issue_on_caller_streams(start, tensors, wait_on_host=True)
     if async_op:
         outcome.wait_launched()
         return Work(outcome, name, tensors, source_rank)

@@ -8,6 +8,15 @@ collective logic: ``AiocollProcessGroup`` subclasses ``torch.distributed.Process
 each call c10d makes (lists of tensors plus an options object) into one operation of an
 ``aiocoll.ProcessGroup`` running on aiocoll's loop thread, and returns an ``AiocollWork``.
 
+Devices: registered for "cpu" and "cuda". CUDA tensors go through aiocoll's pinned staging
+pipeline (aiocoll._staging). As torch's own collectives do, an operation orders itself on the
+caller's current CUDA stream: the values staged are those the caller's stream computed before
+the call (an event recorded on the calling thread at call time), and ``Work.wait()`` makes the
+caller's current stream wait for the results instead of blocking the host on the last copy
+(the network part of the operation is host-driven and is waited for on the host). The Work's
+future completes once the results are on the device. ``device_id`` in ``init_process_group``
+is accepted (the group is not split per device: one aiocoll group serves every device).
+
 Rendezvous goes through the store torch hands the backend (already prefixed per group), wrapped
 as an aiocoll async store; each torch group, default or made by ``new_group``, is its own aiocoll
 group with its own peer links.
@@ -34,7 +43,7 @@ import torch
 import torch.distributed as td
 
 from ._deadline import to_seconds
-from ._sync_loop import get_loop_thread
+from ._sync_loop import get_loop_thread, issue_on_caller_streams
 from ._sync_stores import as_async_store
 from ._torch_work import AiocollWork
 from ._types import ReduceOp
@@ -115,6 +124,13 @@ class AiocollProcessGroup(td.ProcessGroup):
     def name(self) -> str:
         return BACKEND_NAME
 
+    # torch asks the group for its backend of the device given as init_process_group's
+    # device_id; one aiocoll group serves every device, and does not split per device.
+    supports_splitting = False
+
+    def _get_backend(self, device: Any) -> AiocollProcessGroup:  # type: ignore[override]
+        return self
+
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
 
@@ -138,8 +154,8 @@ class AiocollProcessGroup(td.ProcessGroup):
         source_rank: Callable[[Any], int] | None = None,
     ) -> AiocollWork:
         # The launch (and so the sequence number's order) happens here, on the calling thread.
-        outcome = self._loop.issue(start)
-        return AiocollWork(outcome, op, tensors, source_rank)
+        outcome, streams = issue_on_caller_streams(start, tensors, wait_on_host=False)
+        return AiocollWork(outcome, op, tensors, source_rank, streams)
 
     def _many(self, op: str, calls: Sequence[Callable[[], Any]], tensors: list[torch.Tensor]) -> AiocollWork:
         """Launch several core operations back to back (one loop callback) as one Work."""
@@ -333,7 +349,7 @@ def create_process_group(
 def _register() -> None:
     if BACKEND_NAME.upper() in getattr(td.Backend, "_plugins", {}):
         return
-    td.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu"])
+    td.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu", "cuda"])
 
 
 _register()

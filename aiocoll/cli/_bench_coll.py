@@ -168,16 +168,43 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
         raise BenchError("--iters must be at least 1 and --warmup at least 0")
     if args.dtype not in DTYPE_SIZES:
         raise BenchError(f"--dtype {args.dtype!r} is not one of {sorted(DTYPE_SIZES)}")
-    if args.dtype == "bfloat16" and args.tensor != "torch":
+    if args.dtype == "bfloat16" and args.tensor == "numpy":
         raise BenchError("numpy has no bfloat16: add --tensor torch to measure bfloat16")
     if "mpi" in args.contenders and args.dtype not in MPI_DTYPES:
         raise BenchError(f"--vs mpi: MPI has no {args.dtype} reduction; use one of {', '.join(MPI_DTYPES)}")
-    needs_torch = "gloo" in args.contenders or args.tensor == "torch"
+    needs_torch = bool({"gloo", "nccl"} & set(args.contenders)) or args.tensor != "numpy"
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise BenchError(
             "torch is not installed, so there is nothing to compare with: install it "
             "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch"
         )
+    if args.transport is not None:
+        from aiocoll.client.transports import transport_choice
+
+        try:  # the link factory's own check, here before any process starts
+            transport_choice(args.transport)
+        except ValueError as exc:
+            raise BenchError(f"--transport {args.transport}: {exc}") from None
+    _check_cuda_args(args)
+
+
+def _check_cuda_args(args: argparse.Namespace) -> None:
+    if "nccl" in args.contenders and args.tensor != "torch-cuda":
+        raise BenchError("--vs nccl measures CUDA tensors: add --tensor torch-cuda")
+    if args.tensor == "torch-cuda":
+        from aiocoll._cuda import cuda_unavailable
+
+        why = cuda_unavailable()
+        if why is not None:
+            raise BenchError(
+                f"--tensor torch-cuda needs a CUDA device, and {why}; run it on a machine with a GPU, "
+                "or measure CPU tensors with --tensor torch"
+            )
+    if "nccl" in args.contenders:
+        import torch.distributed
+
+        if not torch.distributed.is_nccl_available():
+            raise BenchError("--vs nccl: this torch has no NCCL; use --vs gloo")
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         raise BenchError(
             "--loop uvloop: uvloop is not installed (pip install uvloop) — or use --loop asyncio"
@@ -220,7 +247,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         raise BenchError(str(exc)) from None
     n = args.world_size
     contenders: list[str] = list(args.contenders)
-    with_gloo = "gloo" in contenders
+    with_torch = bool({"gloo", "nccl"} & set(contenders))  # torch.distributed in the workers
     args.loop = resolve_loop(args.loop)
     cfg = {
         "world_size": n,
@@ -245,16 +272,25 @@ def run_collectives(args: argparse.Namespace) -> int:
     impls = ["aiocoll", *contenders]
     total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops) * len(impls)
     progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
-    pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
+    pending: dict[tuple[str, int, str], dict[int, tuple[list[float], dict[str, float]]]] = defaultdict(dict)
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     printed_header: set[str] = set()
     all_rows: list[dict[str, Any]] = []
     started = time.monotonic()
 
-    def record(op: str, size: int, impl: str, per_rank: list[list[float]], algorithm: str) -> None:
+    def record(
+        op: str,
+        size: int,
+        impl: str,
+        per_rank: list[list[float]],
+        usage: list[dict[str, float]],
+        algorithm: str,
+    ) -> None:
         """One implementation finished one op and size on every rank: print the row once all did."""
         row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
         row[impl] = summarize(op, size, n, per_rank)
+        # per operation, averaged over the ranks (JSON only): CPU µs, voluntary/involuntary switches
+        row[impl]["usage"] = {key: sum(u[key] for u in usage) / len(usage) for key in usage[0]}
         if impl == "aiocoll":
             row["algorithm"] = algorithm
         progress.step(f"{impl} {op} {format_bytes(size)}")
@@ -271,7 +307,9 @@ def run_collectives(args: argparse.Namespace) -> int:
 
     if "mpi" in contenders:
         try:
-            run_mpi_phase(cfg, lambda op, size, per_rank: record(op, size, "mpi", per_rank, ""), args.timeout)
+            run_mpi_phase(
+                cfg, lambda op, size, times, usage: record(op, size, "mpi", times, usage, ""), args.timeout
+            )
         except (MpiUnavailable, RuntimeError) as exc:
             raise BenchError(str(exc)) from None
 
@@ -279,7 +317,7 @@ def run_collectives(args: argparse.Namespace) -> int:
     cfg["port"] = coordinator.port
     # torch's rendezvous goes through a TCPStore server of its own (port 0: no race for a port)
     try:
-        gloo_store = start_tcpstore() if with_gloo else None
+        gloo_store = start_tcpstore() if with_torch else None
     except BaseException:
         coordinator.stop()
         raise
@@ -323,11 +361,12 @@ def run_collectives(args: argparse.Namespace) -> int:
                 continue
             if kind != "times":
                 continue
-            _, rank, op, size, impl, times, algorithm = message
+            _, rank, op, size, impl, times, algorithm, usage = message
             key = (op, size, impl)
-            pending[key][rank] = times
+            pending[key][rank] = (times, usage)
             if len(pending[key]) == n:
-                record(op, size, impl, list(pending.pop(key).values()), algorithm)
+                reports = list(pending.pop(key).values())
+                record(op, size, impl, [t for t, _ in reports], [u for _, u in reports], algorithm)
         for proc in procs:
             proc.join(10)
     finally:

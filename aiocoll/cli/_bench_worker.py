@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import resource
 import time
 import traceback
 import warnings
@@ -31,7 +32,9 @@ Msg = tuple[Any, ...]
 class Buffers:
     """The input/output buffers of one op at one size, as numpy arrays or torch tensors."""
 
-    def __init__(self, sized: SizedOp, dtype: str, use_torch: bool, rank: int, world_size: int) -> None:
+    def __init__(
+        self, sized: SizedOp, dtype: str, use_torch: bool, rank: int, world_size: int, device: Any = None
+    ) -> None:
         self.sized = sized
         self.rank = rank
         self.n = world_size
@@ -39,8 +42,8 @@ class Buffers:
             import torch
 
             tdtype = getattr(torch, dtype)
-            self.inp: Any = torch.zeros(sized.in_count, dtype=tdtype)
-            self.out: Any = torch.zeros(sized.out_count, dtype=tdtype)
+            self.inp: Any = torch.zeros(sized.in_count, dtype=tdtype, device=device)
+            self.out: Any = torch.zeros(sized.out_count, dtype=tdtype, device=device)
         else:
             import numpy as np
 
@@ -191,7 +194,48 @@ class _AlgorithmHook:
         return algorithm
 
 
-async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float]:
+_Usage = tuple[float, float, int, int, dict[str, int]]
+
+
+def _thread_ticks() -> dict[str, int]:
+    """CPU clock ticks (user + system) of each thread of this process, by thread id (Linux)."""
+    ticks = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as handle:
+                fields = handle.read().rpartition(")")[2].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+    except OSError:
+        pass
+    return ticks
+
+
+def _rusage() -> _Usage:
+    """(wall clock, CPU seconds, voluntary and involuntary context switches, per-thread ticks)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime
+    return time.perf_counter(), cpu, usage.ru_nvcsw, usage.ru_nivcsw, _thread_ticks()
+
+
+def usage_per_op(before: _Usage, iters: int) -> dict[str, float]:
+    """What the timed iterations since ``before`` cost this process per operation: CPU time
+    (µs, every thread), voluntary context switches (it blocked: waits, wake-ups), involuntary
+    ones (it was preempted: the CPU was wanted elsewhere), and how many threads did a tenth or
+    more of that CPU work (under load each runnable thread gets its own share of the cores)."""
+    wall, cpu, voluntary, involuntary, ticks = _rusage()
+    cpu -= before[1]
+    grown = [t - before[4].get(tid, 0) for tid, t in ticks.items()]
+    busy = sum(1 for g in grown if g > 0.1 * sum(grown)) if sum(grown) > 0 else 0
+    return {
+        "cpu_us": cpu * 1e6 / iters,
+        "cpu_share": cpu / (wall - before[0]) if wall > before[0] else 0.0,
+        "vcsw": (voluntary - before[2]) / iters,
+        "ivcsw": (involuntary - before[3]) / iters,
+        "busy_threads": busy,
+    }
+
+
+async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> tuple[list[float], dict[str, float]]:
     pg = runner.pg
     call = runner.calls()
     if runner.op != "barrier":
@@ -208,11 +252,12 @@ async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float
     await pg.barrier()
     times = []
     clock = time.perf_counter
+    before = _rusage()
     for _ in range(iters):
         start = clock()
         await call()
         times.append(clock() - start)
-    return times
+    return times, usage_per_op(before, iters)
 
 
 # gloo's calls block. They run on the event loop's own thread, as a plain torch script would run
@@ -222,10 +267,24 @@ async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float
 _GLOO_SLICE = 0.5
 
 
-async def time_blocking(runner: OpRunner, warmup: int, iters: int) -> list[float]:
-    """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks)."""
+async def time_blocking(
+    runner: OpRunner, warmup: int, iters: int, *, on_device: bool = False
+) -> tuple[list[float], dict[str, float]]:
+    """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks).
+
+    ``on_device``: CUDA tensors, whose calls (NCCL's) return once the work is queued on a
+    stream; each timed call then includes waiting for the device, as aiocoll's does."""
     dist = runner.pg
     call = runner.calls()
+    if on_device:
+        from aiocoll._cuda import synchronize
+
+        issue = call
+
+        def call() -> Any:
+            issue()
+            synchronize()
+
     clock = time.perf_counter
     slice_start = clock()
 
@@ -249,26 +308,32 @@ async def time_blocking(runner: OpRunner, warmup: int, iters: int) -> list[float
         await breathe()
     dist.barrier()
     times = []
+    before = _rusage()
     for _ in range(iters):
         start = clock()
         call()
         times.append(clock() - start)
         await breathe()
-    return times
+    return times, usage_per_op(before, iters)
 
 
 async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) -> None:
     import aiocoll
 
     dist: Any = None
-    with_gloo = "gloo" in cfg["vs"]
-    if with_gloo or cfg["tensor"] == "torch":
+    theirs = next((c for c in cfg["vs"] if c in ("gloo", "nccl")), None)  # torch.distributed's
+    device = None
+    if cfg["tensor"] == "torch-cuda":
+        from aiocoll._cuda import device_count, set_device
+
+        device = set_device(rank % device_count())
+    if theirs or cfg["tensor"] != "numpy":
         # Import torch before joining: an import of seconds inside the running group would stall
         # the event loop past the coordinator's heartbeat timeout.
         warnings.simplefilter("ignore", FutureWarning)  # torch's renames of *_tensor ops
         import torch.distributed
 
-        if with_gloo:
+        if theirs:
             dist = torch.distributed
     n = cfg["world_size"]
     pg = await aiocoll.init_process_group(
@@ -285,12 +350,12 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
             "127.0.0.1", cfg["gloo_port"], is_master=False, wait_for_workers=False, timeout=timeout
         )
         await asyncio.to_thread(
-            dist.init_process_group, "gloo", store=store, rank=rank, world_size=n, timeout=timeout
+            dist.init_process_group, theirs, store=store, rank=rank, world_size=n, timeout=timeout
         )
     put(("ready", rank))
-    use_torch = cfg["tensor"] == "torch"
+    use_torch = cfg["tensor"] != "numpy"
     hook = _AlgorithmHook(cfg["algorithm"])
-    impls = ["aiocoll", "gloo"] if dist is not None else ["aiocoll"]
+    impls = ["aiocoll", theirs] if theirs else ["aiocoll"]
     step = 0
     for op in cfg["ops"]:
         sizes = [0] if op == "barrier" else cfg["sizes"]
@@ -302,17 +367,37 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
             for impl in order:
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
-                    bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n)
-                    times = await _time_aiocoll(OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"])
+                    bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n, device)
+                    times, usage = await _time_aiocoll(
+                        OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
+                    )
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
+                    if device is not None:
+                        from aiocoll._staged_ops import StagedOp
+
+                        algorithm = f"{algorithm}+{StagedOp.last_path}"  # which device path ran
                 else:
-                    bufs = Buffers(sized, cfg["dtype"], True, rank, n)
+                    bufs = Buffers(sized, cfg["dtype"], True, rank, n, device)
                     runner = OpRunner(impl, op, bufs, dist)
-                    times = await time_blocking(runner, cfg["warmup"], cfg["iters"])
+                    on_device = device is not None
+                    times, usage = await time_blocking(
+                        runner, cfg["warmup"], cfg["iters"], on_device=on_device
+                    )
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
                     times = [t / 2 for t in times] if rank == 0 else []
-                put(("times", rank, op, sized.size, impl, times, algorithm if impl == "aiocoll" else ""))
+                put(
+                    (
+                        "times",
+                        rank,
+                        op,
+                        sized.size,
+                        impl,
+                        times,
+                        algorithm if impl == "aiocoll" else "",
+                        usage,
+                    )
+                )
     await pg.destroy()
     if dist is not None:
         await asyncio.to_thread(dist.destroy_process_group)

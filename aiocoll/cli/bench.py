@@ -22,6 +22,7 @@ examples:
   aiocoll bench --op all_reduce --sizes 4:64M --world-size 4 --vs gloo --plot allreduce.png
   aiocoll bench --op all_reduce --sizes 4,1M,16M --world-size 2 --vs gloo,mpi --hog 4
   aiocoll bench --op all --sizes 4,64K,16M --world-size 2 --json out.json
+  aiocoll bench --op all_reduce --sizes 4K:256M --tensor torch-cuda --vs nccl
   aiocoll bench --op store --clients 1,8 --vs tcpstore
   aiocoll bench --op rendezvous --procs 64,256 --vs tcpstore --simulated 10000
 
@@ -48,7 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="gloo,mpi|tcpstore",
         help="also measure others in the same invocation, with ratios side by side: gloo (torch) and/or "
         "mpi (mpi4py + the MPI its mpiexec belongs to: pip install 'aiocoll[mpi]') for collectives, "
-        "tcpstore (torch) for --op store/rendezvous",
+        "or nccl (torch, with --tensor torch-cuda) instead of gloo; tcpstore (torch) for --op "
+        "store/rendezvous",
     )
     parser.add_argument(
         "--transport",
@@ -73,9 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tensor",
         default="numpy",
-        choices=["numpy", "torch"],
-        help="what aiocoll's buffers are: numpy arrays (default) or torch CPU tensors "
-        "(gloo always uses torch)",
+        choices=["numpy", "torch", "torch-cuda"],
+        help="what aiocoll's buffers are: numpy arrays (default), torch CPU tensors, or torch CUDA "
+        "tensors (rank r on GPU r %% count; the algo column names the device path; fails without "
+        "CUDA). gloo and nccl always use torch tensors on the same device",
     )
     parser.add_argument(
         "--algorithm",
@@ -134,9 +137,12 @@ def main(args: argparse.Namespace) -> int:
     """Run the benchmark ``args`` describe; returns the exit code (2 for a usage problem)."""
     collective = args.op not in ("store", "rendezvous")
     contenders = [c.strip() for c in (args.vs or "").split(",") if c.strip()]
-    unknown = [c for c in contenders if c not in ("gloo", "mpi", "tcpstore")]
-    if unknown or len(set(contenders)) != len(contenders):
-        print(f"aiocoll bench: --vs {args.vs!r}: name gloo, mpi or tcpstore, each once", file=sys.stderr)
+    unknown = [c for c in contenders if c not in ("gloo", "nccl", "mpi", "tcpstore")]
+    if unknown or len(set(contenders)) != len(contenders) or {"gloo", "nccl"} <= set(contenders):
+        print(
+            f"aiocoll bench: --vs {args.vs!r}: name gloo (or nccl), mpi or tcpstore, each once",
+            file=sys.stderr,
+        )
         return 2
     if collective and "tcpstore" in contenders:
         print(

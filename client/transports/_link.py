@@ -266,6 +266,10 @@ class LinkTransport(Transport):
                 f"other's advertised addresses"
             )
 
+    def link(self, peer: int) -> Link | None:
+        """``peer``'s link while it is open."""
+        return self._links.get(peer)
+
     def link_kinds(self) -> dict[int, str]:
         """Each linked peer's link kind."""
         return {peer: link.kind for peer, link in self._links.items()}

@@ -15,8 +15,9 @@ as ``send`` returns): straight into the receive's buffer when one is waiting (th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from aiocoll._errors import PeerLostError
@@ -30,23 +31,28 @@ DEFAULT_INBOX_BYTES = 64 * 1024 * 1024
 DEFAULT_INBOX_MESSAGES = 4096
 
 
+# A message sent while its receiver did not read: (tag, meta, payload, the sender's wait).
+_Unread = tuple[Tag, dict[str, Any], bytes, "asyncio.Future[None]"]
+
+
 class MemoryLink(Link):
     """Rank ``owner``'s end of its link to ``peer``; ``mirror`` is the peer's end."""
 
     kind = "memory"
 
-    def __init__(self, owner: MemoryTransport, peer: int) -> None:
+    def __init__(self, owner: LinkTransport, peer: int) -> None:
         self.peer = peer
         self.closed = False
         self.close_reason = ""
         self.mirror: MemoryLink | None = None
         self._owner = owner
         self._reading = False
-        # Messages the peer sent while this end did not read: (tag, meta, payload, sender's wait).
-        self._wire: deque[tuple[Tag, dict[str, Any], bytes, asyncio.Future[None]]] = deque()
+        self._said_bye = False
+        # Messages the peer sent while this end did not read.
+        self._wire: deque[_Unread] = deque()
 
     # -- sending (into the mirror) -----------------------------------------------------------
-    def send_nowait(self, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> asyncio.Future[None] | None:
+    def send_nowait(self, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> Awaitable[None] | None:
         mirror = self.mirror
         if self.closed or mirror is None or mirror.closed:
             raise PeerLostError(self.peer, self.close_reason or "the link is closed")
@@ -55,8 +61,18 @@ class MemoryLink(Link):
             mirror._take(tag, dict(meta), view)
             return None
         wait: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        mirror._wire.append((tag, dict(meta), bytes(view), wait))
-        return wait
+        entry = (tag, dict(meta), bytes(view), wait)
+        mirror._wire.append(entry)
+        return self._handed_off(mirror, entry)
+
+    async def _handed_off(self, mirror: MemoryLink, entry: _Unread) -> None:
+        """Wait until the peer read the message; cancelled before that, it is withdrawn."""
+        try:
+            await entry[3]
+        except asyncio.CancelledError:
+            with contextlib.suppress(ValueError):
+                mirror._wire.remove(entry)
+            raise
 
     def _take(self, tag: Tag, meta: dict[str, Any], payload: memoryview | bytes) -> None:
         """The peer's message reaches this end's matcher (copied once)."""
@@ -95,8 +111,11 @@ class MemoryLink(Link):
         self._fail_wire(reason)
         mirror = self.mirror
         if mirror is not None and not mirror.closed:
-            # What the other end sees: a crash (lost) unless we said goodbye.
-            mirror.close(f"rank {self._owner.rank} {'vanished' if lost else 'left'}: {reason}", lost=lost)
+            # What the other end sees: an orderly close after a goodbye (aclose), else a crash.
+            if self._said_bye:
+                mirror.close(f"rank {self._owner.rank} left (closed its transport)", lost=False)
+            else:
+                mirror.close(f"rank {self._owner.rank} vanished: {reason}", lost=True)
         self._owner.link_closed(self, reason, lost)
 
     def _fail_wire(self, reason: str) -> None:
@@ -107,7 +126,8 @@ class MemoryLink(Link):
                 wait.exception()
 
     async def aclose(self) -> None:
-        self.close("it closed its transport", lost=False)
+        self._said_bye = True
+        self.close("this rank closed its transport", lost=False)
 
     def debug_state(self) -> dict[str, Any]:
         return {"reading": self._reading, "wire": len(self._wire)}
@@ -167,14 +187,7 @@ class MemoryWorld:
 
     def kill(self, rank: int) -> None:
         """Simulate rank ``rank`` dying: every other rank sees PeerLostError for it at once."""
-        victim = self.transports[rank]
-        reason = f"rank {rank} was killed (MemoryWorld.kill)"
-        if not victim._begin_close():
-            return
-        # Closed first, so the victim's own handlers stay quiet; its peers see a crash.
-        for link in list(victim._links.values()):
-            link.close(reason, lost=True)
-        victim._fail_all(reason)
+        self.transports[rank].abort()  # no goodbye: its peers see a crash, naming it
 
     async def aclose(self) -> None:
         for transport in self.transports:

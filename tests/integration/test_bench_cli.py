@@ -56,6 +56,18 @@ def test_bench_rejects_tcpstore_comparison_for_a_collective_with_a_usage_error()
     assert "--vs tcpstore" in result.stderr and "--vs gloo" in result.stderr
 
 
+@pytest.mark.timeout(60)
+def test_bench_torch_cuda_fails_clearly_without_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: tests/integration/test_cuda.py runs the CUDA bench")
+    result = _bench("--tensor", "torch-cuda", "--sizes", "4K", timeout=55)
+    assert result.returncode == 1
+    assert "--tensor torch-cuda needs a CUDA device" in result.stderr
+    result = _bench("--vs", "nccl", "--sizes", "4K", timeout=55)
+    assert result.returncode == 1 and "add --tensor torch-cuda" in result.stderr
+
+
 @pytest.mark.timeout(30)
 def test_bench_rejects_a_malformed_size_sweep_naming_it() -> None:
     result = _bench("--sizes", "64M:4", "--world-size", "2", timeout=25)
@@ -148,8 +160,8 @@ def test_bench_against_gloo_and_mpi_at_once_under_cpu_hogs(tmp_path: Path) -> No
 
 @pytest.mark.timeout(30)
 def test_bench_rejects_an_unknown_or_misplaced_contender() -> None:
-    unknown = _bench("--vs", "gloo,nccl", timeout=25)
-    assert unknown.returncode == 2 and "gloo,nccl" in unknown.stderr
+    unknown = _bench("--vs", "gloo,bogus", timeout=25)
+    assert unknown.returncode == 2 and "gloo,bogus" in unknown.stderr
     misplaced = _bench("--op", "store", "--vs", "mpi", timeout=25)
     assert misplaced.returncode == 2 and "tcpstore" in misplaced.stderr
 

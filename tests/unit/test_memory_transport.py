@@ -1,41 +1,15 @@
-"""The in-memory transport passes the transport conformance suite, plus its own bounded-inbox checks."""
+"""The memory link kind's own checks (the conformance suite runs it in test_link_conformance.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 
 import pytest
-from aiocoll.client.transports.memory import MemoryTransport, MemoryWorld
+from aiocoll.client.transports.memory import MemoryWorld
 
 from aiocoll._errors import PeerLostError
-from aiocoll.algorithms import Transport
-from aiocoll.testing.transport_conformance import MakeWorld, TransportConformance
 
 META = {"kind": "test"}
-
-
-class TestMemoryTransportConformance(TransportConformance):
-    @pytest.fixture
-    async def make_world(self) -> AsyncIterator[MakeWorld]:
-        worlds: list[MemoryWorld] = []
-
-        async def make(n: int) -> list[Transport]:
-            worlds.append(MemoryWorld(n))
-            return list(worlds[-1].transports)
-
-        yield make
-        for world in worlds:
-            await world.aclose()
-
-    @pytest.fixture
-    def kill_rank(self) -> Callable[[list[Transport], int], None]:
-        def kill(world: list[Transport], rank: int) -> None:
-            transport = world[rank]
-            assert isinstance(transport, MemoryTransport)
-            transport._world.kill(rank)
-
-        return kill
 
 
 @pytest.mark.timeout(30)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -13,8 +12,6 @@ from aiocoll.client.transports.tcp import TcpTransport, route_interface
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import AuthenticationError, MismatchError, PeerLostError, RendezvousError
-from aiocoll.algorithms._transport import Transport
-from aiocoll.testing.transport_conformance import KillRank, MakeWorld, TransportConformance
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -214,10 +211,6 @@ async def test_send_to_self_is_delivered() -> None:
     await t.aclose()
 
 
-
-
-
-
 async def test_many_small_messages_completed_by_one_read_each_reach_their_own_recv() -> None:
     a, b = await make_world(2)
     try:
@@ -232,31 +225,6 @@ async def test_many_small_messages_completed_by_one_read_each_reach_their_own_re
             assert (outs[i] == i).all()
     finally:
         await close_all([a, b])
-
-
-class TestTcpTransportConformance(TransportConformance):
-    """The shared Transport conformance suite, run over real loopback links."""
-
-    @pytest.fixture
-    async def make_world(self) -> AsyncIterator[MakeWorld]:
-        worlds: list[list[TcpTransport]] = []
-
-        async def make(n: int) -> list[Transport]:
-            worlds.append(await make_world(n))
-            return list(worlds[-1])
-
-        yield make
-        for world in worlds:
-            await close_all(world)
-
-    @pytest.fixture
-    def kill_rank(self) -> KillRank:
-        def kill(world: list[Transport], rank: int) -> None:
-            victim = world[rank]
-            assert isinstance(victim, TcpTransport)
-            victim.abort()
-
-        return kill
 
 
 async def test_recv_landed_leaves_an_early_payload_where_it_arrived_and_lands_a_late_one_in_place() -> None:
