@@ -288,7 +288,9 @@ def main(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | N
         if args.timeout is None or args.timeout <= 0:
             raise StatusError(f"--timeout must be a positive number of seconds, got {args.timeout}")
         token = _read_token(args.token_file)
-        jobs = asyncio.run(query_status(host, port, token=token, job=args.job, timeout=args.timeout))
+        jobs = asyncio.run(
+            query_status(host, port, token=token, job=args.job, timeout=args.timeout)
+        )
     except (StatusError, ValueError) as exc:
         print(f"aiocoll status: {exc}", file=err)
         return 1

@@ -117,24 +117,8 @@ ROLE_STORE = "store"  # a plain store client (connect_store): no membership
 ROLE_ADMIN = "admin"  # `aiocoll status`: read-only views across jobs
 
 OPS = frozenset(
-    {
-        "set",
-        "get",
-        "add",
-        "cas",
-        "wait",
-        "check",
-        "del",
-        "nkeys",
-        "mget",
-        "mset",
-        "append",
-        "join",
-        "hb",
-        "leave",
-        "status",
-        "table",
-    }
+    {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append",
+     "join", "hb", "leave", "status", "table"}
 )
 
 ERR_TIMEOUT = "timeout"  # a waiting get/wait/mget ran out; "keys" names the missing keys
