@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import pickle
@@ -38,6 +39,7 @@ from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec
 from aiocoll.algorithms._driver import Driver, start_collective
 from aiocoll.algorithms._plan import prepare
+from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
 from aiocoll.client.routing import choose_route, host_layout, run_routed
 from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
@@ -150,11 +152,14 @@ class _Runtime:
         self.owns_store = owns_store
         self.default_timeout = default_timeout
         self.closed = False
+        self.store_progress: StoreProgress | None = None
 
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.store_progress is not None:
+            await self.store_progress.aclose()
         await self.engine.aclose()
         if self.coordinator is not None:
             # Others still use the embedded coordinator until they leave: each leaves its session
@@ -223,6 +228,7 @@ class ProcessGroup:
         *,
         p2p_tag: Any = None,
         peers: Sequence[int] = (),
+        signature: dict[str, Any] | None = None,
     ) -> Work:
         if self._destroyed:
             raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
@@ -233,6 +239,7 @@ class ProcessGroup:
             timeout=_timeout(timeout, self._rt.default_timeout),
             p2p_tag=p2p_tag,
             peers=peers,
+            signature=signature,
         )
 
     def _collective(
@@ -280,7 +287,11 @@ class ProcessGroup:
                 return start_collective(prepare(spec, meta), spec, transport, tag, meta, done)
 
             return self._rt.engine.submit_eager(
-                self._state, kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
+                self._state,
+                kind,
+                start,
+                timeout=_timeout(timeout, self._rt.default_timeout),
+                signature=meta,  # issue 10: what progress reports compare across ranks
             )
 
         async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
@@ -289,7 +300,7 @@ class ProcessGroup:
                 w.finish()
             return result
 
-        return self._submit(kind, body, timeout)
+        return self._submit(kind, body, timeout, signature=meta)
 
     def _staged_collective(
         self,
@@ -670,7 +681,8 @@ class ProcessGroup:
             await run_routed(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta, self._layout)
             return obj if me == root else pickle.loads(buf.tobytes())
 
-        return self._submit("broadcast_object", body, timeout)
+        signature = {"kind": "broadcast_object", "root": root}
+        return self._submit("broadcast_object", body, timeout, signature=signature)
 
     def all_gather_object(self, obj: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Gather a picklable object from every rank; awaits to the list, in group-rank order."""
@@ -686,7 +698,8 @@ class ProcessGroup:
             await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta, self._layout)
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
-        return self._submit("all_gather_object", body, timeout)
+        signature = {"kind": "all_gather_object"}
+        return self._submit("all_gather_object", body, timeout, signature=signature)
 
     async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
         mine = np.array([n], dtype=np.int64)
@@ -712,7 +725,8 @@ class ProcessGroup:
                 return None
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
-        return self._submit("gather_object", body, timeout)
+        signature = {"kind": "gather_object", "root": root}
+        return self._submit("gather_object", body, timeout, signature=signature)
 
     def scatter_object(self, objs: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Give group rank i the object ``objs[i]`` of rank ``src``; awaits to this rank's object."""
@@ -741,7 +755,8 @@ class ProcessGroup:
             await run_routed(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta, self._layout)
             return pickle.loads(out[: int(sizes[me])].tobytes())
 
-        return self._submit("scatter_object", body, timeout)
+        signature = {"kind": "scatter_object", "root": root}
+        return self._submit("scatter_object", body, timeout, signature=signature)
 
     # -- groups ----------------------------------------------------------------------------
     async def new_group(
@@ -772,7 +787,7 @@ class ProcessGroup:
             await run_routed(self._spec("barrier", (), ()), tp, tag, meta, self._layout)
             return f"{self.group_id}.{tag[2]}"
 
-        gid = await self._submit("new_group", body, timeout)
+        gid = await self._submit("new_group", body, timeout, signature=meta)
         if self._rt.transport.rank not in members:
             return None
         state = self._rt.engine.group(gid, members)
@@ -979,6 +994,9 @@ async def _init_with_coordinator(
         await connect_links(transport, membership.members, deadline)
         engine = Engine(transport, default_timeout=seconds)
         session.on_member_lost(lambda r, reason: engine.peer_lost(int(r), str(reason)))
+        # issue 10 hooks: progress reports and heartbeats from a thread; the coordinator's verdicts
+        session.on_event(functools.partial(_on_verdict, engine))
+        session.start_beats(engine.progress.report)
         runtime = _Runtime(
             engine,
             transport,
@@ -998,6 +1016,25 @@ async def _init_with_coordinator(
         raise
     state = engine.group(WORLD_GID, range(membership.world_size))
     return ProcessGroup(runtime, state, owner=True)
+
+
+def _on_verdict(engine: Engine, event: dict[str, Any]) -> None:
+    """The coordinator compared the members' progress reports (EV_MISMATCH, EV_BEHIND)."""
+    from aiocoll.protocol._coordinator import EV_BEHIND, EV_MISMATCH
+
+    name, gid, seq, ranks = event.get("ev"), event.get("group"), event.get("seq"), event.get("ranks")
+    if name not in (EV_MISMATCH, EV_BEHIND):
+        return
+    if type(gid) is not str or type(seq) is not int or not isinstance(ranks, list):
+        log.warning("rank %d: malformed %s event from the coordinator: %r", engine.rank, name, event)
+        return
+    ranks = [int(r) for r in ranks if type(r) is int]
+    msg = str(event.get("msg", ""))
+    if name == EV_MISMATCH:
+        engine.remote_mismatch(gid, seq, ranks, msg)
+    else:
+        log.warning("rank %d: group %r seq %d: %s", engine.rank, gid, seq, msg)
+        engine.progress.note_behind(gid, seq, ranks, msg)
 
 
 async def _connect_session(
@@ -1058,6 +1095,9 @@ async def _init_with_store(
         table = [PeerRow(r, **msgpack.unpackb(v)) for r, v in enumerate(values)]
         await connect_links(transport, table, deadline)
         engine = Engine(transport, default_timeout=seconds)
+        # issue 10 hook: no coordinator here, so stalls are cross-checked through the store
+        progress = StoreProgress(engine, store, f"aiocoll/{job}/round{rnd}/progress/")
+        progress.start()
     except BaseException:
         await transport.aclose()
         if owns:
@@ -1072,4 +1112,5 @@ async def _init_with_store(
         default_timeout=seconds,
         hosts={row.rank: row.host for row in table},
     )
+    runtime.store_progress = progress
     return ProcessGroup(runtime, engine.group(WORLD_GID, range(world_size)), owner=True)

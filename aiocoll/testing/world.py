@@ -45,6 +45,7 @@ from aiocoll._net import free_port
 
 __all__ = [
     "RankResult",
+    "outcome",
     "RemoteError",
     "World",
     "free_port",
@@ -309,6 +310,26 @@ def run_world(
         RankResult per rank, in rank order.
     """
     return World(fn, world_size, **kw).join(timeout)
+
+
+async def outcome(call: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``call()`` (which may raise at once, or when awaited) in a worker and describe what
+    happened as plain data: the error's class name, message, the attributes tests look at, and
+    the seconds it took."""
+    t0 = time.monotonic()
+    try:
+        await call()
+        return {"error": None, "elapsed": time.monotonic() - t0}
+    except Exception as exc:
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "rank": getattr(exc, "rank", None),
+            "ranks": getattr(exc, "ranks", None),
+            "missing": getattr(exc, "missing_ranks", None),
+            "seq": getattr(exc, "seq", None),
+            "elapsed": time.monotonic() - t0,
+        }
 
 
 # -- the worker side ---------------------------------------------------------------------------

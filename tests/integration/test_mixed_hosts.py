@@ -5,8 +5,8 @@ Checks, in one world: every rank's host identity in the membership table tells t
 (although all three hosts carry the same hostname, as cloned machines do) and agrees within a
 host; all_reduce runs hierarchically (reduce per host, exchange among leaders, broadcast per
 host) and matches numpy for several ops, dtypes and sizes, on the world and on a sub-group that
-spans hosts; the other collectives and AVG (flat) match numpy too. Skips with the reason where
-namespaces cannot be made (not root, no iproute2).
+spans hosts; AVG (hierarchical too: the whole sum divided once) and the other collectives match
+numpy as well. Skips with the reason where namespaces cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -94,5 +94,5 @@ def test_a_world_over_three_namespace_hosts_reduces_hierarchically_and_matches_n
             assert (identities[a] == identities[b]) == (host_a == host_b), (a, b, identities)
     assert all(identity.startswith("node/") for identity in identities)  # same hostname everywhere
     assert [r["route"] for r in results] == ["hierarchical"] * len(PLACEMENT)
-    assert [r["avg_route"] for r in results] == ["flat"] * len(PLACEMENT)
+    assert [r["avg_route"] for r in results] == ["hierarchical"] * len(PLACEMENT)
     assert [results[r]["sub_route"] for r in SUBGROUP] == ["hierarchical"] * len(SUBGROUP)
