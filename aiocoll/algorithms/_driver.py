@@ -196,15 +196,16 @@ class Reduction:
     Attributes:
         target: where the result goes. landing: the received values (scratch, or the transport's
         own buffer when the payload arrived before its receive). first: the received values are
-        the left operand.
+        the left operand. count: elements in each.
     """
 
-    __slots__ = ("first", "landing", "target")
+    __slots__ = ("count", "first", "landing", "target")
 
-    def __init__(self, target: Any, landing: Any, first: bool) -> None:
+    def __init__(self, target: Any, landing: Any, first: bool, count: int) -> None:
         self.target = target
         self.landing = landing
         self.first = first
+        self.count = count
 
 
 class _StepRun:
@@ -298,6 +299,7 @@ class _Lane:
         "_current",
         "_driver",
         "_early",
+        "_itemsize",
         "_k",
         "_need",
         "_prepost",
@@ -315,6 +317,8 @@ class _Lane:
         self._bufs = driver._prepared.bufs
         self._buffers = driver._prepared.buffers
         self._need, self._reduced = need
+        # Reduced ranges all have the dtype of the buffer the scratch is made like.
+        self._itemsize = 0 if self._reduced is None else self._buffers.itemsize(self._bufs[self._reduced])
         # Large messages: post step k+1's receive before waiting for step k, so a peer that runs
         # a step ahead still lands its payload in place. Reduced payloads then alternate between
         # two scratch halves (step k's is still being reduced while step k+1's arrives).
@@ -329,7 +333,10 @@ class _Lane:
 
     def _largest_recv(self, step: S.Step) -> int:
         itemsize = self._buffers.itemsize
-        return max(((r.stop - r.start) * itemsize(self._bufs[r.buf]) for r in step.recvs), default=0)
+        largest = 0
+        for r in step.recvs:
+            largest = max(largest, (r.stop - r.start) * itemsize(self._bufs[r.buf]))
+        return largest
 
     def run_from(self, k: int) -> None:
         """Run steps from ``k`` on until one waits for a message (a callback resumes it)."""
@@ -405,7 +412,7 @@ class _Lane:
                 scratch = self._scratch_for(k)
                 landing = buffers.view(scratch, offset, offset + (r.stop - r.start))
                 offset += r.stop - r.start
-                reduction = Reduction(target, landing, r.first)
+                reduction = Reduction(target, landing, r.first, r.stop - r.start)
                 run.reductions.append(reduction)
                 into = buffers.payload(landing)
                 if len(into) >= PREPOST_BYTES:
@@ -505,15 +512,17 @@ class _Lane:
         handed to a later turn of the loop (at most REDUCE_BLOCK_BYTES run per turn, so a large
         reduction never holds up a read callback, or anything else, for long)."""
         ctx, buffers = self._ctx, self._buffers
+        itemsize = self._itemsize
         budget = REDUCE_BLOCK_BYTES
-        while i < len(reductions):
+        left = len(reductions)
+        while i < left:
             r = reductions[i]
-            size = buffers.size(r.target)
-            block = max(1, budget // buffers.itemsize(r.target))
-            stop = min(size, at + block)
-            if at == 0 and stop == size:
+            if at == 0 and r.count * itemsize <= budget:  # the whole payload in one go
                 buffers.reduce_into(ctx.op, r.target, r.landing, ctx.dtype_name, src_first=r.first)
+                budget -= r.count * itemsize
+                i += 1
             else:
+                stop = min(r.count, at + (budget // itemsize or 1))
                 buffers.reduce_into(
                     ctx.op,
                     buffers.view(r.target, at, stop),
@@ -521,12 +530,12 @@ class _Lane:
                     ctx.dtype_name,
                     src_first=r.first,
                 )
-            budget -= (stop - at) * buffers.itemsize(r.target)
-            if stop < size:
-                at = stop
-            else:
-                i, at = i + 1, 0
-            if budget <= 0 and i < len(reductions):
+                budget -= (stop - at) * itemsize
+                if stop < r.count:
+                    at = stop
+                else:
+                    i, at = i + 1, 0
+            if budget <= 0 and i < left:
                 asyncio.get_running_loop().call_soon(self._reduce_later, reductions, i, at)
                 return False
         return True
