@@ -596,12 +596,18 @@ class ShmGroup:
 
     def _run(self) -> None:
         queue = self.queue
+        began = time.perf_counter()
         while queue:
             op = queue[0]
             if self._advance(op):
                 if self.broken is not None:
                     self._fail_queued(self.broken)
                 continue
+            if time.perf_counter() - began > _INLINE_S:
+                # a long operation whose peers keep pace never sleeps: give the event loop a
+                # turn now and then (heartbeats, other tasks), then go on from there
+                self._loop.call_soon(self._run)
+                return
             if not self._spin(op) and self._sleep():
                 return
 

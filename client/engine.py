@@ -323,7 +323,7 @@ class Engine:
         signature: dict[str, Any] | None = None,
     ) -> Work:
         """Start a collective driven by message callbacks instead of a task (see
-        aiocoll.algorithms._eager): ``start(tag, transport, finish)`` begins it inside this
+        aiocoll.algorithms._driver): ``start(tag, transport, finish)`` begins it inside this
         call and arranges ``finish(result, None)`` or ``finish(None, error)`` exactly once.
         Sequencing, deadlines, failures and their fan-out are the same as ``submit``'s.
 
