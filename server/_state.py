@@ -202,6 +202,7 @@ class _Member:
 
     __slots__ = (
         "addrs",
+        "assigned",
         "beat",
         "conn",
         "deadline",
@@ -221,6 +222,9 @@ class _Member:
 
     def __init__(self, rank: int, addrs: list[Any], host: str, rnd: _Round) -> None:
         self.rank = rank
+        # The coordinator picked this rank (the join asked for none): until the round completes
+        # it may move to another free rank, so that a member asking for this one gets it.
+        self.assigned = False
         self.addrs = addrs
         self.host = host
         self.session = ""
@@ -1120,18 +1124,30 @@ class CoordinatorState:
             )
             self._refuse_join(rnd, conn, req_id, why)
             return
+        assigned = rank is None
         if rank is None:
-            # Every rank below free_hint is taken, so assignment is O(1) amortised (10,000 joins
-            # must not scan 10,000 ranks each).
-            rank = rnd.free_hint
-            while rank in rnd.members:
-                rank += 1
-            rnd.free_hint = rank + 1
+            rank = self._take_free_rank(rnd)
         elif not 0 <= rank < world_size:
             raise _Refused(
                 ERR_RENDEZVOUS,
                 f"job {job.name!r}: rank {rank} is out of range for world size "
                 f"{world_size} (valid ranks: 0..{world_size - 1})",
+            )
+        elif rank in rnd.members and rnd.members[rank].assigned:
+            # A rank-less member that joined first holds it only provisionally (nobody has seen
+            # the table yet): it moves to another free rank; one is free, as the round is not full.
+            # So a requested rank is honoured whatever order the joins arrive in.
+            moved = rnd.members[rank]
+            moved.rank = self._take_free_rank(rnd)  # while ``rank`` is still held: never itself
+            del rnd.members[rank]
+            rnd.members[moved.rank] = moved
+            log.debug(
+                "job=%s event=rank_moved round=%d from=%d to=%d reason=rank %d was asked for",
+                job.name,
+                rnd.number,
+                rank,
+                moved.rank,
+                rank,
             )
         elif rank in rnd.members:
             other = rnd.members[rank]
@@ -1144,6 +1160,7 @@ class CoordinatorState:
             return
         now = self.clock()
         member = _Member(rank, addrs, host, rnd)
+        member.assigned = assigned
         member.conn = conn
         member.req_id = req_id
         member.started = now
@@ -1167,6 +1184,17 @@ class CoordinatorState:
             member.deadline = now + timeout
             heapq.heappush(self._timers, (member.deadline, next(self._timer_seq), member))
             self.timers_pushed += 1
+
+    @staticmethod
+    def _take_free_rank(rnd: _Round) -> int:
+        """The lowest rank no member of the forming round holds; the caller puts a member there.
+        Every rank below ``free_hint`` is taken, so this is O(1) amortised (10,000 joins must not
+        scan 10,000 ranks each)."""
+        rank = rnd.free_hint
+        while rank in rnd.members:
+            rank += 1
+        rnd.free_hint = rank + 1
+        return rank
 
     def _open_round(self, job: _Job, world_size: int) -> _Round:
         rnd = _Round(job, job.next_round, world_size)

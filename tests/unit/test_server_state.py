@@ -297,6 +297,35 @@ def test_rendezvous_completes_with_membership_table_and_sessions() -> None:
     assert all(r[0][0]["round"] == 0 and r[0][0]["world_size"] == 3 for r in replies.values())
 
 
+def test_a_requested_rank_is_honoured_whatever_order_the_joins_arrive_in() -> None:
+    # Ranks 3 and 1 asked for, two members rank-less: in every arrival order the two get what they
+    # asked for (a rank-less member holding one moves before anyone sees the table), the rank-less
+    # ones get 0 and 2, and one table goes to all.
+    import itertools
+
+    wanted: list[int | None] = [3, None, 1, None]
+    for order in itertools.permutations(range(4)):
+        h = Harness()
+        conns = [h.connect() for _ in range(4)]
+        for i in order:
+            join(h, conns[i], wanted[i], 4)
+        replies = [h.out(c) for c in conns]
+        assert all(len(r) == 1 and r[0][0]["ok"] for r in replies), (order, replies)
+        ranks = [r[0][0]["rank"] for r in replies]
+        assert ranks[0] == 3 and ranks[2] == 1 and sorted(ranks) == [0, 1, 2, 3], (order, ranks)
+        tables = [r[0][0]["members"] for r in replies]
+        assert all(t == tables[0] for t in tables)
+        assert [m["host"] for m in tables[0]] == [f"host{conns[ranks.index(k)]}" for k in range(4)]
+    # Two members asking for the same rank are still refused, even after a rank-less one held it.
+    h = Harness()
+    a, b, c = h.connect(), h.connect(), h.connect()
+    join(h, a, None, 3)  # holds 0 for now
+    join(h, b, 0, 3)  # takes 0; a moves to 1
+    join(h, c, 0, 3)
+    header = h.out(c)[0][0]
+    assert header["err"] == ERR_RENDEZVOUS and "rank 0" in header["msg"]
+
+
 def test_rendezvous_refuses_duplicate_out_of_range_and_world_size_disagreement() -> None:
     h = Harness()
     a, b, c, d, e = (h.connect() for _ in range(5))
