@@ -1,6 +1,6 @@
 """aiocoll: collective communication for Python on asyncio.
 
-The async API (init_process_group, ProcessGroup, Work), errors, ReduceOp and stores. Names are
+The async API (init_process_group, ProcessGroup, Work, run), errors, ReduceOp and stores. Names are
 loaded lazily so that ``import aiocoll`` stays cheap (no torch, no sockets) and so that each
 layer can be imported on its own.
 """
@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "init_process_group": "aiocoll.api",
     "ProcessGroup": "aiocoll.api",
     "Work": "aiocoll._work",
+    # an addition to the contract: asyncio.run on uvloop when installed (README, "Async quick start")
+    "run": "aiocoll._run",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -179,17 +179,8 @@ class StagedOp:
             await move(k, self._fill(send, views), self._fill(recv, views))
 
         context = self.context
-        StagedOp.last_path = self.path
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "rank %s: %s on %s via %s (pinned host buffers): %d chunk(s) of up to %d elements",
-                self.rank,
-                what,
-                self.device.name,
-                self.path,
-                len(bounds),
-                self.chunk_elems,
-            )
+        off = f"; IPC off: {self._ipc_off}" if self._ipc_off else ""
+        self._log(what, len(bounds), f"pinned host buffers{off}")
         done = await run_pipeline(
             self.staging,
             [c[0] for c in cuts],
@@ -293,9 +284,10 @@ class StagedOp:
             return
         await self._run(bounds, move, what)
 
-    def chain(self, key: tuple[Any, ...]) -> None:
-        """Order this point-to-point operation after earlier staged ones on ``key`` (call time)."""
-        self._chain = _Chain(key)
+    def chain(self, key: tuple[Any, ...], work: Any) -> None:
+        """Order this point-to-point operation (submitted as ``work``) after earlier staged ones
+        on ``key``; call at call time, right after submitting."""
+        self._chain = _Chain(key, work)
 
     async def send_to(
         self, transport: Transport, tag: tuple[Any, ...], peer: int, meta: dict[str, Any], what: str
@@ -342,22 +334,27 @@ def p2p_chunk_tag(tag: tuple[Any, ...], k: int) -> tuple[Any, ...]:
 
 class _Chain:
     """Staged point-to-point operations on one (direction, group, tag, peer) run one after
-    another in call order, so the chunks of two messages never interleave on the wire."""
+    another in call order, so the chunks of two messages never interleave on the wire. A link
+    ends when its operation's Work completes, however it completes (even if its body never ran)."""
 
     tails: dict[tuple[Any, ...], asyncio.Future[None]] = {}
 
-    def __init__(self, key: tuple[Any, ...]) -> None:
+    def __init__(self, key: tuple[Any, ...], work: Any) -> None:
         self.key = key
         self.before = self.tails.get(key)
         self.mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.tails[key] = self.mine
+        work.add_done_callback(self._end)
+
+    def _end(self, _work: Any) -> None:
+        if not self.mine.done():
+            self.mine.set_result(None)
+        if self.tails.get(self.key) is self.mine:
+            del self.tails[self.key]
 
     async def __aenter__(self) -> None:
         if self.before is not None and not self.before.done():
             await asyncio.shield(self.before)
 
     async def __aexit__(self, *exc: object) -> None:
-        if not self.mine.done():
-            self.mine.set_result(None)
-        if self.tails.get(self.key) is self.mine:
-            del self.tails[self.key]
+        self._end(None)

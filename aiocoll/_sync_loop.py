@@ -26,13 +26,13 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
-import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ._errors import DistError
+from ._run import new_event_loop
 from ._staging import CallerStreamContext, caller_context
 from ._work import Work as _CoreWork
 
@@ -43,8 +43,6 @@ T = TypeVar("T")
 # Enough threads that one blocking callback (PowerSGD waiting on its second all_reduce) never
 # starves the completion of the operation it waits for.
 _COMPLETION_THREADS = 4
-# uvloop when installed (faster wake-ups and socket I/O); AIOCOLL_LOOP=asyncio opts out.
-_DEFAULT_LOOP = "uvloop"
 
 
 class Outcome:
@@ -117,7 +115,7 @@ class LoopThread:
     """An asyncio event loop running forever on a daemon thread."""
 
     def __init__(self, name: str = "aiocoll-loop") -> None:
-        self.loop = _new_event_loop()
+        self.loop = new_event_loop()
         self._started = threading.Event()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
@@ -250,18 +248,6 @@ def _finish_core(work: _CoreWork, outcome: Outcome) -> None:
         outcome._set_exception(exc)
     else:
         outcome._set_result(work.result())
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop when installed and chosen; AIOCOLL_LOOP=asyncio|uvloop overrides the default."""
-    choice = os.environ.get("AIOCOLL_LOOP", _DEFAULT_LOOP).strip().lower()
-    if choice == "uvloop":
-        try:
-            import uvloop
-        except ImportError:
-            return asyncio.new_event_loop()
-        return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
 
 
 _lock = threading.Lock()

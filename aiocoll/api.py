@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import pickle
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -35,9 +36,11 @@ from aiocoll._staged_ops import StagedOp, has_device_arrays
 from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
-from aiocoll.algorithms import CollectiveSpec, run_collective
+from aiocoll.algorithms import CollectiveSpec
 from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
+from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
+from aiocoll.client.routing import choose_route, host_layout, run_routed
 from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
 from aiocoll.client.transports.tcp import route_interface
 from aiocoll.stores import FileStore, Store
@@ -136,8 +139,11 @@ class _Runtime:
         store: Store | None = None,
         owns_store: bool = False,
         default_timeout: float | None,
+        hosts: Mapping[int, str] | None = None,
     ) -> None:
         self.engine = engine
+        # global rank -> host identity, from the membership table (empty: unknown, nothing assumed)
+        self.hosts: Mapping[int, str] = hosts or {}
         self.transport = transport
         self.session = session
         self.coordinator = coordinator
@@ -145,11 +151,14 @@ class _Runtime:
         self.owns_store = owns_store
         self.default_timeout = default_timeout
         self.closed = False
+        self.store_progress: StoreProgress | None = None
 
     async def aclose(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if self.store_progress is not None:
+            await self.store_progress.aclose()
         await self.engine.aclose()
         if self.coordinator is not None:
             # Others still use the embedded coordinator until they leave: each leaves its session
@@ -195,6 +204,7 @@ class ProcessGroup:
         self.ranks = list(state.ranks)
         self.group_id = state.gid
         self._destroyed = False
+        self._layout = host_layout(self.ranks, state.ranks[state.index], runtime.hosts)
 
     def __repr__(self) -> str:
         return f"<aiocoll.ProcessGroup {self.group_id!r} rank {self.rank}/{self.size} ranks={self.ranks}>"
@@ -217,6 +227,7 @@ class ProcessGroup:
         *,
         p2p_tag: Any = None,
         peers: Sequence[int] = (),
+        signature: dict[str, Any] | None = None,
     ) -> Work:
         if self._destroyed:
             raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
@@ -227,6 +238,7 @@ class ProcessGroup:
             timeout=_timeout(timeout, self._rt.default_timeout),
             p2p_tag=p2p_tag,
             peers=peers,
+            signature=signature,
         )
 
     def _collective(
@@ -255,7 +267,9 @@ class ProcessGroup:
             dtype=meta.get("dtype"),
         )
 
-        plan = eager_plan(spec, meta)
+        layout = self._layout
+        route = choose_route(kind, op, layout)
+        plan = eager_plan(spec, meta) if route == "flat" else None
         if plan is not None:
             # Small single-lane operations run from message callbacks, without a task.
             def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> EagerLane:
@@ -273,16 +287,20 @@ class ProcessGroup:
             if self._destroyed:
                 raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
             return self._rt.engine.submit_eager(
-                self._state, kind, start, timeout=_timeout(timeout, self._rt.default_timeout)
+                self._state,
+                kind,
+                start,
+                timeout=_timeout(timeout, self._rt.default_timeout),
+                signature=meta,  # issue 10: what progress reports compare across ranks
             )
 
         async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
-            await run_collective(spec, transport, tag, meta)
+            await run_routed(spec, transport, tag, meta, layout)
             for w in workings:
                 w.finish()
             return result
 
-        return self._submit(kind, body, timeout)
+        return self._submit(kind, body, timeout, signature=meta)
 
     def _staged_collective(
         self,
@@ -344,7 +362,7 @@ class ProcessGroup:
                 await staged.send_to(transport, t, peer, meta, what)
 
             work = self._submit("send", staged_body, timeout, p2p_tag=utag, peers=(peer,))
-            staged.chain(("send", self.group_id, utag, peer))  # once submitted: its body will run
+            staged.chain(("send", id(self._rt), self.group_id, utag, peer), work)
             return work
         payload = _bytes_of(w.array)
 
@@ -393,7 +411,7 @@ class ProcessGroup:
 
         work = self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
         if staged is not None:
-            staged.chain(("recv", gid, utag))  # once submitted: its body will run
+            staged.chain(("recv", id(self._rt), gid, utag), work)
         return work
 
     isend = send
@@ -656,14 +674,15 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             size = np.array([len(data)], dtype=np.int64)
             meta = {"kind": "broadcast_object", "root": root}
-            await run_collective(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta)
+            await run_routed(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta, self._layout)
             buf = (
                 np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
             )
-            await run_collective(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta, self._layout)
             return obj if me == root else pickle.loads(buf.tobytes())
 
-        return self._submit("broadcast_object", body, timeout)
+        signature = {"kind": "broadcast_object", "root": root}
+        return self._submit("broadcast_object", body, timeout, signature=signature)
 
     def all_gather_object(self, obj: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Gather a picklable object from every rank; awaits to the list, in group-rank order."""
@@ -676,15 +695,16 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)]
             meta = {"kind": "all_gather_object"}
-            await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta)
+            await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta, self._layout)
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
-        return self._submit("all_gather_object", body, timeout)
+        signature = {"kind": "all_gather_object"}
+        return self._submit("all_gather_object", body, timeout, signature=signature)
 
     async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
         mine = np.array([n], dtype=np.int64)
         outs = [np.empty(1, np.int64) for _ in range(self.size)]
-        await run_collective(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind})
+        await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind}, self._layout)
         return np.array([int(o[0]) for o in outs], dtype=np.int64)
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
@@ -700,12 +720,13 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)] if me == root else []
             meta = {"kind": "gather_object", "root": root}
-            await run_collective(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta, self._layout)
             if me != root:
                 return None
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
-        return self._submit("gather_object", body, timeout)
+        signature = {"kind": "gather_object", "root": root}
+        return self._submit("gather_object", body, timeout, signature=signature)
 
     def scatter_object(self, objs: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Give group rank i the object ``objs[i]`` of rank ``src``; awaits to this rank's object."""
@@ -722,7 +743,7 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             sizes = np.array([len(b) for b in blobs] or [0] * self.size, dtype=np.int64)
             meta = {"kind": "scatter_object", "root": root}
-            await run_collective(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta)
+            await run_routed(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta, self._layout)
             longest = int(sizes.max())
             send = []
             if me == root:
@@ -731,10 +752,11 @@ class ProcessGroup:
                     arr[: len(b)] = np.frombuffer(b, np.uint8)
                     send.append(arr)
             out = np.empty(longest, np.uint8)
-            await run_collective(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta)
+            await run_routed(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta, self._layout)
             return pickle.loads(out[: int(sizes[me])].tobytes())
 
-        return self._submit("scatter_object", body, timeout)
+        signature = {"kind": "scatter_object", "root": root}
+        return self._submit("scatter_object", body, timeout, signature=signature)
 
     # -- groups ----------------------------------------------------------------------------
     async def new_group(
@@ -762,10 +784,10 @@ class ProcessGroup:
         meta = {"kind": "new_group", "ranks": chosen}
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
-            await run_collective(self._spec("barrier", (), ()), tp, tag, meta)
+            await run_routed(self._spec("barrier", (), ()), tp, tag, meta, self._layout)
             return f"{self.group_id}.{tag[2]}"
 
-        gid = await self._submit("new_group", body, timeout)
+        gid = await self._submit("new_group", body, timeout, signature=meta)
         if self._rt.transport.rank not in members:
             return None
         state = self._rt.engine.group(gid, members)
@@ -972,8 +994,16 @@ async def _init_with_coordinator(
         await connect_links(transport, membership.members, deadline)
         engine = Engine(transport, default_timeout=seconds)
         session.on_member_lost(lambda r, reason: engine.peer_lost(int(r), str(reason)))
+        # issue 10 hooks: progress reports and heartbeats from a thread; the coordinator's verdicts
+        session.on_event(functools.partial(_on_verdict, engine))
+        session.start_beats(engine.progress.report)
         runtime = _Runtime(
-            engine, transport, session=session, coordinator=coordinator, default_timeout=seconds
+            engine,
+            transport,
+            session=session,
+            coordinator=coordinator,
+            default_timeout=seconds,
+            hosts={m.rank: m.host for m in membership.members},
         )
     except BaseException:
         await transport.aclose()
@@ -986,6 +1016,25 @@ async def _init_with_coordinator(
         raise
     state = engine.group(WORLD_GID, range(membership.world_size))
     return ProcessGroup(runtime, state, owner=True)
+
+
+def _on_verdict(engine: Engine, event: dict[str, Any]) -> None:
+    """The coordinator compared the members' progress reports (EV_MISMATCH, EV_BEHIND)."""
+    from aiocoll.protocol._coordinator import EV_BEHIND, EV_MISMATCH
+
+    name, gid, seq, ranks = event.get("ev"), event.get("group"), event.get("seq"), event.get("ranks")
+    if name not in (EV_MISMATCH, EV_BEHIND):
+        return
+    if type(gid) is not str or type(seq) is not int or not isinstance(ranks, list):
+        log.warning("rank %d: malformed %s event from the coordinator: %r", engine.rank, name, event)
+        return
+    ranks = [int(r) for r in ranks if type(r) is int]
+    msg = str(event.get("msg", ""))
+    if name == EV_MISMATCH:
+        engine.remote_mismatch(gid, seq, ranks, msg)
+    else:
+        log.warning("rank %d: group %r seq %d: %s", engine.rank, gid, seq, msg)
+        engine.progress.note_behind(gid, seq, ranks, msg)
 
 
 async def _connect_session(
@@ -1046,11 +1095,22 @@ async def _init_with_store(
         table = [PeerRow(r, **msgpack.unpackb(v)) for r, v in enumerate(values)]
         await connect_links(transport, table, deadline)
         engine = Engine(transport, default_timeout=seconds)
+        # issue 10 hook: no coordinator here, so stalls are cross-checked through the store
+        progress = StoreProgress(engine, store, f"aiocoll/{job}/round{rnd}/progress/")
+        progress.start()
     except BaseException:
         await transport.aclose()
         if owns:
             with contextlib.suppress(Exception):
                 await store.aclose()
         raise
-    runtime = _Runtime(engine, transport, store=store, owns_store=owns, default_timeout=seconds)
+    runtime = _Runtime(
+        engine,
+        transport,
+        store=store,
+        owns_store=owns,
+        default_timeout=seconds,
+        hosts={row.rank: row.host for row in table},
+    )
+    runtime.store_progress = progress
     return ProcessGroup(runtime, engine.group(WORLD_GID, range(world_size)), owner=True)

@@ -26,13 +26,17 @@ What it guarantees:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
 from aiocoll._work import Work
 from aiocoll.algorithms._transport import LostPeerHandler, RecvCallback, StrayHandler, Tag, Transport
+
+from ._progress import ProgressTracker
 
 __all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
@@ -43,6 +47,10 @@ _EMPTY = memoryview(b"")
 _EMPTY_SINK = memoryview(bytearray(0))  # control messages carry no payload; a writable target
 _MAX_ORPHAN_NOTICES = 1024
 _MAX_STUCK_REPORTS = 64
+# A process group closed within this long of a mismatch lingers that long before it says goodbye:
+# a peer still waiting on this rank must handle the mismatch notice before it sees the goodbye
+# (its receive from us would fail with PeerLostError), so every rank raises MismatchError.
+_MISMATCH_LINGER = 1.0
 
 _T = TypeVar("_T")
 Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
@@ -86,7 +94,7 @@ class GroupState:
         self.pending: set[_Op] = set()
         self.broken: BaseException | None = None
         self.broken_seq = 0  # calls with seq >= broken_seq fail (p2p always, once broken)
-        self.notices: dict[int, MismatchError] = {}  # mismatches reported for seqs not called yet
+        self.notices: dict[int, DistError] = {}  # failures reported for seqs not called yet
         # seq -> {rank: ranks it was still waiting for} from timeout reports (see Engine._expire)
         self.stuck: dict[int, dict[int, list[int]]] = {}
 
@@ -103,6 +111,8 @@ class _Op:
         "outstanding_send",
         "peers_hint",
         "seq",
+        "sig",
+        "started",
         "tag",
         "task",
         "timeout",
@@ -124,6 +134,8 @@ class _Op:
         self.outstanding_send: dict[int, int] = {}
         self.peers_hint: tuple[int, ...] = ()
         self.work: Work | None = None
+        self.sig: dict[str, Any] | None = None  # what every rank must agree on (progress reports)
+        self.started = _monotonic()
 
     def describe(self) -> str:
         if self.seq >= 0:
@@ -218,7 +230,7 @@ class Engine:
         self.world_size = transport.world_size
         self.default_timeout = default_timeout
         self._groups: dict[str, GroupState] = {}
-        self._orphan_notices: dict[str, dict[int, MismatchError]] = {}
+        self._orphan_notices: dict[str, dict[int, DistError]] = {}
         self._loop = asyncio.get_running_loop()
         self._closed = False
         transport.on_peer_lost(self.peer_lost)
@@ -226,6 +238,12 @@ class Engine:
         self._control = self._loop.create_task(self._control_loop())
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        # issue 10 hook: what this rank is doing, for the beat thread's progress reports and the
+        # record logged on a failure (client/_progress.py).
+        self.progress = ProgressTracker(self.rank, self._groups.values)
+        self.progress.start(self._loop)
+        self._recorded_losses: set[int] = set()
+        self._mismatch_at = -_MISMATCH_LINGER  # when this rank last failed an op with a mismatch
 
     # -- groups ----------------------------------------------------------------------------
     def group(self, gid: str, ranks: Sequence[int]) -> GroupState:
@@ -262,6 +280,7 @@ class Engine:
         timeout: float | None,
         p2p_tag: Any = None,
         peers: Iterable[int] = (),
+        signature: dict[str, Any] | None = None,
     ) -> Work:
         """Start an operation now and return its Work.
 
@@ -272,10 +291,11 @@ class Engine:
             p2p_tag: for send/recv, the user's tag (no sequence number is taken); None for
                 collectives.
             peers: global ranks the operation talks to (names the culprits when nothing else can).
+            signature: kind, root, dtype, count, op as every rank must agree (progress reports).
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
-        op = self._open(group, kind, timeout, p2p_tag, peers)
+        op = self._open(group, kind, timeout, p2p_tag, peers, signature)
         if not op.future.done():
             op.task = self._loop.create_task(self._run(op, body))
         return self._work_of(op)
@@ -288,6 +308,7 @@ class Engine:
         *,
         timeout: float | None,
         peers: Iterable[int] = (),
+        signature: dict[str, Any] | None = None,
     ) -> Work:
         """Start a collective driven by message callbacks instead of a task (see
         aiocoll.algorithms._eager): ``start(tag, transport, finish)`` begins it inside this
@@ -297,7 +318,7 @@ class Engine:
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
-        op = self._open(group, kind, timeout, None, peers)
+        op = self._open(group, kind, timeout, None, peers, signature)
         if op.future.done():
             return self._work_of(op)
         transport = OpTransport(self.transport, op)
@@ -324,7 +345,13 @@ class Engine:
         return self._work_of(op)
 
     def _open(
-        self, group: GroupState, kind: str, timeout: float | None, p2p_tag: Any, peers: Iterable[int]
+        self,
+        group: GroupState,
+        kind: str,
+        timeout: float | None,
+        p2p_tag: Any,
+        peers: Iterable[int],
+        signature: dict[str, Any] | None = None,
     ) -> _Op:
         """Sequence and register a new operation. Its future is already failed when a notice
         said its seq is mismatched (then it is not registered and must not be started)."""
@@ -342,6 +369,7 @@ class Engine:
         fut: asyncio.Future[Any] = self._loop.create_future()
         op = _Op(group, kind, seq, tag, fut)
         op.peers_hint = tuple(peers)
+        op.sig = signature
         op.work = Work(fut, op.describe())
         notice = group.notices.pop(seq, None) if seq >= 0 else None
         if notice is not None:
@@ -446,10 +474,19 @@ class Engine:
         if op.work is not None:
             op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
         op.group.pending.discard(op)
+        fut = op.future
+        if not fut.done():
+            outcome = "ok"
+        elif fut.cancelled():
+            outcome = "cancelled"
+        else:
+            failure = fut.exception()
+            outcome = "ok" if failure is None else type(failure).__name__
+        # issue 10 hook: the record of the last operations (logged on a failure)
+        self.progress.record(op.kind, op.group.gid, op.seq, op.sig, op.started, outcome)
         if op.seq < 0:
             return
-        fut = op.future
-        if fut.cancelled() or fut.exception() is not None:
+        if outcome != "ok":
             self.transport.discard(op.tag)
         else:
             # Every message of a collective is consumed when all ranks agree; one that is left
@@ -522,10 +559,7 @@ class Engine:
             del group.stuck[next(iter(group.stuck))]
         stuck[self.rank] = direct
         meta = {"k": "stuck", "g": group.gid, "s": op.seq, "r": self.rank, "waits": direct}
-        for peer in group.ranks:
-            if peer != self.rank:
-                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
-                task.add_done_callback(_ignore_outcome)
+        self._tell(group.ranks, meta)
         grace = min(1.0, max(0.05, 0.1 * (op.timeout or 0.0)))
         self._loop.call_later(grace, self._fail_timeout, op, direct)
 
@@ -536,8 +570,35 @@ class Engine:
         # Ranks someone waits for that are not themselves stuck at this seq are the culprits.
         ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
         missing = ends or direct
-        err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
+        # issue 10 hook: the members' progress reports, compared, named the ranks behind.
+        behind = self.progress.behind_at(op.group.gid, op.seq) if op.seq >= 0 else None
+        if behind is not None:
+            missing = behind[0]
+            err = CollectiveTimeout(
+                op.kind,
+                op.group.gid,
+                op.seq,
+                missing,
+                op.timeout,
+                message=f"{op.describe()} timed out after {op.timeout}s; the ranks' progress reports "
+                f"show that {behind[1]}",
+            )
+        else:
+            err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
         log.warning("rank %d: %s", self.rank, err)
+        self.progress.log_record(f"{op.describe()} timed out")
+        # One rank's failure is every rank's news: the others stop waiting for this one now.
+        if op.seq >= 0 and not self._closed:
+            meta = {
+                "k": "gave_up",
+                "g": op.group.gid,
+                "s": op.seq,
+                "r": self.rank,
+                "waits": missing,
+                "t": op.timeout,
+                "why": str(err)[:2000],
+            }
+            self._tell(op.group.ranks, meta)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("rank %d: transport state at the timeout: %r", self.rank, self.transport.debug_state())
         # The operation may have exchanged part of its messages, so this rank is no longer in step
@@ -571,6 +632,14 @@ class Engine:
         else:
             err = PeerLostError(rank, str(exc) or "lost")
         self.transport.mark_lost(rank, err.reason)  # re-enters here through the transport's handler; harmless
+        if rank not in self._recorded_losses and not self._closed:
+            self._recorded_losses.add(rank)
+            self.progress.log_record(f"lost rank {rank} ({err.reason})")
+        # A turn of the loop later: a control notice that arrived just before the peer's goodbye
+        # (a mismatch it found, say) has woken the control loop already, and is handled first.
+        self._loop.call_soon(self._break_groups_of, rank, err)
+
+    def _break_groups_of(self, rank: int, err: PeerLostError) -> None:
         for group in list(self._groups.values()):
             if rank in group.members and not isinstance(group.broken, PeerLostError):
                 self._break(group, err, from_seq=0)
@@ -578,6 +647,8 @@ class Engine:
     def _break(
         self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
     ) -> None:
+        if isinstance(err, MismatchError):
+            self._mismatch_at = _monotonic()
         if group.broken is None or from_seq < group.broken_seq or isinstance(err, PeerLostError):
             if not isinstance(group.broken, PeerLostError):
                 group.broken = err
@@ -607,7 +678,11 @@ class Engine:
         if op.seq < 0:
             return
         meta = {"g": op.group.gid, "s": op.seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
-        for peer in op.group.ranks:
+        self._tell(op.group.ranks, meta)
+
+    def _tell(self, ranks: Iterable[int], meta: dict[str, Any]) -> None:
+        """Send the control message ``meta`` to every rank of ``ranks`` but this one (best effort)."""
+        for peer in ranks:
             if peer != self.rank:
                 task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
                 task.add_done_callback(_ignore_outcome)
@@ -654,10 +729,7 @@ class Engine:
         )
         log.warning("rank %d: %s", self.rank, err)
         meta_out = {"g": gid, "s": seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
-        for peer in group.ranks:
-            if peer != self.rank:
-                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta_out))
-                task.add_done_callback(_ignore_outcome)
+        self._tell(group.ranks, meta_out)
         if seq >= group.next_seq:
             group.notices[seq] = err
         self._break(group, err, from_seq=seq)
@@ -672,15 +744,77 @@ class Engine:
                 while len(group.stuck) > _MAX_STUCK_REPORTS:
                     del group.stuck[next(iter(group.stuck))]
             return
+        if meta.get("k") == "gave_up":
+            self._peer_gave_up(src, gid, seq, meta)
+            return
+        if meta.get("k") == "want":  # a stalled rank asks for a full progress report (store mode)
+            self.progress.wanted = True
+            return
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))
-        group = self._groups.get(gid)
         err = MismatchError(
             f"rank {src} found that the ranks' calls at seq {seq} of group {gid!r} disagree: {why}",
             group=gid,
             seq=seq,
             ranks=ranks,
         )
+        self._fail_at(gid, seq, err)
+
+    def ask_progress(self, ranks: Iterable[int]) -> None:
+        """Ask ``ranks`` for a full progress report (store mode: they publish it in the store)."""
+        self._tell(ranks, {"k": "want", "g": "", "s": -1})
+
+    async def share_mismatch(self, gid: str, seq: int, ranks: Sequence[int], why: str) -> None:
+        """Store mode: this rank found the mismatch; tell the group's other ranks first (their
+        notices must be on the wire before this rank's failure lets it leave), then fail here."""
+        group = self._groups.get(gid)
+        if group is not None and not self._closed:
+            meta = {"g": gid, "s": seq, "r": self.rank, "why": why[:2000], "ranks": list(ranks)}
+            sends = [self.transport.send(p, CONTROL_TAG, _EMPTY, meta) for p in group.ranks if p != self.rank]
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 1.0)
+        self.remote_mismatch(gid, seq, ranks, why)
+
+    def remote_mismatch(self, gid: str, seq: int, ranks: Sequence[int], why: str) -> None:
+        """issue 10 hook: the members' progress reports, compared (by the coordinator, or by a
+        rank in store mode), show that they called different operations at (gid, seq): fail it
+        here too, as a MismatchError."""
+        if self._closed:
+            return
+        err = MismatchError(
+            f"comparing the ranks' progress reports showed that their calls at seq {seq} of group {gid!r} "
+            f"disagree: {why}",
+            group=gid,
+            seq=seq,
+            ranks=sorted({int(r) for r in ranks}),
+        )
+        log.warning("rank %d: %s", self.rank, err)
+        self._fail_at(gid, seq, err)
+
+    def _peer_gave_up(self, src: int, gid: str, seq: int, meta: dict[str, Any]) -> None:
+        """Rank ``src``'s own deadline for (gid, seq) ran out: fail it here now as well."""
+        group = self._groups.get(gid)
+        if group is None or (group.broken is not None and group.broken_seq <= seq):
+            return
+        kind = next((op.kind for op in group.pending if op.seq == seq), "operation")
+        waits = [int(w) for w in meta.get("waits", [])]
+        timeout = meta.get("t")
+        err = CollectiveTimeout(
+            kind,
+            gid,
+            seq,
+            waits,
+            float(timeout) if isinstance(timeout, (int, float)) else None,
+            message=f"{kind} (group {gid!r}, seq {seq}) failed: rank {src} gave up on it when its own "
+            f"timeout ({timeout}s) ran out, waiting for rank(s) {waits}; this rank stops waiting too. "
+            f"Rank {src} said: {str(meta.get('why', ''))[:500]}",
+        )
+        log.warning("rank %d: %s", self.rank, err)
+        self._fail_at(gid, seq, err)
+
+    def _fail_at(self, gid: str, seq: int, err: DistError) -> None:
+        """Fail (gid, seq) and what follows it: now if called, else when it is called."""
+        group = self._groups.get(gid)
         if group is None:
             bucket = self._orphan_notices.setdefault(gid, {})
             if len(self._orphan_notices) <= _MAX_ORPHAN_NOTICES:
@@ -695,7 +829,11 @@ class Engine:
         """Fail every pending operation and stop; the transport is closed by its owner."""
         if self._closed:
             return
+        linger = self._mismatch_at + _MISMATCH_LINGER - _monotonic()
+        if linger > 0:
+            await asyncio.sleep(linger)
         self._closed = True
+        self.progress.stop()
         for group in list(self._groups.values()):
             self._fail_pending(group, DistError(f"group {group.gid!r} was destroyed"), from_seq=0)
         if self._timer is not None:
@@ -762,6 +900,9 @@ async def _counting(pending: dict[Any, int], key: Any, transfer: Awaitable[_T]) 
         return await transfer
     finally:
         pending[key] -= 1
+
+
+_monotonic = time.monotonic
 
 
 def _ignore_outcome(task: asyncio.Task[Any]) -> None:

@@ -64,6 +64,7 @@ from aiocoll.protocol._coordinator import (
     ERR_TIMEOUT,
     ERR_TOO_LARGE,
     EV_MEMBER_LOST,
+    EV_REFUSED,
     EV_RESTARTED,
     EV_SESSION_LOST,
     HEARTBEAT_INTERVAL,
@@ -78,6 +79,7 @@ from aiocoll.protocol._coordinator import (
 from aiocoll.stores import DEFAULT_TIMEOUT, Store
 from aiocoll.stores._base import Value, check_amount, check_key, check_keys, to_value
 
+from ._beat import BeatThread, Report
 from ._connection import CoordinatorLink, LinkLost, open_link
 
 __all__ = [
@@ -291,6 +293,7 @@ class CoordinatorSession(Store):
         self._link_changed = asyncio.Event()
         self._reconnect_task: asyncio.Task[None] | None = None
         self._heartbeat_task: asyncio.Task[None] | None = None
+        self._beats: BeatThread | None = None
         self._fatal: BaseException | None = None
         self._closed = False
         self._last_request = 0.0
@@ -396,6 +399,17 @@ class CoordinatorSession(Store):
             self.session_lost = str(event.get("reason", "the coordinator refused to resume the session"))
             log.error("job=%s rank=%s event=session_lost reason=%s", self.job, self._rank, self.session_lost)
             self._stop_heartbeats()
+        elif name == EV_REFUSED:
+            log.warning(
+                "job=%s rank=%s event=join_refused peer=%s reason=%s: the coordinator refused a process "
+                "that tried to join this job; if it is one of this job's ranks, give it the same token "
+                "(AIOCOLL_TOKEN or --token-file) and start it again, or this rendezvous waits for it "
+                "until its timeout",
+                self.job,
+                self._rank,
+                event.get("peer"),
+                event.get("reason"),
+            )
         elif name == EV_RESTARTED:
             log.info("job=%s rank=%s event=coordinator_restarted", self.job, self._rank)
         self._emit(event)
@@ -1146,6 +1160,28 @@ class CoordinatorSession(Store):
             except LinkLost:
                 pass  # the reconnect logic has it
 
+    def start_beats(self, report: Report) -> BeatThread:
+        """Beat from a thread on a connection of its own (client/_beat.py), so that this member
+        stays alive while its event loop is busy, and send ``report(full)``'s progress reports.
+
+        Raises:
+            RendezvousError: this session has not joined.
+        """
+        if self.membership is None:
+            raise RendezvousError("start_beats: this session has not joined a rendezvous")
+        if self._beats is None:
+            self._beats = BeatThread(
+                self.host,
+                self.port,
+                token=self._token,
+                job=self.job,
+                session=self.membership.session,
+                rank=self.membership.rank,
+                report=report,
+            )
+            self._beats.start()
+        return self._beats
+
     def _stop_heartbeats(self) -> None:
         task, self._heartbeat_task = self._heartbeat_task, None
         if task is not None and task is not asyncio.current_task():
@@ -1168,6 +1204,9 @@ class CoordinatorSession(Store):
                 await self.flush()
             except Exception as exc:
                 failure = exc
+        beats, self._beats = self._beats, None
+        if beats is not None:
+            beats.stop()  # before leaving: a member that left has nothing to beat for
         link = self._link
         if link is not None and self.membership is not None and self.session_lost is None:
             with contextlib.suppress(LinkLost, TimeoutError, OSError):
@@ -1182,6 +1221,9 @@ class CoordinatorSession(Store):
             return
         self._closed = True
         self._stop_heartbeats()
+        beats, self._beats = self._beats, None
+        if beats is not None:
+            beats.stop()
         task, self._reconnect_task = self._reconnect_task, None
         if task is not None:
             task.cancel()

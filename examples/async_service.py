@@ -66,4 +66,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    aiocoll.run(main())  # asyncio.run on uvloop when installed

@@ -5,7 +5,6 @@ Run:  aiocoll run --nproc-per-node 4 examples/collectives_tour.py
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import operator
 
@@ -89,4 +88,4 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    aiocoll.run(main())  # asyncio.run on uvloop when installed

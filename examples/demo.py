@@ -42,10 +42,12 @@ async def main() -> int:
         assert [h["rank"] for h in hosts] == list(range(n))
 
         if me == 0:
-            print(f"demo: {n} ranks agreed on all_reduce, gather of 16 concurrent MAX reductions, "
-                  f"broadcast, all_gather and all_gather_object; pids {[h['pid'] for h in hosts]}")
+            print(
+                f"demo: {n} ranks agreed on all_reduce, gather of 16 concurrent MAX reductions, "
+                f"broadcast, all_gather and all_gather_object; pids {[h['pid'] for h in hosts]}"
+            )
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(aiocoll.run(main()))  # asyncio.run on uvloop when installed

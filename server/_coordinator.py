@@ -30,8 +30,10 @@ from aiocoll.protocol._coordinator import (
     HEARTBEAT_TIMEOUT,
     RESUME_GRACE,
     ROLE_ADMIN,
+    ROLE_BEAT,
     ROLE_STORE,
     ROLE_WORKER,
+    env_seconds,
 )
 
 from ._journal import Journal
@@ -59,7 +61,7 @@ WRITE_STALL_TIMEOUT = 30.0
 _HIGH_WATER = 4 * 1024 * 1024
 _LOW_WATER = 1024 * 1024
 _HS_READ = 4096
-_ROLES = frozenset({ROLE_WORKER, ROLE_STORE, ROLE_ADMIN})
+_ROLES = frozenset({ROLE_WORKER, ROLE_STORE, ROLE_ADMIN, ROLE_BEAT})
 _conn_ids = itertools.count(1)
 # Reply payloads up to this size are copied into the frame's one write.
 _COPY_PAYLOAD = 16 * 1024
@@ -200,6 +202,9 @@ class _Connection(asyncio.BufferedProtocol):
                     self.peer,
                     self.hs.hello.get("job"),
                 )
+                self._tell_refused(
+                    self.hs, "it hung up after the coordinator's challenge: its token differs (most likely)"
+                )
             return
         reason = "closed by the client" if exc is None else f"connection error: {exc}"
         if self.decoder is not None and self.decoder.mid_frame and not self.closing:
@@ -247,6 +252,7 @@ class _Connection(asyncio.BufferedProtocol):
             log.warning("event=auth_failed peer=%s reason=%s", self.peer, exc)
             transport.write(ServerHandshake.reject_bytes("authentication failed: wrong token"))
             self.close("authentication failed", log_it=False)
+            self._tell_refused(hs, "it failed authentication (a wrong token)")
             return
         except ProtocolError as exc:
             self._protocol_error(exc, reject=True)
@@ -255,6 +261,14 @@ class _Connection(asyncio.BufferedProtocol):
             transport.write(out)
         if hs.done:
             self._authenticated()
+
+    def _tell_refused(self, hs: ServerHandshake, why: str) -> None:
+        """A worker naming a job failed authentication: its members waiting to form a round hear of
+        it (a notice only: the hello is unauthenticated; see CoordinatorState.refused_connection)."""
+        job = hs.hello.get("job")
+        if isinstance(job, str):
+            self.coord.state.refused_connection(job, hs.hello.get("role"), self.peer, why)
+            self.coord._after_batch()
 
     def _authenticated(self) -> None:
         coord = self.coord
@@ -394,7 +408,8 @@ class Coordinator:
         max_keys_per_job: most keys in one job's key space.
         job_ttl: seconds after which a job with no connections and no activity is forgotten.
         handshake_timeout: seconds a new connection has to authenticate.
-        heartbeat_timeout: seconds of silence after which a member is declared lost.
+        heartbeat_timeout: seconds of silence (on both its connections) after which a member is
+            declared lost; None: AIOCOLL_HEARTBEAT_TIMEOUT, else HEARTBEAT_TIMEOUT (10 s).
         resume_grace: seconds members get to reconnect after a restart from ``state_dir``.
         max_pending_handshakes: most connections allowed in their handshake at once (the oldest
             is closed beyond that).
@@ -415,12 +430,14 @@ class Coordinator:
         max_keys_per_job: int = DEFAULT_MAX_KEYS_PER_JOB,
         job_ttl: float = DEFAULT_JOB_TTL,
         handshake_timeout: float = 5.0,
-        heartbeat_timeout: float = HEARTBEAT_TIMEOUT,
+        heartbeat_timeout: float | None = None,
         resume_grace: float = RESUME_GRACE,
         max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
     ) -> None:
         if max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
+        if heartbeat_timeout is None:
+            heartbeat_timeout = env_seconds("AIOCOLL_HEARTBEAT_TIMEOUT", HEARTBEAT_TIMEOUT)
         if job_ttl <= 0 or handshake_timeout <= 0 or heartbeat_timeout <= 0:
             raise ValueError("job_ttl, handshake_timeout and heartbeat_timeout must be positive")
         self.host = host
@@ -444,6 +461,7 @@ class Coordinator:
             resume_grace=resume_grace,
             durable=state_dir is not None,
             observe=self.metrics.observe_op,
+            wall_clock=time.time,
         )
         self.port = 0
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()

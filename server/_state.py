@@ -32,6 +32,7 @@ from typing import Any
 
 import msgpack
 
+from aiocoll._progress_check import JobProgress, ProgressError, Verdict
 from aiocoll.protocol._coordinator import (
     CID_BYTES,
     DEDUPE_WINDOW,
@@ -40,7 +41,10 @@ from aiocoll.protocol._coordinator import (
     ERR_TIMEOUT,
     ERR_TOO_LARGE,
     ERR_UNKNOWN_OP,
+    EV_BEHIND,
     EV_MEMBER_LOST,
+    EV_MISMATCH,
+    EV_REFUSED,
     EV_RESTARTED,
     EV_SESSION_LOST,
     HEARTBEAT_TIMEOUT,
@@ -49,6 +53,7 @@ from aiocoll.protocol._coordinator import (
     OPS,
     RESUME_GRACE,
     ROLE_ADMIN,
+    ROLE_BEAT,
     ROLE_STORE,
     ROLE_WORKER,
 )
@@ -86,6 +91,7 @@ _ROLE_OPS: dict[str, frozenset[str]] = {
     ROLE_WORKER: OPS,
     ROLE_STORE: OPS - {"join", "leave"},
     ROLE_ADMIN: _READ_OPS,
+    ROLE_BEAT: frozenset({"hb", "progress"}),
 }
 
 # (connection id, reply or event header, payload); a large shared header comes pre-encoded.
@@ -138,7 +144,19 @@ class _Client:
 
 
 class _Conn:
-    __slots__ = ("allowed", "cid", "id", "job", "joining", "last_seen", "member", "peer", "role", "waiters")
+    __slots__ = (
+        "allowed",
+        "beat_of",
+        "cid",
+        "id",
+        "job",
+        "joining",
+        "last_seen",
+        "member",
+        "peer",
+        "role",
+        "waiters",
+    )
 
     def __init__(self, conn_id: int, job: _Job, role: str, peer: str, now: float) -> None:
         self.cid: bytes | None = None
@@ -148,6 +166,7 @@ class _Conn:
         self.allowed = _ROLE_OPS.get(role, OPS)  # the operations this role may ask
         self.peer = peer
         self.member: _Member | None = None  # set once this connection joined or resumed
+        self.beat_of: _Member | None = None  # a beat connection: the member it keeps alive
         self.joining: _Member | None = None  # a join waiting for the round to complete
         self.waiters: set[_Waiter] = set()
         self.last_seen = now
@@ -183,6 +202,7 @@ class _Member:
 
     __slots__ = (
         "addrs",
+        "beat",
         "conn",
         "deadline",
         "host",
@@ -207,6 +227,7 @@ class _Member:
         # joining -> alive -> left | lost; resuming after a restart until the client re-attaches.
         self.state = "joining"
         self.conn: _Conn | None = None
+        self.beat: _Conn | None = None  # its beat connection (ROLE_BEAT), heard apart from conn
         self.round = rnd
         self.req_id = 0
         self.deadline: float | None = None
@@ -246,7 +267,17 @@ class _Round:
 
 
 class _Job:
-    __slots__ = ("clients", "conns", "kv", "last_activity", "name", "next_round", "round", "waiters")
+    __slots__ = (
+        "clients",
+        "conns",
+        "kv",
+        "last_activity",
+        "name",
+        "next_round",
+        "progress",
+        "round",
+        "waiters",
+    )
 
     def __init__(self, name: str, now: float) -> None:
         self.name = name
@@ -257,6 +288,7 @@ class _Job:
         self.last_activity = now
         self.round: _Round | None = None
         self.next_round = 0
+        self.progress = JobProgress()
 
 
 class EncodedHeader:
@@ -315,6 +347,7 @@ class CoordinatorState:
             job_ttl). Keep it above the clients' reconnect timeout.
         durable: record acknowledged mutations in ``journal`` (the shell persists them).
         observe: optional hook ``(op, seconds, ok)`` called when a request is answered.
+        wall_clock: seconds since 1970 (time.time), for the progress view's timestamps.
     """
 
     def __init__(
@@ -329,8 +362,11 @@ class CoordinatorState:
         client_ttl: float | None = None,
         durable: bool = False,
         observe: Callable[[str, float, bool], None] | None = None,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         self.clock = clock
+        # Seconds since 1970, for the "since" of progress reports (``status``); default: clock.
+        self.wall_clock = wall_clock or clock
         self.max_value_bytes = max_value_bytes
         self.max_keys_per_job = max_keys_per_job
         self.job_ttl = job_ttl
@@ -373,6 +409,7 @@ class CoordinatorState:
             "leave": self._op_leave,
             "status": self._op_status,
             "table": self._op_table,
+            "progress": self._op_progress,
         }
 
     # ------------------------------------------------------------------ connections
@@ -401,6 +438,9 @@ class CoordinatorState:
                 client = j.clients[cid] = _Client(0, now)
             client.attached += 1
             client.last_seen = now
+        if role == ROLE_BEAT:
+            self._attach_beat(conn, session)
+            return
         if session is None or role != ROLE_WORKER:
             return
         member = self._sessions.get(session) if isinstance(session, str) else None
@@ -428,6 +468,32 @@ class CoordinatorState:
         if was == "resuming":
             self.outbox.append((conn_id, {"ev": EV_RESTARTED}, b""))
 
+    def _attach_beat(self, conn: _Conn, session: object) -> None:
+        """A member's beat connection: it keeps the member alive apart from its main connection."""
+        member = self._sessions.get(session) if isinstance(session, str) else None
+        if member is None or member.round.job is not conn.job or member.state != "alive":
+            self.closes.append((conn.id, "a beat connection must name the session of an alive member"))
+            return
+        old = member.beat
+        if old is not None and old is not conn:
+            old.beat_of = None
+            self.closes.append((old.id, f"rank {member.rank}'s beats moved to a new connection"))
+        member.beat = conn
+        conn.beat_of = member
+
+    def refused_connection(self, job: str, role: object, peer: str, reason: str) -> None:
+        """A connection naming ``job`` failed authentication: tell that job's members waiting in a
+        forming round (EV_REFUSED), so their logs say why a rank may never arrive. Only a notice:
+        the hello is unauthenticated, and an outsider must not be able to fail a rendezvous."""
+        j = self.jobs.get(job)
+        rnd = j.round if j is not None else None
+        if role != ROLE_WORKER or rnd is None or rnd.complete:
+            return
+        event = {"ev": EV_REFUSED, "peer": peer[:300], "reason": reason[:500]}
+        for m in rnd.members.values():
+            if m.state == "joining" and m.conn is not None:
+                self.outbox.append((m.conn.id, event, b""))
+
     def disconnect(self, conn_id: int, reason: str) -> None:
         """Forget a connection: drop its waiters, declare its member lost (unless it left)."""
         conn = self.conns.pop(conn_id, None)
@@ -450,6 +516,9 @@ class CoordinatorState:
                     if not ws:
                         del job.waiters[key]
         conn.waiters.clear()
+        beat_of = conn.beat_of
+        if beat_of is not None and beat_of.beat is conn:
+            beat_of.beat = None  # its closing declares nothing: only silence on both does
         if conn.joining is not None:
             self._drop_joining(conn.joining, f"connection closed: {reason}")
         member = conn.member
@@ -928,10 +997,55 @@ class CoordinatorState:
             self._wake(job, key)
 
     def _op_hb(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        member = conn.member
+        member = conn.member or conn.beat_of
         if member is not None:
             member.last_seen = conn.last_seen
+            if conn.beat_of is not None and member.rank in conn.job.progress.wanted:
+                self._reply(conn, req_id, "hb", self._started, {"id": req_id, "ok": True, "want": True})
+                return
         self._reply(conn, req_id, "hb", self._started)
+
+    def _op_progress(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        member = conn.member or conn.beat_of
+        if member is None or member.state != "alive":
+            raise _Refused(
+                ERR_INVALID, "progress: only an alive member of a completed round reports progress"
+            )
+        member.last_seen = conn.last_seen
+        job = conn.job
+        try:
+            verdicts = job.progress.update(member.rank, h, self._started, self.wall_clock())
+        except ProgressError as exc:
+            raise _Refused(ERR_INVALID, f"progress from rank {member.rank}: {exc}") from None
+        self._reply(conn, req_id, "progress", self._started)
+        self._announce(job, verdicts)
+
+    def _announce(self, job: _Job, verdicts: list[Verdict]) -> None:
+        """Tell every member of the group what the cross-check found (EV_MISMATCH, EV_BEHIND)."""
+        rnd = job.round
+        if rnd is None:
+            return
+        for v in verdicts:
+            log.warning(
+                "job=%s event=%s group=%s seq=%d ranks=%s %s",
+                job.name,
+                v.kind,
+                v.group,
+                v.seq,
+                list(v.ranks),
+                v.message,
+            )
+            event = {
+                "ev": EV_MISMATCH if v.kind == "mismatch" else EV_BEHIND,
+                "group": v.group,
+                "seq": v.seq,
+                "ranks": list(v.ranks),
+                "msg": v.message,
+            }
+            for rank in v.members:
+                m = rnd.members.get(rank)
+                if m is not None and m.state == "alive" and m.conn is not None:
+                    self.outbox.append((m.conn.id, event, b""))
 
     def _op_status(self, conn: _Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
         job = h.get("job")
@@ -998,13 +1112,14 @@ class CoordinatorState:
         if rnd is None:
             rnd = self._open_round(job, world_size)
         elif rnd.world_size != world_size:
-            raise _Refused(
-                ERR_RENDEZVOUS,
+            why = (
                 f"{who} asked for world size {world_size}, but round "
                 f"{rnd.number} of job {job.name!r} was opened with world size {rnd.world_size} "
                 f"(ranks {sorted(rnd.members)} already joined); every rank must pass the same "
-                f"world size",
+                f"world size"
             )
+            self._refuse_join(rnd, conn, req_id, why)
+            return
         if rank is None:
             # Every rank below free_hint is taken, so assignment is O(1) amortised (10,000 joins
             # must not scan 10,000 ranks each).
@@ -1020,12 +1135,13 @@ class CoordinatorState:
             )
         elif rank in rnd.members:
             other = rnd.members[rank]
-            raise _Refused(
-                ERR_RENDEZVOUS,
+            why = (
                 f"job {job.name!r}: rank {rank} already joined round "
                 f"{rnd.number} (world size {world_size}) from host {other.host!r}; two "
-                f"processes were given the same rank",
+                f"processes were given the same rank"
             )
+            self._refuse_join(rnd, conn, req_id, why)
+            return
         now = self.clock()
         member = _Member(rank, addrs, host, rnd)
         member.conn = conn
@@ -1061,6 +1177,7 @@ class CoordinatorState:
 
     def _complete(self, rnd: _Round) -> None:
         rnd.complete = True
+        rnd.job.progress.reset()
         # Every member gets the same table: encode it once (a 10,000-member table is ~0.5 MB, and
         # encoding it per member would cost seconds).
         members_packed, digest = self._round_table(rnd)
@@ -1153,6 +1270,33 @@ class CoordinatorState:
             conn, req_id, "table", self._started, {"id": req_id, "ok": True, "table_digest": digest}, table
         )
 
+    def _refuse_join(self, rnd: _Round, refused: _Conn, req_id: int, why: str) -> None:
+        """Refuse a join that contradicts ``rnd``; the members already waiting there hear it at
+        once (the round cannot complete as the ranks were configured) instead of waiting out
+        their timeout. (Not a _Refused: that would take back the other members' replies.)"""
+        self.outbox.append((refused.id, _err(req_id, ERR_RENDEZVOUS, f"join: {why}"), b""))
+        self._observe("join", self._started, False)
+        for m in list(rnd.members.values()):
+            conn = m.conn
+            if m.state != "joining" or conn is None:
+                continue
+            self._drop_joining(m, "another join was refused")
+            self.outbox.append(
+                (
+                    conn.id,
+                    _err(
+                        m.req_id,
+                        ERR_RENDEZVOUS,
+                        f"join: rank {m.rank} of job {rnd.job.name!r}: the rendezvous of round "
+                        f"{rnd.number} failed because the coordinator refused a join from "
+                        f"{refused.peer or 'another process'}: {why}. Fix the launch configuration "
+                        f"and start every rank again",
+                    ),
+                    b"",
+                )
+            )
+            self._observe("join", m.started, False)
+
     def _drop_joining(self, member: _Member, why: str) -> None:
         """Take a not-yet-complete join out of its round (its rank becomes free again)."""
         rnd = member.round
@@ -1196,6 +1340,12 @@ class CoordinatorState:
         member.state = state
         member.reason = reason
         member.conn = None
+        beat, member.beat = member.beat, None
+        if beat is not None:
+            beat.beat_of = None
+            if state == "lost":  # a member that left stops its own beats
+                self.closes.append((beat.id, f"rank {member.rank} is lost"))
+        member.round.job.progress.forget(member.rank)
         self._live_members.discard(member)
         self._sessions.pop(member.session, None)
         rnd = member.round
@@ -1318,6 +1468,8 @@ class CoordinatorState:
         for m in self._live_members:
             if m.state == "alive" and m.conn is not None:
                 m.conn.last_seen += seconds
+                if m.beat is not None:
+                    m.beat.last_seen += seconds
         log.warning("event=coordinator_stalled seconds=%.1f liveness clocks credited", seconds)
 
     def _housekeeping(self, now: float) -> None:
@@ -1325,7 +1477,7 @@ class CoordinatorState:
         for m in list(self._live_members):
             if m.state == "alive":
                 conn = m.conn
-                seen = conn.last_seen if conn is not None else m.last_seen
+                seen = self._heard(m)
                 if now - seen > limit:
                     self._lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
                     if conn is not None:
@@ -1336,6 +1488,9 @@ class CoordinatorState:
                 self._lose(
                     m, f"did not reconnect within {self.resume_grace:g}s after the coordinator restarted"
                 )
+        for job in self.jobs.values():
+            if job.progress.waiting:
+                self._announce(job, job.progress.recheck(now))
         if now >= self._next_client_sweep:
             self._next_client_sweep = now + CLIENT_SWEEP_INTERVAL
             ttl = self.client_ttl
@@ -1350,6 +1505,14 @@ class CoordinatorState:
                 continue
             self._drop_job(job)
             log.info("job=%s event=job_expired idle_for=%.0fs", name, now - job.last_activity)
+
+    @staticmethod
+    def _heard(m: _Member) -> float:
+        """When an alive member was last heard from, on its main or its beat connection."""
+        seen = m.conn.last_seen if m.conn is not None else m.last_seen
+        if m.beat is not None and m.beat.last_seen > seen:
+            seen = m.beat.last_seen
+        return seen
 
     def _drop_job(self, job: _Job) -> None:
         del self.jobs[job.name]
@@ -1373,6 +1536,7 @@ class CoordinatorState:
         ``last_seen`` is seconds since the member was last heard from (None if never).
         """
         now = self.clock()
+        wall = self.wall_clock()
         out = []
         names = sorted(self.jobs) if job is None else ([job] if job in self.jobs else [])
         for name in names:
@@ -1381,7 +1545,7 @@ class CoordinatorState:
             members = []
             if rnd is not None:
                 for m in sorted(rnd.members.values(), key=lambda m: m.rank):
-                    seen = m.conn.last_seen if (m.conn is not None and m.state == "alive") else m.last_seen
+                    seen = self._heard(m) if m.state == "alive" else m.last_seen
                     members.append(
                         {
                             "rank": m.rank,
@@ -1390,8 +1554,11 @@ class CoordinatorState:
                             "state": m.state,
                             "last_seen": round(now - seen, 3),
                             "reason": m.reason,
+                            "progress": j.progress.progress_of(m.rank, now, wall),
                         }
                     )
+            alive = [m.rank for m in rnd.members.values() if m.state == "alive"] if rnd else []
+            held, summary = j.progress.held_back_by(alive)
             out.append(
                 {
                     "job": name,
@@ -1401,6 +1568,9 @@ class CoordinatorState:
                     "keys": len(j.kv),
                     "connections": len(j.conns),
                     "members": members,
+                    "held_back_by": held,
+                    "summary": summary,
+                    "progress_reports": j.progress.reports_received,
                 }
             )
         return out

@@ -178,6 +178,13 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
             "torch is not installed, so there is nothing to compare with: install it "
             "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch"
         )
+    if args.transport is not None:
+        from aiocoll.client.transports import transport_choice
+
+        try:  # the link factory's own check, here before any process starts
+            transport_choice(args.transport)
+        except ValueError as exc:
+            raise BenchError(f"--transport {args.transport}: {exc}") from None
     _check_cuda_args(args)
 
 
@@ -265,16 +272,25 @@ def run_collectives(args: argparse.Namespace) -> int:
     impls = ["aiocoll", *contenders]
     total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops) * len(impls)
     progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
-    pending: dict[tuple[str, int, str], dict[int, list[float]]] = defaultdict(dict)
+    pending: dict[tuple[str, int, str], dict[int, tuple[list[float], dict[str, float]]]] = defaultdict(dict)
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     printed_header: set[str] = set()
     all_rows: list[dict[str, Any]] = []
     started = time.monotonic()
 
-    def record(op: str, size: int, impl: str, per_rank: list[list[float]], algorithm: str) -> None:
+    def record(
+        op: str,
+        size: int,
+        impl: str,
+        per_rank: list[list[float]],
+        usage: list[dict[str, float]],
+        algorithm: str,
+    ) -> None:
         """One implementation finished one op and size on every rank: print the row once all did."""
         row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
         row[impl] = summarize(op, size, n, per_rank)
+        # per operation, averaged over the ranks (JSON only): CPU µs, voluntary/involuntary switches
+        row[impl]["usage"] = {key: sum(u[key] for u in usage) / len(usage) for key in usage[0]}
         if impl == "aiocoll":
             row["algorithm"] = algorithm
         progress.step(f"{impl} {op} {format_bytes(size)}")
@@ -291,7 +307,9 @@ def run_collectives(args: argparse.Namespace) -> int:
 
     if "mpi" in contenders:
         try:
-            run_mpi_phase(cfg, lambda op, size, per_rank: record(op, size, "mpi", per_rank, ""), args.timeout)
+            run_mpi_phase(
+                cfg, lambda op, size, times, usage: record(op, size, "mpi", times, usage, ""), args.timeout
+            )
         except (MpiUnavailable, RuntimeError) as exc:
             raise BenchError(str(exc)) from None
 
@@ -343,11 +361,12 @@ def run_collectives(args: argparse.Namespace) -> int:
                 continue
             if kind != "times":
                 continue
-            _, rank, op, size, impl, times, algorithm = message
+            _, rank, op, size, impl, times, algorithm, usage = message
             key = (op, size, impl)
-            pending[key][rank] = times
+            pending[key][rank] = (times, usage)
             if len(pending[key]) == n:
-                record(op, size, impl, list(pending.pop(key).values()), algorithm)
+                reports = list(pending.pop(key).values())
+                record(op, size, impl, [t for t, _ in reports], [u for _, u in reports], algorithm)
         for proc in procs:
             proc.join(10)
     finally:

@@ -65,10 +65,13 @@ def find_mpiexec() -> str:
 
 
 def run_mpi_phase(
-    cfg: dict[str, Any], on_times: Callable[[str, int, list[list[float]]], None], stall_timeout: float
+    cfg: dict[str, Any],
+    on_times: Callable[[str, int, list[list[float]], list[dict[str, float]]], None],
+    stall_timeout: float,
 ) -> None:
     """Run the MPI job for ``cfg`` (the bench's worker configuration) and hand each op and size's
-    per-rank times to ``on_times(op, measured_size, times)`` as rank 0 reports them.
+    per-rank times and resource usage to ``on_times(op, measured_size, times, usage)`` as rank 0
+    reports them.
 
     Raises:
         MpiUnavailable: no mpi4py or mpiexec.
@@ -89,7 +92,7 @@ def run_mpi_phase(
             job = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
             try:
                 for record in _follow(out, job, stall_timeout):
-                    on_times(record["op"], record["size"], record["times"])
+                    on_times(record["op"], record["size"], record["times"], record["usage"])
             except BaseException:
                 job.kill()
                 job.wait(10)
@@ -180,12 +183,13 @@ async def _rank_main(cfg: dict[str, Any], report: Callable[[dict[str, Any]], Non
         for size in [0] if op == "barrier" else cfg["sizes"]:
             sized = SizedOp(op, size, n, cfg["itemsize"])
             runner = OpRunner("mpi", op, Buffers(sized, cfg["dtype"], False, rank, n), group)
-            times = await time_blocking(runner, cfg["warmup"], cfg["iters"])
+            times, usage = await time_blocking(runner, cfg["warmup"], cfg["iters"])
             if op == "sendrecv":  # one iteration is a round trip: report one way, from rank 0
                 times = [t / 2 for t in times] if rank == 0 else []
-            every = comm.gather(times, root=0)
-            if rank == 0:
-                report({"op": op, "size": sized.size, "times": every})
+            every: list[Any] | None = comm.gather((times, usage), root=0)
+            if every is not None:  # rank 0
+                record = {"op": op, "size": sized.size, "times": [t for t, _ in every]}
+                report({**record, "usage": [u for _, u in every]})
 
 
 def _rank_entry(config_path: str, out_path: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
+import resource
 import time
 import traceback
 import warnings
@@ -193,7 +194,48 @@ class _AlgorithmHook:
         return algorithm
 
 
-async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float]:
+_Usage = tuple[float, float, int, int, dict[str, int]]
+
+
+def _thread_ticks() -> dict[str, int]:
+    """CPU clock ticks (user + system) of each thread of this process, by thread id (Linux)."""
+    ticks = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as handle:
+                fields = handle.read().rpartition(")")[2].split()
+            ticks[tid] = int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+    except OSError:
+        pass
+    return ticks
+
+
+def _rusage() -> _Usage:
+    """(wall clock, CPU seconds, voluntary and involuntary context switches, per-thread ticks)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = usage.ru_utime + usage.ru_stime
+    return time.perf_counter(), cpu, usage.ru_nvcsw, usage.ru_nivcsw, _thread_ticks()
+
+
+def usage_per_op(before: _Usage, iters: int) -> dict[str, float]:
+    """What the timed iterations since ``before`` cost this process per operation: CPU time
+    (µs, every thread), voluntary context switches (it blocked: waits, wake-ups), involuntary
+    ones (it was preempted: the CPU was wanted elsewhere), and how many threads did a tenth or
+    more of that CPU work (under load each runnable thread gets its own share of the cores)."""
+    wall, cpu, voluntary, involuntary, ticks = _rusage()
+    cpu -= before[1]
+    grown = [t - before[4].get(tid, 0) for tid, t in ticks.items()]
+    busy = sum(1 for g in grown if g > 0.1 * sum(grown)) if sum(grown) > 0 else 0
+    return {
+        "cpu_us": cpu * 1e6 / iters,
+        "cpu_share": cpu / (wall - before[0]) if wall > before[0] else 0.0,
+        "vcsw": (voluntary - before[2]) / iters,
+        "ivcsw": (involuntary - before[3]) / iters,
+        "busy_threads": busy,
+    }
+
+
+async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> tuple[list[float], dict[str, float]]:
     pg = runner.pg
     call = runner.calls()
     if runner.op != "barrier":
@@ -210,11 +252,12 @@ async def _time_aiocoll(runner: OpRunner, warmup: int, iters: int) -> list[float
     await pg.barrier()
     times = []
     clock = time.perf_counter
+    before = _rusage()
     for _ in range(iters):
         start = clock()
         await call()
         times.append(clock() - start)
-    return times
+    return times, usage_per_op(before, iters)
 
 
 # gloo's calls block. They run on the event loop's own thread, as a plain torch script would run
@@ -226,7 +269,7 @@ _GLOO_SLICE = 0.5
 
 async def time_blocking(
     runner: OpRunner, warmup: int, iters: int, *, on_device: bool = False
-) -> list[float]:
+) -> tuple[list[float], dict[str, float]]:
     """Check, warm up and time a blocking implementation (gloo here, MPI in _bench_mpi's ranks).
 
     ``on_device``: CUDA tensors, whose calls (NCCL's) return once the work is queued on a
@@ -265,12 +308,13 @@ async def time_blocking(
         await breathe()
     dist.barrier()
     times = []
+    before = _rusage()
     for _ in range(iters):
         start = clock()
         call()
         times.append(clock() - start)
         await breathe()
-    return times
+    return times, usage_per_op(before, iters)
 
 
 async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) -> None:
@@ -324,7 +368,9 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
                     bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n, device)
-                    times = await _time_aiocoll(OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"])
+                    times, usage = await _time_aiocoll(
+                        OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
+                    )
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
                     if device is not None:
                         from aiocoll._staged_ops import StagedOp
@@ -334,11 +380,24 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                     bufs = Buffers(sized, cfg["dtype"], True, rank, n, device)
                     runner = OpRunner(impl, op, bufs, dist)
                     on_device = device is not None
-                    times = await time_blocking(runner, cfg["warmup"], cfg["iters"], on_device=on_device)
+                    times, usage = await time_blocking(
+                        runner, cfg["warmup"], cfg["iters"], on_device=on_device
+                    )
                 if op == "sendrecv":
                     # one iteration is a round trip; report the one-way time, and only from rank 0
                     times = [t / 2 for t in times] if rank == 0 else []
-                put(("times", rank, op, sized.size, impl, times, algorithm if impl == "aiocoll" else ""))
+                put(
+                    (
+                        "times",
+                        rank,
+                        op,
+                        sized.size,
+                        impl,
+                        times,
+                        algorithm if impl == "aiocoll" else "",
+                        usage,
+                    )
+                )
     await pg.destroy()
     if dist is not None:
         await asyncio.to_thread(dist.destroy_process_group)

@@ -62,6 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="forget a job after this long with no connections and no activity (default 3600)",
     )
     parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="declare a member lost after this long without a heartbeat on either of its "
+        "connections (default: AIOCOLL_HEARTBEAT_TIMEOUT, else 10). Workers beat from a thread, so "
+        "a busy event loop does not count as silence; a frozen or dead process does",
+    )
+    parser.add_argument(
         "--max-value-bytes",
         type=int,
         default=16 * 1024 * 1024,
@@ -93,6 +102,7 @@ async def _serve(args: argparse.Namespace, token: str | None) -> int:
         http_host=args.http_host,
         max_value_bytes=args.max_value_bytes,
         job_ttl=args.job_ttl,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
     loop = asyncio.get_running_loop()
     signals_seen: list[int] = []

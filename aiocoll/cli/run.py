@@ -176,6 +176,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS", help="time between the stop signal and SIGKILL (default: 10)",
     )
     parser.add_argument(
+        "--heartbeat-timeout", "--heartbeat_timeout", dest="heartbeat_timeout", type=_seconds(True),
+        default=None, metavar="SECONDS",
+        help="the embedded coordinator declares a worker lost after this long without a heartbeat "
+        "(AIOCOLL_HEARTBEAT_TIMEOUT; default 10). Workers beat from a thread: a busy event loop is "
+        "not silence, a frozen or dead process is",
+    )
+    parser.add_argument(
+        "--progress-after", "--progress_after", dest="progress_after", type=_seconds(True),
+        default=None, metavar="SECONDS",
+        help="a worker reports an operation to the coordinator (aiocoll status) once it has waited "
+        "this long (AIOCOLL_PROGRESS_AFTER; default 1)",
+    )
+    parser.add_argument(
         "--log-dir", "--log_dir", dest="log_dir", default=None, metavar="DIR",
         help="also write each worker's raw output to DIR/restart_K/rankN.stdout and .stderr",
     )
@@ -256,6 +269,11 @@ def main(args: argparse.Namespace) -> int:
     from ._launch_config import LaunchConfigError
 
     console = Console.from_sys()
+    # Read by the embedded coordinator and inherited by every worker (issue 10).
+    if getattr(args, "heartbeat_timeout", None) is not None:
+        os.environ["AIOCOLL_HEARTBEAT_TIMEOUT"] = f"{args.heartbeat_timeout:g}"
+    if getattr(args, "progress_after", None) is not None:
+        os.environ["AIOCOLL_PROGRESS_AFTER"] = f"{args.progress_after:g}"
     try:
         config = build_config(args, os.environ)
     except LaunchConfigError as exc:

@@ -1,4 +1,6 @@
-"""`aiocoll status`: show a coordinator's jobs, members, liveness and last heartbeats.
+"""`aiocoll status`: show a coordinator's jobs, members, liveness and last heartbeats, and what each
+rank is doing when something waits (its group, sequence number, operation, state, age and the ranks
+it waits for) with the rank(s) holding the job back.
 
 Part of the public surface (cli/); it speaks the wire protocol directly through aiocoll.protocol
 with a small admin-role client of its own, so it needs no worker runtime and imports nothing
@@ -78,6 +80,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="file holding the shared token (default: the AIOCOLL_TOKEN environment variable)",
     )
     parser.add_argument("--json", action="store_true", help="print the status as JSON instead of a table")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until interrupted (Ctrl-C)",
+    )
     parser.add_argument(
         "--timeout", type=float, default=10.0, metavar="SECONDS", help="give up after this long (default 10)"
     )
@@ -264,7 +275,38 @@ def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str
                 ]
             )
         lines.extend(_grid(rows, indent="  "))
+        lines.extend(_progress_lines(job, members, now))
     return "\n".join(lines)
+
+
+def _progress_lines(job: dict[str, Any], members: list[dict[str, Any]], now: float) -> list[str]:
+    """A line per rank with what it reported waiting in, and who holds the job back."""
+    rows = [["RANK", "GROUP", "SEQ", "OPERATION", "STATE", "AGE", "WAITING FOR"]]
+    for member in sorted(members, key=lambda m: (m.get("rank") is None, m.get("rank") or 0)):
+        progress = member.get("progress") or []
+        if not progress:
+            state = "running" if member.get("alive") else str(member.get("state") or "gone")
+            rows.append([_cell(member.get("rank", "?")), "-", "-", "-", state, "-", "-"])
+        for entry in progress:
+            waits = entry.get("waiting_for") or []
+            rows.append(
+                [
+                    _cell(member.get("rank", "?")),
+                    _cell(entry.get("group")),
+                    _cell(entry.get("seq")),
+                    _cell(entry.get("op")),
+                    _cell(entry.get("state")),
+                    _age(entry.get("since"), now).removesuffix(" ago"),
+                    ", ".join(str(w) for w in waits) if waits else "-",
+                ]
+            )
+    if len(rows) == 1 or not any(m.get("progress") for m in members):
+        return ["  progress: nothing has waited longer than the threshold (every rank is running)"]
+    lines = ["", *_grid(rows, indent="  ")]
+    summary = job.get("summary")
+    if summary:
+        lines.append(f"  {summary}")
+    return lines
 
 
 def _json_safe(value: Any) -> Any:
@@ -279,7 +321,6 @@ def _json_safe(value: Any) -> Any:
 
 def main(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Run `aiocoll status`; returns the exit status (0 on success, 1 on any failure)."""
-    import asyncio
 
     out = out or sys.stdout
     err = err or sys.stderr
@@ -288,10 +329,36 @@ def main(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | N
         if args.timeout is None or args.timeout <= 0:
             raise StatusError(f"--timeout must be a positive number of seconds, got {args.timeout}")
         token = _read_token(args.token_file)
-        jobs = asyncio.run(
-            query_status(host, port, token=token, job=args.job, timeout=args.timeout)
-        )
+        watch = getattr(args, "watch", None)
+        if watch is not None and watch <= 0:
+            raise StatusError(f"--watch must be a positive number of seconds, got {watch}")
     except (StatusError, ValueError) as exc:
+        print(f"aiocoll status: {exc}", file=err)
+        return 1
+    if watch is None:
+        return _show_once(args, host, port, token, out, err)
+    try:
+        while True:
+            if out.isatty():
+                out.write("\x1b[H\x1b[2J")  # clear the screen, cursor home
+            if not args.json:
+                stamp = time.strftime("%H:%M:%S")
+                print(f"aiocoll status {host}:{port}  {stamp}  (every {watch:g}s; Ctrl-C stops)", file=out)
+            _show_once(args, host, port, token, out, err)
+            out.flush()
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _show_once(
+    args: argparse.Namespace, host: str, port: int, token: str | None, out: TextIO, err: TextIO
+) -> int:
+    import asyncio
+
+    try:
+        jobs = asyncio.run(query_status(host, port, token=token, job=args.job, timeout=args.timeout))
+    except StatusError as exc:
         print(f"aiocoll status: {exc}", file=err)
         return 1
     if args.job is not None:

@@ -27,7 +27,10 @@ Requests (client -> coordinator), header ``{"op": OP, "id": int, ...}``:
     status    job (str|None: all jobs)                     -                  jobs: [{job, world_size,
                                                                               round, complete, keys,
                                                                               members: [{rank, host,
-                                                                              alive, last_seen}]}]
+                                                                              alive, last_seen,
+                                                                              progress}], held_back_by,
+                                                                              summary, progress_reports}]
+    progress  ops, seqs, busy (see "Progress" below)        -                  -
 
 join may carry ``table_in_payload: True``: the reply then has no "members" field; its payload is
 the msgpack encoding of that same list (a 10,000-member table is ~0.5 MB, so a client may decode it
@@ -61,6 +64,14 @@ Events (coordinator -> worker, unsolicited, no "id"): ``{"ev": EV_*, ...}``:
     member_lost   rank, reason        a member of this job's current round dropped or went silent
     restarted     -                   sent right after a resume: the coordinator restarted
     session_lost  reason              the hello's session could not be resumed
+    mismatch      group, seq, ranks,  the members' progress reports disagree at (group, seq): every
+                  msg                 member of the group fails that operation with MismatchError
+    behind        group, seq, ranks,  members of the group that have not called seq yet while
+                  msg                 others wait there (named in a CollectiveTimeout later)
+    refused       peer, reason        sent to the members waiting in a forming round when a worker
+                                      connection that named this job failed authentication (a wrong
+                                      token): informational only, since nothing an unauthenticated
+                                      peer says may fail anyone's rendezvous
 
 Sessions and liveness: a connection with role ROLE_WORKER that has joined is a member's session.
 The worker sends ``hb`` every HEARTBEAT_INTERVAL seconds (any request counts as a heartbeat). The
@@ -69,6 +80,24 @@ been silent for HEARTBEAT_TIMEOUT seconds, and sends ``member_lost`` to every ot
 job at once. After a coordinator restart (state restored from --state-dir) members have
 RESUME_GRACE seconds to reconnect: a client that reconnects sends the hello extra field
 ``session`` (the id it got in the join reply as ``session``) and the coordinator re-attaches it.
+
+Beats (role ROLE_BEAT, added for issue 10): a joined worker opens a second connection whose hello
+carries its membership ``session`` and the role "beat". It may send only ``hb`` and ``progress``.
+A worker process beats on it from a thread of its own, so a member whose event loop is busy (a long
+CPU step) stays alive; a frozen or dead process falls silent on both connections and is declared
+lost as before. The beat connection never takes over the member's main connection (events go to
+the main one) and its closing declares nothing: only silence on both does. The ``hb`` reply on a
+beat connection carries ``want: True`` when the coordinator asks for a full progress report.
+
+Progress (``progress`` on a beat connection): sent only when an operation of this rank has been
+pending longer than the worker's threshold (AIOCOLL_PROGRESS_AFTER, default 1 s), when such a
+report must be withdrawn (``ops`` empty), or when the coordinator asked (``want``). Fields:
+``ops`` a list of {g: group id, n: the group's global ranks, s: seq (-1 for point-to-point),
+sig: {kind, root, dtype, count, op} as the operation's messages carry them, st: "running" |
+"waiting", w: ranks waited for, age: seconds pending}; ``seqs`` {group id: next seq} for every
+group; ``done`` recent completed collectives [[g, s, sig], ...]; ``busy`` seconds the event loop
+has not run (None when it runs). The coordinator compares the members' signatures at the same
+(group, seq) and sends EV_MISMATCH, or EV_BEHIND naming the members that have not reached it.
 
 Exactly-once mutations: a client may send the hello extra field ``cid`` (CID_BYTES random bytes,
 one per client session) and then number its mutations (set, add, cas, del, mset, append) with the
@@ -83,6 +112,7 @@ one whose rid is at or below an ack already given, is refused with ERR_INVALID.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 from .._errors import ProtocolError
@@ -99,6 +129,9 @@ __all__ = [
     "EV_MEMBER_LOST",
     "EV_RESTARTED",
     "EV_SESSION_LOST",
+    "EV_MISMATCH",
+    "EV_BEHIND",
+    "EV_REFUSED",
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "MAX_KEY_BYTES",
@@ -106,8 +139,10 @@ __all__ = [
     "OPS",
     "RESUME_GRACE",
     "ROLE_ADMIN",
+    "ROLE_BEAT",
     "ROLE_STORE",
     "ROLE_WORKER",
+    "env_seconds",
     "join_values",
     "split_values",
 ]
@@ -115,10 +150,11 @@ __all__ = [
 ROLE_WORKER = "worker"  # joins a rendezvous, keeps a session with heartbeats
 ROLE_STORE = "store"  # a plain store client (connect_store): no membership
 ROLE_ADMIN = "admin"  # `aiocoll status`: read-only views across jobs
+ROLE_BEAT = "beat"  # a joined worker's second connection: heartbeats and progress from a thread
 
 OPS = frozenset(
     {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append",
-     "join", "hb", "leave", "status", "table"}
+     "join", "hb", "leave", "status", "table", "progress"}
 )
 
 ERR_TIMEOUT = "timeout"  # a waiting get/wait/mget ran out; "keys" names the missing keys
@@ -134,6 +170,9 @@ EV_RESTARTED = "restarted"
 # or the member was already declared lost); "reason" says why. The member is no longer part of
 # its job's round: the worker should fail its process group rather than wait.
 EV_SESSION_LOST = "session_lost"
+EV_MISMATCH = "mismatch"
+EV_BEHIND = "behind"
+EV_REFUSED = "refused"
 
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TIMEOUT = 10.0
@@ -143,6 +182,26 @@ CID_BYTES = 16
 DEDUPE_WINDOW = 1024
 # The store operations that change state; with ``rid`` they are applied at most once per client.
 MUTATING_OPS = frozenset({"set", "add", "cas", "del", "mset", "append"})
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from environment variable ``name`` (``default`` when unset):
+    AIOCOLL_HEARTBEAT_TIMEOUT (the coordinator's liveness limit) and AIOCOLL_PROGRESS_AFTER (how
+    long an operation waits before its rank reports it).
+
+    Raises:
+        ValueError: the variable is set to something that is not a positive number.
+    """
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not a number of seconds") from None
+    if not 0 < value < 1e9:
+        raise ValueError(f"environment variable {name}={text!r} must be a positive number of seconds")
+    return value
 
 
 def join_values(values: Sequence[bytes | bytearray | memoryview]) -> tuple[bytes, list[int]]:

@@ -45,6 +45,7 @@ from aiocoll._net import free_port
 
 __all__ = [
     "RankResult",
+    "outcome",
     "RemoteError",
     "World",
     "free_port",
@@ -218,6 +219,8 @@ class World:
         init_method: default tcp://127.0.0.1:<free port> (rank 0 starts the coordinator).
         token, job: passed to init_process_group. init_timeout: rendezvous and op default timeout.
         env: extra environment variables for the workers.
+        prefix: ``prefix(rank)`` is a command prefix to start that rank under (e.g. another
+            host's namespaces: aiocoll.testing.netns.NamespaceHosts.prefix).
     """
 
     def __init__(
@@ -232,6 +235,7 @@ class World:
         init_timeout: float = 60.0,
         init: bool = True,
         env: dict[str, str] | None = None,
+        prefix: Callable[[int], Sequence[str]] | None = None,
     ) -> None:
         self.world_size = world_size
         self.init_method = init_method or f"tcp://127.0.0.1:{free_port()}"
@@ -254,7 +258,8 @@ class World:
                 "out": os.path.join(self._dir, f"{rank}.pkl"),
             }
             spec = pickle.dumps({"sys_path": list(sys.path), "payload": pickle.dumps(payload)})
-            proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, env=base_env)
+            command = [*(prefix(rank) if prefix is not None else ()), sys.executable, "-c", _CHILD]
+            proc = subprocess.Popen(command, stdin=subprocess.PIPE, env=base_env)
             assert proc.stdin is not None
             proc.stdin.write(spec)
             proc.stdin.close()
@@ -305,6 +310,26 @@ def run_world(
         RankResult per rank, in rank order.
     """
     return World(fn, world_size, **kw).join(timeout)
+
+
+async def outcome(call: Callable[[], Any]) -> dict[str, Any]:
+    """Run ``call()`` (which may raise at once, or when awaited) in a worker and describe what
+    happened as plain data: the error's class name, message, the attributes tests look at, and
+    the seconds it took."""
+    t0 = time.monotonic()
+    try:
+        await call()
+        return {"error": None, "elapsed": time.monotonic() - t0}
+    except Exception as exc:
+        return {
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "rank": getattr(exc, "rank", None),
+            "ranks": getattr(exc, "ranks", None),
+            "missing": getattr(exc, "missing_ranks", None),
+            "seq": getattr(exc, "seq", None),
+            "elapsed": time.monotonic() - t0,
+        }
 
 
 # -- the worker side ---------------------------------------------------------------------------

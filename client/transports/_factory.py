@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiocoll._deadline import Deadline
+from aiocoll._host import host_identity
 
 from ._link import LinkTransport
 from .tcp import TcpTransport
@@ -136,11 +136,6 @@ def transport_choice(value: str | None = None) -> str:
         if why is not None:
             raise ValueError(f"{TRANSPORT_ENV}={choice}: {why}; set {TRANSPORT_ENV}=auto or tcp")
     return choice
-
-
-def host_identity() -> str:
-    """This machine's identity in the membership table (equal on ranks that share a machine)."""
-    return socket.gethostname()
 
 
 def choose_link_kinds(rank: int, table: Mapping[int, PeerEntry], choice: str) -> dict[int, str]:

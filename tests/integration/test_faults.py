@@ -19,30 +19,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiocoll.testing.world import outcome as _outcome
 from aiocoll.testing.world import run_world, unwrap
 
 pytestmark = [pytest.mark.integration]
 
 N = 3
 BOUND = 8.0  # seconds: "came within a generous bound", not a timing assertion
-
-
-async def _outcome(call: Any) -> dict[str, Any]:
-    """Run ``call()`` (which may raise at once, or when awaited) and describe what happened."""
-    t0 = time.monotonic()
-    try:
-        await call()
-        return {"error": None, "elapsed": time.monotonic() - t0}
-    except Exception as exc:
-        return {
-            "error": type(exc).__name__,
-            "message": str(exc),
-            "rank": getattr(exc, "rank", None),
-            "ranks": getattr(exc, "ranks", None),
-            "missing": getattr(exc, "missing_ranks", None),
-            "seq": getattr(exc, "seq", None),
-            "elapsed": time.monotonic() - t0,
-        }
 
 
 async def _mismatch_check(pg: Any, call: Any) -> dict[str, Any]:

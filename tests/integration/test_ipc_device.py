@@ -29,11 +29,22 @@ ENV = {"AIOCOLL_STAGING_CHUNK_BYTES": "512", "AIOCOLL_STAGING_BUFFERS": "2"}
 
 
 async def worker(pg: Any, mode: str) -> dict[str, Any]:
+    import logging
+
     from aiocoll._device_threads import ThreadDevice
     from aiocoll._staged_ops import StagedOp
     from aiocoll._staging import staging_for
 
     r, n = pg.rank, pg.size
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    staging_log = logging.getLogger("aiocoll.staging")
+    staging_log.addHandler(Keep())
+    staging_log.setLevel(logging.DEBUG)
     if mode == "refuse" and r == 1:
         os.environ["AIOCOLL_CUDA_IPC"] = "0"
     identity = "test-host/gpu0" if mode == "same" else f"test-host/gpu{r}"
@@ -84,6 +95,7 @@ async def worker(pg: Any, mode: str) -> dict[str, Any]:
     out["small"] = (s.snapshot(), StagedOp.last_path)
 
     out["pool_in_use"] = staging_for(dev).pool.in_use
+    out["log"] = said
     await pg.destroy()  # forgets the group's IPC state
     dev.close()
     mine = f"aiocoll-ipc-{os.getpid()}-"
@@ -110,8 +122,12 @@ def _check_values(results: list[dict[str, Any]]) -> None:
 def test_ranks_on_one_device_reduce_straight_from_each_others_buffers() -> None:
     results = unwrap(run_world(worker, 3, args=("same",), timeout=150, env=ENV))
     _check_values(results)
-    for res in results:
+    for r, res in enumerate(results):
         assert res["paths"] == ["ipc"] * 4
+        assert any(
+            f"rank {r}: all_reduce" in line and "via ipc (device to device)" in line for line in res["log"]
+        )
+        assert any("CUDA IPC on" in line for line in res["log"])
 
 
 def test_ranks_on_different_devices_copy_peer_chunks_device_to_device() -> None:
@@ -126,3 +142,5 @@ def test_one_rank_refusing_ipc_makes_every_rank_stage() -> None:
     _check_values(results)
     for res in results:
         assert res["paths"] == ["staged"] * 4
+        refused = "IPC off: rank 1: disabled by AIOCOLL_CUDA_IPC=0"
+        assert any("via staged (pinned host buffers" in line and refused in line for line in res["log"])

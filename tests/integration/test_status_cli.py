@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 import time
 import urllib.request
@@ -337,3 +338,22 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
             except asyncio.TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+async def test_status_watch_refreshes_until_interrupted(fake: FakeCoordinator) -> None:
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    full_env["AIOCOLL_TOKEN"] = TOKEN
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _STATUS_ONLY, "--coordinator", f"127.0.0.1:{fake.port}", "--watch", "0.2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=full_env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while sum("Ctrl-C stops" in line for line in lines) < 3:  # three refreshes
+        lines.append((await asyncio.wait_for(proc.stdout.readline(), 20)).decode())
+    proc.send_signal(signal.SIGINT)
+    await asyncio.wait_for(proc.wait(), 20)
+    assert proc.returncode == 0
+    # the third header is printed before its query: at least two queries were answered
+    assert len(fake.requests) >= 2 and all(r["op"] == "status" for r in fake.requests)
+    assert any(line.startswith("train-a") for line in lines)

@@ -241,6 +241,25 @@ def sync_only(dist: Any, rank: int, ws: int, flags: Path) -> dict[str, Any]:
     return out
 
 
+def silent_mismatch(dist: Any, rank: int) -> dict[str, Any]:
+    """Ranks 0 and 1 all_reduce while rank 2 broadcasts from 0 on a fresh group: the two schedules
+    exchange no message, so only the coordinator's cross-check of the ranks' progress reports can
+    tell (issue 10); it must, on every rank, well before the group's 60 s timeout."""
+    import torch
+
+    g = dist.new_group([0, 1, 2])
+    t = torch.ones(4)
+    started = time.monotonic()
+    try:
+        if rank < 2:
+            dist.all_reduce(t, group=g)
+        else:
+            dist.broadcast(t, src=0, group=g)
+        return {"error": None}
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc), "elapsed": time.monotonic() - started}
+
+
 def worker(rank: int, ports: list[int], result: Path) -> None:
     warnings.simplefilter("ignore")
     import torch
@@ -258,6 +277,7 @@ def worker(rank: int, ports: list[int], result: Path) -> None:
 
     adist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports[1]}", **init)
     results["sync"] = tour(adist, rank, WORLD, monitored=True)
+    results["sync/silent_mismatch"] = silent_mismatch(adist, rank)
     results["sync_only"] = sync_only(adist, rank, WORLD, result.parent)
     adist.destroy_process_group()
     results["sync/after_destroy"] = adist.is_initialized()
@@ -268,6 +288,7 @@ def worker(rank: int, ports: list[int], result: Path) -> None:
     # torch allows monitored_barrier only on gloo, so the backend run skips it.
     results["backend"] = tour(tdist, rank, WORLD, monitored=False)
     results["backend/name"] = tdist.get_backend()
+    results["backend/silent_mismatch"] = silent_mismatch(tdist, rank)
     tdist.destroy_process_group()
 
     result.write_bytes(pickle.dumps(results))
@@ -340,6 +361,18 @@ def test_monitored_barrier_names_the_rank_that_never_arrived(world: list[dict[st
     assert "2" in message and "monitored_barrier" in message
     missing, message, _ = world[1]["sync_only"]["monitored/missing"]
     assert missing == [0], message
+
+
+@pytest.mark.parametrize("mode", ["sync", "backend"])
+def test_a_mismatch_that_exchanges_no_message_raises_on_every_rank(
+    world: list[dict[str, Any]], mode: str
+) -> None:
+    for rank, results in enumerate(world):
+        res = results[f"{mode}/silent_mismatch"]
+        assert res["error"] is not None, (rank, res)
+        assert "MismatchError" in res["error"] or "different operations" in res["message"], (rank, res)
+        assert "all_reduce" in res["message"] and "broadcast" in res["message"], (rank, res)
+        assert res["elapsed"] < 10.0, (rank, res)  # the group's timeout is 60 s
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

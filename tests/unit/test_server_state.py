@@ -299,19 +299,30 @@ def test_rendezvous_completes_with_membership_table_and_sessions() -> None:
 
 def test_rendezvous_refuses_duplicate_out_of_range_and_world_size_disagreement() -> None:
     h = Harness()
-    a, b, c, d = (h.connect() for _ in range(4))
+    a, b, c, d, e = (h.connect() for _ in range(5))
+    join(h, c, 4, 4)  # out of range: refused alone, the round is not affected
+    header = h.out(c)[0][0]
+    assert header["err"] == ERR_RENDEZVOUS and "rank 4" in header["msg"] and "world size 4" in header["msg"]
     join(h, a, 1, 4)
+    assert h.out(a) == []
     join(h, b, 1, 4)
     header = h.out(b)[0][0]
     assert header["err"] == ERR_RENDEZVOUS and "rank 1" in header["msg"] and "'j'" in header["msg"]
-    join(h, c, 4, 4)
-    header = h.out(c)[0][0]
-    assert header["err"] == ERR_RENDEZVOUS and "rank 4" in header["msg"] and "world size 4" in header["msg"]
+    # The member already waiting hears at once who was refused and why (issue 10).
+    waiting = h.out(a)[0][0]
+    assert waiting["err"] == ERR_RENDEZVOUS and "refused a join" in waiting["msg"]
+    assert "two processes were given the same rank" in waiting["msg"]
+    join(h, a, 3, 4)  # its failed join is gone: it may join again
+    assert h.out(a) == []
     join(h, d, 2, 8)
     header = h.out(d)[0][0]
     assert header["err"] == ERR_RENDEZVOUS and "8" in header["msg"] and "4" in header["msg"]
-    join(h, a, 3, 4)
-    assert h.out(a)[0][0]["err"] == ERR_RENDEZVOUS  # one join per connection
+    waiting = h.out(a)[0][0]
+    assert waiting["err"] == ERR_RENDEZVOUS and "refused" in waiting["msg"]
+    assert "world size 8" in waiting["msg"]
+    join(h, e, 0, 4)
+    join(h, e, 1, 4)
+    assert h.out(e)[0][0]["err"] == ERR_RENDEZVOUS  # one join per connection
 
 
 def test_rendezvous_times_out_naming_missing_ranks_and_frees_the_rank() -> None:

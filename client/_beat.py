@@ -1,0 +1,164 @@
+"""The beat thread: heartbeats and progress reports that do not depend on the event loop.
+
+May import foundations only (aiocoll.protocol, aiocoll._errors); never the public surface. Blocking
+sockets on a thread of its own; it shares nothing with the loop but the report callable.
+
+Why a thread with its own connection: liveness is not responsiveness. A worker whose event loop
+is busy for longer than the heartbeat timeout (a long CPU step on the loop thread) is alive and
+must stay a member; a frozen (SIGSTOP) or dead process falls silent on both of its connections and
+is still declared lost within the timeout. The thread authenticates with the job's token like any
+connection (hello role ROLE_BEAT, with the member's session id, covered by the proofs), and may
+only send ``hb`` and ``progress``. The CPython thread switch interval (5 ms) lets it run while the
+loop thread computes in Python; C code that holds the GIL for seconds would starve it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from aiocoll._errors import AuthenticationError, ProtocolError
+from aiocoll.protocol import ClientHandshake, FrameDecoder, encode_frame
+from aiocoll.protocol._coordinator import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ROLE_BEAT
+
+__all__ = ["BeatThread"]
+
+log = logging.getLogger("aiocoll.client.beat")
+
+_CONNECT_TIMEOUT = 5.0
+_REPLY_TIMEOUT = HEARTBEAT_TIMEOUT / 2
+_BACKOFF_MAX = 2.0
+_MAX_REPLY = 64 * 1024
+
+Report = Callable[[bool], "dict[str, Any] | None"]
+
+
+class BeatThread:
+    """Beats for one member on a connection of its own, and sends its progress reports.
+
+    Args:
+        host, port: the coordinator. token: the shared secret. job: the job id.
+        session: the member's session id (from the join reply). rank: for log lines.
+        report: ``report(full)`` returns a progress report's fields, or None (ProgressTracker.report).
+        interval: seconds between heartbeats. check_every: seconds between looks at ``report``.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | bytes | None,
+        job: str,
+        session: str,
+        rank: int,
+        report: Report,
+        interval: float = HEARTBEAT_INTERVAL,
+        check_every: float = 0.5,
+    ) -> None:
+        self._address = (host, port)
+        self._token = token
+        self._job = job
+        self._session = session
+        self._rank = rank
+        self._report = report
+        self._interval = interval
+        self._check_every = min(check_every, interval)
+        self._stopping = threading.Event()
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+        self.beats = 0
+        self._thread = threading.Thread(target=self._run, name=f"aiocoll-beat-rank{rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop beating and close the connection (the coordinator declares nothing for it)."""
+        self._stopping.set()
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                sock, decoder = self._connect()
+            except (OSError, ProtocolError, AuthenticationError) as exc:
+                log.debug("rank %d: beat connection failed: %s; retrying", self._rank, exc)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, _BACKOFF_MAX)
+                continue
+            backoff = 0.1
+            self._sock = sock
+            try:
+                self._beat(sock, decoder)
+            except (OSError, ProtocolError, TimeoutError) as exc:
+                if not self._stopping.is_set():
+                    log.debug("rank %d: beat connection lost: %s; reconnecting", self._rank, exc)
+            finally:
+                self._sock = None
+                sock.close()
+            self._stopping.wait(backoff)
+
+    def _connect(self) -> tuple[socket.socket, FrameDecoder]:
+        sock = socket.create_connection(self._address, timeout=_CONNECT_TIMEOUT)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            handshake = ClientHandshake(
+                self._token, role=ROLE_BEAT, job=self._job, extra={"session": self._session}
+            )
+            sock.sendall(handshake.start())
+            while not handshake.done:
+                data = sock.recv(4096)
+                if not data:
+                    raise ProtocolError("the coordinator closed the beat connection during the handshake")
+                out = handshake.receive_data(data)
+                if out:
+                    sock.sendall(out)
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(_REPLY_TIMEOUT)
+        return sock, FrameDecoder(max_header=_MAX_REPLY, max_payload=0)
+
+    def _beat(self, sock: socket.socket, decoder: FrameDecoder) -> None:
+        last_beat = 0.0
+        want = False
+        while not self._stopping.wait(self._check_every if last_beat and not want else 0.0):
+            report = self._report(want)
+            now = time.monotonic()
+            if report is not None:
+                reply = self._request(sock, decoder, {"op": "progress", **report})
+                want = False
+                if not reply.get("ok", False):
+                    log.debug("rank %d: progress report refused: %s", self._rank, reply.get("msg"))
+            elif now - last_beat >= self._interval:
+                reply = self._request(sock, decoder, {"op": "hb"})
+                want = reply.get("want") is True
+            else:
+                continue
+            last_beat = now
+            self.beats += 1
+
+    def _request(self, sock: socket.socket, decoder: FrameDecoder, header: dict[str, Any]) -> dict[str, Any]:
+        self._next_id += 1
+        req_id = header["id"] = self._next_id
+        sock.sendall(b"".join(bytes(p) for p in encode_frame(header)))
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionResetError("the coordinator closed the beat connection")
+            for frame in decoder.feed(data):
+                if frame.header.get("id") == req_id:
+                    return frame.header

@@ -1,0 +1,213 @@
+"""What this rank is doing, for the coordinator's progress view, and a record of its last operations.
+
+May import foundations only (aiocoll._errors, aiocoll.protocol); never the engine (the engine owns
+a tracker and hands it its groups) nor the public surface.
+
+Two consumers, two costs:
+
+- The event loop pays one ``record`` per finished operation (a deque append) and a stamp every
+  LOOP_STAMP_EVERY seconds. Nothing else: no message, no timer per operation.
+- The beat thread (client/_beat.py) calls ``report`` about twice a second. It looks at the
+  engine's pending operations from outside the loop and returns a ``progress`` report only when
+  one has been pending longer than ``threshold`` (AIOCOLL_PROGRESS_AFTER, default 1 s), when the
+  event loop itself has not run for that long, when such a report must be withdrawn, or when the
+  coordinator asked for a full one. While operations complete quickly it returns None and nothing
+  is sent (``reports_sent`` stays 0).
+
+Reading the engine's state from another thread is safe under the GIL because every container is
+copied by a single C call (``list(set)``, ``dict.copy``) before it is walked; a report may be a
+moment stale, never torn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from aiocoll.protocol._coordinator import env_seconds
+
+__all__ = ["DEFAULT_PROGRESS_AFTER", "HISTORY", "LOOP_STAMP_EVERY", "ProgressTracker", "signature"]
+
+log = logging.getLogger("aiocoll.client.progress")
+
+DEFAULT_PROGRESS_AFTER = 1.0
+HISTORY = 64  # operations kept for the record logged on a failure (and `done` in reports)
+LOOP_STAMP_EVERY = 0.25
+_MAX_OPS = 64  # the coordinator's limit (server/_progress.MAX_OPS)
+_SIG_KEYS = ("kind", "root", "dtype", "count", "op", "ranks")
+
+
+class _Group(Protocol):
+    gid: str
+    ranks: tuple[int, ...]
+    next_seq: int
+    pending: Any  # a set of operations
+
+
+def signature(kind: str, meta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The fields of an operation that every rank of its group must agree on, wire-safe."""
+    sig: dict[str, Any] = {"kind": str(meta.get("kind", kind)) if meta else kind}
+    if meta:
+        for key in _SIG_KEYS:
+            if key in meta and key != "kind":
+                value = meta[key]
+                if isinstance(value, (list, tuple)):
+                    value = [int(v) for v in value]
+                elif value is not None and not isinstance(value, (int, str, float, bool)):
+                    value = str(value)
+                sig[key] = value
+    return sig
+
+
+class ProgressTracker:
+    """One engine's progress: the record of its last operations and the reports for the coordinator.
+
+    Args:
+        rank: this process's global rank (for log lines).
+        groups: returns the engine's groups (called from the beat thread).
+        threshold: seconds an operation may be pending before it is reported (None: the
+            AIOCOLL_PROGRESS_AFTER environment variable, else DEFAULT_PROGRESS_AFTER).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        groups: Callable[[], Iterable[_Group]],
+        *,
+        threshold: float | None = None,
+        history: int = HISTORY,
+    ) -> None:
+        self.rank = rank
+        self._groups = groups
+        if threshold is None:
+            threshold = env_seconds("AIOCOLL_PROGRESS_AFTER", DEFAULT_PROGRESS_AFTER)
+        self.threshold = threshold
+        # (kind, group, seq, meta, start, end, outcome); start and end are time.monotonic().
+        self.history: collections.deque[tuple[str, str, int, dict[str, Any] | None, float, float, str]] = (
+            collections.deque(maxlen=history)
+        )
+        self.loop_stamp = time.monotonic()
+        self._stamper: asyncio.TimerHandle | None = None
+        self._last_sent: Any = None  # what the last report said (None: nothing reported)
+        self.wanted = False  # a peer asked for a full report (store mode; see ask_progress)
+        self.reports_sent = 0
+        # (group, seq) -> (ranks the coordinator found behind, its message); see ``behind_at``.
+        self._behind: collections.OrderedDict[tuple[str, int], tuple[list[int], str]] = (
+            collections.OrderedDict()
+        )
+
+    # -- on the event loop ----------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stamp ``loop_stamp`` every LOOP_STAMP_EVERY seconds while the loop runs."""
+
+        def stamp() -> None:
+            self.loop_stamp = time.monotonic()
+            self._stamper = loop.call_later(LOOP_STAMP_EVERY, stamp)
+
+        stamp()
+
+    def stop(self) -> None:
+        if self._stamper is not None:
+            self._stamper.cancel()
+            self._stamper = None
+
+    def record(
+        self, kind: str, gid: str, seq: int, sig: dict[str, Any] | None, start: float, outcome: str
+    ) -> None:
+        """An operation finished (``outcome``: "ok", "cancelled" or the error's class name).
+        ``sig`` is the operation's message meta as given (made wire-safe only when reported)."""
+        self.history.append((kind, gid, seq, sig, start, time.monotonic(), outcome))
+
+    def note_behind(self, gid: str, seq: int, ranks: Sequence[int], message: str) -> None:
+        """The coordinator found ``ranks`` behind at (gid, seq) while others wait there."""
+        self._behind[(gid, seq)] = ([int(r) for r in ranks], message)
+        while len(self._behind) > HISTORY:
+            self._behind.popitem(last=False)
+
+    def behind_at(self, gid: str, seq: int) -> tuple[list[int], str] | None:
+        return self._behind.get((gid, seq))
+
+    def log_record(self, why: str) -> None:
+        """Log the last operations (kind, group, seq, size, start, end) after a failure."""
+        now_mono, now_wall = time.monotonic(), time.time()
+
+        def wall(t: float) -> str:
+            stamp = now_wall - (now_mono - t)
+            return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int(stamp * 1000) % 1000:03d}"
+
+        lines = [f"rank {self.rank}: {why}; its last {len(self.history)} operation(s), oldest first:"]
+        for kind, gid, seq, sig, start, end, outcome in list(self.history):
+            size = ""
+            if sig and sig.get("count") is not None:
+                size = f" count={sig['count']}" + (f" dtype={sig['dtype']}" if sig.get("dtype") else "")
+            where = f"group={gid!r}" + (f" seq={seq}" if seq >= 0 else "")
+            took = f"{(end - start) * 1e3:.1f} ms"
+            lines.append(f"  {kind} {where}{size} start={wall(start)} end={wall(end)} ({took}) {outcome}")
+        for group in list(self._groups()):
+            for op in list(group.pending):
+                lines.append(
+                    f"  {op.kind} group={group.gid!r} seq={op.seq} start={wall(op.started)} still pending"
+                )
+        log.warning("\n".join(lines))
+
+    # -- on the beat thread ---------------------------------------------------------------
+    def report(self, full: bool = False) -> dict[str, Any] | None:
+        """The ``progress`` request's fields, or None when there is nothing to say.
+
+        Args:
+            full: the coordinator asked: report every pending operation, however young.
+        """
+        for _ in range(3):
+            try:
+                return self._report(full)
+            except RuntimeError:  # a container changed while it was read: look again
+                continue
+        return None
+
+    def _report(self, full: bool) -> dict[str, Any] | None:
+        now = time.monotonic()
+        threshold = self.threshold
+        ops: list[dict[str, Any]] = []
+        seqs: dict[str, int] = {}
+        for group in list(self._groups()):
+            seqs[group.gid] = group.next_seq
+            for op in list(group.pending):
+                age = now - op.started
+                if (age < threshold and not full) or op.future.done() or len(ops) >= _MAX_OPS:
+                    continue
+                recv = op.outstanding_recv.copy()
+                send = op.outstanding_send.copy()
+                waits = sorted(
+                    {r for r, n in recv.items() if n > 0 and r is not None}
+                    | {r for r, n in send.items() if n > 0}
+                )
+                if recv.get(None, 0) > 0:  # a receive from any source
+                    waits = sorted(r for r in group.ranks if r != self.rank)
+                ops.append(
+                    {
+                        "g": group.gid,
+                        "n": list(group.ranks),
+                        "s": op.seq,
+                        "sig": signature(op.kind, op.sig),
+                        "st": "waiting" if waits else "running",
+                        "w": waits,
+                        "age": round(age, 3),
+                    }
+                )
+        stalled = now - self.loop_stamp
+        busy = round(stalled, 3) if stalled > threshold + LOOP_STAMP_EVERY else None
+        said = (
+            tuple((o["g"], o["s"], o["st"], tuple(o["w"])) for o in ops),
+            busy is not None,
+        )
+        if not full and said == (self._last_sent or ((), False)):
+            return None  # nothing new: nothing stalled (the fast path), or the same stall as before
+        self._last_sent = said
+        history = list(self.history)
+        done = [[gid, seq, signature(kind, sig)] for kind, gid, seq, sig, _, _, _ in history if seq >= 0]
+        self.reports_sent += 1
+        return {"ops": ops, "seqs": seqs, "done": done, "busy": busy}

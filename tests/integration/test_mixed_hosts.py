@@ -1,0 +1,98 @@
+"""A world spread over three "hosts" (network + UTS namespaces joined by veth links), the
+coordinator on one of them, several ranks per host, placed out of rank order.
+
+Checks, in one world: every rank's host identity in the membership table tells the hosts apart
+(although all three hosts carry the same hostname, as cloned machines do) and agrees within a
+host; all_reduce runs hierarchically (reduce per host, exchange among leaders, broadcast per
+host) and matches numpy for several ops, dtypes and sizes, on the world and on a sub-group that
+spans hosts; the other collectives and AVG (flat) match numpy too. Skips with the reason where
+namespaces cannot be made (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocoll.testing.netns import NamespaceHosts, NamespacesUnavailable
+from aiocoll.testing.world import World, unwrap
+
+pytestmark = pytest.mark.integration
+
+# rank -> host: host 0 (with the coordinator) holds 0, 3, 5; host 1 holds 1, 4; host 2 holds 2
+PLACEMENT = [0, 1, 2, 0, 1, 0]
+SUBGROUP = [1, 2, 3, 4]  # spans the three hosts, host 1 twice
+
+
+def _inputs(rank: int, count: int, dtype: str) -> np.ndarray:
+    rng = np.random.default_rng(1000 * rank + count)
+    return rng.integers(1, 5, size=count).astype(dtype)
+
+
+async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
+    from aiocoll.client.routing import choose_route
+
+    from aiocoll import ReduceOp
+    from aiocoll._host import host_identity
+
+    out: dict[str, Any] = {"identity": host_identity()}
+    out["identities"] = await pg.all_gather_object(out["identity"])
+    out["route"] = choose_route("all_reduce", ReduceOp.SUM, pg._layout)
+    out["avg_route"] = choose_route("all_reduce", ReduceOp.AVG, pg._layout)
+    n = pg.size
+    for dtype in ("float64", "int32", "float32"):
+        for count in (1, 1000, 300_000):
+            for op, combine in (("sum", np.add), ("max", np.maximum), ("product", np.multiply)):
+                if op == "product" and count > 1000:
+                    continue
+                x = _inputs(pg.rank, count, dtype)
+                await pg.all_reduce(x, op=op)
+                expected = combine.reduce(np.stack([_inputs(r, count, dtype) for r in range(n)]), axis=0)
+                np.testing.assert_array_equal(x, expected, err_msg=f"all_reduce {op} {dtype} {count}")
+    x = _inputs(pg.rank, 1000, "float64")
+    await pg.all_reduce(x, op="avg")
+    avg = np.mean(np.stack([_inputs(r, 1000, "float64") for r in range(n)]), axis=0)
+    np.testing.assert_allclose(x, avg, rtol=1e-12)
+    b = _inputs(pg.rank, 5000, "float32")
+    await pg.broadcast(b, src=4)
+    np.testing.assert_array_equal(b, _inputs(4, 5000, "float32"))
+    gathered = np.zeros(n * 100, dtype="int64")
+    await pg.all_gather_into_tensor(gathered, _inputs(pg.rank, 100, "int64"))
+    np.testing.assert_array_equal(gathered, np.concatenate([_inputs(r, 100, "int64") for r in range(n)]))
+    sub = await pg.new_group(SUBGROUP)
+    if sub is not None:
+        out["sub_route"] = choose_route("all_reduce", ReduceOp.SUM, sub._layout)
+        y = _inputs(pg.rank, 70_000, "float64")
+        await sub.all_reduce(y)
+        np.testing.assert_array_equal(y, np.sum([_inputs(r, 70_000, "float64") for r in SUBGROUP], axis=0))
+    await pg.barrier()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_world_over_three_namespace_hosts_reduces_hierarchically_and_matches_numpy() -> None:
+    try:
+        hosts = NamespaceHosts(3, hostnames=["node", "node", "node"])
+    except NamespacesUnavailable as exc:
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    with hosts:
+        world = World(
+            _checks,
+            len(PLACEMENT),
+            args=(PLACEMENT,),
+            init_method=f"tcp://{hosts.addresses[0]}:29500",
+            prefix=lambda rank: hosts.prefix(PLACEMENT[rank]),
+            init_timeout=60,
+        )
+        results = unwrap(world.join(100))
+    identities = [r["identity"] for r in results]
+    assert all(r["identities"] == identities for r in results)  # the table every rank saw
+    for a, host_a in enumerate(PLACEMENT):
+        for b, host_b in enumerate(PLACEMENT):
+            assert (identities[a] == identities[b]) == (host_a == host_b), (a, b, identities)
+    assert all(identity.startswith("node/") for identity in identities)  # same hostname everywhere
+    assert [r["route"] for r in results] == ["hierarchical"] * len(PLACEMENT)
+    assert [r["avg_route"] for r in results] == ["flat"] * len(PLACEMENT)
+    assert [results[r]["sub_route"] for r in SUBGROUP] == ["hierarchical"] * len(SUBGROUP)
