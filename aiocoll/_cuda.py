@@ -21,13 +21,12 @@ import numpy as np
 import torch
 
 from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
-from aiocoll._staging import CallerStreamContext
 from aiocoll._types import ReduceOp
 
 __all__ = [
     "CudaDevice",
     "CudaTensor",
-    "caller_streams",
+    "cuda_devices_of",
     "cuda_device",
     "cuda_unavailable",
     "device_count",
@@ -323,25 +322,16 @@ def wrap_cuda_tensor(tensor: Any, dtype_name: str) -> CudaTensor:
     return CudaTensor(cuda_device(int(index)), tensor, dtype_name)
 
 
-def caller_streams(tensors: Any) -> CallerStreamContext | None:
-    """For the torch backend, on the calling thread: events recorded now on the current stream of
-    every CUDA device among ``tensors`` (c10d passes some methods' inputs apart from their
-    outputs, so with none among them, the current device's when CUDA is in use; None when it is
-    not). The operation, run later on aiocoll's loop thread, stages after these events instead
-    of after the loop thread's own (unrelated) current stream, and leaves its completion events
-    in the context for the caller's stream to wait on."""
-    indices = {t.device.index for t in tensors if t.is_cuda}
+def cuda_devices_of(tensors: Any) -> list[CudaDevice]:
+    """The CUDA devices of the torch tensors among ``tensors`` (anything else is skipped); with
+    none among them, the current device when CUDA is initialized (c10d passes some methods'
+    inputs apart from their outputs); else none."""
+    indices = {t.device.index for t in tensors if getattr(t, "is_cuda", False)}
     if not indices:
         if not torch.cuda.is_initialized():
-            return None
+            return []
         indices = {torch.cuda.current_device()}
-    context = CallerStreamContext()
-    for index in indices:
-        device = cuda_device(int(index) if index is not None else torch.cuda.current_device())
-        event = device.new_event()
-        event.record(device.current_stream())
-        context.ready[device.name] = event
-    return context
+    return [cuda_device(int(i) if i is not None else torch.cuda.current_device()) for i in indices]
 
 
 def cuda_unavailable() -> str | None:

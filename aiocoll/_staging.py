@@ -55,6 +55,7 @@ __all__ = [
     "PinnedPool",
     "Staging",
     "caller_context",
+    "record_caller_streams",
     "chunk_bounds",
     "run_pipeline",
     "staging_for",
@@ -393,6 +394,16 @@ class CallerStreamContext:
 caller_context: contextvars.ContextVar[CallerStreamContext | None] = contextvars.ContextVar(
     "aiocoll_caller_stream", default=None
 )
+
+
+def record_caller_streams(devices: Sequence[Device]) -> CallerStreamContext:
+    """On the calling thread: an event recorded now on its current stream of each device."""
+    context = CallerStreamContext()
+    for device in devices:
+        event = device.new_event()
+        event.record(device.current_stream())
+        context.ready[device.name] = event
+    return context
 
 
 def ready_event(device: Device) -> Event:

@@ -31,9 +31,10 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from ._device import Device, DeviceTensor
 from ._errors import DistError
 from ._run import new_event_loop
-from ._staging import CallerStreamContext, caller_context
+from ._staging import CallerStreamContext, caller_context, record_caller_streams
 from ._work import Work as _CoreWork
 
 __all__ = ["Outcome", "completion_pool", "get_loop_thread", "LoopThread"]
@@ -194,22 +195,24 @@ class LoopThread:
 def issue_on_caller_streams(
     start: Callable[[], Awaitable[Any]], tensors: Sequence[Any], *, wait_on_host: bool
 ) -> tuple[Outcome, CallerStreamContext | None]:
-    """``get_loop_thread().issue(start)``, with the calling thread's CUDA stream events.
+    """``get_loop_thread().issue(start)``, with the calling thread's device stream events.
 
-    Once CUDA is in use in this process (a CUDA tensor among ``tensors`` or seen before), events
-    recorded now on the calling thread's current streams go with the call (issue() hands the
-    loop a copy of this thread's context), so the operation stages what the caller's streams
-    computed before the call. ``wait_on_host``: the operation completes once its results are on
-    the device (aiocoll.sync); else it leaves completion events in the returned context for the
-    caller's stream to wait on (aiocoll.torch's Work). The context is None without CUDA.
+    For device tensors among ``tensors`` (torch CUDA tensors, any aiocoll DeviceTensor; and the
+    current CUDA device once CUDA is in use in this process), events recorded now on the calling
+    thread's current streams go with the call (issue() hands the loop a copy of this thread's
+    context), so the operation stages what the caller's streams computed before the call.
+    ``wait_on_host``: the operation completes once its results are on the device (aiocoll.sync);
+    else it leaves completion events in the returned context for the caller's stream to wait on
+    (aiocoll.torch's Work). The context is None when no device is involved.
     """
-    streams: CallerStreamContext | None = None
+    devices: list[Device] = [t.device for t in tensors if isinstance(t, DeviceTensor)]
     if "aiocoll._cuda" in sys.modules or any(getattr(t, "is_cuda", False) for t in tensors):
-        from ._cuda import caller_streams
+        from ._cuda import cuda_devices_of
 
-        streams = caller_streams(tensors)
-    if streams is None:
+        devices += cuda_devices_of(tensors)
+    if not devices:
         return get_loop_thread().issue(start), None
+    streams = record_caller_streams(devices)
     streams.wait_on_host = wait_on_host
     token = caller_context.set(streams)
     try:

@@ -38,10 +38,18 @@ from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec
 from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
+from aiocoll.client._shm_coll import ShmGroup, intra_host_group, region_offer, shm_starter, world_group
 from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
 from aiocoll.client.routing import choose_route, host_layout, run_routed
-from aiocoll.client.transports import LinkTransport, PeerRow, connect_links, host_identity, open_transport
+from aiocoll.client.transports import (
+    LinkTransport,
+    PeerRow,
+    connect_links,
+    host_identity,
+    listen_addresses,
+    open_transport,
+)
 from aiocoll.client.transports.tcp import route_interface
 from aiocoll.stores import FileStore, Store
 
@@ -152,6 +160,11 @@ class _Runtime:
         self.default_timeout = default_timeout
         self.closed = False
         self.store_progress: StoreProgress | None = None
+        # Groups whose members all share this host: their collectives' shared-memory side.
+        self.shm_groups: dict[str, ShmGroup] = {}
+        shm = world_group(transport, WORLD_GID)
+        if shm is not None:
+            self.shm_groups[WORLD_GID] = shm
 
     async def aclose(self) -> None:
         if self.closed:
@@ -160,6 +173,8 @@ class _Runtime:
         if self.store_progress is not None:
             await self.store_progress.aclose()
         await self.engine.aclose()
+        for shm in self.shm_groups.values():
+            shm.close()
         if self.coordinator is not None:
             # Others still use the embedded coordinator until they leave: each leaves its session
             # before it says goodbye on its links, so once every link is closed the coordinator
@@ -204,6 +219,7 @@ class ProcessGroup:
         self.ranks = list(state.ranks)
         self.group_id = state.gid
         self._destroyed = False
+        self._shm = runtime.shm_groups.get(state.gid)
         self._layout = host_layout(self.ranks, state.ranks[state.index], runtime.hosts)
 
     def __repr__(self) -> str:
@@ -267,6 +283,11 @@ class ProcessGroup:
             dtype=meta.get("dtype"),
         )
 
+        # Every member on this host: the shared-memory collectives; else the routes (flat or
+        # hierarchical) over the links.
+        work = self._intra_host(spec, meta, workings, result, timeout)
+        if work is not None:
+            return work
         layout = self._layout
         route = choose_route(kind, op, layout)
         plan = eager_plan(spec, meta) if route == "flat" else None
@@ -328,6 +349,39 @@ class ProcessGroup:
             return result
 
         return self._submit(kind, body, timeout)
+
+    def _intra_host(
+        self,
+        spec: CollectiveSpec,
+        meta: dict[str, Any],
+        workings: Sequence[Working],
+        result: Any,
+        timeout: Any,
+    ) -> Work | None:
+        """The one place where a collective leaves the links for a faster path: when every
+        member of the group shares this host, the kinds the shared-memory arenas serve run
+        there (client/_shm_coll.py). None: run it over the links."""
+        shm = self._shm
+        if shm is None:
+            return None
+
+        def done(_: BaseException | None) -> Any:
+            for w in workings:
+                w.finish()
+            return result
+
+        start = shm_starter(shm, spec, meta, done)
+        if start is None:
+            return None
+        if self._destroyed:
+            raise DistError(f"{spec.kind}: process group {self.group_id!r} was destroyed")
+        return self._rt.engine.submit_eager(
+            self._state,
+            spec.kind,
+            start,
+            timeout=_timeout(timeout, self._rt.default_timeout),
+            signature=meta,  # what progress reports compare across ranks
+        )
 
     def _meta(
         self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
@@ -782,15 +836,24 @@ class ProcessGroup:
                 raise ValueError("new_group: ranks is empty")
         members = [self.ranks[r] for r in chosen]
         meta = {"kind": "new_group", "ranks": chosen}
+        # Every rank offers the shared-memory regions it could give the new group; the AND of
+        # the offers (an all_reduce is a barrier too) is what every member can use.
+        offers = np.array([region_offer(self._rt.transport, members)], np.uint64)
+        agree = CollectiveSpec(
+            "all_reduce", tuple(self.ranks), self.rank, (offers,), (offers,), op=ReduceOp.BAND
+        )
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
-            await run_routed(self._spec("barrier", (), ()), tp, tag, meta, self._layout)
+            await run_routed(agree, tp, tag, meta, self._layout)
             return f"{self.group_id}.{tag[2]}"
 
         gid = await self._submit("new_group", body, timeout, signature=meta)
         if self._rt.transport.rank not in members:
             return None
         state = self._rt.engine.group(gid, members)
+        shm = intra_host_group(self._rt.transport, members, int(offers[0]), gid)
+        if shm is not None:
+            self._rt.shm_groups[gid] = shm
         return ProcessGroup(self._rt, state)
 
     async def destroy(self) -> None:
@@ -807,6 +870,9 @@ class ProcessGroup:
         else:
             self._rt.engine.forget_group(self.group_id)
             ipc_groups.forget((id(self._rt), self.group_id))
+            shm = self._rt.shm_groups.pop(self.group_id, None)
+            if shm is not None:
+                shm.close()
 
     async def __aenter__(self) -> ProcessGroup:
         return self
@@ -967,7 +1033,7 @@ async def _init_with_coordinator(
     coordinator = None
     session = None
     try:
-        addr = await transport.listen(iface)
+        addrs = await listen_addresses(transport, iface, token=token, job=job)
         if rank == 0 and not await _coordinator_answers(host, port):
             from aiocoll.server import Coordinator
 
@@ -984,7 +1050,7 @@ async def _init_with_coordinator(
                 coordinator = None
         session = await _connect_session(CoordinatorSession, host, port, token, job, ROLE_WORKER, deadline)
         membership = await session.join(
-            rank, world_size, [[addr[0], addr[1]]], host_identity(), deadline.remaining()
+            rank, world_size, addrs, host_identity(), deadline.remaining()
         )
         if membership.world_size != world_size:
             raise RendezvousError(
@@ -1075,13 +1141,13 @@ async def _init_with_store(
     )
     transport = open_transport(rank, world_size, token=token, job=job)
     try:
-        addr = await transport.listen(host)
+        addrs = await listen_addresses(transport, host, token=token, job=job)
         # Each rank counts its own rendezvous rounds, so a store reused by a later
         # init_process_group (after destroy) never hands out a previous round's dead addresses.
         rnd = await store.add(f"aiocoll/{job}/rounds/{rank}", 1)
         prefix = f"aiocoll/{job}/round{rnd}/peer/"
         await store.set(
-            f"{prefix}{rank}", msgpack.packb({"addrs": [[addr[0], addr[1]]], "host": host_identity()})
+            f"{prefix}{rank}", msgpack.packb({"addrs": addrs, "host": host_identity()})
         )
         keys = [f"{prefix}{r}" for r in range(world_size)]
         try:

@@ -86,8 +86,10 @@ class BeatThread:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
+        # Called on the event loop: wait briefly, never long (a thread stuck connecting to a dead
+        # coordinator ends by itself; it is a daemon and beats for nobody once stopping is set).
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
+            self._thread.join(timeout=0.5)
 
     def _run(self) -> None:
         backoff = 0.1

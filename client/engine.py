@@ -193,6 +193,14 @@ class OpTransport(Transport):
     def discard(self, tag_prefix: Tag) -> None:
         self._inner.discard(tag_prefix)
 
+    def waiting_for(self, ranks: Iterable[int]) -> None:
+        """An operation that waits without messages (shared memory) says whom it waits for now,
+        so progress reports and a timeout name them as they name a missing message's sender."""
+        pending = self._op.outstanding_recv
+        pending.clear()
+        for rank in ranks:
+            pending[rank] = 1
+
     def retire(self, tag_prefix: Tag) -> None:
         self._inner.retire(tag_prefix)
 

@@ -4,8 +4,9 @@
 members share a host, by the membership table's host identity), how an operation runs:
 "flat" (the algorithms of aiocoll.algorithms over the group's links) or "hierarchical" (an
 all_reduce over a group that spans hosts with several ranks on at least one: reduce within each
-host to its leader, all_reduce among the leaders, broadcast within each host). Intra-host
-collectives over shared memory add their choice here too ("every member on one host").
+host to its leader, all_reduce among the leaders, broadcast within each host). A group whose
+members all share one host, with shared-memory links, runs the kinds the arenas serve before any
+route is chosen (ProcessGroup._intra_host, client/_shm_coll.py).
 
 ``run_routed`` runs an operation the way ``choose_route`` says. The hierarchical all_reduce is
 composed of the existing operations, each run on the sub-group it concerns through
@@ -14,8 +15,8 @@ parts are single-host groups). All parts run inside the one operation of the par
 their messages carry the parent operation's tag plus a part marker, so they match across ranks
 by the parent's sequence number, count against its deadline and fail with it.
 
-Imports foundations only (aiocoll.algorithms, aiocoll._types); the public layer builds layouts
-from the membership table and calls ``run_routed``.
+Imports foundations only (aiocoll.algorithms, aiocoll._types, aiocoll._reduce); the public
+layer builds layouts from the membership table and calls ``run_routed``.
 """
 
 from __future__ import annotations
@@ -26,15 +27,26 @@ from typing import Any
 
 import numpy as np
 
+from aiocoll._reduce import finish_avg
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport, run_collective
 
 __all__ = ["HIERARCHICAL_OPS", "HostLayout", "choose_route", "host_layout", "run_routed"]
 
 # Ops whose result does not depend on how partial results are grouped (up to floating-point
-# rounding). AVG is not one (an average of per-host averages weighs hosts, not ranks): it stays flat.
+# rounding). AVG runs as SUM through the parts and is divided once at the end, as the flat path
+# does (an average of per-host averages would weigh hosts, not ranks).
 HIERARCHICAL_OPS = frozenset(
-    {ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR}
+    {
+        ReduceOp.SUM,
+        ReduceOp.AVG,
+        ReduceOp.PRODUCT,
+        ReduceOp.MIN,
+        ReduceOp.MAX,
+        ReduceOp.BAND,
+        ReduceOp.BOR,
+        ReduceOp.BXOR,
+    }
 )
 
 # Message-tag markers of the hierarchical all_reduce's three parts (short: they travel in every header)
@@ -111,20 +123,24 @@ async def _hierarchical_all_reduce(
     x = spec.recv[0]
     if spec.send[0] is not x:  # out of place: the parts below all work in place on the result
         np.copyto(x, spec.send[0])
+    average = spec.op is ReduceOp.AVG
+    op = ReduceOp.SUM if average else spec.op
     local, leaders = layout.local, layout.leaders
     at_home = HostLayout(local, local[:1], 1, len(local) > 1)  # the intra-host sub-group: one host
     if len(local) > 1:
         reduce = CollectiveSpec(
-            "reduce", local, local.index(me), (x,), (x,), root=0, op=spec.op, dtype=spec.dtype
+            "reduce", local, local.index(me), (x,), (x,), root=0, op=op, dtype=spec.dtype
         )
         await run_routed(reduce, transport, (*tag, _HOST_REDUCE), meta, at_home)
     if me == local[0]:
         # the leaders' sub-group: one member per host
         abroad = HostLayout((me,), leaders, len(leaders), False)
         exchange = CollectiveSpec(
-            "all_reduce", leaders, leaders.index(me), (x,), (x,), op=spec.op, dtype=spec.dtype
+            "all_reduce", leaders, leaders.index(me), (x,), (x,), op=op, dtype=spec.dtype
         )
         await run_routed(exchange, transport, (*tag, _LEADERS), meta, abroad)
     if len(local) > 1:
         spread = CollectiveSpec("broadcast", local, local.index(me), (), (x,), root=0, dtype=spec.dtype)
         await run_routed(spread, transport, (*tag, _HOST_BROADCAST), meta, at_home)
+    if average:  # every rank divides the same sum the same way: identical bits everywhere
+        finish_avg(x, len(spec.ranks), spec.dtype or meta.get("dtype") or x.dtype.name)

@@ -368,10 +368,14 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
                     bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n, device)
+                    shm = pg._shm  # the group's shared-memory collectives, when on one host
+                    shm_before = shm.completed if shm is not None else 0
                     times, usage = await _time_aiocoll(
                         OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
                     )
                     algorithm = hook.last.get(op, "p2p" if op == "sendrecv" else "-")
+                    if shm is not None and shm.completed - shm_before >= cfg["iters"]:
+                        algorithm = "shm"  # read each other's memory (no algorithm over links)
                     if device is not None:
                         from aiocoll._staged_ops import StagedOp
 

@@ -84,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--algorithm",
         default=None,
         choices=["ring", "rhd", "tree", "direct"],
-        help="force aiocoll's algorithm instead of choosing by size (ring, rhd = recursive "
-        "halving-doubling, tree, direct)",
+        help="force aiocoll's algorithm over the links instead of choosing by size (ring, rhd = recursive "
+        "halving-doubling, tree, direct); ranks of one host read each other's memory instead (algo shm) "
+        "unless --transport tcp",
     )
     parser.add_argument(
         "--loop",

@@ -44,6 +44,7 @@ import pytest
 from .._deadline import Deadline
 from .._errors import DistError, MismatchError, PeerLostError
 from ..algorithms._transport import Transport
+from ..client.transports._factory import PeerRow, connect_links, listen_addresses
 from ..client.transports._link import Link, LinkTransport
 from ..client.transports.memory import MemoryWorld
 from ..client.transports.tcp import TcpTransport
@@ -56,6 +57,7 @@ __all__ = [
     "abort_rank",
     "close_world",
     "memory_world",
+    "shm_world",
     "tcp_world",
 ]
 
@@ -87,7 +89,27 @@ async def tcp_world(n: int, **bounds: int) -> list[Transport]:
     return list(ts)
 
 
-LINK_KINDS: dict[str, Callable[..., Awaitable[list[Transport]]]] = {"memory": memory_world, "tcp": tcp_world}
+async def shm_world(n: int, **bounds: int) -> list[Transport]:
+    """n transports of one host linked by shm links (authenticated Unix sockets carrying the
+    frames; each side's arena mapped by the other), made by the link factory with the setting
+    ``shm``."""
+    ts = [TcpTransport(r, n, token="conformance", job="conformance", **bounds) for r in range(n)]
+    addrs = [
+        await listen_addresses(t, "127.0.0.1", token="conformance", job="conformance", choice="shm")
+        for t in ts
+    ]
+    table = [PeerRow(r, addrs[r], "one-host") for r in range(n)]
+    await asyncio.gather(*(connect_links(t, table, Deadline(_LIMIT), "shm") for t in ts))
+    for t in ts:
+        assert set(t.link_kinds().values()) <= {"shm"}, t.link_kinds()
+    return list(ts)
+
+
+LINK_KINDS: dict[str, Callable[..., Awaitable[list[Transport]]]] = {
+    "memory": memory_world,
+    "tcp": tcp_world,
+    "shm": shm_world,
+}
 
 
 def abort_rank(world: list[Transport], rank: int) -> None:

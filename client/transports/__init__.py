@@ -11,6 +11,7 @@ from ._factory import (
     choose_link_kinds,
     connect_links,
     host_identity,
+    listen_addresses,
     open_transport,
     transport_choice,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "choose_link_kinds",
     "connect_links",
     "host_identity",
+    "listen_addresses",
     "open_transport",
     "transport_choice",
 ]

@@ -39,6 +39,7 @@ __all__ = [
     "AUTO_ORDER",
     "CHOICES",
     "KINDS",
+    "SHM_PORT",
     "TRANSPORT_ENV",
     "LinkKind",
     "PeerEntry",
@@ -46,12 +47,30 @@ __all__ = [
     "choose_link_kinds",
     "connect_links",
     "host_identity",
+    "listen_addresses",
     "open_transport",
+    "shm_address",
+    "tcp_addresses",
     "transport_choice",
 ]
 
 TRANSPORT_ENV = "AIOCOLL_TRANSPORT"
 CHOICES = ("auto", "tcp", "shm")
+SHM_PORT = 0  # a membership address ["@name", SHM_PORT] is a shared-memory (abstract Unix) listener
+
+
+def shm_address(addrs: Sequence[Sequence[Any]]) -> str | None:
+    """A membership row's shared-memory address ("@name"), if it published one."""
+    return next((str(a[0]) for a in addrs if is_shm_address(a)), None)
+
+
+def is_shm_address(addr: Sequence[Any]) -> bool:
+    return len(addr) == 2 and str(addr[0]).startswith("@") and addr[1] == SHM_PORT
+
+
+def tcp_addresses(addrs: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
+    """A membership row's addresses without the shared-memory one."""
+    return [a for a in addrs if not is_shm_address(a)]
 
 
 class PeerEntry(Protocol):
@@ -112,12 +131,12 @@ class _Tcp(LinkKind):
         deadline: Deadline,
     ) -> None:
         assert isinstance(transport, TcpTransport)  # open_transport made it
-        await transport.connect({r: table[r].addrs for r in peers}, deadline, peers)
+        await transport.connect({r: tcp_addresses(table[r].addrs) for r in peers}, deadline, peers)
 
 
 KINDS: dict[str, LinkKind] = {"tcp": _Tcp()}
 # ``auto``'s preference, first match wins; tcp serves every pair, so it comes last.
-AUTO_ORDER: tuple[str, ...] = ("tcp",)
+AUTO_ORDER: tuple[str, ...] = ("shm", "tcp")
 
 
 def transport_choice(value: str | None = None) -> str:
@@ -165,6 +184,23 @@ def open_transport(
     return TcpTransport(rank, world_size, token=token, job=job)
 
 
+async def listen_addresses(
+    transport: TcpTransport, iface: str, *, token: str | None, job: str, choice: str | None = None
+) -> list[list[Any]]:
+    """Start listening for every link kind this process may use (before rendezvous); returns
+    the addresses to publish in the membership table: the tcp one, and the shared-memory one
+    unless the setting is tcp."""
+    addr = await transport.listen(iface)
+    addrs: list[list[Any]] = [[addr[0], addr[1]]]
+    setting = transport_choice(choice)
+    shm = KINDS.get("shm")
+    if setting != "tcp" and shm is not None and shm.unavailable() is None:
+        from .shm import prepare_shm
+
+        addrs.append(prepare_shm(transport, token=token, job=job, forced=setting == "shm"))
+    return addrs
+
+
 async def connect_links(
     transport: LinkTransport,
     table: Sequence[PeerEntry] | Mapping[int, PeerEntry],
@@ -189,3 +225,9 @@ async def connect_links(
     elif connects:
         await asyncio.gather(*connects)
     return kinds
+
+
+# The shm kind builds on the names above (LinkKind, the tcp kind's transport).
+from .shm import ShmKind  # noqa: E402
+
+KINDS["shm"] = ShmKind()

@@ -42,7 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, ClassVar, Protocol
 
 from aiocoll._deadline import Deadline
@@ -171,6 +171,10 @@ class LinkTransport(Transport):
         self._link_ready: dict[int, asyncio.Future[None]] = {}
         self._handlers: list[LostPeerHandler] = []
         self._closed = False
+        # Per-process state of link kinds that have some (the shm kind's arena), by kind name,
+        # and what to close with the transport.
+        self.kind_state: dict[str, Any] = {}
+        self._closers: list[Callable[[], None]] = []
         if rank is not None and world_size is not None:
             self.assign(rank, world_size)
 
@@ -443,12 +447,21 @@ class LinkTransport(Transport):
         }
 
     # -- closing ----------------------------------------------------------------------------
+    def on_close(self, closer: Callable[[], None]) -> None:
+        """Run ``closer`` when the transport closes (a link kind's per-process resources)."""
+        self._closers.append(closer)
+
     def _begin_close(self) -> bool:
         """Mark the transport closed; False when it already was. Kinds with more to stop (a
         listener) extend this."""
         if self._closed:
             return False
         self._closed = True
+        for closer in self._closers:
+            try:
+                closer()
+            except Exception:
+                log.exception("closing a link kind's resources failed")
         return True
 
     def abort(self) -> None:

@@ -207,6 +207,11 @@ class TcpTransport(LinkTransport):
         self.address: tuple[str, int] | None = None
         self.rejected = 0  # incoming connections refused (bad bytes, wrong token or job)
 
+    @property
+    def max_payload(self) -> int:
+        """The largest single message accepted from a peer."""
+        return self._max_payload
+
     async def listen(self, host: str = "127.0.0.1") -> tuple[str, int]:
         """Start accepting peer links on an ephemeral port of ``host``; returns (host, port)."""
         self._loop = asyncio.get_running_loop()

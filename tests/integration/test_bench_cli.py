@@ -107,7 +107,7 @@ def test_bench_all_reduce_two_ranks_prints_table_and_writes_json_and_png(tmp_pat
     assert [int(r[0]) for r in rows] == [4, 65536]
     assert [int(r[1]) for r in rows] == [1, 16384]  # float32 elements
     for row in rows:
-        assert row[2] in ("ring", "rhd", "tree")
+        assert row[2] in ("ring", "rhd", "tree", "shm")  # shm: both ranks share this host
         assert float(row[3]) >= float(row[5]) > 0 and float(row[4]) > 0  # median >= min; a mean
 
     report = json.loads(json_path.read_text())

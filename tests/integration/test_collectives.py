@@ -218,12 +218,15 @@ async def work_api_checks(pg: Any) -> dict[str, Any]:
         res["wait_on_loop_after_done"] = True
     except RuntimeError:
         res["wait_on_loop_after_done"] = False
-    w3 = pg.barrier()
+    # an operation that cannot have finished yet (its message is sent only after this check;
+    # a collective may complete inside its call when the peers are there already, over shm)
+    w3 = pg.recv(np.zeros(1, np.float32), src=(pg.rank + 1) % pg.size, tag=77)
     try:
         w3.wait()
         res["wait_on_loop_thread"] = "no error"
     except RuntimeError as exc:
         res["wait_on_loop_thread"] = "RuntimeError" if "event loop" in str(exc) else str(exc)
+    await pg.send(np.zeros(1, np.float32), dst=(pg.rank - 1) % pg.size, tag=77)
     await w3
     # cancelling a task that awaits a Work leaves the operation (and the group) in step
     z = np.full(3, float(pg.rank), np.float64)

@@ -1,12 +1,14 @@
 """A world spread over three "hosts" (network + UTS namespaces joined by veth links), the
 coordinator on one of them, several ranks per host, placed out of rank order.
 
-Checks, in one world: every rank's host identity in the membership table tells the hosts apart
-(although all three hosts carry the same hostname, as cloned machines do) and agrees within a
-host; all_reduce runs hierarchically (reduce per host, exchange among leaders, broadcast per
-host) and matches numpy for several ops, dtypes and sizes, on the world and on a sub-group that
-spans hosts; the other collectives and AVG (flat) match numpy too. Skips with the reason where
-namespaces cannot be made (not root, no iproute2).
+Checks, in one world: peers on one host are linked by shared memory and peers on other hosts
+by TCP (the link factory's auto choice from the host identities); every rank's host identity in
+the membership table tells the hosts apart (although all three hosts carry the same hostname, as
+cloned machines do) and agrees within a host; all_reduce runs hierarchically (reduce per host,
+exchange among leaders, broadcast per host) and matches numpy for several ops, dtypes and sizes,
+on the world and on a sub-group that spans hosts; AVG (hierarchical too: the whole sum divided
+once) and the other collectives match numpy as well. Skips with the reason where namespaces
+cannot be made (not root, no iproute2).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
     out["identities"] = await pg.all_gather_object(out["identity"])
     out["route"] = choose_route("all_reduce", ReduceOp.SUM, pg._layout)
     out["avg_route"] = choose_route("all_reduce", ReduceOp.AVG, pg._layout)
+    out["link_kinds"] = pg._rt.transport.link_kinds()
     n = pg.size
     for dtype in ("float64", "int32", "float32"):
         for count in (1, 1000, 300_000):
@@ -85,6 +88,7 @@ def test_a_world_over_three_namespace_hosts_reduces_hierarchically_and_matches_n
             init_method=f"tcp://{hosts.addresses[0]}:29500",
             prefix=lambda rank: hosts.prefix(PLACEMENT[rank]),
             init_timeout=60,
+            env={"AIOCOLL_TRANSPORT": "auto"},  # whatever the caller's environment says
         )
         results = unwrap(world.join(100))
     identities = [r["identity"] for r in results]
@@ -93,6 +97,9 @@ def test_a_world_over_three_namespace_hosts_reduces_hierarchically_and_matches_n
         for b, host_b in enumerate(PLACEMENT):
             assert (identities[a] == identities[b]) == (host_a == host_b), (a, b, identities)
     assert all(identity.startswith("node/") for identity in identities)  # same hostname everywhere
+    for rank, result in enumerate(results):  # AIOCOLL_TRANSPORT=auto: shm on a host, tcp across
+        expected = {p: "shm" if PLACEMENT[p] == PLACEMENT[rank] else "tcp" for p in result["link_kinds"]}
+        assert result["link_kinds"] == expected, (rank, result["link_kinds"])
     assert [r["route"] for r in results] == ["hierarchical"] * len(PLACEMENT)
-    assert [r["avg_route"] for r in results] == ["flat"] * len(PLACEMENT)
+    assert [r["avg_route"] for r in results] == ["hierarchical"] * len(PLACEMENT)
     assert [results[r]["sub_route"] for r in SUBGROUP] == ["hierarchical"] * len(SUBGROUP)

@@ -33,4 +33,5 @@ async def _checks(pg: Any) -> None:
 
 @pytest.mark.timeout(90)
 def test_collectives_with_the_link_spin_on_match_numpy() -> None:
-    unwrap(run_world(_checks, 2, timeout=80, env={"AIOCOLL_SPIN_US": "300"}))
+    # TCP links (ranks of one host would share memory instead, and the spin would not run)
+    unwrap(run_world(_checks, 2, timeout=80, env={"AIOCOLL_SPIN_US": "300", "AIOCOLL_TRANSPORT": "tcp"}))

@@ -372,3 +372,16 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
     finally:
         coordinator.terminate()
         coordinator.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_aiocoll_run_passes_the_liveness_and_progress_limits_to_its_coordinator_and_workers() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "aiocoll", "run", "--heartbeat-timeout", "4", "--progress-after", "2",
+         "--no-python", "sh", "-c", "echo HB=$AIOCOLL_HEARTBEAT_TIMEOUT PA=$AIOCOLL_PROGRESS_AFTER"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "HB=4 PA=2" in shown.stdout

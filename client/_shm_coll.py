@@ -1,0 +1,836 @@
+"""Collectives that read each other's memory, for groups whose members all share one host.
+
+Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._types) and client._shm; never
+the public surface. The arenas and their exchange are client._shm's; this module holds what
+runs over them: one region per group in every member's arena, the operations as generators
+that yield what they wait for, and the driver that waits (spin, then sleep on the eventfd).
+
+A group's region in each member's arena (cache lines apart, so writers do not share them):
+
+    0     sleeping   1 while the owner sleeps on its eventfd (publishers then wake it)
+    64    inp        last step whose input (and signature) the owner has written
+    128   red        last step whose share the owner has reduced into its result area
+    192   done       last step whose data the owner has finished reading (its slots are free)
+    256   sig[2]     per slot: the operation's seq and signature (kind, root, dtype, count, op)
+    768   group      which group owns the region now (a hash of its id): a region is reused by
+                     later groups, and counters are trusted only next to the right owner
+    4096  data       two slots (step t uses slot t % 2), each an input area and a result area
+                     of ``chunk`` bytes
+
+Every operation is a sequence of steps, numbered alike on every member (the group runs its
+operations in call order). A step: wait until every member finished reading the slot two steps
+back (``done``), write my part into my slot, publish ``inp``; wait for everyone's ``inp``; read
+the others' slots directly (a reduction reads the others' inputs for my share of the chunk and
+publishes the share as ``red``; everyone then copies all shares); publish ``done``. Large
+payloads run as many steps of ``chunk`` bytes, the next step's input written while the peers
+still reduce the current one. The first step of every operation compares every member's
+signature with ours before any data is read: a mismatch raises MismatchError on every member.
+Reductions go through aiocoll._reduce (the one set of kernels), folded in rank order, so every
+member computes the same bits (rank-order left fold, as numpy's reference does).
+
+Waiting: the owner spins for a bounded time (yielding the CPU at every check, so a waiting rank
+does not starve the one it waits for when they share a core), then sets ``sleeping``,
+re-checks, and returns to the event loop, which watches the eventfd; a publisher writes to the
+eventfd of every peer that sleeps. The flag write and the check (and the counter write and the
+flag read) are separated by a full memory barrier (``_shm.fence``), so a wake-up cannot be lost;
+a slow timer re-checks anyway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from aiocoll._errors import DistError, MismatchError, PeerLostError
+from aiocoll._progress_check import _sig as progress_sig
+from aiocoll._progress_check import describe_sig
+from aiocoll._reduce import finish_avg, reduce_into
+from aiocoll._types import ReduceOp
+from aiocoll.algorithms import CollectiveSpec
+
+from ._shm import ARENA_HEADER, ShmHost, fence
+from .engine import OpTransport
+from .transports._link import LinkTransport
+from .transports.shm import shm_host
+
+__all__ = [
+    "ALL_REGIONS",
+    "ShmGroup",
+    "ShmWaker",
+    "intra_host_group",
+    "region_bytes",
+    "region_offer",
+    "shm_starter",
+    "world_group",
+]
+
+# counters, as indexes into the region's int64 view
+_SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
+_SIG = 256
+_OWNER = 96  # (byte 768)
+_SIG_BYTES = 256
+_DATA = 4096
+_SIG_HEAD = struct.Struct("<qH")
+_RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
+_SPIN_MIN_S = 5e-6
+_PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
+# Between the steps of a large operation the peers are a copy away: sleeping there hands the
+# core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
+_INNER_SPIN_S = 1e-3
+_INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
+
+Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
+Finish = Callable[[Any, BaseException | None], None]
+OpGen = Generator[Wait, None, Any]
+OnWait = Callable[[list[int]], None]
+
+
+def _read_sig(raw: bytes) -> dict[str, Any]:
+    """A member's published signature (an authenticated peer's bytes, only ever shown)."""
+    seq, size = _SIG_HEAD.unpack_from(raw)
+    try:
+        meta = msgpack.unpackb(raw[_SIG_HEAD.size : _SIG_HEAD.size + size], raw=False)
+    except Exception:
+        return {"unreadable": raw.hex(), "seq": seq}
+    return {**meta, "seq": seq} if isinstance(meta, dict) else {"meta": meta, "seq": seq}
+
+
+def _describe(meta: dict[str, Any], *, with_seq: bool) -> str:
+    """``all_reduce(dtype=float32, count=4, op=sum)``, as progress reports describe a call."""
+    fields = {k: v for k, v in meta.items() if k != "seq"}
+    try:
+        text = describe_sig(progress_sig(fields))
+    except Exception:
+        text = repr(fields)
+    return f"{text} at seq {meta.get('seq')}" if with_seq else text
+
+
+def region_bytes(chunk: int) -> int:
+    """Bytes of one group region for steps of ``chunk`` bytes."""
+    return _DATA + 4 * chunk
+
+
+class _ShmOp:
+    __slots__ = ("finish", "gen", "group", "on_wait", "wait")
+
+    def __init__(self, group: ShmGroup, gen: OpGen, finish: Finish, on_wait: OnWait | None) -> None:
+        self.group = group
+        self.gen = gen
+        self.finish = finish
+        self.on_wait = on_wait  # told whom the operation waits for when it goes to sleep
+        self.wait: Wait | None = None
+
+    def stop(self) -> None:
+        """The engine failed this operation (deadline, closing): the group is out of step."""
+        self.group._stop(self)
+
+
+class ShmWaker:
+    """Watches this process's eventfd and resumes the groups sleeping on it."""
+
+    def __init__(self, host: ShmHost) -> None:
+        self._efd = host.efd
+        self._loop = asyncio.get_running_loop()
+        self.sleeping: set[ShmGroup] = set()
+        self._loop.add_reader(self._efd, self._on_wake)
+        self.wakeups = 0
+
+    def _on_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self._efd)
+        self.wakeups += 1
+        self.resume()
+
+    def resume(self) -> None:
+        for group in list(self.sleeping):
+            group._wake()
+
+    def close(self) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self._efd)
+
+
+class ShmGroup:
+    """One process group's collectives over the members' arenas.
+
+    Every member must create its ShmGroup (which clears its own region) before any member starts
+    an operation in it; the group's creation is itself collective, which orders that.
+
+    Args:
+        host: this process's ShmHost, connected to every other member.
+        waker: the host's ShmWaker. region: the group's region index (the same on every member).
+        ranks: members' global ranks, by group rank. me: my group rank.
+        chunk: bytes per step (the same on every member). ranks_on_host: processes on this host
+            that may spin at once (decides whether waiting yields the CPU).
+        spin_s: how long to spin before sleeping.
+    """
+
+    def __init__(
+        self,
+        host: ShmHost,
+        waker: ShmWaker,
+        region: int,
+        ranks: Sequence[int] | range,
+        me: int,
+        *,
+        chunk: int,
+        ranks_on_host: int,
+        gid: str = "",
+        spin_s: float | None = None,
+    ) -> None:
+        if not 0 <= region < host.regions or region_bytes(chunk) != host.region_bytes:
+            raise ValueError(f"region {region} of {chunk}-byte chunks does not fit this host's arena")
+        if region in host.regions_used:
+            raise ValueError(f"region {region} is in use by another group")
+        host.regions_used.add(region)
+        self._host = host
+        self.region = region
+        self.ranks = tuple(ranks)
+        self.n = len(self.ranks)
+        self.me = me
+        self.chunk = chunk
+        self._waker = waker
+        self._loop = asyncio.get_running_loop()
+        base = ARENA_HEADER + region * host.region_bytes
+        mems = [host.mem if r == host.rank else host.peers[r].mem for r in self.ranks]
+        self._raw = [memoryview(m)[base : base + _DATA] for m in mems]
+        self._ctl = [v.cast("q") for v in self._raw]
+        self._data = [np.frombuffer(m, np.uint8, count=4 * chunk, offset=base + _DATA) for m in mems]
+        self._efds = [-1 if r == host.rank else host.peers[r].efd for r in self.ranks]
+        # Take the region: counters at zero first, then our group's mark. A member reads a
+        # peer's counters only next to the mark of this group (stale counters of an earlier
+        # group in that region, or of a later one, are never taken for ours).
+        self._owner = (
+            int.from_bytes(hashlib.blake2b(gid.encode(), digest_size=8).digest(), "little") >> 1 or 1
+        )
+        self._raw[me][:] = bytes(_DATA)
+        fence()
+        self._ctl[me][_OWNER] = self._owner
+        self.others = tuple(j for j in range(self.n) if j != me)
+        self.step = 0
+        self.queue: deque[_ShmOp] = deque()
+        self.broken: BaseException | None = None
+        # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
+        oversubscribed = ranks_on_host > (os.cpu_count() or 1)
+        if spin_s is None:
+            spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if oversubscribed else "100")) * 1e-6
+        self._spin_s = spin_s
+        self._spin_budget = spin_s
+        self._inline_since: float | None = None
+        self._inner = False  # inside a multi-step operation: its waits are short, spin longer
+        self._timer: asyncio.TimerHandle | None = None
+        self._gid = gid
+        self.sleeps = 0
+        self.completed = 0  # operations finished here (diagnostics: the bench names the path)
+        self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
+
+    # -- operations ------------------------------------------------------------------------
+    def all_reduce(
+        self,
+        x: np.ndarray,
+        op: ReduceOp,
+        dtype_name: str,
+        sig: bytes,
+        finish: Finish,
+        on_wait: OnWait | None = None,
+    ) -> _ShmOp:
+        """Reduce ``x`` (1-D, contiguous) in place across the group."""
+        return self._submit(self._all_reduce(x, op, dtype_name, sig), finish, on_wait)
+
+    def broadcast(
+        self, x: np.ndarray, root: int, sig: bytes, finish: Finish, on_wait: OnWait | None = None
+    ) -> _ShmOp:
+        return self._submit(self._broadcast(x.view(np.uint8), root, sig), finish, on_wait)
+
+    def all_gather(
+        self,
+        outs: Sequence[np.ndarray],
+        x: np.ndarray,
+        sig: bytes,
+        finish: Finish,
+        on_wait: OnWait | None = None,
+    ) -> _ShmOp:
+        gen = self._all_gather([o.view(np.uint8) for o in outs], x.view(np.uint8), sig)
+        return self._submit(gen, finish, on_wait)
+
+    def reduce_scatter(
+        self,
+        out: np.ndarray,
+        ins: Sequence[np.ndarray],
+        op: ReduceOp,
+        dtype_name: str,
+        sig: bytes,
+        finish: Finish,
+        on_wait: OnWait | None = None,
+    ) -> _ShmOp:
+        return self._submit(self._reduce_scatter(out, list(ins), op, dtype_name, sig), finish, on_wait)
+
+    def barrier(self, sig: bytes, finish: Finish, on_wait: OnWait | None = None) -> _ShmOp:
+        return self._submit(self._barrier(sig), finish, on_wait)
+
+    @staticmethod
+    def signature(seq: int, meta: dict[str, Any]) -> bytes:
+        """What every member publishes with an operation: its seq and its signature."""
+        packed = msgpack.packb(meta, use_bin_type=True)
+        if _SIG_HEAD.size + len(packed) > _SIG_BYTES:
+            import hashlib
+
+            packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
+        return _SIG_HEAD.pack(seq, len(packed)) + packed
+
+    # -- the steps -------------------------------------------------------------------------
+    def _announce(self, t: int, sig: bytes | None, fill: Callable[[np.ndarray], None] | None) -> OpGen:
+        """Write my part of step ``t`` once my slot is free, then publish it."""
+        if t > 2:
+            yield (_DONE, t - 2, self.others)
+        s = t & 1
+        if fill is not None:
+            fill(self._data[self.me][s * 2 * self.chunk : (s + 1) * 2 * self.chunk])
+        if sig is not None:
+            self._write_sig(s, sig)
+        self._publish(_INP, t)
+
+    def _write_sig(self, slot: int, sig: bytes) -> None:
+        o = _SIG + slot * _SIG_BYTES
+        self._raw[self.me][o : o + len(sig)] = sig
+
+    def _views(self, slot: int, nbytes: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(my slot's first ``nbytes`` as bytes, every member's as ``dtype``): made once per
+        size (a training loop repeats a few sizes; slicing and viewing cost more than a small
+        reduction)."""
+        key = (slot, nbytes, dtype)
+        got = self._view_cache.get(key)
+        if got is None:
+            base = slot * 2 * self.chunk
+            views = [d[base : base + nbytes].view(dtype) for d in self._data]
+            if len(self._view_cache) >= 64:
+                self._view_cache.clear()
+            got = self._view_cache[key] = (self._data[self.me][base : base + nbytes], views)
+        return got
+
+    def _steps(self, count: int) -> int:
+        t0 = self.step + 1
+        self.step += count
+        return t0
+
+    def _all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes) -> OpGen:
+        b = x.view(np.uint8)
+        isz = x.itemsize
+        per = self.chunk // isz  # elements per step
+        total = x.size
+        rounds = max(1, -(-total // per))
+        t0 = self._steps(rounds)
+        if rounds == 1:
+            # one shot: everyone writes everything, everyone reduces everything
+            if t0 > 2:
+                yield (_DONE, t0 - 2, self.others)
+            mine, views = self._views(t0 & 1, b.size, x.dtype)
+            np.copyto(mine, b)
+            self._write_sig(t0 & 1, sig)
+            self._publish(_INP, t0)
+            yield (_INP, t0, self.others)
+            self._check(t0, sig)
+            self._fold(x, views, op, dtype_name)
+            self._publish(_DONE, t0)
+            return None
+
+        def part(r: int) -> tuple[int, int]:
+            return r * per, min(total, (r + 1) * per)
+
+        def filler(r: int) -> Callable[[np.ndarray], None]:
+            lo, hi = part(r)
+            return lambda slot: np.copyto(slot[: (hi - lo) * isz], b[lo * isz : hi * isz])
+
+        n, me, chunk = self.n, self.me, self.chunk
+        self._inner = True
+        yield from self._announce(t0, sig, filler(0))
+        for r in range(rounds):
+            t = t0 + r
+            lo, hi = part(r)
+            length = hi - lo
+            cuts = [lo + length * j // n for j in range(n + 1)]
+            base = (t & 1) * 2 * chunk
+            yield (_INP, t, self.others)
+            if r == 0:
+                self._check(t, sig)
+            a, z = (cuts[me] - lo) * isz, (cuts[me + 1] - lo) * isz
+            mine = self._data[me][base + chunk + a : base + chunk + z].view(x.dtype)
+            self._fold(
+                mine, [d[base + a : base + z].view(x.dtype) for d in self._data], op, dtype_name, copy=True
+            )
+            self._publish(_RED, t)
+            if r + 1 < rounds:
+                yield from self._announce(t + 1, None, filler(r + 1))
+            yield (_RED, t, self.others)
+            for j, d in enumerate(self._data):
+                a, z = (cuts[j] - lo) * isz, (cuts[j + 1] - lo) * isz
+                np.copyto(b[cuts[j] * isz : cuts[j + 1] * isz], d[base + chunk + a : base + chunk + z])
+            self._publish(_DONE, t)
+        return None
+
+    def _pipeline(
+        self,
+        rounds: int,
+        sig: bytes,
+        filler: Callable[[int], Callable[[np.ndarray], None] | None],
+        consume: Callable[[int, int], None],
+    ) -> OpGen:
+        """Steps where everyone writes, then reads the others' slots: ``filler(r)`` writes my
+        part of round ``r`` into my slot; ``consume(r, base)`` reads round ``r``'s slots (at
+        offset ``base`` of every member's data) once all are written. Round r+1 is written
+        before round r is read, so a fast rank runs a step ahead."""
+        t0 = self._steps(rounds)
+        self._inner = rounds > 1
+        yield from self._announce(t0, sig, filler(0))
+        for r in range(rounds):
+            t = t0 + r
+            yield (_INP, t, self.others)
+            if r == 0:
+                self._check(t, sig)
+            if r + 1 < rounds:
+                yield from self._announce(t + 1, None, filler(r + 1))
+            consume(r, (t & 1) * 2 * self.chunk)
+            self._publish(_DONE, t)
+        return None
+
+    def _broadcast(self, b: np.ndarray, root: int, sig: bytes) -> OpGen:
+        chunk, total = self.chunk, b.size
+        is_root = self.me == root
+
+        def filler(r: int) -> Callable[[np.ndarray], None] | None:
+            if not is_root:
+                return None
+            lo, hi = r * chunk, min(total, (r + 1) * chunk)
+            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
+
+        def consume(r: int, base: int) -> None:
+            if not is_root:
+                lo, hi = r * chunk, min(total, (r + 1) * chunk)
+                np.copyto(b[lo:hi], self._data[root][base : base + hi - lo])
+
+        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+
+    def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes) -> OpGen:
+        chunk, total, me = self.chunk, b.size, self.me
+
+        def filler(r: int) -> Callable[[np.ndarray], None]:
+            lo, hi = r * chunk, min(total, (r + 1) * chunk)
+            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
+
+        def consume(r: int, base: int) -> None:
+            lo, hi = r * chunk, min(total, (r + 1) * chunk)
+            for j, d in enumerate(self._data):
+                np.copyto(outs[j][lo:hi], b[lo:hi] if j == me else d[base : base + hi - lo])
+
+        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+
+    def _reduce_scatter(
+        self, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp, dtype_name: str, sig: bytes
+    ) -> OpGen:
+        n, isz, total = self.n, out.itemsize, out.size
+        per = max(1, self.chunk // (n * isz))  # elements of each part per step
+        ins_b = [a.view(np.uint8) for a in ins]
+
+        def filler(r: int) -> Callable[[np.ndarray], None]:
+            lo, hi = r * per * isz, min(total, (r + 1) * per) * isz
+
+            def fill(slot: np.ndarray) -> None:
+                for j, a in enumerate(ins_b):
+                    np.copyto(slot[j * per * isz : j * per * isz + hi - lo], a[lo:hi])
+
+            return fill
+
+        def consume(r: int, base: int) -> None:
+            lo, hi = r * per, min(total, (r + 1) * per)
+            a = base + self.me * per * isz
+            srcs = [d[a : a + (hi - lo) * isz].view(out.dtype) for d in self._data]
+            self._fold(out[lo:hi], srcs, op, dtype_name, copy=True)
+
+        return self._pipeline(max(1, -(-total // per)), sig, filler, consume)
+
+    def _barrier(self, sig: bytes) -> OpGen:
+        t = self._steps(1)
+        yield from self._announce(t, sig, None)
+        yield (_INP, t, self.others)
+        self._check(t, sig)
+        self._publish(_DONE, t)
+        return None
+
+    def _fold(
+        self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str, *, copy: bool = False
+    ) -> None:
+        """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
+        my own input already unless ``copy``."""
+        n, me = self.n, self.me
+        if n > 1:
+            if copy or me > 1:
+                np.copyto(dst, srcs[0])
+                start = 1
+            elif me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
+                reduce_into(op, dst, srcs[0], dtype_name, src_first=True)
+                start = 2
+            else:
+                start = 1
+            for j in range(start, n):
+                reduce_into(op, dst, srcs[j], dtype_name)
+        elif copy:
+            np.copyto(dst, srcs[0])
+        if op is ReduceOp.AVG:
+            with np.errstate(all="ignore"):
+                finish_avg(dst, n, dtype_name)
+
+    # -- signatures ------------------------------------------------------------------------
+    def _check(self, t: int, sig: bytes) -> None:
+        o = _SIG + (t & 1) * _SIG_BYTES
+        end = o + len(sig)
+        for j in self.others:
+            if self._raw[j][o:end] != sig:
+                self._publish(_DONE, t)  # let the others read on to their own verdict
+                raise self._mismatch(o, sig)
+
+    def _mismatch(self, o: int, mine: bytes) -> MismatchError:
+        """Every member's call at this point (we hold all their signatures), grouped by what
+        they called, worded as the coordinator's progress check words it."""
+        seq, _ = _SIG_HEAD.unpack_from(mine)
+        mine_meta = _read_sig(mine)
+        metas = [
+            mine_meta if j == self.me else _read_sig(bytes(self._raw[j][o : o + _SIG_BYTES]))
+            for j in range(self.n)
+        ]
+        differing = {
+            str(k) for meta in metas for k in set(meta) | set(mine_meta) if meta.get(k) != mine_meta.get(k)
+        }
+        calls: dict[str, list[int]] = {}
+        for j, meta in enumerate(metas):
+            calls.setdefault(_describe(meta, with_seq="seq" in differing), []).append(self.ranks[j])
+        called = "; ".join(
+            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} called {call}"
+            for call, rs in calls.items()
+        )
+        return MismatchError(
+            f"the ranks called different operations at seq {seq} of group {self._gid!r} (they differ in "
+            f"{', '.join(sorted(differing))}): {called}. Every rank of a group must call the same "
+            "operations, with the same root, dtype, size and reduce op, in the same order",
+            group=self._gid,
+            seq=seq,
+            ranks=sorted(self.ranks),
+        )
+
+    # -- the driver ------------------------------------------------------------------------
+    def _publish(self, counter: int, t: int) -> None:
+        self._ctl[self.me][counter] = t
+        fence()  # the counter is visible before we look at who sleeps
+        ctl, efds = self._ctl, self._efds
+        for j in self.others:
+            if ctl[j][_SLEEP]:
+                os.eventfd_write(efds[j], 1)
+
+    def _ready(self, wait: Wait) -> bool:
+        counter, t, members = wait
+        ctl, owner = self._ctl, self._owner
+        for j in members:
+            c = ctl[j]
+            if c[counter] < t or c[_OWNER] != owner:
+                return False
+        return True
+
+    def _submit(self, gen: OpGen, finish: Finish, on_wait: OnWait | None = None) -> _ShmOp:
+        op = _ShmOp(self, gen, finish, on_wait)
+        if self.broken is not None:
+            finish(None, self.broken)
+            return op
+        self.queue.append(op)
+        if len(self.queue) == 1:
+            now = time.perf_counter()
+            if self._inline_since is None:
+                # the first operation run inside its call since the loop last turned
+                self._inline_since = now
+                self._loop.call_soon(self._loop_turned)
+            elif now - self._inline_since > _INLINE_S:
+                # A loop of awaited operations that all complete inside their calls would never
+                # give the event loop a turn (heartbeats, other tasks, signals): now and then
+                # the next one starts from the loop instead.
+                self._loop.call_soon(self._run)
+                return op
+            self._run()
+        return op
+
+    def _loop_turned(self) -> None:
+        self._inline_since = None
+
+    def _advance(self, op: _ShmOp) -> bool:
+        """Run ``op`` until it waits for something not there yet (False) or ends (True)."""
+        wait = op.wait
+        gen = op.gen
+        while True:
+            if wait is not None and not self._ready(wait):
+                op.wait = wait
+                return False
+            try:
+                wait = gen.send(None)
+            except StopIteration as done:
+                self._end(op, done.value, None)
+                return True
+            except Exception as exc:
+                self._end(op, None, exc)
+                return True
+
+    def _end(self, op: _ShmOp, result: Any, exc: BaseException | None) -> None:
+        self._inner = False
+        if self.queue and self.queue[0] is op:
+            self.queue.popleft()
+        self.completed += 1
+        if exc is not None and self.broken is None:
+            self.broken = exc
+        op.finish(result, exc)
+
+    def _run(self) -> None:
+        queue = self.queue
+        began = time.perf_counter()
+        while queue:
+            op = queue[0]
+            if self._advance(op):
+                if self.broken is not None:
+                    self._fail_queued(self.broken)
+                continue
+            if time.perf_counter() - began > _INLINE_S:
+                # a long operation whose peers keep pace never sleeps: give the event loop a
+                # turn now and then (heartbeats, other tasks), then go on from there
+                self._loop.call_soon(self._run)
+                return
+            if not self._spin(op) and self._sleep():
+                return
+
+    def _spin(self, op: _ShmOp) -> bool:
+        """Wait a bounded time for ``op``'s condition: first a few microseconds of plain
+        checks (a peer on another core answers within them), then checks that each yield the
+        CPU first (the rank we wait for may be queued on our core, behind us or other work on
+        the machine, and only a yield lets it run; a yield can also hand the core to someone
+        else's process for a while, hence not from the start). The budget adapts: it halves
+        after a spin that ended in sleep (the peer is slow: spinning only costs) and doubles
+        back after one that succeeded. Between the steps of a large operation the budget is at
+        least _INNER_SPIN_S."""
+        wait = op.wait
+        assert wait is not None
+        ready = self._ready
+        inner = self._inner
+        budget = max(self._spin_budget, _INNER_SPIN_S) if inner else self._spin_budget
+        clock = time.perf_counter
+        start = clock()
+        plain, stop = start + min(budget, _PLAIN_SPIN_S), start + budget
+        while clock() < plain:
+            if ready(wait):
+                return True
+        sched_yield = os.sched_yield
+        while True:
+            sched_yield()
+            if ready(wait):
+                if not inner:
+                    self._spin_budget = min(self._spin_s, budget * 2)
+                return True
+            if clock() > stop:
+                if not inner:
+                    self._spin_budget = max(_SPIN_MIN_S, budget / 2)
+                return False
+
+    def _sleep(self) -> bool:
+        """Sleep on the eventfd unless what we wait for arrived meanwhile (then False)."""
+        ctl = self._ctl[self.me]
+        ctl[_SLEEP] = 1
+        fence()  # the flag is visible before we look once more
+        op = self.queue[0]
+        if op.wait is not None and self._ready(op.wait):
+            ctl[_SLEEP] = 0
+            return False
+        self.sleeps += 1
+        if op.on_wait is not None and op.wait is not None:
+            counter, t, members = op.wait
+            op.on_wait(
+                [
+                    self.ranks[j]
+                    for j in members
+                    if self._ctl[j][counter] < t or self._ctl[j][_OWNER] != self._owner
+                ]
+            )
+        self._waker.sleeping.add(self)
+        if self._timer is None:
+            self._timer = self._loop.call_later(_RECHECK_S, self._recheck)
+        return True
+
+    def _recheck(self) -> None:
+        self._timer = None
+        if self in self._waker.sleeping:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._waker.sleeping.discard(self)
+        self._ctl[self.me][_SLEEP] = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self.queue:
+            self._run()
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        while self.queue:
+            op = self.queue.popleft()
+            op.gen.close()
+            op.finish(None, exc)
+
+    def _stop(self, op: _ShmOp) -> None:
+        if op in self.queue:
+            self.queue.remove(op)
+            op.gen.close()
+            if self.broken is None:
+                self.broken = DistError(
+                    "an operation of this group was stopped midway; the group is out of step"
+                )
+            self._abandon()
+            self._fail_queued(self.broken)
+
+    def _abandon(self) -> None:
+        """Take our mark off the region: what we published for an operation we gave up on
+        (a deadline) must not complete it for a late peer, which then times out as we did."""
+        if self._ctl:
+            self._ctl[self.me][_OWNER] = 0
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail every queued operation (a member was lost); the group stays failed."""
+        if self.broken is None:
+            self.broken = exc
+        self._waker.sleeping.discard(self)
+        self._fail_queued(exc)
+
+    def peer_lost(self, rank: int, reason: str) -> None:
+        if rank in self.ranks:
+            self.fail(PeerLostError(rank, reason))
+
+    def close(self) -> None:
+        """Fail what is queued and give the region back (the next group to take it marks it as
+        its own). Twice is fine."""
+        self.fail(DistError("the process group was closed"))
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._raw:
+            return
+        # The counters stay as they are: a peer may still be finishing our last operation.
+        self._host.regions_used.discard(self.region)
+        self._view_cache.clear()
+        self._data.clear()
+        self._ctl.clear()
+        for v in self._raw:
+            v.release()
+        self._raw.clear()
+
+
+# -- wiring: the world group, and the one dispatch point's starter --------------------------
+
+_SERVED = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"})
+
+
+ALL_REGIONS = (1 << 64) - 1  # what a rank that is not a member offers (see region_offer)
+
+
+def region_offer(transport: LinkTransport, members: Sequence[int]) -> int:
+    """What this rank offers when a group of ``members`` (global ranks) forms: the regions of
+    its arena free for it (a bit mask), 0 when the group cannot use shared memory from here
+    (a member without an shm link to us), all ones when we are not a member. The AND over the
+    parent group's ranks (ReduceOp.BAND) is the set every member can use; its lowest bit is
+    the group's region (``intra_host_group``)."""
+    me = transport.rank
+    if me not in members:
+        return ALL_REGIONS
+    host = shm_host(transport)
+    kinds = transport.link_kinds()
+    if host is None or len(members) < 2 or any(kinds.get(r) != "shm" for r in members if r != me):
+        return 0
+    return host.free_regions()
+
+
+def intra_host_group(
+    transport: LinkTransport, members: Sequence[int], offers: int, gid: str
+) -> ShmGroup | None:
+    """The shared-memory side of a new group of ``members`` (global ranks, in group order), in
+    the lowest region of ``offers`` (the AND of every rank's ``region_offer``); None when there
+    is none or we are not a member."""
+    host = shm_host(transport)
+    me = transport.rank
+    if host is None or offers in (0, ALL_REGIONS) or me not in members:
+        return None
+    region = (offers & -offers).bit_length() - 1
+    if host.waker is None:
+        host.waker = ShmWaker(host)
+    group = ShmGroup(
+        host,
+        host.waker,
+        region,
+        members,
+        list(members).index(me),
+        chunk=host.chunk,
+        ranks_on_host=len(host.peers) + 1,
+        gid=gid,
+    )
+    transport.on_peer_lost(lambda rank, exc: group.peer_lost(rank, str(exc)))
+    return group
+
+
+def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
+    """The world group's shared-memory collectives (region 0, free on every rank at start),
+    when every other rank has an shm link (every member on this host, the memory confirmed
+    shared); else None."""
+    n = transport.world_size
+    kinds = transport.link_kinds()
+    if n < 2 or len(kinds) != n - 1 or any(k != "shm" for k in kinds.values()):
+        return None
+    return intra_host_group(transport, range(n), 1, gid)
+
+
+def shm_starter(
+    group: ShmGroup, spec: CollectiveSpec, meta: dict[str, Any], done: Callable[[BaseException | None], Any]
+) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
+    """An engine starter (see Engine.submit_eager) that runs ``spec`` over ``group``'s shared
+    memory, or None when this operation is not one the arenas serve (its kind, an algorithm
+    override, an out-of-place all_reduce). ``done(exc)`` turns the outcome into the Work's:
+    it returns the Work's result."""
+    kind = spec.kind
+    if kind not in _SERVED or spec.algorithm is not None:
+        return None
+    if kind == "all_reduce" and spec.send[0] is not spec.recv[0]:
+        return None
+    dtype_name = str(meta.get("dtype") or (spec.recv or spec.send or (np.empty(0, np.uint8),))[0].dtype.name)
+    op = spec.op
+
+    def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
+        sig = ShmGroup.signature(tag[2], meta)
+
+        def fin(_: Any, exc: BaseException | None) -> None:
+            if exc is None:
+                try:
+                    finish(done(None), None)
+                except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
+                    finish(None, copy_back)
+            else:
+                finish(None, exc)
+
+        on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
+        if kind == "all_reduce":
+            return group.all_reduce(spec.recv[0], op, dtype_name, sig, fin, on_wait)
+        if kind == "broadcast":
+            return group.broadcast(spec.recv[0], spec.root, sig, fin, on_wait)
+        if kind == "all_gather":
+            return group.all_gather(spec.recv, spec.send[0], sig, fin, on_wait)
+        if kind == "reduce_scatter":
+            return group.reduce_scatter(spec.recv[0], spec.send, op, dtype_name, sig, fin, on_wait)
+        return group.barrier(sig, fin, on_wait)
+
+    return start

@@ -1,0 +1,143 @@
+"""Collectives over shared memory between real processes (client._shm_coll), against numpy.
+
+One forked world per size 1..8 runs every op and dtype of all_reduce (one-shot and chunked),
+broadcast from every root, all_gather, reduce_scatter and barrier, plus a mismatch; small
+chunks (64 KiB) make the chunked, pipelined path run many steps without large payloads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from shm_world import Ctx, shm_world, values
+
+from aiocoll._types import ReduceOp
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+FLOATS = ["float16", "bfloat16", "float32", "float64"]
+COMPLEX = ["complex64", "complex128"]
+OPS = {
+    **{d: ["sum", "product", "min", "max", "band", "bor", "bxor"] for d in [*INTS, "bool"]},
+    **{d: ["sum", "product", "min", "max", "avg"] for d in FLOATS},
+    **{d: ["sum", "product", "avg"] for d in COMPLEX},
+}
+UFUNC = {
+    "sum": np.add,
+    "avg": np.add,
+    "product": np.multiply,
+    "min": np.minimum,
+    "max": np.maximum,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
+}
+SMALL, LARGE = 17, 40_001  # LARGE elements exceed a 64 KiB chunk for every dtype but int8/bool
+
+
+def storage(dtype: str) -> Any:
+    return np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def data(rank: int, count: int, dtype: str, op: str, salt: int) -> np.ndarray:
+    rng = np.random.default_rng([rank, count, salt, len(dtype), len(op)])
+    if dtype == "bool":
+        return rng.integers(0, 2, count).astype(bool)
+    lo, hi = (-2, 3) if op == "product" else (-8, 8)
+    if dtype.startswith("uint"):
+        lo = 0
+    ints = rng.integers(lo, hi, count)
+    if dtype == "bfloat16":  # small integers are exact in bfloat16: the top half of the float32
+        return (ints.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    if dtype in COMPLEX:
+        return (ints + 1j * rng.integers(lo, hi, count)).astype(dtype)
+    return ints.astype(dtype)
+
+
+def widen(a: np.ndarray, dtype: str) -> np.ndarray:
+    return (a.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else a
+
+
+def reference(arrays: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
+    """numpy, folded in rank order; bfloat16 computed in float32 (exact for these values)."""
+    vals = [widen(a, dtype) for a in arrays]
+    if op == "avg":
+        wide = np.complex128 if dtype in COMPLEX else np.float64
+        out = (sum(v.astype(wide) for v in vals) / len(vals)).astype(vals[0].dtype)
+    else:
+        out = vals[0].copy()
+        for v in vals[1:]:
+            out = UFUNC[op](out, v).astype(vals[0].dtype)
+    if dtype == "bfloat16":
+        return (out.view(np.uint32) >> 16).astype(np.uint16)
+    return out
+
+
+def same(got: np.ndarray, want: np.ndarray, dtype: str, op: str) -> bool:
+    if op == "avg":
+        return bool(
+            np.allclose(
+                widen(got, dtype), widen(want, dtype), rtol=1e-2 if dtype in ("float16", "bfloat16") else 1e-6
+            )
+        )
+    return bool(np.array_equal(got, want))
+
+
+async def every_collective(ctx: Ctx) -> list[str]:
+    r, n = ctx.rank, ctx.n
+    failures: list[str] = []
+    salt = 0
+    for dtype, ops in OPS.items():
+        for op in ops:
+            for count in (SMALL, LARGE):
+                salt += 1
+                x = data(r, count, dtype, op, salt)
+                await ctx.all_reduce(x, ReduceOp(op), dtype)
+                want = reference([data(k, count, dtype, op, salt) for k in range(n)], dtype, op)
+                if not same(x, want, dtype, op):
+                    failures.append(f"all_reduce {dtype} {op} {count}")
+    for root in range(n):
+        for count in (5, LARGE):
+            x = data(r, count, "float64", "sum", 7) if r == root else np.zeros(count, np.float64)
+            await ctx.run("broadcast", x, root)
+            if not np.array_equal(x, data(root, count, "float64", "sum", 7)):
+                failures.append(f"broadcast root {root} {count}")
+    for dtype in ("int8", "float32", "complex128", "bfloat16"):
+        for count in (3, LARGE):
+            x = data(r, count, dtype, "sum", 11)
+            outs = [np.full(count, 99, storage(dtype)) for _ in range(n)]
+            await ctx.run("all_gather", outs, x)
+            if not all(np.array_equal(outs[k], data(k, count, dtype, "sum", 11)) for k in range(n)):
+                failures.append(f"all_gather {dtype} {count}")
+    for dtype, ops in OPS.items():
+        for op in ops:
+            for count in (SMALL, 9_001):
+                salt += 1
+                ins = [data(r * n + j, count, dtype, op, salt) for j in range(n)]
+                out = np.zeros(count, storage(dtype))
+                await ctx.run("reduce_scatter", out, ins, ReduceOp(op), dtype)
+                want = reference([data(k * n + r, count, dtype, op, salt) for k in range(n)], dtype, op)
+                if not same(out, want, dtype, op):
+                    failures.append(f"reduce_scatter {dtype} {op} {count}")
+    await ctx.run("barrier")
+    # a mismatch: every rank raises MismatchError; no data moves
+    x = np.ones(4 + (r == n - 1), np.float32)
+    try:
+        await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+        if n > 1:
+            failures.append("mismatched all_reduce did not raise")
+    except Exception as exc:
+        if type(exc).__name__ != "MismatchError" or "count" not in str(exc):
+            failures.append(f"mismatch raised {exc!r}")
+        if not np.array_equal(x, np.ones_like(x)):
+            failures.append("mismatched all_reduce changed the data")
+    return failures
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_shm_collectives_match_numpy_for_every_op_and_dtype(n: int) -> None:
+    per_rank = values(shm_world(every_collective, n))
+    assert per_rank == [[]] * n

@@ -1,0 +1,192 @@
+"""The shared-memory exchange (client._shm) between real processes: who may attach, what a
+killed rank leaves behind, what a waiting rank costs, and memory that turns out not shared."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import resource
+import signal
+import socket
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from aiocoll.client._shm import ShmHost, ShmUnavailable
+from aiocoll.client._shm_coll import region_bytes
+from shm_world import JOB, TOKEN, Ctx, dev_shm_in_use, shm_world, values
+
+from aiocoll._errors import AuthenticationError
+from aiocoll._types import ReduceOp
+from aiocoll.protocol import ClientHandshake
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+NOBODY = 65534
+
+
+def _host(rank: int, token: str = TOKEN) -> ShmHost:
+    return ShmHost(rank, token=token, job=JOB, regions=1, region_bytes=region_bytes(64 * 1024))
+
+
+async def test_two_hosts_share_memory_and_see_each_others_writes() -> None:
+    a, b = _host(0), _host(1)
+    try:
+        a.listen()
+        peer_of_b = await b.connect(0, a.address)
+        peer_of_a = await a.peer(1, 5)
+        assert peer_of_a.shared and peer_of_b.shared
+        b.mem[5000:5004] = b"ping"
+        assert peer_of_a.mem[5000:5004] == b"ping"  # a reads b's arena through its own mapping
+        os.eventfd_write(peer_of_b.efd, 1)
+        assert os.eventfd_read(a.efd) == 1
+    finally:
+        a.close()
+        b.close()
+        a.close()  # twice is fine
+
+
+async def test_a_process_without_the_token_cannot_attach() -> None:
+    a, intruder = _host(0), _host(1, token="not-the-token")
+    try:
+        a.listen()
+        with pytest.raises(AuthenticationError):
+            await intruder.connect(0, a.address)
+        for _ in range(100):
+            if a.rejected:
+                break
+            await asyncio.sleep(0.01)
+        assert a.rejected == 1 and not a.peers and not intruder.peers
+    finally:
+        a.close()
+        intruder.close()
+
+
+def _dial_as_nobody(address: str) -> int:
+    """In a forked child: become uid 65534, dial, speak the handshake with the right token.
+    Exit status: 3 when the listener closed without answering (what we expect)."""
+    try:
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect("\0" + address[1:])
+        hs = ClientHandshake(TOKEN, role="peer", job=JOB, extra={"rank": 1, "to": 0})
+        s.sendall(hs.start())
+        data = s.recv(4096)
+        return 3 if not data else 4
+    except ConnectionResetError:
+        return 3
+    except BaseException:
+        return 5
+
+
+async def test_a_process_of_another_user_cannot_attach_even_with_the_token() -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to become another user in a child")
+    a = _host(0)
+    try:
+        a.listen()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            os._exit(_dial_as_nobody(a.address))
+        _, status = await asyncio.get_running_loop().run_in_executor(None, os.waitpid, pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 3
+        assert a.rejected == 1 and not a.peers
+    finally:
+        a.close()
+
+
+async def test_memory_that_is_not_shared_is_refused_on_both_sides() -> None:
+    a, b = _host(0), _host(1)
+    # b maps something else than a's arena (as in two containers whose descriptors do not
+    # carry the memory): a private anonymous mapping of the same size.
+    b._map = lambda fd, size: mmap.mmap(-1, size)  # type: ignore[method-assign]
+    try:
+        a.listen()
+        with pytest.raises(ShmUnavailable, match="not shared"):
+            await b.connect(0, a.address)
+        with pytest.raises(ShmUnavailable):
+            await a.peer(1, 1.0)
+        assert a.rejected == 1
+    finally:
+        a.close()
+        b.close()
+
+
+async def test_an_address_in_another_namespace_is_unavailable_not_an_error() -> None:
+    b = _host(1)
+    try:
+        with pytest.raises(ShmUnavailable, match="not reachable"):
+            await b.connect(0, "@aiocoll-nobody-listens-here")
+    finally:
+        b.close()
+
+
+async def killed_mid_collective(ctx: Ctx) -> dict[str, Any]:
+    # what the forked process inherited from the test runner (a multiprocessing semaphore of an
+    # earlier test, say) is not ours: only what appears from here on counts
+    inherited = set(dev_shm_in_use())
+    x = np.ones(1 << 18, np.float32)  # 1 MiB: 16 steps of 64 KiB
+    for _ in range(3):
+        await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    if ctx.rank == 2:
+        assert not set(dev_shm_in_use()) - inherited  # all of its shared memory is anonymous (memfd)
+        publish = ctx.group._publish
+        calls = [0]
+
+        def publish_then_die(counter: int, t: int) -> None:
+            publish(counter, t)
+            calls[0] += 1
+            if calls[0] == 7:  # inside the next all_reduce, a few steps in
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        ctx.group._publish = publish_then_die  # type: ignore[method-assign]
+    start = time.monotonic()
+    try:
+        for _ in range(50):
+            await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    except Exception as exc:
+        elapsed = time.monotonic() - start
+        return {
+            "type": type(exc).__name__,
+            "rank": getattr(exc, "rank", None),
+            "after": elapsed,
+            "dev_shm": sorted(set(dev_shm_in_use()) - inherited),
+        }
+    return {"type": None}
+
+
+def test_a_rank_killed_mid_collective_fails_every_survivor_and_leaves_nothing() -> None:
+    results = shm_world(killed_mid_collective, 3, chunk=64 * 1024)
+    assert results[2] == ("killed", signal.SIGKILL)
+    for survivor in values(results[:2]):
+        assert survivor["type"] == "PeerLostError" and survivor["rank"] == 2, survivor
+        assert survivor["after"] < 5.0, survivor
+        assert survivor["dev_shm"] == []  # nothing under /dev/shm, so nothing there to leak
+
+
+async def waits_for_a_late_peer(ctx: Ctx) -> dict[str, Any]:
+    x = np.ones(4, np.float32)
+    await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    if ctx.rank == 1:
+        await asyncio.sleep(1.5)
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    sleeps = ctx.group.sleeps
+    await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    return {
+        "cpu": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
+        "slept": ctx.group.sleeps - sleeps,
+        "x": x.tolist(),
+    }
+
+
+def test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_spinning() -> None:
+    early, late = values(shm_world(waits_for_a_late_peer, 2))
+    assert early["x"] == late["x"] == [4.0] * 4
+    assert early["slept"] >= 1
+    # 1.5 s of waiting: a spinning rank would burn about that much CPU; a sleeping one almost none
+    assert early["cpu"] < 0.5, early
