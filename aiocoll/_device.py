@@ -1,10 +1,10 @@
 """The device interface: streams, events, pinned host buffers, async copies and IPC handles.
 
-Foundation layer: imports only the standard library and numpy, never torch. The staging
-pipeline (aiocoll._staging) and the IPC path are written against these classes alone, so that
-their ordering, chunking, pool and error rules can be tested with a CPU implementation whose
-copies run on worker threads (aiocoll._device_threads) and run unchanged on CUDA
-(aiocoll._cuda, the only module that calls torch.cuda).
+Foundation layer: imports only the standard library, numpy and aiocoll foundations (_host,
+_types), never torch. The staging pipeline (aiocoll._staging) and the IPC path are written
+against these classes alone, so that their ordering, chunking, pool and error rules can be
+tested with a CPU implementation whose copies run on worker threads (aiocoll._device_threads)
+and run unchanged on CUDA (aiocoll._cuda, the only module that calls torch.cuda).
 
 The semantics are CUDA's, kept to what the pipeline needs:
 - A ``Stream`` runs the work queued on it in order, asynchronously to the host.
@@ -21,12 +21,12 @@ The semantics are CUDA's, kept to what the pipeline needs:
 from __future__ import annotations
 
 import os
-import socket
 from abc import ABC, abstractmethod
 from typing import Any
 
 import numpy as np
 
+from aiocoll._host import host_identity as machine_identity
 from aiocoll._types import ReduceOp
 
 __all__ = ["Device", "DeviceError", "DeviceTensor", "Event", "HostBuffer", "Stream"]
@@ -216,11 +216,7 @@ class Device(ABC):
 
 
 def host_identity() -> str:
-    """This machine as IPC needs it: the host name and this boot's id (two containers with one
-    host name on different machines differ in the boot id)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            boot = fh.read().strip()
-    except OSError:
-        boot = "?"
-    return f"{socket.gethostname()}:{boot}:{os.getuid()}"
+    """This machine as IPC needs it: the machine identity every link and routing decision uses
+    (aiocoll._host: host name, boot id, network namespace) plus this process's user, since CUDA
+    IPC handles are only opened between processes of one user."""
+    return f"{machine_identity()}:{os.getuid()}"

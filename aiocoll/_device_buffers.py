@@ -1,8 +1,9 @@
 """Device memory behind the step driver's buffer interface: scratch, views, copies and reductions
 queued on a device stream.
 
-Foundation layer: imports aiocoll._device, aiocoll._staging (DeviceSpan) and aiocoll._types; never
-torch (the Device does the work), asyncio, client/ or the public surface. Arrays are DeviceSpans
+Foundation layer: imports aiocoll._buffers (the interface), aiocoll._device, aiocoll._staging
+(DeviceSpan) and aiocoll._types; never torch (the Device does the work), asyncio, client/ or the
+public surface. Arrays are DeviceSpans
 (a device tensor and an element range); every method queues its work on the stream it was made
 with and returns at once, so ordering against copies and other processes is by that stream's
 events. The IPC path (aiocoll._ipc) does its device-side copies and reductions through it.
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from aiocoll._buffers import Buffers
 from aiocoll._device import Device, DeviceError, Stream
 from aiocoll._staging import DeviceSpan
 from aiocoll._types import ReduceOp
@@ -23,7 +25,7 @@ from aiocoll._types import ReduceOp
 __all__ = ["DeviceBuffers"]
 
 
-class DeviceBuffers:
+class DeviceBuffers(Buffers):
     """Buffers whose arrays are DeviceSpans of ``device``, worked on in ``stream``'s order."""
 
     def __init__(self, device: Device, stream: Stream) -> None:
@@ -41,6 +43,9 @@ class DeviceBuffers:
     def scratch(self, like: DeviceSpan, count: int) -> DeviceSpan:
         memory = self.device.empty(count * like.itemsize)
         return DeviceSpan(memory, like.dtype, 0, count, read=False, write=False)
+
+    def release(self, array: DeviceSpan) -> None:
+        return None  # device scratch is not kept between operations (the allocator may cache it)
 
     def nothing(self) -> DeviceSpan:
         import numpy as np

@@ -93,9 +93,10 @@ class CollectiveTimeout(DistError, TimeoutError):
         self.missing_ranks = sorted(set(missing_ranks))
         self.timeout = timeout
         if message is None:
+            # "Timed out" as torch's backends word it: torch's tests and users' retry code match it.
             waited = f" after {timeout:.3g}s" if timeout is not None else ""
             message = (
-                f"{op} (group {group!r}, seq {seq}) timed out{waited}; no answer from rank(s) "
+                f"{op} (group {group!r}, seq {seq}): Timed out{waited} waiting for rank(s) "
                 f"{self.missing_ranks}. Check that every rank calls the same operations in the "
                 f"same order, or raise the timeout."
             )

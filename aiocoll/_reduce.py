@@ -2,7 +2,8 @@
 
 The algorithm executor combines a received chunk into a local one with ``reduce_into`` and,
 for AVG, divides the final result with ``finish_avg``. Both write in place (numpy ``out=``), so
-a reduction allocates nothing except for bfloat16.
+a reduction allocates nothing except for bfloat16, whose float32 temporaries cover at most
+``BF16_BLOCK`` elements at a time: extra memory stays bounded whatever the message size.
 
 Semantics follow torch's CPU kernels (and so gloo's): float16 is added element by element in
 float16 (numpy widens each element to float32 internally and rounds back, as torch does; there
@@ -24,6 +25,7 @@ import numpy as np
 from ._types import BITWISE_OPS, ReduceOp
 
 __all__ = [
+    "BF16_BLOCK",
     "BFLOAT16",
     "bf16_to_f32",
     "check_reduce_op",
@@ -33,6 +35,11 @@ __all__ = [
 ]
 
 BFLOAT16 = "bfloat16"
+
+BF16_BLOCK = 64 * 1024
+"""bfloat16 values widened at once: each float32 temporary of a reduction holds at most this many
+(256 KiB), instead of the whole message (several full-size temporaries: 1.2 GiB for a 256 MiB
+all_reduce on 2 ranks before this bound)."""
 
 _INTEGER = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 _FLOATING = frozenset({"float16", "float32", "float64", BFLOAT16})
@@ -141,13 +148,16 @@ def reduce_into(
     """
     if dtype_name == BFLOAT16:
         check_reduce_op(op, dtype_name)
-        wide = bf16_to_f32(dst)
-        other = bf16_to_f32(src)
-        if src_first:
-            _UFUNCS[op](other, wide, out=wide)
-        else:
-            _UFUNCS[op](wide, other, out=wide)
-        f32_to_bf16(wide, dst)
+        wide_op = _UFUNCS[op]
+        for start in range(0, len(dst), BF16_BLOCK):
+            part = dst[start : start + BF16_BLOCK]
+            wide = bf16_to_f32(part)
+            other = bf16_to_f32(src[start : start + BF16_BLOCK])
+            if src_first:
+                wide_op(other, wide, out=wide)
+            else:
+                wide_op(wide, other, out=wide)
+            f32_to_bf16(wide, part)
         return
     ufunc = _UFUNC_BY_VALUE.get(op._value_) if type(op) is ReduceOp else None
     if ufunc is None:
@@ -168,8 +178,11 @@ def finish_avg(result: np.ndarray, world_size: int, dtype_name: str) -> None:
     """
     check_reduce_op(ReduceOp.AVG, dtype_name)
     if dtype_name == BFLOAT16:
-        wide = bf16_to_f32(result)
-        np.divide(wide, np.float32(world_size), out=wide)
-        f32_to_bf16(wide, result)
+        divisor = np.float32(world_size)
+        for start in range(0, len(result), BF16_BLOCK):
+            part = result[start : start + BF16_BLOCK]
+            wide = bf16_to_f32(part)
+            np.divide(wide, divisor, out=wide)
+            f32_to_bf16(wide, part)
         return
     np.divide(result, world_size, out=result, casting="unsafe")

@@ -111,6 +111,31 @@ class Outcome:
 
         self._future.add_done_callback(forward)
 
+    @classmethod
+    def all_of(cls, outcomes: list[Outcome]) -> Outcome:
+        """One Outcome that completes once all of ``outcomes`` did: None, or the first error."""
+        combined = cls()
+        combined._set_launched()
+        left = [len(outcomes)]
+        lock = threading.Lock()
+
+        def one_done(_: concurrent.futures.Future[Any]) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0]:
+                    return
+            errors = [o._future.exception() for o in outcomes if o._future.exception() is not None]
+            if errors:
+                combined._set_exception(errors[0])  # type: ignore[arg-type]
+            else:
+                combined._set_result(None)
+
+        if not outcomes:
+            combined._set_result(None)
+        for outcome in outcomes:
+            outcome._future.add_done_callback(one_done)
+        return combined
+
 
 class LoopThread:
     """An asyncio event loop running forever on a daemon thread."""

@@ -138,6 +138,16 @@ class AiocollWork(OutcomeQueries, td.Work):
         """True when the operation left completion events (CUDA tensors); final once it is done."""
         return self._streams is not None and bool(self._streams.completion)
 
+    @property
+    def outcome(self) -> Outcome:
+        """The bridge's handle on the operation (to combine several, as coalescing does)."""
+        return self._outcome
+
+    @property
+    def result_tensors(self) -> list[torch.Tensor]:
+        """The output tensors (what the future's value and ``result()`` hold)."""
+        return self._tensors
+
     def get_future(self) -> torch.futures.Future[Any]:
         """A torch Future whose value is the list of output tensors (or that fails with the error)."""
         return self._future

@@ -37,7 +37,8 @@ from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec
-from aiocoll.algorithms._eager import EagerLane, eager_plan, start_eager
+from aiocoll.algorithms._driver import Driver, start_collective
+from aiocoll.algorithms._plan import prepare
 from aiocoll.client._shm_coll import ShmGroup, intra_host_group, region_offer, shm_starter, world_group
 from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
@@ -229,6 +230,15 @@ class ProcessGroup:
     def default_timeout(self) -> float | None:
         return self._rt.default_timeout
 
+    def _set_label(self, label: str) -> None:
+        """Name this group in error messages (the torch backend passes torch's group name)."""
+        self._state.label = label
+
+    def _set_default_timeout(self, seconds: float | None) -> None:
+        """Change the default deadline of later operations of every group on this runtime
+        (torch's ``ProcessGroup.set_timeout``; each torch group has a runtime of its own)."""
+        self._rt.default_timeout = seconds
+
     @property
     def store(self) -> Store | None:
         """The rendezvous store when one was given or made (file://, ``store=``), else None."""
@@ -283,17 +293,18 @@ class ProcessGroup:
             dtype=meta.get("dtype"),
         )
 
+        if self._destroyed:
+            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
         # Every member on this host: the shared-memory collectives; else the routes (flat or
         # hierarchical) over the links.
         work = self._intra_host(spec, meta, workings, result, timeout)
         if work is not None:
             return work
         layout = self._layout
-        route = choose_route(kind, op, layout)
-        plan = eager_plan(spec, meta) if route == "flat" else None
-        if plan is not None:
-            # Small single-lane operations run from message callbacks, without a task.
-            def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> EagerLane:
+        if choose_route(kind, op, layout) == "flat":
+            # Every flat collective runs from message callbacks, without a task
+            # (aiocoll.algorithms._driver).
+            def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> Driver:
                 def done(exc: BaseException | None) -> None:
                     if exc is None:
                         try:
@@ -303,10 +314,8 @@ class ProcessGroup:
                             exc = copy_back
                     finish(result, exc)
 
-                return start_eager(plan, spec, transport, tag, meta, done)
+                return start_collective(prepare(spec, meta), spec, transport, tag, meta, done)
 
-            if self._destroyed:
-                raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
             return self._rt.engine.submit_eager(
                 self._state,
                 kind,

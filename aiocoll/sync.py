@@ -23,7 +23,6 @@ checks both against the async API.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import threading
 import warnings
@@ -31,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._deadline import to_seconds
-from ._errors import CollectiveTimeout, DistError
+from ._errors import DistError
+from ._monitored_barrier import monitored_barrier as run_monitored_barrier
 from ._sync_loop import get_loop_thread, issue_on_caller_streams
 from ._sync_stores import FileStore, HashStore, PrefixStore, Store, TCPStore, as_async_store
 from ._sync_work import Work
@@ -126,8 +126,6 @@ FACADE_ONLY: dict[str, str] = {
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
 _BACKENDS = ("aiocoll", "gloo", "nccl", "mpi", "ucc", "cpu:gloo,cuda:nccl")
-# Tag of monitored_barrier's messages: out of the range scripts use, as torch keeps its own.
-_MONITORED_BARRIER_TAG = 0x7FFF_0001
 
 
 def is_available() -> bool:
@@ -773,59 +771,8 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
     seconds = to_seconds(timeout)
     if seconds is None:
         seconds = pg.timeout
-    get_loop_thread().run(_monitored_barrier(pg, seconds, wait_all_ranks))
-
-
-async def _monitored_barrier(pg: ProcessGroup, timeout: float | None, wait_all_ranks: bool) -> None:
-    import numpy as np
-
-    core, me, size = pg.core, pg.rank(), pg.size()
-    tag = _MONITORED_BARRIER_TAG
-    if me != 0:
-        await core.send(np.zeros(1, np.uint8), 0, tag=tag, timeout=timeout)
-        try:
-            await core.recv(np.zeros(1, np.uint8), 0, tag=tag, timeout=timeout)
-        except CollectiveTimeout as exc:
-            raise CollectiveTimeout(
-                "monitored_barrier",
-                pg.group_name,
-                exc.seq,
-                [pg.global_rank(0)],
-                timeout,
-                f"rank {pg.global_rank(me)} passed monitored_barrier but rank {pg.global_rank(0)} did not "
-                f"release it within {timeout}s (a rank failed to arrive; rank 0's error names it)",
-            ) from exc
-        return
-    others = list(range(1, size))
-    tasks = {
-        r: asyncio.ensure_future(_await(core.recv(np.zeros(1, np.uint8), r, tag=tag, timeout=timeout)))
-        for r in others
-    }
-    missing: list[int] = []
-    try:
-        for r in others:
-            try:
-                await tasks[r]
-            except CollectiveTimeout:
-                missing.append(r)
-                if not wait_all_ranks:
-                    break
-    finally:
-        for task in tasks.values():
-            task.cancel()
-    if missing:
-        names = [pg.global_rank(r) for r in missing]
-        who = f"Rank {names[0]}" if len(names) == 1 else "Ranks " + ", ".join(map(str, names))
-        raise CollectiveTimeout(
-            "monitored_barrier",
-            pg.group_name,
-            -1,
-            names,
-            timeout,
-            f"{who} failed to pass monitored_barrier within {timeout}s (group {pg.group_name!r})",
-        )
-    await asyncio.gather(
-        *(_await(core.send(np.zeros(1, np.uint8), r, tag=tag, timeout=timeout)) for r in others)
+    get_loop_thread().run(
+        run_monitored_barrier(pg.core, seconds, wait_all_ranks, group=pg.group_name, rank_name=pg.global_rank)
     )
 
 

@@ -43,14 +43,17 @@ import torch
 import torch.distributed as td
 
 from ._deadline import to_seconds
-from ._sync_loop import get_loop_thread, issue_on_caller_streams
+from ._monitored_barrier import monitored_barrier as run_monitored_barrier
+from ._sync_loop import Outcome, get_loop_thread, issue_on_caller_streams
 from ._sync_stores import as_async_store
 from ._torch_work import AiocollWork
 from ._types import ReduceOp
 
-__all__ = ["BACKEND_NAME", "AiocollProcessGroup", "AiocollWork", "create_process_group"]
+__all__ = ["BACKEND_NAME", "DEVICES", "AiocollProcessGroup", "AiocollWork", "create_process_group"]
 
 BACKEND_NAME = "aiocoll"
+# The devices whose tensors the backend moves: registered with torch, and checked at every call.
+DEVICES = ("cpu", "cuda")
 _DEFAULT_TIMEOUT = 1800.0
 
 
@@ -73,7 +76,29 @@ def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
         raise ValueError(
             f"aiocoll {op}: expected a list of exactly one tensor per process, got {len(tensors)}"
         )
+    _check_devices(op, tensors)
     return tensors[0]
+
+
+def _check_devices(op: str, tensors: Sequence[Any]) -> None:
+    for t in tensors:
+        _check_device(op, getattr(t, "device", None))
+
+
+def _check_device(op: str, device: Any) -> None:
+    if device is not None:
+        device = torch.device(device)
+        if device.type not in DEVICES:
+            raise ValueError(
+                f"aiocoll {op}: got a tensor on device {device}; the aiocoll backend moves tensors on "
+                f"{', '.join(DEVICES)} only. Copy it there (.cpu()), or give torch a backend per device, "
+                f"e.g. init_process_group('cpu:aiocoll,xpu:xccl')"
+            )
+
+
+def _not_on_aiocoll(what: str, instead: str) -> NotImplementedError:
+    """The error for a torch feature this backend does not offer (a RuntimeError, as torch's)."""
+    return NotImplementedError(f"the aiocoll backend does not support {what}; {instead}")
 
 
 async def _all(works: list[Any]) -> list[Any]:
@@ -105,6 +130,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         self._group_desc = ""
         self._closed = False
         self._lock = threading.Lock()
+        self._coalescing = threading.local()  # .works: the Works issued since _start_coalescing
         self._loop = get_loop_thread()
         async_store = as_async_store(store)
 
@@ -133,9 +159,22 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     def _set_group_name(self, name: str) -> None:
         self._group_name = name
+        self._name_core_group()
 
     def _set_group_desc(self, desc: str) -> None:
         self._group_desc = desc
+        self._name_core_group()
+
+    @property
+    def _label(self) -> str:
+        """The name errors give this group: the description the user gave, else torch's name."""
+        if self._group_desc and self._group_desc != "undefined":
+            return self._group_desc
+        return self._group_name or "default"
+
+    def _name_core_group(self) -> None:
+        # Each torch group is its own aiocoll world (group id "w" inside): name it as torch does.
+        self._core._set_label(self._label)
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -153,9 +192,14 @@ class AiocollProcessGroup(td.ProcessGroup):
         tensors: list[torch.Tensor],
         source_rank: Callable[[Any], int] | None = None,
     ) -> AiocollWork:
+        _check_devices(op, tensors)
         # The launch (and so the sequence number's order) happens here, on the calling thread.
         outcome, streams = issue_on_caller_streams(start, tensors, wait_on_host=False)
-        return AiocollWork(outcome, op, tensors, source_rank, streams)
+        work = AiocollWork(outcome, op, tensors, source_rank, streams)
+        coalesced = getattr(self._coalescing, "works", None)
+        if coalesced is not None:
+            coalesced.append(work)
+        return work
 
     def _many(self, op: str, calls: Sequence[Callable[[], Any]], tensors: list[torch.Tensor]) -> AiocollWork:
         """Launch several core operations back to back (one loop callback) as one Work."""
@@ -165,7 +209,31 @@ class AiocollProcessGroup(td.ProcessGroup):
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
         op = _reduce_op(opts)
         t = _one(tensors, "allreduce")
+        if t.layout == torch.sparse_coo:
+            return self._sparse_allreduce(t, op)
         return self._launch("allreduce", lambda: self._core.all_reduce(t, op=op), [t])
+
+    def _sparse_allreduce(self, t: torch.Tensor, op: ReduceOp) -> AiocollWork:
+        """Sum sparse COO tensors: gather every rank's (indices, values), add them up, in place.
+
+        One core operation (an object all-gather, whose links are authenticated) carries each
+        rank's entries, so the call keeps its place in the group's order.
+        """
+        if op != ReduceOp.SUM:
+            raise ValueError(
+                f"aiocoll allreduce: sparse COO tensors reduce with SUM only, got {op.name}; "
+                f"use a dense tensor (t.to_dense()) for other reductions"
+            )
+        mine = t.coalesce()
+        entries = (mine.indices(), mine.values())
+
+        async def add_up(gathered: Any) -> None:
+            parts = await gathered
+            indices = torch.cat([i for i, _ in parts], dim=1)
+            values = torch.cat([v for _, v in parts])
+            t.copy_(torch.sparse_coo_tensor(indices, values, t.shape).coalesce())
+
+        return self._launch("allreduce", lambda: add_up(self._core.all_gather_object(entries)), [t])
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:
         op = _reduce_op(opts)
@@ -200,9 +268,19 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_list: Sequence[torch.Tensor],
         opts: Any = None,
     ) -> AiocollWork:
-        pairs = [(list(outs), t) for outs, t in zip(output_lists, input_list, strict=True)]
-        calls = [functools.partial(self._core.all_gather, o, t) for o, t in pairs]
-        return self._many("allgather_coalesced", calls, [x for o, _ in pairs for x in o])
+        """c10d's layout: ``output_lists[r][i]`` receives rank r's ``input_list[i]``."""
+        inputs = list(input_list)
+        if len(output_lists) != self.size() or any(len(outs) != len(inputs) for outs in output_lists):
+            raise ValueError(
+                f"aiocoll allgather_coalesced: expected output_tensor_lists as {self.size()} lists (one "
+                f"per rank) of {len(inputs)} tensors (one per input), got lengths "
+                f"{[len(outs) for outs in output_lists]}"
+            )
+        calls = [
+            functools.partial(self._core.all_gather, [outs[i] for outs in output_lists], t)
+            for i, t in enumerate(inputs)
+        ]
+        return self._many("allgather_coalesced", calls, [x for outs in output_lists for x in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
         return self._launch(
@@ -298,6 +376,24 @@ class AiocollProcessGroup(td.ProcessGroup):
             return self._launch("barrier", lambda: self._core.barrier(), [])
         return self._launch("barrier", lambda: self._core.barrier(timeout=seconds), [])
 
+    def monitored_barrier(
+        self, timeout: datetime.timedelta | float | None = None, wait_all_ranks: bool = False
+    ) -> None:
+        """torch's ``ProcessGroup.monitored_barrier``: rank 0 names the ranks that did not arrive.
+
+        ``torch.distributed.monitored_barrier(group)`` refuses every group not recorded as gloo
+        (torch's own check); call this on the group instead, e.g.
+        ``dist.group.WORLD.monitored_barrier(timedelta(seconds=30))``.
+
+        Raises:
+            CollectiveTimeout (a RuntimeError): on rank 0 "Rank N failed to pass monitoredBarrier
+                in T ms"; on the others, when rank 0 did not answer within the timeout.
+        """
+        seconds = self._timeout if timeout is None else to_seconds(timeout)
+        self._loop.run(
+            run_monitored_barrier(self._core, seconds, bool(wait_all_ranks), group=self._label, rank_name=int)
+        )
+
     # -- point to point ------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int = 0) -> AiocollWork:
         t = _one(tensors, "send")
@@ -313,6 +409,43 @@ class AiocollProcessGroup(td.ProcessGroup):
         t = _one(tensors, "recv_anysource")
         # torch maps the group rank _source_rank() gives to a global rank itself.
         return self._launch("recv_anysource", lambda: self._core.recv(t, None, tag=int(tag)), [t], int)
+
+    # -- coalescing (dist._coalescing_manager(group, device=...)) -----------------------------
+    # Operations inside run as they are issued (in order, as always); the Work _end_coalescing
+    # returns completes once every one of them did. Per thread, as torch's coalescing state is.
+    def _start_coalescing(self, device: Any) -> None:
+        if torch.device(device).type != "cpu":
+            raise _not_on_aiocoll(
+                f"device-level coalescing on {device}",
+                "use dist._coalescing_manager(group) without device= (its all_reduce, "
+                "all_gather_into_tensor and reduce_scatter_tensor run as one coalesced call), or issue "
+                "the operations one by one and wait for their Works",
+            )
+        if getattr(self._coalescing, "works", None) is not None:
+            raise ValueError("aiocoll: _start_coalescing called twice without _end_coalescing")
+        self._coalescing.works = []
+
+    def _end_coalescing(self, device: Any) -> AiocollWork:
+        works: list[AiocollWork] | None = getattr(self._coalescing, "works", None)
+        if works is None:
+            raise ValueError("aiocoll: _end_coalescing without _start_coalescing")
+        self._coalescing.works = None
+        outcome = Outcome.all_of([w.outcome for w in works])
+        return AiocollWork(outcome, "coalesced", [t for w in works for t in w.result_tensors])
+
+    # Left to the C++ base, this fails with torch's misleading "Could not find the default
+    # backend type"; say what to use instead.
+    def _register_on_completion_hook(self, hook: Any) -> None:
+        raise _not_on_aiocoll(
+            "ProcessGroup._register_on_completion_hook",
+            "chain a callback on each operation's future instead: work.get_future().then(callback)",
+        )
+
+    def set_timeout(self, timeout: datetime.timedelta | float) -> None:
+        """Change the default deadline of this group's later operations (and of monitored_barrier)."""
+        seconds = to_seconds(timeout)
+        self._timeout = seconds if seconds else _DEFAULT_TIMEOUT
+        self._core._set_default_timeout(self._timeout)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -349,7 +482,7 @@ def create_process_group(
 def _register() -> None:
     if BACKEND_NAME.upper() in getattr(td.Backend, "_plugins", {}):
         return
-    td.Backend.register_backend(BACKEND_NAME, create_process_group, devices=["cpu", "cuda"])
+    td.Backend.register_backend(BACKEND_NAME, create_process_group, devices=list(DEVICES))
 
 
 _register()

@@ -69,7 +69,9 @@ class GroupState:
 
     Attributes:
         gid: the group id (the same string on every member). ranks: members' global ranks, in
-        group-rank order. index: this process's rank within the group.
+        group-rank order. index: this process's rank within the group. label: the name messages
+        give the group (the gid unless the layer above names it, as the torch backend does with
+        torch's group name).
     """
 
     __slots__ = (
@@ -77,6 +79,7 @@ class GroupState:
         "broken_seq",
         "gid",
         "index",
+        "label",
         "members",
         "next_seq",
         "notices",
@@ -87,6 +90,7 @@ class GroupState:
 
     def __init__(self, gid: str, ranks: Sequence[int], my_rank: int) -> None:
         self.gid = gid
+        self.label = gid
         self.ranks = tuple(ranks)
         self.members = frozenset(ranks)
         self.index = self.ranks.index(my_rank)
@@ -139,8 +143,8 @@ class _Op:
 
     def describe(self) -> str:
         if self.seq >= 0:
-            return f"{self.kind} (group {self.group.gid!r}, seq {self.seq})"
-        return f"{self.kind} (group {self.group.gid!r})"
+            return f"{self.kind} (group {self.group.label!r}, seq {self.seq})"
+        return f"{self.kind} (group {self.group.label!r})"
 
 
 class OpTransport(Transport):
@@ -319,7 +323,7 @@ class Engine:
         signature: dict[str, Any] | None = None,
     ) -> Work:
         """Start a collective driven by message callbacks instead of a task (see
-        aiocoll.algorithms._eager): ``start(tag, transport, finish)`` begins it inside this
+        aiocoll.algorithms._driver): ``start(tag, transport, finish)`` begins it inside this
         call and arranges ``finish(result, None)`` or ``finish(None, error)`` exactly once.
         Sequencing, deadlines, failures and their fan-out are the same as ``submit``'s.
 
@@ -400,7 +404,7 @@ class Engine:
         cause = group.broken
         if cause is None or (seq >= 0 and seq < group.broken_seq):
             return
-        where = f"{kind} (group {group.gid!r}" + (f", seq {seq})" if seq >= 0 else ")")
+        where = f"{kind} (group {group.label!r}" + (f", seq {seq})" if seq >= 0 else ")")
         if isinstance(cause, PeerLostError):
             raise PeerLostError(
                 cause.rank,
@@ -419,7 +423,7 @@ class Engine:
         if isinstance(cause, CollectiveTimeout):
             raise CollectiveTimeout(
                 kind,
-                group.gid,
+                group.label,
                 seq,
                 cause.missing_ranks,
                 cause.timeout,
@@ -579,20 +583,20 @@ class Engine:
         ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
         missing = ends or direct
         # issue 10 hook: the members' progress reports, compared, named the ranks behind.
-        behind = self.progress.behind_at(op.group.gid, op.seq) if op.seq >= 0 else None
+        behind = self.progress.behind_at(op.group.label, op.seq) if op.seq >= 0 else None
         if behind is not None:
             missing = behind[0]
             err = CollectiveTimeout(
                 op.kind,
-                op.group.gid,
+                op.group.label,
                 op.seq,
                 missing,
                 op.timeout,
-                message=f"{op.describe()} timed out after {op.timeout}s; the ranks' progress reports "
+                message=f"{op.describe()}: Timed out after {op.timeout}s; the ranks' progress reports "
                 f"show that {behind[1]}",
             )
         else:
-            err = CollectiveTimeout(op.kind, op.group.gid, op.seq, missing, op.timeout)
+            err = CollectiveTimeout(op.kind, op.group.label, op.seq, missing, op.timeout)
         log.warning("rank %d: %s", self.rank, err)
         self.progress.log_record(f"{op.describe()} timed out")
         # One rank's failure is every rank's news: the others stop waiting for this one now.
@@ -760,8 +764,10 @@ class Engine:
             return
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))
+        group = self._groups.get(gid)
+        label = group.label if group is not None else gid
         err = MismatchError(
-            f"rank {src} found that the ranks' calls at seq {seq} of group {gid!r} disagree: {why}",
+            f"rank {src} found that the ranks' calls at seq {seq} of group {label!r} disagree: {why}",
             group=gid,
             seq=seq,
             ranks=ranks,
@@ -789,8 +795,10 @@ class Engine:
         here too, as a MismatchError."""
         if self._closed:
             return
+        known = self._groups.get(gid)
+        label = known.label if known is not None else gid
         err = MismatchError(
-            f"comparing the ranks' progress reports showed that their calls at seq {seq} of group {gid!r} "
+            f"comparing the ranks' progress reports showed that their calls at seq {seq} of group {label!r} "
             f"disagree: {why}",
             group=gid,
             seq=seq,
@@ -809,12 +817,12 @@ class Engine:
         timeout = meta.get("t")
         err = CollectiveTimeout(
             kind,
-            gid,
+            group.label,
             seq,
             waits,
             float(timeout) if isinstance(timeout, (int, float)) else None,
-            message=f"{kind} (group {gid!r}, seq {seq}) failed: rank {src} gave up on it when its own "
-            f"timeout ({timeout}s) ran out, waiting for rank(s) {waits}; this rank stops waiting too. "
+            message=f"{kind} (group {group.label!r}, seq {seq}) failed: rank {src} gave up on it when its "
+            f"own timeout ({timeout}s) ran out, waiting for rank(s) {waits}; this rank stops waiting too. "
             f"Rank {src} said: {str(meta.get('why', ''))[:500]}",
         )
         log.warning("rank %d: %s", self.rank, err)
@@ -888,7 +896,7 @@ def _for_op(err: BaseException, op: _Op) -> BaseException:
             return err
         out = CollectiveTimeout(
             op.kind,
-            op.group.gid,
+            op.group.label,
             op.seq,
             err.missing_ranks,
             err.timeout,

@@ -2,7 +2,7 @@
 
 Imports nothing from aiocoll and nothing asynchronous: a schedule is data, so every algorithm can
 be checked without an event loop (every send has a matching receive, ring moves each chunk n-1
-times, ...). ``_executor.run_collective`` applies any schedule over a Transport.
+times, ...). ``_driver`` (the one step driver) applies any schedule over a Transport.
 
 Vocabulary. Peers are *group* ranks. Buffers are named, per operation, by a BufRef:
 ``("w", 0)`` the working vector (all_reduce/broadcast/reduce data, reduce_scatter's

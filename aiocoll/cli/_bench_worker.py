@@ -171,20 +171,20 @@ class OpRunner:
 class _AlgorithmHook:
     """Records which algorithm aiocoll ran for each kind of collective, and can force one.
 
-    The process group takes no per-call algorithm argument, so the benchmark wraps the executor's
+    The process group takes no per-call algorithm argument, so the benchmark wraps the planner's
     ``choose_algorithm`` in this worker process only: ``--algorithm`` wins wherever the kind
     offers it (other kinds keep their default), and every choice is recorded so the table can
     show what actually ran. Nothing outside the benchmark's own processes is affected.
     """
 
     def __init__(self, forced: str | None) -> None:
-        from aiocoll.algorithms import _executor
+        from aiocoll.algorithms import _plan
 
         self.forced = forced
         self.last: dict[str, str] = {}
-        self._offered = _executor.ALGORITHMS
-        self._choose = _executor.choose_algorithm
-        _executor.choose_algorithm = self._chosen
+        self._offered = _plan.ALGORITHMS
+        self._choose = _plan.choose_algorithm
+        _plan.choose_algorithm = self._chosen
 
     def _chosen(self, kind: str, nbytes: int, world_size: int) -> str:
         algorithm = self._choose(kind, nbytes, world_size)

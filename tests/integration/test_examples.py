@@ -113,3 +113,32 @@ def test_external_coordinator_example_runs_a_job_and_shows_its_status() -> None:
     log = _run_ok(["bash", str(EXAMPLES / "external_coordinator.sh"), "2"])
     assert re.search(r"demo: 2 ranks agreed", log), log[-4000:]
     assert "external-demo" in log, log[-4000:]  # `aiocoll status` lists the job
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+@torch_needed
+def test_training_stacks_end_with_the_parameters_of_the_gloo_run(tmp_path: Path) -> None:
+    """DeviceMesh/DTensor, FSDP2, DDP's features and DCP: the same final tensors as on gloo.
+
+    One world per backend runs every scenario of examples/torch_training_stacks.py (each checks
+    itself: ranks agree, the checkpoint loads back); with 2 ranks every sum has two terms, so the
+    float64 results must be equal bit for bit.
+    """
+    import torch
+
+    saved = {}
+    for backend in ("gloo", "aiocoll"):
+        out = tmp_path / f"{backend}.pt"
+        command = [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "2"]
+        script = [str(EXAMPLES / "torch_training_stacks.py"), "--backend", backend, "--out", str(out)]
+        log = _run_ok([*command, *script])
+        assert f"training stacks on {backend}: 9 scenarios checked on 2 ranks" in log, log[-4000:]
+        saved[backend] = torch.load(out)
+    gloo, ours = saved["gloo"], saved["aiocoll"]
+    assert sorted(ours) == sorted(gloo)
+    for scenario, tensors in gloo.items():
+        assert sorted(ours[scenario]) == sorted(tensors), scenario
+        for name, expected in tensors.items():
+            got = ours[scenario][name]
+            assert torch.equal(got, expected), f"{scenario}/{name}: max diff {(got - expected).abs().max()}"

@@ -1,5 +1,5 @@
-"""The eager runner (small single-lane operations driven by message callbacks) and what it stands
-on: ``Transport.post_recv`` (the task-based default on the memory transport, the direct callback
+"""The step driver run eagerly (operations driven by message callbacks, no task) and what it
+stands on: ``Transport.post_recv`` (the task-based default on the memory transport, the direct callback
 of the TCP transport) and ``Engine.submit_eager`` (sequencing, deadlines, loss and mismatch)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from aiocoll._deadline import Deadline
 from aiocoll._errors import CollectiveTimeout, MismatchError, PeerLostError
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Transport
-from aiocoll.algorithms._eager import EAGER_BYTES, eager_plan, start_eager
+from aiocoll.algorithms._driver import start_collective
+from aiocoll.algorithms._plan import prepare
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,10 +39,10 @@ async def run_eager(specs: list[CollectiveSpec], transports: list[Transport], ta
     outcomes: list[asyncio.Future[BaseException | None]] = []
     for spec in specs:
         meta = meta_of(spec)
-        plan = eager_plan(spec, meta)
+        plan = prepare(spec, meta)
         assert plan is not None, f"{spec.kind} with {len(spec.ranks)} ranks should run eagerly"
         fut: asyncio.Future[BaseException | None] = loop.create_future()
-        start_eager(plan, spec, transports[spec.ranks[spec.me]], tag, meta, fut.set_result)
+        start_collective(plan, spec, transports[spec.ranks[spec.me]], tag, meta, fut.set_result)
         outcomes.append(fut)
     return list(await asyncio.wait_for(asyncio.gather(*outcomes), LIMIT))
 
@@ -144,9 +145,9 @@ async def test_every_small_kind_runs_eagerly_over_tcp_from_the_read_callbacks(n:
         futs = []
         for spec in staggered:
             fut: asyncio.Future[BaseException | None] = loop.create_future()
-            plan = eager_plan(spec, meta_of(spec))
+            plan = prepare(spec, meta_of(spec))
             assert plan is not None
-            start_eager(plan, spec, ts[spec.me], ("c", "late", 0), meta_of(spec), fut.set_result)
+            start_collective(plan, spec, ts[spec.me], ("c", "late", 0), meta_of(spec), fut.set_result)
             futs.append(fut)
             await asyncio.sleep(0.02)
         assert await asyncio.wait_for(asyncio.gather(*futs), LIMIT) == [None] * n
@@ -156,22 +157,35 @@ async def test_every_small_kind_runs_eagerly_over_tcp_from_the_read_callbacks(n:
         await asyncio.gather(*(t.aclose() for t in ts))
 
 
-def test_only_small_single_lane_specs_without_an_override_run_eagerly() -> None:
+async def test_large_multi_lane_and_forced_specs_run_eagerly_and_invalid_ones_fail_at_planning() -> None:
+    """One driver for every size and algorithm (formerly only small single-lane specs without an
+    override ran eagerly); an invalid spec raises its error when it is planned."""
     small = np.zeros(4, np.float32)
-    spec = CollectiveSpec("all_reduce", (0, 1), 0, (small,), (small,))
-    assert eager_plan(spec, meta_of(spec)) is not None
-    big = np.zeros(EAGER_BYTES // 4 + 1, np.float32)
-    assert eager_plan(CollectiveSpec("all_reduce", (0, 1), 0, (big,), (big,)), {}) is None
-    forced = CollectiveSpec("all_reduce", (0, 1), 0, (small,), (small,), algorithm="ring")
-    assert eager_plan(forced, {}) is None
-    # An invalid spec is never eager: the executor's path raises its error.
+    big = np.zeros(64 * 1024 // 4 + 1, np.float32)
+    world = MemoryWorld(2)
+    for seq, (make, algorithm) in enumerate(
+        [(lambda: small, None), (lambda: big, None), (lambda: small, "ring"), (lambda: big, "ring")]
+    ):
+        xs = [make().copy() + r + 1 for r in range(2)]
+        specs = [
+            CollectiveSpec("all_reduce", (0, 1), r, (xs[r],), (xs[r],), algorithm=algorithm) for r in range(2)
+        ]
+        assert await run_eager(specs, list(world), tag=("c", "g", seq)) == [None, None]
+        for x in xs:
+            np.testing.assert_array_equal(x, np.full_like(x, 3))
+    blocks = [(np.zeros(0, np.float32), big.copy() + r) for r in range(2)]
+    # Rank r's block j goes to rank j: rank 0 gets two empty blocks, rank 1 two large ones.
+    outs = [(np.zeros(0, np.float32), np.zeros(0, np.float32)), (np.zeros_like(big), np.zeros_like(big))]
+    specs = [CollectiveSpec("all_to_all", (0, 1), r, blocks[r], outs[r]) for r in range(2)]
+    assert await run_eager(specs, list(world), tag=("c", "g", 9)) == [None, None]
+    np.testing.assert_array_equal(outs[1][0], big)
+    np.testing.assert_array_equal(outs[1][1], big + 1)
     bad_op = CollectiveSpec("all_reduce", (0, 1), 0, (small,), (small,), op=ReduceOp.BAND)
-    assert eager_plan(bad_op, {}) is None
+    with pytest.raises(TypeError, match="BAND"):
+        prepare(bad_op, {})
     bad_root = CollectiveSpec("broadcast", (0, 1), 0, (), (small,), root=5)
-    assert eager_plan(bad_root, {}) is None
-    # Judged by the largest message, not the first array: an all_to_all whose first block is empty.
-    blocks = (np.zeros(0, np.float32), big)
-    assert eager_plan(CollectiveSpec("all_to_all", (0, 1), 0, blocks, blocks), {}) is None
+    with pytest.raises(ValueError, match="root 5"):
+        prepare(bad_root, {})
 
 
 async def test_a_signature_mismatch_fails_both_ranks_naming_both() -> None:
@@ -182,10 +196,10 @@ async def test_a_signature_mismatch_fails_both_ranks_naming_both() -> None:
     futs = []
     for r, spec in enumerate(specs):
         meta = {"kind": "all_reduce", "op": "sum" if r == 0 else "max"}
-        plan = eager_plan(spec, meta)
+        plan = prepare(spec, meta)
         assert plan is not None
         fut: asyncio.Future[BaseException | None] = loop.create_future()
-        start_eager(plan, spec, world[r], TAG, meta, fut.set_result)
+        start_collective(plan, spec, world[r], TAG, meta, fut.set_result)
         futs.append(fut)
     errors = await asyncio.wait_for(asyncio.gather(*futs), LIMIT)
     for err in errors:
@@ -202,9 +216,9 @@ async def test_a_size_mismatch_over_tcp_fails_the_receiver_with_mismatch_error()
         for t, x, r in ((a, xa, 0), (b, xb, 1)):
             spec = CollectiveSpec("all_reduce", (0, 1), r, (x,), (x,))
             fut: asyncio.Future[BaseException | None] = loop.create_future()
-            plan = eager_plan(spec, {"kind": "all_reduce"})
+            plan = prepare(spec, {"kind": "all_reduce"})
             assert plan is not None
-            start_eager(plan, spec, t, TAG, {"kind": "all_reduce"}, fut.set_result)
+            start_collective(plan, spec, t, TAG, {"kind": "all_reduce"}, fut.set_result)
             futs.append(fut)
         errors = await asyncio.wait_for(asyncio.gather(*futs), LIMIT)
         assert all(isinstance(e, MismatchError) for e in errors)
@@ -217,10 +231,10 @@ async def test_a_killed_peer_fails_the_waiting_rank_and_a_stopped_lane_never_rep
     world = MemoryWorld(3)
     x = np.ones(2, np.int64)
     spec = CollectiveSpec("all_reduce", (0, 1, 2), 0, (x,), (x,))
-    plan = eager_plan(spec, meta_of(spec))
+    plan = prepare(spec, meta_of(spec))
     assert plan is not None
     fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
-    start_eager(plan, spec, world[0], TAG, meta_of(spec), fut.set_result)
+    start_collective(plan, spec, world[0], TAG, meta_of(spec), fut.set_result)
     world.kill(1)
     err = await asyncio.wait_for(fut, LIMIT)
     assert isinstance(err, PeerLostError) and err.rank == 1
@@ -228,9 +242,9 @@ async def test_a_killed_peer_fails_the_waiting_rank_and_a_stopped_lane_never_rep
     reported: list[Any] = []
     y = np.ones(2, np.int64)
     spec2 = CollectiveSpec("all_reduce", (0, 2), 0, (y,), (y,))
-    plan2 = eager_plan(spec2, meta_of(spec2))
+    plan2 = prepare(spec2, meta_of(spec2))
     assert plan2 is not None
-    lane = start_eager(plan2, spec2, world[0], ("c", "g", 1), meta_of(spec2), reported.append)
+    lane = start_collective(plan2, spec2, world[0], ("c", "g", 1), meta_of(spec2), reported.append)
     lane.stop()
     world[0].discard(("c", "g", 1))
     await asyncio.sleep(0.05)
@@ -311,11 +325,11 @@ def eager_all_reduce(
 ) -> Any:
     spec = CollectiveSpec("all_reduce", ranks, me, (x,), (x,))
     meta = meta or {"kind": "all_reduce", "dtype": x.dtype.name, "count": x.size}
-    plan = eager_plan(spec, meta)
+    plan = prepare(spec, meta)
     assert plan is not None
 
     def start(tag: Any, transport: Any, finish: Any) -> Any:
-        return start_eager(plan, spec, transport, tag, meta, lambda exc: finish(x, exc))
+        return start_collective(plan, spec, transport, tag, meta, lambda exc: finish(x, exc))
 
     return start
 
@@ -409,11 +423,11 @@ def eager_all_gather(me: int, n: int) -> Any:
     outs = tuple(np.zeros(2, np.int64) for _ in range(n))
     spec = CollectiveSpec("all_gather", tuple(range(n)), me, (x,), outs)
     meta = {"kind": "all_gather"}
-    plan = eager_plan(spec, meta)
+    plan = prepare(spec, meta)
     assert plan is not None and max(len(s.recvs) for s in plan.sched.lanes[0]) == n - 1
 
     def start(tag: Any, transport: Any, finish: Any) -> Any:
-        return start_eager(plan, spec, transport, tag, meta, lambda exc: finish(outs, exc))
+        return start_collective(plan, spec, transport, tag, meta, lambda exc: finish(outs, exc))
 
     return start
 

@@ -1,4 +1,4 @@
-"""The executor's fast paths give the same results as the plain path.
+"""The step driver's fast paths give the same results as the plain path.
 
 Receives posted one step early (forced here for every message size, with small chunks so lanes
 have many steps), sends started inline, and the per-signature plan cache of in-place all_reduce
@@ -17,7 +17,8 @@ from aiocoll.client.transports.memory import MemoryWorld
 
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import ALGORITHMS, CollectiveSpec, run_collective
-from aiocoll.algorithms import _executor as X
+from aiocoll.algorithms import _driver as D
+from aiocoll.algorithms import _plan as P
 from aiocoll.algorithms import _schedule as S
 
 LIMIT = 20.0  # a hang, not a slow machine, gets near this
@@ -26,7 +27,7 @@ LIMIT = 20.0  # a hang, not a slow machine, gets near this
 @pytest.fixture
 def early_receives(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every receive of a multi-step lane is posted a step early; 256-byte chunks."""
-    monkeypatch.setattr(X, "PREPOST_BYTES", 1)
+    monkeypatch.setattr(D, "PREPOST_BYTES", 1)
     monkeypatch.setattr(S, "CHUNK_BYTES", 256)
 
 
@@ -170,7 +171,7 @@ def test_every_lane_runs_its_steps_in_increasing_id_order() -> None:
             for kind, algorithms in ALGORITHMS.items():
                 for algorithm in algorithms:
                     splits = ((3,) * n, (3,) * n) if kind == "all_to_all" else None
-                    sched = X._cached_schedule(kind, algorithm, n, me, 0, 5000, 8, 4096, 1024, splits)
+                    sched = P._cached_schedule(kind, algorithm, n, me, 0, 5000, 8, 4096, 1024, splits)
                     for lane in sched.lanes:
                         ids = [step.id for step in lane]
                         assert ids == sorted(set(ids)), (kind, algorithm, n, me, ids)

@@ -166,3 +166,37 @@ def test_the_matcher_is_sans_io_and_link_kinds_sit_in_the_client_layer() -> None
     for name in ("_link", "_factory", "tcp", "memory"):
         module, _ = _module_name(ROOT / "client" / "transports" / f"{name}.py")
         assert _layer(module) == "client", module
+
+
+def _top_level_imports(rel: str) -> set[str]:
+    tree = ast.parse((ROOT / rel).read_text(), rel)
+    names = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    }
+    names |= {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
+    }
+    return names
+
+
+def test_the_planner_and_step_driver_reach_memory_only_through_buffers() -> None:
+    """aiocoll/_buffers.py is the one place the collectives touch memory (numpy today, device
+    memory next); the planner, the driver and the schedules never import numpy, and neither the
+    buffers nor the planner know the event loop."""
+    for rel in (
+        "aiocoll/algorithms/_plan.py",
+        "aiocoll/algorithms/_driver.py",
+        "aiocoll/algorithms/_schedule.py",
+    ):
+        assert "numpy" not in _top_level_imports(rel), rel
+        assert _layer(_module_name(ROOT / rel)[0]) == "foundation"
+    for rel in ("aiocoll/_buffers.py", "aiocoll/_reduce.py", "aiocoll/algorithms/_plan.py"):
+        assert "asyncio" not in _top_level_imports(rel), rel
+    assert _layer(_module_name(ROOT / "aiocoll/_buffers.py")[0]) == "foundation"
+    for gone in ("aiocoll/algorithms/_eager.py", "aiocoll/algorithms/_executor.py"):
+        assert not (ROOT / gone).exists(), f"{gone}: one step driver, not two"

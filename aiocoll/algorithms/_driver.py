@@ -1,0 +1,617 @@
+"""The one step driver: runs any rank's Schedule over a Transport, for every kind and size.
+
+Imports only foundations (_buffers, _errors, _types, the algorithms' _plan, _schedule and
+_transport); never client/ or the public surface. Every operation, a 4-byte all_reduce or a
+256 MiB ring, runs here the same way: the caller's own call starts the first step (sends go to
+the kernel inline with ``send_nowait``), receives are posted with ``Transport.post_recv`` and
+complete through callbacks, and the step whose last transfer completes is finished right in that
+callback (reductions, the next step's sends, finally ``done``). No task per operation, no
+coroutine per message, no loop iteration per wake-up: what small operations' latency needs.
+
+What large operations need, on the same path: a step's single receive is posted a step early
+when its range is free (``_may_prepost``), so a peer running ahead still lands its payload in
+place; reduced payloads of at least ``PREPOST_BYTES`` are received with ``recv_landed`` (one that
+arrived first is reduced where it landed, not copied into scratch); and reductions run in blocks
+of ``REDUCE_BLOCK_BYTES``, one block per turn of the loop, so a large one never holds up a read
+callback for long. Scratch, views, copies and reductions go through ``Buffers`` (``_buffers``):
+the driver never touches numpy, so device memory plugs in as another Buffers implementation.
+
+Every message is tagged ``(*tag, step_id)`` and carries the engine's ``meta`` (the operation's
+signature); every received meta is compared with ours, so a mismatched call fails with
+MismatchError on the first message instead of hanging or corrupting data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+from .._buffers import REDUCE_BLOCK_BYTES, Buffers
+from .._errors import MismatchError
+from . import _schedule as S
+from ._plan import CollectiveSpec, Prepared, prepare
+from ._transport import Tag, Transport
+
+__all__ = ["PREPOST_BYTES", "Context", "Driver", "run_collective", "start_collective"]
+
+PREPOST_BYTES = 32 * 1024
+"""Lanes whose first receive is at least this large post each step's receive a step early (when
+safe), and reduced receives this large are taken where they landed: a payload that arrives
+before its receive is posted costs an extra copy through fresh memory."""
+
+_SIGNATURE_FIELDS = ("kind", "root", "dtype", "count", "op")
+
+Done = Callable[[BaseException | None], None]
+
+
+class Context:
+    """What one running operation needs at every message: transport, tags, meta, op."""
+
+    __slots__ = (
+        "dtype_name",
+        "global_ranks",
+        "me_global",
+        "meta",
+        "op",
+        "payload",
+        "send_nowait",
+        "tag",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        transport: Transport,
+        tag: tuple[Any, ...],
+        meta: dict[str, Any],
+        global_ranks: Sequence[int],
+        me: int,
+        prepared: Prepared,
+    ) -> None:
+        self.transport = transport
+        self.tag = tag
+        self.meta = meta
+        self.global_ranks = global_ranks
+        self.me_global = global_ranks[me]
+        self.op = prepared.op
+        self.dtype_name = prepared.dtype_name
+        self.payload = prepared.buffers.payload
+        # Bound once: every send of the operation goes through it (see ``start_send``).
+        self.send_nowait = transport.send_nowait
+
+    def start_send(self, peer: int, step_id: int, data: Any) -> Awaitable[None] | None:
+        """Start sending now (inline where the transport can: no task, no loop iteration per
+        message); None when the payload was handed off at once, else an awaitable, not started
+        yet, that finishes it (``Transport.send_nowait``).
+
+        Raises:
+            PeerLostError: the peer is gone (at once, when that is already known).
+        """
+        return self.send_nowait(self.global_ranks[peer], (*self.tag, step_id), self.payload(data), self.meta)
+
+    def recv_error(self, src: int, exc: MismatchError) -> MismatchError:
+        """The error to raise for a receive from global rank ``src`` that the transport failed
+        with ``exc`` (a message of the wrong length): named by whatever differs in the calls."""
+        remote = getattr(exc, "remote_meta", None)
+        if isinstance(remote, dict) and not _same_meta(remote, self.meta):
+            err = self._mismatch(src, remote)
+        else:
+            err = self._mismatch(src, remote, size_detail=str(exc))
+        err.__cause__ = exc
+        return err
+
+    def meta_error(self, src: int, remote_meta: dict[str, Any]) -> MismatchError | None:
+        """None when global rank ``src``'s signature matches ours, else the MismatchError."""
+        if remote_meta == self.meta or _same_meta(remote_meta, self.meta):
+            return None
+        return self._mismatch(src, remote_meta)
+
+    def _mismatch(self, src: int, remote: Any, size_detail: str | None = None) -> MismatchError:
+        group, seq = "", -1
+        if len(self.tag) >= 3 and self.tag[0] == "c":
+            group, seq = str(self.tag[1]), self.tag[2] if isinstance(self.tag[2], int) else -1
+        where = f" (group {group!r}, seq {seq})" if group else ""
+        if isinstance(remote, dict) and not _same_meta(remote, self.meta):
+            keys = [k for k in _SIGNATURE_FIELDS if self.meta.get(k) != remote.get(k)]
+            keys += sorted(
+                str(k)
+                for k in set(self.meta) | set(remote)
+                if k not in _SIGNATURE_FIELDS and self.meta.get(k) != remote.get(k)
+            )
+            message = (
+                f"rank {self.me_global} and rank {src} called different collectives at one point{where}: "
+                f"they differ in {', '.join(keys)}; rank {self.me_global}: {_fmt(self.meta)}; rank {src}: "
+                f"{_fmt(remote)}. Every rank of a group must call the same operations, with the same "
+                "root, dtype, size and reduce op, in the same order."
+            )
+        else:
+            keys = ["size"]
+            message = (
+                f"rank {self.me_global} received a message of the wrong size from rank {src}{where} "
+                f"during {self.meta.get('kind', 'a collective')} ({size_detail}); the ranks passed "
+                "tensors (or split sizes) that do not agree."
+            )
+        err = MismatchError(message, group=group, seq=seq, ranks=sorted({self.me_global, src}))
+        err.local_meta = dict(self.meta)  # type: ignore[attr-defined]
+        err.remote_meta = remote  # type: ignore[attr-defined]
+        err.fields = keys  # type: ignore[attr-defined]
+        return err
+
+
+def _plain(value: Any) -> Any:
+    """What a value looks like after a msgpack round trip: tuples become lists."""
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _same_meta(remote: Any, local: dict[str, Any]) -> bool:
+    # A network transport hands back a decoded copy, so compare as the wire would carry them.
+    return bool(remote == local or _plain(remote) == _plain(local))
+
+
+def _fmt(meta: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}={meta[k]!r}" for k in meta) + "}"
+
+
+def _may_prepost(step: S.Step, nxt: S.Step) -> bool:
+    """Whether ``nxt``'s single receive may be posted while ``step`` runs: its payload must not
+    land on anything ``step`` receives or reduces into (reduced payloads land in the other
+    scratch half, so only direct receives need checking), nor on what ``step`` sends to another
+    rank. A range that ``step`` sends to the very peer ``nxt`` receives from is safe: that peer
+    receives our step-k message in its own step k and sends its step-k+1 message only after that
+    step completed (a lane runs its steps in order, ids increasing), so its payload cannot arrive
+    before ours has been handed off whole. Halving-doubling relies on this: each all-gather step
+    receives into the range the matching reduce-scatter step sent to the same partner."""
+    if len(nxt.recvs) != 1:
+        return False
+    r = nxt.recvs[0]
+    if r.reduce:
+        return True
+    for s in step.sends:
+        if s.buf == r.buf and s.start < r.stop and r.start < s.stop and s.peer != r.peer:
+            return False
+    for q in step.recvs:
+        if q.buf == r.buf and q.start < r.stop and r.start < q.stop:
+            return False
+    return True
+
+
+def copies(copies: Sequence[S.Copy], bufs: dict[S.BufRef, Any], buffers: Buffers) -> None:
+    for c in copies:
+        if c.count:
+            buffers.copy(
+                buffers.view(bufs[c.dst], c.dst_start, c.dst_start + c.count),
+                buffers.view(bufs[c.src], c.src_start, c.src_start + c.count),
+            )
+
+
+class Reduction:
+    """One received payload to combine into ``target`` once its step's transfers completed.
+
+    Attributes:
+        target: where the result goes. landing: the received values (scratch, or the transport's
+        own buffer when the payload arrived before its receive). first: the received values are
+        the left operand. count: elements in each.
+    """
+
+    __slots__ = ("count", "first", "landing", "target")
+
+    def __init__(self, target: Any, landing: Any, first: bool, count: int) -> None:
+        self.target = target
+        self.landing = landing
+        self.first = first
+        self.count = count
+
+
+class _StepRun:
+    """The receives of one step (posted at its start, or a step early) and what is outstanding.
+
+    ``waiting`` counts receives and sends not completed yet, plus one while the step is being
+    started, so a message that is already here cannot finish the step before it began."""
+
+    __slots__ = ("reductions", "waiting")
+
+    def __init__(self) -> None:
+        self.waiting = 0
+        self.reductions: list[Reduction] = []
+
+
+class Driver:
+    """One running collective (see the module docstring); ``done`` is called exactly once unless
+    ``stop()`` comes first."""
+
+    __slots__ = ("_ctx", "_done", "_lanes", "_lanes_left", "_prepared", "over")
+
+    def __init__(self, prepared: Prepared, ctx: Context, done: Done) -> None:
+        self._prepared = prepared
+        self._ctx = ctx
+        self._done = done
+        self.over = False
+        self._lanes: list[_Lane] = []
+        self._lanes_left = 0
+
+    def start(self) -> None:
+        prepared = self._prepared
+        sched = prepared.sched
+        try:
+            copies(sched.prologue, prepared.bufs, prepared.buffers)
+        except BaseException as exc:
+            self.fail(exc)
+            return
+        if not sched.lanes:
+            self._lanes_done()
+            return
+        self._lanes = [
+            _Lane(self, steps, need) for steps, need in zip(sched.lanes, sched.scratch, strict=True)
+        ]
+        self._lanes_left = len(self._lanes)
+        for lane in self._lanes:
+            if self.over:
+                return
+            lane.run_from(0)
+
+    def stop(self) -> None:
+        """The operation was failed from outside (deadline, lost peer, cancellation): do nothing
+        more, and drop what is still queued to send (it must not read the caller's memory any
+        longer). Posted receives end with ``Transport.discard`` of the operation's tag."""
+        self.over = True
+        for lane in self._lanes:
+            lane.abandon()
+
+    def fail(self, exc: BaseException) -> None:
+        if self.over:
+            return
+        self.stop()
+        self._done(exc)
+
+    def lane_done(self) -> None:
+        self._lanes_left -= 1
+        if not self._lanes_left:
+            self._lanes_done()
+            for lane in self._lanes:  # every transfer completed: nothing writes into scratch now
+                lane.release_scratch()
+
+    def _lanes_done(self) -> None:
+        prepared = self._prepared
+        try:
+            copies(prepared.sched.epilogue, prepared.bufs, prepared.buffers)
+            prepared.finish()
+        except BaseException as exc:
+            self.fail(exc)
+            return
+        if not self.over:
+            self.over = True
+            self._done(None)
+
+
+class _Lane:
+    """One lane's steps, in order; each step's receives complete through callbacks."""
+
+    __slots__ = (
+        "_buffers",
+        "_bufs",
+        "_ctx",
+        "_current",
+        "_driver",
+        "_early",
+        "_itemsize",
+        "_k",
+        "_need",
+        "_prepost",
+        "_reduced",
+        "_scratch",
+        "_sending",
+        "_steps",
+        "_tasks",
+    )
+
+    def __init__(self, driver: Driver, steps: Sequence[S.Step], need: tuple[int, S.BufRef | None]) -> None:
+        self._driver = driver
+        self._ctx = driver._ctx
+        self._steps = steps
+        self._bufs = driver._prepared.bufs
+        self._buffers = driver._prepared.buffers
+        self._need, self._reduced = need
+        # Reduced ranges all have the dtype of the buffer the scratch is made like.
+        self._itemsize = 0 if self._reduced is None else self._buffers.itemsize(self._bufs[self._reduced])
+        # Large messages: post step k+1's receive before waiting for step k, so a peer that runs
+        # a step ahead still lands its payload in place. Reduced payloads then alternate between
+        # two scratch halves (step k's is still being reduced while step k+1's arrives).
+        self._prepost = len(steps) > 1 and self._largest_recv(steps[0]) >= PREPOST_BYTES
+        # Scratch per parity, allocated when first needed and reused by every later step.
+        self._scratch: list[Any] = [None, None]
+        self._k = 0
+        self._current: _StepRun | None = None
+        self._early: _StepRun | None = None
+        self._sending: list[asyncio.Future[None]] = []  # sends the kernel did not take at once
+        self._tasks: list[asyncio.Future[Any]] = []  # large reduced receives (recv_landed)
+
+    def _largest_recv(self, step: S.Step) -> int:
+        itemsize = self._buffers.itemsize
+        largest = 0
+        for r in step.recvs:
+            largest = max(largest, (r.stop - r.start) * itemsize(self._bufs[r.buf]))
+        return largest
+
+    def run_from(self, k: int) -> None:
+        """Run steps from ``k`` on until one waits for a message (a callback resumes it)."""
+        steps = self._steps
+        driver = self._driver
+        try:
+            while k < len(steps):
+                step = steps[k]
+                self._k = k
+                run = self._early
+                self._early = None
+                if run is None:
+                    run = _StepRun()
+                    run.waiting = 1
+                    self._current = run
+                    self._start_sends(step, run)
+                    self._post(step, k, run)
+                else:
+                    run.waiting += 1
+                    self._current = run
+                    self._start_sends(step, run)
+                if driver.over:
+                    return
+                if self._prepost and k + 1 < len(steps) and _may_prepost(step, steps[k + 1]):
+                    early = self._early = _StepRun()
+                    self._post(steps[k + 1], k + 1, early)
+                    if driver.over:
+                        return
+                run.waiting -= 1
+                if run.waiting:
+                    return
+                if not self._reduce(run.reductions, 0, 0):
+                    return  # handed off; _reduce resumes the lane once done
+                k += 1
+        except BaseException as exc:
+            driver.fail(exc)
+            return
+        self._current = None
+        driver.lane_done()
+
+    def _start_sends(self, step: S.Step, run: _StepRun) -> None:
+        ctx, bufs, view = self._ctx, self._bufs, self._buffers.view
+        pending: list[Awaitable[None]] = []
+        try:
+            for s in step.sends:
+                aw = ctx.start_send(s.peer, step.id, view(bufs[s.buf], s.start, s.stop))
+                if aw is not None:
+                    pending.append(aw)
+        except BaseException:
+            for aw in pending:  # abandoned: the operation fails with the error
+                if isinstance(aw, Coroutine):
+                    aw.close()
+                elif isinstance(aw, asyncio.Future):
+                    aw.cancel()
+            raise
+        for aw in pending:
+            run.waiting += 1
+            sending = asyncio.ensure_future(aw)
+            self._sending.append(sending)
+            sending.add_done_callback(functools.partial(self._on_sent, run))
+
+    def _post(self, step: S.Step, k: int, run: _StepRun) -> None:
+        """Post ``step``'s receives. Reduced payloads land in scratch (the half of ``k``'s parity
+        when receives are posted early); the others straight in their destination."""
+        ctx, bufs, buffers = self._ctx, self._bufs, self._buffers
+        tag = (*ctx.tag, step.id)
+        offset = 0
+        for r in step.recvs:
+            target = buffers.view(bufs[r.buf], r.start, r.stop)
+            src = ctx.global_ranks[r.peer]
+            run.waiting += 1
+            if r.reduce:
+                scratch = self._scratch_for(k)
+                landing = buffers.view(scratch, offset, offset + (r.stop - r.start))
+                offset += r.stop - r.start
+                reduction = Reduction(target, landing, r.first, r.stop - r.start)
+                run.reductions.append(reduction)
+                into = buffers.payload(landing)
+                if len(into) >= PREPOST_BYTES:
+                    # Large: one that arrived before its receive is reduced where it landed
+                    # instead of being copied into scratch first (worth the task it takes).
+                    task = asyncio.ensure_future(ctx.transport.recv_landed(src, tag, into))
+                    self._tasks.append(task)
+                    task.add_done_callback(functools.partial(self._on_landed, run, reduction, src, into))
+                    continue
+            else:
+                into = buffers.payload(target)
+            ctx.transport.post_recv(src, tag, into, functools.partial(self._on_received, run, src))
+            if self._driver.over:
+                return
+
+    def _scratch_for(self, k: int) -> Any:
+        half = k & 1 if self._prepost else 0
+        scratch = self._scratch[half]
+        if scratch is None:
+            assert self._reduced is not None
+            scratch = self._scratch[half] = self._buffers.scratch(self._bufs[self._reduced], self._need)
+        return scratch
+
+    # -- completions (callbacks) ------------------------------------------------------------
+    def _on_received(
+        self, run: _StepRun, src: int, result: tuple[int, dict[str, Any]] | None, exc: BaseException | None
+    ) -> None:
+        driver = self._driver
+        if driver.over:
+            return
+        if exc is not None:
+            driver.fail(self._ctx.recv_error(src, exc) if isinstance(exc, MismatchError) else exc)
+            return
+        assert result is not None
+        err = self._ctx.meta_error(src, result[1])
+        if err is not None:
+            driver.fail(err)
+            return
+        self._arrived(run)
+
+    def _on_landed(
+        self, run: _StepRun, reduction: Reduction, src: int, into: memoryview, task: asyncio.Future[Any]
+    ) -> None:
+        if not self._settled(self._tasks, task, src):
+            return
+        _, meta, landed = task.result()
+        err = self._ctx.meta_error(src, meta)
+        if err is not None:
+            self._driver.fail(err)
+            return
+        if landed is not into:
+            reduction.landing = self._buffers.landed(landed, reduction.landing)
+        self._arrived(run)
+
+    def _on_sent(self, run: _StepRun, fut: asyncio.Future[None]) -> None:
+        if self._settled(self._sending, fut, None):
+            self._arrived(run)
+
+    def _settled(self, pending: list[Any], fut: asyncio.Future[Any], src: int | None) -> bool:
+        """Take a finished send or receive (from ``src``) off ``pending``; True when it succeeded
+        and the operation goes on, False when the operation is over or fails with its error."""
+        if fut in pending:
+            pending.remove(fut)
+        driver = self._driver
+        if driver.over:
+            if not fut.cancelled():
+                fut.exception()  # retrieved: an abandoned transfer's outcome is no news
+            return False
+        if fut.cancelled():
+            driver.fail(asyncio.CancelledError())
+            return False
+        exc = fut.exception()
+        if exc is not None:
+            if src is not None and isinstance(exc, MismatchError):
+                exc = self._ctx.recv_error(src, exc)
+            driver.fail(exc)
+            return False
+        return True
+
+    def _arrived(self, run: _StepRun) -> None:
+        run.waiting -= 1
+        if run.waiting or run is not self._current:
+            return  # more to come, or a step posted early whose turn has not come
+        try:
+            if not self._reduce(run.reductions, 0, 0):
+                return
+        except BaseException as exc:
+            self._driver.fail(exc)
+            return
+        self.run_from(self._k + 1)
+
+    # -- reductions -------------------------------------------------------------------------
+    def _reduce(self, reductions: list[Reduction], i: int, at: int) -> bool:
+        """Combine the step's landed payloads into their targets, from reduction ``i`` element
+        ``at`` on (after the step's transfers completed: a reduced range may also have been the
+        payload of one of the step's sends). True when finished here; False when the rest was
+        handed to a later turn of the loop (at most REDUCE_BLOCK_BYTES run per turn, so a large
+        reduction never holds up a read callback, or anything else, for long)."""
+        ctx, buffers = self._ctx, self._buffers
+        itemsize = self._itemsize
+        budget = REDUCE_BLOCK_BYTES
+        left = len(reductions)
+        while i < left:
+            r = reductions[i]
+            if at == 0 and r.count * itemsize <= budget:  # the whole payload in one go
+                buffers.reduce_into(ctx.op, r.target, r.landing, ctx.dtype_name, src_first=r.first)
+                budget -= r.count * itemsize
+                i += 1
+            else:
+                stop = min(r.count, at + (budget // itemsize or 1))
+                buffers.reduce_into(
+                    ctx.op,
+                    buffers.view(r.target, at, stop),
+                    buffers.view(r.landing, at, stop),
+                    ctx.dtype_name,
+                    src_first=r.first,
+                )
+                budget -= (stop - at) * itemsize
+                if stop < r.count:
+                    at = stop
+                else:
+                    i, at = i + 1, 0
+            if budget <= 0 and i < left:
+                asyncio.get_running_loop().call_soon(self._reduce_later, reductions, i, at)
+                return False
+        return True
+
+    def _reduce_later(self, reductions: list[Reduction], i: int, at: int) -> None:
+        if self._driver.over:
+            return
+        try:
+            if not self._reduce(reductions, i, at):
+                return
+        except BaseException as exc:
+            self._driver.fail(exc)
+            return
+        self.run_from(self._k + 1)
+
+    def release_scratch(self) -> None:
+        for half, scratch in enumerate(self._scratch):
+            if scratch is not None:
+                self._scratch[half] = None
+                self._buffers.release(scratch)
+
+    # -- stopping ---------------------------------------------------------------------------
+    def abandon(self) -> None:
+        """Cancel what is in flight (on the next turn: a send task not started yet would be
+        cancelled before its coroutine ever ran, and could not take its frame back out of the
+        link's queue)."""
+        pending = self._sending + self._tasks
+        self._sending, self._tasks = [], []
+        if pending:
+            call_soon = asyncio.get_running_loop().call_soon
+            for fut in pending:
+                call_soon(fut.cancel)
+
+
+def start_collective(
+    prepared: Prepared, spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any], done: Done
+) -> Driver:
+    """Start ``prepared`` now; ``done(None)`` or ``done(error)`` is called exactly once (possibly
+    before this returns), unless ``stop()`` is called on the returned driver first."""
+    ctx = Context(transport, tuple(tag), meta, spec.ranks, spec.me, prepared)
+    driver = Driver(prepared, ctx, done)
+    driver.start()
+    return driver
+
+
+async def run_collective(spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any]) -> None:
+    """Run one collective operation for this rank, in place on ``spec``'s arrays.
+
+    Args:
+        spec: the operation (see CollectiveSpec).
+        transport: carries the messages; peers are addressed by global rank.
+        tag: the operation's unique tag prefix; message k is tagged ``(*tag, k)``.
+        meta: the operation's signature, sent with every message and compared on receipt.
+    Raises:
+        ValueError: inconsistent spec (arrays, ranks, root, unknown algorithm for the kind).
+        TypeError: a reduce op that means nothing for the dtype.
+        MismatchError: a peer's signature or message size differs from ours.
+        PeerLostError: a peer involved in the operation is gone.
+    """
+    prepared = prepare(spec, meta)
+    finished: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def done(exc: BaseException | None) -> None:
+        if finished.done():
+            return
+        if exc is None:
+            finished.set_result(None)
+        else:
+            finished.set_exception(exc)
+
+    driver = start_collective(prepared, spec, transport, tag, meta, done)
+    try:
+        await finished
+    except BaseException:
+        # Failed or cancelled: nothing of this operation may be left posted (a late message
+        # would land in the caller's memory) or queued.
+        driver.stop()
+        transport.discard(tuple(tag))
+        raise
