@@ -3,13 +3,14 @@
 Imports only foundations and client/transports/_link.py. It exists so the algorithms, the engine
 and their failure handling can be tested without sockets, over the same LinkTransport and the
 same Matcher as the tcp kind (so the same rules, by construction): a MemoryLink behaves like a
-socket pair whose kernel buffer holds nothing, so a send to a peer that stopped reading
-(backpressure) waits until that peer reads it; ``MemoryWorld.kill(rank)`` simulates a dying
-process.
+socket pair, so a send to a peer that stopped reading (backpressure) waits until that peer reads
+it; ``MemoryWorld.kill(rank)`` simulates a dying process.
 
-A payload is copied once, and that copy is the hand-off (the sender may reuse its buffer as soon
-as ``send`` returns): straight into the receive's buffer when one is waiting (the matcher's
-``claim``), else into the inbox.
+A payload is copied at the send (that copy is the hand-off: the sender may reuse its buffer as
+soon as ``send`` returns) and reaches the receiver's matcher from the event loop, never inside the
+sender's call (as with a socket): into the receive's buffer when one is waiting (the matcher's
+``claim``), else into the inbox. Up to 64 messages per link travel without the sender waiting,
+like a socket's buffers; beyond that, or while the receiver does not read, the sender waits.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from aiocoll._errors import PeerLostError
+from aiocoll._matching import Matcher
 from aiocoll.algorithms._transport import Tag
 
 from ._link import Link, LinkTransport, as_bytes_view
@@ -31,8 +33,10 @@ DEFAULT_INBOX_BYTES = 64 * 1024 * 1024
 DEFAULT_INBOX_MESSAGES = 4096
 
 
-# A message sent while its receiver did not read: (tag, meta, payload, the sender's wait).
-_Unread = tuple[Tag, dict[str, Any], bytes, "asyncio.Future[None]"]
+# A message on its way: (tag, meta, payload, the sender's wait, or None once handed off).
+_Unread = tuple[Tag, dict[str, Any], bytes, "asyncio.Future[None] | None"]
+# Messages a link takes without making the sender wait (what a socket's buffers would hold).
+_IN_FLIGHT = 64
 
 
 class MemoryLink(Link):
@@ -48,7 +52,8 @@ class MemoryLink(Link):
         self._owner = owner
         self._reading = False
         self._said_bye = False
-        # Messages the peer sent while this end did not read.
+        self._drain_scheduled = False
+        # Messages from the peer not yet taken by this end, in order.
         self._wire: deque[_Unread] = deque()
 
     # -- sending (into the mirror) -----------------------------------------------------------
@@ -56,17 +61,20 @@ class MemoryLink(Link):
         mirror = self.mirror
         if self.closed or mirror is None or mirror.closed:
             raise PeerLostError(self.peer, self.close_reason or "the link is closed")
-        view = as_bytes_view(payload)
-        if mirror._reading and not mirror._wire:
-            mirror._take(tag, dict(meta), view)
+        data = bytes(as_bytes_view(payload))  # the copy is the hand-off
+        if mirror._reading and len(mirror._wire) < _IN_FLIGHT:
+            mirror._wire.append((tag, dict(meta), data, None))
+            mirror._schedule_drain()
             return None
         wait: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (tag, dict(meta), bytes(view), wait)
+        entry = (tag, dict(meta), data, wait)
         mirror._wire.append(entry)
+        mirror._schedule_drain()
         return self._handed_off(mirror, entry)
 
     async def _handed_off(self, mirror: MemoryLink, entry: _Unread) -> None:
         """Wait until the peer read the message; cancelled before that, it is withdrawn."""
+        assert entry[3] is not None
         try:
             await entry[3]
         except asyncio.CancelledError:
@@ -74,19 +82,24 @@ class MemoryLink(Link):
                 mirror._wire.remove(entry)
             raise
 
-    def _take(self, tag: Tag, meta: dict[str, Any], payload: memoryview | bytes) -> None:
-        """The peer's message reaches this end's matcher (copied once)."""
-        matcher = self._owner.matcher
-        src = self.peer
-        into = matcher.claim(src, tag, len(payload))
-        if into is not None:
-            if len(payload):
-                into[:] = payload
-            matcher.landed(src, tag, meta, into)
-        else:
-            matcher.arrived(src, tag, meta, memoryview(bytes(payload)))
-
     # -- reading -----------------------------------------------------------------------------
+    def _schedule_drain(self) -> None:
+        # Messages reach the matcher from the loop, as a socket's would: never inside the
+        # sender's call, so a receive's callback never runs in the middle of a send.
+        if self._reading and self._wire and not self._drain_scheduled:
+            self._drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        wire = self._wire
+        matcher, src = self._owner.matcher, self.peer
+        while wire and self._reading and not self.closed:
+            tag, meta, data, wait = wire.popleft()
+            _deliver(matcher, src, tag, meta, data)
+            if wait is not None and not wait.done():
+                wait.set_result(None)
+
     def pause_reading(self) -> None:
         self._reading = False
 
@@ -94,12 +107,7 @@ class MemoryLink(Link):
         if self.closed or self._reading:
             return
         self._reading = True
-        wire = self._wire
-        while wire and self._reading and not self.closed:
-            tag, meta, data, wait = wire.popleft()
-            self._take(tag, meta, data)
-            if not wait.done():
-                wait.set_result(None)
+        self._schedule_drain()
 
     # -- closing -----------------------------------------------------------------------------
     def close(self, reason: str, *, lost: bool) -> None:
@@ -113,15 +121,25 @@ class MemoryLink(Link):
         if mirror is not None and not mirror.closed:
             # What the other end sees: an orderly close after a goodbye (aclose), else a crash.
             if self._said_bye:
-                mirror.close(f"rank {self._owner.rank} left (closed its transport)", lost=False)
+                mirror._peer_closed(f"rank {self._owner.rank} left (closed its transport)", lost=False)
             else:
-                mirror.close(f"rank {self._owner.rank} vanished: {reason}", lost=True)
+                mirror._peer_closed(f"rank {self._owner.rank} vanished: {reason}", lost=True)
         self._owner.link_closed(self, reason, lost)
+
+    def _peer_closed(self, reason: str, lost: bool) -> None:
+        """The other end closed: what it handed off before still arrives (as the bytes already
+        in a socket's buffers do), then this end closes too."""
+        if self.closed:
+            return
+        matcher, src = self._owner.matcher, self.peer
+        for tag, meta, data, _wait in [entry for entry in self._wire if entry[3] is None]:
+            _deliver(matcher, src, tag, meta, data)
+        self.close(reason, lost=lost)
 
     def _fail_wire(self, reason: str) -> None:
         while self._wire:
             _, _, _, wait = self._wire.popleft()
-            if not wait.done():
+            if wait is not None and not wait.done():
                 wait.set_exception(PeerLostError(self._owner.rank, reason))
                 wait.exception()
 
@@ -131,6 +149,17 @@ class MemoryLink(Link):
 
     def debug_state(self) -> dict[str, Any]:
         return {"reading": self._reading, "wire": len(self._wire)}
+
+
+def _deliver(matcher: Matcher, src: int, tag: Tag, meta: dict[str, Any], data: bytes) -> None:
+    """One message from ``src`` reaches ``matcher``: into its receive's buffer when one waits."""
+    into = matcher.claim(src, tag, len(data))
+    if into is not None:
+        if data:
+            into[:] = data
+        matcher.landed(src, tag, meta, into)
+    else:
+        matcher.arrived(src, tag, meta, memoryview(data))
 
 
 class MemoryTransport(LinkTransport):
