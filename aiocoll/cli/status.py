@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any, TextIO
@@ -337,6 +338,30 @@ def main(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | N
         return 1
     if watch is None:
         return _show_once(args, host, port, token, out, err)
+    import asyncio
+
+    try:
+        return asyncio.run(_watch(args, host, port, token, watch, out, err))
+    except KeyboardInterrupt:  # Ctrl-C before the loop took it over
+        return 0
+
+
+async def _watch(
+    args: argparse.Namespace, host: str, port: int, token: str | None, watch: float, out: TextIO, err: TextIO
+) -> int:
+    """Refresh every ``watch`` seconds until Ctrl-C, in one event loop.
+
+    Ctrl-C only sets a flag that every wait races against. It may not interrupt a query by
+    cancelling it: asyncio.run turns Ctrl-C into a cancellation, and on Python 3.11 ``wait_for``
+    swallows a cancellation that arrives in the turn its reply does, so a Ctrl-C during a
+    refresh was lost and the watch went on forever.
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    stopped = asyncio.ensure_future(stop.wait())
     try:
         while True:
             if out.isatty():
@@ -344,11 +369,28 @@ def main(args: argparse.Namespace, *, out: TextIO | None = None, err: TextIO | N
             if not args.json:
                 stamp = time.strftime("%H:%M:%S")
                 print(f"aiocoll status {host}:{port}  {stamp}  (every {watch:g}s; Ctrl-C stops)", file=out)
-            _show_once(args, host, port, token, out, err)
+                out.flush()
+            query = asyncio.ensure_future(
+                query_status(host, port, token=token, job=args.job, timeout=args.timeout)
+            )
+            await asyncio.wait({query, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set():
+                query.cancel()
+                await asyncio.wait({query})
+                return 0
+            try:
+                jobs = query.result()
+            except StatusError as exc:
+                print(f"aiocoll status: {exc}", file=err)
+            else:
+                _render(args, jobs, host, port, out, err)
             out.flush()
-            time.sleep(watch)
-    except KeyboardInterrupt:
-        return 0
+            await asyncio.wait({stopped}, timeout=watch)
+            if stop.is_set():
+                return 0
+    finally:
+        stopped.cancel()
+        loop.remove_signal_handler(signal.SIGINT)
 
 
 def _show_once(
@@ -361,6 +403,13 @@ def _show_once(
     except StatusError as exc:
         print(f"aiocoll status: {exc}", file=err)
         return 1
+    return _render(args, jobs, host, port, out, err)
+
+
+def _render(
+    args: argparse.Namespace, jobs: list[dict[str, Any]], host: str, port: int, out: TextIO, err: TextIO
+) -> int:
+    """Print one answer (table or JSON); 1 when the job asked for is not there."""
     if args.job is not None:
         jobs = [j for j in jobs if j.get("job") == args.job]
     if args.json:
