@@ -22,6 +22,12 @@ between host views; this module does the rest:
   host (``host_wait``), or, for torch users, by handing the event back so that the caller's
   stream waits for it instead of the host.
 
+When an operation fails from outside (a lost peer, a deadline), the engine fails its Work at
+once and cancels its body; the pipeline gives its buffers back in its ``finally`` as that
+cancellation unwinds the body, one or more loop turns after the Work failed (while the body
+waits for a copy event, say). Nothing is leaked; whoever checks the pool right after the failure
+must allow for those turns.
+
 Deadlock freedom of the shared pool: an operation's body starts in call order and asks for its
 first buffer at once; first buffers are granted strictly in arrival order, an operation keeps
 at least one buffer until it ends, and a second one is granted only while no lease waits for
