@@ -95,6 +95,23 @@ def _run_ok(command: list[str]) -> str:
     return log
 
 
+# torch 2.13's gloo, after DeviceMesh subgroups, sometimes aborts a rank while the interpreter
+# exits, after destroy_process_group and after the script's last line (about 1 run in 5 here:
+# "terminate called without an active exception", SIGABRT). That is the reference's teardown, not
+# a result: the reference run is accepted with exactly that abort once its success line printed;
+# aiocoll's own run must exit 0.
+_GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _run_gloo_reference(command: list[str]) -> str:
+    """``_run_ok`` for the gloo reference run, tolerating only gloo's known exit-time abort."""
+    out = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+    log = out.stdout + out.stderr
+    if out.returncode != 0:
+        assert _GLOO_TEARDOWN_ABORT in log and "killed by signal SIGABRT" in log, log[-4000:]
+    return log
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("nproc", "script", "args", "success"), CASES)
@@ -132,7 +149,8 @@ def test_training_stacks_end_with_the_parameters_of_the_gloo_run(tmp_path: Path)
         out = tmp_path / f"{backend}.pt"
         command = [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "2"]
         script = [str(EXAMPLES / "torch_training_stacks.py"), "--backend", backend, "--out", str(out)]
-        log = _run_ok([*command, *script])
+        run = _run_ok if backend == "aiocoll" else _run_gloo_reference
+        log = run([*command, *script])
         assert f"training stacks on {backend}: 9 scenarios checked on 2 ranks" in log, log[-4000:]
         saved[backend] = torch.load(out)
     gloo, ours = saved["gloo"], saved["aiocoll"]
