@@ -78,6 +78,7 @@ __all__ = [
 _SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
 _SIG = 256
 _OWNER = 96  # (byte 768)
+_LOST = 104  # (byte 832) 1 + the rank whose loss failed this member's group, 0 while none
 _SIG_BYTES = 256
 _DATA = 4096
 _SIG_HEAD = struct.Struct("<qH")
@@ -712,8 +713,22 @@ class ShmGroup:
         self._fail_queued(exc)
 
     def peer_lost(self, rank: int, reason: str) -> None:
-        if rank in self.ranks:
-            self.fail(PeerLostError(rank, reason))
+        """Fail the group naming the rank that was lost first. A survivor that failed on a
+        loss and then closed is seen closing too, and possibly before the dead rank (the
+        kernel gives no order between two sockets, and a loaded machine delays one reader more
+        than another), so before closing each member records in its row whom it lost, and a
+        member that sees a peer go reads that record and names the rank the peer lost."""
+        if rank not in self.ranks:
+            return
+        if self._ctl:
+            row = self._ctl[self.ranks.index(rank)]
+            first = row[_LOST] - 1 if row[_OWNER] == self._owner else -1
+            if first in self.ranks and first != self.ranks[self.me]:
+                reason = f"rank {rank} lost it first, then left too ({reason})"
+                rank = first
+            if self.broken is None:
+                self._ctl[self.me][_LOST] = rank + 1
+        self.fail(PeerLostError(rank, reason))
 
     def close(self) -> None:
         """Fail what is queued and give the region back (the next group to take it marks it as

@@ -195,3 +195,28 @@ def test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_spinning() -> None:
     assert early["slept"] >= 1
     # 1.5 s of waiting: a spinning rank would burn about that much CPU; a sleeping one almost none
     assert early["cpu"] < 0.5, early
+
+
+async def a_survivor_leaves_after_a_loss(ctx: Ctx) -> dict[str, Any]:
+    x = np.ones(4, np.float32)
+    await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    if ctx.rank == 1:
+        # as if rank 2 had died and only rank 1 had seen it yet: rank 1 fails and leaves, and
+        # rank 0 sees rank 1's socket close while rank 2's is still open
+        ctx.group.peer_lost(2, "simulated")
+        ctx.host.close()
+        return {"type": "left"}
+    try:
+        await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    except Exception as exc:
+        return {"type": type(exc).__name__, "rank": getattr(exc, "rank", None), "text": str(exc)}
+    return {"type": None}
+
+
+def test_a_survivor_that_leaves_after_a_loss_is_not_named_as_the_lost_rank() -> None:
+    first, left, third = values(shm_world(a_survivor_leaves_after_a_loss, 3))
+    assert left == {"type": "left"}
+    # rank 0 names the rank rank 1 had lost; rank 2 itself is alive, so it names rank 1
+    assert first["type"] == "PeerLostError" and first["rank"] == 2, first
+    assert "rank 1 lost it first" in first["text"], first
+    assert third["type"] == "PeerLostError" and third["rank"] == 1, third
