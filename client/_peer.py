@@ -39,7 +39,7 @@ from aiocoll.protocol import (
     ServerHandshake,
 )
 
-__all__ = ["PEER_ROLE", "PeerLink", "client_handshake", "server_handshake"]
+__all__ = ["PEER_ROLE", "PeerLink", "client_handshake", "dialler_rank", "server_handshake"]
 
 log = logging.getLogger("aiocoll.client.peer")
 
@@ -119,6 +119,27 @@ async def client_handshake(
         out = hs.receive_data(await _recv_frame_bytes(loop, sock))
         if out:
             await loop.sock_sendall(sock, out)
+
+
+def dialler_rank(hello: dict[str, Any], *, job: str, rank: int, world_size: int | None) -> int:
+    """The rank an authenticated dialler claims in its hello, once the claim fits this listener.
+
+    Every link kind accepts the same way: higher ranks dial lower ones (below ``world_size`` where
+    the listener knows it), naming this job and this rank. Whether that rank is already linked is
+    the caller's to check, per link kind.
+
+    Raises:
+        ProtocolError: naming what in the claim was wrong.
+    """
+    peer = hello.get("rank")
+    if hello.get("job") != job:
+        raise ProtocolError(f"peer names job {hello.get('job')!r}, this rank serves {job!r}")
+    if not isinstance(peer, int) or peer <= rank or (world_size is not None and peer >= world_size):
+        span = f"{rank + 1}..{world_size - 1}" if world_size is not None else f"above {rank}"
+        raise ProtocolError(f"peer claims rank {peer!r}; only ranks {span} dial rank {rank}")
+    if hello.get("to") != rank:
+        raise ProtocolError(f"peer meant to reach rank {hello.get('to')!r}, this is rank {rank}")
+    return peer
 
 
 async def server_handshake(sock: socket.socket, *, token: str | bytes | None) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from typing import Any
 
 from aiocoll._errors import AuthenticationError, ProtocolError
 
-from ._peer import client_handshake, server_handshake
+from ._peer import client_handshake, dialler_rank, server_handshake
 
 __all__ = [
     "ARENA_HEADER",
@@ -352,11 +352,7 @@ class ShmHost:
             pid = _same_user(sock)
             hello = await asyncio.wait_for(server_handshake(sock, token=self._token), _HANDSHAKE_TIMEOUT)
             await asyncio.wait_for(self._known_rank(), _HANDSHAKE_TIMEOUT)
-            peer = hello.get("rank")
-            if hello.get("job") != self._job:
-                raise ProtocolError(f"peer names job {hello.get('job')!r}, this rank serves {self._job!r}")
-            if not isinstance(peer, int) or peer <= self.rank or hello.get("to") != self.rank:
-                raise ProtocolError(f"peer claims rank {peer!r} dialling rank {hello.get('to')!r}")
+            peer = dialler_rank(hello, job=self._job, rank=self.rank, world_size=None)
             if peer in self.peers:
                 raise ProtocolError(f"rank {peer} already shares memory with rank {self.rank}")
             shm = await asyncio.wait_for(self._exchange(sock, peer, pid), _HANDSHAKE_TIMEOUT)

@@ -35,7 +35,7 @@ from aiocoll._errors import AuthenticationError, PeerLostError, ProtocolError, R
 from aiocoll.algorithms._transport import StrayHandler, Tag
 from aiocoll.protocol import PREFIX, Frame
 
-from .._peer import PeerLink, client_handshake, server_handshake
+from .._peer import PeerLink, client_handshake, dialler_rank, server_handshake
 from ._link import Link, LinkHost, LinkTransport
 
 __all__ = ["StrayHandler", "TcpLink", "TcpTransport", "route_interface"]
@@ -329,16 +329,7 @@ class TcpTransport(LinkTransport):
             hello = await asyncio.wait_for(server_handshake(sock, token=self._token), _HANDSHAKE_TIMEOUT)
             # A peer may dial before our own join reply arrived: wait (bounded) to learn our rank.
             await asyncio.wait_for(self._known_identity(), _HANDSHAKE_TIMEOUT)
-            peer = hello.get("rank")
-            if hello.get("job") != self._job:
-                raise ProtocolError(f"peer names job {hello.get('job')!r}, this rank serves {self._job!r}")
-            if not isinstance(peer, int) or not self.rank < peer < self.world_size:
-                raise ProtocolError(
-                    f"peer claims rank {peer!r}; only ranks {self.rank + 1}..{self.world_size - 1} "
-                    f"dial rank {self.rank}"
-                )
-            if hello.get("to", self.rank) != self.rank:
-                raise ProtocolError(f"peer meant to reach rank {hello.get('to')!r}, this is rank {self.rank}")
+            peer = dialler_rank(hello, job=self._job, rank=self.rank, world_size=self.world_size)
             if self.has_link(peer):
                 raise ProtocolError(f"rank {peer} already has (or had) a link to rank {self.rank}")
         except (AuthenticationError, ProtocolError, OSError, asyncio.TimeoutError) as exc:
