@@ -205,6 +205,16 @@ def _check_cuda_args(args: argparse.Namespace) -> None:
 
         if not torch.distributed.is_nccl_available():
             raise BenchError("--vs nccl: this torch has no NCCL; use --vs gloo")
+        from aiocoll._cuda import device_count
+
+        # NCCL refuses two ranks on one device ("Duplicate GPU detected") at its first call;
+        # say so before any process starts. aiocoll itself shares a device between ranks.
+        if device_count() < args.world_size:
+            raise BenchError(
+                f"--vs nccl needs a GPU per rank: NCCL refuses two ranks on one device, and this "
+                f"machine has {device_count()} CUDA device(s) for {args.world_size} ranks; "
+                f"use --world-size {device_count()} or fewer, or compare with --vs gloo"
+            )
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         raise BenchError(
             "--loop uvloop: uvloop is not installed (pip install uvloop) — or use --loop asyncio"
