@@ -246,6 +246,19 @@ def test_bench_measures_cuda_tensors_and_names_the_path() -> None:
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert len(rows) == 3 and any("+staged" in cell or "+ipc" in cell for cell in rows[1])
+    # gloo has no CUDA point-to-point: its columns show "-" and the header says why
+    bench = [sys.executable, "-m", "aiocoll", "bench", "--tensor", "torch-cuda", "--vs", "gloo"]
+    p2p = subprocess.run(
+        [*bench, "--op", "sendrecv", "--sizes", "4K,4M", "--iters", "3", "--warmup", "1", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert p2p.returncode == 0, p2p.stderr
+    assert "# gloo columns show '-'" in p2p.stdout, p2p.stdout
+    p2p_rows = [line.split() for line in p2p.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(p2p_rows) == 3 and all(row[8] == "-" and float(row[3]) > 0 for row in p2p_rows[1:]), p2p.stdout
     if not one_gpu_per_rank and torch.distributed.is_nccl_available():
         # NCCL would fail at its first call with two ranks on one device; the bench says so first
         refused = subprocess.run(
