@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
 import select
 import struct
@@ -68,6 +69,7 @@ from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec
 
 from ._shm import ARENA_HEADER, ShmHost, fence
+from ._vm_read import vm_read, vm_read_available
 from .engine import OpTransport
 from .transports._link import LinkTransport
 from .transports.shm import shm_host
@@ -83,11 +85,16 @@ __all__ = [
     "world_group",
 ]
 
+log = logging.getLogger("aiocoll.client.shm")
+
 # counters, as indexes into the region's int64 view
 _SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
 _SIG = 1024  # bytes (the counters above are int64 indexes)
 _OWNER = 96  # (byte 768)
 _LOST = 104  # (byte 832) 1 + the rank whose loss failed this member's group, 0 while none
+_BASE = 112  # (byte 896) where this region sits in the owner's address space (the probe reads it)
+_DIRECT = 113  # (byte 904) 1: the owner can read every member's memory directly, 2: it cannot
+_BUF = 120  # (byte 960) per slot: address and size of the owner's buffer, for direct reads
 _SIG_BYTES = 256
 _DATA = 4096
 _SIG_HEAD = struct.Struct("<qH")
@@ -105,6 +112,10 @@ _BIG_STEP = 64 * 1024
 _WHOLE_MAX = 64 * 1024
 _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its own input in place
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
+# Large broadcasts and all_gathers copy straight from the writer's buffer (one copy per byte, not
+# two through the slots) where the kernel lets members read each other's memory.
+_DIRECT_MIN = 256 * 1024
+DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (always the slots)
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
@@ -251,8 +262,11 @@ class ShmGroup:
             int.from_bytes(hashlib.blake2b(gid.encode(), digest_size=8).digest(), "little") >> 1 or 1
         )
         self._raw[me][:] = bytes(_DATA)
+        self._ctl[me][_BASE] = np.frombuffer(self._raw[me], np.uint8).ctypes.data
         fence()
         self._ctl[me][_OWNER] = self._owner
+        self._pids = [os.getpid() if r == host.rank else host.peers[r].pid for r in self.ranks]
+        self._direct: bool | None = None  # every member reads every other's memory (once known)
         self.others = tuple(j for j in range(self.n) if j != me)
         self.step = 0
         self.queue: deque[_ShmOp] = deque()
@@ -269,6 +283,7 @@ class ShmGroup:
         self._gid = gid
         self.sleeps = 0
         self.naps = 0  # blocks on the eventfd inside a wait between steps (_nap)
+        self.direct_steps = 0  # steps that read the peers' buffers directly (_direct_step)
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
         self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
         self._fold_tmp: np.ndarray | None = None
@@ -470,6 +485,8 @@ class ShmGroup:
 
     def _broadcast(self, b: np.ndarray, root: int, sig: bytes) -> OpGen:
         chunk, total = self._slot, b.size
+        if (yield from self._go_direct(total)):
+            return (yield from self._direct_step(b, sig, [(root, b)] if self.me != root else []))
         is_root = self.me == root
 
         def filler(r: int) -> Callable[[np.ndarray], None] | None:
@@ -483,10 +500,12 @@ class ShmGroup:
                 lo, hi = r * chunk, min(total, (r + 1) * chunk)
                 np.copyto(b[lo:hi], self._data[root][base : base + hi - lo])
 
-        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume))
 
     def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes) -> OpGen:
         chunk, total, me = self._slot, b.size, self.me
+        if (yield from self._go_direct(total)):
+            return (yield from self._direct_step(b, sig, list(enumerate(outs))))
 
         def filler(r: int) -> Callable[[np.ndarray], None]:
             lo, hi = r * chunk, min(total, (r + 1) * chunk)
@@ -497,7 +516,7 @@ class ShmGroup:
             for j, d in enumerate(self._data):
                 np.copyto(outs[j][lo:hi], b[lo:hi] if j == me else d[base : base + hi - lo])
 
-        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume))
 
     def _reduce_scatter(
         self, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp, dtype_name: str, sig: bytes
@@ -522,6 +541,78 @@ class ShmGroup:
             self._fold(out[lo:hi], srcs, op, dtype_name, copy=True)
 
         return self._pipeline(max(1, -(-total // per)), sig, filler, consume)
+
+    # -- single copy: readers copy straight from the writer's buffer -----------------------
+    def _go_direct(self, nbytes: int) -> Generator[Wait, None, bool]:
+        """Whether this operation reads the peers' buffers directly (client._vm_read), decided
+        alike on every member: for payloads of at least _DIRECT_MIN bytes, once every member's
+        probe verdict (written at the group's first step, before its ``done`` of that step)
+        says it can read every other member; until then, and where any member cannot (a
+        container's seccomp filter, no ptrace access), through the slots. The payload size is
+        the same on every member unless the signatures differ, which the first step reports
+        before anything is read either way."""
+        t0 = self.step + 1
+        if nbytes < _DIRECT_MIN or t0 <= _SLOTS or self._direct is False:
+            return False
+        if self._direct is None:
+            yield (_DONE, t0 - _SLOTS, self.others)  # (the slot path's first wait too)
+            verdicts = [self._ctl[j][_DIRECT] for j in range(self.n)]
+            self._direct = all(v == 1 for v in verdicts)
+        return self._direct
+
+    def _probe_direct(self) -> None:
+        """At the group's first step (every member's region is set up): can I read every
+        member's memory directly? Read each one's ``group`` mark through the kernel and compare
+        it with the mark seen in shared memory (a wrong process, e.g. a pid of another pid
+        namespace, fails this), then publish the verdict."""
+        ok = os.environ.get(DIRECT_ENV, "1") != "0" and vm_read_available()
+        probe = np.zeros(1, np.int64)
+        for j in self.others if ok else ():
+            try:
+                vm_read(self._pids[j], probe.ctypes.data, self._ctl[j][_BASE] + 8 * _OWNER, 8)
+            except OSError as exc:
+                log.debug(
+                    "rank %d: direct reads from rank %d refused (%s)", self.ranks[self.me], self.ranks[j], exc
+                )
+                ok = False
+                break
+            ok = int(probe[0]) == self._owner
+        self._ctl[self.me][_DIRECT] = 1 if ok else 2
+
+    def _direct_step(self, mine: np.ndarray, sig: bytes, reads: list[tuple[int, np.ndarray]]) -> OpGen:
+        """One step: publish where ``mine`` is, once the signatures match read member j's
+        buffer into ``out`` for every (j, out) of ``reads`` (mine copied for j = me), then wait
+        until every member has read mine (the caller may change it once the operation ends)."""
+        t = self._steps(1)
+        s = t % _SLOTS
+        self._inner = True
+        self.direct_steps += 1
+        src = mine if mine.flags.c_contiguous else np.ascontiguousarray(mine)
+        ctl = self._ctl[self.me]
+        ctl[_BUF + 2 * s] = src.ctypes.data
+        ctl[_BUF + 2 * s + 1] = src.nbytes
+        self._write_sig(s, sig)
+        self._publish(_INP, t)
+        yield (_INP, t, self.others)
+        self._check(t, sig)
+        for j, out in reads:
+            if j == self.me:
+                np.copyto(out, mine)
+                continue
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+            addr, nbytes = self._ctl[j][_BUF + 2 * s], self._ctl[j][_BUF + 2 * s + 1]
+            if nbytes != dst.nbytes:  # (the signatures matched: sizes agree)
+                raise DistError(f"rank {self.ranks[j]} published {nbytes} bytes, expected {dst.nbytes}")
+            try:
+                vm_read(self._pids[j], dst.ctypes.data, addr, nbytes)
+            except OSError as exc:
+                self._publish(_DONE, t)
+                raise PeerLostError(self.ranks[j], f"its memory could not be read ({exc})") from exc
+            if dst is not out:
+                np.copyto(out, dst)
+        self._publish(_DONE, t)
+        yield (_DONE, t, self.others)
+        return None
 
     def _barrier(self, sig: bytes) -> OpGen:
         t = self._steps(1)
@@ -580,6 +671,8 @@ class ShmGroup:
 
     # -- signatures ------------------------------------------------------------------------
     def _check(self, t: int, sig: bytes) -> None:
+        if t == 1:
+            self._probe_direct()
         o = _SIG + (t % self._slots) * _SIG_BYTES
         end = o + len(sig)
         for j in self.others:
