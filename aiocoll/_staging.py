@@ -43,7 +43,6 @@ import contextvars
 import logging
 import os
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,10 +75,6 @@ enough that the first chunk's copy does not delay the network for long."""
 POOL_BUFFERS = 4
 """Pinned buffers per device: two in flight per direction is what overlap needs."""
 _WAIT_SLICE = 0.5  # seconds between deadline checks while the host waits for an event
-_INLINE_POLL_S = 50e-6
-"""How long the loop itself polls an event before handing it to the waiter thread: a small
-copy finishes within it, and the hand-off (thread wake-up, its first sleep, the loop's wake-up)
-costs far more than the copy."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -297,7 +292,7 @@ class EventWaiter:
         """Complete when ``event`` is reached; fails with DeviceError when work before it failed."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        if _reached_soon(event):
+        if event.query():
             try:
                 event.wait(0)
             except DeviceError as exc:
@@ -330,19 +325,6 @@ class EventWaiter:
                 self._items.popleft()
             if not fut.cancelled():
                 loop.call_soon_threadsafe(_settle, fut, error)
-
-
-def _reached_soon(event: Event) -> bool:
-    """Whether ``event`` is reached within the inline poll (a failed copy counts as reached)."""
-    give_up = time.perf_counter() + _INLINE_POLL_S
-    while True:
-        try:
-            if event.query():
-                return True
-        except DeviceError:
-            return True  # the caller's event.wait(0) raises it with the copy named
-        if time.perf_counter() >= give_up:
-            return False
 
 
 def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
