@@ -25,14 +25,18 @@ need, the next step's input written while the peers still read the current one. 
 of every operation compares every member's signature with ours before any data is read: a
 mismatch raises MismatchError on every member.
 
-all_reduce: up to _WHOLE_MAX bytes, or always with two members, every member reduces all of the
-step from every slot straight into its own buffer (one wait per step). Larger, with more
-members, each step is a reduce-scatter then an all-gather: I reduce share ``me`` of the step
-from every slot into that share of my own slot (no one else reads it there), publish ``red``,
-and everyone copies every share from its owner's slot (each rank reads about two bytes per byte
-instead of n). Reductions go through aiocoll._reduce (the one set of kernels), folded in rank
-order (a rank-order left fold, as numpy's reference does); a share has one owner, so every
-member gets the same bits.
+all_reduce: with two members, and in one step with up to _WHOLE_RANKS members (or up to
+_WHOLE_MAX bytes), every member reduces all of the step from every slot straight into its own
+buffer (one wait per step). Otherwise each step is a reduce-scatter then an all-gather: I
+reduce share ``me`` of the step from every slot into that share of my own slot (no one else
+reads it there), publish ``red``, and everyone copies every share from its owner's slot (each
+rank reads about two bytes per byte instead of n). Reductions go through aiocoll._reduce (the
+one set of kernels), folded in rank order (a rank-order left fold, as numpy's reference does);
+a share has one owner, so every member gets the same bits.
+
+broadcast and all_gather of _DIRECT_CHUNKS chunks or more per rank: one step in which every
+reader copies straight from the writer's own buffer (client._vm_read), where a probe at the
+group's first step found that every member can read every other's memory.
 
 Waiting: for a small operation, the owner spins for a bounded time (yielding the CPU at every
 check, so a waiting rank does not starve the one it waits for when they share a core), then
@@ -107,14 +111,21 @@ _PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
 _INNER_SPIN_S = 1e-3
 # A step at least this large keeps the long spin too: its peers are busy copying, not idle.
 _BIG_STEP = 64 * 1024
-# All ranks reduce all of an all_reduce up to this size (one wait); above it with more than two
-# ranks, each reduces a share (two waits, but each rank reads 2 bytes per byte instead of n).
+# An all_reduce that fits one slot is reduced whole by every rank (one wait) with up to this many
+# ranks, or up to _WHOLE_MAX bytes; else each rank reduces a share (two waits per step, but each
+# rank reads about 2 bytes per byte instead of n). With 4 ranks on 2 cores, 1 MiB took less CPU
+# whole (200-560 us per op vs 320-510 us in shares: the extra wait costs more than the reads).
+_WHOLE_RANKS = 4
 _WHOLE_MAX = 64 * 1024
 _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its own input in place
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
-# Large broadcasts and all_gathers copy straight from the writer's buffer (one copy per byte, not
-# two through the slots) where the kernel lets members read each other's memory.
-_DIRECT_MIN = 256 * 1024
+# Broadcasts and all_gathers of at least _DIRECT_CHUNKS chunks per rank (8 MiB by default) copy
+# straight from the writer's buffer (one copy per byte, not two through the slots) where the
+# kernel lets members read each other's memory. Below that the slots win: process_vm_readv ran at
+# 10-12 GB/s here up to 8 MiB (pinning the peer's pages) against 20-55 GB/s for a copy within
+# the caches, and the writer must wait for its readers; at 32 MiB it ran at 16.6 GB/s against
+# 18.6 GB/s for one copy, and the slots need two.
+_DIRECT_CHUNKS = 8
 DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (always the slots)
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
@@ -383,7 +394,7 @@ class ShmGroup:
         total = x.size
         rounds = max(1, -(-total // per))
         n = self.n
-        if rounds == 1 and (n <= 2 or b.size <= _WHOLE_MAX):
+        if rounds == 1 and (n <= _WHOLE_RANKS or b.size <= _WHOLE_MAX):
             # one shot: everyone writes everything, everyone reduces everything
             t0 = self._steps(1)
             self._inner = b.size >= _BIG_STEP
@@ -545,14 +556,14 @@ class ShmGroup:
     # -- single copy: readers copy straight from the writer's buffer -----------------------
     def _go_direct(self, nbytes: int) -> Generator[Wait, None, bool]:
         """Whether this operation reads the peers' buffers directly (client._vm_read), decided
-        alike on every member: for payloads of at least _DIRECT_MIN bytes, once every member's
+        alike on every member: for payloads of at least _DIRECT_CHUNKS chunks, once every member's
         probe verdict (written at the group's first step, before its ``done`` of that step)
         says it can read every other member; until then, and where any member cannot (a
         container's seccomp filter, no ptrace access), through the slots. The payload size is
         the same on every member unless the signatures differ, which the first step reports
         before anything is read either way."""
         t0 = self.step + 1
-        if nbytes < _DIRECT_MIN or t0 <= _SLOTS or self._direct is False:
+        if nbytes < _DIRECT_CHUNKS * self.chunk or t0 <= _SLOTS or self._direct is False:
             return False
         if self._direct is None:
             yield (_DONE, t0 - _SLOTS, self.others)  # (the slot path's first wait too)
