@@ -260,7 +260,8 @@ class Driver:
         more, and drop what is still queued to send (it must not read the caller's memory any
         longer). Posted receives end with ``Transport.discard`` of the operation's tag."""
         self.over = True
-        for lane in self._lanes:
+        lanes, self._lanes = self._lanes, []  # see lane_done: no cycle outlives the operation
+        for lane in lanes:
             lane.abandon()
 
     def fail(self, exc: BaseException) -> None:
@@ -273,7 +274,13 @@ class Driver:
         self._lanes_left -= 1
         if not self._lanes_left:
             self._lanes_done()
-            for lane in self._lanes:  # every transfer completed: nothing writes into scratch now
+            # Every transfer completed: nothing writes into scratch now. Dropping the lanes also
+            # breaks the driver <-> lane reference cycle, so the operation's objects (plan, buffer
+            # map, the engine's op and its Work) are freed by reference counting the moment it
+            # ends instead of piling up for the cyclic garbage collector: left to it, a small
+            # all_reduce cost about 7 us more CPU per operation (collections every ~25 ops).
+            lanes, self._lanes = self._lanes, []
+            for lane in lanes:
                 lane.release_scratch()
 
     def _lanes_done(self) -> None:
