@@ -293,7 +293,8 @@ def _signature(spec: CollectiveSpec, meta: dict[str, Any]) -> tuple[Any, ...] | 
         return None
     buffers = spec.buffers
     send = buffers.signature(spec.send)
-    recv = buffers.signature(spec.recv)
+    in_place = len(spec.send) == 1 and len(spec.recv) == 1 and spec.send[0] is spec.recv[0]
+    recv = send if in_place else buffers.signature(spec.recv)
     if send is None or recv is None:
         return None
     return (
