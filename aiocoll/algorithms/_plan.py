@@ -62,9 +62,9 @@ ALGORITHMS: dict[str, tuple[str, ...]] = {
 SMALL_BYTES = 256 * 1024
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass takes ~0.85 us to build, this ~0.25
 class CollectiveSpec:
-    """One collective operation as this rank sees it.
+    """One collective operation as this rank sees it (built per call, never changed after).
 
     Attributes:
         kind: one of KINDS.
