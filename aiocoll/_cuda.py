@@ -66,12 +66,13 @@ class CudaEvent(Event):
     def wait(self, timeout: float | None) -> bool:
         # torch's Event.synchronize has no timeout: poll, sleeping longer as the wait grows.
         deadline = None if timeout is None else time.monotonic() + timeout
+        # The cap keeps the overshoot past a chunk's copy small next to the copy itself.
         pause = 20e-6
         while not self.query():
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+            pause = min(pause * 2, 200e-6)
         return True
 
 

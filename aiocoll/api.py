@@ -42,7 +42,7 @@ from aiocoll.algorithms._plan import prepare
 from aiocoll.client._shm_coll import ShmGroup, intra_host_group, region_offer, shm_starter, world_group
 from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
-from aiocoll.client.routing import choose_route, host_layout, run_routed
+from aiocoll.client.routing import HostParts, choose_route, host_layout, run_routed
 from aiocoll.client.transports import (
     LinkTransport,
     PeerRow,
@@ -222,6 +222,20 @@ class ProcessGroup:
         self._destroyed = False
         self._shm = runtime.shm_groups.get(state.gid)
         self._layout = host_layout(self.ranks, state.ranks[state.index], runtime.hosts)
+        # A group over several hosts with other members on ours: its hierarchical all_reduce
+        # may run the intra-host parts on shared memory (decided by the host's members).
+        self._host_parts: HostParts | None = None
+        layout = self._layout
+        if layout is not None and layout.hosts > 1 and len(layout.local) > 1:
+            self._host_parts = HostParts(runtime.transport, self._host_gid, self._keep_host_group)
+
+    @property
+    def _host_gid(self) -> str:
+        """The id of this group's intra-host arena group (see client/routing.HostParts)."""
+        return f"{self.group_id}/host"
+
+    def _keep_host_group(self, shm: ShmGroup) -> None:
+        self._rt.shm_groups[self._host_gid] = shm  # closed with the group or the runtime
 
     def __repr__(self) -> str:
         return f"<aiocoll.ProcessGroup {self.group_id!r} rank {self.rank}/{self.size} ranks={self.ranks}>"
@@ -325,7 +339,7 @@ class ProcessGroup:
             )
 
         async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
-            await run_routed(spec, transport, tag, meta, layout)
+            await run_routed(spec, transport, tag, meta, layout, host_parts=self._host_parts)
             for w in workings:
                 w.finish()
             return result
@@ -879,9 +893,10 @@ class ProcessGroup:
         else:
             self._rt.engine.forget_group(self.group_id)
             ipc_groups.forget((id(self._rt), self.group_id))
-            shm = self._rt.shm_groups.pop(self.group_id, None)
-            if shm is not None:
-                shm.close()
+            for gid in (self.group_id, self._host_gid):
+                shm = self._rt.shm_groups.pop(gid, None)
+                if shm is not None:
+                    shm.close()
 
     async def __aenter__(self) -> ProcessGroup:
         return self

@@ -24,6 +24,10 @@ Why these choices:
 - **Sealed size.** The arena's size is sealed (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) before
   it is handed out, and the receiver checks the seals and the size before mapping: a peer cannot
   shrink the memory under our mapping (which would turn our reads into SIGBUS).
+- **One ring per direction of a pair** (``ring_bytes`` > 0): besides the arena, each side makes,
+  for each peer, a sealed memfd holding the ring its point-to-point payloads to that peer travel
+  through (client._shm_ring) and an eventfd the peer writes when it frees ring space we wait for;
+  both cross the socket with the arena. A ring is the sender's, so it vanishes with the pair.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from ._peer import client_handshake, dialler_rank, server_handshake
 
 __all__ = [
     "ARENA_HEADER",
+    "RING_HEADER",
     "ShmHost",
     "ShmPeer",
     "ShmUnavailable",
@@ -55,10 +60,11 @@ __all__ = [
 log = logging.getLogger("aiocoll.client.shm")
 
 ARENA_HEADER = 4096  # the first page: the probe nonce; group regions follow
+RING_HEADER = 4096  # a ring's first page holds its counters (client._shm_ring); data follows
 _PROBE_OFFSET = 0
 _NONCE = 16
-_HELLO = struct.Struct("<8sQQ")  # magic, arena bytes, region bytes
-_HELLO_MAGIC = b"AIOSHM\x00\x01"
+_HELLO = struct.Struct("<8sQQQ")  # magic, arena bytes, region bytes, ring bytes
+_HELLO_MAGIC = b"AIOSHM\x00\x02"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _HANDSHAKE_TIMEOUT = 10.0
 _MAX_PENDING = 64
@@ -115,14 +121,15 @@ async def _wait_readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -
 async def _recv_with_fds(
     loop: asyncio.AbstractEventLoop, sock: socket.socket, size: int, max_fds: int
 ) -> tuple[bytes, list[int]]:
-    """Exactly one message of ``size`` bytes with at most ``max_fds`` descriptors."""
+    """Exactly one message of ``size`` bytes with at most ``max_fds`` descriptors (the caller
+    checks how many it needs, once it has read what the message says)."""
     while True:
         try:
             data, fds, flags, _ = socket.recv_fds(sock, size, max_fds)
             break
         except (BlockingIOError, InterruptedError):
             await _wait_readable(loop, sock)
-    if flags & socket.MSG_CTRUNC or len(data) != size or len(fds) != max_fds:
+    if flags & socket.MSG_CTRUNC or len(data) != size or len(fds) > max_fds:
         for fd in fds:
             os.close(fd)
         if not data:
@@ -142,6 +149,18 @@ async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n:
             raise ConnectionError("the peer closed the shared-memory socket during the exchange")
         buf += chunk
     return bytes(buf)
+
+
+def _sealed_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A fresh anonymous memory file of ``size`` bytes, sealed against resizing, and its mapping."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _check_memfd(fd: int, size: int) -> None:
@@ -166,9 +185,13 @@ class ShmPeer:
         peer's loss). mem: the peer's arena, mapped read-write. efd: the peer's eventfd (write 1
         to wake it). shared: the probe confirmed that the mapping is the peer's memory.
         pid: the peer's process id (from SO_PEERCRED).
+        out_ring / out_efd: the ring our payloads to the peer travel through (our memory) and
+        the eventfd the peer writes when it frees space in it (we watch it); in_ring / in_efd:
+        the peer's ring towards us and its eventfd (we write it when we free space there).
+        None / -1 when the host was made without rings.
     """
 
-    __slots__ = ("efd", "mem", "pid", "rank", "shared", "sock")
+    __slots__ = ("efd", "in_efd", "in_ring", "mem", "out_efd", "out_ring", "pid", "rank", "shared", "sock")
 
     def __init__(self, rank: int, sock: socket.socket, mem: mmap.mmap, efd: int, pid: int) -> None:
         self.rank = rank
@@ -177,15 +200,23 @@ class ShmPeer:
         self.efd = efd
         self.pid = pid
         self.shared = False
+        self.out_ring: mmap.mmap | None = None
+        self.out_efd = -1
+        self.in_ring: mmap.mmap | None = None
+        self.in_efd = -1
 
     def close(self, *, sock: bool = True) -> None:
-        """Release the mapping and the eventfd; the socket too unless a link owns it."""
-        if self.efd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.efd)
-            self.efd = -1
-        with contextlib.suppress(BufferError, ValueError):
-            self.mem.close()  # views still alive keep it mapped until they go
+        """Release the mappings and the eventfds; the socket too unless a link owns it."""
+        for name in ("efd", "out_efd", "in_efd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+                setattr(self, name, -1)
+        for mem in (self.mem, self.out_ring, self.in_ring):
+            if mem is not None:
+                with contextlib.suppress(BufferError, ValueError):
+                    mem.close()  # views still alive keep it mapped until they go
         if sock:
             self.sock.close()
 
@@ -201,6 +232,8 @@ class ShmHost:
         rank: this process's global rank (None: not known yet, see ``assign``).
         token, job: as for the TCP links.
         regions: how many group regions the arena holds. region_bytes: the size of each.
+        ring_bytes: the capacity of each point-to-point ring (0: no rings; every member of a
+            job uses the same value).
         watch: watch every peer's socket for end-of-file and report it through ``on_lost``
             (leave False when a link reads the socket and reports loss itself).
         on_peer: called with every peer that dialled us, once its sharing is confirmed.
@@ -214,6 +247,7 @@ class ShmHost:
         job: str,
         regions: int,
         region_bytes: int,
+        ring_bytes: int = 0,
         watch: bool = True,
         on_peer: Callable[[ShmPeer], None] | None = None,
     ) -> None:
@@ -224,18 +258,11 @@ class ShmHost:
         self._job = job
         self.region_bytes = region_bytes
         self.regions = regions
+        self.ring_bytes = ring_bytes
         self.arena_bytes = ARENA_HEADER + regions * region_bytes
         self._watch = watch
         self._loop = asyncio.get_running_loop()
-        fd = os.memfd_create("aiocoll-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, self.arena_bytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            self.mem = mmap.mmap(fd, self.arena_bytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._memfd = fd
+        self._memfd, self.mem = _sealed_memfd("aiocoll-arena", self.arena_bytes)
         self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._nonce = secrets.token_bytes(_NONCE)
         self.mem[_PROBE_OFFSET : _PROBE_OFFSET + _NONCE] = self._nonce
@@ -369,19 +396,32 @@ class ShmHost:
         self._adopt(shm)
 
     async def _exchange(self, sock: socket.socket, peer: int, pid: int) -> ShmPeer:
-        """Both sides: send our arena and eventfd, map theirs, and confirm the sharing."""
+        """Both sides: send our arena and eventfd (and our ring towards the peer with its
+        eventfd), map theirs, and confirm the sharing."""
         loop = self._loop
-        hello = _HELLO.pack(_HELLO_MAGIC, self.arena_bytes, self.region_bytes)
-        while True:
-            try:
-                socket.send_fds(sock, [hello], [self._memfd, self.efd])
-                break
-            except (BlockingIOError, InterruptedError):
-                await asyncio.sleep(0.001)
-        data, fds = await _recv_with_fds(loop, sock, _HELLO.size, 2)
+        hello = _HELLO.pack(_HELLO_MAGIC, self.arena_bytes, self.region_bytes, self.ring_bytes)
+        out_fd = out_efd = -1
+        out_ring: mmap.mmap | None = None
+        if self.ring_bytes:
+            out_fd, out_ring = _sealed_memfd("aiocoll-ring", RING_HEADER + self.ring_bytes)
+            out_efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        mine = [self._memfd, self.efd] + ([out_fd, out_efd] if self.ring_bytes else [])
+        fds: list[int] = []
         mem: mmap.mmap | None = None
+        in_ring: mmap.mmap | None = None
         try:
-            magic, arena_bytes, region_bytes = _HELLO.unpack(data)
+            try:
+                while True:
+                    try:
+                        socket.send_fds(sock, [hello], mine)
+                        break
+                    except (BlockingIOError, InterruptedError):
+                        await asyncio.sleep(0.001)
+            finally:
+                if out_fd >= 0:
+                    os.close(out_fd)  # the peer got it (or never will); our mapping keeps the ring
+            data, fds = await _recv_with_fds(loop, sock, _HELLO.size, 4)
+            magic, arena_bytes, region_bytes, ring_bytes = _HELLO.unpack(data)
             if magic != _HELLO_MAGIC:
                 raise ProtocolError("the peer speaks another shared-memory layout (use one aiocoll release)")
             if arena_bytes != self.arena_bytes or region_bytes != self.region_bytes:
@@ -389,15 +429,34 @@ class ShmHost:
                     f"rank {peer} has a {arena_bytes}-byte arena of {region_bytes}-byte regions, we have "
                     f"{self.arena_bytes} of {self.region_bytes}: set AIOCOLL_SHM_CHUNK alike on every rank"
                 )
+            if ring_bytes != self.ring_bytes:
+                raise ProtocolError(
+                    f"rank {peer} has {ring_bytes}-byte point-to-point rings, we have {self.ring_bytes} "
+                    "(use one aiocoll release on every rank)"
+                )
+            if len(fds) != (4 if ring_bytes else 2):
+                raise ProtocolError(f"shared-memory exchange: rank {peer} sent {len(fds)} descriptors")
             _check_memfd(fds[0], arena_bytes)
             _check_eventfd(fds[1])
+            if ring_bytes:
+                _check_memfd(fds[2], RING_HEADER + ring_bytes)
+                _check_eventfd(fds[3])
+                in_ring = mmap.mmap(fds[2], RING_HEADER + ring_bytes)
             mem = self._map(fds[0], arena_bytes)
         except BaseException:
             for fd in fds:
                 os.close(fd)
+            for m in (out_ring, in_ring):
+                if m is not None:
+                    m.close()
+            if out_efd >= 0:
+                os.close(out_efd)
             raise
-        os.close(fds[0])  # the mapping keeps the memory
+        os.close(fds[0])  # the mappings keep the memory
         shm = ShmPeer(peer, sock, mem, fds[1], pid)
+        if ring_bytes:
+            os.close(fds[2])
+            shm.out_ring, shm.out_efd, shm.in_ring, shm.in_efd = out_ring, out_efd, in_ring, fds[3]
         try:
             await loop.sock_sendall(sock, bytes(mem[_PROBE_OFFSET : _PROBE_OFFSET + _NONCE]))
             echoed = await _recv_exactly(loop, sock, _NONCE)
@@ -405,13 +464,10 @@ class ShmHost:
             await loop.sock_sendall(sock, b"\x01" if mine_ok else b"\x00")
             theirs_ok = await _recv_exactly(loop, sock, 1) == b"\x01"
         except BaseException:
-            shm.efd, efd = -1, shm.efd
-            os.close(efd)
-            mem.close()
+            shm.close(sock=False)
             raise
         if not (mine_ok and theirs_ok):
-            os.close(shm.efd)
-            mem.close()
+            shm.close(sock=False)
             raise ShmUnavailable(
                 f"rank {peer}: descriptors crossed the socket but the memory is not shared "
                 "(separate containers or a sandbox); use TCP"

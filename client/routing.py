@@ -10,18 +10,30 @@ route is chosen (ProcessGroup._intra_host, client/_shm_coll.py).
 
 ``run_routed`` runs an operation the way ``choose_route`` says. The hierarchical all_reduce is
 composed of the existing operations, each run on the sub-group it concerns through
-``run_routed`` again, so each part takes whatever route its own sub-group gets (the intra-host
-parts are single-host groups). All parts run inside the one operation of the parent group:
-their messages carry the parent operation's tag plus a part marker, so they match across ranks
-by the parent's sequence number, count against its deadline and fail with it.
+``run_routed`` again, so each part takes whatever route its own sub-group gets. All parts run
+inside the one operation of the parent group: their messages carry the parent operation's tag
+plus a part marker, so they match across ranks by the parent's sequence number, count against
+its deadline and fail with it.
 
-Imports foundations only (aiocoll.algorithms, aiocoll._types, aiocoll._reduce); the public
-layer builds layouts from the membership table and calls ``run_routed``.
+The intra-host parts run on the host's shared memory when its members share it
+(``HostParts``, client/_shm_coll.py): the host's members all_reduce in their arenas (every
+member reads the others' inputs; no message per step), the leaders exchange over TCP, and the
+leader's result reaches the others by the arenas' broadcast. Whether a host's members can do
+that is decided once per group, by those members together, at the group's first hierarchical
+all_reduce: each offers the arena regions it has free (nothing when a member of its host is
+not linked to it by shared memory), the offers are ANDed among them over the links, and the
+highest region free on all is the host's (new groups take the lowest, so the two rarely meet).
+A host whose members cannot agree on a region runs the parts as messages, as before.
+
+Imports foundations (aiocoll.algorithms, aiocoll._types, aiocoll._reduce) and client._shm_coll
+(the arenas' collectives); the public layer builds layouts from the membership table and calls
+``run_routed``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +43,10 @@ from aiocoll._reduce import finish_avg
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport, run_collective
 
-__all__ = ["HIERARCHICAL_OPS", "HostLayout", "choose_route", "host_layout", "run_routed"]
+from ._shm_coll import ShmGroup, intra_host_group, region_offer
+from .transports._link import LinkTransport
+
+__all__ = ["HIERARCHICAL_OPS", "HostLayout", "HostParts", "choose_route", "host_layout", "run_routed"]
 
 # Ops whose result does not depend on how partial results are grouped (up to floating-point
 # rounding). AVG runs as SUM through the parts and is divided once at the end, as the flat path
@@ -49,8 +64,8 @@ HIERARCHICAL_OPS = frozenset(
     }
 )
 
-# Message-tag markers of the hierarchical all_reduce's three parts (short: they travel in every header)
-_HOST_REDUCE, _LEADERS, _HOST_BROADCAST = "hr", "hl", "hb"
+# Message-tag markers of the hierarchical all_reduce's parts (short: they travel in every header)
+_HOST_REDUCE, _LEADERS, _HOST_BROADCAST, _HOST_OFFERS = "hr", "hl", "hb", "ho"
 
 
 @dataclass(frozen=True)
@@ -101,23 +116,97 @@ def choose_route(kind: str, op: ReduceOp, layout: HostLayout | None) -> str:
     return "flat"
 
 
+class HostParts:
+    """A group's intra-host parts on shared memory: the group of this host's members over their
+    arenas, once they agreed on it (see the module header). One per ProcessGroup whose
+    all_reduce may run hierarchically.
+
+    Args:
+        links: the process's transport (its links say which members share our memory).
+        gid: names the host's arena group (errors, and the mark that tells regions apart).
+        on_made: told the arena group once made (the owner closes it with the group).
+    """
+
+    def __init__(self, links: LinkTransport, gid: str, on_made: Callable[[ShmGroup], None]) -> None:
+        self._links = links
+        self.gid = gid
+        self._on_made = on_made
+        self.decided = False
+        self.group: ShmGroup | None = None
+
+    async def decide(
+        self, local: tuple[int, ...], transport: Transport, tag: Tag, meta: dict[str, Any]
+    ) -> None:
+        """With the host's other members (``local``, global ranks), agree on an arena region
+        for them, or on none; once per group (every member runs its group's all_reduces in the
+        same order, so they all decide at the same one)."""
+        if self.decided:
+            return
+        me = self._links.rank
+        offers = np.array([region_offer(self._links, local)], np.uint64)
+        agree = CollectiveSpec("all_reduce", local, local.index(me), (offers,), (offers,), op=ReduceOp.BAND)
+        await run_collective(agree, transport, (*tag, _HOST_OFFERS), meta)
+        self.decided = True
+        mask = int(offers[0])
+        if mask:
+            highest = 1 << (mask.bit_length() - 1)
+            self.group = intra_host_group(self._links, local, highest, self.gid)
+            if self.group is not None:
+                self._on_made(self.group)
+
+
+async def _on_arenas(start: Callable[[Any], Any]) -> None:
+    """Run one operation of an arena group (``start(finish)`` submits it) and wait for it; a
+    cancelled wait (the parent's deadline) stops it (the arena group is then out of step)."""
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def finish(_: Any, exc: BaseException | None) -> None:
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(None)
+        else:
+            done.set_exception(exc)
+
+    op = start(finish)
+    try:
+        await done
+    except asyncio.CancelledError:
+        op.stop()
+        raise
+
+
 async def run_routed(
-    spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any], layout: HostLayout | None
+    spec: CollectiveSpec,
+    transport: Transport,
+    tag: Tag,
+    meta: dict[str, Any],
+    layout: HostLayout | None,
+    *,
+    host_parts: HostParts | None = None,
 ) -> None:
-    """Run ``spec`` (as run_collective does) by the route ``choose_route`` picks for ``layout``."""
+    """Run ``spec`` (as run_collective does) by the route ``choose_route`` picks for ``layout``;
+    ``host_parts`` lets a hierarchical all_reduce run its intra-host parts on shared memory."""
     if choose_route(spec.kind, spec.op, layout) == "hierarchical":
         assert layout is not None
-        await _hierarchical_all_reduce(spec, transport, tag, meta, layout)
+        await _hierarchical_all_reduce(spec, transport, tag, meta, layout, host_parts)
     else:
         await run_collective(spec, transport, tag, meta)
 
 
 async def _hierarchical_all_reduce(
-    spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any], layout: HostLayout
+    spec: CollectiveSpec,
+    transport: Transport,
+    tag: Tag,
+    meta: dict[str, Any],
+    layout: HostLayout,
+    host_parts: HostParts | None,
 ) -> None:
-    """Reduce to the host's leader, all_reduce among the leaders, broadcast from the leader.
+    """Reduce within the host, all_reduce among the leaders, broadcast from the leader.
 
-    Inter-host traffic is one vector per host instead of one per rank.
+    Inter-host traffic is one vector per host instead of one per rank. Within the host, the
+    arenas when the members share them (an all_reduce there: every member reads the others'
+    inputs, which costs no more than a reduce to the leader), else messages.
     """
     me = spec.ranks[spec.me]
     x = spec.recv[0]
@@ -127,7 +216,19 @@ async def _hierarchical_all_reduce(
     op = ReduceOp.SUM if average else spec.op
     local, leaders = layout.local, layout.leaders
     at_home = HostLayout(local, local[:1], 1, len(local) > 1)  # the intra-host sub-group: one host
-    if len(local) > 1:
+    arenas: ShmGroup | None = None
+    if len(local) > 1 and host_parts is not None:
+        await host_parts.decide(local, transport, tag, meta)
+        arenas = host_parts.group
+    flat = x.reshape(-1)  # a view: working arrays are contiguous (aiocoll._tensors)
+    dtype_name = str(spec.dtype or meta.get("dtype") or x.dtype.name)
+    seq = int(tag[2]) if len(tag) > 2 and isinstance(tag[2], int) else 0
+    waiting_for = getattr(transport, "waiting_for", None)  # progress reports name whom we wait for
+    if arenas is not None:
+        group = arenas
+        sig = ShmGroup.signature(seq, {**meta, "part": _HOST_REDUCE})
+        await _on_arenas(lambda finish: group.all_reduce(flat, op, dtype_name, sig, finish, waiting_for))
+    elif len(local) > 1:
         reduce = CollectiveSpec(
             "reduce", local, local.index(me), (x,), (x,), root=0, op=op, dtype=spec.dtype
         )
@@ -139,7 +240,11 @@ async def _hierarchical_all_reduce(
             "all_reduce", leaders, leaders.index(me), (x,), (x,), op=op, dtype=spec.dtype
         )
         await run_routed(exchange, transport, (*tag, _LEADERS), meta, abroad)
-    if len(local) > 1:
+    if arenas is not None:
+        group = arenas
+        sig = ShmGroup.signature(seq, {**meta, "part": _HOST_BROADCAST})
+        await _on_arenas(lambda finish: group.broadcast(flat, 0, sig, finish, waiting_for))
+    elif len(local) > 1:
         spread = CollectiveSpec("broadcast", local, local.index(me), (), (x,), root=0, dtype=spec.dtype)
         await run_routed(spread, transport, (*tag, _HOST_BROADCAST), meta, at_home)
     if average:  # every rank divides the same sum the same way: identical bits everywhere

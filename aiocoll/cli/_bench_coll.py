@@ -28,9 +28,11 @@ from ._bench_common import (
     DTYPE_SIZES,
     Progress,
     bench_meta,
+    contender_gap,
     format_bytes,
     resolve_loop,
     summarize,
+    unmeasured,
     utc_now,
     write_json,
 )
@@ -139,6 +141,10 @@ def _print_header(op: str, n: int, args: argparse.Namespace, contenders: Sequenc
         print("# mpi = mpi4py over the MPI its mpiexec belongs to, run as its own job in the same invocation")
     if op == "sendrecv":
         print("# sendrecv: ping-pong between ranks 0 and 1; time is half the round trip")
+    for c in contenders:
+        gap = contender_gap(c, op, args.tensor)
+        if gap is not None:
+            print(f"# {c} columns show '-': {gap}")
     cols = _columns(contenders)
     print("  ".join(name.rjust(width) for name, width in cols))
     sys.stdout.flush()
@@ -205,6 +211,16 @@ def _check_cuda_args(args: argparse.Namespace) -> None:
 
         if not torch.distributed.is_nccl_available():
             raise BenchError("--vs nccl: this torch has no NCCL; use --vs gloo")
+        from aiocoll._cuda import device_count
+
+        # NCCL refuses two ranks on one device ("Duplicate GPU detected") at its first call;
+        # say so before any process starts. aiocoll itself shares a device between ranks.
+        if device_count() < args.world_size:
+            raise BenchError(
+                f"--vs nccl needs a GPU per rank: NCCL refuses two ranks on one device, and this "
+                f"machine has {device_count()} CUDA device(s) for {args.world_size} ranks; "
+                f"use --world-size {device_count()} or fewer, or compare with --vs gloo"
+            )
     if args.loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
         raise BenchError(
             "--loop uvloop: uvloop is not installed (pip install uvloop) — or use --loop asyncio"
@@ -288,9 +304,13 @@ def run_collectives(args: argparse.Namespace) -> int:
     ) -> None:
         """One implementation finished one op and size on every rank: print the row once all did."""
         row = rows.setdefault((op, size), {"op": op, "size": size, "count": size // cfg["itemsize"]})
-        row[impl] = summarize(op, size, n, per_rank)
+        gap = contender_gap(impl, op, args.tensor)
+        row[impl] = unmeasured() if gap is not None else summarize(op, size, n, per_rank)
         # per operation, averaged over the ranks (JSON only): CPU µs, voluntary/involuntary switches
-        row[impl]["usage"] = {key: sum(u[key] for u in usage) / len(usage) for key in usage[0]}
+        reported = [u for u in usage if u]  # a contender that could not run reports none
+        row[impl]["usage"] = (
+            {key: sum(u[key] for u in reported) / len(reported) for key in reported[0]} if reported else {}
+        )
         if impl == "aiocoll":
             row["algorithm"] = algorithm
         progress.step(f"{impl} {op} {format_bytes(size)}")

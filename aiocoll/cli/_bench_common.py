@@ -209,6 +209,18 @@ def summarize(
     }
 
 
+def contender_gap(contender: str, op: str, tensor: str) -> str | None:
+    """Why ``contender`` cannot run ``op`` on ``tensor`` buffers (its columns then show "-"), or None."""
+    if contender == "gloo" and tensor == "torch-cuda" and op == "sendrecv":
+        return "gloo has no point-to-point on CUDA tensors (its send/recv take CPU tensors only)"
+    return None
+
+
+def unmeasured() -> dict[str, Any]:
+    """The row entry of a contender that could not run an op: every figure NaN (printed "-")."""
+    return {key: math.nan for key in ("time_us", "avg_us", "min_us", "algbw", "busbw")} | {"iters": 0}
+
+
 def format_bytes(size: int) -> str:
     """Short human size: 4, 512K, 64M (exact powers of 1024 get a suffix)."""
     for suffix, unit in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):

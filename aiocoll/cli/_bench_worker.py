@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from ._bench_common import SizedOp, run_loop
+from ._bench_common import SizedOp, contender_gap, run_loop
 from ._bench_servers import quiet_logs
 
 __all__ = ["Buffers", "OpRunner", "time_blocking", "worker_main"]
@@ -380,6 +380,8 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                         from aiocoll._staged_ops import StagedOp
 
                         algorithm = f"{algorithm}+{StagedOp.last_path}"  # which device path ran
+                elif contender_gap(impl, op, cfg["tensor"]) is not None:
+                    times, usage = [], {}  # the row shows "-" for it (the header says why)
                 else:
                     bufs = Buffers(sized, cfg["dtype"], True, rank, n, device)
                     runner = OpRunner(impl, op, bufs, dist)

@@ -1,16 +1,42 @@
 """The shm link kind: peers on this host, joined by an authenticated Unix socket that also
-handed over each side's shared-memory arena (client._shm).
+handed over each side's shared-memory arena and point-to-point rings (client._shm).
 
-Imports foundations, client._shm and this package's tcp module; never the public surface.
+Imports foundations, client._shm, client._shm_ring and this package's tcp module; never the
+public surface.
 
 Messages between two ranks of one host (point-to-point, and collectives that do not run over
-the arenas) travel as frames over the Unix socket, with the tcp kind's framing and zero-copy
-reads (the link is a TcpLink over another socket: no TCP/IP stack, no loopback device). The
-collectives of a group whose members all share this host read each other's arenas directly
-(client._shm_coll); this kind makes the arenas available to them (``shm_host``).
+the arenas: reduce, gather, scatter, all_to_all, the driver's schedules) keep the tcp kind's
+framing on the Unix socket for their headers, but their payload bytes never cross it: the
+sender copies each payload once into its ring towards the peer (client._shm_ring), in chunks
+of ``ring capacity / 8``, and sends one small frame per chunk saying where it lies
+(``{"r": [tag, meta, total, end, length]}`` for the first, ``{"c": [end, length]}`` for the
+rest). The receiver takes those frames in stream order like any other: the first asks the
+process's matcher where the payload goes (``claim``: a posted receive's own buffer, the
+landing memory of a large early message, or, for a small early one, memory of the link's own),
+every chunk is copied out of the ring once, straight there, and freed at once; the last reports
+the message (``landed`` / ``arrived``), so posted receives get exactly one copy and
+``recv_landed`` reduces from where the payload landed. Large payloads are pipelined: the
+receiver copies chunk k out while the sender writes chunk k+1. Zero-length messages are plain
+frames (they have no bytes to move).
+
+Backpressure and waiting: a ring holds at most its capacity; a sender that finds no room spins
+for a bounded, adaptive time (each check yields the CPU, so a sender sharing a core with its
+receiver lets it run; the budget halves after a spin that ended in sleep), then sets the
+ring's ``waiting`` flag and sleeps on its eventfd, which the event loop watches and the
+receiver writes after freeing space. Messages of one link leave in order: a message waits
+behind a partly sent one. A paused receiver (full inbox) stops reading frames, so the ring
+fills and the sender waits, as the Link contract asks. A cancelled send none of whose bytes
+has left is withdrawn; one partly in the ring completes for the stream's sake.
 
 The link's end-of-file is the peer's loss: a rank killed with SIGKILL closes its socket in the
-kernel, and its peers get PeerLostError naming it at once through the links' usual path.
+kernel, and its peers get PeerLostError naming it at once through the links' usual path. A
+sender asleep on a full ring also polls the socket for a hang-up every half second (a paused
+link reads nothing, so it would not see the end-of-file otherwise). The link owns its rings and
+their eventfds and closes them with itself; the rings are anonymous memory, so nothing is left
+behind.
+
+The collectives of a group whose members all share this host read each other's arenas directly
+(client._shm_coll); this kind makes the arenas available to them (``shm_host``).
 
 Choosing (client/transports/_factory.py): ``auto`` prefers this kind for peers with our host
 identity; when a peer's address cannot be reached (another network namespace: two containers
@@ -21,18 +47,25 @@ job goes on (logged). ``AIOCOLL_TRANSPORT=shm`` makes that an error instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import select
+import time
+from collections import deque
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from aiocoll._deadline import Deadline
-from aiocoll._errors import AuthenticationError, RendezvousError
+from aiocoll._errors import AuthenticationError, PeerLostError, RendezvousError
+from aiocoll.algorithms._transport import Tag
+from aiocoll.protocol import PREFIX
 
 from .._shm import ShmHost, ShmPeer, ShmUnavailable
+from .._shm_ring import RingReader, RingWriter
 from ._factory import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
-from ._link import LinkTransport
-from .tcp import TcpLink, TcpTransport
+from ._link import LinkHost, LinkTransport, as_bytes_view
+from .tcp import TcpLink, TcpTransport, _consume_outcome
 
 __all__ = ["SHM_CHUNK_ENV", "ShmKind", "ShmLink", "prepare_shm", "shm_host"]
 
@@ -41,12 +74,336 @@ log = logging.getLogger("aiocoll.client.shm")
 SHM_CHUNK_ENV = "AIOCOLL_SHM_CHUNK"
 _DEFAULT_CHUNK = 1 << 20
 _REGIONS = 64  # groups of one process that can use the arena at once (one region each)
+_RING_BYTES = 4 << 20  # each direction of each pair: bounded, touched only as far as used
+_CHUNKS_PER_RING = 8  # a payload moves in chunks of this fraction of the ring (pipelining)
+_SPIN_S = 50e-6  # the most a sender spins for ring space before it sleeps
+_SPIN_MIN_S = 2e-6
+_HANGUP_CHECK_S = 0.5
+_DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
+
+
+class _Outgoing:
+    """A message on its way into the ring (or queued behind one that is)."""
+
+    __slots__ = ("body", "done", "fut", "meta", "sent", "tag")
+
+    def __init__(self, tag: Tag, meta: dict[str, Any], body: memoryview) -> None:
+        self.tag = tag
+        self.meta = meta
+        self.body = body
+        self.sent = 0  # bytes of ``body`` already in the ring
+        self.done = False
+        self.fut: asyncio.Future[None] | None = None  # made only when the caller must wait
+
+
+class _Incoming:
+    """A message whose chunks are being copied out of the peer's ring."""
+
+    __slots__ = ("claimed", "dst", "got", "meta", "tag", "total")
+
+    def __init__(self, tag: Tag, meta: dict[str, Any], dst: memoryview, total: int, claimed: bool) -> None:
+        self.tag = tag
+        self.meta = meta
+        self.dst = dst
+        self.total = total
+        self.got = 0
+        self.claimed = claimed
 
 
 class ShmLink(TcpLink):
-    """A link to a peer on this host: frames over the authenticated Unix socket."""
+    """A link to a peer on this host: headers as frames over the authenticated Unix socket,
+    payloads through the shared-memory rings (see the module header). Takes over the peer's
+    rings and their eventfds from ``shm`` (it closes them)."""
 
     kind = "shm"
+
+    def __init__(self, shm: ShmPeer, host: LinkHost, *, max_payload: int, spin_s: float = _SPIN_S) -> None:
+        super().__init__(shm.sock, shm.rank, host, max_payload=max_payload)
+        self._max_payload = max_payload
+        self._writer: RingWriter | None = None
+        self._reader: RingReader | None = None
+        self._rings = (shm.out_ring, shm.in_ring)
+        self._space_efd, self._peer_efd = shm.out_efd, shm.in_efd
+        shm.out_ring = shm.in_ring = None
+        shm.out_efd = shm.in_efd = -1
+        out_ring, in_ring = self._rings
+        if out_ring is not None and in_ring is not None:
+            self._writer = RingWriter(out_ring)
+            self._reader = RingReader(in_ring)
+        capacity = self._writer.capacity if self._writer is not None else 0
+        self._chunk = max(4096, capacity // _CHUNKS_PER_RING)
+        self._spin_max = spin_s
+        self._spin_budget = spin_s
+        self._sending: deque[_Outgoing] = deque()
+        self._incoming: _Incoming | None = None
+        self._asleep = False
+        self._checker: asyncio.TimerHandle | None = None
+        self._drained: asyncio.Future[None] | None = None
+        # diagnostics: times a sender slept on a full ring; payload bytes through the rings
+        self.ring_sleeps = 0
+        self.ring_bytes_out = 0
+        self.ring_bytes_in = 0
+
+    # -- sending ----------------------------------------------------------------------------
+    def send_nowait(self, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> Awaitable[None] | None:
+        if self._writer is None:
+            return super().send_nowait(tag, payload, meta)
+        if self.closed:
+            raise self._lost()
+        out = _Outgoing(tag, meta, as_bytes_view(payload))
+        queue = self._sending
+        queue.append(out)
+        if len(queue) == 1 and not self._asleep:
+            self._pump()
+        if self.closed:
+            raise self._lost()
+        if out.done:
+            return None
+        out.fut = self._loop.create_future()
+        return self._finish(out)
+
+    async def _finish(self, out: _Outgoing) -> None:
+        fut = out.fut
+        assert fut is not None
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if out.sent == 0 and out in self._sending:
+                self._sending.remove(out)  # none of it has left: withdrawn
+            # else: partly in the ring; it completes for the stream's sake (the pump goes on)
+            raise
+
+    def _pump(self) -> None:
+        """Move queued messages into the ring, in order, until done or out of room (then spin
+        for a bounded time, then sleep until the receiver frees space)."""
+        queue = self._sending
+        writer = self._writer
+        assert writer is not None
+        while queue:
+            out = queue[0]
+            if not self._push(out):
+                if self.closed:
+                    return
+                need = min(self._chunk, len(out.body) - out.sent)
+                if self._spin_until_room(writer, need):
+                    continue
+                if writer.sleep_unless_room(need):
+                    self._sleep()
+                    return
+                continue
+            queue.popleft()
+            out.done = True
+            fut = out.fut
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        drained = self._drained
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    def _push(self, out: _Outgoing) -> bool:
+        """Put as much of ``out`` into the ring as fits; True once all of it is there."""
+        body = out.body
+        n = len(body)
+        if n == 0:  # nothing to move: a plain message frame (in order behind the ring ones)
+            try:
+                left = TcpLink.send_nowait(self, out.tag, body, out.meta)
+            except PeerLostError:
+                return False
+            if left is not None:  # a header-only frame: nobody waits for its hand-off
+                asyncio.ensure_future(left).add_done_callback(_consume_outcome)
+            return True
+        writer, chunk = self._writer, self._chunk
+        assert writer is not None
+        while out.sent < n:
+            c = min(chunk, n - out.sent)
+            end = writer.write(body[out.sent : out.sent + c])
+            if end < 0:
+                return False
+            head = {"r": [out.tag, out.meta, n, end, c]} if out.sent == 0 else {"c": [end, c]}
+            out.sent += c
+            self.ring_bytes_out += c
+            packed = self._packer.pack(head)
+            try:
+                self.write_nowait([memoryview(PREFIX.pack(len(packed), 0) + packed)])
+            except ConnectionError:
+                return False  # the link closed itself
+        return True
+
+    def _spin_until_room(self, writer: RingWriter, need: int) -> bool:
+        """Wait up to the spin budget for room, yielding the CPU at every check (the receiver
+        may be waiting for this very core). The budget halves after a spin that failed and
+        doubles back after one that succeeded, so a slow receiver is not spun for."""
+        budget = self._spin_budget
+        if budget <= 0:
+            return False
+        clock = time.perf_counter
+        stop = clock() + budget
+        has_room = writer.has_room
+        sched_yield = os.sched_yield
+        while clock() < stop:
+            sched_yield()
+            if has_room(need):
+                self._spin_budget = min(self._spin_max, budget * 2)
+                return True
+        self._spin_budget = max(_SPIN_MIN_S, budget / 2)
+        return False
+
+    def _sleep(self) -> None:
+        self._asleep = True
+        self.ring_sleeps += 1
+        self._loop.add_reader(self._space_efd, self._on_space)
+        self._checker = self._loop.call_later(_HANGUP_CHECK_S, self._check_hangup)
+
+    def _stop_sleeping(self) -> None:
+        if not self._asleep:
+            return
+        self._asleep = False
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self._space_efd)
+        if self._checker is not None:
+            self._checker.cancel()
+            self._checker = None
+        if self._writer is not None:
+            self._writer.woken()
+
+    def _on_space(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.eventfd_read(self._space_efd)
+        self._stop_sleeping()
+        if not self.closed:
+            self._pump()
+
+    def _check_hangup(self) -> None:
+        """While asleep on a full ring: has the peer hung up (a paused link reads nothing, so it
+        would not see the end-of-file)? Also re-checks the room, as a net under the wake-up."""
+        self._checker = None
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLRDHUP)
+        if any(ev & (select.POLLHUP | select.POLLERR | select.POLLRDHUP) for _, ev in poller.poll(0)):
+            self.close("its shared-memory socket closed (the process exited or was killed)", lost=True)
+            return
+        self._on_space()
+
+    # -- receiving --------------------------------------------------------------------------
+    def on_control(self, header: dict[str, Any]) -> bool:
+        first = header.get("r")
+        if first is not None:
+            try:
+                tag, meta, total, end, n = first
+                if not (isinstance(tag, list) and isinstance(meta, dict)) or self._incoming is not None:
+                    raise ValueError("a message header out of place")
+                if not 0 < total <= self._max_payload:
+                    raise ValueError(f"a {total}-byte payload (at most {self._max_payload} are accepted)")
+            except (TypeError, ValueError) as exc:
+                self._broken(exc)
+                return True
+            key = tuple(tag)
+            dst = self._matcher.claim(self.peer, key, total)
+            claimed = dst is not None
+            if dst is None:  # a small early message: our own memory, handed to the inbox
+                dst = memoryview(bytearray(total))
+            self._take(_Incoming(key, meta, dst, total, claimed), end, n)
+            return True
+        more = header.get("c")
+        if more is not None:
+            incoming = self._incoming
+            try:
+                end, n = more
+                if incoming is None:
+                    raise ValueError("a chunk without its message")
+            except (TypeError, ValueError) as exc:
+                self._broken(exc)
+                return True
+            self._take(incoming, end, n)
+            return True
+        return False
+
+    def _take(self, incoming: _Incoming, end: Any, n: Any) -> None:
+        """Copy one chunk out of the peer's ring into the message's memory, free it, and hand
+        the message over once it is whole."""
+        reader = self._reader
+        try:
+            if reader is None or not isinstance(end, int) or not isinstance(n, int):
+                raise ValueError("a chunk frame on a link without rings")
+            if n > incoming.total - incoming.got:
+                raise ValueError(f"a {n}-byte chunk past the end of a {incoming.total}-byte payload")
+            src = reader.chunk(end, n)
+        except ValueError as exc:
+            self._broken(exc)
+            return
+        got = incoming.got
+        incoming.dst[got : got + n] = src
+        src.release()
+        incoming.got = got + n
+        self.ring_bytes_in += n
+        if reader.release(end):
+            with contextlib.suppress(OSError):
+                os.eventfd_write(self._peer_efd, 1)
+        if incoming.got < incoming.total:
+            self._incoming = incoming
+            return
+        self._incoming = None
+        if incoming.claimed:
+            self._matcher.landed(self.peer, incoming.tag, incoming.meta, incoming.dst)
+        else:
+            self._matcher.arrived(self.peer, incoming.tag, incoming.meta, incoming.dst)
+
+    def _broken(self, exc: BaseException) -> None:
+        log.warning("shm link to rank %d: %s", self.peer, exc)
+        self.close(f"protocol error on the shared-memory link: {exc}", lost=True)
+
+    # -- closing ----------------------------------------------------------------------------
+    def close(self, reason: str, *, lost: bool) -> None:
+        if self.closed:
+            return
+        self._stop_sleeping()
+        waiting = list(self._sending)
+        self._sending.clear()
+        self._incoming = None
+        super().close(reason, lost=lost)
+        for out in waiting:
+            if out.fut is not None and not out.fut.done():
+                out.fut.set_exception(self._lost())
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        for side in (self._writer, self._reader):
+            if side is not None:
+                side.close()
+        self._writer = self._reader = None
+        for mem in self._rings:
+            if mem is not None:
+                with contextlib.suppress(BufferError, ValueError):
+                    mem.close()
+        for fd in (self._space_efd, self._peer_efd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._space_efd = self._peer_efd = -1
+
+    async def aclose(self) -> None:
+        if self.closed:
+            return
+        if self._sending:  # let what is queued reach the ring first (bounded)
+            self._drained = self._loop.create_future()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._drained), _DRAIN_S)
+        await super().aclose()
+
+    def debug_state(self) -> dict[str, Any]:
+        state = super().debug_state()
+        if self._writer is not None:
+            incoming = self._incoming
+            state["ring"] = {
+                "head": self._writer.head,
+                "freed_by_peer": self._writer.freed,
+                "queued_sends": len(self._sending),
+                "asleep": self._asleep,
+                "sleeps": self.ring_sleeps,
+                "bytes_out": self.ring_bytes_out,
+                "bytes_in": self.ring_bytes_in,
+                "incoming": None if incoming is None else [incoming.got, incoming.total],
+            }
+        return state
 
 
 def _chunk() -> int:
@@ -77,7 +434,7 @@ def prepare_shm(transport: TcpTransport, *, token: str | None, job: str, forced:
     chunk = _chunk()
 
     def on_peer(peer: ShmPeer) -> None:
-        transport.attach(ShmLink(peer.sock, peer.rank, transport, max_payload=transport.max_payload))
+        transport.attach(ShmLink(peer, transport, max_payload=transport.max_payload))
 
     host = ShmHost(
         None if transport.rank < 0 else transport.rank,
@@ -85,6 +442,7 @@ def prepare_shm(transport: TcpTransport, *, token: str | None, job: str, forced:
         job=job,
         regions=_REGIONS,
         region_bytes=region_bytes(chunk),
+        ring_bytes=_RING_BYTES,
         watch=False,  # the link reads the socket; its close is the peer's loss
         on_peer=on_peer,
     )
@@ -158,4 +516,3 @@ class ShmKind(LinkKind):
                 return
             log.info("rank %d: no shared memory with rank %d (%s); using tcp", transport.rank, peer, exc)
         await transport.connect({peer: tcp_addresses(addrs)}, deadline, [peer])
-

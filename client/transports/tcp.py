@@ -121,6 +121,11 @@ class TcpLink(PeerLink, Link):
         except ConnectionError as exc:
             raise self._lost() from exc
 
+    def on_control(self, header: dict[str, Any]) -> bool:
+        """A frame that is not a message nor a goodbye: False (unknown). Link kinds that say
+        more over the socket (the shm kind's ring chunks) take theirs here, in stream order."""
+        return False
+
     def _lost(self) -> PeerLostError:
         return PeerLostError(self.peer, self.close_reason or "the link is closed")
 
@@ -151,7 +156,10 @@ def _on_frames(link: PeerLink, frames: list[Frame]) -> None:
             if header.get("k") == "bye":
                 link.close(f"rank {src} left (closed its process group)", lost=False)
                 return
-            log.warning("rank %d: ignoring an unknown control frame from rank %d", matcher.rank, src)
+            if not link.on_control(header):
+                log.warning("rank %d: ignoring an unknown control frame from rank %d", matcher.rank, src)
+            if link.closed:
+                return
             continue
         meta = header.get("m")
         if not isinstance(tag, list) or not isinstance(meta, dict):

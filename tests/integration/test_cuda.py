@@ -2,9 +2,8 @@
 backend on "cuda" (device_id, DDP on a CUDA module) and `aiocoll bench --tensor torch-cuda`.
 
 Every test here carries the ``cuda`` marker and skips without a usable CUDA device. Two or more
-processes share one GPU when there is only one (rank r uses device r % count). NOT YET RUN: the
-machines these were written on have no GPU; they are written to be run as they are by a session
-that has one (``pytest -m cuda``).
+processes share one GPU when there is only one (rank r uses device r % count). Run with
+``pytest -m cuda``; docs/PERFORMANCE.md records where and when they last ran on a GPU.
 
 Run as a script (``python THIS torch RANK PORT RESULT``) it is one rank of the torch backend test.
 """
@@ -217,7 +216,10 @@ def test_torch_backend_serves_cuda_with_device_id_stream_order_and_ddp(tmp_path:
 def test_bench_measures_cuda_tensors_and_names_the_path() -> None:
     import torch.distributed
 
-    vs = "nccl" if torch.distributed.is_nccl_available() else "gloo"
+    # NCCL needs a device per rank (two ranks on one GPU is refused); gloo serves CUDA tensors
+    # on one GPU, so the comparison runs either way.
+    one_gpu_per_rank = torch.cuda.device_count() >= 2
+    vs = "nccl" if torch.distributed.is_nccl_available() and one_gpu_per_rank else "gloo"
     result = subprocess.run(
         [
             sys.executable,
@@ -244,6 +246,40 @@ def test_bench_measures_cuda_tensors_and_names_the_path() -> None:
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if line.strip() and not line.startswith("#")]
     assert len(rows) == 3 and any("+staged" in cell or "+ipc" in cell for cell in rows[1])
+    # gloo has no CUDA point-to-point: its columns show "-" and the header says why
+    bench = [sys.executable, "-m", "aiocoll", "bench", "--tensor", "torch-cuda", "--vs", "gloo"]
+    p2p = subprocess.run(
+        [*bench, "--op", "sendrecv", "--sizes", "4K,4M", "--iters", "3", "--warmup", "1", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert p2p.returncode == 0, p2p.stderr
+    assert "# gloo columns show '-'" in p2p.stdout, p2p.stdout
+    p2p_rows = [line.split() for line in p2p.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    assert len(p2p_rows) == 3 and all(row[8] == "-" and float(row[3]) > 0 for row in p2p_rows[1:]), p2p.stdout
+    if not one_gpu_per_rank and torch.distributed.is_nccl_available():
+        # NCCL would fail at its first call with two ranks on one device; the bench says so first
+        refused = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "aiocoll",
+                "bench",
+                "--tensor",
+                "torch-cuda",
+                "--vs",
+                "nccl",
+                "--sizes",
+                "4K",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+        )
+        assert refused.returncode != 0 and "needs a GPU per rank" in refused.stderr, refused.stderr
 
 
 if __name__ == "__main__":

@@ -71,7 +71,16 @@ async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
         await sub.all_reduce(y)
         np.testing.assert_array_equal(y, np.sum([_inputs(r, 70_000, "float64") for r in SUBGROUP], axis=0))
     await pg.barrier()
+    # the intra-host parts of the hierarchical all_reduces ran on the host's arenas
+    out["arena_ops"] = _arena_ops(pg)
+    out["sub_arena_ops"] = _arena_ops(sub) if sub is not None else None
     return out
+
+
+def _arena_ops(pg: Any) -> int | None:
+    """Operations the group's intra-host arena group completed here (None: it has none)."""
+    parts = pg._host_parts
+    return None if parts is None or parts.group is None else int(parts.group.completed)
 
 
 @pytest.mark.timeout(120)
@@ -103,3 +112,12 @@ def test_a_world_over_three_namespace_hosts_reduces_hierarchically_and_matches_n
     assert [r["route"] for r in results] == ["hierarchical"] * len(PLACEMENT)
     assert [r["avg_route"] for r in results] == ["hierarchical"] * len(PLACEMENT)
     assert [results[r]["sub_route"] for r in SUBGROUP] == ["hierarchical"] * len(SUBGROUP)
+    # within a host of several members (hosts 0 and 1), the intra-host parts (an all_reduce and
+    # a broadcast for each of the 25 all_reduces above) ran on the shared-memory arenas; rank 2
+    # is alone on its host
+    for rank, result in enumerate(results):
+        crowded = PLACEMENT.count(PLACEMENT[rank]) > 1
+        assert result["arena_ops"] == (2 * 25 if crowded else None), (rank, result["arena_ops"])
+    for rank in SUBGROUP:  # in the sub-group only ranks 1 and 4 share a host
+        sub_ops = results[rank]["sub_arena_ops"]
+        assert (sub_ops == 2) if rank in (1, 4) else (sub_ops is None), (rank, sub_ops)

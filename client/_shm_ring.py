@@ -1,0 +1,140 @@
+"""One direction of a point-to-point byte ring in shared memory: the shm link kind's data path.
+
+Imports only the standard library and client._shm (the ring header size, the memory fence);
+never asyncio, sockets or the public surface. The link (client/transports/shm.py) decides what
+to put in a ring and when, and says where each chunk lies in a frame over its Unix socket; this
+module only allocates, copies, checks bounds and keeps the two counters.
+
+A ring is a memfd of ``RING_HEADER + capacity`` bytes made by the *sender* (client._shm hands it
+to the receiver with the arena). Its first page holds two counters, on their own cache lines:
+
+    0    freed     absolute count of ring bytes the receiver has released (only it writes this)
+    64   waiting   1 while the sender waits for space (only the sender writes this)
+    4096 data      ``capacity`` bytes, used in order
+
+Positions are absolute byte counts (they never wrap; the offset in the data is the position
+modulo the capacity). A chunk is contiguous: one that would cross the end starts at the
+beginning instead, and the bytes skipped count as used. Chunks start on 64-byte boundaries.
+Chunks are released in the order they were written (the link's socket is FIFO), so one
+counter says what is free: the sender may write while ``position + length - freed`` stays
+within the capacity. That bound is the backpressure: a receiver that stops reading stops the
+sender once the ring is full, and nothing is ever dropped or reordered.
+
+Waking the sender: after releasing, the receiver issues a full fence (client._shm.fence) and
+reads ``waiting``; a sender about to sleep sets ``waiting``, fences, and checks the space once
+more before it sleeps. One of the two always sees the other, so a wake-up is never lost.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+from ._shm import RING_HEADER, fence
+
+__all__ = ["RingReader", "RingWriter"]
+
+_FREED, _WAITING = 0, 8  # int64 indexes into the header page
+_ALIGN = 64
+
+
+class _RingSide:
+    """Views of a ring's counters and data (either side)."""
+
+    __slots__ = ("_ctl", "_data", "capacity")
+
+    def __init__(self, mem: mmap.mmap) -> None:
+        whole = memoryview(mem)
+        self.capacity = len(mem) - RING_HEADER
+        self._ctl = whole[:RING_HEADER].cast("q")
+        self._data = whole[RING_HEADER:]
+        whole.release()
+
+    def close(self) -> None:
+        """Drop our views of the memory (the mapping can then be closed)."""
+        self._ctl.release()
+        self._data.release()
+
+
+class RingWriter(_RingSide):
+    """The sending side of a ring (in our own memory)."""
+
+    __slots__ = ("head",)
+
+    def __init__(self, mem: mmap.mmap) -> None:
+        super().__init__(mem)
+        self.head = 0  # absolute position where the next chunk may start
+
+    def _place(self, n: int) -> int:
+        """Where a chunk of ``n`` bytes would start (absolute), or -1 when it does not fit yet."""
+        pos = self.head
+        off = pos % self.capacity
+        if off + n > self.capacity:
+            pos += self.capacity - off
+        return pos if pos + n - self._ctl[_FREED] <= self.capacity else -1
+
+    def has_room(self, n: int) -> bool:
+        return self._place(n) >= 0
+
+    def write(self, src: memoryview) -> int:
+        """Copy ``src`` (at most the capacity) into the ring; returns the chunk's absolute end,
+        or -1 when there is no room for it yet (nothing written)."""
+        n = len(src)
+        pos = self._place(n)
+        if pos < 0:
+            return -1
+        off = pos % self.capacity
+        self._data[off : off + n] = src
+        end = pos + n
+        self.head = (end + _ALIGN - 1) & -_ALIGN
+        return end
+
+    def sleep_unless_room(self, n: int) -> bool:
+        """Say we wait for space; True when there still is none (sleep until woken), False when
+        some was freed meanwhile (the flag is taken back)."""
+        self._ctl[_WAITING] = 1
+        fence()  # the flag is visible before we look at ``freed`` once more
+        if self.has_room(n):
+            self._ctl[_WAITING] = 0
+            return False
+        return True
+
+    def woken(self) -> None:
+        self._ctl[_WAITING] = 0
+
+    @property
+    def freed(self) -> int:
+        return int(self._ctl[_FREED])
+
+
+class RingReader(_RingSide):
+    """The receiving side of a ring (in the peer's memory, mapped here)."""
+
+    __slots__ = ("consumed",)
+
+    def __init__(self, mem: mmap.mmap) -> None:
+        super().__init__(mem)
+        self.consumed = 0  # absolute end of the last chunk released
+
+    def chunk(self, end: int, n: int) -> memoryview:
+        """The ``n`` bytes of the chunk that ends at absolute position ``end`` (as a frame said).
+
+        Raises:
+            ValueError: the chunk is not where the next one can be (a peer that breaks the
+                protocol must not make us read outside the ring or ahead of its writes).
+        """
+        cap = self.capacity
+        start = end - n
+        if not (0 < n <= cap and start >= self.consumed and end - self.consumed <= cap):
+            raise ValueError(f"a chunk of {n} bytes ending at {end} does not follow position {self.consumed}")
+        off = start % cap
+        if off + n > cap:
+            raise ValueError(f"a chunk of {n} bytes at ring offset {off} crosses the end of the ring")
+        return self._data[off : off + n]
+
+    def release(self, end: int) -> bool:
+        """Free the ring up to ``end`` (every chunk before it was copied out); True when the
+        sender waits for space and must be woken."""
+        self.consumed = end
+        self._ctl[_FREED] = end
+        fence()  # ``freed`` is visible before we look whether the sender sleeps
+        return bool(self._ctl[_WAITING])

@@ -1,0 +1,152 @@
+"""Point-to-point payloads between ranks of one host travel through the shm links' rings, not the
+Unix socket: exact bytes for every size (one chunk, many chunks, odd sizes, both directions at
+once, early and late receives), the operations the driver runs over links (reduce, gather,
+scatter, all_to_all) against numpy, and a receiver killed with SIGKILL while its sender waits on
+a full ring (PeerLostError naming it, nothing under /dev/shm)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocoll.testing.world import run_world, unwrap
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+# one chunk, several chunks, more than the 4 MiB ring (the sender waits for room), odd lengths
+SIZES = (1, 4096, 100_003, 3 << 20, (16 << 20) + 7)
+
+
+def _ring_bytes(pg: Any) -> tuple[int, int]:
+    """Payload bytes this rank's links moved through rings (out, in)."""
+    links = pg._rt.transport.debug_state()["links"]
+    rings = [link["ring"] for link in links.values()]
+    return sum(r["bytes_out"] for r in rings), sum(r["bytes_in"] for r in rings)
+
+
+def _pattern(n: int, seed: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.int64) * 131 + seed) % 251).astype(np.uint8)
+
+
+async def ring_checks(pg: Any) -> dict[str, Any]:
+    import aiocoll
+
+    r, n = pg.rank, pg.size
+    out: dict[str, Any] = {"kinds": sorted(set(pg._rt.transport.link_kinds().values()))}
+    before = _ring_bytes(pg)
+    # both directions at once between 0 and 1, every size; 2 takes part in the collectives only
+    ok = []
+    if r in (0, 1):
+        peer = 1 - r
+        for size in SIZES:
+            mine, got = _pattern(size, r), np.zeros(size, np.uint8)
+            sending = pg.send(mine, dst=peer, tag=size % 1000)
+            await pg.recv(got, src=peer, tag=size % 1000)
+            await sending
+            ok.append(bool(np.array_equal(got, _pattern(size, peer))))
+        # an early message: sent long before its receive is posted, waits intact
+        if r == 0:
+            await pg.send(_pattern(8 << 20, 9), dst=1, tag=77)
+        else:
+            await asyncio.sleep(0.3)
+            late = np.zeros(8 << 20, np.uint8)
+            await pg.recv(late, src=0, tag=77)
+            ok.append(bool(np.array_equal(late, _pattern(8 << 20, 9))))
+        # a float payload, reused by the sender at once after the send returned
+        x = np.arange(1 << 20, dtype=np.float32) + r
+        if r == 0:
+            await pg.send(x, dst=1, tag=3)
+            x[:] = -1.0
+        else:
+            y = np.zeros(1 << 20, np.float32)
+            await pg.recv(y, src=0, tag=3)
+            ok.append(bool(np.array_equal(y, np.arange(1 << 20, dtype=np.float32))))
+    out["p2p"] = ok
+    # the collectives the driver runs over links, 3 MiB per rank (several chunks each)
+    m = 3 << 18
+    v = np.arange(m, dtype=np.float32) * (r + 1)
+    await pg.reduce(v, dst=0, op=aiocoll.ReduceOp.SUM)
+    if r == 0:
+        out["reduce"] = bool(np.array_equal(v, np.arange(m, dtype=np.float32) * sum(range(1, n + 1))))
+    mine = np.full(m, r, np.int32)
+    gathered = [np.zeros(m, np.int32) for _ in range(n)] if r == 1 else None
+    await pg.gather(mine, gathered, dst=1)
+    if r == 1:
+        assert gathered is not None
+        out["gather"] = all(np.array_equal(g, np.full(m, j, np.int32)) for j, g in enumerate(gathered))
+    part = np.zeros(m, np.float64)
+    parts = [np.full(m, 10.0 * j + 0.5, np.float64) for j in range(n)] if r == 2 else None
+    await pg.scatter(part, parts, src=2)
+    out["scatter"] = bool(np.array_equal(part, np.full(m, 10.0 * r + 0.5)))
+    ins = [np.full(m // n, 100 * r + j, np.int64) for j in range(n)]
+    outs = [np.zeros(m // n, np.int64) for _ in range(n)]
+    await pg.all_to_all(outs, ins)
+    want = [np.full(m // n, 100 * j + r, np.int64) for j in range(n)]
+    out["all_to_all"] = all(np.array_equal(o, w) for o, w in zip(outs, want, strict=True))
+    after = _ring_bytes(pg)
+    out["ring_out"], out["ring_in"] = after[0] - before[0], after[1] - before[1]
+    return out
+
+
+def test_payloads_between_ranks_of_one_host_go_through_the_rings_and_arrive_exactly() -> None:
+    results = unwrap(run_world(ring_checks, 3, env={"AIOCOLL_TRANSPORT": "shm"}))
+    for r, res in enumerate(results):
+        assert res["kinds"] == ["shm"], res
+        assert res["scatter"] and res["all_to_all"], (r, res)
+        if r in (0, 1):
+            assert res["p2p"] == [True] * (len(SIZES) + (1 if r == 1 else 0) * 2), (r, res["p2p"])
+    assert results[0]["reduce"] and results[1]["gather"]
+    # every payload byte between these ranks went through a ring: the p2p traffic alone is
+    # more than sum(SIZES) bytes each way between ranks 0 and 1
+    for r in (0, 1):
+        assert results[r]["ring_out"] >= sum(SIZES) and results[r]["ring_in"] >= sum(SIZES), results[r]
+    assert sum(res["ring_out"] for res in results) == sum(res["ring_in"] for res in results)
+
+
+async def receiver_killed(pg: Any) -> dict[str, Any]:
+    from shm_world import dev_shm_in_use
+
+    inherited = set(dev_shm_in_use())
+    pids = await pg.all_gather_object(os.getpid())
+    if pg.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # stops reading: rank 0's ring to us fills up
+        await asyncio.sleep(60)  # never reached: rank 0 kills us while we are stopped
+    if pg.rank == 2:
+        return {"error": None}
+    big = np.ones(32 << 20, np.uint8)  # far more than the 4 MiB ring
+    await asyncio.sleep(0.2)
+    work = pg.send(big, dst=1)
+
+    async def finish() -> None:
+        await work
+
+    sending = asyncio.ensure_future(finish())
+    await asyncio.sleep(0.5)
+    res: dict[str, Any] = {"waited": not sending.done()}
+    res["asleep"] = pg._rt.transport.debug_state()["links"][1]["ring"]["asleep"]
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(sending, 30)
+        res["error"] = None
+    except Exception as exc:
+        res.update(error=type(exc).__name__, rank=getattr(exc, "rank", None))
+    res["after"] = time.monotonic() - t0
+    res["dev_shm"] = sorted(set(dev_shm_in_use()) - inherited)
+    return res
+
+
+def test_a_receiver_killed_while_its_sender_waits_on_a_full_ring_fails_the_send_naming_it() -> None:
+    results = run_world(receiver_killed, 3, timeout=120, env={"AIOCOLL_TRANSPORT": "shm"})
+    assert results[1].exitcode == -signal.SIGKILL
+    assert results[0].error is None, results[0].error
+    res = results[0].value
+    assert res["waited"] and res["asleep"], res  # the sender really waited on the full ring
+    assert res["error"] == "PeerLostError" and res["rank"] == 1, res
+    assert res["after"] < 10.0 and res["dev_shm"] == [], res
