@@ -14,7 +14,8 @@ to the receiver with the arena). Its first page holds two counters, on their own
 
 Positions are absolute byte counts (they never wrap; the offset in the data is the position
 modulo the capacity). A chunk is contiguous: one that would cross the end starts at the
-beginning instead, and the bytes skipped count as used. Chunks start on 64-byte boundaries.
+beginning instead, and the bytes skipped count as used; so does one written while the ring is
+empty (its first pages stay warm). Chunks start on 64-byte boundaries.
 Chunks are released in the order they were written (the link's socket is FIFO), so one
 counter says what is free: the sender may write while ``position + length - freed`` stays
 within the capacity. That bound is the backpressure: a receiver that stops reading stops the
@@ -58,19 +59,30 @@ class _RingSide:
 class RingWriter(_RingSide):
     """The sending side of a ring (in our own memory)."""
 
-    __slots__ = ("head",)
+    __slots__ = ("_end", "head")
 
     def __init__(self, mem: mmap.mmap) -> None:
         super().__init__(mem)
         self.head = 0  # absolute position where the next chunk may start
+        self._end = 0  # absolute end of the last chunk written
 
     def _place(self, n: int) -> int:
-        """Where a chunk of ``n`` bytes would start (absolute), or -1 when it does not fit yet."""
+        """Where a chunk of ``n`` bytes would start (absolute), or -1 when it does not fit yet.
+
+        A chunk that would cross the end starts over at the beginning. So does one written
+        when the receiver has freed everything (and it fits there): a ring that is mostly
+        empty, as in request-reply traffic, then keeps reusing its first pages, which are warm
+        in both processes' caches and already faulted in, instead of walking through all of
+        its memory."""
+        cap = self.capacity
         pos = self.head
-        off = pos % self.capacity
-        if off + n > self.capacity:
-            pos += self.capacity - off
-        return pos if pos + n - self._ctl[_FREED] <= self.capacity else -1
+        off = pos % cap
+        freed = self._ctl[_FREED]
+        if off:
+            restart = pos + cap - off
+            if off + n > cap or (freed == self._end and restart + n - freed <= cap):
+                pos = restart
+        return pos if pos + n - freed <= cap else -1
 
     def has_room(self, n: int) -> bool:
         return self._place(n) >= 0
@@ -84,7 +96,7 @@ class RingWriter(_RingSide):
             return -1
         off = pos % self.capacity
         self._data[off : off + n] = src
-        end = pos + n
+        end = self._end = pos + n
         self.head = (end + _ALIGN - 1) & -_ALIGN
         return end
 
