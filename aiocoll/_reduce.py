@@ -29,6 +29,7 @@ __all__ = [
     "BFLOAT16",
     "bf16_to_f32",
     "check_reduce_op",
+    "combine",
     "f32_to_bf16",
     "finish_avg",
     "reduce_into",
@@ -146,28 +147,30 @@ def reduce_into(
     Raises:
         TypeError: for a meaningless op/dtype pair (see ``check_reduce_op``).
     """
+    if src_first:
+        combine(op, dst, src, dst, dtype_name)
+    else:
+        combine(op, dst, dst, src, dtype_name)
+
+
+def combine(op: ReduceOp, out: np.ndarray, a: np.ndarray, b: np.ndarray, dtype_name: str) -> None:
+    """``out = a (op) b`` in one pass (``out`` may be ``a`` or ``b``): a reduction of two
+    inputs into a third buffer without copying one of them there first."""
     if dtype_name == BFLOAT16:
         check_reduce_op(op, dtype_name)
         wide_op = _UFUNCS[op]
-        for start in range(0, len(dst), BF16_BLOCK):
-            part = dst[start : start + BF16_BLOCK]
-            wide = bf16_to_f32(part)
-            other = bf16_to_f32(src[start : start + BF16_BLOCK])
-            if src_first:
-                wide_op(other, wide, out=wide)
-            else:
-                wide_op(wide, other, out=wide)
-            f32_to_bf16(wide, part)
+        for start in range(0, len(out), BF16_BLOCK):
+            stop = start + BF16_BLOCK
+            wide = bf16_to_f32(a[start:stop])
+            wide_op(wide, bf16_to_f32(b[start:stop]), out=wide)
+            f32_to_bf16(wide, out[start:stop])
         return
     ufunc = _UFUNC_BY_VALUE.get(op._value_) if type(op) is ReduceOp else None
     if ufunc is None:
         raise TypeError(f"unknown reduce op {op!r}")
-    if op._value_ in _CHECK_AT_REDUCE or dst.dtype.kind == "c":
+    if op._value_ in _CHECK_AT_REDUCE or out.dtype.kind == "c":
         check_reduce_op(op, dtype_name)
-    if src_first:
-        ufunc(src, dst, out=dst)
-    else:
-        ufunc(dst, src, out=dst)
+    ufunc(a, b, out=out)
 
 
 def finish_avg(result: np.ndarray, world_size: int, dtype_name: str) -> None:

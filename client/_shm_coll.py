@@ -9,31 +9,39 @@ A group's region in each member's arena (cache lines apart, so writers do not sh
 
     0     sleeping   1 while the owner sleeps on its eventfd (publishers then wake it)
     64    inp        last step whose input (and signature) the owner has written
-    128   red        last step whose share the owner has reduced into its result area
+    128   red        last step whose share the owner has reduced (in place, in its slot)
     192   done       last step whose data the owner has finished reading (its slots are free)
-    256   sig[2]     per slot: the operation's seq and signature (kind, root, dtype, count, op)
     768   group      which group owns the region now (a hash of its id): a region is reused by
                      later groups, and counters are trusted only next to the right owner
-    4096  data       two slots (step t uses slot t % 2), each an input area and a result area
-                     of ``chunk`` bytes
+    832   lost       1 + the rank whose loss failed the owner's group
+    1024  sig[2]     per slot: the operation's seq and signature (kind, root, dtype, count, op)
+    4096  data       two slots of ``2 * chunk`` bytes (step t uses slot t % 2)
 
 Every operation is a sequence of steps, numbered alike on every member (the group runs its
 operations in call order). A step: wait until every member finished reading the slot two steps
 back (``done``), write my part into my slot, publish ``inp``; wait for everyone's ``inp``; read
-the others' slots directly (a reduction reads the others' inputs for my share of the chunk and
-publishes the share as ``red``; everyone then copies all shares); publish ``done``. Large
-payloads run as many steps of ``chunk`` bytes, the next step's input written while the peers
-still reduce the current one. The first step of every operation compares every member's
-signature with ours before any data is read: a mismatch raises MismatchError on every member.
-Reductions go through aiocoll._reduce (the one set of kernels), folded in rank order, so every
-member computes the same bits (rank-order left fold, as numpy's reference does).
+the others' slots directly; publish ``done``. Large payloads run as many steps as their slots
+need, the next step's input written while the peers still read the current one. The first step
+of every operation compares every member's signature with ours before any data is read: a
+mismatch raises MismatchError on every member.
 
-Waiting: the owner spins for a bounded time (yielding the CPU at every check, so a waiting rank
-does not starve the one it waits for when they share a core), then sets ``sleeping``,
-re-checks, and returns to the event loop, which watches the eventfd; a publisher writes to the
-eventfd of every peer that sleeps. The flag write and the check (and the counter write and the
-flag read) are separated by a full memory barrier (``_shm.fence``), so a wake-up cannot be lost;
-a slow timer re-checks anyway.
+all_reduce: up to _WHOLE_MAX bytes, or always with two members, every member reduces all of the
+step from every slot straight into its own buffer (one wait per step). Larger, with more
+members, each step is a reduce-scatter then an all-gather: I reduce share ``me`` of the step
+from every slot into that share of my own slot (no one else reads it there), publish ``red``,
+and everyone copies every share from its owner's slot (each rank reads about two bytes per byte
+instead of n). Reductions go through aiocoll._reduce (the one set of kernels), folded in rank
+order (a rank-order left fold, as numpy's reference does); a share has one owner, so every
+member gets the same bits.
+
+Waiting: for a small operation, the owner spins for a bounded time (yielding the CPU at every
+check, so a waiting rank does not starve the one it waits for when they share a core), then
+sets ``sleeping``, re-checks, and returns to the event loop, which watches the eventfd; a
+publisher writes to the eventfd of every peer that sleeps. Between the steps of a large
+operation it spins without yielding while the host has a core for every runnable task, and
+naps on the eventfd (in place, up to a millisecond) when it does not (``_wait_step``). The
+flag write and the check (and the counter write and the flag read) are separated by a full
+memory barrier (``_shm.fence``), so a wake-up cannot be lost; a slow timer re-checks anyway.
 """
 
 from __future__ import annotations
@@ -41,7 +49,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import os
+import select
 import struct
 import time
 from collections import deque
@@ -54,11 +64,12 @@ import numpy as np
 from aiocoll._errors import DistError, MismatchError, PeerLostError
 from aiocoll._progress_check import _sig as progress_sig
 from aiocoll._progress_check import describe_sig
-from aiocoll._reduce import finish_avg, reduce_into
+from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec
 
 from ._shm import ARENA_HEADER, ShmHost, fence
+from ._vm_read import vm_read, vm_read_available
 from .engine import OpTransport
 from .transports._link import LinkTransport
 from .transports.shm import shm_host
@@ -74,20 +85,37 @@ __all__ = [
     "world_group",
 ]
 
+log = logging.getLogger("aiocoll.client.shm")
+
 # counters, as indexes into the region's int64 view
 _SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
-_SIG = 256
+_SIG = 1024  # bytes (the counters above are int64 indexes)
 _OWNER = 96  # (byte 768)
 _LOST = 104  # (byte 832) 1 + the rank whose loss failed this member's group, 0 while none
+_BASE = 112  # (byte 896) where this region sits in the owner's address space (the probe reads it)
+_DIRECT = 113  # (byte 904) 1: the owner can read every member's memory directly, 2: it cannot
+_BUF = 120  # (byte 960) per slot: address and size of the owner's buffer, for direct reads
 _SIG_BYTES = 256
 _DATA = 4096
 _SIG_HEAD = struct.Struct("<qH")
+_SLOTS = 2  # steps in flight: the region's data holds this many slots (signatures: one each)
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
 _SPIN_MIN_S = 5e-6
 _PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
 # Between the steps of a large operation the peers are a copy away: sleeping there hands the
 # core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
 _INNER_SPIN_S = 1e-3
+# A step at least this large keeps the long spin too: its peers are busy copying, not idle.
+_BIG_STEP = 64 * 1024
+# All ranks reduce all of an all_reduce up to this size (one wait); above it with more than two
+# ranks, each reduces a share (two waits, but each rank reads 2 bytes per byte instead of n).
+_WHOLE_MAX = 64 * 1024
+_FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its own input in place
+_CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
+# Large broadcasts and all_gathers copy straight from the writer's buffer (one copy per byte, not
+# two through the slots) where the kernel lets members read each other's memory.
+_DIRECT_MIN = 256 * 1024
+DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (always the slots)
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
@@ -114,6 +142,23 @@ def _describe(meta: dict[str, Any], *, with_seq: bool) -> str:
     except Exception:
         text = repr(fields)
     return f"{text} at seq {meta.get('seq')}" if with_seq else text
+
+
+_CPUS = os.cpu_count() or 1
+_LOADAVG_FD: int | None = None
+
+
+def _host_contended() -> bool:
+    """Whether more tasks are runnable on this host than it has cores (this one included):
+    the kernel's instantaneous count, the fourth field of /proc/loadavg ("2/95")."""
+    global _LOADAVG_FD
+    try:
+        if _LOADAVG_FD is None:
+            _LOADAVG_FD = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
+        field = os.pread(_LOADAVG_FD, 128, 0).split()[3]
+        return int(field.split(b"/")[0]) > _CPUS
+    except (OSError, IndexError, ValueError):
+        return True  # no count to go by: do not hold a core we may not have
 
 
 def region_bytes(chunk: int) -> int:
@@ -200,6 +245,8 @@ class ShmGroup:
         self.n = len(self.ranks)
         self.me = me
         self.chunk = chunk
+        self._slots = _SLOTS
+        self._slot = 4 * chunk // self._slots  # bytes of one step's slot
         self._waker = waker
         self._loop = asyncio.get_running_loop()
         base = ARENA_HEADER + region * host.region_bytes
@@ -215,8 +262,11 @@ class ShmGroup:
             int.from_bytes(hashlib.blake2b(gid.encode(), digest_size=8).digest(), "little") >> 1 or 1
         )
         self._raw[me][:] = bytes(_DATA)
+        self._ctl[me][_BASE] = np.frombuffer(self._raw[me], np.uint8).ctypes.data
         fence()
         self._ctl[me][_OWNER] = self._owner
+        self._pids = [os.getpid() if r == host.rank else host.peers[r].pid for r in self.ranks]
+        self._direct: bool | None = None  # every member reads every other's memory (once known)
         self.others = tuple(j for j in range(self.n) if j != me)
         self.step = 0
         self.queue: deque[_ShmOp] = deque()
@@ -232,8 +282,11 @@ class ShmGroup:
         self._timer: asyncio.TimerHandle | None = None
         self._gid = gid
         self.sleeps = 0
+        self.naps = 0  # blocks on the eventfd inside a wait between steps (_nap)
+        self.direct_steps = 0  # steps that read the peers' buffers directly (_direct_step)
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
         self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._fold_tmp: np.ndarray | None = None
 
     # -- operations ------------------------------------------------------------------------
     def all_reduce(
@@ -292,11 +345,11 @@ class ShmGroup:
     # -- the steps -------------------------------------------------------------------------
     def _announce(self, t: int, sig: bytes | None, fill: Callable[[np.ndarray], None] | None) -> OpGen:
         """Write my part of step ``t`` once my slot is free, then publish it."""
-        if t > 2:
-            yield (_DONE, t - 2, self.others)
-        s = t & 1
+        if t > self._slots:
+            yield (_DONE, t - self._slots, self.others)
+        s = t % self._slots
         if fill is not None:
-            fill(self._data[self.me][s * 2 * self.chunk : (s + 1) * 2 * self.chunk])
+            fill(self._data[self.me][s * self._slot : (s + 1) * self._slot])
         if sig is not None:
             self._write_sig(s, sig)
         self._publish(_INP, t)
@@ -305,14 +358,13 @@ class ShmGroup:
         o = _SIG + slot * _SIG_BYTES
         self._raw[self.me][o : o + len(sig)] = sig
 
-    def _views(self, slot: int, nbytes: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(my slot's first ``nbytes`` as bytes, every member's as ``dtype``): made once per
+    def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """(``nbytes`` at ``base`` of my data as bytes, every member's as ``dtype``): made once per
         size (a training loop repeats a few sizes; slicing and viewing cost more than a small
         reduction)."""
-        key = (slot, nbytes, dtype)
+        key = (base, nbytes, dtype)
         got = self._view_cache.get(key)
         if got is None:
-            base = slot * 2 * self.chunk
             views = [d[base : base + nbytes].view(dtype) for d in self._data]
             if len(self._view_cache) >= 64:
                 self._view_cache.clear()
@@ -327,23 +379,34 @@ class ShmGroup:
     def _all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes) -> OpGen:
         b = x.view(np.uint8)
         isz = x.itemsize
-        per = self.chunk // isz  # elements per step
+        per = self._slot // isz  # elements per step
         total = x.size
         rounds = max(1, -(-total // per))
-        t0 = self._steps(rounds)
-        if rounds == 1:
+        n = self.n
+        if rounds == 1 and (n <= 2 or b.size <= _WHOLE_MAX):
             # one shot: everyone writes everything, everyone reduces everything
-            if t0 > 2:
-                yield (_DONE, t0 - 2, self.others)
-            mine, views = self._views(t0 & 1, b.size, x.dtype)
+            t0 = self._steps(1)
+            self._inner = b.size >= _BIG_STEP
+            if t0 > self._slots:
+                yield (_DONE, t0 - self._slots, self.others)
+            base = (t0 % self._slots) * self._slot
+            mine, views = self._views(base, b.size, x.dtype)
             np.copyto(mine, b)
-            self._write_sig(t0 & 1, sig)
+            self._write_sig(t0 % self._slots, sig)
             self._publish(_INP, t0)
             yield (_INP, t0, self.others)
             self._check(t0, sig)
             self._fold(x, views, op, dtype_name)
             self._publish(_DONE, t0)
             return None
+        if n <= 2:
+            # Every rank reduces every byte of each step straight into its own buffer: one wait
+            # per step. Two ranks read as much as in a reduce-scatter and write less (no shares
+            # to publish and copy out); with more ranks this reads n times what it writes.
+            whole = self._reduce_whole(x, b, per, op, dtype_name)
+            return (yield from self._pipeline(rounds, sig, *whole))
+        t0 = self._steps(rounds)
+        me = self.me
 
         def part(r: int) -> tuple[int, int]:
             return r * per, min(total, (r + 1) * per)
@@ -352,32 +415,48 @@ class ShmGroup:
             lo, hi = part(r)
             return lambda slot: np.copyto(slot[: (hi - lo) * isz], b[lo * isz : hi * isz])
 
-        n, me, chunk = self.n, self.me, self.chunk
+        # Reduce-scatter then all-gather in each step: I reduce share ``me`` of the step from
+        # every member's slot into that share of my own slot (no one else reads it there),
+        # then everyone copies every share out of its owner's slot.
         self._inner = True
         yield from self._announce(t0, sig, filler(0))
         for r in range(rounds):
             t = t0 + r
             lo, hi = part(r)
             length = hi - lo
-            cuts = [lo + length * j // n for j in range(n + 1)]
-            base = (t & 1) * 2 * chunk
+            cuts = [length * j // n * isz for j in range(n + 1)]
+            base = (t % self._slots) * self._slot
             yield (_INP, t, self.others)
             if r == 0:
                 self._check(t, sig)
-            a, z = (cuts[me] - lo) * isz, (cuts[me + 1] - lo) * isz
-            mine = self._data[me][base + chunk + a : base + chunk + z].view(x.dtype)
-            self._fold(
-                mine, [d[base + a : base + z].view(x.dtype) for d in self._data], op, dtype_name, copy=True
-            )
+            a, z = base + cuts[me], base + cuts[me + 1]
+            self._fold_share([d[a:z].view(x.dtype) for d in self._data], op, dtype_name)
             self._publish(_RED, t)
             if r + 1 < rounds:
                 yield from self._announce(t + 1, None, filler(r + 1))
             yield (_RED, t, self.others)
+            out = b[lo * isz : hi * isz]
             for j, d in enumerate(self._data):
-                a, z = (cuts[j] - lo) * isz, (cuts[j + 1] - lo) * isz
-                np.copyto(b[cuts[j] * isz : cuts[j + 1] * isz], d[base + chunk + a : base + chunk + z])
+                np.copyto(out[cuts[j] : cuts[j + 1]], d[base + cuts[j] : base + cuts[j + 1]])
             self._publish(_DONE, t)
         return None
+
+    def _reduce_whole(
+        self, x: np.ndarray, b: np.ndarray, per: int, op: ReduceOp, dtype_name: str
+    ) -> tuple[Callable[[int], Callable[[np.ndarray], None]], Callable[[int, int], None]]:
+        """(filler, consume) of an all_reduce where every member reduces all of every step."""
+        isz, total = x.itemsize, x.size
+
+        def filler(r: int) -> Callable[[np.ndarray], None]:
+            lo, hi = r * per * isz, min(total, (r + 1) * per) * isz
+            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
+
+        def consume(r: int, base: int) -> None:
+            lo, hi = r * per, min(total, (r + 1) * per)
+            _, views = self._views(base, (hi - lo) * isz, x.dtype)
+            self._fold(x[lo:hi], views, op, dtype_name)
+
+        return filler, consume
 
     def _pipeline(
         self,
@@ -391,7 +470,7 @@ class ShmGroup:
         offset ``base`` of every member's data) once all are written. Round r+1 is written
         before round r is read, so a fast rank runs a step ahead."""
         t0 = self._steps(rounds)
-        self._inner = rounds > 1
+        self._inner = rounds > 1 or self._slot >= _BIG_STEP  # (a step of large payloads)
         yield from self._announce(t0, sig, filler(0))
         for r in range(rounds):
             t = t0 + r
@@ -400,12 +479,14 @@ class ShmGroup:
                 self._check(t, sig)
             if r + 1 < rounds:
                 yield from self._announce(t + 1, None, filler(r + 1))
-            consume(r, (t & 1) * 2 * self.chunk)
+            consume(r, (t % self._slots) * self._slot)
             self._publish(_DONE, t)
         return None
 
     def _broadcast(self, b: np.ndarray, root: int, sig: bytes) -> OpGen:
-        chunk, total = self.chunk, b.size
+        chunk, total = self._slot, b.size
+        if (yield from self._go_direct(total)):
+            return (yield from self._direct_step(b, sig, [(root, b)] if self.me != root else []))
         is_root = self.me == root
 
         def filler(r: int) -> Callable[[np.ndarray], None] | None:
@@ -419,10 +500,12 @@ class ShmGroup:
                 lo, hi = r * chunk, min(total, (r + 1) * chunk)
                 np.copyto(b[lo:hi], self._data[root][base : base + hi - lo])
 
-        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume))
 
     def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes) -> OpGen:
-        chunk, total, me = self.chunk, b.size, self.me
+        chunk, total, me = self._slot, b.size, self.me
+        if (yield from self._go_direct(total)):
+            return (yield from self._direct_step(b, sig, list(enumerate(outs))))
 
         def filler(r: int) -> Callable[[np.ndarray], None]:
             lo, hi = r * chunk, min(total, (r + 1) * chunk)
@@ -433,13 +516,13 @@ class ShmGroup:
             for j, d in enumerate(self._data):
                 np.copyto(outs[j][lo:hi], b[lo:hi] if j == me else d[base : base + hi - lo])
 
-        return self._pipeline(max(1, -(-total // chunk)), sig, filler, consume)
+        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume))
 
     def _reduce_scatter(
         self, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp, dtype_name: str, sig: bytes
     ) -> OpGen:
         n, isz, total = self.n, out.itemsize, out.size
-        per = max(1, self.chunk // (n * isz))  # elements of each part per step
+        per = max(1, self._slot // (n * isz))  # elements of each part per step
         ins_b = [a.view(np.uint8) for a in ins]
 
         def filler(r: int) -> Callable[[np.ndarray], None]:
@@ -459,6 +542,78 @@ class ShmGroup:
 
         return self._pipeline(max(1, -(-total // per)), sig, filler, consume)
 
+    # -- single copy: readers copy straight from the writer's buffer -----------------------
+    def _go_direct(self, nbytes: int) -> Generator[Wait, None, bool]:
+        """Whether this operation reads the peers' buffers directly (client._vm_read), decided
+        alike on every member: for payloads of at least _DIRECT_MIN bytes, once every member's
+        probe verdict (written at the group's first step, before its ``done`` of that step)
+        says it can read every other member; until then, and where any member cannot (a
+        container's seccomp filter, no ptrace access), through the slots. The payload size is
+        the same on every member unless the signatures differ, which the first step reports
+        before anything is read either way."""
+        t0 = self.step + 1
+        if nbytes < _DIRECT_MIN or t0 <= _SLOTS or self._direct is False:
+            return False
+        if self._direct is None:
+            yield (_DONE, t0 - _SLOTS, self.others)  # (the slot path's first wait too)
+            verdicts = [self._ctl[j][_DIRECT] for j in range(self.n)]
+            self._direct = all(v == 1 for v in verdicts)
+        return self._direct
+
+    def _probe_direct(self) -> None:
+        """At the group's first step (every member's region is set up): can I read every
+        member's memory directly? Read each one's ``group`` mark through the kernel and compare
+        it with the mark seen in shared memory (a wrong process, e.g. a pid of another pid
+        namespace, fails this), then publish the verdict."""
+        ok = os.environ.get(DIRECT_ENV, "1") != "0" and vm_read_available()
+        probe = np.zeros(1, np.int64)
+        for j in self.others if ok else ():
+            try:
+                vm_read(self._pids[j], probe.ctypes.data, self._ctl[j][_BASE] + 8 * _OWNER, 8)
+            except OSError as exc:
+                log.debug(
+                    "rank %d: direct reads from rank %d refused (%s)", self.ranks[self.me], self.ranks[j], exc
+                )
+                ok = False
+                break
+            ok = int(probe[0]) == self._owner
+        self._ctl[self.me][_DIRECT] = 1 if ok else 2
+
+    def _direct_step(self, mine: np.ndarray, sig: bytes, reads: list[tuple[int, np.ndarray]]) -> OpGen:
+        """One step: publish where ``mine`` is, once the signatures match read member j's
+        buffer into ``out`` for every (j, out) of ``reads`` (mine copied for j = me), then wait
+        until every member has read mine (the caller may change it once the operation ends)."""
+        t = self._steps(1)
+        s = t % _SLOTS
+        self._inner = True
+        self.direct_steps += 1
+        src = mine if mine.flags.c_contiguous else np.ascontiguousarray(mine)
+        ctl = self._ctl[self.me]
+        ctl[_BUF + 2 * s] = src.ctypes.data
+        ctl[_BUF + 2 * s + 1] = src.nbytes
+        self._write_sig(s, sig)
+        self._publish(_INP, t)
+        yield (_INP, t, self.others)
+        self._check(t, sig)
+        for j, out in reads:
+            if j == self.me:
+                np.copyto(out, mine)
+                continue
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)
+            addr, nbytes = self._ctl[j][_BUF + 2 * s], self._ctl[j][_BUF + 2 * s + 1]
+            if nbytes != dst.nbytes:  # (the signatures matched: sizes agree)
+                raise DistError(f"rank {self.ranks[j]} published {nbytes} bytes, expected {dst.nbytes}")
+            try:
+                vm_read(self._pids[j], dst.ctypes.data, addr, nbytes)
+            except OSError as exc:
+                self._publish(_DONE, t)
+                raise PeerLostError(self.ranks[j], f"its memory could not be read ({exc})") from exc
+            if dst is not out:
+                np.copyto(out, dst)
+        self._publish(_DONE, t)
+        yield (_DONE, t, self.others)
+        return None
+
     def _barrier(self, sig: bytes) -> OpGen:
         t = self._steps(1)
         yield from self._announce(t, sig, None)
@@ -473,26 +628,52 @@ class ShmGroup:
         """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
         my own input already unless ``copy``."""
         n, me = self.n, self.me
-        if n > 1:
-            if copy or me > 1:
+        if n == 1:
+            if copy:
                 np.copyto(dst, srcs[0])
-                start = 1
-            elif me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
-                reduce_into(op, dst, srcs[0], dtype_name, src_first=True)
-                start = 2
-            else:
-                start = 1
-            for j in range(start, n):
+        elif copy or me > 1:
+            combine(op, dst, srcs[0], srcs[1], dtype_name)
+            for j in range(2, n):
                 reduce_into(op, dst, srcs[j], dtype_name)
-        elif copy:
-            np.copyto(dst, srcs[0])
+        else:
+            if me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
+                reduce_into(op, dst, srcs[0], dtype_name, src_first=True)
+            for j in range(2 if me == 1 else 1, n):
+                reduce_into(op, dst, srcs[j], dtype_name)
+        self._average(dst, op, dtype_name)
+
+    def _fold_share(self, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
+        """srcs[me] = srcs[0] op srcs[1] op ... in rank order, in place (my share of a step, in
+        my own slot). Ranks 0 and 1 fold straight into it; a higher rank's own input is needed
+        after the first combination, so it folds block by block through a small temporary."""
+        me = self.me
+        dst = srcs[me]
+        if me <= 1:
+            self._fold(dst, srcs, op, dtype_name)
+            return
+        if self._fold_tmp is None:
+            self._fold_tmp = np.empty(_FOLD_BLOCK, np.uint8)
+        step = _FOLD_BLOCK // dst.itemsize
+        tmp_all = self._fold_tmp.view(dst.dtype)
+        for lo in range(0, dst.size, step):
+            hi = min(dst.size, lo + step)
+            tmp = tmp_all[: hi - lo]
+            combine(op, tmp, srcs[0][lo:hi], srcs[1][lo:hi], dtype_name)
+            for j in range(2, self.n):
+                reduce_into(op, tmp, srcs[j][lo:hi], dtype_name)
+            np.copyto(dst[lo:hi], tmp)
+        self._average(dst, op, dtype_name)
+
+    def _average(self, dst: np.ndarray, op: ReduceOp, dtype_name: str) -> None:
         if op is ReduceOp.AVG:
             with np.errstate(all="ignore"):
-                finish_avg(dst, n, dtype_name)
+                finish_avg(dst, self.n, dtype_name)
 
     # -- signatures ------------------------------------------------------------------------
     def _check(self, t: int, sig: bytes) -> None:
-        o = _SIG + (t & 1) * _SIG_BYTES
+        if t == 1:
+            self._probe_direct()
+        o = _SIG + (t % self._slots) * _SIG_BYTES
         end = o + len(sig)
         for j in self.others:
             if self._raw[j][o:end] != sig:
@@ -625,7 +806,9 @@ class ShmGroup:
         assert wait is not None
         ready = self._ready
         inner = self._inner
-        budget = max(self._spin_budget, _INNER_SPIN_S) if inner else self._spin_budget
+        if inner:
+            return self._wait_step(wait)
+        budget = self._spin_budget
         clock = time.perf_counter
         start = clock()
         plain, stop = start + min(budget, _PLAIN_SPIN_S), start + budget
@@ -643,6 +826,55 @@ class ShmGroup:
                 if not inner:
                     self._spin_budget = max(_SPIN_MIN_S, budget / 2)
                 return False
+
+    def _wait_step(self, wait: Wait) -> bool:
+        """Wait up to _INNER_SPIN_S between the steps of a large operation, where the peers are
+        a copy away. While every runnable task on the host has a core (the kernel's count in
+        /proc/loadavg), spin without yielding, as MPI does: a yield or a sleep would cost a
+        wake-up per step. When tasks queue for the cores (more ranks than cores, or other
+        work), nap on the eventfd instead: the core goes to whoever needs it (perhaps the peer
+        we wait for), the publisher's eventfd write wakes us at once, and a woken sleeper gets
+        the core back ahead of busy processes, where a yielding spinner would queue behind
+        them for a whole time slice."""
+        ready = self._ready
+        clock = time.perf_counter
+        start = clock()
+        stop = start + _INNER_SPIN_S
+        plain = start + _PLAIN_SPIN_S
+        while True:
+            while clock() < plain:
+                if ready(wait):
+                    return True
+            if _host_contended():
+                return self._nap(wait, stop)
+            if clock() > stop:
+                return False
+            plain = clock() + _CONTENTION_EVERY_S
+
+    def _nap(self, wait: Wait, stop: float) -> bool:
+        """Block on the eventfd (our sleeping flag up, so publishers write it) until ``wait``
+        is met or the clock reaches ``stop``; the event loop is not involved."""
+        ctl = self._ctl[self.me]
+        efd = self._host.efd
+        ctl[_SLEEP] = 1
+        fence()  # the flag is visible before we look once more
+        woke_others = False
+        try:
+            while not self._ready(wait):
+                left = stop - time.perf_counter()
+                if left <= 0:
+                    return False
+                self.naps += 1
+                if select.select((efd,), (), (), left)[0]:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(efd)
+                    woke_others = True
+            return True
+        finally:
+            ctl[_SLEEP] = 0
+            if woke_others and self._waker.sleeping - {self}:
+                # the wake-up we took may have been for another group sleeping in the loop
+                self._loop.call_soon(self._waker.resume)
 
     def _sleep(self) -> bool:
         """Sleep on the eventfd unless what we wait for arrived meanwhile (then False)."""

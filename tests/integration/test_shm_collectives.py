@@ -141,3 +141,68 @@ async def every_collective(ctx: Ctx) -> list[str]:
 def test_shm_collectives_match_numpy_for_every_op_and_dtype(n: int) -> None:
     per_rank = values(shm_world(every_collective, n))
     assert per_rank == [[]] * n
+
+
+def large_copies(mismatch_kind: str, last_count: int) -> Any:
+    """Broadcasts and all_gathers above the direct-read threshold, checked against the data,
+    then one ``mismatch_kind`` whose size is ``last_count`` on the last rank: a MismatchError
+    on every rank with the buffers untouched (below the threshold, the last rank goes through
+    the slots while the others read directly: still a mismatch everywhere, nothing hangs)."""
+
+    async def run(ctx: Ctx) -> dict[str, Any]:
+        r, n = ctx.rank, ctx.n
+        failures: list[str] = []
+        await ctx.run("barrier")
+        await ctx.run("barrier")  # (the group's first steps: every rank's direct-read verdict is in)
+        count = 150_001  # bfloat16: 300 KB, above _DIRECT_MIN (256 KiB)
+        for root in range(n):
+            x = data(r, count, "float64", "sum", 21) if r == root else np.zeros(count, np.float64)
+            await ctx.run("broadcast", x, root)
+            if not np.array_equal(x, data(root, count, "float64", "sum", 21)):
+                failures.append(f"broadcast root {root}")
+        for dtype in ("float32", "bfloat16", "complex128"):
+            x = data(r, count, dtype, "sum", 22)
+            outs = [np.full(count, 99, storage(dtype)) for _ in range(n)]
+            await ctx.run("all_gather", outs, x)
+            if not all(np.array_equal(outs[k], data(k, count, dtype, "sum", 22)) for k in range(n)):
+                failures.append(f"all_gather {dtype}")
+        mine = last_count if r == n - 1 else count
+        x = np.full(mine, 7.0)
+        outs = [np.full(mine, 5.0) for _ in range(n)]
+        args = (x, 0) if mismatch_kind == "broadcast" else (outs, x)
+        try:
+            await ctx.run(mismatch_kind, *args, meta={"kind": mismatch_kind, "count": mine})
+            failures.append(f"mismatched {mismatch_kind} did not raise")
+        except Exception as exc:
+            if type(exc).__name__ != "MismatchError":
+                failures.append(f"mismatched {mismatch_kind} raised {exc!r}")
+        if not (np.all(x == 7.0) and all(np.all(o == 5.0) for o in outs)):
+            failures.append(f"mismatched {mismatch_kind} changed the data")
+        return {"failures": failures, "direct_steps": ctx.group.direct_steps}
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("direct", "mismatch_kind", "last_count"),
+    [("1", "all_gather", 150_002), ("1", "broadcast", 1_000), ("0", "broadcast", 150_002)],
+)
+def test_large_broadcast_and_all_gather_read_peers_directly_or_through_the_slots(
+    direct: str, mismatch_kind: str, last_count: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With AIOCOLL_SHM_DIRECT=1 (the default) large copies read the peers' buffers directly
+    where this kernel allows it (process_vm_readv); with 0 they go through the slots. Same
+    results and the same mismatch behaviour either way."""
+    from aiocoll.client._vm_read import vm_read_available
+
+    monkeypatch.setenv("AIOCOLL_SHM_DIRECT", direct)
+    per_rank = values(shm_world(large_copies(mismatch_kind, last_count), 3))
+    assert [v["failures"] for v in per_rank] == [[]] * 3
+    steps = [v["direct_steps"] for v in per_rank]
+    if direct == "1" and vm_read_available():
+        # every broadcast and all_gather above the threshold, and the mismatched one where
+        # the rank's own size was above it
+        mismatched = [int(last_count >= 150_001 or r < 2) for r in range(3)]
+        assert steps == [3 + 3 + m for m in mismatched]
+    else:
+        assert steps == [0] * 3
