@@ -39,6 +39,12 @@ much CPU as the 16 MiB all_reduce's own copies (measured: 150-270 page faults pe
 
 _KEEP_FROM_BYTES = 64 * 1024  # smaller arrays come from numpy's own cache at no cost
 
+# Overflow to inf/nan is the result, as in torch: no floating-point warnings. errstate wraps the
+# functions once here rather than a ``with`` block per call, which would build and enter a new
+# errstate object each time (about 0.3 us of the ~1.5 us a 4-byte reduction costs).
+_quiet_reduce_into = np.errstate(all="ignore")(reduce_into)
+_quiet_finish_avg = np.errstate(all="ignore")(finish_avg)
+
 
 class Buffers(ABC):
     """What the planner and the step driver do with an operation's memory.
@@ -175,12 +181,10 @@ class NumpyBuffers(Buffers):
     def reduce_into(
         self, op: ReduceOp, dst: np.ndarray, src: np.ndarray, dtype_name: str, *, src_first: bool
     ) -> None:
-        with np.errstate(all="ignore"):  # overflow to inf/nan is the result, as in torch
-            reduce_into(op, dst, src, dtype_name, src_first=src_first)
+        _quiet_reduce_into(op, dst, src, dtype_name, src_first=src_first)
 
     def finish_avg(self, result: np.ndarray, group_size: int, dtype_name: str) -> None:
-        with np.errstate(all="ignore"):
-            finish_avg(result, group_size, dtype_name)
+        _quiet_finish_avg(result, group_size, dtype_name)
 
     def size(self, array: np.ndarray) -> int:
         return int(array.size)

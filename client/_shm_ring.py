@@ -14,11 +14,13 @@ to the receiver with the arena). Its first page holds two counters, on their own
 
 Positions are absolute byte counts (they never wrap; the offset in the data is the position
 modulo the capacity). A chunk is contiguous: one that would cross the end starts at the
-beginning instead, and the bytes skipped count as used. Chunks start on 64-byte boundaries.
-Chunks are released in the order they were written (the link's socket is FIFO), so one
-counter says what is free: the sender may write while ``position + length - freed`` stays
-within the capacity. That bound is the backpressure: a receiver that stops reading stops the
-sender once the ring is full, and nothing is ever dropped or reordered.
+beginning instead, and the bytes skipped count as used; a chunk written while the ring is empty
+(the receiver has freed all that was written) starts at the beginning too (its first pages stay
+warm). Chunks start on 64-byte boundaries. Chunks are released in the order they were written
+(the link's socket is FIFO), so one counter says what is free: the sender may write while
+``position + length - freed`` stays within the capacity, or anywhere once the ring is empty.
+That bound is the backpressure: a receiver that stops reading stops the sender once the ring is
+full, and nothing is ever dropped or reordered.
 
 Waking the sender: after releasing, the receiver issues a full fence (client._shm.fence) and
 reads ``waiting``; a sender about to sleep sets ``waiting``, fences, and checks the space once
@@ -58,19 +60,31 @@ class _RingSide:
 class RingWriter(_RingSide):
     """The sending side of a ring (in our own memory)."""
 
-    __slots__ = ("head",)
+    __slots__ = ("_end", "head")
 
     def __init__(self, mem: mmap.mmap) -> None:
         super().__init__(mem)
         self.head = 0  # absolute position where the next chunk may start
+        self._end = 0  # absolute end of the last chunk written
 
     def _place(self, n: int) -> int:
-        """Where a chunk of ``n`` bytes would start (absolute), or -1 when it does not fit yet."""
+        """Where a chunk of ``n`` bytes (at most the capacity) would start (absolute), or -1
+        when it does not fit yet.
+
+        A ring the receiver has emptied takes the chunk at its first byte: request-reply
+        traffic then keeps reusing the first pages, warm in both processes' caches and already
+        faulted in, instead of walking through all of the ring's memory; and any chunk up to
+        the capacity fits there. Otherwise a chunk that would cross the end starts over at the
+        beginning, and the bytes skipped stay counted until the receiver frees past them."""
+        cap = self.capacity
         pos = self.head
-        off = pos % self.capacity
-        if off + n > self.capacity:
-            pos += self.capacity - off
-        return pos if pos + n - self._ctl[_FREED] <= self.capacity else -1
+        off = pos % cap
+        freed = self._ctl[_FREED]
+        if freed == self._end:  # empty: everything written has been read
+            return pos + cap - off if off else pos
+        if off + n > cap:
+            pos += cap - off
+        return pos if pos + n - freed <= cap else -1
 
     def has_room(self, n: int) -> bool:
         return self._place(n) >= 0
@@ -84,7 +98,7 @@ class RingWriter(_RingSide):
             return -1
         off = pos % self.capacity
         self._data[off : off + n] = src
-        end = pos + n
+        end = self._end = pos + n
         self.head = (end + _ALIGN - 1) & -_ALIGN
         return end
 
@@ -124,7 +138,9 @@ class RingReader(_RingSide):
         """
         cap = self.capacity
         start = end - n
-        if not (0 < n <= cap and start >= self.consumed and end - self.consumed <= cap):
+        # After the last chunk read, the next starts at most a skip (to the ring's start) and
+        # an alignment further on.
+        if not (0 < n <= cap and self.consumed <= start < self.consumed + cap + _ALIGN):
             raise ValueError(f"a chunk of {n} bytes ending at {end} does not follow position {self.consumed}")
         off = start % cap
         if off + n > cap:

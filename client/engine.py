@@ -34,7 +34,14 @@ from typing import Any, Protocol, TypeVar
 
 from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
 from aiocoll._work import Work
-from aiocoll.algorithms._transport import LostPeerHandler, RecvCallback, StrayHandler, Tag, Transport
+from aiocoll.algorithms._transport import (
+    LandedCallback,
+    LostPeerHandler,
+    RecvCallback,
+    StrayHandler,
+    Tag,
+    Transport,
+)
 
 from ._progress import ProgressTracker
 
@@ -185,14 +192,21 @@ class OpTransport(Transport):
         return await _counting(self._op.outstanding_recv, src, self._inner.recv_landed(src, tag, into))
 
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
+        self._inner.post_recv(src, tag, into, self._counted(src, callback))
+
+    def post_recv_landed(self, src: int | None, tag: Tag, into: memoryview, callback: LandedCallback) -> None:
+        self._inner.post_recv_landed(src, tag, into, self._counted(src, callback))
+
+    def _counted(self, src: int | None, callback: Callable[[Any, BaseException | None], None]) -> Any:
+        """``callback``, counted as a receive outstanding from ``src`` until it runs."""
         pending = self._op.outstanding_recv
         pending[src] = pending.get(src, 0) + 1
 
-        def counted(result: tuple[int, dict[str, Any]] | None, exc: BaseException | None) -> None:
+        def counted(result: Any, exc: BaseException | None) -> None:
             pending[src] -= 1
             callback(result, exc)
 
-        self._inner.post_recv(src, tag, into, counted)
+        return counted
 
     def discard(self, tag_prefix: Tag) -> None:
         self._inner.discard(tag_prefix)

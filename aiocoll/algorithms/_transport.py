@@ -31,12 +31,15 @@ from typing import Any
 
 from aiocoll._matching import StrayHandler, Tag
 
-__all__ = ["LostPeerHandler", "RecvCallback", "StrayHandler", "Tag", "Transport"]
+__all__ = ["LandedCallback", "LostPeerHandler", "RecvCallback", "StrayHandler", "Tag", "Transport"]
 
 LostPeerHandler = Callable[[int, BaseException], None]
 RecvCallback = Callable[[tuple[int, dict[str, Any]] | None, BaseException | None], None]
 """``callback(result, exc)`` for ``post_recv``: ``result`` is what ``recv`` returns, or ``exc`` what
 it raises (asyncio.CancelledError when the receive was discarded)."""
+LandedCallback = Callable[[tuple[int, dict[str, Any], memoryview] | None, BaseException | None], None]
+"""``callback(result, exc)`` for ``post_recv_landed``: ``result`` is what ``recv_landed`` returns,
+or ``exc`` what it raises (as for RecvCallback)."""
 
 
 class Transport(ABC):
@@ -103,6 +106,16 @@ class Transport(ABC):
         task = asyncio.ensure_future(self.recv(src, tag, into))
         task.add_done_callback(functools.partial(_hand_over, callback))
 
+    def post_recv_landed(self, src: int | None, tag: Tag, into: memoryview, callback: LandedCallback) -> None:
+        """``recv_landed`` in ``post_recv``'s form: its outcome, (source, meta, the memory holding
+        the payload), is handed to ``callback`` (a large reduced receive costs no task this way).
+
+        Transports that can call ``callback`` straight from their reader override this; this
+        default runs ``recv_landed`` in a task. ``callback`` may run before this returns.
+        """
+        task = asyncio.ensure_future(self.recv_landed(src, tag, into))
+        task.add_done_callback(functools.partial(_hand_over, callback))
+
     @abstractmethod
     def discard(self, tag_prefix: Tag) -> None:
         """Forget buffered messages and cancel waiting recvs whose tag starts with ``tag_prefix``.
@@ -142,7 +155,7 @@ class Transport(ABC):
         """Close every link; pending recvs fail. Calling it twice is fine."""
 
 
-def _hand_over(callback: RecvCallback, task: asyncio.Future[tuple[int, dict[str, Any]]]) -> None:
+def _hand_over(callback: Callable[[Any, BaseException | None], None], task: asyncio.Future[Any]) -> None:
     if task.cancelled():
         callback(None, asyncio.CancelledError())
         return

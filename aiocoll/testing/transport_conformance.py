@@ -4,10 +4,11 @@ Part of the public testing surface; imports pytest, aiocoll's foundations and th
 client/transports. The Transport (aiocoll/algorithms/_transport.py) of a worker is a
 LinkTransport whose per-peer links are of some kind (client/transports/_link.py); this suite
 runs every method the engine and the driver call (send, send_nowait, recv, recv_landed,
-post_recv, discard, retire/on_stray, on_peer_lost, mark_lost, lost_peers, debug_state, aclose,
-abort) over a world whose links are all of one kind, for each kind in ``LINK_KINDS``, including
-cancellation, backpressure, any-source after a loss, early arrival, strays, size mismatch and
-close twice. A new link kind adds one entry to ``LINK_KINDS`` (an async ``make(n, **bounds)``
+post_recv, post_recv_landed, discard, retire/on_stray, on_peer_lost, mark_lost, lost_peers,
+debug_state, aclose, abort) over a world whose links are all of one kind, for each kind in
+``LINK_KINDS``, including cancellation, backpressure, any-source after a loss, early arrival,
+strays, size mismatch and close twice. A new link kind adds one entry to ``LINK_KINDS`` (an
+async ``make(n, **bounds)``
 returning n linked transports, index = rank) and is covered by everything below:
 
     @pytest.fixture(params=sorted(LINK_KINDS))
@@ -480,6 +481,41 @@ class TransportConformance:
         await a.send(1, ("landed", "wrong"), memoryview(b"12345"), _META)
         with pytest.raises(MismatchError):
             await asyncio.wait_for(wrong, _LIMIT)
+
+    @pytest.mark.timeout(60)
+    async def test_post_recv_landed_hands_early_payloads_where_they_are_and_late_ones_in_place(
+        self, make_world: MakeWorld
+    ) -> None:
+        a, b = await make_world(2)
+        for size in (16, 256 * 1024):  # small, and above the size landed without zeroing
+            payload = bytes(range(256)) * (size // 256) if size > 16 else b"0123456789abcdef"
+            await a.send(1, ("plain", size, 0), memoryview(payload), _META)
+            await asyncio.sleep(0.05)
+            into = bytearray(size)
+            early = _Posted()
+            b.post_recv_landed(0, ("plain", size, 0), memoryview(into), early)
+            result, exc = await early.outcome()
+            assert exc is None and result is not None
+            assert (result[0], result[1], bytes(result[2])) == (0, _META, payload)
+            late = _Posted()
+            b.post_recv_landed(None, ("plain", size, 1), memoryview(into), late)
+            await a.send(1, ("plain", size, 1), memoryview(payload[::-1]), {"k": size})
+            result, exc = await late.outcome()
+            assert exc is None and result is not None and result[:2] == (0, {"k": size})
+            assert bytes(result[2]) == payload[::-1] == bytes(into)
+        wrong = _Posted()
+        b.post_recv_landed(0, ("plain", "wrong"), memoryview(bytearray(4)), wrong)
+        await a.send(1, ("plain", "wrong"), memoryview(b"12345"), {"k": "w"})
+        result, exc = await wrong.outcome()
+        assert result is None and isinstance(exc, MismatchError)
+        assert getattr(exc, "remote_meta", None) == {"k": "w"}
+        dropped = _Posted()
+        b.post_recv_landed(0, ("plain", "gone", 0), memoryview(bytearray(4)), dropped)
+        b.discard(("plain", "gone"))
+        result, exc = await dropped.outcome()
+        assert result is None and isinstance(exc, asyncio.CancelledError)
+        await a.send(1, ("plain", "after"), memoryview(b"next"), _META)  # the stream goes on
+        assert (await _recv(b, 0, ("plain", "after"), 4))[2] == b"next"
 
     @pytest.mark.timeout(60)
     async def test_a_size_mismatch_on_a_posted_receive_fails_it_and_the_next_message_still_arrives(

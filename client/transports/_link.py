@@ -48,7 +48,14 @@ from typing import Any, ClassVar, Protocol
 from aiocoll._deadline import Deadline
 from aiocoll._errors import DistError, MismatchError, PeerLostError, RendezvousError
 from aiocoll._matching import Matcher, Posted
-from aiocoll.algorithms._transport import LostPeerHandler, RecvCallback, StrayHandler, Tag, Transport
+from aiocoll.algorithms._transport import (
+    LandedCallback,
+    LostPeerHandler,
+    RecvCallback,
+    StrayHandler,
+    Tag,
+    Transport,
+)
 
 __all__ = ["Link", "LinkHost", "LinkTransport", "as_bytes_view"]
 
@@ -116,14 +123,14 @@ class _Notify:
 
     __slots__ = ("_callback", "_done")
 
-    def __init__(self, callback: RecvCallback) -> None:
-        self._callback = callback
+    def __init__(self, callback: RecvCallback | LandedCallback) -> None:
+        self._callback: Any = callback
         self._done = False
 
     def done(self) -> bool:
         return self._done
 
-    def set_result(self, result: Any) -> None:  # (src, meta): post_recv never asks for in_place
+    def set_result(self, result: Any) -> None:  # (src, meta), or (src, meta, memory) when in place
         self._hand_over(result, None)
 
     def set_exception(self, exception: BaseException) -> None:
@@ -394,11 +401,26 @@ class LinkTransport(Transport):
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         """``recv`` with its outcome handed to ``callback`` right where the message is read (no
         task, no extra loop iteration); see Transport.post_recv."""
+        self._post_with_callback(src, tag, into, callback, False)
+
+    def post_recv_landed(self, src: int | None, tag: Tag, into: memoryview, callback: LandedCallback) -> None:
+        """``recv_landed`` with its outcome handed to ``callback`` as ``post_recv`` does (no task);
+        see Transport.post_recv_landed."""
+        self._post_with_callback(src, tag, into, callback, True)
+
+    def _post_with_callback(
+        self, src: int | None, tag: Tag, into: memoryview, callback: Any, in_place: bool
+    ) -> None:
         into = as_bytes_view(into)
+        got: Any
         try:
-            got = self.matcher.take(src, tag, into)
+            if in_place:
+                early = self.matcher.take_early(src, tag, len(into))
+                got = None if early is None else (early.src, early.meta, early.payload)
+            else:
+                got = self.matcher.take(src, tag, into)
             if got is None:
-                self._post(src, tag, into, _Notify(callback), False)
+                self._post(src, tag, into, _Notify(callback), in_place)
                 return
         except (DistError, MismatchError, ValueError) as exc:
             callback(None, exc)

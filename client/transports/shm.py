@@ -150,8 +150,19 @@ class ShmLink(TcpLink):
             return super().send_nowait(tag, payload, meta)
         if self.closed:
             raise self._lost()
-        out = _Outgoing(tag, meta, as_bytes_view(payload))
+        body = as_bytes_view(payload)
         queue = self._sending
+        n = len(body)
+        if not queue and 0 < n <= self._chunk:
+            # The common case of a small message on an idle link: one chunk, one frame, now.
+            end = self._writer.write(body)
+            if end >= 0:
+                self.ring_bytes_out += n
+                self._frame({"r": [tag, meta, n, end, n]})
+                if self.closed:
+                    raise self._lost()
+                return None
+        out = _Outgoing(tag, meta, body)
         queue.append(out)
         if len(queue) == 1 and not self._asleep:
             self._pump()
@@ -222,12 +233,16 @@ class ShmLink(TcpLink):
             head = {"r": [out.tag, out.meta, n, end, c]} if out.sent == 0 else {"c": [end, c]}
             out.sent += c
             self.ring_bytes_out += c
-            packed = self._packer.pack(head)
-            try:
-                self.write_nowait([memoryview(PREFIX.pack(len(packed), 0) + packed)])
-            except ConnectionError:
-                return False  # the link closed itself
+            self._frame(head)
+            if self.closed:
+                return False
         return True
+
+    def _frame(self, head: dict[str, Any]) -> None:
+        """Send a header-only frame saying where a chunk lies (a failed send closes the link)."""
+        packed = self._packer.pack(head)
+        with contextlib.suppress(ConnectionError):
+            self.write_nowait([memoryview(PREFIX.pack(len(packed), 0) + packed)])
 
     def _spin_until_room(self, writer: RingWriter, need: int) -> bool:
         """Wait up to the spin budget for room, yielding the CPU at every check (the receiver

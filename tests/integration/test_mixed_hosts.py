@@ -121,3 +121,43 @@ def test_a_world_over_three_namespace_hosts_reduces_hierarchically_and_matches_n
     for rank in SUBGROUP:  # in the sub-group only ranks 1 and 4 share a host
         sub_ops = results[rank]["sub_arena_ops"]
         assert (sub_ops == 2) if rank in (1, 4) else (sub_ops is None), (rank, sub_ops)
+
+
+async def _tcp_checks(pg: Any) -> dict[str, Any]:
+    """Over tcp links only, a hierarchical all_reduce whose hosts' members cannot share memory."""
+    from aiocoll.client.routing import choose_route
+
+    from aiocoll import ReduceOp
+
+    n = pg.size
+    for count in (3, 300_000):
+        x = _inputs(pg.rank, count, "float64")
+        await pg.all_reduce(x)
+        np.testing.assert_array_equal(x, np.sum([_inputs(r, count, "float64") for r in range(n)], axis=0))
+    return {
+        "route": choose_route("all_reduce", ReduceOp.SUM, pg._layout),
+        "kinds": sorted(set(pg._rt.transport.link_kinds().values())),
+        "arena_ops": _arena_ops(pg),
+        "decided": pg._host_parts is not None and pg._host_parts.decided,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_hosts_whose_members_cannot_share_memory_run_the_intra_host_parts_as_messages() -> None:
+    try:
+        hosts = NamespaceHosts(2)
+    except NamespacesUnavailable as exc:
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    placement = [0, 1, 0, 1]
+    with hosts:
+        world = World(
+            _tcp_checks,
+            len(placement),
+            init_method=f"tcp://{hosts.addresses[0]}:29500",
+            prefix=lambda rank: hosts.prefix(placement[rank]),
+            init_timeout=60,
+            env={"AIOCOLL_TRANSPORT": "tcp"},
+        )
+        results = unwrap(world.join(100))
+    # the host's members agreed (over the links) that they have no arenas, and matched numpy
+    assert results == [{"route": "hierarchical", "kinds": ["tcp"], "arena_ops": None, "decided": True}] * 4

@@ -40,6 +40,7 @@ async def ring_checks(pg: Any) -> dict[str, Any]:
     r, n = pg.rank, pg.size
     out: dict[str, Any] = {"kinds": sorted(set(pg._rt.transport.link_kinds().values()))}
     before = _ring_bytes(pg)
+    await pg.barrier()  # (over the arenas) nobody sends before every rank has read its counters
     # both directions at once between 0 and 1, every size; 2 takes part in the collectives only
     ok = []
     if r in (0, 1):
@@ -91,6 +92,7 @@ async def ring_checks(pg: Any) -> dict[str, Any]:
     out["all_to_all"] = all(np.array_equal(o, w) for o, w in zip(outs, want, strict=True))
     after = _ring_bytes(pg)
     out["ring_out"], out["ring_in"] = after[0] - before[0], after[1] - before[1]
+    await pg.barrier()  # nobody leaves (closing its links, whose counters we read) before all read
     return out
 
 

@@ -251,6 +251,46 @@ async def test_a_killed_peer_fails_the_waiting_rank_and_a_stopped_lane_never_rep
     assert reported == []
 
 
+async def test_finished_and_failed_operations_leave_no_cycle_for_the_garbage_collector() -> None:
+    """A finished operation's objects must be freed by reference counting: a reference cycle
+    per operation (the driver and its lanes, which hold the plan, the buffer map and the
+    caller's completion) made small all_reduces pay for a garbage collection every ~25 calls."""
+    import gc
+
+    from aiocoll.algorithms import _driver
+
+    ours = {_driver.Driver, _driver._Lane, _driver.Context, _driver._StepRun}
+    ts = await make_tcp_world(4)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for count in (1, 1000):  # one step per peer message, and a multi-step halving-doubling
+            specs, check = every_kind(4, count, seed=count)
+            for i, per_rank in enumerate(specs):
+                assert await run_eager(per_rank, list(ts), tag=("c", "gc", count, i)) == [None] * 4
+            check()
+        world = MemoryWorld(2)  # and a failed one (a signature mismatch ends both ranks early)
+        futs = []
+        for r in range(2):
+            x = np.ones(3, np.int64)
+            spec = CollectiveSpec("all_reduce", (0, 1), r, (x,), (x,))
+            meta = {"kind": "all_reduce", "op": "sum" if r == 0 else "max"}
+            fut: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+            start_collective(prepare(spec, meta), spec, world[r], TAG, meta, fut.set_result)
+            futs.append(fut)
+        assert all(isinstance(e, MismatchError) for e in await asyncio.wait_for(asyncio.gather(*futs), LIMIT))
+        await asyncio.sleep(0.01)  # the mismatch's abandoned transfers settle
+        gc.collect()
+        left = sorted({type(o).__name__ for o in gc.garbage if type(o) in ours})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        await asyncio.gather(*(t.aclose() for t in ts))
+    assert left == [], f"operations left reference cycles through {left}"
+
+
 # ------------------------------------------------------------------ TCP post_recv itself
 
 

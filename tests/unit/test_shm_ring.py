@@ -1,0 +1,89 @@
+"""The point-to-point ring of the shm links (client/_shm_ring.py), both sides over one mapping:
+bytes in order through wrap-around and restarts, the capacity bound, the sender's wake-up flag,
+and a receiver that refuses chunk positions a well-behaved sender cannot produce."""
+
+from __future__ import annotations
+
+import mmap
+import random
+
+import pytest
+from aiocoll.client._shm import RING_HEADER
+from aiocoll.client._shm_ring import RingReader, RingWriter
+
+CAPACITY = 64 * 1024
+
+
+def _ring() -> tuple[RingWriter, RingReader]:
+    mem = mmap.mmap(-1, RING_HEADER + CAPACITY)  # one mapping stands for both processes' views
+    return RingWriter(mem), RingReader(mem)
+
+
+def test_chunks_arrive_in_order_through_wraps_restarts_and_a_full_ring() -> None:
+    writer, reader = _ring()
+    rng = random.Random(7)
+    pending: list[tuple[int, bytes]] = []  # written, not yet read: (end, bytes)
+    for i in range(2000):
+        n = rng.choice([1, 63, 64, 1000, 4096, 20_000, CAPACITY // 2, CAPACITY])
+        data = bytes([i % 251]) * n
+        end = writer.write(memoryview(data))
+        if end < 0:
+            # full: nothing was written, and there really is no room until the reader frees some
+            assert pending and not writer.has_room(n)
+            while pending:  # the receiver catches up
+                done_end, want = pending.pop(0)
+                assert bytes(reader.chunk(done_end, len(want))) == want
+                reader.release(done_end)
+            end = writer.write(memoryview(data))
+            assert end >= 0  # an empty ring takes any chunk up to its capacity
+        pending.append((end, data))
+        if rng.random() < 0.5:  # the receiver sometimes keeps up, sometimes lags
+            done_end, want = pending.pop(0)
+            assert bytes(reader.chunk(done_end, len(want))) == want
+            reader.release(done_end)
+        # never more than the capacity outstanding
+        assert sum(len(data) for _, data in pending) <= CAPACITY
+
+
+def test_an_empty_ring_starts_over_at_its_first_bytes() -> None:
+    writer, reader = _ring()
+    for _ in range(100):  # request-reply: every chunk is read before the next is written
+        end = writer.write(memoryview(b"x" * 1000))
+        assert (end - 1000) % CAPACITY == 0
+        reader.release(end)
+
+
+def test_a_sleeping_sender_is_told_to_wake_and_one_that_finds_room_does_not_sleep() -> None:
+    writer, reader = _ring()
+    end = writer.write(memoryview(bytes(CAPACITY)))
+    assert not writer.has_room(1)
+    assert writer.sleep_unless_room(1)  # no room: the flag stays set, sleep
+    assert reader.release(end)  # the reader sees the flag: wake the sender
+    writer.woken()
+    end = writer.write(memoryview(bytes(CAPACITY // 2)))
+    reader.release(end)
+    assert not writer.sleep_unless_room(10)  # room already: the flag is taken back
+    assert not reader.release(end)
+
+
+@pytest.mark.parametrize(
+    ("end", "n", "why"),
+    [
+        (10, 0, "empty"),
+        (CAPACITY + 1, CAPACITY + 1, "larger than the ring"),
+        (2 * CAPACITY, 10, "further ahead than a skip to the ring's start"),
+        (CAPACITY + 10, 20, "crossing the end"),
+    ],
+)
+def test_the_reader_refuses_chunks_no_well_behaved_sender_writes(end: int, n: int, why: str) -> None:
+    _, reader = _ring()
+    with pytest.raises(ValueError):
+        reader.chunk(end, n)
+
+
+def test_the_reader_refuses_a_chunk_behind_what_it_already_freed() -> None:
+    writer, reader = _ring()
+    end = writer.write(memoryview(b"abc"))
+    reader.release(end)
+    with pytest.raises(ValueError):
+        reader.chunk(end, 3)  # the same chunk again
