@@ -110,8 +110,6 @@ _PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
 # Between the steps of a large operation the peers are a copy away: sleeping there hands the
 # core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
 _INNER_SPIN_S = 1e-3
-# A step at least this large keeps the long spin too: its peers are busy copying, not idle.
-_BIG_STEP = 64 * 1024
 # An all_reduce that fits one slot is reduced whole by every rank (one wait) with up to this many
 # ranks, or up to _WHOLE_MAX bytes; else each rank reduces a share (two waits per step, but each
 # rank reads about 2 bytes per byte instead of n). With 4 ranks on 2 cores, 1 MiB took less CPU
@@ -119,6 +117,10 @@ _BIG_STEP = 64 * 1024
 _WHOLE_RANKS = 4
 _WHOLE_MAX = 64 * 1024
 _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its own input in place
+# A wait between steps first spins this long without yielding or napping (peers on other cores):
+# napping at once on a busy host cost a sleep and a wake-up per short wait (a 1 MiB all_gather of
+# 2 ranks went from 59 to 290 us).
+_STEP_PLAIN_S = 50e-6
 _LATE_YIELD_S = 200e-6  # a yield that returns later than this: other work held our core
 _NAP_FOR_S = 0.1  # after a late yield, waits between steps nap rather than yield for this long
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
@@ -290,6 +292,7 @@ class ShmGroup:
         self.broken: BaseException | None = None
         # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
         oversubscribed = ranks_on_host > (os.cpu_count() or 1)
+        self._step_plain_s = _PLAIN_SPIN_S if oversubscribed else _STEP_PLAIN_S
         if spin_s is None:
             spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if oversubscribed else "100")) * 1e-6
         self._spin_s = spin_s
@@ -404,7 +407,6 @@ class ShmGroup:
         if rounds == 1 and (n <= _WHOLE_RANKS or b.size <= _WHOLE_MAX):
             # one shot: everyone writes everything, everyone reduces everything
             t0 = self._steps(1)
-            self._inner = b.size >= _BIG_STEP
             if t0 > self._slots:
                 yield (_DONE, t0 - self._slots, self.others)
             base = (t0 % self._slots) * self._slot
@@ -488,7 +490,7 @@ class ShmGroup:
         offset ``base`` of every member's data) once all are written. Round r+1 is written
         before round r is read, so a fast rank runs a step ahead."""
         t0 = self._steps(rounds)
-        self._inner = rounds > 1 or self._slot >= _BIG_STEP  # (a step of large payloads)
+        self._inner = rounds > 1
         yield from self._announce(t0, sig, filler(0))
         for r in range(rounds):
             t = t0 + r
@@ -847,9 +849,11 @@ class ShmGroup:
 
     def _wait_step(self, wait: Wait) -> bool:
         """Wait up to _INNER_SPIN_S between the steps of a large operation, where the peers are
-        a copy away. While every runnable task on the host has a core (the kernel's count in
-        /proc/loadavg), spin without yielding, as MPI does: a yield or a sleep would cost a
-        wake-up per step. When tasks queue for the cores, yield the core at each check, which
+        a copy away. First spin without yielding for _STEP_PLAIN_S (a peer on another core is
+        usually that close; a yield or a sleep would cost a wake-up), or only _PLAIN_SPIN_S
+        with more ranks than cores (the peer may be queued on ours). Then, while every runnable
+        task on the host has a core (the kernel's count in /proc/loadavg), go on spinning, as
+        MPI does. When tasks queue for the cores, yield the core at each check, which
         hands it straight to a peer rank queued on it (more ranks than cores) -- unless a yield
         came back late (other work held the core for a time slice: busy processes beside the
         job), after which, for a while, nap on the eventfd instead: the publisher's write wakes
@@ -859,7 +863,7 @@ class ShmGroup:
         clock = time.perf_counter
         start = clock()
         stop = start + _INNER_SPIN_S
-        plain = start + _PLAIN_SPIN_S
+        plain = start + self._step_plain_s
         while True:
             while clock() < plain:
                 if ready(wait):
