@@ -23,8 +23,10 @@ Backpressure and waiting: a ring holds at most its capacity; a sender that finds
 for a bounded, adaptive time (each check yields the CPU, so a sender sharing a core with its
 receiver lets it run; the budget halves after a spin that ended in sleep), then sets the
 ring's ``waiting`` flag and sleeps on its eventfd, which the event loop watches and the
-receiver writes after freeing space. Messages of one link leave in order: a message waits
-behind a partly sent one. A paused receiver (full inbox) stops reading frames, so the ring
+receiver writes after freeing space. A sender whose receiver keeps pace never sleeps, so the
+pump hands the event loop a turn every 2 ms (heartbeats, timers, this process's own reading go
+on during a long send). Messages of one link leave in order: a message waits behind a partly
+sent one. A paused receiver (full inbox) stops reading frames, so the ring
 fills and the sender waits, as the Link contract asks. A cancelled send none of whose bytes
 has left is withdrawn; one partly in the ring completes for the stream's sake.
 
@@ -80,6 +82,7 @@ _SPIN_S = 50e-6  # the most a sender spins for ring space before it sleeps
 _SPIN_MIN_S = 2e-6
 _HANGUP_CHECK_S = 0.5
 _DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
+_INLINE_S = 0.002  # the most a send moves into the ring before the event loop gets a turn
 
 
 class _Outgoing:
@@ -138,6 +141,7 @@ class ShmLink(TcpLink):
         self._incoming: _Incoming | None = None
         self._asleep = False
         self._checker: asyncio.TimerHandle | None = None
+        self._turn: asyncio.Handle | None = None  # the pump's continuation after a loop turn
         self._drained: asyncio.Future[None] | None = None
         # diagnostics: times a sender slept on a full ring; payload bytes through the rings
         self.ring_sleeps = 0
@@ -190,7 +194,14 @@ class ShmLink(TcpLink):
         queue = self._sending
         writer = self._writer
         assert writer is not None
+        clock = time.perf_counter
+        began = clock()
         while queue:
+            if clock() - began > _INLINE_S:
+                # A receiver that keeps pace never lets this sleep: give the event loop a turn
+                # now and then (heartbeats, timers, this process's own reading), then go on.
+                self._turn = self._loop.call_soon(self._pump_later)
+                return
             out = queue[0]
             if not self._push(out):
                 if self.closed:
@@ -210,6 +221,11 @@ class ShmLink(TcpLink):
         drained = self._drained
         if drained is not None and not drained.done():
             drained.set_result(None)
+
+    def _pump_later(self) -> None:
+        self._turn = None
+        if not self.closed and not self._asleep:
+            self._pump()
 
     def _push(self, out: _Outgoing) -> bool:
         """Put as much of ``out`` into the ring as fits; True once all of it is there."""
@@ -372,6 +388,9 @@ class ShmLink(TcpLink):
         if self.closed:
             return
         self._stop_sleeping()
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
         waiting = list(self._sending)
         self._sending.clear()
         self._incoming = None

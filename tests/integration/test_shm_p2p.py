@@ -152,3 +152,46 @@ def test_a_receiver_killed_while_its_sender_waits_on_a_full_ring_fails_the_send_
     assert res["waited"] and res["asleep"], res  # the sender really waited on the full ring
     assert res["error"] == "PeerLostError" and res["rank"] == 1, res
     assert res["after"] < 10.0 and res["dev_shm"] == [], res
+
+
+async def sender_killed(pg: Any) -> dict[str, Any]:
+    from shm_world import dev_shm_in_use
+
+    inherited = set(dev_shm_in_use())
+    big = 96 << 20  # many ring-fulls: the sender is killed with most of it still to come
+    if pg.rank == 0:
+        await pg.barrier()
+        loop = asyncio.get_running_loop()
+        link = pg._rt.transport.link(1)
+
+        def kill_once_under_way() -> None:  # (a long send gives the loop a turn every 2 ms)
+            if link.ring_bytes_out >= 8 << 20:
+                os.kill(os.getpid(), signal.SIGKILL)
+            loop.call_later(0.0005, kill_once_under_way)
+
+        kill_once_under_way()
+        await pg.send(np.ones(big, np.uint8), dst=1)
+        await asyncio.sleep(60)  # never reached
+    into = np.zeros(big, np.uint8)
+    receiving = pg.recv(into, src=0) if pg.rank == 1 else None
+    await pg.barrier()
+    t0 = time.monotonic()
+    res: dict[str, Any] = {"error": None}
+    if receiving is not None:
+        try:
+            await receiving
+        except Exception as exc:
+            res.update(error=type(exc).__name__, rank=getattr(exc, "rank", None))
+        res["partial"] = bool(into.any()) and not bool(into.all())  # it died mid-message
+    res["after"] = time.monotonic() - t0
+    res["dev_shm"] = sorted(set(dev_shm_in_use()) - inherited)
+    return res
+
+
+def test_a_sender_killed_mid_message_fails_the_receive_naming_it() -> None:
+    results = run_world(sender_killed, 3, timeout=120, env={"AIOCOLL_TRANSPORT": "shm"})
+    assert results[0].exitcode == -signal.SIGKILL
+    assert results[1].error is None, results[1].error
+    res = results[1].value
+    assert res["error"] == "PeerLostError" and res["rank"] == 0 and res["partial"], res
+    assert res["after"] < 10.0 and res["dev_shm"] == [], res
