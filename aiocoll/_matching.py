@@ -378,7 +378,11 @@ class Matcher:
             if len(payload) != len(posted.into):
                 done.set_exception(length_mismatch(src, tag, len(payload), len(posted.into), meta))
             elif posted.in_place:
-                done.set_result((src, meta, payload))
+                # posted before its message: it lands in place, as when a link claimed it (a
+                # link may hand a small payload over without claiming it first)
+                if len(payload):
+                    posted.into[:] = payload
+                done.set_result((src, meta, posted.into))
             else:
                 if len(payload):
                     posted.into[:] = payload

@@ -25,21 +25,26 @@ need, the next step's input written while the peers still read the current one. 
 of every operation compares every member's signature with ours before any data is read: a
 mismatch raises MismatchError on every member.
 
-all_reduce: up to _WHOLE_MAX bytes, or always with two members, every member reduces all of the
-step from every slot straight into its own buffer (one wait per step). Larger, with more
-members, each step is a reduce-scatter then an all-gather: I reduce share ``me`` of the step
-from every slot into that share of my own slot (no one else reads it there), publish ``red``,
-and everyone copies every share from its owner's slot (each rank reads about two bytes per byte
-instead of n). Reductions go through aiocoll._reduce (the one set of kernels), folded in rank
-order (a rank-order left fold, as numpy's reference does); a share has one owner, so every
-member gets the same bits.
+all_reduce: with two members, and in one step with up to _WHOLE_RANKS members (or up to
+_WHOLE_MAX bytes), every member reduces all of the step from every slot straight into its own
+buffer (one wait per step). Otherwise each step is a reduce-scatter then an all-gather: I
+reduce share ``me`` of the step from every slot into that share of my own slot (no one else
+reads it there), publish ``red``, and everyone copies every share from its owner's slot (each
+rank reads about two bytes per byte instead of n). Reductions go through aiocoll._reduce (the
+one set of kernels), folded in rank order (a rank-order left fold, as numpy's reference does);
+a share has one owner, so every member gets the same bits.
+
+Large broadcast and all_gather (_BCAST/_GATHER_DIRECT_CHUNKS chunks per rank): one step in which every
+reader copies straight from the writer's own buffer (client._vm_read), where a probe at the
+group's first step found that every member can read every other's memory.
 
 Waiting: for a small operation, the owner spins for a bounded time (yielding the CPU at every
 check, so a waiting rank does not starve the one it waits for when they share a core), then
 sets ``sleeping``, re-checks, and returns to the event loop, which watches the eventfd; a
 publisher writes to the eventfd of every peer that sleeps. Between the steps of a large
-operation it spins without yielding while the host has a core for every runnable task, and
-naps on the eventfd (in place, up to a millisecond) when it does not (``_wait_step``). The
+operation it spins without yielding while the host has a core for every runnable task; when
+it does not, it yields at each check (a peer rank may be queued on our core), or, once a yield
+came back late (busy processes beside the job), naps on the eventfd in place (``_wait_step``). The
 flag write and the check (and the counter write and the flag read) are separated by a full
 memory barrier (``_shm.fence``), so a wake-up cannot be lost; a slow timer re-checks anyway.
 """
@@ -107,14 +112,26 @@ _PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
 _INNER_SPIN_S = 1e-3
 # A step at least this large keeps the long spin too: its peers are busy copying, not idle.
 _BIG_STEP = 64 * 1024
-# All ranks reduce all of an all_reduce up to this size (one wait); above it with more than two
-# ranks, each reduces a share (two waits, but each rank reads 2 bytes per byte instead of n).
+# An all_reduce that fits one slot is reduced whole by every rank (one wait) with up to this many
+# ranks, or up to _WHOLE_MAX bytes; else each rank reduces a share (two waits per step, but each
+# rank reads about 2 bytes per byte instead of n). With 4 ranks on 2 cores, 1 MiB took less CPU
+# whole (200-560 us per op vs 320-510 us in shares: the extra wait costs more than the reads).
+_WHOLE_RANKS = 4
 _WHOLE_MAX = 64 * 1024
 _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its own input in place
+_LATE_YIELD_S = 200e-6  # a yield that returns later than this: other work held our core
+_NAP_FOR_S = 0.1  # after a late yield, waits between steps nap rather than yield for this long
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
-# Large broadcasts and all_gathers copy straight from the writer's buffer (one copy per byte, not
-# two through the slots) where the kernel lets members read each other's memory.
-_DIRECT_MIN = 256 * 1024
+# all_gathers of at least _GATHER_DIRECT_CHUNKS chunks per rank (8 MiB by default), broadcasts of
+# at least _BCAST_DIRECT_CHUNKS (32 MiB), copy straight from the writer's buffer (one copy per
+# byte, not two through the slots) where the kernel lets members read each other's memory.
+# process_vm_readv ran at 10-12 GB/s here up to 8 MiB (it pins the peer's pages) against 20-55
+# GB/s for a copy within the caches, 16.6 GB/s at 32 MiB against 18.6 for a copy. An all_gather
+# rank makes both of the slots' copies itself, so one read wins from about 8 MiB; a broadcast's
+# two copies run on two cores at once (the root's and the reader's), so only where copies are
+# bound by memory anyway, and the root must then wait for its readers.
+_GATHER_DIRECT_CHUNKS = 8
+_BCAST_DIRECT_CHUNKS = 32
 DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (always the slots)
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
@@ -283,6 +300,7 @@ class ShmGroup:
         self._gid = gid
         self.sleeps = 0
         self.naps = 0  # blocks on the eventfd inside a wait between steps (_nap)
+        self._nap_until = 0.0  # (perf_counter) waits between steps nap until then (_wait_step)
         self.direct_steps = 0  # steps that read the peers' buffers directly (_direct_step)
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
         self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
@@ -383,7 +401,7 @@ class ShmGroup:
         total = x.size
         rounds = max(1, -(-total // per))
         n = self.n
-        if rounds == 1 and (n <= 2 or b.size <= _WHOLE_MAX):
+        if rounds == 1 and (n <= _WHOLE_RANKS or b.size <= _WHOLE_MAX):
             # one shot: everyone writes everything, everyone reduces everything
             t0 = self._steps(1)
             self._inner = b.size >= _BIG_STEP
@@ -485,7 +503,7 @@ class ShmGroup:
 
     def _broadcast(self, b: np.ndarray, root: int, sig: bytes) -> OpGen:
         chunk, total = self._slot, b.size
-        if (yield from self._go_direct(total)):
+        if (yield from self._go_direct(total, _BCAST_DIRECT_CHUNKS)):
             return (yield from self._direct_step(b, sig, [(root, b)] if self.me != root else []))
         is_root = self.me == root
 
@@ -504,7 +522,7 @@ class ShmGroup:
 
     def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes) -> OpGen:
         chunk, total, me = self._slot, b.size, self.me
-        if (yield from self._go_direct(total)):
+        if (yield from self._go_direct(total, _GATHER_DIRECT_CHUNKS)):
             return (yield from self._direct_step(b, sig, list(enumerate(outs))))
 
         def filler(r: int) -> Callable[[np.ndarray], None]:
@@ -543,16 +561,16 @@ class ShmGroup:
         return self._pipeline(max(1, -(-total // per)), sig, filler, consume)
 
     # -- single copy: readers copy straight from the writer's buffer -----------------------
-    def _go_direct(self, nbytes: int) -> Generator[Wait, None, bool]:
+    def _go_direct(self, nbytes: int, chunks: int) -> Generator[Wait, None, bool]:
         """Whether this operation reads the peers' buffers directly (client._vm_read), decided
-        alike on every member: for payloads of at least _DIRECT_MIN bytes, once every member's
+        alike on every member: for payloads of at least ``chunks`` chunks, once every member's
         probe verdict (written at the group's first step, before its ``done`` of that step)
         says it can read every other member; until then, and where any member cannot (a
         container's seccomp filter, no ptrace access), through the slots. The payload size is
         the same on every member unless the signatures differ, which the first step reports
         before anything is read either way."""
         t0 = self.step + 1
-        if nbytes < _DIRECT_MIN or t0 <= _SLOTS or self._direct is False:
+        if nbytes < chunks * self.chunk or t0 <= _SLOTS or self._direct is False:
             return False
         if self._direct is None:
             yield (_DONE, t0 - _SLOTS, self.others)  # (the slot path's first wait too)
@@ -831,11 +849,12 @@ class ShmGroup:
         """Wait up to _INNER_SPIN_S between the steps of a large operation, where the peers are
         a copy away. While every runnable task on the host has a core (the kernel's count in
         /proc/loadavg), spin without yielding, as MPI does: a yield or a sleep would cost a
-        wake-up per step. When tasks queue for the cores (more ranks than cores, or other
-        work), nap on the eventfd instead: the core goes to whoever needs it (perhaps the peer
-        we wait for), the publisher's eventfd write wakes us at once, and a woken sleeper gets
-        the core back ahead of busy processes, where a yielding spinner would queue behind
-        them for a whole time slice."""
+        wake-up per step. When tasks queue for the cores, yield the core at each check, which
+        hands it straight to a peer rank queued on it (more ranks than cores) -- unless a yield
+        came back late (other work held the core for a time slice: busy processes beside the
+        job), after which, for a while, nap on the eventfd instead: the publisher's write wakes
+        us at once, and a woken sleeper gets the core back ahead of busy processes, where a
+        yielding spinner would queue behind them."""
         ready = self._ready
         clock = time.perf_counter
         start = clock()
@@ -845,11 +864,21 @@ class ShmGroup:
             while clock() < plain:
                 if ready(wait):
                     return True
-            if _host_contended():
-                return self._nap(wait, stop)
-            if clock() > stop:
+            now = clock()
+            if now > stop:
                 return False
-            plain = clock() + _CONTENTION_EVERY_S
+            if not _host_contended():
+                plain = now + _CONTENTION_EVERY_S
+                continue
+            if now < self._nap_until:
+                return self._nap(wait, stop)
+            os.sched_yield()
+            back = clock()
+            if back - now > _LATE_YIELD_S:
+                self._nap_until = back + _NAP_FOR_S
+            if ready(wait):
+                return True
+            plain = back
 
     def _nap(self, wait: Wait, stop: float) -> bool:
         """Block on the eventfd (our sleeping flag up, so publishers write it) until ``wait``

@@ -154,7 +154,7 @@ def large_copies(mismatch_kind: str, last_count: int) -> Any:
         failures: list[str] = []
         await ctx.run("barrier")
         await ctx.run("barrier")  # (the group's first steps: every rank's direct-read verdict is in)
-        count = 150_001  # bfloat16: 300 KB, above _DIRECT_MIN (256 KiB)
+        count = 300_007  # bfloat16: 600 KB, above _DIRECT_CHUNKS (8) of the 64 KiB chunks
         for root in range(n):
             x = data(r, count, "float64", "sum", 21) if r == root else np.zeros(count, np.float64)
             await ctx.run("broadcast", x, root)
@@ -185,7 +185,7 @@ def large_copies(mismatch_kind: str, last_count: int) -> Any:
 
 @pytest.mark.parametrize(
     ("direct", "mismatch_kind", "last_count"),
-    [("1", "all_gather", 150_002), ("1", "broadcast", 1_000), ("0", "broadcast", 150_002)],
+    [("1", "all_gather", 300_008), ("1", "broadcast", 1_000), ("0", "broadcast", 300_008)],
 )
 def test_large_broadcast_and_all_gather_read_peers_directly_or_through_the_slots(
     direct: str, mismatch_kind: str, last_count: int, monkeypatch: pytest.MonkeyPatch
@@ -202,7 +202,7 @@ def test_large_broadcast_and_all_gather_read_peers_directly_or_through_the_slots
     if direct == "1" and vm_read_available():
         # every broadcast and all_gather above the threshold, and the mismatched one where
         # the rank's own size was above it
-        mismatched = [int(last_count >= 150_001 or r < 2) for r in range(3)]
+        mismatched = [int(last_count >= 300_007 or r < 2) for r in range(3)]
         assert steps == [3 + 3 + m for m in mismatched]
     else:
         assert steps == [0] * 3
