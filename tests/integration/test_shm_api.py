@@ -115,28 +115,49 @@ def test_transport_tcp_keeps_ranks_of_one_host_on_tcp() -> None:
     assert results == [{"kinds": ["tcp"], "shm": False, "x": [3.0] * 3}] * 2
 
 
-async def killed(pg: Any) -> dict[str, Any]:
+async def killed(pg: Any, op: str = "all_reduce") -> dict[str, Any]:
     from shm_world import dev_shm_in_use
 
     inherited = set(dev_shm_in_use())  # nothing in a fresh interpreter; only what appears counts
-    x = np.ones(4_000_000, np.float32)  # 16 MB: many steps
+    if op == "all_reduce":
+        x = np.ones(4_000_000, np.float32)  # 16 MB: many steps
+
+        def run() -> Any:
+            return pg.all_reduce(x, timeout=60)
+    else:  # 9 MB per rank: every rank reads the others' buffers directly where the kernel allows
+        x = np.ones(2_250_000, np.float32)
+        outs = [np.zeros_like(x) for _ in range(pg.size)]
+
+        def run() -> Any:
+            return pg.all_gather(outs, x, timeout=60)
+
     for _ in range(2):
-        await pg.all_reduce(x)
+        await run()
     if pg.rank == 2:
         assert not set(dev_shm_in_use()) - inherited  # the victim's memory is all anonymous (memfd)
         asyncio.get_running_loop().call_later(0.005, os.kill, os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     for _ in range(100):
-        res = await _error(pg.all_reduce(x, timeout=60))
+        res = await _error(run())
         if res["error"]:
             res["after"] = time.monotonic() - t0
             res["dev_shm"] = sorted(set(dev_shm_in_use()) - inherited)
+            res["direct_steps"] = pg._shm.direct_steps
             return res
     return {"error": None}
 
 
-def test_a_rank_killed_mid_collective_over_shm_fails_the_others_and_leaves_no_shared_memory() -> None:
-    results = run_world(killed, 3, timeout=120)
+async def killed_mid_all_gather(pg: Any) -> dict[str, Any]:
+    return await killed(pg, "all_gather")
+
+
+@pytest.mark.parametrize("fn", [killed, killed_mid_all_gather])
+def test_a_rank_killed_mid_collective_over_shm_fails_the_others_and_leaves_no_shared_memory(fn: Any) -> None:
+    """all_reduce through the slots; all_gather reading the peers' buffers directly (where the
+    kernel allows it: then a survivor may find the victim gone mid-read)."""
+    from aiocoll.client._vm_read import vm_read_available
+
+    results = run_world(fn, 3, timeout=120)
     assert results[2].exitcode == -signal.SIGKILL
     for r in (0, 1):
         assert results[r].error is None, results[r].error
@@ -144,3 +165,5 @@ def test_a_rank_killed_mid_collective_over_shm_fails_the_others_and_leaves_no_sh
         assert res["error"] == "PeerLostError" and res["rank"] == 2, res
         assert res["after"] < 10.0
         assert res["dev_shm"] == []  # nothing under /dev/shm, so nothing there to leak
+        if fn is killed_mid_all_gather and vm_read_available():
+            assert res["direct_steps"] >= 2
