@@ -39,7 +39,14 @@ from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec
 from aiocoll.algorithms._driver import Driver, start_collective
 from aiocoll.algorithms._plan import prepare
-from aiocoll.client._shm_coll import ShmGroup, intra_host_group, region_offer, shm_starter, world_group
+from aiocoll.client._shm_coll import (
+    ShmGroup,
+    intra_host_group,
+    region_offer,
+    release_offer,
+    shm_starter,
+    world_group,
+)
 from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
 from aiocoll.client.routing import HostParts, choose_route, host_layout, run_routed
@@ -861,7 +868,8 @@ class ProcessGroup:
         meta = {"kind": "new_group", "ranks": chosen}
         # Every rank offers the shared-memory regions it could give the new group; the AND of
         # the offers (an all_reduce is a barrier too) is what every member can use.
-        offers = np.array([region_offer(self._rt.transport, members)], np.uint64)
+        offered = region_offer(self._rt.transport, members)
+        offers = np.array([offered], np.uint64)
         agree = CollectiveSpec(
             "all_reduce", tuple(self.ranks), self.rank, (offers,), (offers,), op=ReduceOp.BAND
         )
@@ -870,11 +878,14 @@ class ProcessGroup:
             await run_routed(agree, tp, tag, meta, self._layout)
             return f"{self.group_id}.{tag[2]}"
 
-        gid = await self._submit("new_group", body, timeout, signature=meta)
-        if self._rt.transport.rank not in members:
-            return None
-        state = self._rt.engine.group(gid, members)
-        shm = intra_host_group(self._rt.transport, members, int(offers[0]), gid)
+        try:
+            gid = await self._submit("new_group", body, timeout, signature=meta)
+            if self._rt.transport.rank not in members:
+                return None
+            state = self._rt.engine.group(gid, members)
+            shm = intra_host_group(self._rt.transport, members, int(offers[0]), gid)
+        finally:
+            release_offer(self._rt.transport, offered)
         if shm is not None:
             self._rt.shm_groups[gid] = shm
         return ProcessGroup(self._rt, state)

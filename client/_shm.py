@@ -278,6 +278,9 @@ class ShmHost:
         self.waker: Any = None  # client._shm_coll's ShmWaker, made with the first group
         self.chunk = 0  # bytes per collective step (set by whoever sized the regions)
         self.regions_used: set[int] = set()  # group regions of our arena in use by live groups
+        # regions offered to a group still agreeing on its region: not offered to another group
+        # forming at the same time (two would otherwise agree on the same region)
+        self.regions_offered = 0
         self.forced = False  # AIOCOLL_TRANSPORT=shm: no falling back to tcp
 
     # -- setting up ------------------------------------------------------------------------
@@ -476,8 +479,9 @@ class ShmHost:
         return shm
 
     def free_regions(self) -> int:
-        """A bit mask of the group regions no live group of this process uses."""
-        mask = (1 << self.regions) - 1
+        """A bit mask of the group regions no live group of this process uses, nor is offered
+        to a group still forming."""
+        mask = ((1 << self.regions) - 1) & ~self.regions_offered
         for region in self.regions_used:
             mask &= ~(1 << region)
         return mask

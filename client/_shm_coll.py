@@ -1026,7 +1026,8 @@ def region_offer(transport: LinkTransport, members: Sequence[int]) -> int:
     its arena free for it (a bit mask), 0 when the group cannot use shared memory from here
     (a member without an shm link to us), all ones when we are not a member. The AND over the
     parent group's ranks (ReduceOp.BAND) is the set every member can use; its lowest bit is
-    the group's region (``intra_host_group``)."""
+    the group's region (``intra_host_group``). The regions offered are held back from other
+    groups until ``release_offer``."""
     me = transport.rank
     if me not in members:
         return ALL_REGIONS
@@ -1034,7 +1035,17 @@ def region_offer(transport: LinkTransport, members: Sequence[int]) -> int:
     kinds = transport.link_kinds()
     if host is None or len(members) < 2 or any(kinds.get(r) != "shm" for r in members if r != me):
         return 0
-    return host.free_regions()
+    offered = host.free_regions()
+    host.regions_offered |= offered  # until release_offer: no second group forming gets them
+    return offered
+
+
+def release_offer(transport: LinkTransport, offered: int) -> None:
+    """The group that ``offered`` (a ``region_offer``) was for has agreed (and taken its region
+    with ``intra_host_group``) or failed: the rest is free for other groups again."""
+    host = shm_host(transport)
+    if host is not None and offered != ALL_REGIONS:
+        host.regions_offered &= ~offered
 
 
 def intra_host_group(

@@ -43,7 +43,7 @@ from aiocoll._reduce import finish_avg
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport, run_collective
 
-from ._shm_coll import ShmGroup, intra_host_group, region_offer
+from ._shm_coll import ShmGroup, intra_host_group, region_offer, release_offer
 from .transports._link import LinkTransport
 
 __all__ = ["HIERARCHICAL_OPS", "HostLayout", "HostParts", "choose_route", "host_layout", "run_routed"]
@@ -143,16 +143,20 @@ class HostParts:
         if self.decided:
             return
         me = self._links.rank
-        offers = np.array([region_offer(self._links, local)], np.uint64)
+        offered = region_offer(self._links, local)
+        offers = np.array([offered], np.uint64)
         agree = CollectiveSpec("all_reduce", local, local.index(me), (offers,), (offers,), op=ReduceOp.BAND)
-        await run_collective(agree, transport, (*tag, _HOST_OFFERS), meta)
-        self.decided = True
-        mask = int(offers[0])
-        if mask:
-            highest = 1 << (mask.bit_length() - 1)
-            self.group = intra_host_group(self._links, local, highest, self.gid)
-            if self.group is not None:
-                self._on_made(self.group)
+        try:
+            await run_collective(agree, transport, (*tag, _HOST_OFFERS), meta)
+            self.decided = True
+            mask = int(offers[0])
+            if mask:
+                highest = 1 << (mask.bit_length() - 1)
+                self.group = intra_host_group(self._links, local, highest, self.gid)
+        finally:
+            release_offer(self._links, offered)
+        if self.group is not None:
+            self._on_made(self.group)
 
 
 async def _on_arenas(start: Callable[[Any], Any]) -> None:

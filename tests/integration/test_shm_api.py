@@ -74,6 +74,16 @@ async def shm_checks(pg: Any) -> dict[str, Any]:
         a = np.full(2, r + 1, np.int32)
         await again.all_reduce(a)
         out["again_sum"] = a.tolist()
+    # two groups formed at once, sharing ranks 1 and 3: never the same region on a rank
+    first, second = await asyncio.gather(pg.new_group([0, 1, 3]), pg.new_group([1, 2, 3]))
+    regions = []
+    for name, g in (("first", first), ("second", second)):
+        if g is not None:
+            regions.append(None if g._shm is None else g._shm.region)
+            v = np.full(3, float(r + 1))
+            await g.all_reduce(v)
+            out[f"{name}_sum"] = v.tolist()
+    out["concurrent_regions"] = regions
     # a mismatch: every rank raises MismatchError naming the count
     bad = np.ones(4 + (r == n - 1), np.float32)
     out["mismatch"] = await _error(pg.all_reduce(bad))
@@ -98,6 +108,11 @@ def test_ranks_of_one_host_use_shared_memory_for_links_and_group_collectives() -
         assert results[r]["other_region"] == 2  # region 1 was still in use on rank 3
     for r in (0, 2):
         assert results[r]["again_region"] == 1 and results[r]["again_sum"] == [4, 4]  # reused
+    for r, res in enumerate(results):
+        assert res.get("first_sum", [7.0] * 3) == [7.0] * 3 and res.get("second_sum", [9.0] * 3) == [9.0] * 3
+        if r in (1, 3):  # in both: the first took a region, the second another or none
+            first_region, second_region = res["concurrent_regions"]
+            assert first_region is not None and first_region != second_region, res
 
 
 async def tcp_checks(pg: Any) -> dict[str, Any]:
