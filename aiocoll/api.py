@@ -885,7 +885,7 @@ class ProcessGroup:
             state = self._rt.engine.group(gid, members)
             shm = intra_host_group(self._rt.transport, members, int(offers[0]), gid)
         finally:
-            release_offer(self._rt.transport, offered)
+            release_offer(self._rt.transport, members, offered)
         if shm is not None:
             self._rt.shm_groups[gid] = shm
         return ProcessGroup(self._rt, state)

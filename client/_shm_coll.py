@@ -1040,11 +1040,13 @@ def region_offer(transport: LinkTransport, members: Sequence[int]) -> int:
     return offered
 
 
-def release_offer(transport: LinkTransport, offered: int) -> None:
-    """The group that ``offered`` (a ``region_offer``) was for has agreed (and taken its region
-    with ``intra_host_group``) or failed: the rest is free for other groups again."""
+def release_offer(transport: LinkTransport, members: Sequence[int], offered: int) -> None:
+    """The group of ``members`` that ``offered`` (our ``region_offer``) was for has agreed (and
+    taken its region with ``intra_host_group``) or failed: the rest is free for other groups.
+    A rank that is not a member held nothing back (its offer of all ones says "no objection",
+    and a member's offer of every region looks the same)."""
     host = shm_host(transport)
-    if host is not None and offered != ALL_REGIONS:
+    if host is not None and transport.rank in members:
         host.regions_offered &= ~offered
 
 
@@ -1056,7 +1058,7 @@ def intra_host_group(
     is none or we are not a member."""
     host = shm_host(transport)
     me = transport.rank
-    if host is None or offers in (0, ALL_REGIONS) or me not in members:
+    if host is None or offers == 0 or me not in members:  # all ones from members: every region free
         return None
     region = (offers & -offers).bit_length() - 1
     if host.waker is None:

@@ -154,7 +154,7 @@ class HostParts:
                 highest = 1 << (mask.bit_length() - 1)
                 self.group = intra_host_group(self._links, local, highest, self.gid)
         finally:
-            release_offer(self._links, offered)
+            release_offer(self._links, local, offered)
         if self.group is not None:
             self._on_made(self.group)
 
