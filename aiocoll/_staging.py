@@ -41,7 +41,6 @@ import asyncio
 import collections
 import contextvars
 import logging
-import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream
+from aiocoll._env import env_int
 
 __all__ = [
     "CHUNK_BYTES",
@@ -341,11 +341,8 @@ def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
 
 
 def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    try:
-        return max(1, int(value)) if value else default
-    except ValueError:
-        raise ValueError(f"{name}={value!r} must be a positive integer") from None
+    value = env_int(name)
+    return default if value is None else max(1, value)
 
 
 class Staging:

@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 
 from aiocoll._deadline import Deadline, to_seconds
+from aiocoll._env import env_int
 from aiocoll._errors import DistError, MismatchError, RendezvousError
 from aiocoll._ipc import ipc_groups
 from aiocoll._reduce import check_reduce_op
@@ -920,16 +921,6 @@ class ProcessGroup:
 # init_process_group
 
 
-def _env_int(name: str) -> int | None:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def _check_world(rank: int | None, world_size: int | None, *, need_rank: bool) -> None:
     if world_size is None:
         raise ValueError("world_size is not set: pass world_size= or set WORLD_SIZE")
@@ -983,9 +974,9 @@ async def init_process_group(
         )
     job = job or os.environ.get("AIOCOLL_JOB") or "default"
     if rank is None:
-        rank = _env_int("RANK")
+        rank = env_int("RANK")
     if world_size is None:
-        world_size = _env_int("WORLD_SIZE")
+        world_size = env_int("WORLD_SIZE")
     if isinstance(world_size, int) and world_size < 0:
         world_size = None  # torch's "-1 means from the environment"
     if isinstance(rank, int) and not isinstance(rank, bool) and rank < 0:
@@ -1009,7 +1000,7 @@ async def init_process_group(
             host, port = _host_port(named, "AIOCOLL_COORDINATOR")
         else:
             host = os.environ.get("MASTER_ADDR")
-            port = _env_int("MASTER_PORT")
+            port = env_int("MASTER_PORT")
             if not host or port is None:
                 raise ValueError(
                     "env:// needs MASTER_ADDR and MASTER_PORT (or AIOCOLL_COORDINATOR) set, or pass "

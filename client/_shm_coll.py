@@ -66,6 +66,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from aiocoll._env import env_float
 from aiocoll._errors import DistError, MismatchError, PeerLostError
 from aiocoll._progress_check import _sig as progress_sig
 from aiocoll._progress_check import describe_sig
@@ -294,7 +295,8 @@ class ShmGroup:
         oversubscribed = ranks_on_host > (os.cpu_count() or 1)
         self._step_plain_s = _PLAIN_SPIN_S if oversubscribed else _STEP_PLAIN_S
         if spin_s is None:
-            spin_s = float(os.environ.get("AIOCOLL_SHM_SPIN_US", "20" if oversubscribed else "100")) * 1e-6
+            spin_us = env_float("AIOCOLL_SHM_SPIN_US")
+            spin_s = (spin_us if spin_us is not None else 20.0 if oversubscribed else 100.0) * 1e-6
         self._spin_s = spin_s
         self._spin_budget = spin_s
         self._inline_since: float | None = None

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .._env import env_int
 from .._net import host_port
 from ._token_file import read_token_file as _read_token_file
 
@@ -146,13 +147,10 @@ def parse_coordinator_address(text: str) -> tuple[str, int]:
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
-    raw = environ.get(name)
-    if raw is None or raw.strip() == "":
-        return None
     try:
-        return int(raw)
-    except ValueError:
-        raise LaunchConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+        return env_int(name, environ)
+    except ValueError as exc:
+        raise LaunchConfigError(str(exc)) from None
 
 
 def resolve_node_placement(
