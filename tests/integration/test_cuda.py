@@ -220,66 +220,33 @@ def test_bench_measures_cuda_tensors_and_names_the_path() -> None:
     # on one GPU, so the comparison runs either way.
     one_gpu_per_rank = torch.cuda.device_count() >= 2
     vs = "nccl" if torch.distributed.is_nccl_available() and one_gpu_per_rank else "gloo"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aiocoll",
-            "bench",
-            "--tensor",
-            "torch-cuda",
-            "--vs",
-            vs,
-            "--sizes",
-            "4K,4M",
-            "--iters",
-            "3",
-            "--warmup",
-            "1",
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
+    result = _bench_cuda("--vs", vs, "--sizes", "4K,4M", "--iters", "3", "--warmup", "1", "--quiet")
     assert result.returncode == 0, result.stderr
-    rows = [line.split() for line in result.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    rows = _table_rows(result.stdout)
     assert len(rows) == 3 and any("+staged" in cell or "+ipc" in cell for cell in rows[1])
     # gloo has no CUDA point-to-point: its columns show "-" and the header says why
-    bench = [sys.executable, "-m", "aiocoll", "bench", "--tensor", "torch-cuda", "--vs", "gloo"]
-    p2p = subprocess.run(
-        [*bench, "--op", "sendrecv", "--sizes", "4K,4M", "--iters", "3", "--warmup", "1", "--quiet"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
+    p2p = _bench_cuda(
+        "--vs", "gloo", "--op", "sendrecv", "--sizes", "4K,4M", "--iters", "3", "--warmup", "1", "--quiet"
     )
     assert p2p.returncode == 0, p2p.stderr
     assert "# gloo columns show '-'" in p2p.stdout, p2p.stdout
-    p2p_rows = [line.split() for line in p2p.stdout.splitlines() if line.strip() and not line.startswith("#")]
+    p2p_rows = _table_rows(p2p.stdout)
     assert len(p2p_rows) == 3 and all(row[8] == "-" and float(row[3]) > 0 for row in p2p_rows[1:]), p2p.stdout
     if not one_gpu_per_rank and torch.distributed.is_nccl_available():
         # NCCL would fail at its first call with two ranks on one device; the bench says so first
-        refused = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "aiocoll",
-                "bench",
-                "--tensor",
-                "torch-cuda",
-                "--vs",
-                "nccl",
-                "--sizes",
-                "4K",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-        )
+        refused = _bench_cuda("--vs", "nccl", "--sizes", "4K", timeout=60)
         assert refused.returncode != 0 and "needs a GPU per rank" in refused.stderr, refused.stderr
+
+
+def _bench_cuda(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``aiocoll bench --tensor torch-cuda ARGS`` in a process of its own."""
+    command = [sys.executable, "-m", "aiocoll", "bench", "--tensor", "torch-cuda", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _table_rows(stdout: str) -> list[list[str]]:
+    """The bench table's lines (header row first), split into cells."""
+    return [line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
 
 
 if __name__ == "__main__":
