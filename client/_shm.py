@@ -92,6 +92,23 @@ def _fence_factory() -> Callable[[], None]:
 fence = _fence_factory()
 
 
+def _cpu_getter() -> Callable[[], int]:
+    """The CPU this thread runs on now (the C library's sched_getcpu, a vDSO read on Linux),
+    or a function returning -1 where there is none."""
+    import ctypes
+
+    try:
+        getcpu = ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return lambda: -1
+    getcpu.restype = ctypes.c_int
+    getcpu.argtypes = []
+    return getcpu  # type: ignore[no-any-return]
+
+
+current_cpu = _cpu_getter()
+
+
 def _same_user(sock: socket.socket) -> int:
     """The peer's pid after checking it runs as our uid (SO_PEERCRED).
 

@@ -11,6 +11,7 @@ A group's region in each member's arena (cache lines apart, so writers do not sh
     64    inp        last step whose input (and signature) the owner has written
     128   red        last step whose share the owner has reduced (in place, in its slot)
     192   done       last step whose data the owner has finished reading (its slots are free)
+    256   cpu        1 + the CPU the owner ran on when it last began to wait (0: unknown)
     768   group      which group owns the region now (a hash of its id): a region is reused by
                      later groups, and counters are trusted only next to the right owner
     832   lost       1 + the rank whose loss failed the owner's group
@@ -74,7 +75,7 @@ from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec
 
-from ._shm import ARENA_HEADER, ShmHost, fence
+from ._shm import ARENA_HEADER, ShmHost, current_cpu, fence
 from ._vm_read import vm_read, vm_read_available
 from .engine import OpTransport
 from .transports._link import LinkTransport
@@ -94,7 +95,7 @@ __all__ = [
 log = logging.getLogger("aiocoll.client.shm")
 
 # counters, as indexes into the region's int64 view
-_SLEEP, _INP, _RED, _DONE = 0, 8, 16, 24
+_SLEEP, _INP, _RED, _DONE, _CPU = 0, 8, 16, 24, 32
 _SIG = 1024  # bytes (the counters above are int64 indexes)
 _OWNER = 96  # (byte 768)
 _LOST = 104  # (byte 832) 1 + the rank whose loss failed this member's group, 0 while none
@@ -293,6 +294,7 @@ class ShmGroup:
         self.broken: BaseException | None = None
         # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
         oversubscribed = ranks_on_host > (os.cpu_count() or 1)
+        self._oversubscribed = oversubscribed
         self._step_plain_s = _PLAIN_SPIN_S if oversubscribed else _STEP_PLAIN_S
         if spin_s is None:
             spin_us = env_float("AIOCOLL_SHM_SPIN_US")
@@ -826,10 +828,13 @@ class ShmGroup:
         least _INNER_SPIN_S."""
         wait = op.wait
         assert wait is not None
-        ready = self._ready
+        beside = self._beside(wait)
         inner = self._inner
         if inner:
-            return self._wait_step(wait)
+            return self._wait_step(wait, beside)
+        if beside:
+            return False
+        ready = self._ready
         budget = self._spin_budget
         clock = time.perf_counter
         start = clock()
@@ -849,7 +854,27 @@ class ShmGroup:
                     self._spin_budget = max(_SPIN_MIN_S, budget / 2)
                 return False
 
-    def _wait_step(self, wait: Wait) -> bool:
+    def _beside(self, wait: Wait) -> bool:
+        """Whether a member we wait for last ran on the CPU we run on now (and publish ours).
+
+        With a core for every rank, a rank that shares one with the peer it waits for holds
+        that peer off the CPU while it spins: the scheduler puts a woken task beside its waker
+        when the other core is briefly busy, and moves a task that is always running (spinning
+        ranks look cache-hot) only after several balancing rounds, milliseconds later. Sleeping
+        instead lets the peer run at once, and its wake-up lands us on the idle core."""
+        cpu = current_cpu() + 1
+        ctl = self._ctl
+        ctl[self.me][_CPU] = cpu
+        if self._oversubscribed or cpu == 0:
+            return False  # (more ranks than cores share cores anyway: waits yield instead)
+        counter, t, members = wait
+        for j in members:
+            row = ctl[j]
+            if row[_CPU] == cpu and row[counter] < t:
+                return True
+        return False
+
+    def _wait_step(self, wait: Wait, beside: bool = False) -> bool:
         """Wait up to _INNER_SPIN_S between the steps of a large operation, where the peers are
         a copy away. First spin without yielding for _STEP_PLAIN_S (a peer on another core is
         usually that close; a yield or a sleep would cost a wake-up), or only _PLAIN_SPIN_S
@@ -865,6 +890,8 @@ class ShmGroup:
         clock = time.perf_counter
         start = clock()
         stop = start + _INNER_SPIN_S
+        if beside:
+            return self._nap(wait, stop)
         plain = start + self._step_plain_s
         while True:
             while clock() < plain:
