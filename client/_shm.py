@@ -103,7 +103,7 @@ def _cpu_getter() -> Callable[[], int]:
         return lambda: -1
     getcpu.restype = ctypes.c_int
     getcpu.argtypes = []
-    return getcpu  # type: ignore[no-any-return]
+    return getcpu
 
 
 current_cpu = _cpu_getter()
