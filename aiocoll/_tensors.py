@@ -54,7 +54,7 @@ def _nothing() -> None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class Working:
     """A tensor as the executor sees it.
 
@@ -153,14 +153,15 @@ def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
 
 
 def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
-    name = dtype_name(arr)
-    shape = tuple(arr.shape)
-    if write and not arr.flags.writeable:
+    name = _NUMPY_NAMES.get(arr.dtype) or dtype_name(arr)
+    shape = arr.shape
+    flags = arr.flags  # a new object at each access: read it once
+    if write and not flags.writeable:
         raise ValueError(
             f"cannot write the result into a read-only numpy array (shape {shape}, {name}); "
             "pass a writeable array (e.g. arr.copy())"
         )
-    if arr.flags.c_contiguous and arr.dtype.isnative:
+    if flags.c_contiguous and arr.dtype.isnative:
         return Working(arr.reshape(-1), name, shape)
     native = arr.dtype.newbyteorder("=")
     if read:

@@ -366,8 +366,10 @@ class Engine:
             return self._work_of(op)
         if op.lane is _STARTING:
             op.lane = lane
-        else:  # it finished, or was failed from outside, while starting
+        elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
             lane.stop()
+        # else it finished by itself inside the call (a small shared-memory operation): a runner
+        # that called ``finish`` is over and has nothing left to stop
         return self._work_of(op)
 
     def _open(
@@ -385,22 +387,26 @@ class Engine:
             raise DistError(f"{kind}: the process group is destroyed")
         if p2p_tag is None:
             seq = group.next_seq
-            self._check_usable(group, kind, seq)
+            if group.broken is not None:
+                self._check_usable(group, kind, seq)
             group.next_seq = seq + 1
             tag: Tag = ("c", group.gid, seq)
         else:
             seq = -1
-            self._check_usable(group, kind, seq)
+            if group.broken is not None:
+                self._check_usable(group, kind, seq)
             tag = ("p", group.gid, p2p_tag)
         fut: asyncio.Future[Any] = self._loop.create_future()
         op = _Op(group, kind, seq, tag, fut)
-        op.peers_hint = tuple(peers)
+        if peers:
+            op.peers_hint = tuple(peers)
         op.sig = signature
-        op.work = Work(fut, op.describe())
-        notice = group.notices.pop(seq, None) if seq >= 0 else None
-        if notice is not None:
-            fut.set_exception(notice)
-            return op
+        op.work = Work(fut, op.describe)
+        if group.notices and seq >= 0:
+            notice = group.notices.pop(seq, None)
+            if notice is not None:
+                fut.set_exception(notice)
+                return op
         group.pending.add(op)
         if timeout is not None:
             op.timeout = timeout
