@@ -1162,14 +1162,16 @@ def shm_starter(
             finish(result, exc)
 
         on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
+        recv = spec.recv
         if kind == "all_reduce":
-            return group.all_reduce(spec.recv[0], spec.op, _dtype_name(spec, meta), sig, fin, on_wait)
+            return group.all_reduce(recv[0], spec.op, _dtype_name(spec, meta), sig, fin, on_wait)
         if kind == "broadcast":
-            return group.broadcast(spec.recv[0], spec.root, sig, fin, on_wait)
+            return group.broadcast(recv[0], spec.root, sig, fin, on_wait)
         if kind == "all_gather":
-            return group.all_gather(spec.recv, spec.send[0], sig, fin, on_wait)
+            return group.all_gather(recv, spec.send[0], sig, fin, on_wait)
         if kind == "reduce_scatter":
-            return group.reduce_scatter(spec.recv[0], spec.send, spec.op, _dtype_name(spec, meta), sig, fin, on_wait)
+            name = _dtype_name(spec, meta)
+            return group.reduce_scatter(recv[0], spec.send, spec.op, name, sig, fin, on_wait)
         return group.barrier(sig, fin, on_wait)
 
     return start

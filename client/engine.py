@@ -144,7 +144,7 @@ class _Op:
         self.outstanding_recv: dict[int | None, int] = {}
         self.outstanding_send: dict[int, int] = {}
         self.peers_hint: tuple[int, ...] = ()
-        self.work: Work | None = None
+        self.work = Work(future, self.describe)  # described only when something reads it
         self.sig: dict[str, Any] | None = None  # what every rank must agree on (progress reports)
         self.started = _monotonic()
 
@@ -324,7 +324,7 @@ class Engine:
         op = self._open(group, kind, timeout, p2p_tag, peers, signature)
         if not op.future.done():
             op.task = self._loop.create_task(self._run(op, body))
-        return self._work_of(op)
+        return op.work
 
     def submit_eager(
         self,
@@ -346,7 +346,7 @@ class Engine:
         """
         op = self._open(group, kind, timeout, None, peers, signature)
         if op.future.done():
-            return self._work_of(op)
+            return op.work
         transport = OpTransport(self.transport, op)
 
         def finish(result: Any, exc: BaseException | None) -> None:
@@ -363,14 +363,14 @@ class Engine:
             finish(None, exc)
             if not isinstance(exc, Exception):
                 raise
-            return self._work_of(op)
+            return op.work
         if op.lane is _STARTING:
             op.lane = lane
         elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
             lane.stop()
         # else it finished by itself inside the call (a small shared-memory operation): a runner
         # that called ``finish`` is over and has nothing left to stop
-        return self._work_of(op)
+        return op.work
 
     def _open(
         self,
@@ -401,7 +401,6 @@ class Engine:
         if peers:
             op.peers_hint = tuple(peers)
         op.sig = signature
-        op.work = Work(fut, op.describe)
         if group.notices and seq >= 0:
             notice = group.notices.pop(seq, None)
             if notice is not None:
@@ -414,11 +413,6 @@ class Engine:
             if self._timer is None or deadline < self._timer_at:
                 self._arm(deadline)
         return op
-
-    @staticmethod
-    def _work_of(op: _Op) -> Work:
-        assert op.work is not None
-        return op.work
 
     def _check_usable(self, group: GroupState, kind: str, seq: int) -> None:
         cause = group.broken
@@ -503,8 +497,7 @@ class Engine:
             self._break(op.group, exc, from_seq=0, except_op=op)
 
     def _finish(self, op: _Op) -> None:
-        if op.work is not None:
-            op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
+        op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
         op.group.pending.discard(op)
         fut = op.future
         if not fut.done():
@@ -542,8 +535,7 @@ class Engine:
                 lane.stop()
                 self._finish(op)
             return
-        if op.work is not None:
-            op.work.wake()
+        op.work.wake()
         if op.seq >= 0:
             self.transport.discard(op.tag)
         if op.task is not None and not op.task.done():
