@@ -64,7 +64,12 @@ class Work:
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._future
         if fut.done():
-            return fut.result()
+            # the future's own iterator (C) ends at once with its result or error: no generator
+            # frame for the usual small operation, finished inside its call
+            return fut.__await__()
+        return self._wait(fut)
+
+    def _wait(self, fut: asyncio.Future[Any]) -> Generator[Any, None, Any]:
         waiter = self._loop.create_future()
         self._waiters.append(waiter)
         if not self._hooked:  # completions that do not call wake() still reach the waiters
