@@ -311,6 +311,7 @@ class ShmGroup:
         self._gid = gid
         self.sleeps = 0
         self.naps = 0  # blocks on the eventfd inside a wait between steps (_nap)
+        self.beside = 0  # waits that slept at once: the awaited peer was queued on our core
         self._nap_until = 0.0  # (perf_counter) waits between steps nap until then (_wait_step)
         self.direct_steps = 0  # steps that read the peers' buffers directly (_direct_step)
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
@@ -885,6 +886,7 @@ class ShmGroup:
         for j in members:
             row = ctl[j]
             if row[_CPU] == cpu and row[counter] < t:
+                self.beside += 1
                 return True
         return False
 

@@ -10,6 +10,7 @@ import resource
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -195,6 +196,36 @@ def test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_spinning() -> None:
     assert early["slept"] >= 1
     # 1.5 s of waiting: a spinning rank would burn about that much CPU; a sleeping one almost none
     assert early["cpu"] < 0.5, early
+
+
+def gathers_pinned_to(cpus: list[int]) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
+    """Each rank pinned to its CPU of ``cpus``, twenty all_gathers of several steps each."""
+
+    async def gathers(ctx: Ctx) -> dict[str, Any]:
+        os.sched_setaffinity(0, {cpus[ctx.rank]})
+        x = np.full(96 * 1024, ctx.rank + 1, np.float32)  # 384 KiB: three 128 KiB steps
+        outs = [np.zeros_like(x) for _ in range(ctx.n)]
+        beside, correct = ctx.group.beside, True
+        for i in range(20):
+            x[0] = i
+            await ctx.run("all_gather", outs, x, meta={"kind": "all_gather", "count": x.size})
+            correct &= all(o[0] == i and (o[1:] == j + 1).all() for j, o in enumerate(outs))
+        return {"beside": ctx.group.beside - beside, "correct": correct}
+
+    return gathers
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin two ranks apart")
+def test_ranks_sharing_a_core_sleep_for_each_other_and_ranks_apart_do_not() -> None:
+    # Two ranks on one core: a rank that spun for its peer would hold the peer off the core for
+    # a time slice, so each wait for a peer seen last on our own CPU sleeps at once. Ranks on
+    # cores of their own never take that path (they spin, as a peer on another core is close).
+    cpu, other = sorted(os.sched_getaffinity(0))[:2]
+    together = values(shm_world(gathers_pinned_to([cpu, cpu]), 2))
+    apart = values(shm_world(gathers_pinned_to([cpu, other]), 2))
+    assert all(r["correct"] for r in together + apart), (together, apart)
+    assert sum(r["beside"] for r in together) > 0, together
+    assert [r["beside"] for r in apart] == [0, 0], apart
 
 
 async def a_survivor_leaves_after_a_loss(ctx: Ctx) -> dict[str, Any]:
