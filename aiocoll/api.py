@@ -304,6 +304,8 @@ class ProcessGroup:
         root: int = 0,
         op: ReduceOp = ReduceOp.SUM,
     ) -> Work:
+        if self._destroyed:
+            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
         if has_device_arrays(send, recv):
             return self._staged_collective(kind, meta, send, recv, workings, result, timeout, root, op)
         spec = CollectiveSpec(
@@ -316,9 +318,6 @@ class ProcessGroup:
             op=op,
             dtype=meta.get("dtype"),
         )
-
-        if self._destroyed:
-            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
         # Every member on this host: the shared-memory collectives; else the routes (flat or
         # hierarchical) over the links.
         work = self._intra_host(spec, meta, workings, result, timeout)
@@ -400,8 +399,6 @@ class ProcessGroup:
         start = shm_starter(shm, spec, meta, workings, result)
         if start is None:
             return None
-        if self._destroyed:
-            raise DistError(f"{spec.kind}: process group {self.group_id!r} was destroyed")
         return self._rt.engine.submit_eager(
             self._state,
             spec.kind,

@@ -130,7 +130,15 @@ class _Op:
         "work",
     )
 
-    def __init__(self, group: GroupState, kind: str, seq: int, tag: Tag, future: asyncio.Future[Any]):
+    def __init__(
+        self,
+        group: GroupState,
+        kind: str,
+        seq: int,
+        tag: Tag,
+        future: asyncio.Future[Any],
+        sig: dict[str, Any] | None = None,
+    ):
         self.group = group
         self.kind = kind
         self.seq = seq
@@ -145,7 +153,7 @@ class _Op:
         self.outstanding_send: dict[int, int] = {}
         self.peers_hint: tuple[int, ...] = ()
         self.work = Work(future, self.describe)  # described only when something reads it
-        self.sig: dict[str, Any] | None = None  # what every rank must agree on (progress reports)
+        self.sig = sig  # what every rank must agree on (progress reports)
         self.started = _monotonic()
 
     def describe(self) -> str:
@@ -397,10 +405,9 @@ class Engine:
                 self._check_usable(group, kind, seq)
             tag = ("p", group.gid, p2p_tag)
         fut: asyncio.Future[Any] = self._loop.create_future()
-        op = _Op(group, kind, seq, tag, fut)
+        op = _Op(group, kind, seq, tag, fut, signature)
         if peers:
             op.peers_hint = tuple(peers)
-        op.sig = signature
         if group.notices and seq >= 0:
             notice = group.notices.pop(seq, None)
             if notice is not None:
@@ -500,13 +507,14 @@ class Engine:
         op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
         op.group.pending.discard(op)
         fut = op.future
-        if not fut.done():
-            outcome = "ok"
-        elif fut.cancelled():
-            outcome = "cancelled"
-        else:
-            failure = fut.exception()
-            outcome = "ok" if failure is None else type(failure).__name__
+        outcome = "ok"
+        if fut.done():
+            if fut.cancelled():
+                outcome = "cancelled"
+            else:
+                failure = fut.exception()
+                if failure is not None:
+                    outcome = type(failure).__name__
         # issue 10 hook: the record of the last operations (logged on a failure)
         self.progress.record(op.kind, op.group.gid, op.seq, op.sig, op.started, outcome)
         if op.seq < 0:
