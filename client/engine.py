@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -152,14 +153,21 @@ class _Op:
         self.outstanding_recv: dict[int | None, int] = {}
         self.outstanding_send: dict[int, int] = {}
         self.peers_hint: tuple[int, ...] = ()
-        self.work = Work(future, self.describe)  # described only when something reads it
+        # Described only when something reads it, by a function that does not hold this op
+        # (op -> work -> op would be a reference cycle: every operation would wait for the
+        # cyclic garbage collector instead of being freed when it finishes).
+        self.work = Work(future, functools.partial(_describe, kind, group, seq))
         self.sig = sig  # what every rank must agree on (progress reports)
         self.started = _monotonic()
 
     def describe(self) -> str:
-        if self.seq >= 0:
-            return f"{self.kind} (group {self.group.label!r}, seq {self.seq})"
-        return f"{self.kind} (group {self.group.label!r})"
+        return _describe(self.kind, self.group, self.seq)
+
+
+def _describe(kind: str, group: GroupState, seq: int) -> str:
+    if seq >= 0:
+        return f"{kind} (group {group.label!r}, seq {seq})"
+    return f"{kind} (group {group.label!r})"
 
 
 class OpTransport(Transport):
