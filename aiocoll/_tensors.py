@@ -160,7 +160,7 @@ def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
             "pass a writeable array (e.g. arr.copy())"
         )
     if flags.c_contiguous and arr.dtype.isnative:
-        return Working(arr.reshape(-1), name, shape)
+        return Working(arr if arr.ndim == 1 else arr.reshape(-1), name, shape)
     native = arr.dtype.newbyteorder("=")
     if read:
         staging = np.ascontiguousarray(arr, dtype=native).reshape(-1)

@@ -309,15 +309,8 @@ class ProcessGroup:
         if has_device_arrays(send, recv):
             return self._staged_collective(kind, meta, send, recv, workings, result, timeout, root, op)
         spec = CollectiveSpec(
-            kind,
-            self._state.ranks,
-            self.rank,
-            tuple(send),
-            tuple(recv),
-            root=root,
-            op=op,
-            dtype=meta.get("dtype"),
-        )
+            kind, self._state.ranks, self.rank, tuple(send), tuple(recv), root, op, None, meta.get("dtype")
+        )  # (positional: keywords cost more than the rest of building it)
         # Every member on this host: the shared-memory collectives; else the routes (flat or
         # hierarchical) over the links.
         work = self._intra_host(spec, meta, workings, result, timeout)
@@ -408,13 +401,19 @@ class ProcessGroup:
         )
 
     def _meta(
-        self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
+        self,
+        kind: str,
+        name: str | None = None,
+        count: int | None = None,
+        *,
+        root: int | None = None,
+        op: str | None = None,
     ) -> dict[str, Any]:
         """An operation's signature (kind, dtype, count, root, op: what every rank must agree on).
         Made once per distinct signature and shared by every operation that has it (a training
         loop repeats a few), so what is derived from it can be cached by identity (the packed
         bytes shared-memory collectives publish); nothing may change the dict."""
-        key = (kind, name, count, *extra.items())
+        key = (kind, name, count, root, op)
         meta = self._metas.get(key)
         if meta is not None:
             return meta
@@ -423,7 +422,10 @@ class ProcessGroup:
             meta["dtype"] = name
         if count is not None:
             meta["count"] = count
-        meta.update(extra)
+        if root is not None:
+            meta["root"] = root
+        if op is not None:
+            meta["op"] = op
         if len(self._metas) >= _META_CACHE:
             self._metas.clear()
         self._metas[key] = meta
