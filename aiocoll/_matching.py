@@ -421,7 +421,10 @@ class Matcher:
     def retire(self, tag_prefix: Tag) -> None:
         """Mark an operation that completed successfully: a message under ``tag_prefix`` still
         buffered, or arriving later, is handed to the stray handlers."""
-        self._forget(tag_prefix, report=True)
+        if self._inbox:
+            self._forget(tag_prefix, report=True)
+        else:  # the usual case, once per collective: nothing buffered to look through
+            self._remember(tag_prefix, True)
 
     def on_stray(self, handler: StrayHandler) -> None:
         """Register ``handler(src, tag, meta)`` for messages under a retired prefix."""

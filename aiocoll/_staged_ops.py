@@ -58,7 +58,11 @@ _SINGLE_ARRAY_KINDS = frozenset({"all_reduce", "broadcast", "reduce", "send", "r
 
 def has_device_arrays(*groups: Sequence[Any]) -> bool:
     """True when any array of the given lists is a DeviceSpan (the op must be staged)."""
-    return any(isinstance(a, DeviceSpan) for group in groups for a in group)
+    for group in groups:  # loops, not any(<generator>): this runs on every collective
+        for a in group:
+            if isinstance(a, DeviceSpan):
+                return True
+    return False
 
 
 class StagedOp:

@@ -54,7 +54,7 @@ def _nothing() -> None:
     return None
 
 
-@dataclass
+@dataclass(slots=True)
 class Working:
     """A tensor as the executor sees it.
 
@@ -69,15 +69,13 @@ class Working:
     dtype_name: str
     shape: tuple[int, ...]
     staged: bool = False
-    _finish: Callable[[], None] = field(default=_nothing, repr=False)
+    # ``finish()`` copies results back into the caller's tensor if ``array`` is a staging copy
+    # (a plain function, not a method that calls one: it runs once per tensor per operation)
+    finish: Callable[[], None] = field(default=_nothing, repr=False)
 
     @property
     def numel(self) -> int:
         return int(self.array.size)
-
-    def finish(self) -> None:
-        """Copy results back into the caller's tensor if ``array`` is a staging copy."""
-        self._finish()
 
 
 def is_torch_tensor(obj: object) -> bool:
@@ -153,14 +151,15 @@ def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
 
 
 def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
-    name = dtype_name(arr)
-    shape = tuple(arr.shape)
-    if write and not arr.flags.writeable:
+    name = _NUMPY_NAMES.get(arr.dtype) or dtype_name(arr)
+    shape = arr.shape
+    flags = arr.flags  # a new object at each access: read it once
+    if write and not flags.writeable:
         raise ValueError(
             f"cannot write the result into a read-only numpy array (shape {shape}, {name}); "
             "pass a writeable array (e.g. arr.copy())"
         )
-    if arr.flags.c_contiguous and arr.dtype.isnative:
+    if flags.c_contiguous and arr.dtype.isnative:
         return Working(arr.reshape(-1), name, shape)
     native = arr.dtype.newbyteorder("=")
     if read:
@@ -171,7 +170,7 @@ def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
     def finish() -> None:
         arr[...] = staging.reshape(shape)
 
-    return Working(staging, name, shape, staged=True, _finish=finish if write else _nothing)
+    return Working(staging, name, shape, staged=True, finish=finish if write else _nothing)
 
 
 def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
@@ -210,7 +209,7 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
         with torch.no_grad():
             tensor.copy_(flat.view(shape))
 
-    return Working(array, name, shape, staged=True, _finish=finish if write else _nothing)
+    return Working(array, name, shape, staged=True, finish=finish if write else _nothing)
 
 
 def _host_dtype(name: str) -> np.dtype[Any]:

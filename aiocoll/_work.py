@@ -27,20 +27,32 @@ class Work:
 
     Args:
         future: the future the engine completes (on its loop).
-        description: what the operation is, for ``repr`` and errors ("all_reduce seq 3 of group '0'").
+        description: what the operation is, for ``repr`` and errors ("all_reduce seq 3 of group '0'"),
+            or a function that says it (called once, when first needed: most operations never
+            need it, and formatting it costs more than the rest of a small operation's start).
     """
 
-    __slots__ = ("_future", "_hooked", "_loop", "_waiters", "description")
+    __slots__ = ("_description", "_future", "_hooked", "_loop", "_waiters")
 
-    def __init__(self, future: asyncio.Future[Any], description: str = "operation") -> None:
+    def __init__(
+        self, future: asyncio.Future[Any], description: str | Callable[[], str] = "operation"
+    ) -> None:
         self._future = future
         self._loop = future.get_loop()
-        self.description = description
+        self._description = description
         # One future per pending ``await``: cancelling an awaiting task cancels only its own
         # waiter, never the operation (what asyncio.shield does, minus a loop iteration: the
         # engine calls ``wake`` right after completing the operation).
         self._waiters: list[asyncio.Future[Any]] = []
         self._hooked = False
+
+    @property
+    def description(self) -> str:
+        """What the operation is ("all_reduce (group 'w', seq 3)")."""
+        described = self._description
+        if not isinstance(described, str):
+            described = self._description = described()
+        return described
 
     @classmethod
     def completed(cls, result: Any, description: str = "operation") -> Work:
@@ -52,7 +64,12 @@ class Work:
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._future
         if fut.done():
-            return fut.result()
+            # the future's own iterator (C) ends at once with its result or error: no generator
+            # frame for the usual small operation, finished inside its call
+            return fut.__await__()
+        return self._wait(fut)
+
+    def _wait(self, fut: asyncio.Future[Any]) -> Generator[Any, None, Any]:
         waiter = self._loop.create_future()
         self._waiters.append(waiter)
         if not self._hooked:  # completions that do not call wake() still reach the waiters

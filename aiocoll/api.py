@@ -69,6 +69,7 @@ log = logging.getLogger("aiocoll")
 WORLD_GID = "w"
 _DEFAULT = object()  # "use the group's default timeout"
 _EMPTY = memoryview(b"")
+_META_CACHE = 256  # distinct operation signatures a group keeps made (see ProcessGroup._meta)
 
 
 # --------------------------------------------------------------------------------------------
@@ -228,6 +229,7 @@ class ProcessGroup:
         self.ranks = list(state.ranks)
         self.group_id = state.gid
         self._destroyed = False
+        self._metas: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._shm = runtime.shm_groups.get(state.gid)
         self._layout = host_layout(self.ranks, state.ranks[state.index], runtime.hosts)
         # A group over several hosts with other members on ours: its hierarchical all_reduce
@@ -302,11 +304,13 @@ class ProcessGroup:
         root: int = 0,
         op: ReduceOp = ReduceOp.SUM,
     ) -> Work:
+        if self._destroyed:
+            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
         if has_device_arrays(send, recv):
             return self._staged_collective(kind, meta, send, recv, workings, result, timeout, root, op)
         spec = CollectiveSpec(
             kind,
-            tuple(self.ranks),
+            self._state.ranks,
             self.rank,
             tuple(send),
             tuple(recv),
@@ -314,9 +318,6 @@ class ProcessGroup:
             op=op,
             dtype=meta.get("dtype"),
         )
-
-        if self._destroyed:
-            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
         # Every member on this host: the shared-memory collectives; else the routes (flat or
         # hierarchical) over the links.
         work = self._intra_host(spec, meta, workings, result, timeout)
@@ -395,17 +396,9 @@ class ProcessGroup:
         shm = self._shm
         if shm is None:
             return None
-
-        def done(_: BaseException | None) -> Any:
-            for w in workings:
-                w.finish()
-            return result
-
-        start = shm_starter(shm, spec, meta, done)
+        start = shm_starter(shm, spec, meta, workings, result)
         if start is None:
             return None
-        if self._destroyed:
-            raise DistError(f"{spec.kind}: process group {self.group_id!r} was destroyed")
         return self._rt.engine.submit_eager(
             self._state,
             spec.kind,
@@ -417,12 +410,23 @@ class ProcessGroup:
     def _meta(
         self, kind: str, name: str | None = None, count: int | None = None, **extra: Any
     ) -> dict[str, Any]:
-        meta: dict[str, Any] = {"kind": kind}
+        """An operation's signature (kind, dtype, count, root, op: what every rank must agree on).
+        Made once per distinct signature and shared by every operation that has it (a training
+        loop repeats a few), so what is derived from it can be cached by identity (the packed
+        bytes shared-memory collectives publish); nothing may change the dict."""
+        key = (kind, name, count, *extra.items())
+        meta = self._metas.get(key)
+        if meta is not None:
+            return meta
+        meta = {"kind": kind}
         if name is not None:
             meta["dtype"] = name
         if count is not None:
             meta["count"] = count
         meta.update(extra)
+        if len(self._metas) >= _META_CACHE:
+            self._metas.clear()
+        self._metas[key] = meta
         return meta
 
     # -- point to point --------------------------------------------------------------------
@@ -519,7 +523,7 @@ class ProcessGroup:
         w = as_working(tensor)
         name = w.dtype_name
         rop = _coerce_op(op, name, "all_reduce")
-        meta = self._meta("all_reduce", name, w.numel, op=rop.value)
+        meta = self._meta("all_reduce", name, w.numel, op=rop._value_)
         return self._collective("all_reduce", meta, (w.array,), (w.array,), (w,), tensor, timeout, op=rop)
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
@@ -528,7 +532,7 @@ class ProcessGroup:
         name = dtype_name(tensor)
         rop = _coerce_op(op, name, "reduce")
         w = as_working(tensor, write=root == self.rank)
-        meta = self._meta("reduce", name, w.numel, root=root, op=rop.value)
+        meta = self._meta("reduce", name, w.numel, root=root, op=rop._value_)
         return self._collective(
             "reduce",
             meta,
@@ -636,7 +640,7 @@ class ProcessGroup:
         _same_numel("reduce_scatter: input_list", ins, numel(output))
         w = as_working(output, read=False)
         send = [as_working(t, write=False).array for t in ins]
-        meta = self._meta("reduce_scatter", name, w.numel, op=rop.value)
+        meta = self._meta("reduce_scatter", name, w.numel, op=rop._value_)
         return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
 
     def reduce_scatter_tensor(
@@ -655,7 +659,7 @@ class ProcessGroup:
         w = as_working(output, read=False)
         wi = as_working(input, write=False)
         send = [wi.array[i * n : (i + 1) * n] for i in range(self.size)]
-        meta = self._meta("reduce_scatter", name, n, op=rop.value)
+        meta = self._meta("reduce_scatter", name, n, op=rop._value_)
         return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
 
     def all_to_all(self, output_list: Any, input_list: Any, *, timeout: Any = _DEFAULT) -> Work:

@@ -141,6 +141,10 @@ _BCAST_DIRECT_CHUNKS = 32
 DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (always the slots)
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
+# id(meta) -> (meta, its packed signature): see ShmGroup.signature
+_PACKED_SIGS: dict[int, tuple[dict[str, Any], bytes]] = {}
+_PACKED_SIGS_MAX = 256
+
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
 Finish = Callable[[Any, BaseException | None], None]
 OpGen = Generator[Wait, None, Any]
@@ -362,12 +366,22 @@ class ShmGroup:
 
     @staticmethod
     def signature(seq: int, meta: dict[str, Any]) -> bytes:
-        """What every member publishes with an operation: its seq and its signature."""
-        packed = msgpack.packb(meta, use_bin_type=True)
-        if _SIG_HEAD.size + len(packed) > _SIG_BYTES:
-            import hashlib
+        """What every member publishes with an operation: its seq and its signature. An
+        operation's meta is never changed once made, and the public layer hands every operation
+        of one signature the same dict (aiocoll.api ProcessGroup._meta), so its packing is
+        kept by the dict's identity (the entry holds the dict: its id cannot be reused)."""
+        known = _PACKED_SIGS.get(id(meta))
+        if known is not None and known[0] is meta:
+            packed = known[1]
+        else:
+            packed = msgpack.packb(meta, use_bin_type=True)
+            if _SIG_HEAD.size + len(packed) > _SIG_BYTES:
+                import hashlib
 
-            packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
+                packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
+            if len(_PACKED_SIGS) >= _PACKED_SIGS_MAX:
+                _PACKED_SIGS.clear()
+            _PACKED_SIGS[id(meta)] = (meta, packed)
         return _SIG_HEAD.pack(seq, len(packed)) + packed
 
     # -- the steps -------------------------------------------------------------------------
@@ -1133,19 +1147,22 @@ def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
 
 
 def shm_starter(
-    group: ShmGroup, spec: CollectiveSpec, meta: dict[str, Any], done: Callable[[BaseException | None], Any]
+    group: ShmGroup,
+    spec: CollectiveSpec,
+    meta: dict[str, Any],
+    workings: Sequence[Any],
+    result: Any,
 ) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
     """An engine starter (see Engine.submit_eager) that runs ``spec`` over ``group``'s shared
     memory, or None when this operation is not one the arenas serve (its kind, an algorithm
-    override, an out-of-place all_reduce). ``done(exc)`` turns the outcome into the Work's:
-    it returns the Work's result."""
+    override, an out-of-place all_reduce). Once it succeeded, each of ``workings`` (the
+    operation's tensors, aiocoll._tensors.Working) copies its result back to its tensor, and the
+    Work completes with ``result``."""
     kind = spec.kind
     if kind not in _SERVED or spec.algorithm is not None:
         return None
     if kind == "all_reduce" and spec.send[0] is not spec.recv[0]:
         return None
-    dtype_name = str(meta.get("dtype") or (spec.recv or spec.send or (np.empty(0, np.uint8),))[0].dtype.name)
-    op = spec.op
 
     def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
         sig = ShmGroup.signature(tag[2], meta)
@@ -1153,21 +1170,29 @@ def shm_starter(
         def fin(_: Any, exc: BaseException | None) -> None:
             if exc is None:
                 try:
-                    finish(done(None), None)
+                    for w in workings:
+                        w.finish()
                 except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
-                    finish(None, copy_back)
-            else:
-                finish(None, exc)
+                    exc = copy_back
+            finish(result, exc)
 
         on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
+        recv = spec.recv
         if kind == "all_reduce":
-            return group.all_reduce(spec.recv[0], op, dtype_name, sig, fin, on_wait)
+            return group.all_reduce(recv[0], spec.op, _dtype_name(spec, meta), sig, fin, on_wait)
         if kind == "broadcast":
-            return group.broadcast(spec.recv[0], spec.root, sig, fin, on_wait)
+            return group.broadcast(recv[0], spec.root, sig, fin, on_wait)
         if kind == "all_gather":
-            return group.all_gather(spec.recv, spec.send[0], sig, fin, on_wait)
+            return group.all_gather(recv, spec.send[0], sig, fin, on_wait)
         if kind == "reduce_scatter":
-            return group.reduce_scatter(spec.recv[0], spec.send, op, dtype_name, sig, fin, on_wait)
+            name = _dtype_name(spec, meta)
+            return group.reduce_scatter(recv[0], spec.send, spec.op, name, sig, fin, on_wait)
         return group.barrier(sig, fin, on_wait)
 
     return start
+
+
+def _dtype_name(spec: CollectiveSpec, meta: dict[str, Any]) -> str:
+    """The canonical dtype of a reducing operation (bfloat16 travels as uint16 bits)."""
+    name = meta.get("dtype")
+    return str(name) if name else spec.recv[0].dtype.name

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -130,7 +131,15 @@ class _Op:
         "work",
     )
 
-    def __init__(self, group: GroupState, kind: str, seq: int, tag: Tag, future: asyncio.Future[Any]):
+    def __init__(
+        self,
+        group: GroupState,
+        kind: str,
+        seq: int,
+        tag: Tag,
+        future: asyncio.Future[Any],
+        sig: dict[str, Any] | None = None,
+    ):
         self.group = group
         self.kind = kind
         self.seq = seq
@@ -144,14 +153,21 @@ class _Op:
         self.outstanding_recv: dict[int | None, int] = {}
         self.outstanding_send: dict[int, int] = {}
         self.peers_hint: tuple[int, ...] = ()
-        self.work: Work | None = None
-        self.sig: dict[str, Any] | None = None  # what every rank must agree on (progress reports)
+        # Described only when something reads it, by a function that does not hold this op
+        # (op -> work -> op would be a reference cycle: every operation would wait for the
+        # cyclic garbage collector instead of being freed when it finishes).
+        self.work = Work(future, functools.partial(_describe, kind, group, seq))
+        self.sig = sig  # what every rank must agree on (progress reports)
         self.started = _monotonic()
 
     def describe(self) -> str:
-        if self.seq >= 0:
-            return f"{self.kind} (group {self.group.label!r}, seq {self.seq})"
-        return f"{self.kind} (group {self.group.label!r})"
+        return _describe(self.kind, self.group, self.seq)
+
+
+def _describe(kind: str, group: GroupState, seq: int) -> str:
+    if seq >= 0:
+        return f"{kind} (group {group.label!r}, seq {seq})"
+    return f"{kind} (group {group.label!r})"
 
 
 class OpTransport(Transport):
@@ -324,7 +340,7 @@ class Engine:
         op = self._open(group, kind, timeout, p2p_tag, peers, signature)
         if not op.future.done():
             op.task = self._loop.create_task(self._run(op, body))
-        return self._work_of(op)
+        return op.work
 
     def submit_eager(
         self,
@@ -346,7 +362,7 @@ class Engine:
         """
         op = self._open(group, kind, timeout, None, peers, signature)
         if op.future.done():
-            return self._work_of(op)
+            return op.work
         transport = OpTransport(self.transport, op)
 
         def finish(result: Any, exc: BaseException | None) -> None:
@@ -363,12 +379,14 @@ class Engine:
             finish(None, exc)
             if not isinstance(exc, Exception):
                 raise
-            return self._work_of(op)
+            return op.work
         if op.lane is _STARTING:
             op.lane = lane
-        else:  # it finished, or was failed from outside, while starting
+        elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
             lane.stop()
-        return self._work_of(op)
+        # else it finished by itself inside the call (a small shared-memory operation): a runner
+        # that called ``finish`` is over and has nothing left to stop
+        return op.work
 
     def _open(
         self,
@@ -385,22 +403,24 @@ class Engine:
             raise DistError(f"{kind}: the process group is destroyed")
         if p2p_tag is None:
             seq = group.next_seq
-            self._check_usable(group, kind, seq)
+            if group.broken is not None:
+                self._check_usable(group, kind, seq)
             group.next_seq = seq + 1
             tag: Tag = ("c", group.gid, seq)
         else:
             seq = -1
-            self._check_usable(group, kind, seq)
+            if group.broken is not None:
+                self._check_usable(group, kind, seq)
             tag = ("p", group.gid, p2p_tag)
         fut: asyncio.Future[Any] = self._loop.create_future()
-        op = _Op(group, kind, seq, tag, fut)
-        op.peers_hint = tuple(peers)
-        op.sig = signature
-        op.work = Work(fut, op.describe())
-        notice = group.notices.pop(seq, None) if seq >= 0 else None
-        if notice is not None:
-            fut.set_exception(notice)
-            return op
+        op = _Op(group, kind, seq, tag, fut, signature)
+        if peers:
+            op.peers_hint = tuple(peers)
+        if group.notices and seq >= 0:
+            notice = group.notices.pop(seq, None)
+            if notice is not None:
+                fut.set_exception(notice)
+                return op
         group.pending.add(op)
         if timeout is not None:
             op.timeout = timeout
@@ -408,11 +428,6 @@ class Engine:
             if self._timer is None or deadline < self._timer_at:
                 self._arm(deadline)
         return op
-
-    @staticmethod
-    def _work_of(op: _Op) -> Work:
-        assert op.work is not None
-        return op.work
 
     def _check_usable(self, group: GroupState, kind: str, seq: int) -> None:
         cause = group.broken
@@ -497,17 +512,17 @@ class Engine:
             self._break(op.group, exc, from_seq=0, except_op=op)
 
     def _finish(self, op: _Op) -> None:
-        if op.work is not None:
-            op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
+        op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
         op.group.pending.discard(op)
         fut = op.future
-        if not fut.done():
-            outcome = "ok"
-        elif fut.cancelled():
-            outcome = "cancelled"
-        else:
-            failure = fut.exception()
-            outcome = "ok" if failure is None else type(failure).__name__
+        outcome = "ok"
+        if fut.done():
+            if fut.cancelled():
+                outcome = "cancelled"
+            else:
+                failure = fut.exception()
+                if failure is not None:
+                    outcome = type(failure).__name__
         # issue 10 hook: the record of the last operations (logged on a failure)
         self.progress.record(op.kind, op.group.gid, op.seq, op.sig, op.started, outcome)
         if op.seq < 0:
@@ -536,8 +551,7 @@ class Engine:
                 lane.stop()
                 self._finish(op)
             return
-        if op.work is not None:
-            op.work.wake()
+        op.work.wake()
         if op.seq >= 0:
             self.transport.discard(op.tag)
         if op.task is not None and not op.task.done():

@@ -26,6 +26,32 @@ async def _error(work: Any) -> dict[str, Any]:
     return {"error": None}
 
 
+async def per_operation_garbage(pg: Any, ops: int = 60) -> list[str]:
+    """The kinds of object that small collectives left, once per operation or more, to the
+    cyclic garbage collector. A finished operation must be freed by reference counting: a
+    reference cycle per operation (its engine record and its Work holding each other, say) makes
+    small operations pay for a collection every few dozen calls."""
+    import gc
+
+    x = np.ones(2, np.float32)
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for _ in range(ops):
+            await pg.all_reduce(x)
+            await pg.broadcast(x, src=0)
+        gc.collect()
+        counts: dict[str, int] = {}
+        for o in gc.garbage:
+            counts[type(o).__name__] = counts.get(type(o).__name__, 0) + 1
+        return sorted(name for name, count in counts.items() if count >= ops)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 async def shm_checks(pg: Any) -> dict[str, Any]:
     import aiocoll
 
@@ -33,6 +59,7 @@ async def shm_checks(pg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "kinds": sorted(set(pg._rt.transport.link_kinds().values())),
         "world_shm": pg._shm is not None,
+        "garbage": await per_operation_garbage(pg),
     }
     x = np.arange(300_000, dtype=np.float32) * (r + 1)  # 1.2 MB: two steps of the 1 MiB chunk
     await pg.all_reduce(x)
@@ -96,6 +123,7 @@ def test_ranks_of_one_host_use_shared_memory_for_links_and_group_collectives() -
     results = unwrap(run_world(shm_checks, n, env={"AIOCOLL_SHM_SPIN_US": ""}))
     for r, res in enumerate(results):
         assert res["kinds"] == ["shm"] and res["world_shm"]
+        assert res["garbage"] == [], res["garbage"]
         assert res["all_reduce"] and res["max"] == [3] * 5
         assert res["broadcast"] == list(map(float, range(7)))
         assert res["all_gather"] == [k for k in range(n) for _ in range(3)]
@@ -123,12 +151,13 @@ async def tcp_checks(pg: Any) -> dict[str, Any]:
         "kinds": sorted(set(pg._rt.transport.link_kinds().values())),
         "shm": pg._shm is not None,
         "x": x.tolist(),
+        "garbage": await per_operation_garbage(pg),
     }
 
 
 def test_transport_tcp_keeps_ranks_of_one_host_on_tcp() -> None:
     results = unwrap(run_world(tcp_checks, 2, env={"AIOCOLL_TRANSPORT": "tcp"}))
-    assert results == [{"kinds": ["tcp"], "shm": False, "x": [3.0] * 3}] * 2
+    assert results == [{"kinds": ["tcp"], "shm": False, "x": [3.0] * 3, "garbage": []}] * 2
 
 
 async def killed(pg: Any, op: str = "all_reduce") -> dict[str, Any]:
