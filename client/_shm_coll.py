@@ -663,6 +663,9 @@ class ShmGroup:
         self._publish(_DONE, t)
         return None
 
+    # Overflow gives inf and invalid operations nan, as in torch and the driver's Buffers: no
+    # floating-point warnings (errstate wraps each fold once, not a ``with`` per kernel call).
+    @np.errstate(all="ignore")
     def _fold(
         self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str, *, copy: bool = False
     ) -> None:
@@ -683,6 +686,7 @@ class ShmGroup:
                 reduce_into(op, dst, srcs[j], dtype_name)
         self._average(dst, op, dtype_name)
 
+    @np.errstate(all="ignore")
     def _fold_share(self, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
         """srcs[me] = srcs[0] op srcs[1] op ... in rank order, in place (my share of a step, in
         my own slot). Ranks 0 and 1 fold straight into it; a higher rank's own input is needed
@@ -707,8 +711,7 @@ class ShmGroup:
 
     def _average(self, dst: np.ndarray, op: ReduceOp, dtype_name: str) -> None:
         if op is ReduceOp.AVG:
-            with np.errstate(all="ignore"):
-                finish_avg(dst, self.n, dtype_name)
+            finish_avg(dst, self.n, dtype_name)
 
     # -- signatures ------------------------------------------------------------------------
     def _check(self, t: int, sig: bytes) -> None:
