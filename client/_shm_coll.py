@@ -124,6 +124,8 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # 2 ranks went from 59 to 290 us).
 _STEP_PLAIN_S = 50e-6
 _LATE_YIELD_S = 200e-6  # a yield that returns later than this: other work held our core
+_HANDOFF_S = 3e-6  # a yield that returns later than this ran another task (a peer rank's turn)
+_HANDOFFS = 8  # of a spin's yields, at most this many are not charged to its budget (_spin)
 _NAP_FOR_S = 0.1  # after a late yield, waits between steps nap rather than yield for this long
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
 # all_gathers of at least _GATHER_DIRECT_CHUNKS chunks per rank (8 MiB by default), broadcasts of
@@ -661,6 +663,9 @@ class ShmGroup:
         self._publish(_DONE, t)
         return None
 
+    # Overflow gives inf and invalid operations nan, as in torch and the driver's Buffers: no
+    # floating-point warnings (errstate wraps each fold once, not a ``with`` per kernel call).
+    @np.errstate(all="ignore")
     def _fold(
         self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str, *, copy: bool = False
     ) -> None:
@@ -681,6 +686,7 @@ class ShmGroup:
                 reduce_into(op, dst, srcs[j], dtype_name)
         self._average(dst, op, dtype_name)
 
+    @np.errstate(all="ignore")
     def _fold_share(self, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
         """srcs[me] = srcs[0] op srcs[1] op ... in rank order, in place (my share of a step, in
         my own slot). Ranks 0 and 1 fold straight into it; a higher rank's own input is needed
@@ -705,8 +711,7 @@ class ShmGroup:
 
     def _average(self, dst: np.ndarray, op: ReduceOp, dtype_name: str) -> None:
         if op is ReduceOp.AVG:
-            with np.errstate(all="ignore"):
-                finish_avg(dst, self.n, dtype_name)
+            finish_avg(dst, self.n, dtype_name)
 
     # -- signatures ------------------------------------------------------------------------
     def _check(self, t: int, sig: bytes) -> None:
@@ -839,13 +844,18 @@ class ShmGroup:
         the machine, and only a yield lets it run; a yield can also hand the core to someone
         else's process for a while, hence not from the start). The budget adapts: it halves
         after a spin that ended in sleep (the peer is slow: spinning only costs) and doubles
-        back after one that succeeded. Between the steps of a large operation the budget is at
-        least _INNER_SPIN_S."""
+        back after one that succeeded. Between the steps of a large operation the waits are
+        _wait_step's.
+
+        With more ranks than cores, most of the ranks we wait for are off the CPU and only a
+        yield lets them on: no plain checks, and a yield that handed the core to another task
+        for a moment (a peer rank's turn, between _HANDOFF_S and _LATE_YIELD_S) is not charged
+        to the budget, up to _HANDOFFS times: the peers got on with it, and sleeping now would
+        cost a wake-up per operation. A longer yield (other work's time slice) is charged."""
         wait = op.wait
         assert wait is not None
         beside = self._beside(wait)
-        inner = self._inner
-        if inner:
+        if self._inner:
             return self._wait_step(wait, beside)
         if beside:
             return False
@@ -853,20 +863,26 @@ class ShmGroup:
         budget = self._spin_budget
         clock = time.perf_counter
         start = clock()
-        plain, stop = start + min(budget, _PLAIN_SPIN_S), start + budget
+        shared = self._oversubscribed
+        plain, stop = start + (0.0 if shared else min(budget, _PLAIN_SPIN_S)), start + budget
         while clock() < plain:
             if ready(wait):
                 return True
         sched_yield = os.sched_yield
+        handoffs = _HANDOFFS if shared else 0
         while True:
+            before = clock()
             sched_yield()
+            if handoffs:
+                took = clock() - before
+                if _HANDOFF_S < took < _LATE_YIELD_S:
+                    handoffs -= 1
+                    stop += took
             if ready(wait):
-                if not inner:
-                    self._spin_budget = min(self._spin_s, budget * 2)
+                self._spin_budget = min(self._spin_s, budget * 2)
                 return True
             if clock() > stop:
-                if not inner:
-                    self._spin_budget = max(_SPIN_MIN_S, budget / 2)
+                self._spin_budget = max(_SPIN_MIN_S, budget / 2)
                 return False
 
     def _beside(self, wait: Wait) -> bool:

@@ -7,6 +7,7 @@ chunks (64 KiB) make the chunked, pipelined path run many steps without large pa
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,19 @@ async def every_collective(ctx: Ctx) -> list[str]:
                 want = reference([data(k * n + r, count, dtype, op, salt) for k in range(n)], dtype, op)
                 if not same(out, want, dtype, op):
                     failures.append(f"reduce_scatter {dtype} {op} {count}")
+    # overflow gives inf and inf - inf nan, as in torch: results, never floating-point warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for count in (SMALL, LARGE):
+            x = np.full(count, np.finfo(np.float32).max, np.float32)
+            x[0] = np.inf if r == 0 else -np.inf if r == 1 else 0.0
+            try:
+                await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+            except Exception as exc:
+                failures.append(f"overflowing all_reduce {count} raised {exc!r}")
+                continue
+            if n > 1 and not (np.isnan(x[0]) and np.isposinf(x[1:]).all()):
+                failures.append(f"overflowing all_reduce {count} gave {x[:3]}")
     await ctx.run("barrier")
     # a mismatch: every rank raises MismatchError; no data moves
     x = np.ones(4 + (r == n - 1), np.float32)
