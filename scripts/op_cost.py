@@ -1,0 +1,155 @@
+"""What one small collective costs each rank: wall and CPU time per operation, and (on rank 0)
+where the interpreter spends it. A developer's tool for the per-operation path (api -> engine ->
+shared memory or links); docs/PERFORMANCE.md quotes it.
+
+Run it under the launcher, one world per invocation (under the bench lock on a shared machine):
+
+    aiocoll run --nproc-per-node 2 scripts/op_cost.py                 # us/op wall and CPU per rank
+    aiocoll run --nproc-per-node 2 scripts/op_cost.py --count         # + opcodes and calls per op
+    aiocoll run --nproc-per-node 2 scripts/op_cost.py --profile tottime
+
+``--count`` traces rank 0 (sys.settrace with opcode events, sys.setprofile for C calls) and
+leaves out the waits (ShmGroup's spin, sleep and naps: how long a peer takes is not work), so
+its numbers do not move with the load on the machine the way times do: they say how much Python
+one operation runs. ``--profile`` is cProfile of rank 0 (it slows that rank several times).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import numpy as np
+
+import aiocoll
+
+WAITS = {"_spin", "_sleep", "_wait_step", "_nap", "_beside", "_loop_turned"}
+
+
+class Counter:
+    """Opcodes, Python calls and C calls run on this thread while ``on``, waits left out."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.opcodes = 0
+        self.calls = 0
+        self.c_calls = 0
+        self.by_function: dict[str, list[int]] = {}  # "file:function" -> [opcodes, calls]
+        self._waiting: FrameType | None = None  # the wait frame being skipped
+
+    def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            self.opcodes += 1
+            self._entry(frame)[0] += 1
+        elif event == "return" and self._waiting is frame:
+            self._waiting = None
+        return self._local
+
+    def _global(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if not self.on or self._waiting is not None:
+            return None
+        if frame.f_code.co_name in WAITS:
+            self._waiting = frame  # traced for its return only
+            frame.f_trace_opcodes = False
+            return self._local
+        self.calls += 1
+        self._entry(frame)[1] += 1
+        frame.f_trace_opcodes = True
+        return self._local
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if self.on and self._waiting is None and event == "c_call":
+            self.c_calls += 1
+
+    def _entry(self, frame: FrameType) -> list[int]:
+        key = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_code.co_name}"
+        entry = self.by_function.get(key)
+        if entry is None:
+            entry = self.by_function[key] = [0, 0]
+        return entry
+
+    def start(self) -> None:
+        sys.settrace(self._global)
+        sys.setprofile(self._profile)
+        self.on = True
+
+    def stop(self) -> None:
+        self.on = False
+        sys.settrace(None)
+        sys.setprofile(None)
+
+    def report(self, ops: int, top: int) -> str:
+        lines = [
+            f"per operation: {self.opcodes / ops:.0f} opcodes, {self.calls / ops:.1f} Python calls, "
+            f"{self.c_calls / ops:.1f} C calls (waits left out)"
+        ]
+        by_file: dict[str, int] = {}
+        for key, (opcodes, _) in self.by_function.items():
+            name = key.split(":")[0]
+            by_file[name] = by_file.get(name, 0) + opcodes
+        ranked = sorted(by_file.items(), key=lambda kv: -kv[1])
+        lines.append("  opcodes by file: " + ", ".join(f"{f} {n / ops:.0f}" for f, n in ranked))
+        for key, (opcodes, calls) in sorted(self.by_function.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"  {opcodes / ops:7.1f} opcodes {calls / ops:5.2f} calls  {key}")
+        return "\n".join(lines)
+
+
+async def main(args: argparse.Namespace) -> None:
+    async with await aiocoll.init_process_group() as pg:
+        x = np.zeros(args.count_elements, dtype=np.float32)
+        for _ in range(args.warmup):
+            await pg.all_reduce(x)
+        await pg.barrier()
+        shm = pg._shm
+        sleeps = shm.sleeps if shm is not None else 0
+        lead = pg.rank == 0
+        profile = cProfile.Profile() if lead and args.profile else None
+        counter = Counter() if lead and args.count else None
+        ops = args.trace_ops if args.count else args.ops  # the same on every rank
+        t0, c0 = time.perf_counter(), time.process_time()
+        if profile is not None:
+            profile.enable()
+        if counter is not None:
+            counter.start()
+        for _ in range(ops):
+            await pg.all_reduce(x)
+        if counter is not None:
+            counter.stop()
+        if profile is not None:
+            profile.disable()
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        slept = (shm.sleeps - sleeps) * 1000 / ops if shm is not None else 0.0
+        path = "shm" if shm is not None else "links"
+        print(
+            f"rank {pg.rank}: {wall / ops * 1e6:.1f} us/op wall, {cpu / ops * 1e6:.1f} us/op CPU "
+            f"({ops} all_reduces of {x.nbytes} B over {path}, {slept:.1f} sleeps per 1000)",
+            flush=True,
+        )
+        if counter is not None:
+            print(counter.report(ops, args.top), flush=True)
+        if profile is not None:
+            pstats.Stats(profile).sort_stats(args.profile).print_stats(args.top)
+        await pg.barrier()
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    add = parser.add_argument
+    add("--ops", type=int, default=20000, help="timed operations (default 20000)")
+    add("--warmup", type=int, default=500, help="untimed operations first (default 500)")
+    add("--elements", dest="count_elements", type=int, default=1, help="float32 elements (default 1)")
+    add("--count", action="store_true", help="count opcodes and calls per operation on rank 0")
+    add("--trace-ops", type=int, default=300, help="operations timed and traced with --count (default 300)")
+    add("--profile", metavar="SORT", help="cProfile rank 0, sorted by SORT (tottime, cumulative)")
+    add("--top", type=int, default=40, help="lines of --count and --profile detail (default 40)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    aiocoll.run(main(parse()))
