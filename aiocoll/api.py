@@ -308,14 +308,22 @@ class ProcessGroup:
             raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
         if has_device_arrays(send, recv):
             return self._staged_collective(kind, meta, send, recv, workings, result, timeout, root, op)
+        # The one place where a collective leaves the links for a faster path: every member on
+        # this host, and a kind the shared-memory arenas serve (client/_shm_coll.py); else the
+        # routes (flat or hierarchical) over the links.
+        if self._shm is not None:
+            start = shm_starter(self._shm, kind, send, recv, meta, workings, result, root, op)
+            if start is not None:
+                return self._rt.engine.submit_eager(
+                    self._state,
+                    kind,
+                    start,
+                    timeout=_timeout(timeout, self._rt.default_timeout),
+                    signature=meta,  # what progress reports compare across ranks
+                )
         spec = CollectiveSpec(
             kind, self._state.ranks, self.rank, tuple(send), tuple(recv), root, op, None, meta.get("dtype")
         )  # (positional: keywords cost more than the rest of building it)
-        # Every member on this host: the shared-memory collectives; else the routes (flat or
-        # hierarchical) over the links.
-        work = self._intra_host(spec, meta, workings, result, timeout)
-        if work is not None:
-            return work
         layout = self._layout
         if choose_route(kind, op, layout) == "flat":
             # Every flat collective runs from message callbacks, without a task
@@ -374,31 +382,6 @@ class ProcessGroup:
             return result
 
         return self._submit(kind, body, timeout)
-
-    def _intra_host(
-        self,
-        spec: CollectiveSpec,
-        meta: dict[str, Any],
-        workings: Sequence[Working],
-        result: Any,
-        timeout: Any,
-    ) -> Work | None:
-        """The one place where a collective leaves the links for a faster path: when every
-        member of the group shares this host, the kinds the shared-memory arenas serve run
-        there (client/_shm_coll.py). None: run it over the links."""
-        shm = self._shm
-        if shm is None:
-            return None
-        start = shm_starter(shm, spec, meta, workings, result)
-        if start is None:
-            return None
-        return self._rt.engine.submit_eager(
-            self._state,
-            spec.kind,
-            start,
-            timeout=_timeout(timeout, self._rt.default_timeout),
-            signature=meta,  # what progress reports compare across ranks
-        )
 
     def _meta(
         self,

@@ -73,7 +73,6 @@ from aiocoll._progress_check import _sig as progress_sig
 from aiocoll._progress_check import describe_sig
 from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
-from aiocoll.algorithms import CollectiveSpec
 
 from ._shm import ARENA_HEADER, ShmHost, current_cpu, fence
 from ._vm_read import vm_read, vm_read_available
@@ -1151,20 +1150,24 @@ def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
 
 def shm_starter(
     group: ShmGroup,
-    spec: CollectiveSpec,
+    kind: str,
+    send: Sequence[np.ndarray],
+    recv: Sequence[np.ndarray],
     meta: dict[str, Any],
     workings: Sequence[Any],
     result: Any,
+    root: int = 0,
+    op: ReduceOp = ReduceOp.SUM,
 ) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
-    """An engine starter (see Engine.submit_eager) that runs ``spec`` over ``group``'s shared
-    memory, or None when this operation is not one the arenas serve (its kind, an algorithm
-    override, an out-of-place all_reduce). Once it succeeded, each of ``workings`` (the
-    operation's tensors, aiocoll._tensors.Working) copies its result back to its tensor, and the
-    Work completes with ``result``."""
-    kind = spec.kind
-    if kind not in _SERVED or spec.algorithm is not None:
+    """An engine starter (see Engine.submit_eager) that runs a collective over ``group``'s
+    shared memory (``kind``, its arrays, root and reduce op as in CollectiveSpec, ``meta`` its
+    signature), or None when it is not one the arenas serve (its kind, an out-of-place
+    all_reduce). Once it succeeded, each of ``workings`` (the operation's tensors,
+    aiocoll._tensors.Working) copies its result back to its tensor, and the Work completes with
+    ``result``."""
+    if kind not in _SERVED:
         return None
-    if kind == "all_reduce" and spec.send[0] is not spec.recv[0]:
+    if kind == "all_reduce" and send[0] is not recv[0]:
         return None
 
     def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
@@ -1180,22 +1183,20 @@ def shm_starter(
             finish(result, exc)
 
         on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
-        recv = spec.recv
         if kind == "all_reduce":
-            return group.all_reduce(recv[0], spec.op, _dtype_name(spec, meta), sig, fin, on_wait)
+            return group.all_reduce(recv[0], op, _dtype_name(recv, meta), sig, fin, on_wait)
         if kind == "broadcast":
-            return group.broadcast(recv[0], spec.root, sig, fin, on_wait)
+            return group.broadcast(recv[0], root, sig, fin, on_wait)
         if kind == "all_gather":
-            return group.all_gather(recv, spec.send[0], sig, fin, on_wait)
+            return group.all_gather(recv, send[0], sig, fin, on_wait)
         if kind == "reduce_scatter":
-            name = _dtype_name(spec, meta)
-            return group.reduce_scatter(recv[0], spec.send, spec.op, name, sig, fin, on_wait)
+            return group.reduce_scatter(recv[0], send, op, _dtype_name(recv, meta), sig, fin, on_wait)
         return group.barrier(sig, fin, on_wait)
 
     return start
 
 
-def _dtype_name(spec: CollectiveSpec, meta: dict[str, Any]) -> str:
+def _dtype_name(recv: Sequence[np.ndarray], meta: dict[str, Any]) -> str:
     """The canonical dtype of a reducing operation (bfloat16 travels as uint16 bits)."""
     name = meta.get("dtype")
-    return str(name) if name else spec.recv[0].dtype.name
+    return str(name) if name else recv[0].dtype.name

@@ -6,7 +6,7 @@ members share a host, by the membership table's host identity), how an operation
 all_reduce over a group that spans hosts with several ranks on at least one: reduce within each
 host to its leader, all_reduce among the leaders, broadcast within each host). A group whose
 members all share one host, with shared-memory links, runs the kinds the arenas serve before any
-route is chosen (ProcessGroup._intra_host, client/_shm_coll.py).
+route is chosen (ProcessGroup._collective, client/_shm_coll.py).
 
 ``run_routed`` runs an operation the way ``choose_route`` says. The hierarchical all_reduce is
 composed of the existing operations, each run on the sub-group it concerns through
