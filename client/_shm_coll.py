@@ -312,7 +312,7 @@ class ShmGroup:
         self._gid = gid
         self.sleeps = 0
         self.naps = 0  # blocks on the eventfd inside a wait between steps (_nap)
-        self.beside = 0  # waits that slept at once: the awaited peer was queued on our core
+        self.beside = 0  # waits that found the awaited peer queued on our core (_beside)
         self._nap_until = 0.0  # (perf_counter) waits between steps nap until then (_wait_step)
         self.direct_steps = 0  # steps that read the peers' buffers directly (_direct_step)
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
@@ -891,7 +891,9 @@ class ShmGroup:
         that peer off the CPU while it spins: the scheduler puts a woken task beside its waker
         when the other core is briefly busy, and moves a task that is always running (spinning
         ranks look cache-hot) only after several balancing rounds, milliseconds later. Sleeping
-        instead lets the peer run at once, and its wake-up lands us on the idle core."""
+        instead lets the peer run at once, and its wake-up lands us on the idle core. Where
+        every core is busy (other work beside the job), there is no idle core to land on, and
+        the usual waits (which yield) hand the core over sooner than a sleep and a wake-up."""
         cpu = current_cpu() + 1
         ctl = self._ctl
         ctl[self.me][_CPU] = cpu
@@ -902,7 +904,8 @@ class ShmGroup:
             row = ctl[j]
             if row[_CPU] == cpu and row[counter] < t:
                 self.beside += 1
-                return True
+                # with no idle core to wake up on, a yield hands ours over sooner than a sleep
+                return not _host_contended()
         return False
 
     def _wait_step(self, wait: Wait, beside: bool = False) -> bool:

@@ -7,6 +7,7 @@ coordinator (or between two peers) to make loss, silence and slowness happen on 
         session = await CoordinatorSession.connect("127.0.0.1", proxy.port, ...)
         proxy.cut()        # every link through the proxy drops now; new ones are accepted
         proxy.pause()      # bytes stop moving both ways (a silent peer), until resume()
+        proxy.hold_replies()  # requests still reach the target; its answers wait, until resume()
 
 Buffers are bounded: a pump reads one chunk and holds it until it can forward it.
 """
@@ -57,6 +58,8 @@ class FaultProxy:
         self._links: set[_Link] = set()
         self._flowing = asyncio.Event()
         self._flowing.set()
+        self._replies_flowing = asyncio.Event()  # target-to-client bytes (cleared by hold_replies)
+        self._replies_flowing.set()
         self._delay = 0.0
         self._dropping = False
         self._refusing = False
@@ -87,9 +90,17 @@ class FaultProxy:
         """Stop forwarding bytes in both directions (links stay open, nobody hears anything)."""
         self._flowing.clear()
 
+    def hold_replies(self) -> None:
+        """Stop forwarding bytes from the target to the clients, while requests still go
+        through: the target carries out requests whose answers nobody hears (until resume() or
+        a cut). Tests use it to lose replies to requests known to be applied, whatever the
+        machine's load, where a delay would only make that likely."""
+        self._replies_flowing.clear()
+
     def resume(self) -> None:
-        """Forward again, starting with what was held."""
+        """Forward again (both ways), starting with what was held."""
         self._flowing.set()
+        self._replies_flowing.set()
 
     def delay(self, seconds: float) -> None:
         """Hold each chunk ``seconds`` before forwarding it (0 forwards at once)."""
@@ -120,20 +131,27 @@ class FaultProxy:
         link = _Link(writer, up_writer)
         self._links.add(link)
         link.tasks = [
-            asyncio.ensure_future(self._pump(reader, up_writer, link)),
-            asyncio.ensure_future(self._pump(up_reader, writer, link)),
+            asyncio.ensure_future(self._pump(reader, up_writer, link, None)),
+            asyncio.ensure_future(self._pump(up_reader, writer, link, self._replies_flowing)),
         ]
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: _Link) -> None:
+    async def _pump(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: _Link,
+        replies: asyncio.Event | None,
+    ) -> None:
+        """Forward ``reader`` to ``writer``; ``replies`` (target-to-client pumps) also holds."""
         try:
             while True:
                 data = await reader.read(_CHUNK)
                 if not data:
                     break
-                await self._flowing.wait()
+                await self._held(replies)
                 if self._delay:
                     await asyncio.sleep(self._delay)
-                    await self._flowing.wait()
+                    await self._held(replies)
                 if self._dropping:
                     continue
                 writer.write(data)
@@ -149,12 +167,18 @@ class FaultProxy:
                 link.client.close()
                 link.upstream.close()
 
+    async def _held(self, replies: asyncio.Event | None) -> None:
+        """Wait while a pause (or, for replies, a hold) lasts."""
+        await self._flowing.wait()
+        if replies is not None:
+            await replies.wait()
+
     async def stop(self) -> None:
         """Stop listening and cut every link. Twice is fine."""
         if self._server is not None:
             self._server.close()
             self._server = None
-        self._flowing.set()
+        self.resume()
         self.cut()
 
     async def __aenter__(self) -> FaultProxy:

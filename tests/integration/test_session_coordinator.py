@@ -9,7 +9,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,17 @@ async def _connect(port: int, job: str, role: str = ROLE_WORKER, timeout: float 
     return await CoordinatorSession.connect(
         "127.0.0.1", port, token=TOKEN, job=job, role=role, timeout=timeout
     )
+
+
+async def _until(condition: Callable[[], Awaitable[bool]], what: str, *, twice: bool = False) -> None:
+    """Wait (20 s at most) until ``condition()`` holds (on two checks in a row if ``twice``)."""
+    deadline = time.monotonic() + 20
+    held = 0
+    while held < (2 if twice else 1):
+        held = held + 1 if await condition() else 0
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not seen within 20 s")
+        await asyncio.sleep(0.005)
 
 
 async def _store(port: int, job: str, timeout: float = 20) -> Store:
@@ -222,18 +233,21 @@ async def test_mutations_whose_replies_are_lost_after_they_were_applied_are_rese
         observer = await _connect(coordinator.port, job, role=ROLE_STORE)
         try:
             await store.set("doomed", b"x")
-            # Every chunk spends 0.3 s in the proxy each way: the requests reach the coordinator
-            # after 0.3 s, their replies would reach us after 0.6 s; the cut falls in between.
-            proxy.delay(0.3)
+            # The proxy holds the coordinator's replies: the requests are carried out (the
+            # observer, connected directly, sees it), their answers wait; the cut loses them.
+            proxy.hold_replies()
             add = asyncio.ensure_future(store.add("counter", 1))
             app = asyncio.ensure_future(store.append("log", b"once,"))
             gone = asyncio.ensure_future(store.delete_key("doomed"))
-            await asyncio.sleep(0.45)
-            applied = await observer.multi_get(["counter", "log"], timeout=5)
-            assert applied == [b"1", b"once,"], "the requests must have been carried out before the cut"
-            assert not await observer.check(["doomed"])
+
+            async def carried_out() -> bool:
+                return await observer.check(["counter", "log"]) and not await observer.check(["doomed"])
+
+            await _until(carried_out, "the three requests carried out behind held replies")
+            assert await observer.multi_get(["counter", "log"]) == [b"1", b"once,"]
+            assert not (add.done() or app.done() or gone.done()), "a held reply got through"
             proxy.cut()
-            proxy.delay(0)
+            proxy.resume()
             assert await add == 1
             await app
             assert await gone is True  # the first reply, although the key is gone by now
@@ -374,17 +388,29 @@ async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_
                 appended.append(f"{n}.{i}")
                 i += 1
 
-        async def cut_after_requests_arrived() -> None:
-            # Requests reach the coordinator after 0.15 s, replies would be back after 0.3 s.
-            proxy.delay(0.15)
-            await asyncio.sleep(0.22)
-            proxy.cut()
-            proxy.delay(0)
+        async def cut_with_requests_carried_out_unanswered(port: int) -> None:
+            # The proxy holds the replies; once the coordinator (read directly) has carried out
+            # an add or an append that no writer has had an answer to, the cut loses its reply.
+            # Checked twice a loop turn apart: a reply already past the proxy is read meanwhile.
+            observer = await _connect(port, job, role=ROLE_STORE, timeout=30)
+            try:
+                proxy.hold_replies()
+
+                async def unanswered() -> bool:
+                    counter = int(await observer.get("counter", timeout=10))
+                    entries = (await observer.get("log", timeout=10)).count(b",")
+                    return counter > max(seen, default=0) or entries > len(appended)
+
+                await _until(unanswered, "an add or append carried out behind held replies", twice=True)
+                proxy.cut()
+                proxy.resume()
+            finally:
+                await observer.aclose()
 
         writers = [asyncio.ensure_future(writer(n)) for n in range(16)]
         try:
             await asyncio.sleep(0.3)
-            await cut_after_requests_arrived()
+            await cut_with_requests_carried_out_unanswered(coordinators[0].port)
             await asyncio.sleep(0.3)
             proxy.cut()  # at whatever moment the requests are in
             await asyncio.sleep(0.3)
@@ -392,7 +418,7 @@ async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_
             coordinators.append(_coordinator(tmp_path, state_dir=state))
             proxy.retarget("127.0.0.1", coordinators[1].port)
             await asyncio.sleep(0.5)
-            await cut_after_requests_arrived()
+            await cut_with_requests_carried_out_unanswered(coordinators[1].port)
             await asyncio.sleep(0.3)
             stop.set()
             await asyncio.wait_for(asyncio.gather(*writers), 30)  # no add or append failed

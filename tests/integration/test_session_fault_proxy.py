@@ -1,5 +1,6 @@
 """The fault-injection proxy itself, over loopback against an echo server: it forwards, holds
-bytes while paused, delays, drops, refuses and cuts, so that the tests that rely on it can."""
+bytes while paused (or only the replies), delays, drops, refuses and cuts, so that the tests
+that rely on it can."""
 
 from __future__ import annotations
 
@@ -61,6 +62,39 @@ async def test_proxy_forwards_holds_while_paused_and_cuts(echo_port: int) -> Non
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
         assert await _roundtrip(reader, writer, b"again") == b"again"
         writer.close()
+
+
+@pytest.mark.timeout(30)
+async def test_proxy_holding_replies_lets_requests_through_and_answers_after_resume() -> None:
+    received: list[bytes] = []
+
+    async def recording_echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            received.append(data)
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(recording_echo, "127.0.0.1", 0)
+    try:
+        async with FaultProxy("127.0.0.1", server.sockets[0].getsockname()[1]) as proxy:
+            reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            proxy.hold_replies()
+            writer.write(b"req1")
+            await writer.drain()
+            pending = asyncio.ensure_future(reader.readexactly(4))
+            for _ in range(500):
+                if received:
+                    break
+                await asyncio.sleep(0.01)
+            assert received == [b"req1"], "a request must reach the target while replies are held"
+            await asyncio.sleep(0.2)
+            assert not pending.done(), "a held reply must not be forwarded"
+            proxy.resume()
+            assert await asyncio.wait_for(pending, 5) == b"req1"
+            writer.close()
+    finally:
+        server.close()
 
 
 @pytest.mark.timeout(30)

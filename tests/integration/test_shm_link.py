@@ -216,10 +216,11 @@ def gathers_pinned_to(cpus: list[int]) -> Callable[[Ctx], Awaitable[dict[str, An
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin two ranks apart")
-def test_ranks_sharing_a_core_sleep_for_each_other_and_ranks_apart_do_not() -> None:
+def test_ranks_sharing_a_core_see_it_when_they_wait_and_ranks_apart_do_not() -> None:
     # Two ranks on one core: a rank that spun for its peer would hold the peer off the core for
-    # a time slice, so each wait for a peer seen last on our own CPU sleeps at once. Ranks on
-    # cores of their own never take that path (they spin, as a peer on another core is close).
+    # a time slice, so a wait for a peer seen last on our own CPU is recognised (and sleeps at
+    # once unless every core is busy: then it yields). Ranks on cores of their own never take
+    # that path (they spin, as a peer on another core is close).
     cpu, other = sorted(os.sched_getaffinity(0))[:2]
     together = values(shm_world(gathers_pinned_to([cpu, cpu]), 2))
     apart = values(shm_world(gathers_pinned_to([cpu, other]), 2))
