@@ -85,6 +85,7 @@ class GroupState:
     __slots__ = (
         "broken",
         "broken_seq",
+        "failing",
         "gid",
         "index",
         "label",
@@ -109,6 +110,8 @@ class GroupState:
         self.notices: dict[int, DistError] = {}  # failures reported for seqs not called yet
         # seq -> {rank: ranks it was still waiting for} from timeout reports (see Engine._expire)
         self.stuck: dict[int, dict[int, list[int]]] = {}
+        # failures being carried to the pending operations (Engine._fail_pending), in turn
+        self.failing: list[tuple[BaseException, int, _Op | None]] = []
 
 
 class _Op:
@@ -698,11 +701,25 @@ class Engine:
     def _fail_pending(
         self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
     ) -> None:
-        for op in list(group.pending):
-            if op is except_op:
-                continue
-            if op.seq < 0 or op.seq >= from_seq:
-                self._abort(op, _for_op(err, op))
+        # Failing an operation can fail the next one from inside (a shared-memory arena fails
+        # its queued operations when one is stopped, and each failure breaks the group again):
+        # such a failure waits its turn here instead of recursing, which with a few hundred
+        # operations in flight exhausted the stack and left the rest pending forever.
+        failing = group.failing
+        failing.append((err, from_seq, except_op))
+        if len(failing) > 1:
+            return
+        try:
+            while failing:
+                err, from_seq, except_op = failing[0]
+                for op in list(group.pending):
+                    if op is except_op:
+                        continue
+                    if op.seq < 0 or op.seq >= from_seq:
+                        self._abort(op, _for_op(err, op))
+                failing.pop(0)
+        finally:
+            failing.clear()
 
     def _name_mismatch(self, op: _Op, exc: MismatchError) -> MismatchError:
         if exc.seq >= 0 and exc.group:

@@ -111,6 +111,17 @@ async def shm_checks(pg: Any) -> dict[str, Any]:
             await g.all_reduce(v)
             out[f"{name}_sum"] = v.tolist()
     out["concurrent_regions"] = regions
+    # Hundreds of operations queued on the arena when a mismatch fails them: every one fails
+    # with MismatchError. (Each failure used to fail the next from inside, one level deeper per
+    # queued operation: RecursionError, and the rest stayed pending forever.)
+    every = await pg.new_group(list(range(n)))
+    if r == 0:
+        queued = [every.all_reduce(np.zeros(1, np.float32), timeout=20) for _ in range(600)]
+        outcomes = await asyncio.gather(*queued, return_exceptions=True)
+        out["queued"] = sorted({type(o).__name__ for o in outcomes})
+    else:
+        await asyncio.sleep(0.3)  # rank 0 queues its 600 meanwhile
+        out["queued"] = [(await _error(every.barrier(timeout=20)))["error"]]
     # a mismatch: every rank raises MismatchError naming the count
     bad = np.ones(4 + (r == n - 1), np.float32)
     out["mismatch"] = await _error(pg.all_reduce(bad))
@@ -130,6 +141,7 @@ def test_ranks_of_one_host_use_shared_memory_for_links_and_group_collectives() -
         total = sum(np.arange(2 * n, dtype=np.float32) + k for k in range(n))
         assert res["reduce_scatter"] == total[2 * r : 2 * r + 2].tolist()
         assert res["mismatch"]["error"] == "MismatchError" and "count" in res["mismatch"]["message"]
+        assert res["queued"] == ["MismatchError"], res["queued"]
     assert results[1]["p2p"] == [9.0] * 3
     for r in (0, 2, 3):
         assert results[r]["sub_region"] == 1 and results[r]["sub_sum"] == [5.0] * 4
