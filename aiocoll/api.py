@@ -312,12 +312,12 @@ class ProcessGroup:
         # this host, and a kind the shared-memory arenas serve (client/_shm_coll.py); else the
         # routes (flat or hierarchical) over the links.
         if self._shm is not None:
-            start = shm_starter(self._shm, kind, send, recv, meta, workings, result, root, op)
-            if start is not None:
+            on_arena = shm_starter(self._shm, kind, send, recv, meta, workings, result, root, op)
+            if on_arena is not None:
                 return self._rt.engine.submit_eager(
                     self._state,
                     kind,
-                    start,
+                    on_arena,
                     timeout=_timeout(timeout, self._rt.default_timeout),
                     signature=meta,  # what progress reports compare across ranks
                 )
