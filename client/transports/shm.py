@@ -125,6 +125,7 @@ class ShmLink(TcpLink):
     rings and their eventfds from ``shm`` (it closes them)."""
 
     kind = "shm"
+    poll_while_waiting = True
 
     def __init__(self, shm: ShmPeer, host: LinkHost, *, max_payload: int, spin_s: float = _SPIN_S) -> None:
         super().__init__(shm.sock, shm.rank, host, max_payload=max_payload)

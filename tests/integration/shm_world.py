@@ -172,3 +172,27 @@ def dev_shm_in_use() -> list[str]:
         except OSError:  # closed meanwhile (the listing's own descriptor)
             pass
     return mapped + [h for h in held if h.startswith("/dev/shm")]
+
+
+async def polled_ping_pongs(pg: Any, seconds: float = 0.2) -> int:
+    """After a barrier, 4-byte round trips between ranks 0 and 1 of ``pg`` for ``seconds``
+    (longer than a pause of the polling after waits that outlasted it; other ranks only take
+    part in the barrier); returns how many receives of this rank completed while its event
+    loop was kept polling for them."""
+    await pg.barrier()
+    before = pg._rt.transport.polled_arrivals
+    buf = np.ones(1, np.float32)  # rank 0 sends 1 to go on, 0 for the last round trip
+    end = time.monotonic() + seconds
+    while pg.rank in (0, 1):
+        if pg.rank == 0:
+            buf[0] = 1.0 if time.monotonic() < end else 0.0
+            last = buf[0] == 0.0
+            await pg.send(buf, dst=1)
+            await pg.recv(buf, src=1)
+        else:
+            await pg.recv(buf, src=0)
+            last = buf[0] == 0.0
+            await pg.send(buf, dst=0)
+        if last:
+            break
+    return int(pg._rt.transport.polled_arrivals - before)

@@ -157,6 +157,8 @@ def test_ranks_of_one_host_use_shared_memory_for_links_and_group_collectives() -
 
 
 async def tcp_checks(pg: Any) -> dict[str, Any]:
+    from shm_world import polled_ping_pongs
+
     x = np.full(3, pg.rank + 1.0)
     await pg.all_reduce(x)
     return {
@@ -164,12 +166,13 @@ async def tcp_checks(pg: Any) -> dict[str, Any]:
         "shm": pg._shm is not None,
         "x": x.tolist(),
         "garbage": await per_operation_garbage(pg),
+        "polled": await polled_ping_pongs(pg),  # receives over tcp links let the loop sleep
     }
 
 
 def test_transport_tcp_keeps_ranks_of_one_host_on_tcp() -> None:
     results = unwrap(run_world(tcp_checks, 2, env={"AIOCOLL_TRANSPORT": "tcp"}))
-    assert results == [{"kinds": ["tcp"], "shm": False, "x": [3.0] * 3, "garbage": []}] * 2
+    assert results == [{"kinds": ["tcp"], "shm": False, "x": [3.0] * 3, "garbage": [], "polled": 0}] * 2
 
 
 async def killed(pg: Any, op: str = "all_reduce") -> dict[str, Any]:

@@ -2,7 +2,8 @@
 Unix socket: exact bytes for every size (one chunk, many chunks, odd sizes, both directions at
 once, early and late receives), the operations the driver runs over links (reduce, gather,
 scatter, all_to_all) against numpy, and a receiver killed with SIGKILL while its sender waits on
-a full ring (PeerLostError naming it, nothing under /dev/shm)."""
+a full ring (PeerLostError naming it, nothing under /dev/shm); a waiting receive keeps the loop
+polling over these links (tcp links do not: test_shm_api)."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ def _pattern(n: int, seed: int) -> np.ndarray:
 
 
 async def ring_checks(pg: Any) -> dict[str, Any]:
+    from shm_world import polled_ping_pongs
+
     import aiocoll
 
     r, n = pg.rank, pg.size
@@ -84,6 +87,8 @@ async def ring_checks(pg: Any) -> dict[str, Any]:
             await pg.recv(y, src=0, tag=3)
             ok.append(bool(np.array_equal(y, np.arange(1 << 20, dtype=np.float32))))
     out["p2p"] = ok
+    # a waiting receive keeps the loop polling for a moment over shm links (no sleep, no wake-up)
+    out["polled"] = await polled_ping_pongs(pg)
     # the collectives the driver runs over links, 3 MiB per rank (several chunks each)
     m = 3 << 18
     v = np.arange(m, dtype=np.float32) * (r + 1)
@@ -119,6 +124,9 @@ def test_payloads_between_ranks_of_one_host_go_through_the_rings_and_arrive_exac
         if r in (0, 1):
             assert res["p2p"] == [True] * (len(SIZES) + (1 if r == 1 else 0) * 4), (r, res["p2p"])
     assert results[0]["reduce"] and results[1]["gather"]
+    # rank 0 posts each receive before its reply can exist, so it waits every round trip (rank 1
+    # often finds the next message already there): hundreds of its receives came while polling
+    assert results[0]["polled"] > 0, [res["polled"] for res in results]
     # every payload byte of more than 1 KiB between these ranks went through a ring (smaller
     # ones ride in their frame): the p2p traffic alone is more than sum(SIZES) bytes each way
     for r in (0, 1):
