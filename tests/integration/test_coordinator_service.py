@@ -466,9 +466,28 @@ async def test_snapshots_taken_while_serving_keep_journal_and_snapshot_consisten
 
         await asyncio.gather(*(work(cl, n) for n, cl in enumerate(clients)))
         # Read the directory while the coordinator still runs: what a kill -9 now would leave.
-        reader = Journal(state)
-        snap, records = reader.load()
-        reader.close()
+        # A kill freezes both files at one instant; reading them one after the other does not,
+        # so a read that a snapshot's installation (still running after the last reply: one
+        # follows every commit here) overtook between the two files is taken again.
+        snapshot_file = tmp_path / "state" / "snapshot"
+
+        def snapshot_identity() -> tuple[int, int] | None:
+            try:
+                st = snapshot_file.stat()
+            except FileNotFoundError:
+                return None
+            return st.st_ino, st.st_mtime_ns
+
+        for _ in range(200):
+            before = snapshot_identity()
+            reader = Journal(state)
+            snap, records = reader.load()
+            reader.close()
+            if snapshot_identity() == before:
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the snapshot kept changing for 2 s after the last reply")
         recovered = CoordinatorState(clock=time.monotonic)
         recovered.restore(snap, records)
         kv = recovered.jobs["snap"].kv
