@@ -187,6 +187,17 @@ def _host_contended() -> bool:
         return True  # no count to go by: do not hold a core we may not have
 
 
+def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:
+    """The filler of a pipeline that writes ``b`` (bytes) ``step`` bytes a round: ``filler(r)``
+    copies round ``r``'s bytes into the front of a slot."""
+
+    def filler(r: int) -> Callable[[np.ndarray], None]:
+        part = b[r * step : (r + 1) * step]
+        return lambda slot: np.copyto(slot[: part.size], part)
+
+    return filler
+
+
 def region_bytes(chunk: int) -> int:
     """Bytes of one group region for steps of ``chunk`` bytes."""
     return _DATA + 4 * chunk
@@ -448,12 +459,7 @@ class ShmGroup:
         t0 = self._steps(rounds)
         me = self.me
 
-        def part(r: int) -> tuple[int, int]:
-            return r * per, min(total, (r + 1) * per)
-
-        def filler(r: int) -> Callable[[np.ndarray], None]:
-            lo, hi = part(r)
-            return lambda slot: np.copyto(slot[: (hi - lo) * isz], b[lo * isz : hi * isz])
+        filler = _rounds_of(b, per * isz)
 
         # Reduce-scatter then all-gather in each step: I reduce share ``me`` of the step from
         # every member's slot into that share of my own slot (no one else reads it there),
@@ -462,7 +468,7 @@ class ShmGroup:
         yield from self._announce(t0, sig, filler(0))
         for r in range(rounds):
             t = t0 + r
-            lo, hi = part(r)
+            lo, hi = r * per, min(total, (r + 1) * per)
             length = hi - lo
             cuts = [length * j // n * isz for j in range(n + 1)]
             base = (t % self._slots) * self._slot
@@ -487,16 +493,12 @@ class ShmGroup:
         """(filler, consume) of an all_reduce where every member reduces all of every step."""
         isz, total = x.itemsize, x.size
 
-        def filler(r: int) -> Callable[[np.ndarray], None]:
-            lo, hi = r * per * isz, min(total, (r + 1) * per) * isz
-            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
-
         def consume(r: int, base: int) -> None:
             lo, hi = r * per, min(total, (r + 1) * per)
             _, views = self._views(base, (hi - lo) * isz, x.dtype)
             self._fold(x[lo:hi], views, op, dtype_name)
 
-        return filler, consume
+        return _rounds_of(b, per * isz), consume
 
     def _pipeline(
         self,
@@ -528,12 +530,10 @@ class ShmGroup:
         if (yield from self._go_direct(total, _BCAST_DIRECT_CHUNKS)):
             return (yield from self._direct_step(b, sig, [(root, b)] if self.me != root else []))
         is_root = self.me == root
+        root_filler = _rounds_of(b, chunk)
 
         def filler(r: int) -> Callable[[np.ndarray], None] | None:
-            if not is_root:
-                return None
-            lo, hi = r * chunk, min(total, (r + 1) * chunk)
-            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
+            return root_filler(r) if is_root else None
 
         def consume(r: int, base: int) -> None:
             if not is_root:
@@ -547,9 +547,7 @@ class ShmGroup:
         if (yield from self._go_direct(total, _GATHER_DIRECT_CHUNKS)):
             return (yield from self._direct_step(b, sig, list(enumerate(outs))))
 
-        def filler(r: int) -> Callable[[np.ndarray], None]:
-            lo, hi = r * chunk, min(total, (r + 1) * chunk)
-            return lambda slot: np.copyto(slot[: hi - lo], b[lo:hi])
+        filler = _rounds_of(b, chunk)
 
         def consume(r: int, base: int) -> None:
             lo, hi = r * chunk, min(total, (r + 1) * chunk)
