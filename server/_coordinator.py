@@ -68,6 +68,8 @@ _COPY_PAYLOAD = 16 * 1024
 # One packer for every reply header (the coordinator runs on one thread).
 _pack = msgpack.Packer(use_bin_type=True).pack
 pack_prefix = PREFIX.pack  # the bound method itself: one call less per reply
+# A reply or event header: a map, a compact list, or one encoded ahead for many recipients.
+Header = dict[str, Any] | list[Any] | EncodedHeader
 
 
 def _error_category(exc: BaseException) -> str:
@@ -111,7 +113,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.hs_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
         # Events produced before the client's first request (resume): sent after that request.
-        self.early: list[tuple[dict[str, Any] | EncodedHeader, bytes | bytearray | memoryview]] | None = []
+        self.early: list[tuple[Header, bytes | bytearray | memoryview]] | None = []
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -302,7 +304,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.close(f"the client has not read its replies for {WRITE_STALL_TIMEOUT:g}s", abort=True)
 
     # -- output and closing
-    def send(self, header: dict[str, Any] | EncodedHeader, payload: bytes | bytearray | memoryview) -> None:
+    def send(self, header: Header, payload: bytes | bytearray | memoryview) -> None:
         """Write one frame (a reply or an event)."""
         transport = self.transport
         if transport is None or self.closing:
@@ -312,7 +314,7 @@ class _Connection(asyncio.BufferedProtocol):
             # handshake decoder would swallow (and choke on) an event sent in the same segment.
             self.early.append((header, payload))
             return
-        if type(header) is dict:
+        if type(header) is not EncodedHeader:
             head = _pack(header)
             size = len(payload)
             if size > _COPY_PAYLOAD:
@@ -326,7 +328,7 @@ class _Connection(asyncio.BufferedProtocol):
             self._check_backlog(transport)
 
     def send_many(
-        self, frames: list[tuple[dict[str, Any] | EncodedHeader, bytes | bytearray | memoryview]]
+        self, frames: list[tuple[Header, bytes | bytearray | memoryview]]
     ) -> None:
         """Write several frames, in order, with one write: the replies to the requests that
         arrived in one read (pipelined sets) cost one send call instead of one each."""
@@ -340,7 +342,7 @@ class _Connection(asyncio.BufferedProtocol):
         small = True
         for header, payload in frames:
             size = len(payload)
-            if type(header) is dict:
+            if type(header) is not EncodedHeader:
                 head = _pack(header)
                 parts.append(pack_prefix(len(head), size) + head)
             else:
@@ -698,7 +700,7 @@ class Coordinator:
                 conn.send(header, payload)
             return
         # One write per connection for everything decided at once (in order per connection).
-        by_conn: dict[int, list[tuple[dict[str, Any] | EncodedHeader, bytes | bytearray | memoryview]]] = {}
+        by_conn: dict[int, list[tuple[Header, bytes | bytearray | memoryview]]] = {}
         for conn_id, header, payload in out:
             frames = by_conn.get(conn_id)
             if frames is None:

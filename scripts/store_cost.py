@@ -1,0 +1,312 @@
+"""What one sequential store request costs, on each end: wall time per operation, CPU per
+operation in the client and in the server, Python calls per operation, and optionally a cProfile
+of either end. A developer's tool for the coordinator's request path; docs/PERFORMANCE.md quotes it.
+
+    python scripts/store_cost.py                          # aiocoll async, aiocoll.sync, TCPStore
+    python scripts/store_cost.py --ops get --count 20000
+    python scripts/store_cost.py --clients async --profile client   # cProfile of the client
+    python scripts/store_cost.py --clients sync --profile server     # cProfile of the coordinator
+
+Each server runs in a process of its own (as in ``aiocoll bench``); the client runs here, one
+connection, sequential operations. CPU times come from getrusage in each process, read before
+and after the timed loop, so they count only that loop. ``calls/op`` counts the client's Python
+function calls (sys.setprofile) in a separate, untimed pass: unlike times, it does not move with
+the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import datetime
+import io
+import multiprocessing
+import os
+import pstats
+import resource
+import secrets
+import sys
+import time
+from typing import Any
+
+OPS = ("set", "get", "add")
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# ---------------------------------------------------------------------------------- servers
+
+
+def _serve_aiocoll(conn: Any, token: str, profile: bool) -> None:
+    import logging
+
+    logging.getLogger("aiocoll").setLevel(logging.ERROR)
+    import uvloop
+    from aiocoll.server import Coordinator
+
+    profiler = cProfile.Profile() if profile else None
+
+    async def serve() -> None:
+        coordinator = Coordinator("127.0.0.1", 0, token=token)
+        await coordinator.start()
+        conn.send(coordinator.port)
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def on_command() -> None:
+            command = conn.recv()
+            if command == "cpu":
+                conn.send(_cpu())
+            elif command == "profile-on" and profiler is not None:
+                profiler.enable()
+                conn.send("ok")
+            elif command == "profile-off" and profiler is not None:
+                profiler.disable()
+                conn.send("ok")
+            elif command == "stop" and not done.done():
+                done.set_result(None)
+
+        loop.add_reader(conn.fileno(), on_command)
+        await done
+        loop.remove_reader(conn.fileno())
+        await coordinator.stop()
+
+    uvloop.run(serve())
+    if profiler is not None:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+        conn.send(out.getvalue())
+
+
+def _serve_tcpstore(conn: Any) -> None:
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    conn.send(store.port)
+    while True:
+        command = conn.recv()
+        if command == "cpu":
+            conn.send(_cpu())
+        elif command == "stop":
+            break
+    del store
+
+
+class Server:
+    def __init__(self, target: Any, *args: Any) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        child.close()
+        self.port = int(self.conn.recv())
+
+    def ask(self, command: str) -> Any:
+        self.conn.send(command)
+        return self.conn.recv()
+
+    def stop(self) -> str | None:
+        self.conn.send("stop")
+        report = None
+        with contextlib.suppress(EOFError):
+            if self.conn.poll(10):
+                report = self.conn.recv()
+        self.proc.join(10)
+        return report
+
+
+# ---------------------------------------------------------------------------------- clients
+
+
+def _loop_body(store: Any, op: str, count: int, value: bytes) -> Any:
+    keys = [f"k{i}" for i in range(64)]
+    if op == "set":
+        return lambda: [store.set(keys[i & 63], value) for i in range(count)]
+    if op == "get":
+        return lambda: [store.get(keys[i & 63]) for i in range(count)]
+    return lambda: [store.add("ctr", 1) for _ in range(count)]
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            self.n += 1
+
+
+def measure_sync(name: str, store: Any, server: Server, op: str, count: int, profile: bool) -> dict[str, Any]:
+    value = b"v" * 32
+    for i in range(64):
+        store.set(f"k{i}", value)
+    run = _loop_body(store, op, max(count // 10, 100), value)
+    run()  # warm
+    calls = Calls()
+    sys.setprofile(calls)
+    run()
+    sys.setprofile(None)
+    run = _loop_body(store, op, count, value)
+    profiler = cProfile.Profile() if profile else None
+    server_cpu = server.ask("cpu")
+    cpu, wall = _cpu(), time.perf_counter()
+    if profiler:
+        profiler.enable()
+    run()
+    if profiler:
+        profiler.disable()
+    wall, cpu = time.perf_counter() - wall, _cpu() - cpu
+    server_cpu = server.ask("cpu") - server_cpu
+    result = {
+        "client": name,
+        "op": op,
+        "us/op": wall / count * 1e6,
+        "client cpu us/op": cpu / count * 1e6,
+        "server cpu us/op": server_cpu / count * 1e6,
+        "calls/op": calls.n / max(count // 10, 100),
+    }
+    if profiler:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+        result["profile"] = out.getvalue()
+    return result
+
+
+def measure_async(server: Server, token: str, op: str, count: int, profile: bool) -> dict[str, Any]:
+    import uvloop
+
+    import aiocoll
+
+    async def main() -> dict[str, Any]:
+        store = await aiocoll.connect_store(f"tcp://127.0.0.1:{server.port}", token=token, job="cost")
+        value = b"v" * 32
+        keys = [f"k{i}" for i in range(64)]
+        for key in keys:
+            await store.set(key, value)
+
+        async def run(n: int) -> None:
+            if op == "set":
+                for i in range(n):
+                    await store.set(keys[i & 63], value)
+                with contextlib.suppress(AttributeError):
+                    await store.flush()
+            elif op == "get":
+                for i in range(n):
+                    await store.get(keys[i & 63])
+            else:
+                for _ in range(n):
+                    await store.add("ctr", 1)
+
+        small = max(count // 10, 100)
+        await run(small)
+        calls = Calls()
+        sys.setprofile(calls)
+        await run(small)
+        sys.setprofile(None)
+        profiler = cProfile.Profile() if profile else None
+        server_cpu = server.ask("cpu")
+        cpu, wall = _cpu(), time.perf_counter()
+        if profiler:
+            profiler.enable()
+        await run(count)
+        if profiler:
+            profiler.disable()
+        wall, cpu = time.perf_counter() - wall, _cpu() - cpu
+        server_cpu = server.ask("cpu") - server_cpu
+        await store.aclose()
+        result = {
+            "client": "aiocoll async",
+            "op": op,
+            "us/op": wall / count * 1e6,
+            "client cpu us/op": cpu / count * 1e6,
+            "server cpu us/op": server_cpu / count * 1e6,
+            "calls/op": calls.n / small,
+        }
+        if profiler:
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+            result["profile"] = out.getvalue()
+        return result
+
+    return uvloop.run(main())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", default="set,get,add", help="comma-separated: set, get, add")
+    parser.add_argument("--clients", default="async,sync,tcpstore", help="async, sync, tcpstore")
+    parser.add_argument("--count", type=int, default=20000, help="operations per measurement")
+    parser.add_argument("--profile", choices=("client", "server"), help="cProfile one end (aiocoll only)")
+    args = parser.parse_args()
+    ops = [o for o in args.ops.split(",") if o]
+    clients = [c for c in args.clients.split(",") if c]
+    token = secrets.token_hex(8)
+    os.environ["AIOCOLL_TOKEN"] = token
+    rows: list[dict[str, Any]] = []
+    profiles: list[str] = []
+    for client in clients:
+        if client == "tcpstore":
+            server = Server(_serve_tcpstore)
+            from torch.distributed import TCPStore
+
+            store = TCPStore(
+                "127.0.0.1",
+                server.port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=60),
+            )
+            for op in ops:
+                rows.append(measure_sync("torch TCPStore", store, server, op, args.count, False))
+            del store
+            server.stop()
+            continue
+        server = Server(_serve_aiocoll, token, args.profile == "server")
+        if args.profile == "server":
+            server.ask("profile-on")
+        if client == "async":
+            for op in ops:
+                rows.append(measure_async(server, token, op, args.count, args.profile == "client"))
+        else:
+            import aiocoll.sync as dist
+
+            store = dist.TCPStore(
+                "127.0.0.1", server.port, is_master=False, wait_for_workers=False, token=token, job="cost"
+            )
+            for op in ops:
+                rows.append(
+                    measure_sync(
+                        "aiocoll.sync.TCPStore", store, server, op, args.count, args.profile == "client"
+                    )
+                )
+            store.close()
+        if args.profile == "server":
+            server.ask("profile-off")
+        report = server.stop()
+        if report:
+            profiles.append(f"== coordinator profile ({client} client)\n{report}")
+    print(
+        f"# store_cost: {args.count} sequential ops per row, one client, 32-byte values, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
+    print(f"{'client':24} {'op':4} {'us/op':>8} {'client cpu':>11} {'server cpu':>11} {'calls/op':>9}")
+    for r in rows:
+        print(
+            f"{r['client']:24} {r['op']:4} {r['us/op']:8.1f} {r['client cpu us/op']:11.1f} "
+            f"{r['server cpu us/op']:11.1f} {r['calls/op']:9.1f}"
+        )
+    for r in rows:
+        if "profile" in r:
+            print(f"== client profile ({r['client']}, {r['op']})\n{r['profile']}")
+    for p in profiles:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

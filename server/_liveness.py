@@ -1,0 +1,106 @@
+"""The coordinator's liveness part: heartbeats, and the once-a-second look at every live member
+that declares the silent ones lost and the ones that did not come back after a restart. Sans-IO;
+imports _model, _rendezvous and aiocoll foundations only.
+
+Silence is measured in time the coordinator could listen: when its own loop stalled (an embedded
+coordinator in a rank busy importing torch, a paused VM), the members' heartbeats wait unread in
+socket buffers, so the stall is credited to everyone instead of declaring them all lost on waking.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._model import Conn, Effects, MemberState
+from ._rendezvous import Member, Rendezvous
+
+__all__ = ["HOUSEKEEPING_INTERVAL", "Liveness"]
+
+log = logging.getLogger("aiocoll.server")
+
+# Liveness and expiry scans walk every member and job; once a second is plenty for a 10 s
+# heartbeat timeout and keeps a 10,000-member coordinator's housekeeping cheap.
+HOUSEKEEPING_INTERVAL = 1.0
+
+_ALIVE, _RESUMING = MemberState.ALIVE, MemberState.RESUMING
+
+
+def heard(m: Member) -> float:
+    """When an alive member was last heard from, on its main or its beat connection."""
+    seen = m.conn.last_seen if m.conn is not None else m.last_seen
+    if m.beat is not None and m.beat.last_seen > seen:
+        seen = m.beat.last_seen
+    return seen
+
+
+class Liveness:
+    """Heartbeats and silence.
+
+    Args:
+        fx: where decisions go. rendezvous: whose members are watched.
+        heartbeat_timeout: silence after which a member is declared lost.
+        resume_grace: seconds restored members get to re-attach.
+    """
+
+    def __init__(
+        self, fx: Effects, rendezvous: Rendezvous, *, heartbeat_timeout: float, resume_grace: float
+    ) -> None:
+        self.fx = fx
+        self.rendezvous = rendezvous
+        self.heartbeat_timeout = heartbeat_timeout
+        self.resume_grace = resume_grace
+        now = fx.clock()
+        self.next_round = now + HOUSEKEEPING_INTERVAL
+        self._last_round = now
+
+    def handlers(self) -> dict[str, Any]:
+        return {"hb": self.op_hb}
+
+    def op_hb(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        member = conn.member or conn.beat_of
+        if member is not None:
+            member.last_seen = conn.last_seen
+            if conn.beat_of is not None and member.rank in conn.job.progress.wanted:
+                self.fx.reply(conn, req_id, "hb", self.fx.started, {"id": req_id, "ok": True, "want": True})
+                return
+        self.fx.reply(conn, req_id, "hb", self.fx.started)
+
+    def due(self, now: float) -> bool:
+        """Whether a housekeeping round is due; if so, starts it (credits a stall of our own)."""
+        if now < self.next_round:
+            return False
+        stalled = now - self._last_round - HOUSEKEEPING_INTERVAL
+        if stalled > self.heartbeat_timeout / 2:
+            self._credit_stall(stalled)
+        self._last_round = now
+        self.next_round = now + HOUSEKEEPING_INTERVAL
+        return True
+
+    def check(self, now: float) -> None:
+        """Declare lost every member silent for longer than the timeout, and every restored one
+        that did not re-attach within the grace."""
+        limit = self.heartbeat_timeout
+        rendezvous = self.rendezvous
+        for m in list(rendezvous.live):
+            if m.state is _ALIVE:
+                conn = m.conn
+                seen = heard(m)
+                if now - seen > limit:
+                    rendezvous.lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
+                    if conn is not None:
+                        self.fx.closes.append(
+                            (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
+                        )
+            elif m.state is _RESUMING and now - m.last_seen > self.resume_grace:
+                rendezvous.lose(
+                    m, f"did not reconnect within {self.resume_grace:g}s after the coordinator restarted"
+                )
+
+    def _credit_stall(self, seconds: float) -> None:
+        for m in self.rendezvous.live:
+            if m.state is _ALIVE and m.conn is not None:
+                m.conn.last_seen += seconds
+                if m.beat is not None:
+                    m.beat.last_seen += seconds
+        log.warning("event=coordinator_stalled seconds=%.1f liveness clocks credited", seconds)

@@ -1,0 +1,73 @@
+"""The coordinator's progress part: the ``progress`` reports members send on their beat connection,
+fed to each job's cross-check (aiocoll._progress_check.JobProgress), and its verdicts announced to
+the group (``mismatch``, ``behind``). Sans-IO; imports _model, _rendezvous and aiocoll
+foundations only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiocoll._progress_check import ProgressError, Verdict
+from aiocoll.protocol._coordinator import ERR_INVALID, EV_BEHIND, EV_MISMATCH
+
+from ._model import Conn, Effects, Job, MemberState, Refused
+
+__all__ = ["Progress"]
+
+log = logging.getLogger("aiocoll.server")
+
+
+class Progress:
+    def __init__(self, fx: Effects) -> None:
+        self.fx = fx
+
+    def handlers(self) -> dict[str, Any]:
+        return {"progress": self.op_progress}
+
+    def op_progress(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
+        member = conn.member or conn.beat_of
+        if member is None or member.state is not MemberState.ALIVE:
+            raise Refused(ERR_INVALID, "progress: only an alive member of a completed round reports progress")
+        member.last_seen = conn.last_seen
+        job = conn.job
+        try:
+            verdicts = job.progress.update(member.rank, h, self.fx.started, self.fx.wall_clock())
+        except ProgressError as exc:
+            raise Refused(ERR_INVALID, f"progress from rank {member.rank}: {exc}") from None
+        self.fx.reply(conn, req_id, "progress", self.fx.started)
+        self.announce(job, verdicts)
+
+    def recheck(self, jobs: dict[str, Job], now: float) -> None:
+        """Stall points waiting for reports whose patience ran out get their verdict."""
+        for job in jobs.values():
+            if job.progress.waiting:
+                self.announce(job, job.progress.recheck(now))
+
+    def announce(self, job: Job, verdicts: list[Verdict]) -> None:
+        """Tell every member of the group what the cross-check found (EV_MISMATCH, EV_BEHIND)."""
+        rnd = job.round
+        if rnd is None:
+            return
+        for v in verdicts:
+            log.warning(
+                "job=%s event=%s group=%s seq=%d ranks=%s %s",
+                job.name,
+                v.kind,
+                v.group,
+                v.seq,
+                list(v.ranks),
+                v.message,
+            )
+            event = {
+                "ev": EV_MISMATCH if v.kind == "mismatch" else EV_BEHIND,
+                "group": v.group,
+                "seq": v.seq,
+                "ranks": list(v.ranks),
+                "msg": v.message,
+            }
+            for rank in v.members:
+                m = rnd.members.get(rank)
+                if m is not None and m.state is MemberState.ALIVE and m.conn is not None:
+                    self.fx.outbox.append((m.conn.id, event, b""))
