@@ -46,7 +46,7 @@ async def connect_store(
     token: str | None = None,
     job: str | None = None,
     timeout: float | datetime.timedelta = 300.0,
-    pipeline_sets: bool = False,
+    pipeline_sets: bool = True,
 ) -> CoordinatorSession:
     """Connect to the coordinator at ``url`` as a plain store client.
 
@@ -55,9 +55,11 @@ async def connect_store(
         token: the shared secret; default: the environment variable AIOCOLL_TOKEN.
         job: whose key space to use; default: AIOCOLL_JOB, else "default".
         timeout: seconds for connecting, reconnecting after a drop, and every wait by default.
-        pipeline_sets: ``set`` returns once written instead of once acknowledged, as torch's
-            TCPStore does; a refused set is raised by a later call, ``flush()`` or ``aclose()``
-            (docs/COORDINATOR.md says what "acknowledged" means then).
+        pipeline_sets: True (the default): ``set``, ``append`` and ``multi_set`` return once
+            queued, as torch's TCPStore's set does; a later call of this store sees the value, a
+            refusal is raised by a later call, ``flush()`` or ``aclose()``, and ``flush()`` waits
+            for the acknowledgement (docs/COORDINATOR.md, "What a set promises"). False: each
+            returns once acknowledged (one round trip).
 
     Returns:
         An ``aiocoll.Store`` (a CoordinatorSession with role "store"); close it with ``aclose``.

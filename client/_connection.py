@@ -22,7 +22,7 @@ import msgpack
 from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll.protocol import PREFIX, ClientHandshake, FrameDecoder
 
-__all__ = ["CoordinatorLink", "LinkLost", "open_link"]
+__all__ = ["CoordinatorLink", "EventCallback", "LinkLost", "SettleCallback", "open_link"]
 
 log = logging.getLogger("aiocoll.client")
 
@@ -37,8 +37,8 @@ _HANDSHAKE_BUFFER = 64 << 10
 # Payloads up to this size are copied into the frame's one write (one send call, no writev list).
 _COPY_PAYLOAD = 16 << 10
 _pack_prefix = PREFIX.pack
-# Held-back frames (send_nowait) go out once this many are waiting, or this many bytes.
-_CORK_FRAMES = 64
+# Held-back frames (``send``) go out once this many are waiting, or this many bytes.
+_CORK_FRAMES = 256
 _CORK_BYTES = 64 << 10
 
 
@@ -57,9 +57,9 @@ class LinkLost(ConnectionError):
 
 EventCallback = Callable[[dict[str, Any]], None]
 LostCallback = Callable[["CoordinatorLink", BaseException | None], None]
-# (reply header, reply payload, None) once answered, or (None, b"", the failure: LinkLost or
-# TimeoutError); called from the link's own callbacks, so it must not raise.
-ReplyCallback = Callable[[dict[str, Any] | None, bytes, BaseException | None], None]
+# Called with every compact reply (header list, payload) from the link's own callbacks; it must
+# not raise but ProtocolError (which fails the link).
+SettleCallback = Callable[[list[Any], bytes], None]
 
 
 class CoordinatorLink(asyncio.Protocol):
@@ -69,29 +69,40 @@ class CoordinatorLink(asyncio.Protocol):
         handshake: the ClientHandshake to run first.
         on_event: called with every unsolicited frame header (events have "ev", no "id").
         on_lost: called once when the link closes, with the cause (None for a clean close).
+        next_id: gives each request made with ``request`` its id (the session's one counter,
+            shared with its store requests, whose ids it assigns itself).
+        on_settle: called with every compact (store) reply, header and payload, before the
+            request it answers is woken: the session settles its mutations there.
     """
 
-    def __init__(self, handshake: ClientHandshake, on_event: EventCallback, on_lost: LostCallback) -> None:
+    def __init__(
+        self,
+        handshake: ClientHandshake,
+        on_event: EventCallback,
+        on_lost: LostCallback,
+        next_id: Callable[[], int] | None = None,
+        on_settle: SettleCallback | None = None,
+    ) -> None:
         self._handshake = handshake
         self._on_event = on_event
         self._on_lost = on_lost
+        self._next_id = next_id if next_id is not None else itertools.count(1).__next__
+        self._on_settle = on_settle
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[dict[str, Any]] = loop.create_future()
         self._transport: asyncio.Transport | None = None
         self._hs_buffer = bytearray()
         self._decoder: FrameDecoder | None = None
         self.loop = loop
-        self._pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
+        self._pending: dict[int, asyncio.Future[tuple[Any, bytes]]] = {}
         # Reply deadlines (loop time, timeout) of pending requests that have one, and one timer
         # for the earliest: no timer is made and cancelled per request (the store's hot path);
         # an entry leaves with its request, and the timer, when it fires, re-arms for what is left.
         self._expiry: dict[int, tuple[float, float]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        self._ids = itertools.count(1)
-        # Requests answered by a callback instead of a future (``send_nowait``: pipelined sets),
-        # and their frames held back to go out together (one send call for many).
-        self._callbacks: dict[int, ReplyCallback] = {}
+        # Frames of requests that expect no reply (``send``: SET, APPEND, MSET) held back to go
+        # out together at the end of the loop's turn: one send call for many.
         self._corked: list[bytes] = []  # one whole frame each
         self._corked_bytes = 0
         self._pack = msgpack.Packer(use_bin_type=True).pack  # one per link: no allocation per request
@@ -124,20 +135,22 @@ class CoordinatorLink(asyncio.Protocol):
                 if self._decoder is None or not data:
                     return
             pending = self._pending
+            settle = self._on_settle
             for header, payload in self._decoder.feed_messages(data):
-                req_id = header.get("id")
-                fut = pending.pop(req_id, None) if type(req_id) is int else None
-                if fut is not None:
-                    if not fut.done():
-                        self._expiry.pop(cast(int, req_id), None)
-                        fut.set_result((header, payload))
-                    continue
-                callback = self._callbacks.pop(req_id, None) if type(req_id) is int else None
-                if callback is not None:
-                    self._expiry.pop(cast(int, req_id), None)
-                    callback(header, payload, None)
+                if type(header) is list:  # a store reply: [id, status, ...]
+                    if settle is not None:
+                        settle(header, payload)
+                    req_id = header[0] if header else None
                 else:
-                    self._dispatch(header, payload)  # an event, or a reply nobody waits for
+                    req_id = header.get("id")
+                    if req_id is None:
+                        self._dispatch_event(header)
+                        continue
+                fut = pending.pop(req_id, None) if type(req_id) is int else None
+                if fut is not None and not fut.done():
+                    self._expiry.pop(req_id, None)
+                    fut.set_result((header, payload))
+                # An unknown id is the late answer to a request whose caller gave up: nothing to do.
         except (ProtocolError, AuthenticationError) as exc:
             self._fail(exc)
 
@@ -168,7 +181,7 @@ class CoordinatorLink(asyncio.Protocol):
             if reply:
                 self._transport.write(reply)
             if self._handshake.done:
-                self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD)
+                self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, lists=True)
                 rest = bytes(self._hs_buffer)
                 self._hs_buffer = bytearray()
                 if not self.ready.done():
@@ -176,21 +189,11 @@ class CoordinatorLink(asyncio.Protocol):
                 return rest
         return b""
 
-    def _dispatch(self, header: dict[str, Any], payload: bytes) -> None:
-        req_id = header.get("id")
-        if req_id is None:
-            if "ev" in header:
-                self._on_event(header)
-            else:
-                log.warning(
-                    "coordinator at %s sent a frame with neither id nor ev: %.200r", self.peer, header
-                )
-            return
-        fut = self._pending.pop(req_id, None) if isinstance(req_id, int) else None
-        if fut is not None and not fut.done():
-            self._expiry.pop(req_id, None)
-            fut.set_result((header, payload))
-        # An unknown id is the late answer to a request whose caller gave up: nothing to do.
+    def _dispatch_event(self, header: dict[str, Any]) -> None:
+        if "ev" in header:
+            self._on_event(header)
+        else:
+            log.warning("coordinator at %s sent a frame with neither id nor ev: %.200r", self.peer, header)
 
     def pause_writing(self) -> None:
         self._can_write.clear()
@@ -210,7 +213,8 @@ class CoordinatorLink(asyncio.Protocol):
         payload: bytes | bytearray | memoryview = b"",
         timeout: float | None = None,
     ) -> tuple[dict[str, Any], bytes]:
-        """Send one request and wait up to ``timeout`` seconds (None: no limit) for its reply.
+        """Send one control request (a map header: join, hb, leave, status, table, progress)
+        and wait up to ``timeout`` seconds (None: no limit) for its reply.
 
         ``header`` is the caller's to give away: its "id" field is set here (no copy is made).
 
@@ -224,7 +228,14 @@ class CoordinatorLink(asyncio.Protocol):
             await self._can_write.wait()
             if self.closed:
                 raise LinkLost(f"link to the coordinator at {self.peer} is closed", sent=False)
-        req_id, fut = self.start(header, payload, timeout)
+        req_id = header["id"] = self._next_id()
+        head = self._pack(header)
+        size = len(payload)
+        if size > _COPY_PAYLOAD:
+            frame: bytes | list[Any] = [_pack_prefix(len(head), size) + head, payload]
+        else:
+            frame = b"".join((_pack_prefix(len(head), size), head, payload))
+        fut = self.start(req_id, frame, timeout)
         try:
             return await fut
         finally:
@@ -236,82 +247,56 @@ class CoordinatorLink(asyncio.Protocol):
             self._expiry.pop(req_id, None)
 
     def start(
-        self,
-        header: dict[str, Any],
-        payload: bytes | bytearray | memoryview = b"",
-        timeout: float | None = None,
-    ) -> tuple[int, asyncio.Future[tuple[dict[str, Any], bytes]]]:
-        """Write one request now and return (its id, the future of its reply), without waiting.
+        self, req_id: int, frame: bytes | list[Any], timeout: float | None = None
+    ) -> asyncio.Future[tuple[Any, bytes]]:
+        """Write request ``req_id``'s frame (bytes, or pieces for ``writelines``) now, behind any
+        held-back frames, and return the future of its reply, without waiting.
 
-        The caller must have checked that the link is open and writable (``writable``). The
-        future fails with LinkLost or TimeoutError like ``request``; its entry leaves the
-        link when it is answered, fails, or times out.
+        The caller must have checked that the link is open and writable (``can_send``). The
+        future fails with LinkLost or TimeoutError (after ``timeout`` seconds; None: never); its
+        entry leaves the link when it is answered, fails, or times out.
         """
         transport = self._transport
         assert transport is not None
-        req_id = self._number(header, timeout)
-        fut: asyncio.Future[tuple[dict[str, Any], bytes]] = self.loop.create_future()
-        self._pending[req_id] = fut
-        head = self._pack(header)
-        size = len(payload)
-        if self._corked:
-            self._cork(head, payload)  # behind the held-back frames, in order
-            self._uncork()
-        elif not size:
-            transport.write(_pack_prefix(len(head), 0) + head)
-        elif size > _COPY_PAYLOAD:
-            transport.writelines([_pack_prefix(len(head), size) + head, payload])
-        else:
-            transport.write(b"".join((_pack_prefix(len(head), size), head, payload)))
-        return req_id, fut
-
-    def _number(self, header: dict[str, Any], timeout: float | None) -> int:
-        """Give a new request its id (in ``header``) and its reply deadline; returns the id."""
-        req_id = next(self._ids)
         if timeout is not None:
             at = self.loop.time() + timeout
             self._expiry[req_id] = (at, timeout)
             if self._timer is None or at < self._timer_at:
                 self._arm(at)
-        header["id"] = req_id
-        return req_id
-
-    def send_nowait(
-        self,
-        header: dict[str, Any],
-        payload: bytes,
-        timeout: float | None,
-        callback: ReplyCallback,
-    ) -> int:
-        """Queue one request whose reply goes to ``callback``; returns its id.
-
-        Its frame is held back, with others queued in the same turn of the event loop, and
-        written with them at the end of that turn (or before any later request, or once
-        _CORK_FRAMES frames or _CORK_BYTES bytes are waiting): one send call for many small
-        requests. The caller must have checked ``writable``. ``callback`` is called exactly once:
-        with the reply, or with LinkLost or TimeoutError.
-        """
-        req_id = self._number(header, timeout)
-        self._callbacks[req_id] = callback
-        if not self._corked:
-            self.loop.call_soon(self._uncork)
-        self._cork(self._pack(header), payload)
-        if len(self._corked) >= _CORK_FRAMES or self._corked_bytes >= _CORK_BYTES:
-            self._uncork()
-        return req_id
-
-    def _cork(self, head: bytes, payload: bytes | bytearray | memoryview) -> None:
-        size = len(payload)
-        if size > _COPY_PAYLOAD and self._transport is not None:
-            # A large payload is not copied into the batch: what is held back goes first.
-            self._uncork()
-            self._transport.writelines([_pack_prefix(len(head), size) + head, payload])
-            return
-        if size:
-            self._corked.append(b"".join((_pack_prefix(len(head), size), head, payload)))
+        fut: asyncio.Future[tuple[Any, bytes]] = self.loop.create_future()
+        self._pending[req_id] = fut
+        if type(frame) is bytes:
+            if self._corked:  # what was held back goes first, in the same write: it may read it
+                self._corked.append(frame)
+                self._uncork()
+            else:
+                transport.write(frame)
         else:
-            self._corked.append(_pack_prefix(len(head), 0) + head)
-        self._corked_bytes += len(head) + size + PREFIX.size
+            self._uncork()
+            transport.writelines(frame)  # type: ignore[arg-type]
+        return fut
+
+    def send(self, frame: bytes) -> None:
+        """Queue the frame of a request that expects no reply (SET, APPEND, MSET).
+
+        It is held back, with the others queued in the same turn of the event loop, and written
+        with them at the end of that turn (or before any later request, or once _CORK_FRAMES
+        frames or _CORK_BYTES bytes are waiting): one send call for many. A large frame goes out
+        at once, behind them. The caller must have checked ``can_send``; a link that closes
+        drops what it held (the session sends its unsettled mutations again on the next link).
+        """
+        if len(frame) > _COPY_PAYLOAD:
+            self._uncork()
+            assert self._transport is not None
+            self._transport.write(frame)
+            return
+        corked = self._corked
+        if not corked:
+            self.loop.call_soon(self._uncork)
+        corked.append(frame)
+        self._corked_bytes += len(frame)
+        if len(corked) >= _CORK_FRAMES or self._corked_bytes >= _CORK_BYTES:
+            self._uncork()
 
     def _uncork(self) -> None:
         """Write the held-back frames (a no-op when there are none, or the link is closed)."""
@@ -320,19 +305,16 @@ class CoordinatorLink(asyncio.Protocol):
             return
         self._corked = []
         self._corked_bytes = 0
-        self._transport.write(b"".join(corked))
+        self._transport.write(corked[0] if len(corked) == 1 else b"".join(corked))
+
+    async def wait_writable(self) -> None:
+        """Until the transport takes writes again (or the link closes)."""
+        await self._can_write.wait()
 
     @property
     def writable(self) -> bool:
         """Open, and its transport is not asking writers to wait."""
         return self.can_send
-
-    def _expect(self, req_id: int, timeout: float) -> None:
-        """Fail request ``req_id`` with TimeoutError unless it is answered within ``timeout``."""
-        at = self.loop.time() + timeout
-        self._expiry[req_id] = (at, timeout)
-        if self._timer is None or at < self._timer_at:
-            self._arm(at)
 
     def _arm(self, at: float) -> None:
         if self._timer is not None:
@@ -350,9 +332,6 @@ class CoordinatorLink(asyncio.Protocol):
                 fut = self._pending.pop(req_id, None)
                 if fut is not None and not fut.done():
                     fut.set_exception(TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
-                callback = self._callbacks.pop(req_id, None)
-                if callback is not None:
-                    callback(None, b"", TimeoutError(f"no reply from the coordinator within {timeout:.3g}s"))
             elif earliest is None or at < earliest:
                 earliest = at
         if earliest is not None and not self.closed:
@@ -393,13 +372,8 @@ class CoordinatorLink(asyncio.Protocol):
                     LinkLost(f"link to the coordinator at {self.peer} was lost{reason}", sent=True)
                 )
         self._pending.clear()
-        callbacks, self._callbacks = self._callbacks, {}
         self._corked = []
         self._corked_bytes = 0
-        for callback in callbacks.values():
-            callback(
-                None, b"", LinkLost(f"link to the coordinator at {self.peer} was lost{reason}", sent=True)
-            )
         self._on_lost(self, exc)
 
 
@@ -411,6 +385,8 @@ async def open_link(
     on_event: EventCallback,
     on_lost: LostCallback,
     timeout: float,
+    next_id: Callable[[], int] | None = None,
+    on_settle: SettleCallback | None = None,
 ) -> tuple[CoordinatorLink, dict[str, Any]]:
     """Connect, authenticate and return (link, the server's handshake info).
 
@@ -425,7 +401,7 @@ async def open_link(
 
     def factory() -> CoordinatorLink:
         nonlocal link
-        link = CoordinatorLink(handshake, on_event, on_lost)
+        link = CoordinatorLink(handshake, on_event, on_lost, next_id, on_settle)
         return link
 
     async def connect_and_authenticate() -> dict[str, Any]:

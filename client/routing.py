@@ -233,9 +233,7 @@ async def _hierarchical_all_reduce(
         sig = ShmGroup.signature(seq, {**meta, "part": _HOST_REDUCE})
         await _on_arenas(lambda finish: group.all_reduce(flat, op, dtype_name, sig, finish, waiting_for))
     elif len(local) > 1:
-        reduce = CollectiveSpec(
-            "reduce", local, local.index(me), (x,), (x,), root=0, op=op, dtype=spec.dtype
-        )
+        reduce = CollectiveSpec("reduce", local, local.index(me), (x,), (x,), root=0, op=op, dtype=spec.dtype)
         await run_routed(reduce, transport, (*tag, _HOST_REDUCE), meta, at_home)
     if me == local[0]:
         # the leaders' sub-group: one member per host

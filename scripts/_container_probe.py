@@ -33,6 +33,7 @@ from aiocoll.protocol import (
     pack_prefix,
 )
 from aiocoll.protocol._coordinator import ROLE_STORE
+from aiocoll.testing.store_frames import as_map, request_frames
 
 HOST = "127.0.0.1"
 JOB = "container-check"
@@ -62,18 +63,24 @@ async def connect(port: int, token: str) -> tuple[asyncio.StreamReader, asyncio.
     return reader, writer
 
 
-async def request(
+async def store_request(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder,
-    header: dict[str, Any], payload: bytes = b"",
+    op: str, req_id: int, payload: bytes = b"", **fields: Any,
 ) -> tuple[dict[str, Any], bytes]:
-    writer.writelines(encode_frame(header, payload))
+    """A store request in its compact form; its reply read back as a map (a set's is the SYNC's
+    behind it, or its refusal)."""
+    frames, sync = request_frames(op, req_id, payload, **fields)
+    writer.write(frames)
     while True:
         data = await asyncio.wait_for(reader.read(65536), 10)
         if not data:
-            raise ConnectionError(f"closed instead of answering {header['op']}")
+            raise ConnectionError(f"closed instead of answering {op}")
         for frame in decoder.feed(data):
-            if frame.header.get("id") == header["id"]:
-                return frame.header, bytes(frame.payload)
+            header = frame.header
+            if type(header) is list and header[0] in (req_id, sync):
+                if header[0] == sync:
+                    return {"id": req_id, "ok": True}, b""
+                return as_map(op, header), bytes(frame.payload)
 
 
 async def check_store(port: int, token: str) -> None:
@@ -83,17 +90,16 @@ async def check_store(port: int, token: str) -> None:
         report(False, "handshake with the container's token", repr(exc))
         return
     report(True, "handshake with the container's token")
-    decoder = FrameDecoder()
+    decoder = FrameDecoder(lists=True)
     try:
-        rq = request
-        reply, _ = await rq(reader, writer, decoder, {"op": "set", "id": 1, "key": "greeting"}, b"hello")
+        rq = store_request
+        reply, _ = await rq(reader, writer, decoder, "set", 1, b"hello", key="greeting")
         report(bool(reply.get("ok")), "set greeting=hello", str(reply))
-        get = {"op": "get", "id": 2, "key": "greeting", "timeout": 5}
-        reply, value = await rq(reader, writer, decoder, get)
+        reply, value = await rq(reader, writer, decoder, "get", 2, key="greeting", timeout=5)
         ok = bool(reply.get("ok")) and value == b"hello"
         report(ok, "get greeting returns hello", f"{reply} {value!r}")
-        reply, _ = await rq(reader, writer, decoder, {"op": "add", "id": 3, "key": "n", "amount": 5})
-        reply2, _ = await rq(reader, writer, decoder, {"op": "add", "id": 4, "key": "n", "amount": 2})
+        reply, _ = await rq(reader, writer, decoder, "add", 3, key="n", amount=5)
+        reply2, _ = await rq(reader, writer, decoder, "add", 4, key="n", amount=2)
         ok = reply.get("value") == 5 and reply2.get("value") == 7
         report(ok, "add n 5 then 2 gives 5, 7", f"{reply} {reply2}")
     except Exception as exc:

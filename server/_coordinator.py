@@ -158,11 +158,11 @@ class _Connection(asyncio.BufferedProtocol):
             self._handshake_bytes(nbytes)
             return
         try:
-            frames = decoder.buffer_updated(nbytes)
+            messages = decoder.buffer_updated_messages(nbytes)
         except ProtocolError as exc:
             self._protocol_error(exc)
             return
-        if not frames:
+        if not messages:
             return  # a frame is still arriving: nothing was decided
         coord = self.coord
         if self.early is not None:
@@ -170,16 +170,15 @@ class _Connection(asyncio.BufferedProtocol):
             self.send_many(early)
         request = coord.state.request
         conn_id = self.id
-        for frame in frames:
+        for header, payload in messages:
             try:
-                request(conn_id, frame.header, frame.payload)
+                request(conn_id, header, payload)
             except ValueError as exc:
                 self._protocol_error(exc)
                 break
             except Exception:
-                log.exception(
-                    "job=%s event=internal_error peer=%s op=%r", self.job, self.peer, frame.header.get("op")
-                )
+                op = header.get("op") if type(header) is dict else header[0]
+                log.exception("job=%s event=internal_error peer=%s op=%r", self.job, self.peer, op)
                 self.close("internal error handling a request (see the traceback above)", abort=True)
                 break
         coord._after_batch()
@@ -283,7 +282,9 @@ class _Connection(asyncio.BufferedProtocol):
             self.hs_timer = None
         coord._handshaking.pop(self, None)
         self.job, self.role = hello["job"], hello["role"]
-        self.decoder = FrameDecoder(max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=16 * 1024)
+        self.decoder = FrameDecoder(
+            max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=16 * 1024, lists=True
+        )
         self.authenticated = True
         coord._conns[self.id] = self
         log.debug("job=%s event=connected role=%s peer=%s", self.job, self.role, self.peer)
@@ -327,9 +328,7 @@ class _Connection(asyncio.BufferedProtocol):
         if self.paused:
             self._check_backlog(transport)
 
-    def send_many(
-        self, frames: list[tuple[Header, bytes | bytearray | memoryview]]
-    ) -> None:
+    def send_many(self, frames: list[tuple[Header, bytes | bytearray | memoryview]]) -> None:
         """Write several frames, in order, with one write: the replies to the requests that
         arrived in one read (pipelined sets) cost one send call instead of one each."""
         transport = self.transport

@@ -18,12 +18,21 @@ from aiocoll.protocol._coordinator import CID_BYTES, DEDUPE_WINDOW, ERR_INVALID
 
 from ._model import Conn, Effects, Job, Record, Refused
 
-__all__ = ["CLIENT_SWEEP_INTERVAL", "Client", "Dedupe"]
+__all__ = ["CLIENT_SWEEP_INTERVAL", "AlreadyAnswered", "Client", "Dedupe"]
 
 log = logging.getLogger("aiocoll.server")
 
 # Forgotten clients' memory is looked for this often (it holds no deadline anyone waits on).
 CLIENT_SWEEP_INTERVAL = 30.0
+
+
+class AlreadyAnswered(Exception):
+    """A numbered mutation sent again: it was carried out, and this is what it answered."""
+
+    def __init__(self, value: Any, payload: bytes | bytearray) -> None:
+        super().__init__("already answered")
+        self.value = value
+        self.payload = payload
 
 
 class Client:
@@ -34,7 +43,8 @@ class Client:
 
     def __init__(self, floor: int, now: float) -> None:
         self.floor = floor
-        self.replies: dict[int, tuple[Any, bytes]] = {}
+        # rid -> (the reply's value or None, its payload): what protocol._store's reply carries.
+        self.replies: dict[int, tuple[Any, bytes | bytearray]] = {}
         self.attached = 0  # open connections that carry this cid
         self.last_seen = now
 
@@ -89,41 +99,30 @@ class Dedupe:
                 client.attached -= 1
                 client.last_seen = now
 
-    def check(
-        self,
-        conn: Conn,
-        req_id: int,
-        op: str,
-        rid: object,
-        ack: object,
-        answer: Callable[[dict[str, Any], bytes], None],
-    ) -> Client | None:
-        """Check a numbered mutation. A re-sent one is answered from memory through
-        ``answer(header, payload)`` and None is returned; otherwise its client's record, ready
-        for ``remember``.
+    def check(self, conn: Conn, op: str, rid: int, ack: object) -> Client:
+        """Check numbered mutation ``rid`` of a connection that carries a client id; returns its
+        client's record, ready for ``remember``.
 
         Raises:
-            Refused: no client id, malformed numbers, or a number outside the window.
+            AlreadyAnswered: it was carried out before (a re-send); the exception holds the answer.
+            Refused: a malformed ``ack``, or a number outside the window.
         """
-        if conn.cid is None:
-            raise Refused(ERR_INVALID, "'rid' needs a client id: send 'cid' in the hello")
-        if type(rid) is not int or type(ack) is not int or not 0 <= ack < rid:
+        if type(ack) is not int or not 0 <= ack < rid:
             raise Refused(
                 ERR_INVALID, f"'rid' and 'ack' must be integers with 0 <= ack < rid, got {rid!r}, {ack!r}"
             )
         job = conn.job
+        assert conn.cid is not None
         client: Client = job.clients[conn.cid]  # made by attach(), kept while a connection carries it
         client.last_seen = self.fx.started
         stored = client.replies.get(rid)
         if stored is not None:
             client.forget_through(ack)
-            header, payload = stored
             self.resends_answered += 1
             log.info(
                 "job=%s event=resent_request_answered op=%s rid=%d peer=%s", job.name, op, rid, conn.peer
             )
-            answer(header, payload)
-            return None
+            raise AlreadyAnswered(*stored)
         if rid <= client.floor:
             raise Refused(
                 ERR_INVALID,
@@ -140,35 +139,21 @@ class Dedupe:
         client.forget_through(ack)
         return client
 
-    def remember(self, conn: Conn, client: Client, req_id: int, rid: int, n: int, j: int) -> None:
-        """Keep the reply of numbered mutation ``rid`` (the outbox's frames from ``n`` on hold
-        it) and wrap its journal records (from ``j`` on) into one ``req`` record."""
+    def remember(
+        self, conn: Conn, client: Client, rid: int, value: Any, payload: bytes | bytearray, j: int
+    ) -> None:
+        """Keep the answer of numbered mutation ``rid`` and wrap its journal records (from index
+        ``j`` on) into one ``req`` record with it."""
+        client.replies[rid] = (value, payload)
         fx = self.fx
-        outbox = fx.outbox
-        # The reply is normally the last frame; replies to waiters the mutation woke come before it.
-        i = len(outbox) - 1
-        while i >= n:
-            c, h, p = outbox[i]
-            if c == conn.id and type(h) is dict and h.get("id") == req_id:
-                break
-            i -= 1
-        else:
-            return  # mutations answer at once, so this does not happen; nothing to remember then
-        if h.get("ok") is not True:
-            return
-        body = p if type(p) is bytes else bytes(p)
         if not fx.durable:
-            # Kept as sent, "id" included (the hot path: no copy); a re-sent request is answered
-            # with the id replaced, and nothing else reads it.
-            client.replies[rid] = (h, body)
             return
-        kept = dict(h)
-        del kept["id"]
-        client.replies[rid] = (kept, body)
         records = fx.journal[j:]
         del fx.journal[j:]
         assert conn.cid is not None
-        fx.journal.append(["req", conn.job.name, conn.cid, rid, client.floor, kept, body, records])
+        fx.journal.append(
+            ["req", conn.job.name, conn.cid, rid, client.floor, _reply_map(value), bytes(payload), records]
+        )
 
     def sweep(self, jobs: dict[str, Job], now: float) -> None:
         """Drop the memory of clients that have had no connection for ``client_ttl``."""
@@ -185,7 +170,7 @@ class Dedupe:
     @staticmethod
     def snapshot(job: Job) -> list[Any]:
         return [
-            [cid, c.floor, [[rid, h, p] for rid, (h, p) in c.replies.items()]]
+            [cid, c.floor, [[rid, _reply_map(v), bytes(p)] for rid, (v, p) in c.replies.items()]]
             for cid, c in job.clients.items()
             if c.replies
         ]
@@ -195,7 +180,7 @@ class Dedupe:
         for cid, floor, replies in clients:
             client = job.clients[cid] = Client(floor, now)
             for rid, header, payload in replies:
-                client.replies[rid] = (header, payload)
+                client.replies[rid] = (header.get("value"), payload)
 
     @staticmethod
     def apply(job: Job, rec: Record, now: float, apply_record: Callable[[Record], None]) -> None:
@@ -207,4 +192,9 @@ class Dedupe:
         if client is None:
             client = job.clients[cid] = Client(0, now)
         client.forget_through(ack)
-        client.replies[rid] = (header, payload)
+        client.replies[rid] = (header.get("value"), payload)
+
+
+def _reply_map(value: Any) -> dict[str, Any]:
+    """A kept reply as the journal and snapshots write it (the form they have always had)."""
+    return {"ok": True} if value is None else {"ok": True, "value": value}

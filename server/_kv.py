@@ -1,6 +1,7 @@
 """The coordinator's key-value part: each job's keys, the requests waiting for keys, and the store
-operations (set, get, add, cas, wait, check, del, nkeys, mget, mset, append). Sans-IO: decisions
-go into the shared Effects. Imports _model and aiocoll foundations only.
+operations (set, get, add, cas, wait, check, del, nkeys, mget, mset, append, sync), in their
+compact form (protocol._store). Sans-IO: decisions go into the shared Effects. Imports _model and
+aiocoll foundations only.
 
 Every mutation goes through ``_put``/``_delete``/``_append``, live and on replay, so a restored
 key space equals the one that acknowledged the journal's records.
@@ -11,8 +12,22 @@ from __future__ import annotations
 from typing import Any
 
 from aiocoll.protocol._coordinator import ERR_INVALID, ERR_TIMEOUT, ERR_TOO_LARGE, MAX_KEY_BYTES
+from aiocoll.protocol._store import ADD, APPEND, CAS, CHECK, DEL, GET, MGET, MSET, NKEYS, OK, SET, SYNC, WAIT
 
-from ._model import Conn, Effects, Job, Record, Refused, fmt_timeout, key_field, timeout_field
+from ._model import (
+    DONE,
+    PARKED,
+    Answer,
+    Conn,
+    Effects,
+    Job,
+    Record,
+    Refused,
+    StoreHandler,
+    fmt_timeout,
+    key_field,
+    timeout_field,
+)
 
 __all__ = ["DEFAULT_MAX_KEYS_PER_JOB", "DEFAULT_MAX_VALUE_BYTES", "MAX_KEYS_PER_REQUEST", "KeyValue"]
 
@@ -23,16 +38,6 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 # A str of at most this many characters is at most MAX_KEY_BYTES in UTF-8 (4 bytes a character):
 # the hot operations take such a key without encoding it.
 _SURELY_SHORT_KEY = MAX_KEY_BYTES // 4
-
-
-def _own(payload: bytes | bytearray | memoryview) -> bytes | bytearray:
-    """The payload as an object we may keep: the decoder hands each frame a fresh bytearray."""
-    if isinstance(payload, memoryview):
-        obj = payload.obj
-        if isinstance(obj, (bytes, bytearray)) and len(obj) == payload.nbytes and payload.c_contiguous:
-            return obj
-        return bytes(payload)
-    return payload
 
 
 class Waiter:
@@ -64,8 +69,7 @@ class Waiter:
         return not self.done
 
 
-def _keys_field(header: dict[str, Any]) -> list[str]:
-    keys = header.get("keys")
+def _keys_field(keys: object) -> list[str]:
     if not isinstance(keys, list):
         raise Refused(ERR_INVALID, f"'keys' must be a list of strings, got {type(keys).__name__}")
     if len(keys) > MAX_KEYS_PER_REQUEST:
@@ -73,13 +77,6 @@ def _keys_field(header: dict[str, Any]) -> list[str]:
     for k in keys:
         key_field(k)
     return keys
-
-
-def _short_key(header: dict[str, Any]) -> str:
-    key = header.get("key")
-    if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
-        key = key_field(key)  # the full check, and its error
-    return key
 
 
 class KeyValue:
@@ -95,20 +92,21 @@ class KeyValue:
         self.max_value_bytes = max_value_bytes
         self.max_keys_per_job = max_keys_per_job
 
-    def handlers(self) -> dict[str, Any]:
-        """The operations this part answers, by name."""
+    def handlers(self) -> dict[int, tuple[str, StoreHandler]]:
+        """The operations this part answers, by compact code (protocol._store): (name, handler)."""
         return {
-            "set": self.op_set,
-            "get": self.op_get,
-            "add": self.op_add,
-            "cas": self.op_cas,
-            "wait": self.op_wait,
-            "check": self.op_check,
-            "del": self.op_del,
-            "nkeys": self.op_nkeys,
-            "mget": self.op_mget,
-            "mset": self.op_mset,
-            "append": self.op_append,
+            SET: ("set", self.op_set),
+            GET: ("get", self.op_get),
+            ADD: ("add", self.op_add),
+            CAS: ("cas", self.op_cas),
+            WAIT: ("wait", self.op_wait),
+            CHECK: ("check", self.op_check),
+            DEL: ("del", self.op_del),
+            NKEYS: ("nkeys", self.op_nkeys),
+            MGET: ("mget", self.op_mget),
+            MSET: ("mset", self.op_mset),
+            APPEND: ("append", self.op_append),
+            SYNC: ("sync", self.op_sync),
         }
 
     # -- limits
@@ -193,18 +191,13 @@ class KeyValue:
         conn = w.conn
         kv = conn.job.kv
         if w.op == "get":
-            self.fx.reply(conn, w.req_id, "get", w.started, None, kv[w.keys[0]])
+            self.fx.reply(conn, w.req_id, "get", w.started, [w.req_id, OK], kv[w.keys[0]])
         elif w.op == "wait":
-            self.fx.reply(conn, w.req_id, "wait", w.started)
+            self.fx.reply(conn, w.req_id, "wait", w.started, [w.req_id, OK])
         else:
             values = [kv[k] for k in w.keys]
             self.fx.reply(
-                conn,
-                w.req_id,
-                "mget",
-                w.started,
-                {"id": w.req_id, "ok": True, "sizes": [len(v) for v in values]},
-                b"".join(values),
+                conn, w.req_id, "mget", w.started, [w.req_id, OK, [len(v) for v in values]], b"".join(values)
             )
 
     def _park(
@@ -238,6 +231,7 @@ class KeyValue:
             f"{w.op}: timed out after {fmt_timeout(w.timeout)} waiting for key(s) {missing[:16]!r} of "
             f"job {job.name!r}",
             missing,
+            compact=True,
         )
 
     def drop(self, conn: Conn) -> None:
@@ -253,28 +247,34 @@ class KeyValue:
                         del job.waiters[key]
         conn.waiters.clear()
 
-    # -- operations
-    def op_set(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = _short_key(h)
+    # -- operations: each returns its answer (value, payload), DONE (applied, nothing to send)
+    # or PARKED (the answer comes when the keys do); a refusal raises Refused.
+    def op_set(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        key = h[3]
+        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+            key = key_field(key)  # the full check, and its error
         job = conn.job
         if len(payload) > self.max_value_bytes:
             self._value(key, payload)
         if key not in job.kv:
             self._room(job, 1, key)
-        self._put(job, key, _own(payload))
-        self.fx.reply(conn, req_id, "set", self.fx.started)
+        self._put(job, key, payload)
+        return DONE
 
-    def op_get(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = _short_key(h)
+    def op_get(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        key = h[2]
+        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+            key = key_field(key)
         value = conn.job.kv.get(key)
         if value is not None:
-            self.fx.reply(conn, req_id, "get", self.fx.started, None, value)
-            return
-        self._park(conn, req_id, "get", [key], [key], timeout_field(h.get("timeout")))
+            return None, value
+        self._park(conn, req_id, "get", [key], [key], timeout_field(h[3]))
+        return PARKED
 
-    def op_add(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = _short_key(h)
-        amount = h.get("amount")
+    def op_add(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        key, amount = h[3], h[4]
+        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+            key = key_field(key)
         if type(amount) is not int:
             raise Refused(
                 ERR_INVALID,
@@ -304,24 +304,18 @@ class KeyValue:
                 ERR_INVALID, f"add would take key {key!r} to {value}, outside the 64-bit range", [key]
             )
         self._put(job, key, str(value).encode("ascii"))
-        self.fx.reply(conn, req_id, "add", self.fx.started, {"id": req_id, "ok": True, "value": value})
+        return value, b""
 
-    def op_cas(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = key_field(h.get("key"))
-        sizes = h.get("sizes")
-        if not (
-            isinstance(sizes, list)
-            and len(sizes) == 2
-            and all(type(s) is int and s >= 0 for s in sizes)
-            and sum(sizes) == len(payload)
-        ):
+    def op_cas(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        key, split = key_field(h[3]), h[4]
+        if type(split) is not int or not 0 <= split <= len(payload):
             raise Refused(
                 ERR_INVALID,
-                f"cas on key {key!r} needs 'sizes' = [len(expected), len(desired)] "
-                f"adding up to the payload's {len(payload)} bytes",
+                f"cas on key {key!r} needs the length of the expected value "
+                f"(0..{len(payload)}), got {split!r}",
                 [key],
             )
-        expected, desired = bytes(payload[: sizes[0]]), bytes(payload[sizes[0] :])
+        expected, desired = payload[:split], payload[split:]
         self._value(key, desired)
         job = conn.job
         current = job.kv.get(key)
@@ -337,62 +331,48 @@ class KeyValue:
             result = desired
         else:
             result = current
-        self.fx.reply(conn, req_id, "cas", self.fx.started, None, result)
+        return None, result
 
-    def op_wait(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        keys = _keys_field(h)
-        timeout = timeout_field(h.get("timeout"))
+    def op_wait(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        keys = _keys_field(h[2])
+        timeout = timeout_field(h[3])
         missing = [k for k in keys if k not in conn.job.kv]
         if not missing:
-            self.fx.reply(conn, req_id, "wait", self.fx.started)
-            return
+            return None, b""
         self._park(conn, req_id, "wait", keys, missing, timeout)
+        return PARKED
 
-    def op_mget(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        keys = _keys_field(h)
-        timeout = timeout_field(h.get("timeout"))
+    def op_mget(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        keys = _keys_field(h[2])
+        timeout = timeout_field(h[3])
         kv = conn.job.kv
         missing = [k for k in keys if k not in kv]
         if not missing:
             values = [kv[k] for k in keys]
-            self.fx.reply(
-                conn,
-                req_id,
-                "mget",
-                self.fx.started,
-                {"id": req_id, "ok": True, "sizes": [len(v) for v in values]},
-                b"".join(values),
-            )
-            return
+            return [len(v) for v in values], b"".join(values)
         self._park(conn, req_id, "mget", keys, missing, timeout)
+        return PARKED
 
-    def op_check(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        keys = _keys_field(h)
+    def op_check(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
         kv = conn.job.kv
-        self.fx.reply(
-            conn,
-            req_id,
-            "check",
-            self.fx.started,
-            {"id": req_id, "ok": True, "value": all(k in kv for k in keys)},
-        )
+        return all(k in kv for k in _keys_field(h[2])), b""
 
-    def op_del(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = key_field(h.get("key"))
+    def op_del(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        key = key_field(h[3])
         job = conn.job
         existed = key in job.kv
         if existed:
             self._delete(job, key)
-        self.fx.reply(conn, req_id, "del", self.fx.started, {"id": req_id, "ok": True, "value": existed})
+        return existed, b""
 
-    def op_nkeys(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        self.fx.reply(
-            conn, req_id, "nkeys", self.fx.started, {"id": req_id, "ok": True, "value": len(conn.job.kv)}
-        )
+    def op_nkeys(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        return len(conn.job.kv), b""
 
-    def op_mset(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        keys = _keys_field(h)
-        sizes = h.get("sizes")
+    def op_sync(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        return None, b""  # its reply is the point: everything before it on the connection was applied
+
+    def op_mset(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        keys, sizes = _keys_field(h[3]), h[4]
         if not (
             isinstance(sizes, list)
             and len(sizes) == len(keys)
@@ -406,23 +386,23 @@ class KeyValue:
                 keys[:16],
             )
         job = conn.job
-        for k, s in zip(keys, sizes, strict=True):
-            if s > self.max_value_bytes:
+        for k, size in zip(keys, sizes, strict=True):
+            if size > self.max_value_bytes:
                 raise Refused(
                     ERR_TOO_LARGE,
-                    f"value of {s} bytes for key {k[:256]!r} exceeds the "
+                    f"value of {size} bytes for key {k[:256]!r} exceeds the "
                     f"coordinator's limit of {self.max_value_bytes} bytes (--max-value-bytes)",
                     [k],
                 )
         self._room(job, len({k for k in keys if k not in job.kv}), keys[0] if keys else "")
         pos = 0
-        for k, s in zip(keys, sizes, strict=True):
-            self._put(job, k, bytes(payload[pos : pos + s]))
-            pos += s
-        self.fx.reply(conn, req_id, "mset", self.fx.started)
+        for k, size in zip(keys, sizes, strict=True):
+            self._put(job, k, payload[pos : pos + size])
+            pos += size
+        return DONE
 
-    def op_append(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        key = key_field(h.get("key"))
+    def op_append(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
+        key = key_field(h[3])
         job = conn.job
         old = job.kv.get(key)
         if old is None:
@@ -438,4 +418,4 @@ class KeyValue:
                 [key],
             )
         self._append(job, key, bytes(payload))
-        self.fx.reply(conn, req_id, "append", self.fx.started)
+        return DONE

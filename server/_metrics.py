@@ -29,12 +29,24 @@ PREFIX = "aiocoll_coordinator_"
 # Store operations on loopback finish in tens of microseconds, while a waiting get or a
 # rendezvous join may take seconds: roughly three buckets per decade from 10 us to 10 s.
 LATENCY_BUCKETS: tuple[float, ...] = (
-    0.00001, 0.000025, 0.00005,
-    0.0001, 0.00025, 0.0005,
-    0.001, 0.0025, 0.005,
-    0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5,
-    1.0, 2.5, 5.0,
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
     10.0,
 )
 

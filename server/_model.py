@@ -28,6 +28,7 @@ from aiocoll.protocol._coordinator import (
     ROLE_STORE,
     ROLE_WORKER,
 )
+from aiocoll.protocol._store import ERROR
 
 __all__ = [
     "ROLE_OPS",
@@ -39,9 +40,21 @@ __all__ = [
     "Record",
     "Refused",
     "Send",
+    "DONE",
+    "PARKED",
+    "Answer",
+    "StoreHandler",
     "fmt_timeout",
+    "key_field",
     "timeout_field",
 ]
+
+# A store operation's outcome (server/_kv.py): (value or None, payload) to send as its reply,
+# DONE (applied; SET, APPEND and MSET send nothing then), or PARKED (answered when its keys come).
+DONE: Any = ("done",)
+PARKED: Any = None
+Answer = Any
+StoreHandler = Callable[["Conn", int, list[Any], "bytes | bytearray"], Any]
 
 # (connection id, reply or event header, payload); a large shared header comes pre-encoded.
 Send = tuple[int, "dict[str, Any] | list[Any] | EncodedHeader", "bytes | bytearray | memoryview"]
@@ -265,9 +278,15 @@ class Effects:
         err: str,
         msg: str,
         keys: list[str] | None = None,
+        *,
+        compact: bool = False,
     ) -> None:
-        """Answer request ``req_id`` with an error and count it."""
-        self.outbox.append((conn_id, error_header(req_id, err, msg, keys), b""))
+        """Refuse request ``req_id`` and count it: a map reply, or for a store request
+        (``compact``) [id, ERROR, err, msg, keys]."""
+        header: dict[str, Any] | list[Any] = (
+            [req_id, ERROR, err, msg, keys or []] if compact else error_header(req_id, err, msg, keys)
+        )
+        self.outbox.append((conn_id, header, b""))
         if self.observe is not None:
             self.observe(op, self.clock() - started, False)
 

@@ -23,21 +23,35 @@ from collections.abc import Callable
 from typing import Any
 
 from aiocoll.protocol._coordinator import (
+    CONTROL_OPS,
     ERR_INVALID,
     ERR_UNKNOWN_OP,
     HEARTBEAT_TIMEOUT,
-    MUTATING_OPS,
     OPS,
     RESUME_GRACE,
     ROLE_BEAT,
     ROLE_WORKER,
 )
+from aiocoll.protocol._store import MUTATIONS, NO_REPLY, OK, OP_NAMES
 
 from . import _persistence
-from ._dedupe import CLIENT_SWEEP_INTERVAL, Dedupe
+from ._dedupe import CLIENT_SWEEP_INTERVAL, AlreadyAnswered, Dedupe
 from ._kv import DEFAULT_MAX_KEYS_PER_JOB, DEFAULT_MAX_VALUE_BYTES, KeyValue
 from ._liveness import Liveness, heard
-from ._model import ROLE_OPS, Conn, Effects, EncodedHeader, Job, MemberState, Record, Refused, Send
+from ._model import (
+    DONE,
+    PARKED,
+    ROLE_OPS,
+    Conn,
+    Effects,
+    EncodedHeader,
+    Job,
+    MemberState,
+    Record,
+    Refused,
+    Send,
+    StoreHandler,
+)
 from ._progress_part import Progress
 from ._rendezvous import Rendezvous
 
@@ -56,6 +70,7 @@ log = logging.getLogger("aiocoll.server")
 DEFAULT_JOB_TTL = 3600.0
 
 Handler = Callable[[Conn, int, dict[str, Any], memoryview], None]
+_NO_REPLY_NAMES = frozenset(OP_NAMES[code] for code in NO_REPLY)
 
 
 class CoordinatorState(Effects):
@@ -100,15 +115,17 @@ class CoordinatorState(Effects):
         )
         self.dedupe = Dedupe(self, client_ttl=job_ttl if client_ttl is None else client_ttl)
         self.progress = Progress(self)
-        # The command table: every operation, by name, to the part that answers it.
+        # The command tables: every operation to the part that answers it; store operations by
+        # their compact code, the others by name.
+        self._store: dict[int, tuple[str, StoreHandler]] = self.kv.handlers()
         self._handlers: dict[str, Handler] = {
-            **self.kv.handlers(),
             **self.rendezvous.handlers(),
             **self.liveness.handlers(),
             **self.progress.handlers(),
             "status": self._op_status,
         }
-        assert set(self._handlers) == OPS, sorted(OPS ^ set(self._handlers))
+        names = set(self._handlers) | {name for name, _ in self._store.values()}
+        assert names == OPS, sorted(OPS ^ names)
 
     # -- settings the parts hold, readable here
     @property
@@ -165,70 +182,121 @@ class CoordinatorState(Effects):
         self.rendezvous.disconnect(conn, reason)
 
     # ------------------------------------------------------------------ requests
-    def request(self, conn_id: int, header: dict[str, Any], payload: memoryview) -> None:
+    def request(self, conn_id: int, header: dict[str, Any] | list[Any], payload: bytes | bytearray) -> None:
         """Handle one request frame; replies and events land in ``outbox``.
 
         Raises:
-            ValueError: the header has no integer ``id``; the connection should be closed.
+            ValueError: the header has no integer id; the connection should be closed.
         """
         conn = self.conns[conn_id]
+        now = self.started = self.clock()
+        conn.last_seen = now
+        conn.job.last_activity = now
+        if type(header) is list:
+            self._store_request(conn, header, payload, now)
+        else:
+            self._control_request(conn, header, payload, now)  # type: ignore[arg-type]
+
+    def _store_request(self, conn: Conn, h: list[Any], payload: bytes | bytearray, now: float) -> None:
+        """A compact store request (protocol._store): [code, id, ...]."""
+        req_id = h[1] if len(h) > 1 else None
+        if type(req_id) is not int:
+            raise ValueError(f"store request without an integer id ({str(h)[:64]})")
+        entry = self._store.get(h[0])
+        if entry is None:
+            self.fail(
+                conn.id,
+                req_id,
+                str(h[0]),
+                now,
+                ERR_UNKNOWN_OP,
+                f"unknown store operation {str(h[0])[:64]!r}",
+                compact=True,
+            )
+            return
+        op, handler = entry
+        if op not in conn.allowed:
+            self.fail(conn.id, req_id, op, now, ERR_INVALID, self._not_allowed(conn, op), compact=True)
+            return
+        client = None
+        j = 0
+        if conn.cid is not None and h[0] in MUTATIONS:
+            try:
+                client = self.dedupe.check(conn, op, req_id, h[2] if len(h) > 2 else None)
+            except Refused as exc:
+                self.fail(conn.id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys, compact=True)
+                return
+            except AlreadyAnswered as answered:
+                self._answer(conn, req_id, op, now, answered.value, answered.payload)
+                return
+            j = len(self.journal)
+        try:
+            answer = handler(conn, req_id, h, payload)
+        except (IndexError, TypeError):  # a field missing, or of a type nothing checked
+            self.fail(
+                conn.id, req_id, op, now, ERR_INVALID, f"{op}: malformed request {str(h)[:200]}", compact=True
+            )
+            return
+        except Refused as exc:
+            self.fail(conn.id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys, compact=True)
+            return
+        if answer is PARKED:
+            return
+        if answer is DONE:
+            if self.observe is not None:
+                self.observe(op, self.clock() - now, True)
+            if client is not None:
+                self.dedupe.remember(conn, client, req_id, None, b"", j)
+            return
+        value, body = answer
+        self._answer(conn, req_id, op, now, value, body)
+        if client is not None:
+            self.dedupe.remember(conn, client, req_id, value, body, j)
+
+    def _answer(
+        self, conn: Conn, req_id: int, op: str, started: float, value: Any, body: bytes | bytearray
+    ) -> None:
+        """Send a store operation's reply ([id, OK] or [id, OK, value], with ``body``); the
+        operations that are answered only when refused send nothing."""
+        if op in _NO_REPLY_NAMES:
+            if self.observe is not None:
+                self.observe(op, self.clock() - started, True)
+            return
+        self.reply(conn, req_id, op, started, [req_id, OK] if value is None else [req_id, OK, value], body)
+
+    def _not_allowed(self, conn: Conn, op: str) -> str:
+        return f"a {conn.role!r} connection may not use {op!r} (allowed: {sorted(ROLE_OPS[conn.role])})"
+
+    def _control_request(
+        self, conn: Conn, header: dict[str, Any], payload: bytes | bytearray, now: float
+    ) -> None:
+        """A control request (join, hb, leave, status, table, progress): a map header."""
         req_id = header.get("id")
         if type(req_id) is not int:
             raise ValueError(f"request without an integer 'id' (op {str(header.get('op'))[:64]!r})")
         op = header.get("op")
-        now = self.started = self.clock()
-        conn.last_seen = now
-        conn.job.last_activity = now
         handler = self._handlers.get(op) if type(op) is str else None
         if handler is None:
+            known = sorted(CONTROL_OPS)
             self.fail(
-                conn_id,
+                conn.id,
                 req_id,
                 str(op),
                 now,
                 ERR_UNKNOWN_OP,
-                f"unknown operation {str(op)[:64]!r}; known: {sorted(OPS)}",
+                f"unknown operation {str(op)[:64]!r}; known: {known}",
             )
             return
         assert type(op) is str
         if op not in conn.allowed:
-            self.fail(
-                conn_id,
-                req_id,
-                op,
-                now,
-                ERR_INVALID,
-                f"a {conn.role!r} connection may not use {op!r} (allowed: {sorted(ROLE_OPS[conn.role])})",
-            )
+            self.fail(conn.id, req_id, op, now, ERR_INVALID, self._not_allowed(conn, op))
             return
-        rid = header.get("rid") if op in MUTATING_OPS else None
-        client = None
-        if rid is not None:
-            try:
-                client = self.dedupe.check(
-                    conn,
-                    req_id,
-                    op,
-                    rid,
-                    header.get("ack"),
-                    lambda kept, body: self.reply(conn, req_id, op, now, {**kept, "id": req_id}, body),
-                )
-            except Refused as exc:
-                self.fail(conn_id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys)
-                return
-            if client is None:  # answered from memory
-                return
         n = len(self.outbox)
-        j = len(self.journal)
         try:
-            handler(conn, req_id, header, payload)
+            handler(conn, req_id, header, memoryview(payload))
         except Refused as exc:
             del self.outbox[n:]
-            self.fail(conn_id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys)
-            return
-        if client is not None:
-            assert type(rid) is int
-            self.dedupe.remember(conn, client, req_id, rid, n, j)
+            self.fail(conn.id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys)
 
     def _op_status(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
         job = h.get("job")

@@ -135,8 +135,10 @@ __all__ = [
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "MAX_KEY_BYTES",
+    "CONTROL_OPS",
     "MUTATING_OPS",
     "OPS",
+    "STORE_OPS",
     "RESUME_GRACE",
     "ROLE_ADMIN",
     "ROLE_BEAT",
@@ -152,10 +154,13 @@ ROLE_STORE = "store"  # a plain store client (connect_store): no membership
 ROLE_ADMIN = "admin"  # `aiocoll status`: read-only views across jobs
 ROLE_BEAT = "beat"  # a joined worker's second connection: heartbeats and progress from a thread
 
-OPS = frozenset(
-    {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append",
-     "join", "hb", "leave", "status", "table", "progress"}
+# Every operation's name (the store's are sent by code, protocol._store.OP_NAMES; the names are
+# what role permissions, metrics and messages use).
+STORE_OPS = frozenset(
+    {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append", "sync"}
 )
+CONTROL_OPS = frozenset({"join", "hb", "leave", "status", "table", "progress"})
+OPS = STORE_OPS | CONTROL_OPS
 
 ERR_TIMEOUT = "timeout"  # a waiting get/wait/mget ran out; "keys" names the missing keys
 ERR_INVALID = "invalid"  # wrong-typed key or value, bad field

@@ -2,7 +2,9 @@
 beyond _errors.
 
 A frame is a 12-byte prefix (header length u32, payload length u64, network order), a msgpack
-map (the header) and a raw payload. The decoder announces a frame's header before its payload
+header and a raw payload. The header is a map, or, on a decoder made with ``lists=True`` (the
+coordinator conversation, whose store requests and replies are positional: protocol._store), a
+map or an array. The decoder announces a frame's header before its payload
 arrives, so the caller may hand it the destination buffer (a tensor's memory) and the bulk of the
 payload is received straight into it: ``get_buffer`` then returns a slice of that buffer. Small
 frames are parsed out of one internal buffer, many per read.
@@ -78,6 +80,7 @@ class FrameDecoder:
         max_payload: largest payload accepted, in bytes.
         sink: optional PayloadSink choosing where a payload lands.
         read_size: size of the internal buffer used for prefixes, headers and small payloads.
+        lists: accept msgpack arrays as headers too (the coordinator's compact store frames).
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class FrameDecoder:
         max_payload: int = 64 * 1024 * 1024,
         sink: PayloadSink | None = None,
         read_size: int = 256 * 1024,
+        lists: bool = False,
     ) -> None:
         self.max_header = max_header
+        self.lists = lists
         self.max_payload = max_payload
         self.sink = sink
         # Start small and grow only for a header that needs it: a connection allowed 16 MiB headers
@@ -133,6 +138,45 @@ class FrameDecoder:
             return frames
         self._end += nbytes
         return self._parse()
+
+    def buffer_updated_messages(self, nbytes: int) -> list[tuple[Any, bytes | bytearray]]:
+        """``buffer_updated`` for a consumer without a sink (the coordinator): the finished
+        frames as (header, payload) pairs, small ones parsed straight out of the buffer with no
+        Frame objects (the store's hot path: many small frames per read).
+
+        Raises:
+            ProtocolError: as ``buffer_updated``.
+        """
+        if self._pending_payload is not None:
+            return [(f.header, f.payload.obj) for f in self.buffer_updated(nbytes)]  # type: ignore[misc]
+        self._end += nbytes
+        buf, view = self._buf, self._view
+        start, end = self._start, self._end
+        unpack = PREFIX.unpack_from
+        decode = self._decode_header
+        max_header, max_payload = self.max_header, self.max_payload
+        messages: list[tuple[Any, bytes | bytearray]] = []
+        while end - start >= _PREFIX_SIZE:
+            header_len, payload_len = unpack(buf, start)
+            if header_len == 0 or header_len > max_header or payload_len > max_payload:
+                break  # _parse raises the precise error
+            pstart = start + _PREFIX_SIZE + header_len
+            pend = pstart + payload_len
+            if pend > end:
+                break
+            messages.append(
+                (
+                    decode(view[start + _PREFIX_SIZE : pstart]),
+                    bytes(view[pstart:pend]) if payload_len else b"",
+                )
+            )
+            start = pend
+        self._start = start
+        if start < end:
+            # A frame that is not whole yet, or one to refuse: the general path. Without a sink
+            # its payloads are fresh bytearrays of their own (the memoryview's object).
+            messages.extend((f.header, f.payload.obj) for f in self._parse())  # type: ignore[misc]
+        return messages
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         """Decode ``data``; convenient where zero-copy receive does not matter."""
@@ -319,7 +363,7 @@ class FrameDecoder:
                 return target, True
         return memoryview(bytearray(payload_len)), False
 
-    def _decode_header(self, raw: bytes | memoryview) -> dict[str, Any]:
+    def _decode_header(self, raw: bytes | memoryview) -> Any:
         try:
             # unpackb caps every str, bin, array and map at the input's own length by default
             # (msgpack >= 1.0; test_protocol checks it), so only ext types need refusing here.
@@ -327,6 +371,7 @@ class FrameDecoder:
             header = _unpackb(raw, max_ext_len=0, strict_map_key=False)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             raise ProtocolError(f"undecodable frame header ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(header, dict):
-            raise ProtocolError(f"frame header must be a map, got {type(header).__name__}")
+        if type(header) is not dict and not (self.lists and type(header) is list):
+            kinds = "a map or an array" if self.lists else "a map"
+            raise ProtocolError(f"frame header must be {kinds}, got {type(header).__name__}")
         return header

@@ -34,6 +34,7 @@ from aiocoll.protocol._coordinator import (
     join_values,
 )
 from aiocoll.testing.coordinator import CoordinatorProcess
+from aiocoll.testing.store_frames import CODES, as_map, request_frames
 from aiocoll.testing.world import free_port
 
 pytestmark = pytest.mark.integration
@@ -47,8 +48,9 @@ class RawClient:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
-        self.decoder = FrameDecoder(max_header=16 << 20, max_payload=1 << 31)
+        self.decoder = FrameDecoder(max_header=16 << 20, max_payload=1 << 31, lists=True)
         self.ids = itertools.count(1)
+        self.ops: dict[int, str] = {}  # store requests' names by id, to read their replies
         self.pending: dict[int, asyncio.Future[tuple[dict[str, Any], bytes]]] = {}
         self.events: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -85,12 +87,22 @@ class RawClient:
         try:
             while data := await self.reader.read(1 << 20):
                 for frame in self.decoder.feed(data):
-                    if "id" in frame.header:
-                        fut = self.pending.pop(frame.header["id"], None)
+                    header = frame.header
+                    if type(header) is list:  # a store reply, compact: read it as a map
+                        req_id = header[0]
+                        if req_id < 0:  # the SYNC behind a set: the set's "ok"
+                            req_id, header = -req_id, {"id": -req_id, "ok": True}
+                        else:
+                            header = as_map(self.ops.pop(req_id, ""), header)
+                        fut = self.pending.pop(req_id, None)
                         if fut is not None and not fut.done():
-                            fut.set_result((frame.header, bytes(frame.payload)))
+                            fut.set_result((header, bytes(frame.payload)))
+                    elif "id" in header:
+                        fut = self.pending.pop(header["id"], None)
+                        if fut is not None and not fut.done():
+                            fut.set_result((header, bytes(frame.payload)))
                     else:
-                        self.events.put_nowait(frame.header)
+                        self.events.put_nowait(header)
         except OSError:
             pass
         finally:
@@ -108,7 +120,11 @@ class RawClient:
         self.pending[req_id] = fut
         # Replies to fire-and-forget requests may never be awaited: mark their errors as seen.
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-        self.writer.writelines(encode_frame({"op": op, "id": req_id, **fields}, payload))
+        if op in CODES:  # a store request: its compact form (and a SYNC behind a set)
+            self.ops[req_id] = op
+            self.writer.write(request_frames(op, req_id, payload, **fields)[0])
+        else:
+            self.writer.writelines(encode_frame({"op": op, "id": req_id, **fields}, payload))
         return fut
 
     async def call(self, op: str, payload: bytes = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
@@ -517,7 +533,7 @@ async def test_client_that_never_reads_its_replies_is_closed_and_others_are_serv
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
         writer.transport.pause_reading()
         for i in range(300):
-            writer.writelines(encode_frame({"op": "get", "id": i + 1, "key": "big"}))
+            writer.write(request_frames("get", i + 1, key="big")[0])
         # Everyone else is served meanwhile.
         for _ in range(10):
             assert (await good.ok("get", key="big"))[1][:1] == b"z"
@@ -548,7 +564,7 @@ async def test_second_sigterm_exits_at_once_while_a_drain_is_stuck(
     writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     writer.transport.pause_reading()
     for i in range(300):
-        writer.writelines(encode_frame({"op": "get", "id": i + 1, "key": "big"}))
+        writer.write(request_frames("get", i + 1, key="big")[0])
     await writer.drain()
     await good.ok("get", key="big")  # the coordinator has read the pipelined requests by now
 

@@ -245,12 +245,15 @@ async def test_mutations_whose_replies_are_lost_after_they_were_applied_are_rese
 
             await _until(carried_out, "the three requests carried out behind held replies")
             assert await observer.multi_get(["counter", "log"]) == [b"1", b"once,"]
-            assert not (add.done() or app.done() or gone.done()), "a held reply got through"
+            assert not (add.done() or gone.done()), "a held reply got through"
+            await app  # an append expects no reply: it returned once queued ...
+            assert store._core.no_reply_unsettled == 2, "... and no later reply has acknowledged it"
             proxy.cut()
             proxy.resume()
             assert await add == 1
-            await app
             assert await gone is True  # the first reply, although the key is gone by now
+            await store.flush()  # the set and the append, sent again first, were not applied twice
+            assert not await observer.check(["doomed"]), "the set sent again did not undo the delete"
             assert await observer.multi_get(["counter", "log"]) == [b"1", b"once,"]
             assert proxy.accepted >= 2
         finally:
@@ -267,8 +270,12 @@ async def test_a_silent_coordinator_gives_store_timeout_naming_the_key_not_a_han
         try:
             proxy.pause()
             with pytest.raises(StoreTimeout) as info:
-                await store.set("unanswered", b"x", timeout=0.5)
+                await store.get("unanswered", timeout=0.5)
             assert info.value.keys == ["unanswered"]
+            await store.set("unacknowledged", b"x")  # returns once queued; its acknowledgement waits
+            with pytest.raises(StoreTimeout) as info:
+                await store.flush(timeout=0.5)
+            assert info.value.keys == ["unacknowledged"]
             assert "127.0.0.1" in str(info.value)
         finally:
             proxy.resume()
@@ -482,7 +489,7 @@ async def test_a_session_whose_reconnect_budget_runs_out_says_the_coordinator_is
 async def test_an_unanswered_heartbeat_drops_a_silent_link_and_the_worker_reconnects(
     coordinator: CoordinatorProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import aiocoll.client.session as session_module
+    import aiocoll.client._join as session_module  # where heartbeats are sent
 
     monkeypatch.setattr(session_module, "HEARTBEAT_INTERVAL", 0.1)
     monkeypatch.setattr(session_module, "_HEARTBEAT_REPLY_TIMEOUT", 0.5)

@@ -1,7 +1,7 @@
-"""Pipelined sets (``pipeline_sets=True``): set returns once written, later operations see it,
-a refused set is reported by a later operation (at the latest by flush and aclose), and sets in
-flight when the link is cut are re-sent in order before later requests — against an embedded coordinator
-over real loopback sockets (through a fault proxy for the cut)."""
+"""Pipelined sets (``pipeline_sets=True``, the default): set returns once queued, later operations
+see it, a refused set is reported by a later operation (at the latest by flush and aclose), and
+sets not yet acknowledged when the link is cut are re-sent in order before later requests —
+against an embedded coordinator over real loopback sockets (through a fault proxy for the cut)."""
 
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ async def test_pipelined_sets_are_seen_by_later_operations_and_failures_come_nex
         try:
             for i in range(3000):
                 await store.set(f"k{i % 50}", f"v{i}")
-            assert store._sets_in_flight, "pipelined sets return before their reply"
+            assert store._core.no_reply_unsettled, "pipelined sets return before they are acknowledged"
             # Replies come in request order: a later get sees the last value of its key.
             assert await store.get("k49") == b"v2999"
             assert await store.num_keys() == 50
             await store.flush()
-            assert not store._sets_in_flight and not store._unanswered
+            assert not store._core.no_reply_unsettled and not store._core.unsettled
 
             await store.set("big", b"x" * 65)  # above the coordinator's limit: returns anyway
             # The get below was written before the refusal arrived: it succeeds; the refusal is
@@ -72,7 +72,7 @@ async def test_pipelined_sets_cut_in_flight_are_resent_once_and_in_order() -> No
                 for i in range(1, 201):
                     await store.set("ctr", str(i))
                     await store.set(f"k{i}", str(i))
-                assert len(store._sets_in_flight) == 400
+                assert store._core.no_reply_unsettled == 400
                 proxy.cut()
                 proxy.resume()
                 # The reconnect re-sends the cut sets, in order, before this get.
@@ -80,24 +80,29 @@ async def test_pipelined_sets_cut_in_flight_are_resent_once_and_in_order() -> No
                 assert await store.num_keys() == 201
                 assert await store.multi_get(["k1", "k200"]) == [b"1", b"200"]
                 await store.flush()
-                assert not store._lost_sets and not store._unanswered
+                assert not store._core.lost_frames() and not store._core.unsettled
             finally:
                 await store.aclose()
 
 
 @pytest.mark.timeout(30)
-async def test_connect_store_passes_pipeline_sets_through_and_defaults_to_acknowledged_sets() -> None:
+async def test_connect_store_passes_pipeline_sets_through_and_defaults_to_pipelined_sets() -> None:
     from aiocoll import connect_store
 
-    async with Coordinator("127.0.0.1", 0, token=TOKEN) as coord:
+    async with Coordinator("127.0.0.1", 0, token=TOKEN, max_value_bytes=64) as coord:
         url = f"tcp://127.0.0.1:{coord.port}"
-        pipelined = await connect_store(url, token=TOKEN, job="pipe-url", pipeline_sets=True)
-        plain = await connect_store(url, token=TOKEN, job="pipe-url")
+        pipelined = await connect_store(url, token=TOKEN, job="pipe-url")
+        acknowledged = await connect_store(url, token=TOKEN, job="pipe-url", pipeline_sets=False)
         try:
-            assert pipelined.pipeline_sets and not plain.pipeline_sets
+            assert pipelined.pipeline_sets and not acknowledged.pipeline_sets
             await pipelined.set("a", "1")
             await pipelined.flush()
-            assert await plain.get("a") == b"1"
+            assert await acknowledged.get("a") == b"1"
+            # An acknowledged set returns once the coordinator has it, and raises its own refusal.
+            await acknowledged.set("b", "2")
+            assert not acknowledged._core.unsettled
+            with pytest.raises(StoreError, match="'big'"):
+                await acknowledged.set("big", b"x" * 65)
         finally:
             await pipelined.aclose()
-            await plain.aclose()
+            await acknowledged.aclose()

@@ -21,6 +21,8 @@ import pytest
 
 from aiocoll.protocol import ClientHandshake, FrameDecoder, ServerHandshake, encode_frame
 from aiocoll.protocol._coordinator import ROLE_ADMIN, ROLE_WORKER
+from aiocoll.protocol._store import OK
+from aiocoll.testing.store_frames import request_frames
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -241,8 +243,18 @@ async def _request(
         data = await asyncio.wait_for(reader.read(65536), 20)
         assert data, f"coordinator closed the connection instead of answering {header}"
         for frame in decoder.feed(data):
-            if frame.header.get("id") == header["id"]:
+            if type(frame.header) is dict and frame.header.get("id") == header["id"]:
                 return frame.header, bytes(frame.payload)
+
+
+async def _until_reply(reader: asyncio.StreamReader, decoder: FrameDecoder, req_id: Any) -> Any:
+    """Read frames until the reply to ``req_id`` (a compact store reply) arrives; returns its header."""
+    while True:
+        data = await asyncio.wait_for(reader.read(65536), 20)
+        assert data, f"coordinator closed the connection instead of answering request {req_id}"
+        for frame in decoder.feed(data):
+            if type(frame.header) is list and frame.header[0] == req_id:
+                return frame.header
 
 
 def _http_get(port: int, path: str) -> tuple[int, str, bytes]:
@@ -278,7 +290,7 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
         workers = []
         for _ in (0, 1):
             r, w = await _client(port, ROLE_WORKER, "train")
-            workers.append((r, w, FrameDecoder()))
+            workers.append((r, w, FrameDecoder(lists=True)))
         joins = [
             _request(r, w, d, {"op": "join", "id": 1, "rank": rank, "world_size": 2,
                                "addrs": [["127.0.0.1", 40000 + rank]], "host": f"host-{rank}", "timeout": 20})
@@ -288,8 +300,10 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
             assert reply["ok"], reply
         r, w, d = workers[0]
         for i in range(3):
-            reply, _ = await _request(r, w, d, {"op": "set", "id": 10 + i, "key": f"k{i}"}, b"v")
-            assert reply["ok"], reply
+            frames, sync = request_frames("set", 10 + i, b"v", key=f"k{i}")
+            w.write(frames)
+            reply = await _until_reply(r, d, sync)
+            assert reply == [sync, OK], reply  # no refusal came before the SYNC behind the set
 
         rc, out, err = await _status(
             "--coordinator", f"127.0.0.1:{port}", "--json", env={"AIOCOLL_TOKEN": TOKEN}, full_cli=True

@@ -4,6 +4,7 @@ writes, and a link already through a real handshake (shared by the tests of clie
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from aiocoll.client._connection import CoordinatorLink
@@ -46,9 +47,12 @@ class FakeTransport:
         return b"".join(self.take_writes())
 
 
-async def handshaken_link(token: str = "t") -> tuple[CoordinatorLink, FakeTransport]:
+async def handshaken_link(
+    token: str = "t", on_settle: Callable[[list[Any], bytes], None] | None = None
+) -> tuple[CoordinatorLink, FakeTransport]:
     """A worker link that went through a real handshake against ServerHandshake."""
-    link = CoordinatorLink(ClientHandshake(token, role=ROLE_WORKER, job="j"), lambda e: None, lambda *_: None)
+    hello = ClientHandshake(token, role=ROLE_WORKER, job="j")
+    link = CoordinatorLink(hello, lambda e: None, lambda *_: None, on_settle=on_settle)
     transport = FakeTransport()
     link.connection_made(transport)  # type: ignore[arg-type]
     server = ServerHandshake(token, roles={ROLE_WORKER})

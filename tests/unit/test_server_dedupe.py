@@ -13,6 +13,7 @@ import pytest
 from aiocoll.server import CoordinatorState
 from aiocoll.server._journal import Journal
 from aiocoll.server._state import CLIENT_SWEEP_INTERVAL
+from store_frames import StateDriver
 
 from aiocoll.protocol._coordinator import CID_BYTES, DEDUPE_WINDOW, ERR_INVALID, join_values
 
@@ -23,6 +24,7 @@ class Harness:
     def __init__(self, **kwargs: Any) -> None:
         self.now = 1000.0
         self.state = CoordinatorState(clock=lambda: self.now, **kwargs)
+        self.driver = StateDriver(self.state)
         self.ids = 0
 
     def connect(self, cid: bytes | None, job: str = "j") -> int:
@@ -31,8 +33,8 @@ class Harness:
         return self.ids
 
     def call(self, conn: int, op: str, payload: bytes = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
-        self.state.request(conn, {"op": op, "id": fields.pop("id", 7), **fields}, memoryview(payload))
-        frames = [(h, bytes(p)) for c, h, p in self.state.outbox if c == conn]
+        self.driver.send(conn, op, payload, **fields)
+        frames = self.driver.take(conn)
         self.state.outbox.clear()
         assert len(frames) == 1, frames
         return frames[0]
@@ -55,8 +57,9 @@ def test_a_resent_add_gets_its_first_reply_and_is_not_applied_again() -> None:
     # The link dropped before the reply arrived; the client re-sends on a new connection.
     h.state.disconnect(first, "cut")
     again = h.connect(cid)
-    header, _ = ok(h.call(again, "add", key="n", amount=5, rid=1, ack=0, id=99))
-    assert header == {"id": 99, "ok": True, "value": 5}
+    # A re-sent request keeps its id, which is its number (protocol._store).
+    header, _ = ok(h.call(again, "add", key="n", amount=5, rid=1, ack=0))
+    assert header == {"id": 1, "ok": True, "value": 5}
     assert h.value("n") == b"5"
     assert h.state.resends_answered == 1
     # The next number is a new add; another client with the same rid is another client.
@@ -119,16 +122,18 @@ def test_the_window_of_unacknowledged_mutations_is_bounded() -> None:
 
 def test_numbered_requests_need_a_client_id_and_sane_numbers() -> None:
     h = Harness()
+    # Without a client id nothing is numbered: a mutation sent twice is carried out twice.
     anonymous = h.connect(None)
-    header, _ = h.call(anonymous, "add", key="n", amount=1, rid=1, ack=0)
-    assert header["ok"] is False and "cid" in header["msg"]
+    assert ok(h.call(anonymous, "add", key="n", amount=1, rid=1, ack=0))[0]["value"] == 1
+    assert ok(h.call(anonymous, "add", key="n", amount=1, rid=1, ack=0))[0]["value"] == 2
     named = h.connect(os.urandom(CID_BYTES))
-    for rid, ack in ((1, 1), ("1", 0), (2, -1)):
-        header, _ = h.call(named, "add", key="n", amount=1, rid=rid, ack=ack)
+    for rid, ack in ((1, 1), (2, -1), (3, "0")):
+        header, _ = h.call(named, "add", key="m", amount=1, rid=rid, ack=ack)
         assert header["ok"] is False and header["err"] == ERR_INVALID, (rid, ack)
-    assert "n" not in h.state.jobs["j"].kv
-    # Unnumbered mutations from a client with a cid still work (older clients, raw tools).
-    assert ok(h.call(named, "add", key="n", amount=1))[0]["value"] == 1
+    assert "m" not in h.state.jobs["j"].kv
+    # A request number (the compact request's id) that is not an integer ends the connection.
+    with pytest.raises(ValueError, match="id"):
+        h.call(named, "add", key="m", amount=1, rid="1", ack=0)
 
 
 def test_a_refused_mutation_is_not_remembered() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import msgpack
 import pytest
 from aiocoll.server import CoordinatorState
-from aiocoll.server._state import EncodedHeader
+from store_frames import StateDriver
 
 from aiocoll.protocol._coordinator import (
     ERR_INVALID,
@@ -38,11 +38,13 @@ class Clock:
 
 
 class Harness:
-    """Drives a CoordinatorState the way the shell does and sorts its output per connection."""
+    """Drives a CoordinatorState the way the shell does and sorts its output per connection
+    (store requests go in their compact form: store_frames.StateDriver)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.clock = Clock()
         self.state = CoordinatorState(clock=self.clock, **kwargs)
+        self.driver = StateDriver(self.state)
         self.ids = 0
 
     def connect(self, job: str = "j", role: str = "worker", session: str | None = None) -> int:
@@ -51,18 +53,11 @@ class Harness:
         return self.ids
 
     def send(self, conn: int, op: str, payload: bytes = b"", **fields: Any) -> None:
-        self.state.request(conn, {"op": op, "id": fields.pop("id", 7), **fields}, memoryview(payload))
+        self.driver.send(conn, op, payload, **fields)
 
     def out(self, conn: int | None = None) -> list[tuple[dict[str, Any], bytes]]:
         """Take the frames sent (to ``conn`` only, when given) since they were last taken."""
-        outbox = self.state.outbox
-        taken = [
-            (h.decode() if isinstance(h, EncodedHeader) else h, bytes(p))
-            for c, h, p in outbox
-            if conn is None or c == conn
-        ]
-        outbox[:] = [f for f in outbox if conn is not None and f[0] != conn]
-        return taken
+        return self.driver.take(conn)
 
     def call(self, conn: int, op: str, payload: bytes = b"", **fields: Any) -> tuple[dict[str, Any], bytes]:
         self.send(conn, op, payload, **fields)
@@ -232,7 +227,9 @@ def test_request_without_an_id_is_fatal_for_the_connection() -> None:
     h = Harness()
     c = h.connect(role="store")
     with pytest.raises(ValueError, match="id"):
-        h.state.request(c, {"op": "set", "key": "k"}, memoryview(b""))
+        h.state.request(c, {"op": "join", "rank": 0}, b"")
+    with pytest.raises(ValueError, match="id"):
+        h.state.request(c, [1], b"")  # a store request: [code, id, ...]
 
 
 def test_keys_per_job_limit_is_enforced() -> None:

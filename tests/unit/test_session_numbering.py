@@ -1,55 +1,94 @@
-"""The session's numbering of mutations, without sockets: ``ack`` is the highest number below
-which every reply arrived (in any order), and a session never has more than DEDUPE_WINDOW
-mutations unanswered, so the coordinator never has to refuse one."""
+"""The session's numbering of mutations, without sockets (client/_store_core.py): ``ack`` is the id
+at and below which every mutation is settled, a reply settles everything sent before it (the
+coordinator answers a connection in order), a refused set nobody awaited is kept for the next
+call, and a session never has more than DEDUPE_WINDOW mutations unsettled, so the coordinator
+never has to refuse one: the session asks for a SYNC and waits instead."""
 
 from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import pytest
+from aiocoll.client._store_core import SYNC_AFTER, StoreCore
 from aiocoll.client.session import CoordinatorSession
+from coordinator_link_fakes import handshaken_link
 
-from aiocoll import StoreTimeout
+from aiocoll import StoreError, StoreTimeout
 from aiocoll._deadline import Deadline
-from aiocoll.protocol._coordinator import CID_BYTES, DEDUPE_WINDOW, ROLE_STORE
+from aiocoll.protocol import FrameDecoder
+from aiocoll.protocol._coordinator import CID_BYTES, DEDUPE_WINDOW, ERR_TOO_LARGE, ROLE_STORE
+from aiocoll.protocol._store import ADD, ERROR, OK, SET, SYNC
 
 pytestmark = pytest.mark.timeout(20)
 
 
-def answered(session: CoordinatorSession, rid: int) -> None:
-    """What _call does when a numbered mutation's reply arrives (or its caller gives up)."""
-    session._unanswered.discard(rid)
-    session._window_moved.set()
+def test_ack_is_the_id_below_which_every_mutation_is_settled() -> None:
+    core = StoreCore("j", "127.0.0.1:1")
+    ids = [core.mutation(ADD, ["k", 1], b"", ["k"], Deadline(5), True)[0] for _ in range(4)]
+    assert ids == [1, 2, 3, 4] and core.ack() == 0
+    read = core.next_id()  # a read in between takes an id, never holds the window back
+    core.settle([2, OK, 2], b"")  # replies come in order: 1 was answered before 2
+    assert core.ack() == 2
+    core.settle([4, OK, 4], b"")
+    assert core.ack() == read  # nothing unsettled: everything issued so far
+    frame_id, frame = core.mutation(ADD, ["k", 1], b"", ["k"], Deadline(5), True)
+    header = FrameDecoder(lists=True).feed(frame)[0].header
+    assert header == [ADD, frame_id, read, "k", 1], "each mutation carries its id and the ack"
 
 
-async def test_ack_is_the_number_below_which_every_reply_arrived() -> None:
+def test_a_set_is_settled_by_any_later_reply_and_its_refusal_is_kept_for_the_next_call() -> None:
+    core = StoreCore("j", "127.0.0.1:1")
+    first, _ = core.mutation(SET, ["a"], b"v", ["a"], Deadline(5), False)
+    refused, _ = core.mutation(SET, ["big"], b"v" * 10, ["big"], Deadline(5), False)
+    third, _ = core.mutation(SET, ["c"], b"v", ["c"], Deadline(5), False)
+    assert core.no_reply_unsettled == 3 and len(core.lost_frames()) == 3
+    core.settle([refused, ERROR, ERR_TOO_LARGE, "set: value too large for key 'big'", ["big"]], b"")
+    assert core.ack() == refused and core.no_reply_unsettled == 1
+    exc = core.take_deferred()
+    assert isinstance(exc, StoreError) and "big" in str(exc) and core.take_deferred() is None
+    read = core.next_id()
+    core.settle([read, OK], b"")  # any later reply
+    assert core.ack() == read and core.no_reply_unsettled == 0 and core.lost_frames() == []
+    assert first < refused < third < read
+
+
+def test_enough_unanswered_sets_ask_for_a_sync_and_the_window_closes_at_dedupe_window() -> None:
+    core = StoreCore("j", "127.0.0.1:1")
+    for i in range(SYNC_AFTER - 1):
+        core.mutation(SET, [f"k{i}"], b"v", ["k"], Deadline(5), False)
+    assert not core.wants_sync()
+    core.mutation(SET, ["one more"], b"v", ["k"], Deadline(5), False)
+    assert core.wants_sync()
+    core.sync_in_flight, _ = core.sync_frame()
+    assert not core.wants_sync(), "one SYNC at a time"
+    while core.window_open():
+        core.mutation(SET, ["k"], b"v", ["k"], Deadline(5), False)
+    assert core.last_id - core.ack() == DEDUPE_WINDOW  # the next would be one too many
+    core.settle([core.sync_in_flight, OK], b"")
+    assert core.window_open() and not core.sync_in_flight
+
+
+async def test_a_mutation_beyond_the_window_sends_a_sync_and_waits_for_its_reply() -> None:
     session = CoordinatorSession("127.0.0.1", 1, role=ROLE_STORE)
     assert len(session._cid) == CID_BYTES and session._handshake()._hello["cid"] == session._cid
-    rids = [await session._next_rid(Deadline(5), "add", ["k"]) for _ in range(4)]
-    assert rids == [1, 2, 3, 4] and session._ack() == 0
-    answered(session, 2)
-    answered(session, 3)
-    assert session._ack() == 0  # 1 is still out
-    answered(session, 1)
-    assert session._ack() == 3
-    answered(session, 4)
-    assert session._ack() == 4
-    assert await session._next_rid(Deadline(5), "add", ["k"]) == 5 and session._ack() == 4
-
-
-async def test_a_mutation_beyond_the_window_waits_for_the_oldest_reply() -> None:
-    session = CoordinatorSession("127.0.0.1", 1, role=ROLE_STORE)
-    for _ in range(DEDUPE_WINDOW):
-        await session._next_rid(Deadline(5), "add", ["k"])
-    held = asyncio.ensure_future(session._next_rid(Deadline(5), "add", ["k"]))
+    link, transport = await handshaken_link(on_settle=session._on_settle)
+    session._keeper.link = link
+    while session._core.window_open():
+        await session.set("k", b"v")
+    held = asyncio.ensure_future(session.set("beyond", b"v"))
     await asyncio.sleep(0.05)
-    assert not held.done()
-    answered(session, 2)  # not the oldest: the window does not move
-    await asyncio.sleep(0.05)
-    assert not held.done()
-    answered(session, 1)
-    assert await asyncio.wait_for(held, 5) == DEDUPE_WINDOW + 1
-    # 1 and 2 are answered, so one more fits; then the window is full again.
-    assert await session._next_rid(Deadline(5), "add", ["k"]) == DEDUPE_WINDOW + 2
-    with pytest.raises(StoreTimeout, match="unanswered"):
-        await session._next_rid(Deadline(0.05), "add", ["k"])
+    assert not held.done(), "the window is full: the set waits"
+    frames = FrameDecoder(lists=True).feed(transport.take())
+    syncs = [f.header[1] for f in frames if f.header[0] == SYNC]
+    assert syncs, "the session asked the coordinator to settle what it sent"
+    head = msgpack.packb([syncs[-1], OK])
+    link.data_received(len(head).to_bytes(4, "big") + (0).to_bytes(8, "big") + head)
+    await asyncio.wait_for(held, 5)
+    assert session._core.window_open()
+    # With nobody answering, a full window is a timeout naming the key, not a hang.
+    while session._core.window_open():
+        await session.set("fill", b"v")
+    with pytest.raises(StoreTimeout, match="not acknowledged"):
+        await session.set("late", b"v", timeout=0.05)
+    session.abort()

@@ -1,0 +1,229 @@
+"""The store client's bookkeeping, without I/O: request ids, the mutations not yet settled, the
+window of exactly-once numbers, and the first failure of a mutation that nobody waits for. The
+async session (session.py) and the blocking client (_blocking_store.py) each drive one.
+
+May import foundations only (protocol, stores, _errors, _deadline).
+
+Settling. A mutation is settled once its reply arrived, or, for the mutations the coordinator
+answers only when it refuses them (SET, APPEND, MSET), once any later reply on the session did:
+the coordinator carries out a connection's requests in order (protocol._store). Unsettled
+mutations are what a reconnect sends again, and what ``ack`` (the id at and below which every
+mutation is settled) holds back. Their number stays within DEDUPE_WINDOW: the coordinator keeps
+only that many replies per client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+from aiocoll._deadline import Deadline
+from aiocoll._errors import DistError, ProtocolError, RendezvousError, StoreError, StoreTimeout
+from aiocoll.protocol._coordinator import (
+    DEDUPE_WINDOW,
+    ERR_INVALID,
+    ERR_RENDEZVOUS,
+    ERR_TIMEOUT,
+    ERR_TOO_LARGE,
+)
+from aiocoll.protocol._store import ERROR, OK, OP_NAMES, SYNC, encode_request
+
+__all__ = ["SYNC_AFTER", "StoreCore", "Unsettled"]
+
+# Unanswered SET/APPEND/MSET this many, a SYNC goes out to settle them: the window (DEDUPE_WINDOW)
+# never fills while a client streams sets, and a reconnect has little to send again.
+SYNC_AFTER = DEDUPE_WINDOW // 2
+
+
+class Unsettled:
+    """A mutation sent and not yet settled: its frame (sent again after a reconnect, in order,
+    when nobody awaits it) and what an error about it names."""
+
+    __slots__ = ("deadline", "frame", "keys", "op", "replied")
+
+    def __init__(self, op: int, frame: bytes, keys: Sequence[str], deadline: Deadline, replied: bool) -> None:
+        self.op = op
+        self.frame = frame
+        self.keys = keys
+        self.deadline = deadline
+        self.replied = replied  # someone awaits its reply (and sends it again itself)
+
+
+class StoreCore:
+    """One session's ids and unsettled mutations.
+
+    Args:
+        job, address: named in error messages. numbered: the session sent a client id (its
+            mutations are handled exactly once); without one, ``ack`` is still sent and ignored.
+    """
+
+    def __init__(self, job: str, address: str) -> None:
+        self.job = job
+        self.address = address
+        self.last_id = 0
+        # In id order (ids only grow): a dict keeps insertion order, so the first is the oldest.
+        self.unsettled: dict[int, Unsettled] = {}
+        self.no_reply_unsettled = 0
+        self.sync_in_flight = 0  # the id of a SYNC sent for the window, 0 when none
+        self.deferred: BaseException | None = None  # the first refusal nobody awaited
+        self.pack = msgpack.Packer(use_bin_type=True).pack
+
+    # -- numbering
+    def next_id(self) -> int:
+        self.last_id += 1
+        return self.last_id
+
+    def ack(self) -> int:
+        """The id at and below which every mutation of this session is settled."""
+        for first in self.unsettled:
+            return first - 1
+        return self.last_id
+
+    def window_open(self) -> bool:
+        """Whether one more mutation may be numbered (the coordinator keeps DEDUPE_WINDOW replies)."""
+        return self.last_id + 1 - self.ack() <= DEDUPE_WINDOW
+
+    def mutation(
+        self,
+        op: int,
+        fields: list[Any],
+        payload: bytes,
+        keys: Sequence[str],
+        deadline: Deadline,
+        replied: bool,
+    ) -> tuple[int, bytes]:
+        """Number a mutation and encode it: returns (its id, its frame). ``fields`` are what
+        follows ``ack`` in its header. The caller has checked ``window_open``."""
+        ack = self.ack()  # before this one is numbered: it is not settled
+        req_id = self.last_id = self.last_id + 1
+        frame = encode_request(self.pack, [op, req_id, ack, *fields], payload)
+        self.unsettled[req_id] = Unsettled(op, frame, keys, deadline, replied)
+        if not replied:
+            self.no_reply_unsettled += 1
+        return req_id, frame
+
+    def wants_sync(self) -> bool:
+        """Whether enough unanswered mutations piled up that a SYNC should settle them."""
+        return self.no_reply_unsettled >= SYNC_AFTER and not self.sync_in_flight
+
+    def sync_frame(self) -> tuple[int, bytes]:
+        """A SYNC request (its id, its frame): its reply settles everything sent before it."""
+        req_id = self.next_id()
+        return req_id, encode_request(self.pack, [SYNC, req_id])
+
+    # -- replies
+    def settle(self, header: list[Any], payload: bytes) -> Unsettled | None:
+        """A compact reply arrived: settle every mutation up to its id. Returns the mutation
+        the reply is about when it was one that nobody awaited (its refusal is kept as
+        ``deferred``), else None.
+
+        Raises:
+            ProtocolError: a reply header that is not [id, status, ...].
+        """
+        try:
+            req_id, status = header[0], header[1]
+        except (IndexError, TypeError):
+            raise ProtocolError(f"the coordinator sent a malformed reply header {header!r:.200}") from None
+        if type(req_id) is not int or (status != OK and status != ERROR):
+            raise ProtocolError(f"the coordinator sent a malformed reply header {header!r:.200}")
+        if req_id == self.sync_in_flight:
+            self.sync_in_flight = 0
+        unsettled = self.unsettled
+        about = None
+        while unsettled:
+            first = next(iter(unsettled))
+            if first > req_id:
+                break
+            entry = unsettled.pop(first)
+            if not entry.replied:
+                self.no_reply_unsettled -= 1
+                if first == req_id:
+                    about = entry
+        if about is not None and status == ERROR and self.deferred is None:
+            self.deferred = self.error(OP_NAMES.get(about.op, "?"), header, about.keys, about.deadline)
+        return about
+
+    def lost_frames(self) -> list[bytes]:
+        """After a reconnect: the frames of the unsettled mutations nobody awaits, in order, to
+        send first on the new link (they are settled by the coordinator's memory if they had
+        been carried out)."""
+        return [entry.frame for entry in self.unsettled.values() if not entry.replied]
+
+    def unsettled_keys(self, most: int = 8) -> list[str]:
+        """The keys of (at most ``most``) unsettled mutations nobody awaits, for messages."""
+        keys: list[str] = []
+        for entry in self.unsettled.values():
+            if not entry.replied:
+                keys.extend(k for k in entry.keys if k not in keys)
+                if len(keys) >= most:
+                    return keys[:most]
+        return keys
+
+    def forget(self, req_id: int) -> None:
+        """An awaited mutation's caller gave up (cancelled): it no longer holds the window back
+        once answered, and is not sent again."""
+        entry = self.unsettled.get(req_id)
+        if entry is not None and entry.replied:
+            # Still unsettled as far as the coordinator knows; keep it until a later reply.
+            entry.replied = False
+            self.no_reply_unsettled += 1
+
+    def take_deferred(self) -> BaseException | None:
+        exc, self.deferred = self.deferred, None
+        return exc
+
+    # -- errors
+    def describe(self, op: str, keys: Sequence[str]) -> str:
+        if not keys:
+            return f"{op} (job {self.job!r})"
+        return f"{op} of key(s) {list(keys)[:8]!r} (job {self.job!r})"
+
+    def timeout_message(self, keys: Sequence[str], timeout: float | None) -> str:
+        waited = f" after {timeout:.3g}s" if timeout is not None else ""
+        return (
+            f"timed out{waited} waiting for store key(s) {list(keys)!r} of job {self.job!r} at the "
+            f"coordinator {self.address}"
+        )
+
+    def timed_out(
+        self, op: str, deadline: Deadline, waits: bool, keys: Sequence[str], unreachable: bool
+    ) -> BaseException:
+        """The error for a request that got no answer in time."""
+        why = (
+            f"the coordinator at {self.address} was unreachable (the session kept reconnecting)"
+            if unreachable
+            else f"the coordinator at {self.address} did not answer"
+        )
+        if op == "join":
+            return RendezvousError(
+                f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: {why}"
+            )
+        if waits and not unreachable:
+            return StoreTimeout(keys, deadline.timeout, self.timeout_message(keys, deadline.timeout))
+        return StoreTimeout(
+            keys,
+            deadline.timeout,
+            f"{self.describe(op, keys)} timed out after {deadline.timeout:.3g}s: {why}",
+        )
+
+    def error(
+        self, op: str, reply: list[Any] | dict[str, Any], keys: Sequence[str], deadline: Deadline
+    ) -> BaseException:
+        """The exception for a refusal: compact ([id, ERROR, err, msg, keys]) or a map."""
+        if isinstance(reply, dict):
+            err, msg, missing = reply.get("err"), reply.get("msg", "no reason given"), reply.get("keys")
+        else:
+            err = reply[2] if len(reply) > 2 else None
+            msg = reply[3] if len(reply) > 3 else "no reason given"
+            missing = reply[4] if len(reply) > 4 else None
+        msg = str(msg)
+        if err == ERR_TIMEOUT:
+            names = [k for k in missing if isinstance(k, str)] if isinstance(missing, list) else list(keys)
+            return StoreTimeout(names, deadline.timeout, self.timeout_message(names, deadline.timeout))
+        if err == ERR_RENDEZVOUS or op == "join":
+            return RendezvousError(msg)
+        if err in (ERR_INVALID, ERR_TOO_LARGE):
+            return StoreError(msg)
+        return DistError(f"the coordinator at {self.address} failed {op} ({err}): {msg}")
