@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -173,6 +174,13 @@ class PrefixStore(Store):
 class TCPStore(Store):
     """A store served by an aiocoll coordinator (torch's TCPStore).
 
+    Calls go straight to the coordinator on a socket of this object's own, from the calling
+    thread (client/_blocking_store.py): no hop to a loop thread. As with torch's TCPStore,
+    ``set`` (and ``append``, ``multi_set``) sends the request and returns without waiting for an
+    answer; this object's later calls see the value, and a refused set is raised by the next
+    call that starts after the refusal arrived (at the latest by ``flush`` or ``close``). Any
+    number of threads may share one.
+
     With ``is_master=True`` this process starts a coordinator on ``host_name:port`` (on the aiocoll
     loop thread; port 0 picks a free one, see ``.port``); every instance then connects to it as a
     client. When ``world_size`` is given and ``wait_for_workers`` is true, each instance counts
@@ -207,6 +215,8 @@ class TCPStore(Store):
         token: str | None = None,
         job: str | None = None,
     ) -> None:
+        from aiocoll.client._blocking_store import BlockingStoreClient
+
         seconds = to_seconds(timeout)
         if seconds is None:
             raise ValueError("TCPStore needs a finite timeout")
@@ -215,22 +225,123 @@ class TCPStore(Store):
         self.host = host_name
         self.libuvBackend = use_libuv
         self._coordinator: Any = None
-        loop_thread = get_loop_thread()
         if is_master:
-            self._coordinator, port = loop_thread.run(_start_coordinator(host_name, port, token))
+            self._coordinator, port = get_loop_thread().run(_start_coordinator(host_name, port, token))
         self.port = port
         try:
-            store = loop_thread.run(_connect(host_name, port, token, job, seconds))
+            self._client = BlockingStoreClient(
+                host_name,
+                port,
+                token=token,
+                job=job or os.environ.get("AIOCOLL_JOB") or "default",
+                timeout=seconds,
+            )
         except BaseException:
             self._stop_coordinator()
             raise
-        super().__init__(store)
+        self._adapter: BlockingStoreAdapter | None = None
         if world_size is not None and wait_for_workers:
             try:
-                loop_thread.run(_join_workers(store, world_size, is_master, seconds))
+                self._join_workers(world_size, is_master, seconds)
             except BaseException:
                 self.close()
                 raise
+
+    def _join_workers(self, world_size: int, is_master: bool, timeout: float) -> None:
+        joined = self._client.add(_INIT_KEY, 1)
+        if not is_master:
+            return
+        deadline = time.monotonic() + timeout
+        while joined < world_size:
+            if time.monotonic() >= deadline:
+                raise StoreTimeout(
+                    [_INIT_KEY],
+                    timeout,
+                    f"TCPStore master timed out after {timeout:.3g}s waiting for workers: {joined} of "
+                    f"{world_size} joined. Start the other ranks, or check world_size.",
+                )
+            time.sleep(_WORKER_POLL)
+            joined = self._client.add(_INIT_KEY, 0)
+
+    @property
+    def async_store(self) -> AsyncStore:
+        """An aiocoll async store over this one's connection (calls run on worker threads, so
+        they keep this object's order of requests)."""
+        if self._adapter is None:
+            self._adapter = BlockingStoreAdapter(self._client)
+        return self._adapter
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Store ``value`` under ``key`` (sent; not answered unless refused)."""
+        self._client.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        """The value at ``key``, waiting up to the store's timeout for it.
+
+        Raises:
+            StoreTimeout: when the key was not set in time.
+        """
+        return self._client.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter at ``key``; returns the new value."""
+        return self._client.add(key, amount)
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
+        """torch's compareSet: set ``desired_value`` if the key holds ``expected_value``."""
+        return self._client.compare_set(key, expected_value, desired_value)
+
+    def wait(self, keys: Sequence[str], timeout: datetime.timedelta | float | None = None) -> None:
+        """Wait until every key exists (up to ``timeout``, default the store's).
+
+        Raises:
+            StoreTimeout: naming the keys still missing.
+        """
+        self._client.wait(keys, None if timeout is None else to_seconds(timeout))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """True when every key exists; does not wait."""
+        return self._client.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; True when it existed."""
+        return self._client.delete_key(key)
+
+    def num_keys(self) -> int:
+        """The number of keys in the store."""
+        return self._client.num_keys()
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, waiting for all of them."""
+        return self._client.multi_get(keys)
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        """Set several keys at once (sent; not answered unless refused)."""
+        self._client.multi_set(keys, values)
+
+    def append(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the bytes at ``key`` (created when missing; sent, not answered)."""
+        self._client.append(key, value)
+
+    def flush(self) -> None:
+        """Wait until every set of this store is acknowledged by the coordinator.
+
+        Raises:
+            StoreError: a set was refused (too large, too many keys).
+        """
+        self._client.flush()
+
+    def set_timeout(self, timeout: datetime.timedelta | float) -> None:
+        """Change the default wait of get/multi_get/wait."""
+        seconds = to_seconds(timeout)
+        if seconds is None or seconds <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self._client.timeout = seconds
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        """The default wait, as a timedelta (torch's ``Store.timeout``)."""
+        return _timedelta(self._client.timeout)
 
     def _stop_coordinator(self) -> None:
         if self._coordinator is not None:
@@ -238,9 +349,12 @@ class TCPStore(Store):
             get_loop_thread().run(_stop(coordinator))
 
     def close(self) -> None:
-        """Close the connection and, on the master, stop the coordinator (idempotent)."""
+        """Close the connection (after the sets not yet acknowledged) and, on the master, stop
+        the coordinator. Idempotent."""
         try:
-            super().close()
+            if self._adapter is not None:
+                get_loop_thread().run(self._adapter.aclose())
+            self._client.close()
         finally:
             self._stop_coordinator()
 
@@ -255,33 +369,6 @@ async def _start_coordinator(host: str, port: int, token: str | None) -> tuple[A
 
 async def _stop(coordinator: Any) -> None:
     await coordinator.stop()
-
-
-async def _connect(host: str, port: int, token: str | None, job: str | None, timeout: float) -> AsyncStore:
-    from aiocoll._connect import connect_store
-    from aiocoll._net import host_port
-
-    store = await connect_store(f"tcp://{host_port(host, port)}", token=token, job=job, timeout=timeout)
-    store.set_timeout(timeout)
-    return store
-
-
-async def _join_workers(store: AsyncStore, world_size: int, is_master: bool, timeout: float) -> None:
-    joined = await store.add(_INIT_KEY, 1)
-    if not is_master:
-        return
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while joined < world_size:
-        if loop.time() >= deadline:
-            raise StoreTimeout(
-                [_INIT_KEY],
-                timeout,
-                f"TCPStore master timed out after {timeout:.3g}s waiting for workers: {joined} of "
-                f"{world_size} joined. Start the other ranks, or check world_size.",
-            )
-        await asyncio.sleep(_WORKER_POLL)
-        joined = await store.add(_INIT_KEY, 0)
 
 
 def as_async_store(store: Any) -> AsyncStore:

@@ -25,6 +25,8 @@ from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll.protocol import ClientHandshake, FrameDecoder, encode_frame
 from aiocoll.protocol._coordinator import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ROLE_BEAT
 
+from ._blocking import connect_blocking
+
 __all__ = ["BeatThread"]
 
 log = logging.getLogger("aiocoll.client.beat")
@@ -114,23 +116,10 @@ class BeatThread:
             self._stopping.wait(backoff)
 
     def _connect(self) -> tuple[socket.socket, FrameDecoder]:
-        sock = socket.create_connection(self._address, timeout=_CONNECT_TIMEOUT)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            handshake = ClientHandshake(
-                self._token, role=ROLE_BEAT, job=self._job, extra={"session": self._session}
-            )
-            sock.sendall(handshake.start())
-            while not handshake.done:
-                data = sock.recv(4096)
-                if not data:
-                    raise ProtocolError("the coordinator closed the beat connection during the handshake")
-                out = handshake.receive_data(data)
-                if out:
-                    sock.sendall(out)
-        except BaseException:
-            sock.close()
-            raise
+        handshake = ClientHandshake(
+            self._token, role=ROLE_BEAT, job=self._job, extra={"session": self._session}
+        )
+        sock = connect_blocking(self._address, handshake, _CONNECT_TIMEOUT)
         sock.settimeout(_REPLY_TIMEOUT)
         return sock, FrameDecoder(max_header=_MAX_REPLY, max_payload=0)
 

@@ -2,7 +2,7 @@
 window of exactly-once numbers, and the first failure of a mutation that nobody waits for. The
 async session (session.py) and the blocking client (_blocking_store.py) each drive one.
 
-May import foundations only (protocol, stores, _errors, _deadline).
+May import foundations only (protocol, stores, _errors).
 
 Settling. A mutation is settled once its reply arrived, or, for the mutations the coordinator
 answers only when it refuses them (SET, APPEND, MSET), once any later reply on the session did:
@@ -14,12 +14,12 @@ only that many replies per client.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
-from aiocoll._deadline import Deadline
 from aiocoll._errors import DistError, ProtocolError, RendezvousError, StoreError, StoreTimeout
 from aiocoll.protocol._coordinator import (
     DEDUPE_WINDOW,
@@ -32,23 +32,22 @@ from aiocoll.protocol._store import ERROR, OK, OP_NAMES, SYNC, encode_request
 
 __all__ = ["SYNC_AFTER", "StoreCore", "Unsettled"]
 
+log = logging.getLogger("aiocoll.client")
+
 # Unanswered SET/APPEND/MSET this many, a SYNC goes out to settle them: the window (DEDUPE_WINDOW)
 # never fills while a client streams sets, and a reconnect has little to send again.
 SYNC_AFTER = DEDUPE_WINDOW // 2
 
 
-class Unsettled:
+class Unsettled(NamedTuple):
     """A mutation sent and not yet settled: its frame (sent again after a reconnect, in order,
     when nobody awaits it) and what an error about it names."""
 
-    __slots__ = ("deadline", "frame", "keys", "op", "replied")
-
-    def __init__(self, op: int, frame: bytes, keys: Sequence[str], deadline: Deadline, replied: bool) -> None:
-        self.op = op
-        self.frame = frame
-        self.keys = keys
-        self.deadline = deadline
-        self.replied = replied  # someone awaits its reply (and sends it again itself)
+    op: int
+    frame: bytes
+    keys: Sequence[str]
+    timeout: float | None  # what a timeout message quotes
+    replied: bool  # someone awaits its reply (and sends it again itself)
 
 
 class StoreCore:
@@ -77,13 +76,11 @@ class StoreCore:
 
     def ack(self) -> int:
         """The id at and below which every mutation of this session is settled."""
-        for first in self.unsettled:
-            return first - 1
-        return self.last_id
+        return next(iter(self.unsettled), self.last_id + 1) - 1
 
     def window_open(self) -> bool:
         """Whether one more mutation may be numbered (the coordinator keeps DEDUPE_WINDOW replies)."""
-        return self.last_id + 1 - self.ack() <= DEDUPE_WINDOW
+        return self.last_id + 1 - next(iter(self.unsettled), self.last_id + 1) < DEDUPE_WINDOW
 
     def mutation(
         self,
@@ -91,15 +88,17 @@ class StoreCore:
         fields: list[Any],
         payload: bytes,
         keys: Sequence[str],
-        deadline: Deadline,
+        timeout: float | None,
         replied: bool,
     ) -> tuple[int, bytes]:
         """Number a mutation and encode it: returns (its id, its frame). ``fields`` are what
-        follows ``ack`` in its header. The caller has checked ``window_open``."""
-        ack = self.ack()  # before this one is numbered: it is not settled
+        follows ``ack`` in its header; ``timeout`` is what a timeout message about it quotes.
+        The caller has checked ``window_open``."""
+        unsettled = self.unsettled
+        ack = next(iter(unsettled), self.last_id + 1) - 1  # before this one is numbered
         req_id = self.last_id = self.last_id + 1
         frame = encode_request(self.pack, [op, req_id, ack, *fields], payload)
-        self.unsettled[req_id] = Unsettled(op, frame, keys, deadline, replied)
+        unsettled[req_id] = Unsettled(op, frame, keys, timeout, replied)
         if not replied:
             self.no_reply_unsettled += 1
         return req_id, frame
@@ -128,9 +127,13 @@ class StoreCore:
             raise ProtocolError(f"the coordinator sent a malformed reply header {header!r:.200}") from None
         if type(req_id) is not int or (status != OK and status != ERROR):
             raise ProtocolError(f"the coordinator sent a malformed reply header {header!r:.200}")
+        unsettled = self.unsettled
+        if not unsettled:  # the common reply: nothing sent before it waits to be settled
+            if req_id == self.sync_in_flight:
+                self.sync_in_flight = 0
+            return None
         if req_id == self.sync_in_flight:
             self.sync_in_flight = 0
-        unsettled = self.unsettled
         about = None
         while unsettled:
             first = next(iter(unsettled))
@@ -142,14 +145,20 @@ class StoreCore:
                 if first == req_id:
                     about = entry
         if about is not None and status == ERROR and self.deferred is None:
-            self.deferred = self.error(OP_NAMES.get(about.op, "?"), header, about.keys, about.deadline)
+            self.deferred = self.error(OP_NAMES.get(about.op, "?"), header, about.keys, about.timeout)
+            log.error("job=%s event=set_refused reason=%s", self.job, self.deferred)
         return about
 
     def lost_frames(self) -> list[bytes]:
-        """After a reconnect: the frames of the unsettled mutations nobody awaits, in order, to
-        send first on the new link (they are settled by the coordinator's memory if they had
-        been carried out)."""
+        """The frames of the unsettled mutations nobody awaits, in order."""
         return [entry.frame for entry in self.unsettled.values() if not entry.replied]
+
+    def reconnected(self) -> list[bytes]:
+        """A new link: what to send first on it, in order (the unsettled mutations nobody
+        awaits; the coordinator answers from its memory those it had carried out). A SYNC sent
+        on the old link will not be answered."""
+        self.sync_in_flight = 0
+        return self.lost_frames()
 
     def unsettled_keys(self, most: int = 8) -> list[str]:
         """The keys of (at most ``most``) unsettled mutations nobody awaits, for messages."""
@@ -167,7 +176,7 @@ class StoreCore:
         entry = self.unsettled.get(req_id)
         if entry is not None and entry.replied:
             # Still unsettled as far as the coordinator knows; keep it until a later reply.
-            entry.replied = False
+            self.unsettled[req_id] = entry._replace(replied=False)
             self.no_reply_unsettled += 1
 
     def take_deferred(self) -> BaseException | None:
@@ -188,28 +197,23 @@ class StoreCore:
         )
 
     def timed_out(
-        self, op: str, deadline: Deadline, waits: bool, keys: Sequence[str], unreachable: bool
+        self, op: str, timeout: float | None, waits: bool, keys: Sequence[str], unreachable: bool
     ) -> BaseException:
-        """The error for a request that got no answer in time."""
+        """The error for a request that got no answer in ``timeout`` seconds."""
         why = (
             f"the coordinator at {self.address} was unreachable (the session kept reconnecting)"
             if unreachable
             else f"the coordinator at {self.address} did not answer"
         )
+        waited = "no limit" if timeout is None else f"{timeout:.3g}s"
         if op == "join":
-            return RendezvousError(
-                f"join (job {self.job!r}) did not complete within {deadline.timeout:.3g}s: {why}"
-            )
+            return RendezvousError(f"join (job {self.job!r}) did not complete within {waited}: {why}")
         if waits and not unreachable:
-            return StoreTimeout(keys, deadline.timeout, self.timeout_message(keys, deadline.timeout))
-        return StoreTimeout(
-            keys,
-            deadline.timeout,
-            f"{self.describe(op, keys)} timed out after {deadline.timeout:.3g}s: {why}",
-        )
+            return StoreTimeout(keys, timeout, self.timeout_message(keys, timeout))
+        return StoreTimeout(keys, timeout, f"{self.describe(op, keys)} timed out after {waited}: {why}")
 
     def error(
-        self, op: str, reply: list[Any] | dict[str, Any], keys: Sequence[str], deadline: Deadline
+        self, op: str, reply: list[Any] | dict[str, Any], keys: Sequence[str], timeout: float | None
     ) -> BaseException:
         """The exception for a refusal: compact ([id, ERROR, err, msg, keys]) or a map."""
         if isinstance(reply, dict):
@@ -221,7 +225,7 @@ class StoreCore:
         msg = str(msg)
         if err == ERR_TIMEOUT:
             names = [k for k in missing if isinstance(k, str)] if isinstance(missing, list) else list(keys)
-            return StoreTimeout(names, deadline.timeout, self.timeout_message(names, deadline.timeout))
+            return StoreTimeout(names, timeout, self.timeout_message(names, timeout))
         if err == ERR_RENDEZVOUS or op == "join":
             return RendezvousError(msg)
         if err in (ERR_INVALID, ERR_TOO_LARGE):

@@ -87,7 +87,7 @@ from ._connection import CoordinatorLink, LinkLost
 from ._join import Joining
 from ._link_keeper import EV_COORDINATOR_LOST, EV_RECONNECTED, CoordinatorUnreachable, LinkKeeper
 from ._members import Member, Membership, MemberTable
-from ._store_core import StoreCore
+from ._store_core import SYNC_AFTER, StoreCore
 
 __all__ = [
     "EV_COORDINATOR_LOST",
@@ -285,7 +285,7 @@ class CoordinatorSession(Joining, Store):
     def _resend_unsettled(self, link: CoordinatorLink) -> None:
         """A new link: first the sets nobody has seen acknowledged, in order (the coordinator
         answers the ones it had carried out from its memory, so none is applied twice)."""
-        for frame in self._core.lost_frames():
+        for frame in self._core.reconnected():
             link.send(frame)
 
     def _on_settle(self, header: list[Any], payload: bytes) -> None:
@@ -298,13 +298,15 @@ class CoordinatorSession(Joining, Store):
     def _deadline(self, timeout: float | datetime.timedelta | None) -> Deadline:
         return Deadline(self._timeout if timeout is None else self._check_timeout(timeout))
 
-    async def _room(
-        self, link: CoordinatorLink, deadline: Deadline, op: str, keys: Sequence[str]
-    ) -> CoordinatorLink:
+    def _seconds(self, timeout: float | datetime.timedelta | None) -> float:
+        return self._timeout if timeout is None else self._check_timeout(timeout)
+
+    async def _room(self, deadline: Deadline, op: str, keys: Sequence[str]) -> None:
         """Wait until one more mutation may be numbered (DEDUPE_WINDOW of ours are unsettled),
-        asking the coordinator to settle them; returns the link to send on."""
+        asking the coordinator to settle them."""
         core = self._core
         while not core.window_open():
+            link = await self._usable(deadline, op, keys, False)
             if not core.sync_in_flight:
                 core.sync_in_flight, frame = core.sync_frame()
                 link.send(frame)
@@ -320,13 +322,11 @@ class CoordinatorSession(Joining, Store):
                 ) from None
             finally:
                 self._window_moved = None
-            link = await self._usable(deadline, op, keys, False)
-        return link
 
     async def _usable(self, deadline: Deadline, op: str, keys: Sequence[str], waits: bool) -> CoordinatorLink:
         core = self._core
         return await self._keeper.usable(
-            deadline, op, lambda: core.timed_out(op, deadline, waits, keys, True)
+            deadline, op, lambda: core.timed_out(op, deadline.timeout, waits, keys, True)
         )
 
     # -- requests ------------------------------------------------------------------------
@@ -336,55 +336,63 @@ class CoordinatorSession(Joining, Store):
         fields: list[Any],
         payload: bytes = b"",
         *,
-        deadline: Deadline,
+        timeout: float,
         keys: Sequence[str] = (),
         waits: bool = False,
     ) -> tuple[list[Any], bytes]:
         """Send one store request that has a reply (again after a reconnect) and return the
         reply. ``fields`` follow the id (and ``ack``, for a mutation) in its header; a waiting
-        request has its remaining time appended."""
+        request has its remaining time appended. ``timeout``: seconds for all of it."""
         core = self._core
         if core.deferred is not None:
             raise core.take_deferred()  # type: ignore[misc]
         mutation = code in MUTATIONS
+        deadline: Deadline | None = None  # made when the first try does not do
         req_id = 0
         frame = b""
+        remaining = timeout
         while True:
             link = self._keeper.ready()
-            if link is None:
-                link = await self._usable(deadline, OP_NAMES[code], keys, waits)
-            remaining = deadline.remaining()
+            numbering = mutation and not req_id
+            if link is None or (numbering and not core.window_open()):
+                deadline = deadline or Deadline(timeout)
+                while True:  # until a link takes it and (for a new mutation) the window has room
+                    if numbering:
+                        await self._room(deadline, OP_NAMES[code], keys)
+                    link = await self._usable(deadline, OP_NAMES[code], keys, waits)
+                    if not numbering or core.window_open():
+                        break
+            if deadline is not None:
+                remaining = deadline.remaining()  # type: ignore[assignment]
             if mutation:
                 if not req_id:  # numbered once: a mutation sent again keeps its number
-                    if not core.window_open():
-                        link = await self._room(link, deadline, OP_NAMES[code], keys)
-                    req_id, frame = core.mutation(code, fields, payload, keys, deadline, True)
-                bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+                    req_id, frame = core.mutation(code, fields, payload, keys, timeout, True)
+                bound = max(remaining, _MIN_REPLY_TIME)
             else:
-                req_id = core.next_id()
+                req_id = core.last_id = core.last_id + 1
                 if waits:
                     frame = encode_request(core.pack, [code, req_id, *fields, remaining], payload)
-                    bound = None if remaining is None else remaining + _REPLY_GRACE
+                    bound = remaining + _REPLY_GRACE
                 else:
                     frame = encode_request(core.pack, [code, req_id, *fields], payload)
-                    bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+                    bound = max(remaining, _MIN_REPLY_TIME)
             self._last_request = link.loop.time()
             fut = link.start(req_id, frame, bound)
             try:
-                reply, body = await fut
+                reply, body = await fut  # answered: the link has dropped what it kept for it
             except LinkLost:
+                deadline = deadline or Deadline(remaining)
                 continue  # sent again on the next link, after the sets that went before it
             except BaseException as exc:
+                link.forget(req_id)
                 if mutation:
                     core.forget(req_id)  # nobody awaits it now: settled by a later reply, or sent again
                 if isinstance(exc, TimeoutError):
-                    raise core.timed_out(OP_NAMES[code], deadline, waits, keys, False) from None
+                    raise core.timed_out(OP_NAMES[code], timeout, waits, keys, False) from None
                 raise
-            finally:
-                link.forget(req_id)
             if reply[1] == OK:
                 return reply, body
-            raise core.error(OP_NAMES[code], reply, keys, deadline)
+            raise core.error(OP_NAMES[code], reply, keys, timeout)
 
     async def _call(
         self,
@@ -413,29 +421,12 @@ class CoordinatorSession(Joining, Store):
             try:
                 reply, body = await link.request(fields, payload, bound)
             except TimeoutError:
-                raise core.timed_out(op, deadline, waits, (), False) from None
+                raise core.timed_out(op, deadline.timeout, waits, (), False) from None
             except LinkLost:
                 continue
             if reply.get("ok") is True:
                 return reply, body
-            raise core.error(op, reply, (), deadline)
-
-    def _send(
-        self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str], deadline: Deadline
-    ) -> bool:
-        """Queue a mutation that expects no reply on the link, when that needs no waiting (the
-        link is up, the window open); returns False otherwise."""
-        core = self._core
-        link = self._keeper.ready()
-        if link is None or not core.window_open():
-            return False
-        _, frame = core.mutation(code, fields, payload, keys, deadline, False)
-        self._last_request = link.loop.time()
-        link.send(frame)
-        if core.wants_sync():
-            core.sync_in_flight, sync = core.sync_frame()
-            link.send(sync)
-        return True
+            raise core.error(op, reply, (), deadline.timeout)
 
     async def _mutate(
         self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str], timeout: float | None
@@ -445,14 +436,25 @@ class CoordinatorSession(Joining, Store):
         core = self._core
         if core.deferred is not None:
             raise core.take_deferred()  # type: ignore[misc]
-        deadline = self._deadline(timeout)
-        while not self._send(code, fields, payload, keys, deadline):
-            # Reconnecting, paused by backpressure, or the window is full: wait (as long as
-            # the deadline allows) for a link that takes it.
-            link = await self._usable(deadline, OP_NAMES[code], keys, False)
-            await self._room(link, deadline, OP_NAMES[code], keys)
+        seconds = self._timeout if timeout is None else self._check_timeout(timeout)
+        link = self._keeper.ready()
+        if link is None or not core.window_open():
+            # Reconnecting, paused by backpressure, or the window is full: wait (as long as the
+            # deadline allows) until both a link takes it and the window has room.
+            deadline = Deadline(seconds)
+            while True:
+                await self._room(deadline, OP_NAMES[code], keys)
+                link = await self._usable(deadline, OP_NAMES[code], keys, False)
+                if core.window_open():
+                    break
+        _, frame = core.mutation(code, fields, payload, keys, seconds, False)
+        self._last_request = link.loop.time()
+        link.send(frame)
+        if core.no_reply_unsettled >= SYNC_AFTER and not core.sync_in_flight:
+            core.sync_in_flight, sync = core.sync_frame()
+            link.send(sync)
         if not self.pipeline_sets:
-            await self.flush(timeout=deadline.remaining())
+            await self.flush(timeout=seconds)
             return
         self._sets_since_yield += 1
         if self._sets_since_yield >= _YIELD_EVERY:
@@ -469,17 +471,16 @@ class CoordinatorSession(Joining, Store):
         """
         core = self._core
         if core.no_reply_unsettled:
-            deadline = self._deadline(timeout)
+            seconds = self._seconds(timeout)
             try:
-                await self._store(SYNC, [], deadline=deadline)
+                await self._store(SYNC, [], timeout=seconds)
             except StoreTimeout:
                 keys = core.unsettled_keys()
                 raise StoreTimeout(
                     keys,
-                    deadline.timeout,
+                    seconds,
                     f"flush (job {self.job!r}): {core.no_reply_unsettled} set(s) of key(s) {keys!r} "
-                    f"still not acknowledged by the coordinator at {self.address} after "
-                    f"{deadline.timeout:.3g}s",
+                    f"still not acknowledged by the coordinator at {self.address} after {seconds:.3g}s",
                 ) from None
         if core.deferred is not None:
             raise core.take_deferred()  # type: ignore[misc]
@@ -514,13 +515,13 @@ class CoordinatorSession(Joining, Store):
 
     async def get(self, key: str, *, timeout: float | None = None) -> bytes:
         key = check_key(key)
-        _, body = await self._store(GET, [key], deadline=self._deadline(timeout), keys=(key,), waits=True)
+        _, body = await self._store(GET, [key], timeout=self._seconds(timeout), keys=(key,), waits=True)
         return body
 
     async def add(self, key: str, amount: int, *, timeout: float | None = None) -> int:
         key = check_key(key)
         amount = check_amount(key, amount)
-        reply, _ = await self._store(ADD, [key, amount], deadline=self._deadline(timeout), keys=(key,))
+        reply, _ = await self._store(ADD, [key, amount], timeout=self._seconds(timeout), keys=(key,))
         return int(reply[2])
 
     async def compare_set(
@@ -530,33 +531,31 @@ class CoordinatorSession(Joining, Store):
         old = to_value(key, expected, "expected value")
         new = to_value(key, desired, "desired value")
         _, body = await self._store(
-            CAS, [key, len(old)], old + new, deadline=self._deadline(timeout), keys=(key,)
+            CAS, [key, len(old)], old + new, timeout=self._seconds(timeout), keys=(key,)
         )
         return body
 
     async def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
         names = check_keys(keys)
-        await self._store(WAIT, [names], deadline=self._deadline(timeout), keys=names, waits=True)
+        await self._store(WAIT, [names], timeout=self._seconds(timeout), keys=names, waits=True)
 
     async def check(self, keys: Sequence[str], *, timeout: float | None = None) -> bool:
         names = check_keys(keys)
-        reply, _ = await self._store(CHECK, [names], deadline=self._deadline(timeout), keys=names)
+        reply, _ = await self._store(CHECK, [names], timeout=self._seconds(timeout), keys=names)
         return bool(reply[2])
 
     async def delete_key(self, key: str, *, timeout: float | None = None) -> bool:
         key = check_key(key)
-        reply, _ = await self._store(DEL, [key], deadline=self._deadline(timeout), keys=(key,))
+        reply, _ = await self._store(DEL, [key], timeout=self._seconds(timeout), keys=(key,))
         return bool(reply[2])
 
     async def num_keys(self, *, timeout: float | None = None) -> int:
-        reply, _ = await self._store(NKEYS, [], deadline=self._deadline(timeout))
+        reply, _ = await self._store(NKEYS, [], timeout=self._seconds(timeout))
         return int(reply[2])
 
     async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
         names = check_keys(keys)
-        reply, body = await self._store(
-            MGET, [names], deadline=self._deadline(timeout), keys=names, waits=True
-        )
+        reply, body = await self._store(MGET, [names], timeout=self._seconds(timeout), keys=names, waits=True)
         values = split_values(body, reply[2] if len(reply) > 2 else None)
         if len(values) != len(names):
             raise ProtocolError(

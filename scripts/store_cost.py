@@ -27,6 +27,7 @@ import os
 import pstats
 import resource
 import secrets
+import statistics
 import sys
 import time
 from typing import Any
@@ -242,6 +243,7 @@ def main() -> int:
     parser.add_argument("--clients", default="async,sync,tcpstore", help="async, sync, tcpstore")
     parser.add_argument("--count", type=int, default=20000, help="operations per measurement")
     parser.add_argument("--profile", choices=("client", "server"), help="cProfile one end (aiocoll only)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, clients interleaved; medians kept")
     args = parser.parse_args()
     ops = [o for o in args.ops.split(",") if o]
     clients = [c for c in args.clients.split(",") if c]
@@ -249,7 +251,7 @@ def main() -> int:
     os.environ["AIOCOLL_TOKEN"] = token
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
-    for client in clients:
+    for client in [c for _ in range(args.rounds) for c in clients]:
         if client == "tcpstore":
             server = Server(_serve_tcpstore)
             from torch.distributed import TCPStore
@@ -294,11 +296,26 @@ def main() -> int:
         f"# store_cost: {args.count} sequential ops per row, one client, 32-byte values, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
     )
-    print(f"{'client':24} {'op':4} {'us/op':>8} {'client cpu':>11} {'server cpu':>11} {'calls/op':>9}")
+    print(f"# median of {args.rounds} rounds, the clients taking turns; us/op of each round in brackets")
+    print(
+        f"{'client':24} {'op':4} {'us/op':>8} {'client cpu':>11} {'server cpu':>11} {'calls/op':>9}  rounds"
+    )
+    grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
+        grouped.setdefault((r["client"], r["op"]), []).append(r)
+    medians = []
+    for (client, op), group in grouped.items():
+        row = {
+            k: statistics.median(g[k] for g in group)
+            for k in group[0]
+            if k not in ("client", "op", "profile")
+        }
+        row.update(client=client, op=op, rounds=" ".join(f"{g['us/op']:.1f}" for g in group))
+        medians.append(row)
+    for r in medians:
         print(
             f"{r['client']:24} {r['op']:4} {r['us/op']:8.1f} {r['client cpu us/op']:11.1f} "
-            f"{r['server cpu us/op']:11.1f} {r['calls/op']:9.1f}"
+            f"{r['server cpu us/op']:11.1f} {r['calls/op']:9.1f}  [{r['rounds']}]"
         )
     for r in rows:
         if "profile" in r:

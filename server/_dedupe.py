@@ -142,8 +142,8 @@ class Dedupe:
     def remember(
         self, conn: Conn, client: Client, rid: int, value: Any, payload: bytes | bytearray, j: int
     ) -> None:
-        """Keep the answer of numbered mutation ``rid`` and wrap its journal records (from index
-        ``j`` on) into one ``req`` record with it."""
+        """Keep the answer of numbered mutation ``rid`` and, when durable, wrap its journal
+        records (from index ``j`` on) into one ``req`` record with it."""
         client.replies[rid] = (value, payload)
         fx = self.fx
         if not fx.durable:

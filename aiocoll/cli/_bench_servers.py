@@ -116,13 +116,16 @@ def _start(name: str, target: Any, args: tuple[Any, ...], timeout: float) -> Ser
     return ServerProcess(name, process, parent_conn, int(message))
 
 
-def start_coordinator(token: str | None, *, verbose: bool = False, timeout: float = 60.0) -> ServerProcess:
-    """Start an aiocoll coordinator on 127.0.0.1 (a free port) in its own process.
+def start_coordinator(
+    token: str | None, *, verbose: bool = False, timeout: float = 60.0, state_dir: str | None = None
+) -> ServerProcess:
+    """Start an aiocoll coordinator on 127.0.0.1 (a free port) in its own process, durable in
+    ``state_dir`` when one is given.
 
     Raises:
         RuntimeError: when it does not come up within ``timeout`` seconds, with its error.
     """
-    return _start("aiocoll coordinator", _coordinator_main, (token, verbose), timeout)
+    return _start("aiocoll coordinator", _coordinator_main, (token, verbose, state_dir), timeout)
 
 
 def start_tcpstore(*, timeout: float = 60.0) -> ServerProcess:
@@ -139,7 +142,12 @@ def _wait_for_stop(conn: multiprocessing.connection.Connection) -> None:
         conn.recv()
 
 
-def _coordinator_main(conn: multiprocessing.connection.Connection, token: str | None, verbose: bool) -> None:
+def _coordinator_main(
+    conn: multiprocessing.connection.Connection,
+    token: str | None,
+    verbose: bool,
+    state_dir: str | None = None,
+) -> None:
     import asyncio
 
     raise_fd_limit()
@@ -148,7 +156,7 @@ def _coordinator_main(conn: multiprocessing.connection.Connection, token: str | 
     async def serve() -> None:
         from aiocoll.server import Coordinator
 
-        coordinator = Coordinator("127.0.0.1", 0, token=token)
+        coordinator = Coordinator("127.0.0.1", 0, token=token, state_dir=state_dir)
         await coordinator.start()
         conn.send(coordinator.port)
         loop = asyncio.get_running_loop()

@@ -32,6 +32,7 @@ import os
 import secrets
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -80,7 +81,7 @@ def _aiocoll_store_client(
     value_size: int,
     loop_kind: str,
     verbose: bool,
-    pipeline_sets: bool = False,
+    pipeline_sets: bool = True,
 ) -> None:
     quiet_logs(verbose)
 
@@ -107,8 +108,7 @@ def _aiocoll_store_client(
             if op == "set":
                 for i in range(count):
                     await store.set(keys[i % _KEYS_PER_CLIENT], value)
-                if pipeline_sets:
-                    await store.flush()  # every set acknowledged before the clock stops
+                await store.flush()  # every set acknowledged before the clock stops
             elif op == "get":
                 for i in range(count):
                     await store.get(keys[i % _KEYS_PER_CLIENT])
@@ -128,20 +128,43 @@ def _aiocoll_store_client(
 
 
 def _tcpstore_client(
-    conn: multiprocessing.connection.Connection, cid: int, port: int, value_size: int
+    conn: multiprocessing.connection.Connection,
+    cid: int,
+    port: int,
+    value_size: int,
+    token: str | None = None,
+    job: str | None = None,
+    verbose: bool = False,
 ) -> None:
+    """A client of torch's TCPStore, or (with a token) of aiocoll's coordinator through
+    ``aiocoll.sync.TCPStore``, the class a torch user swaps in: the same loop either way."""
     try:
         import datetime
 
-        from torch.distributed import TCPStore
+        store: Any
+        if token is None:
+            from torch.distributed import TCPStore
 
-        store = TCPStore(
-            "127.0.0.1",
-            port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=120),
-        )
+            store = TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=120),
+            )
+        else:
+            quiet_logs(verbose)
+            from aiocoll import sync
+
+            store = sync.TCPStore(
+                "127.0.0.1",
+                port,
+                is_master=False,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=120),
+                token=token,
+                job=job,
+            )
         value = "v" * value_size
         keys = [f"c{cid}/k{i}" for i in range(_KEYS_PER_CLIENT)]
         for key in keys:
@@ -158,6 +181,8 @@ def _tcpstore_client(
             if op == "set":
                 for i in range(count):
                     store.set(keys[i % _KEYS_PER_CLIENT], value)
+                if token is not None:
+                    store.flush()  # aiocoll's: every set acknowledged before the clock stops
             elif op == "get":
                 for i in range(count):
                     store.get(keys[i % _KEYS_PER_CLIENT])
@@ -167,9 +192,8 @@ def _tcpstore_client(
             conn.send((begin, time.monotonic()))
     except BaseException as exc:
         with contextlib.suppress(OSError):
-            conn.send(
-                ("error", f"TCPStore client {cid}: {type(exc).__name__}: {exc}", traceback.format_exc())
-            )
+            name = "TCPStore" if token is None else "aiocoll.sync.TCPStore"
+            conn.send(("error", f"{name} client {cid}: {type(exc).__name__}: {exc}", traceback.format_exc()))
 
 
 class _ClientPool:
@@ -236,7 +260,8 @@ def _start_pool(impl: str, count: int, target: Any, extra: tuple[Any, ...]) -> _
 
 
 def run_store(args: argparse.Namespace) -> int:
-    """Store throughput, aiocoll's coordinator (and TCPStore with --vs tcpstore); prints a table.
+    """Store throughput of aiocoll's coordinator from its async store and from the blocking
+    ``aiocoll.sync.TCPStore`` (and torch's TCPStore with --vs tcpstore); prints a table.
 
     Raises:
         StoreBenchError: for bad arguments, a missing torch, or a client that failed or hung.
@@ -250,24 +275,29 @@ def run_store(args: argparse.Namespace) -> int:
     pools: list[_ClientPool] = []
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
+    state_dir = tempfile.TemporaryDirectory(prefix="aiocoll-bench-state-") if args.state_dir else None
     try:
-        coordinator = start_coordinator(token, verbose=args.verbose)
+        coordinator = start_coordinator(
+            token, verbose=args.verbose, state_dir=None if state_dir is None else state_dir.name
+        )
         servers.append(coordinator)
         most = max(clients_list)
+        job = f"bench-store-{secrets.token_hex(4)}"
+        pipelined = not args.acked_sets
         pools.append(
             _start_pool(
                 "aiocoll",
                 most,
                 _aiocoll_store_client,
-                (
-                    coordinator.port,
-                    token,
-                    f"bench-store-{secrets.token_hex(4)}",
-                    args.value_size,
-                    loop_kind,
-                    args.verbose,
-                    args.pipeline_sets,
-                ),
+                (coordinator.port, token, job, args.value_size, loop_kind, args.verbose, pipelined),
+            )
+        )
+        pools.append(
+            _start_pool(
+                "aiocoll.sync",
+                most,
+                _tcpstore_client,
+                (coordinator.port, args.value_size, token, job + "-sync", args.verbose),
             )
         )
         if with_tcp:
@@ -281,7 +311,7 @@ def run_store(args: argparse.Namespace) -> int:
             for op in STORE_OPS:
                 samples: dict[str, list[float]] = {pool.impl: [] for pool in pools}
                 for _ in range(args.rounds):
-                    order = pools if step % 2 == 0 else pools[::-1]
+                    order = pools[step % len(pools) :] + pools[: step % len(pools)]
                     step += 1
                     for pool in order:
                         samples[pool.impl].append(pool.run(op, clients, args.store_ops, args.timeout))
@@ -291,6 +321,7 @@ def run_store(args: argparse.Namespace) -> int:
                     row[f"{impl}_rounds"] = values
                 if with_tcp:
                     row["ratio"] = row["aiocoll"] / row["tcpstore"]
+                    row["ratio_sync"] = row["aiocoll.sync"] / row["tcpstore"]
                 rows.append(row)
                 if not args.quiet:
                     sys.stderr.write(f"[bench store] {clients} client(s) {op} done\n")
@@ -299,18 +330,31 @@ def run_store(args: argparse.Namespace) -> int:
             pool.close()
         for server in servers:
             server.stop()
+        if state_dir is not None:
+            state_dir.cleanup()
     print(
         f"# aiocoll bench: store operations per second (median of {args.rounds} rounds), "
         f"{args.store_ops} sequential ops per client, {args.value_size}-byte values, {utc_now()}"
     )
-    print("# each client is its own process with one connection; ratio = aiocoll/tcpstore (higher is better)")
-    if args.pipeline_sets:
-        print("# aiocoll sets are pipelined (--pipeline-sets): each timed set loop ends with a flush")
-    headers = ["clients", "op", "aiocoll ops/s"] + (["tcpstore ops/s", "ratio"] if with_tcp else [])
+    print(
+        "# each client is its own process with one connection; aiocoll = the async store "
+        "(aiocoll.connect_store), aiocoll.sync = aiocoll.sync.TCPStore; ratio = aiocoll/tcpstore "
+        "(higher is better)"
+    )
+    if args.acked_sets:
+        print("# aiocoll's async sets wait for their acknowledgement (--acked-sets)")
+    else:
+        print("# aiocoll's sets are not answered (as TCPStore's); each timed set loop ends with a flush")
+    if args.state_dir:
+        print("# aiocoll's coordinator runs with --state-dir: on disk before acknowledged or seen")
+    headers = ["clients", "op", "aiocoll ops/s", "aiocoll.sync ops/s"] + (
+        ["tcpstore ops/s", "ratio", "ratio sync"] if with_tcp else []
+    )
     print_table(
         headers,
         [
-            [r["clients"], r["op"], r["aiocoll"]] + ([r["tcpstore"], r["ratio"]] if with_tcp else [])
+            [r["clients"], r["op"], r["aiocoll"], r["aiocoll.sync"]]
+            + ([r["tcpstore"], r["ratio"], r["ratio_sync"]] if with_tcp else [])
             for r in rows
         ],
     )
@@ -321,7 +365,8 @@ def run_store(args: argparse.Namespace) -> int:
             store_ops=args.store_ops,
             rounds=args.rounds,
             value_size=args.value_size,
-            pipeline_sets=args.pipeline_sets,
+            pipeline_sets=not args.acked_sets,
+            state_dir=bool(args.state_dir),
             vs=args.vs,
             loop=loop_kind,
         )

@@ -385,4 +385,3 @@ def worker_environment(
 def default_job(environ: Mapping[str, str]) -> str:
     """The job id when --job is not given: AIOCOLL_JOB, else ``"default"`` (the contract's default)."""
     return environ.get("AIOCOLL_JOB") or "default"
-

@@ -111,10 +111,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     store.add_argument("--value-size", type=int, default=32, help="bytes per stored value (default 32)")
     store.add_argument(
-        "--pipeline-sets",
+        "--acked-sets",
         action="store_true",
-        help="aiocoll's set returns once written, like TCPStore's (the timed loop still ends with a "
-        "flush that waits for every acknowledgement; TCPStore never waits for one)",
+        help="aiocoll's async set returns once the coordinator acknowledged it (pipeline_sets=False), "
+        "instead of once queued; by default sets are not answered, as TCPStore's are not, and each "
+        "timed set loop of aiocoll's ends with a flush that waits for the acknowledgement of all",
+    )
+    store.add_argument(
+        "--state-dir",
+        action="store_true",
+        help="run aiocoll's coordinator with a state directory (every mutation on disk before it is "
+        "acknowledged or seen, group commit) in a temporary folder",
     )
     store.add_argument(
         "--rounds", type=int, default=3, help="rounds per measurement; the median is kept (default 3)"

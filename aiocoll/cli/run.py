@@ -122,81 +122,150 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = _EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
-        "--nproc-per-node", "--nproc_per_node", dest="nproc_per_node", type=_positive_int, default=1,
-        metavar="N", help="workers to start on this node (default: 1)",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="workers to start on this node (default: 1)",
     )
     parser.add_argument(
-        "--nnodes", type=_nnodes, default=None, metavar="M",
+        "--nnodes",
+        type=_nnodes,
+        default=None,
+        metavar="M",
         help="nodes in the job (default: SLURM_NTASKS inside an srun task, else 1)",
     )
     parser.add_argument(
-        "--node-rank", "--node_rank", dest="node_rank", type=_non_negative_int, default=None, metavar="R",
+        "--node-rank",
+        "--node_rank",
+        dest="node_rank",
+        type=_non_negative_int,
+        default=None,
+        metavar="R",
         help="this node's index, 0..M-1 (default: SLURM_PROCID, else JOB_COMPLETION_INDEX, else 0)",
     )
     parser.add_argument(
-        "--coordinator", "--rdzv-endpoint", "--rdzv_endpoint", dest="coordinator", default=None,
+        "--coordinator",
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        dest="coordinator",
+        default=None,
         metavar="HOST:PORT",
         help="a running aiocoll coordinator (required with --nnodes > 1); default: start one "
         "inside the launcher on 127.0.0.1",
     )
     parser.add_argument(
-        "--master-addr", "--master_addr", dest="master_addr", default=None, metavar="HOST",
+        "--master-addr",
+        "--master_addr",
+        dest="master_addr",
+        default=None,
+        metavar="HOST",
         help="MASTER_ADDR for the workers: where rank 0 of a torch.distributed script binds its store "
         "(not the coordinator; that is --coordinator). Default: 127.0.0.1 on one node, else the "
         "coordinator's host; with several nodes pass node 0's address",
     )
     parser.add_argument(
-        "--master-port", "--master_port", dest="master_port", type=_port, default=None, metavar="PORT",
+        "--master-port",
+        "--master_port",
+        dest="master_port",
+        type=_port,
+        default=None,
+        metavar="PORT",
         help="MASTER_PORT for the workers, the port of rank 0's torch store. Default: a free port on "
         "one node, else 29500",
     )
     parser.add_argument(
-        "--standalone", action="store_true",
+        "--standalone",
+        action="store_true",
         help="single node with an embedded coordinator (the default; accepted for torchrun habits)",
     )
     parser.add_argument(
-        "--max-restarts", "--max_restarts", dest="max_restarts", type=_non_negative_int, default=0,
-        metavar="K", help="restart the whole generation up to K times after a failure (default: 0)",
+        "--max-restarts",
+        "--max_restarts",
+        dest="max_restarts",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="restart the whole generation up to K times after a failure (default: 0)",
     )
     parser.add_argument(
-        "--job", "--rdzv-id", "--rdzv_id", dest="job", default=None, metavar="ID",
+        "--job",
+        "--rdzv-id",
+        "--rdzv_id",
+        dest="job",
+        default=None,
+        metavar="ID",
         help="job id the workers join (AIOCOLL_JOB; default: $AIOCOLL_JOB, else 'default')",
     )
     parser.add_argument(
-        "--token-file", "--token_file", dest="token_file", default=None, metavar="FILE",
+        "--token-file",
+        "--token_file",
+        dest="token_file",
+        default=None,
+        metavar="FILE",
         help="file holding the shared secret; given to workers as AIOCOLL_TOKEN and to the embedded "
         "coordinator (default: AIOCOLL_TOKEN from the environment, if set)",
     )
     parser.add_argument(
-        "--monitor-interval", "--monitor_interval", dest="monitor_interval", type=_seconds(True),
-        default=0.1, metavar="SECONDS", help="how often the workers' state is checked (default: 0.1)",
+        "--monitor-interval",
+        "--monitor_interval",
+        dest="monitor_interval",
+        type=_seconds(True),
+        default=0.1,
+        metavar="SECONDS",
+        help="how often the workers' state is checked (default: 0.1)",
     )
     parser.add_argument(
-        "--grace-period", "--grace_period", dest="grace_period", type=_seconds(False), default=10.0,
-        metavar="SECONDS", help="time between the stop signal and SIGKILL (default: 10)",
+        "--grace-period",
+        "--grace_period",
+        dest="grace_period",
+        type=_seconds(False),
+        default=10.0,
+        metavar="SECONDS",
+        help="time between the stop signal and SIGKILL (default: 10)",
     )
     parser.add_argument(
-        "--heartbeat-timeout", "--heartbeat_timeout", dest="heartbeat_timeout", type=_seconds(True),
-        default=None, metavar="SECONDS",
+        "--heartbeat-timeout",
+        "--heartbeat_timeout",
+        dest="heartbeat_timeout",
+        type=_seconds(True),
+        default=None,
+        metavar="SECONDS",
         help="the embedded coordinator declares a worker lost after this long without a heartbeat "
         "(AIOCOLL_HEARTBEAT_TIMEOUT; default 10). Workers beat from a thread: a busy event loop is "
         "not silence, a frozen or dead process is",
     )
     parser.add_argument(
-        "--progress-after", "--progress_after", dest="progress_after", type=_seconds(True),
-        default=None, metavar="SECONDS",
+        "--progress-after",
+        "--progress_after",
+        dest="progress_after",
+        type=_seconds(True),
+        default=None,
+        metavar="SECONDS",
         help="a worker reports an operation to the coordinator (aiocoll status) once it has waited "
         "this long (AIOCOLL_PROGRESS_AFTER; default 1)",
     )
     parser.add_argument(
-        "--log-dir", "--log_dir", dest="log_dir", default=None, metavar="DIR",
+        "--log-dir",
+        "--log_dir",
+        dest="log_dir",
+        default=None,
+        metavar="DIR",
         help="also write each worker's raw output to DIR/restart_K/rankN.stdout and .stderr",
     )
     parser.add_argument(
-        "-m", "--module", action="store_true", help="SCRIPT is a module name, run as 'python -m SCRIPT'",
+        "-m",
+        "--module",
+        action="store_true",
+        help="SCRIPT is a module name, run as 'python -m SCRIPT'",
     )
     parser.add_argument(
-        "--no-python", "--no_python", dest="no_python", action="store_true",
+        "--no-python",
+        "--no_python",
+        dest="no_python",
+        action="store_true",
         help="run SCRIPT as a program, not through Python",
     )
     parser.add_argument("script", metavar="SCRIPT", help="the Python script (or module, or program) to run")

@@ -27,11 +27,13 @@ __all__ = [
     "check_key",
     "check_keys",
     "compare_set_result",
+    "pair_values",
     "parse_counter",
     "to_value",
 ]
 
 DEFAULT_TIMEOUT = 300.0
+_SURELY_SHORT_KEY = MAX_KEY_BYTES // 4
 
 Value = bytes | bytearray | memoryview | str
 
@@ -43,6 +45,8 @@ def check_key(key: object) -> str:
         TypeError: when the key is not a str.
         ValueError: when it is empty or longer than MAX_KEY_BYTES UTF-8 bytes.
     """
+    if type(key) is str and 0 < len(key) <= _SURELY_SHORT_KEY:
+        return key  # at most 4 UTF-8 bytes a character: no need to encode it to know
     if not isinstance(key, str):
         raise TypeError(f"store key {key!r} must be a str, not {type(key).__name__}")
     size = len(key.encode("utf-8", "surrogatepass"))
@@ -239,12 +243,22 @@ class Store(abc.ABC):
         await self.aclose()
 
     def _pair(self, keys: Sequence[str], values: Sequence[Any]) -> tuple[list[str], list[bytes]]:
-        keys = check_keys(keys)
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-            raise TypeError(f"multi_set values must be a list, not {type(values).__name__}")
-        if len(keys) != len(values):
-            raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
-        return keys, [to_value(k, v) for k, v in zip(keys, values, strict=True)]
+        return pair_values(keys, values)
+
+
+def pair_values(keys: Sequence[str], values: Sequence[Any]) -> tuple[list[str], list[bytes]]:
+    """multi_set's arguments checked: the keys, and each value as bytes.
+
+    Raises:
+        TypeError: values is not a list, or holds something that is not bytes or str.
+        ValueError: a key is invalid, or the lists differ in length.
+    """
+    keys = check_keys(keys)
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"multi_set values must be a list, not {type(values).__name__}")
+    if len(keys) != len(values):
+        raise ValueError(f"multi_set got {len(keys)} keys but {len(values)} values")
+    return keys, [to_value(k, v) for k, v in zip(keys, values, strict=True)]
 
 
 class LocalStore(Store):

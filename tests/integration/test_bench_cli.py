@@ -200,27 +200,32 @@ def test_summary_takes_the_slowest_rank_per_iteration_then_the_median() -> None:
     assert row["algbw"] == pytest.approx(1000 / 3.0 / 1e9)
 
 
-@pytest.mark.timeout(60)
-def test_bench_store_with_pipelined_sets_prints_every_op_and_records_the_mode(tmp_path: Path) -> None:
+@pytest.mark.timeout(90)
+def test_bench_store_measures_async_and_sync_clients_and_records_the_mode(tmp_path: Path) -> None:
     json_path = tmp_path / "store.json"
-    result = _bench(
-        "--op",
-        "store",
-        "--clients",
-        "1",
-        "--store-ops",
-        "50",
-        "--rounds",
-        "1",
-        "--pipeline-sets",
-        "--json",
-        str(json_path),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "# aiocoll sets are pipelined" in result.stdout
-    rows = _table_rows(result.stdout)
-    assert [row[:2] for row in rows] == [["1", "set"], ["1", "get"], ["1", "add"]]
-    assert all(float(row[2]) > 0 for row in rows)
-    data = json.loads(json_path.read_text())
-    assert data["meta"]["pipeline_sets"] is True
+    for acked in (False, True):
+        result = _bench(
+            "--op",
+            "store",
+            "--clients",
+            "1",
+            "--store-ops",
+            "50",
+            "--rounds",
+            "1",
+            *(["--acked-sets", "--state-dir"] if acked else []),
+            "--json",
+            str(json_path),
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows = _table_rows(result.stdout)
+        assert [row[:2] for row in rows] == [["1", "set"], ["1", "get"], ["1", "add"]]
+        assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows), "async and sync clients"
+        data = json.loads(json_path.read_text())
+        assert data["meta"]["pipeline_sets"] is not acked and data["meta"]["state_dir"] is acked
+        if acked:
+            assert "wait for their acknowledgement (--acked-sets)" in result.stdout
+            assert "runs with --state-dir" in result.stdout
+        else:
+            assert "sets are not answered" in result.stdout
     assert [r["op"] for r in data["results"]] == ["set", "get", "add"]

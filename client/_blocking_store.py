@@ -1,0 +1,488 @@
+"""A coordinator store client on a blocking socket, called from any thread: what
+``aiocoll.sync.TCPStore`` uses, so that a torch script's store calls cost a system call or two and
+no hop to an event-loop thread.
+
+May import foundations only (protocol, stores, _errors, _deadline) and client modules without an
+event loop (_store_core, _blocking).
+
+The bookkeeping is the async session's (client/_store_core.py): the same compact requests, the
+same promises (docs/COORDINATOR.md): a set is sent at once and not answered; any later reply
+acknowledges it; a refused one is raised by the first call that starts after the refusal was
+read, at the latest by ``flush`` or ``close``. Each set is one ``send`` (as torch's TCPStore
+does): there is no event loop to flush a batch later, and a set must leave before the call
+returns, for another process may be waiting for it.
+
+Threads. Requests are written under one lock, so frames never interleave and ids go out in
+order. One thread at a time reads the socket (the one that waits for a reply and found no other
+reader); it hands the replies it reads to the threads they belong to. So a thread blocked in
+``get`` does not keep another from setting the key it waits for.
+
+Reconnection. A broken connection is replaced by whichever thread finds it broken, with backoff,
+for up to the client's timeout; the unsettled sets go first on the new connection, then each
+waiting thread sends its request again (a mutation with its number: not applied twice).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+import struct
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aiocoll._deadline import Deadline, to_seconds
+from aiocoll._errors import AuthenticationError, ProtocolError, StoreError, StoreTimeout
+from aiocoll._net import host_port
+from aiocoll.protocol import ClientHandshake, FrameDecoder
+from aiocoll.protocol._coordinator import CID_BYTES, ROLE_STORE, join_values, split_values
+from aiocoll.protocol._store import (
+    ADD,
+    APPEND,
+    CAS,
+    CHECK,
+    DEL,
+    GET,
+    MGET,
+    MSET,
+    MUTATIONS,
+    NKEYS,
+    OK,
+    OP_NAMES,
+    SET,
+    SYNC,
+    WAIT,
+    encode_request,
+)
+from aiocoll.stores import DEFAULT_TIMEOUT
+from aiocoll.stores._base import Value, check_amount, check_key, check_keys, pair_values, to_value
+
+from ._blocking import connect_blocking
+from ._link_keeper import CoordinatorUnreachable
+from ._store_core import SYNC_AFTER, StoreCore
+
+__all__ = ["BlockingStoreClient"]
+
+_REPLY_GRACE = 5.0  # as the async session: the coordinator's own timeout answer comes first
+_MIN_REPLY_TIME = 1.0
+_ATTEMPT_TIMEOUT = 10.0
+_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
+_READ_SIZE = 256 * 1024
+_MAX_HEADER = 16 << 20
+_MAX_PAYLOAD = 512 << 20
+
+
+def _set_timeval(sock: socket.socket, option: int, seconds: float) -> None:
+    """A kernel-kept send or receive timeout (0: none)."""
+    whole = int(seconds)
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, int((seconds - whole) * 1e6)))
+
+
+class BlockingStoreClient:
+    """One connection to a coordinator's key space for ``job``, usable from any thread.
+
+    Args:
+        host, port: the coordinator. token: the shared secret. job: the key space.
+        timeout: seconds for connecting and reconnecting, and the default wait of every call.
+
+    Raises:
+        CoordinatorUnreachable: nothing answered in time. AuthenticationError: another token.
+        ProtocolError: not an aiocoll coordinator.
+    """
+
+    def __init__(
+        self, host: str, port: int, *, token: str | bytes | None, job: str, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self.host = host
+        self.port = int(port)
+        self.job = job
+        self.timeout = float(timeout)
+        self._token = token
+        self._cid = os.urandom(CID_BYTES)
+        self._core = StoreCore(job, host_port(host, self.port))
+        # One lock for the socket's requests and the bookkeeping (taken as ``with self._lock``:
+        # a C call, where the Condition's __enter__ is a Python one), and a condition on it for
+        # the threads that wait while another reads.
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, lists=True)
+        self._generation = 0  # grows with each connection: a waiter on an older one sends again
+        self._reading = False  # a thread is reading the socket for everyone
+        self._waiting: set[int] = set()  # ids whose threads wait while another thread reads
+        self._done: dict[int, tuple[list[Any], bytes]] = {}  # replies read for other threads
+        self._closed = False
+        with self._lock:
+            self._reconnect(Deadline(self.timeout), first=True)
+
+    @property
+    def address(self) -> str:
+        return host_port(self.host, self.port)
+
+    # -- connection (callers hold self._cv)
+    def _reconnect(self, deadline: Deadline, first: bool = False) -> None:
+        """A new connection (the old one closed), with the unsettled sets sent first on it."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        delay = _BACKOFF_FIRST
+        attempts = 0
+        while True:
+            if self._closed:
+                raise StoreError(f"the store client of {self.address} was closed")
+            attempts += 1
+            remaining = deadline.remaining()
+            attempt = _ATTEMPT_TIMEOUT if remaining is None else max(min(remaining, _ATTEMPT_TIMEOUT), 0.05)
+            handshake = ClientHandshake(self._token, role=ROLE_STORE, job=self.job, extra={"cid": self._cid})
+            try:
+                sock = connect_blocking((self.host, self.port), handshake, attempt)
+                break
+            except AuthenticationError as exc:
+                raise AuthenticationError(
+                    f"the coordinator at {self.address} did not accept us for job {self.job!r}: {exc}. "
+                    f"Use the coordinator's token: set AIOCOLL_TOKEN (or pass token=) to the value the "
+                    f"coordinator was started with (--token-file or its AIOCOLL_TOKEN)"
+                ) from exc
+            except ProtocolError as exc:
+                raise ProtocolError(
+                    f"{self.address} did not answer as an aiocoll coordinator: {exc}. Check the port and "
+                    f"that both sides run the same aiocoll release",
+                    remote=exc.remote,
+                ) from exc
+            except OSError as exc:
+                last = exc
+            remaining = deadline.remaining()
+            if remaining is not None and remaining <= 0:
+                raise CoordinatorUnreachable(
+                    f"no aiocoll coordinator answered at {self.address} within {deadline.timeout:.3g}s "
+                    f"({attempts} attempts; last error: {type(last).__name__}: {last or 'timed out'}). "
+                    f"Check that the coordinator runs there and that host and port are right, or raise "
+                    f"the timeout"
+                ) from last
+            pause = random.uniform(0, delay)
+            time.sleep(pause if remaining is None else min(pause, remaining))
+            delay = min(delay * 2, _BACKOFF_MAX)
+        # Blocking mode, and the kernel keeps the deadlines (SO_SNDTIMEO, SO_RCVTIMEO): a Python
+        # socket timeout costs a poll() before every send and recv and an ioctl each time it is
+        # changed; these cost one setsockopt when a deadline's tenth of a second changes.
+        sock.settimeout(None)
+        _set_timeval(sock, socket.SO_SNDTIMEO, self.timeout)
+        self._recv_limit = -1.0
+        self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, lists=True)
+        self._sock = sock
+        self._generation += 1
+        lost = b"".join(self._core.reconnected())
+        if lost:
+            sock.sendall(lost)
+        self._done.clear()
+        self._cv.notify_all()  # waiters of the old connection send again
+
+    def _write(self, frame: bytes, deadline: Deadline, *, unsettled: bool = False) -> int:
+        """Send a frame (reconnecting when the connection broke); returns the generation of the
+        connection it went out on. An ``unsettled`` frame (a set nobody awaits) goes out with
+        the others a reconnect sends first, not again after them."""
+        while True:
+            sock = self._sock
+            if sock is not None:
+                try:
+                    sock.sendall(frame)
+                    return self._generation
+                except OSError:
+                    pass
+            self._reconnect(deadline)
+            if unsettled:
+                return self._generation
+
+    # -- requests
+    def _mutate(self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str]) -> None:
+        """SET, APPEND, MSET: sent now, not answered (see the module's docstring)."""
+        core = self._core
+        with self._lock:
+            if core.deferred is not None:
+                raise core.take_deferred()  # type: ignore[misc]
+            if not core.window_open():
+                self._make_room(Deadline(self.timeout), OP_NAMES[code], keys)
+            _, frame = core.mutation(code, fields, payload, keys, self.timeout, False)
+            if core.no_reply_unsettled >= SYNC_AFTER and not core.sync_in_flight:
+                core.sync_in_flight, sync = core.sync_frame()
+                frame += sync  # it settles everything before it; no set is sent twice for it
+            sock = self._sock
+            if sock is not None:
+                try:
+                    sock.sendall(frame)
+                    return
+                except OSError:
+                    pass
+            # A reconnect sends the unsettled sets, this one among them, first on the new link.
+            self._reconnect(Deadline(self.timeout))
+
+    def _make_room(self, deadline: Deadline, op: str, keys: Sequence[str]) -> None:
+        """Holding the lock: read replies until one more mutation may be numbered."""
+        core = self._core
+        while not core.window_open():
+            if not core.sync_in_flight:
+                core.sync_in_flight, frame = core.sync_frame()
+                self._write(frame, deadline)
+            if self._reading:
+                if not self._cv.wait(deadline.remaining()):
+                    raise self._window_timeout(deadline, op, keys)
+                continue
+            self._reading = True
+            try:
+                self._read_once(deadline.remaining(), 0)
+            except TimeoutError:
+                if deadline.expired():
+                    raise self._window_timeout(deadline, op, keys) from None
+            except OSError:
+                self._reconnect(deadline)
+            finally:
+                self._reading = False
+                self._cv.notify_all()
+
+    def _window_timeout(self, deadline: Deadline, op: str, keys: Sequence[str]) -> StoreTimeout:
+        return StoreTimeout(
+            list(keys),
+            deadline.timeout,
+            f"{self._core.describe(op, keys)} timed out after {deadline.timeout:.3g}s: earlier mutations of "
+            f"this client were still not acknowledged by the coordinator at {self.address}",
+        )
+
+    def _request(
+        self,
+        code: int,
+        fields: list[Any],
+        payload: bytes = b"",
+        *,
+        timeout: float | None = None,
+        keys: Sequence[str] = (),
+        waits: bool = False,
+    ) -> tuple[list[Any], bytes]:
+        """One request that has a reply; returns it (sent again on a new connection if needed)."""
+        core = self._core
+        seconds = self.timeout if timeout is None else timeout
+        until = time.monotonic() + seconds
+        mutation = code in MUTATIONS
+        with self._lock:
+            if core.deferred is not None:
+                raise core.take_deferred()  # type: ignore[misc]
+            if mutation:
+                if not core.window_open():
+                    self._make_room(Deadline(seconds), OP_NAMES[code], keys)
+                req_id, frame = core.mutation(code, fields, payload, keys, seconds, True)
+            while True:
+                if not mutation:
+                    req_id = core.last_id = core.last_id + 1
+                    if waits:
+                        left = max(0.0, until - time.monotonic())
+                        frame = encode_request(core.pack, [code, req_id, *fields, left], payload)
+                    else:
+                        frame = encode_request(core.pack, [code, req_id, *fields], payload)
+                sock = self._sock
+                if sock is None:
+                    self._reconnect(Deadline(max(0.0, until - time.monotonic())))
+                    continue
+                try:
+                    sock.sendall(frame)
+                except OSError:
+                    self._reconnect(Deadline(max(0.0, until - time.monotonic())))
+                    continue
+                try:
+                    reply = self._await(req_id, until + (_REPLY_GRACE if waits else _MIN_REPLY_TIME))
+                except TimeoutError:
+                    if mutation:
+                        core.forget(req_id)
+                    raise core.timed_out(OP_NAMES[code], seconds, waits, keys, False) from None
+                except BaseException:
+                    if mutation:
+                        core.forget(req_id)
+                    raise
+                if reply is not None:
+                    break
+                if self._closed:
+                    raise StoreError(f"{OP_NAMES[code]}: the store client of {self.address} was closed")
+        header, body = reply
+        if header[1] == OK:
+            return header, body
+        raise core.error(OP_NAMES[code], header, keys, seconds)
+
+    def _await(self, req_id: int, until: float) -> tuple[list[Any], bytes] | None:
+        """Holding the lock: until request ``req_id``'s reply is read, by this thread or by the
+        one reading for everyone. None: the connection was replaced; send it again.
+
+        Raises:
+            TimeoutError: ``until`` (time.monotonic) passed first.
+        """
+        cv = self._cv
+        done = self._done
+        generation = self._generation
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if self._reading:  # another thread reads: it files our reply in ``done``
+                self._waiting.add(req_id)
+                try:
+                    cv.wait(left)
+                finally:
+                    self._waiting.discard(req_id)
+                reply = done.pop(req_id, None)
+                if reply is not None:
+                    return reply
+                if self._generation != generation:
+                    return None
+                continue
+            self._reading = True
+            try:
+                reply = self._read_once(left, req_id)
+            except TimeoutError:
+                continue  # the kernel's timeout is rounded: the loop's check decides
+            except OSError:
+                self._reconnect(Deadline(max(0.0, until - time.monotonic())))
+                return None
+            finally:
+                self._reading = False
+                if cv._waiters:  # type: ignore[attr-defined]  # someone waits: maybe for what was read
+                    cv.notify_all()
+            if reply is not None:
+                return reply
+
+    def _read_once(self, timeout: float | None, mine: int) -> tuple[list[Any], bytes] | None:
+        """Holding the lock (released while blocked in recv): read what arrives and settle it.
+        Returns the reply to request ``mine`` if it came; files the others' replies in ``done``.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout``. OSError: the connection broke.
+        """
+        sock = self._sock
+        assert sock is not None
+        cv = self._cv
+        limit = 0.0 if timeout is None else max(0.1, -(-timeout // 0.1) * 0.1)  # tenths, rounded up
+        if limit != self._recv_limit:
+            _set_timeval(sock, socket.SO_RCVTIMEO, limit)
+            self._recv_limit = limit
+        cv.release()
+        try:
+            data = sock.recv(_READ_SIZE)
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            raise TimeoutError from None
+        finally:
+            cv.acquire()
+        if not data:
+            raise ConnectionResetError(f"the coordinator at {self.address} closed the connection")
+        settle = self._core.settle
+        found = None
+        for header, payload in self._decoder.feed_messages(data):
+            if type(header) is not list:
+                continue  # an event: a store connection has no use for one
+            settle(header, payload)
+            req_id = header[0]
+            if req_id == mine:
+                found = (header, payload)
+            elif req_id in self._waiting:
+                self._done[req_id] = (header, payload)
+        return found
+
+    # -- the store's operations (torch's names; the sync facade's TCPStore forwards here)
+    def set(self, key: str, value: Value) -> None:
+        key = check_key(key)
+        self._mutate(SET, [key], to_value(key, value), (key,))
+
+    def append(self, key: str, value: Value) -> None:
+        key = check_key(key)
+        self._mutate(APPEND, [key], to_value(key, value), (key,))
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
+        names, raw = pair_values(keys, values)
+        payload, sizes = join_values(raw)
+        self._mutate(MSET, [names, sizes], payload, names)
+
+    def set_timeout(self, timeout: float | datetime.timedelta) -> None:
+        """The default wait of every call (torch's ``set_timeout``)."""
+        seconds = to_seconds(timeout)
+        if seconds is None or seconds <= 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.timeout = seconds
+
+    def get(self, key: str, timeout: float | datetime.timedelta | None = None) -> bytes:
+        key = check_key(key)
+        return self._request(GET, [key], timeout=to_seconds(timeout), keys=(key,), waits=True)[1]
+
+    def add(self, key: str, amount: int) -> int:
+        key = check_key(key)
+        amount = check_amount(key, amount)
+        return int(self._request(ADD, [key, amount], keys=(key,))[0][2])
+
+    def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
+        key = check_key(key)
+        old = to_value(key, expected, "expected value")
+        new = to_value(key, desired, "desired value")
+        return self._request(CAS, [key, len(old)], old + new, keys=(key,))[1]
+
+    def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
+        names = check_keys(keys)
+        self._request(WAIT, [names], timeout=to_seconds(timeout), keys=names, waits=True)
+
+    def check(self, keys: Sequence[str]) -> bool:
+        names = check_keys(keys)
+        return bool(self._request(CHECK, [names], keys=names)[0][2])
+
+    def delete_key(self, key: str) -> bool:
+        key = check_key(key)
+        return bool(self._request(DEL, [key], keys=(key,))[0][2])
+
+    def num_keys(self) -> int:
+        return int(self._request(NKEYS, [])[0][2])
+
+    def multi_get(
+        self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None
+    ) -> list[bytes]:
+        names = check_keys(keys)
+        header, body = self._request(MGET, [names], timeout=to_seconds(timeout), keys=names, waits=True)
+        values = split_values(body, header[2] if len(header) > 2 else None)
+        if len(values) != len(names):
+            raise ProtocolError(
+                f"the coordinator answered mget of {len(names)} keys with {len(values)} values"
+            )
+        return values
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every set of this client is acknowledged (with --state-dir: on disk).
+
+        Raises:
+            StoreError, StoreTimeout: one was refused (raised once), or no answer came in time.
+        """
+        core = self._core
+        if core.no_reply_unsettled:
+            seconds = self.timeout if timeout is None else timeout
+            try:
+                self._request(SYNC, [], timeout=seconds)
+            except StoreTimeout:
+                keys = core.unsettled_keys()
+                raise StoreTimeout(
+                    keys,
+                    seconds,
+                    f"flush (job {self.job!r}): {core.no_reply_unsettled} set(s) of key(s) {keys!r} still "
+                    f"not acknowledged by the coordinator at {self.address} after {seconds:.3g}s",
+                ) from None
+        with self._lock:
+            exc = core.take_deferred()
+        if exc is not None:
+            raise exc
+
+    def close(self) -> None:
+        """Flush (raising a refusal not yet raised), then close. Twice is fine."""
+        if self._closed:
+            return
+        try:
+            if self._sock is not None and (self._core.no_reply_unsettled or self._core.deferred is not None):
+                self.flush()
+        finally:
+            with self._lock:
+                self._closed = True
+                if self._sock is not None:
+                    self._sock.close()
+                    self._sock = None
+                self._cv.notify_all()
