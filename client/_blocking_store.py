@@ -8,9 +8,10 @@ event loop (_store_core, _blocking).
 The bookkeeping is the async session's (client/_store_core.py): the same compact requests, the
 same promises (docs/COORDINATOR.md): a set is sent at once and not answered; any later reply
 acknowledges it; a refused one is raised by the first call that starts after the refusal was
-read, at the latest by ``flush`` or ``close``. Each set is one ``send`` (as torch's TCPStore
-does): there is no event loop to flush a batch later, and a set must leave before the call
-returns, for another process may be waiting for it.
+read, at the latest by ``flush`` or ``close``. A set goes out at once when the client has sent
+nothing for 100 µs; the sets of a burst are held back and go out together (one ``send``) within
+100 µs of the first, from a flusher thread, or sooner with this client's next request, ``flush``
+or ``close``, and when the interpreter exits.
 
 Threads. Requests are written under one lock, so frames never interleave and ids go out in
 order. One thread at a time reads the socket (the one that waits for a reply and found no other
@@ -24,13 +25,17 @@ waiting thread sends its request again (a mutation with its number: not applied 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import logging
 import os
 import random
 import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,11 +71,27 @@ from ._store_core import SYNC_AFTER, StoreCore
 
 __all__ = ["BlockingStoreClient"]
 
+log = logging.getLogger("aiocoll.client")
+# Clients whose held-back sets go out when the interpreter exits normally.
+_OPEN: weakref.WeakSet[BlockingStoreClient] = weakref.WeakSet()
+
+
+@atexit.register
+def _send_held_at_exit() -> None:
+    for client in list(_OPEN):
+        with contextlib.suppress(Exception), client._lock:
+            if client._sock is not None:
+                client._send_held()
+
+
 _REPLY_GRACE = 5.0  # as the async session: the coordinator's own timeout answer comes first
 _MIN_REPLY_TIME = 1.0
 _ATTEMPT_TIMEOUT = 10.0
 _BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 _READ_SIZE = 256 * 1024
+# A set within this long of the last send is held back, to go out with the rest of its burst.
+_BATCH_WINDOW = 100e-6
+_BATCH_BYTES = 64 * 1024
 _MAX_HEADER = 16 << 20
 _MAX_PAYLOAD = 512 << 20
 
@@ -115,8 +136,16 @@ class BlockingStoreClient:
         self._waiting: set[int] = set()  # ids whose threads wait while another thread reads
         self._done: dict[int, tuple[list[Any], bytes]] = {}  # replies read for other threads
         self._closed = False
+        # Sets held back in a burst (see _mutate), and the thread that sends them.
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        self._last_send = 0.0
+        self._flush_due = False
+        self._flusher: threading.Thread | None = None
+        self._wake_flusher = threading.Event()
         with self._lock:
             self._reconnect(Deadline(self.timeout), first=True)
+        _OPEN.add(self)
 
     @property
     def address(self) -> str:
@@ -174,6 +203,8 @@ class BlockingStoreClient:
         self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, lists=True)
         self._sock = sock
         self._generation += 1
+        self._held.clear()  # unsettled, so among what the reconnect sends first
+        self._held_bytes = 0
         lost = b"".join(self._core.reconnected())
         if lost:
             sock.sendall(lost)
@@ -198,17 +229,33 @@ class BlockingStoreClient:
 
     # -- requests
     def _mutate(self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str]) -> None:
-        """SET, APPEND, MSET: sent now, not answered (see the module's docstring)."""
+        """SET, APPEND, MSET: not answered (see the module's docstring). Sent at once when this
+        client sent nothing for _BATCH_WINDOW; else held back with the others of a burst, to go
+        out together within _BATCH_WINDOW (the flusher thread), or before this client's next
+        request, flush or close, or once _BATCH_BYTES are waiting."""
         core = self._core
         with self._lock:
             if core.deferred is not None:
-                raise core.take_deferred()  # type: ignore[misc]
+                core.raise_deferred()
             if not core.window_open():
+                self._send_held()
                 self._make_room(Deadline(self.timeout), OP_NAMES[code], keys)
             _, frame = core.mutation(code, fields, payload, keys, self.timeout, False)
             if core.no_reply_unsettled >= SYNC_AFTER and not core.sync_in_flight:
                 core.sync_in_flight, sync = core.sync_frame()
-                frame += sync  # it settles everything before it; no set is sent twice for it
+                frame += sync  # it settles everything before it
+            now = time.monotonic()
+            held = self._held
+            if held or now - self._last_send < _BATCH_WINDOW:
+                held.append(frame)
+                self._held_bytes += len(frame)
+                if self._held_bytes >= _BATCH_BYTES:
+                    self._send_held()
+                elif not self._flush_due:
+                    self._flush_due = True
+                    self._start_flusher()
+                return
+            self._last_send = now
             sock = self._sock
             if sock is not None:
                 try:
@@ -218,6 +265,51 @@ class BlockingStoreClient:
                     pass
             # A reconnect sends the unsettled sets, this one among them, first on the new link.
             self._reconnect(Deadline(self.timeout))
+
+    def _send_held(self, before: bytes = b"") -> bytes:
+        """Holding the lock: the held-back frames, with ``before`` behind them; sent now when
+        ``before`` is empty, else returned to go out in the caller's one send."""
+        held = self._held
+        if not held:
+            return before
+        frames = b"".join(held) + before
+        held.clear()
+        self._held_bytes = 0
+        self._last_send = time.monotonic()
+        if before:
+            return frames
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.sendall(frames)
+                return b""
+            except OSError:
+                pass
+        self._reconnect(Deadline(self.timeout))  # they are unsettled: it sends them first
+        return b""
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="aiocoll-store-flush", daemon=True)
+            self._flusher.start()
+        self._wake_flusher.set()
+
+    def _flush_loop(self) -> None:
+        """Send what a burst of sets held back, _BATCH_WINDOW after its first (the main thread
+        may hold the GIL longer: the interpreter's switch interval is the bound then)."""
+        while True:
+            self._wake_flusher.wait()
+            self._wake_flusher.clear()
+            if self._closed:
+                return
+            time.sleep(_BATCH_WINDOW)
+            with self._lock:
+                self._flush_due = False
+                if self._sock is not None and not self._closed:
+                    try:
+                        self._send_held()
+                    except Exception:  # reconnecting failed: the next call raises it
+                        log.exception("the store client of %s could not send its held sets", self.address)
 
     def _make_room(self, deadline: Deadline, op: str, keys: Sequence[str]) -> None:
         """Holding the lock: read replies until one more mutation may be numbered."""
@@ -267,7 +359,7 @@ class BlockingStoreClient:
         mutation = code in MUTATIONS
         with self._lock:
             if core.deferred is not None:
-                raise core.take_deferred()  # type: ignore[misc]
+                core.raise_deferred()
             if mutation:
                 if not core.window_open():
                     self._make_room(Deadline(seconds), OP_NAMES[code], keys)
@@ -285,7 +377,7 @@ class BlockingStoreClient:
                     self._reconnect(Deadline(max(0.0, until - time.monotonic())))
                     continue
                 try:
-                    sock.sendall(frame)
+                    sock.sendall(self._send_held(frame) if self._held else frame)
                 except OSError:
                     self._reconnect(Deadline(max(0.0, until - time.monotonic())))
                     continue
@@ -486,3 +578,5 @@ class BlockingStoreClient:
                     self._sock.close()
                     self._sock = None
                 self._cv.notify_all()
+            self._wake_flusher.set()  # it sees the close and ends
+            _OPEN.discard(self)

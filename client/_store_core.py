@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgpack
 
 from aiocoll._errors import DistError, ProtocolError, RendezvousError, StoreError, StoreTimeout
+from aiocoll.protocol import PREFIX
 from aiocoll.protocol._coordinator import (
     DEDUPE_WINDOW,
     ERR_INVALID,
@@ -33,21 +34,18 @@ from aiocoll.protocol._store import ERROR, OK, OP_NAMES, SYNC, encode_request
 __all__ = ["SYNC_AFTER", "StoreCore", "Unsettled"]
 
 log = logging.getLogger("aiocoll.client")
+_pack_prefix = PREFIX.pack
 
 # Unanswered SET/APPEND/MSET this many, a SYNC goes out to settle them: the window (DEDUPE_WINDOW)
 # never fills while a client streams sets, and a reconnect has little to send again.
 SYNC_AFTER = DEDUPE_WINDOW // 2
 
 
-class Unsettled(NamedTuple):
-    """A mutation sent and not yet settled: its frame (sent again after a reconnect, in order,
-    when nobody awaits it) and what an error about it names."""
-
-    op: int
-    frame: bytes
-    keys: Sequence[str]
-    timeout: float | None  # what a timeout message quotes
-    replied: bool  # someone awaits its reply (and sends it again itself)
+# A mutation sent and not yet settled, as a plain tuple (one is made per set):
+# (op, frame, keys, timeout, replied) — its frame is sent again after a reconnect, in order, when
+# nobody awaits it (``replied`` false; someone awaiting it sends it again itself); ``keys`` and
+# ``timeout`` are what an error about it names.
+Unsettled = tuple[int, bytes, Sequence[str], "float | None", bool]
 
 
 class StoreCore:
@@ -97,8 +95,9 @@ class StoreCore:
         unsettled = self.unsettled
         ack = next(iter(unsettled), self.last_id + 1) - 1  # before this one is numbered
         req_id = self.last_id = self.last_id + 1
-        frame = encode_request(self.pack, [op, req_id, ack, *fields], payload)
-        unsettled[req_id] = Unsettled(op, frame, keys, timeout, replied)
+        head = self.pack([op, req_id, ack, *fields])
+        frame = b"".join((_pack_prefix(len(head), len(payload)), head, payload))
+        unsettled[req_id] = (op, frame, keys, timeout, replied)
         if not replied:
             self.no_reply_unsettled += 1
         return req_id, frame
@@ -140,18 +139,18 @@ class StoreCore:
             if first > req_id:
                 break
             entry = unsettled.pop(first)
-            if not entry.replied:
+            if not entry[4]:
                 self.no_reply_unsettled -= 1
                 if first == req_id:
                     about = entry
         if about is not None and status == ERROR and self.deferred is None:
-            self.deferred = self.error(OP_NAMES.get(about.op, "?"), header, about.keys, about.timeout)
+            self.deferred = self.error(OP_NAMES.get(about[0], "?"), header, about[2], about[3])
             log.error("job=%s event=set_refused reason=%s", self.job, self.deferred)
         return about
 
     def lost_frames(self) -> list[bytes]:
         """The frames of the unsettled mutations nobody awaits, in order."""
-        return [entry.frame for entry in self.unsettled.values() if not entry.replied]
+        return [entry[1] for entry in self.unsettled.values() if not entry[4]]
 
     def reconnected(self) -> list[bytes]:
         """A new link: what to send first on it, in order (the unsettled mutations nobody
@@ -164,8 +163,8 @@ class StoreCore:
         """The keys of (at most ``most``) unsettled mutations nobody awaits, for messages."""
         keys: list[str] = []
         for entry in self.unsettled.values():
-            if not entry.replied:
-                keys.extend(k for k in entry.keys if k not in keys)
+            if not entry[4]:
+                keys.extend(k for k in entry[2] if k not in keys)
                 if len(keys) >= most:
                     return keys[:most]
         return keys
@@ -174,10 +173,16 @@ class StoreCore:
         """An awaited mutation's caller gave up (cancelled): it no longer holds the window back
         once answered, and is not sent again."""
         entry = self.unsettled.get(req_id)
-        if entry is not None and entry.replied:
+        if entry is not None and entry[4]:
             # Still unsettled as far as the coordinator knows; keep it until a later reply.
-            self.unsettled[req_id] = entry._replace(replied=False)
+            self.unsettled[req_id] = (entry[0], entry[1], entry[2], entry[3], False)
             self.no_reply_unsettled += 1
+
+    def raise_deferred(self) -> None:
+        """Raise the refusal of a mutation nobody awaited, if one came (once)."""
+        exc, self.deferred = self.deferred, None
+        if exc is not None:
+            raise exc
 
     def take_deferred(self) -> BaseException | None:
         exc, self.deferred = self.deferred, None

@@ -345,7 +345,7 @@ class CoordinatorSession(Joining, Store):
         request has its remaining time appended. ``timeout``: seconds for all of it."""
         core = self._core
         if core.deferred is not None:
-            raise core.take_deferred()  # type: ignore[misc]
+            core.raise_deferred()
         mutation = code in MUTATIONS
         deadline: Deadline | None = None  # made when the first try does not do
         req_id = 0
@@ -428,31 +428,39 @@ class CoordinatorSession(Joining, Store):
                 return reply, body
             raise core.error(op, reply, (), deadline.timeout)
 
+    def _queue(
+        self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str], seconds: float
+    ) -> bool:
+        """Queue SET, APPEND or MSET on the link when that needs no waiting (the link takes it,
+        the window has room, no refusal is waiting to be raised); False otherwise."""
+        core = self._core
+        link = self._keeper.link
+        if link is None or not link.can_send or core.deferred is not None or not core.window_open():
+            return False
+        link.send(core.mutation(code, fields, payload, keys, seconds, False)[1])
+        if core.no_reply_unsettled >= SYNC_AFTER and not core.sync_in_flight:
+            core.sync_in_flight, sync = core.sync_frame()
+            link.send(sync)
+        return True
+
     async def _mutate(
         self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str], timeout: float | None
     ) -> None:
         """SET, APPEND or MSET: queued (see the module's docstring), or acknowledged when the
         session was made with ``pipeline_sets=False``."""
         core = self._core
-        if core.deferred is not None:
-            raise core.take_deferred()  # type: ignore[misc]
         seconds = self._timeout if timeout is None else self._check_timeout(timeout)
-        link = self._keeper.ready()
-        if link is None or not core.window_open():
+        if not self._queue(code, fields, payload, keys, seconds):
+            if core.deferred is not None:
+                core.raise_deferred()
             # Reconnecting, paused by backpressure, or the window is full: wait (as long as the
-            # deadline allows) until both a link takes it and the window has room.
+            # deadline allows) until a link takes it.
             deadline = Deadline(seconds)
-            while True:
+            while not self._queue(code, fields, payload, keys, seconds):
                 await self._room(deadline, OP_NAMES[code], keys)
-                link = await self._usable(deadline, OP_NAMES[code], keys, False)
-                if core.window_open():
-                    break
-        _, frame = core.mutation(code, fields, payload, keys, seconds, False)
-        self._last_request = link.loop.time()
-        link.send(frame)
-        if core.no_reply_unsettled >= SYNC_AFTER and not core.sync_in_flight:
-            core.sync_in_flight, sync = core.sync_frame()
-            link.send(sync)
+                await self._usable(deadline, OP_NAMES[code], keys, False)
+                if core.deferred is not None:
+                    core.raise_deferred()
         if not self.pipeline_sets:
             await self.flush(timeout=seconds)
             return
@@ -483,7 +491,7 @@ class CoordinatorSession(Joining, Store):
                     f"still not acknowledged by the coordinator at {self.address} after {seconds:.3g}s",
                 ) from None
         if core.deferred is not None:
-            raise core.take_deferred()  # type: ignore[misc]
+            core.raise_deferred()
 
     # -- Store ---------------------------------------------------------------------------
     async def set(self, key: str, value: Value, *, timeout: float | None = None) -> None:
@@ -498,7 +506,13 @@ class CoordinatorSession(Joining, Store):
             StoreTimeout: the coordinator could not be reached in time.
         """
         key = check_key(key)
-        await self._mutate(SET, [key], to_value(key, value), (key,), timeout)
+        value = value if type(value) is bytes else to_value(key, value)
+        if timeout is None and self.pipeline_sets and self._sets_since_yield < _YIELD_EVERY - 1:
+            # The common case, without a coroutine of its own: queued now, or waits in _mutate.
+            if self._queue(SET, [key], value, (key,), self._timeout):
+                self._sets_since_yield += 1
+                return
+        await self._mutate(SET, [key], value, (key,), timeout)
 
     async def append(self, key: str, value: Value, *, timeout: float | None = None) -> None:
         """Append ``value`` to the bytes at ``key`` (created when missing); queued like ``set``."""

@@ -168,19 +168,13 @@ class _Connection(asyncio.BufferedProtocol):
         if self.early is not None:
             early, self.early = self.early, None
             self.send_many(early)
-        request = coord.state.request
-        conn_id = self.id
-        for header, payload in messages:
-            try:
-                request(conn_id, header, payload)
-            except ValueError as exc:
-                self._protocol_error(exc)
-                break
-            except Exception:
-                op = header.get("op") if type(header) is dict else header[0]
-                log.exception("job=%s event=internal_error peer=%s op=%r", self.job, self.peer, op)
-                self.close("internal error handling a request (see the traceback above)", abort=True)
-                break
+        try:
+            coord.state.requests(self.id, messages)
+        except ValueError as exc:
+            self._protocol_error(exc)
+        except Exception:
+            log.exception("job=%s event=internal_error peer=%s", self.job, self.peer)
+            self.close("internal error handling a request (see the traceback above)", abort=True)
         coord._after_batch()
 
     def eof_received(self) -> bool:
@@ -462,6 +456,7 @@ class Coordinator:
             resume_grace=resume_grace,
             durable=state_dir is not None,
             observe=self.metrics.observe_op,
+            observe_at_once=self.metrics.observe_at_once,
             wall_clock=time.time,
         )
         self.port = 0

@@ -89,6 +89,7 @@ class Dedupe:
         client = clients.get(cid)
         if client is None:
             client = clients[cid] = Client(0, now)
+        conn.client = client
         client.attached += 1
         client.last_seen = now
 
@@ -111,32 +112,32 @@ class Dedupe:
             raise Refused(
                 ERR_INVALID, f"'rid' and 'ack' must be integers with 0 <= ack < rid, got {rid!r}, {ack!r}"
             )
-        job = conn.job
-        assert conn.cid is not None
-        client: Client = job.clients[conn.cid]  # made by attach(), kept while a connection carries it
+        client: Client = conn.client  # attach() set it: kept while a connection carries it
         client.last_seen = self.fx.started
-        stored = client.replies.get(rid)
-        if stored is not None:
+        replies = client.replies
+        if rid in replies:
             client.forget_through(ack)
             self.resends_answered += 1
             log.info(
-                "job=%s event=resent_request_answered op=%s rid=%d peer=%s", job.name, op, rid, conn.peer
+                "job=%s event=resent_request_answered op=%s rid=%d peer=%s", conn.job.name, op, rid, conn.peer
             )
-            raise AlreadyAnswered(*stored)
-        if rid <= client.floor:
+            raise AlreadyAnswered(*replies[rid])
+        floor = client.floor
+        if rid <= floor:
             raise Refused(
                 ERR_INVALID,
-                f"request number {rid} of this client was already acknowledged (ack {client.floor}); "
+                f"request number {rid} of this client was already acknowledged (ack {floor}); "
                 f"a client must not re-send a request it had the reply to",
             )
-        if rid - max(ack, client.floor) > DEDUPE_WINDOW:
+        if ack > floor:  # the client has more replies: forget them (not on every request)
+            client.forget_through(ack)
+            floor = ack
+        if rid - floor > DEDUPE_WINDOW:
             raise Refused(
                 ERR_INVALID,
                 f"request number {rid} is more than {DEDUPE_WINDOW} beyond the client's acknowledged "
-                f"{max(ack, client.floor)}: a client may have at most {DEDUPE_WINDOW} mutations awaiting "
-                f"their reply",
+                f"{floor}: a client may have at most {DEDUPE_WINDOW} mutations awaiting their reply",
             )
-        client.forget_through(ack)
         return client
 
     def remember(

@@ -198,14 +198,7 @@ class CoordinatorMetrics:
         """
         self._protocol_errors.labels(reason=self._reason_labels.admit(reason)).inc()
 
-    def observe_op(self, op: str, seconds: float, ok: bool) -> None:
-        """One operation was answered.
-
-        Args:
-            op: the operation name from the request header.
-            seconds: time from the request's arrival to its reply.
-            ok: whether the reply was a success.
-        """
+    def _stats_of(self, op: str) -> _OpStats:
         st = self._op_by_name.get(op)
         if st is None:
             label = self._op_labels.admit(op)
@@ -214,6 +207,17 @@ class CoordinatorMetrics:
                 st = self._op_stats[label] = _OpStats()
             if label != OTHER_LABEL:  # never cache unbounded made-up names
                 self._op_by_name[op] = st
+        return st
+
+    def observe_op(self, op: str, seconds: float, ok: bool) -> None:
+        """One operation was answered.
+
+        Args:
+            op: the operation name from the request header.
+            seconds: time from the request's arrival to its reply.
+            ok: whether the reply was a success.
+        """
+        st = self._stats_of(op)
         if ok:
             if not st.ok:
                 st.ok_created = time.time()
@@ -227,6 +231,14 @@ class CoordinatorMetrics:
             st.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
         else:
             st.buckets[0] += 1
+
+    def observe_at_once(self, op: str, count: int) -> None:
+        """``count`` operations ``op`` were answered successfully at once (no time spent)."""
+        st = self._stats_of(op)
+        if not st.ok:
+            st.ok_created = time.time()
+        st.ok += count
+        st.buckets[0] += count
 
     def set_jobs(self, n: int) -> None:
         """The number of jobs held now."""

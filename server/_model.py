@@ -130,6 +130,7 @@ class Conn:
         "allowed",
         "beat_of",
         "cid",
+        "client",
         "id",
         "job",
         "joining",
@@ -142,6 +143,7 @@ class Conn:
 
     def __init__(self, conn_id: int, job: Job, role: str, peer: str, now: float) -> None:
         self.cid: bytes | None = None
+        self.client: Any = None  # _dedupe: what is remembered of the client ``cid`` names
         self.id = conn_id
         self.job = job
         self.role = role

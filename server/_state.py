@@ -19,7 +19,7 @@ handler); a numbered mutation passes through the dedupe part on its way.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiocoll.protocol._coordinator import (
@@ -87,6 +87,9 @@ class CoordinatorState(Effects):
             job_ttl). Keep it above the clients' reconnect timeout.
         durable: record acknowledged mutations in ``journal`` (the shell persists them).
         observe: optional hook ``(op, seconds, ok)`` called when a request is answered.
+        observe_at_once: optional hook ``(op, count)``: that many store requests of ``op`` were
+            answered successfully at once (no time spent); without it, ``observe`` is called
+            for each.
         wall_clock: seconds since 1970 (time.time), for the progress view's timestamps.
     """
 
@@ -103,8 +106,12 @@ class CoordinatorState(Effects):
         durable: bool = False,
         observe: Callable[[str, float, bool], None] | None = None,
         wall_clock: Callable[[], float] | None = None,
+        observe_at_once: Callable[[str, int], None] | None = None,
     ) -> None:
         super().__init__(clock, wall_clock, durable, observe)
+        self.observe_at_once = observe_at_once
+        # Store requests answered at once since the last hand-over to the metrics, by op.
+        self._answered: dict[str, int] = {}
         self.job_ttl = job_ttl
         self.jobs: dict[str, Job] = {}
         self.conns: dict[int, Conn] = {}
@@ -188,14 +195,42 @@ class CoordinatorState(Effects):
         Raises:
             ValueError: the header has no integer id; the connection should be closed.
         """
+        self.requests(conn_id, ((header, payload),))
+
+    def requests(
+        self, conn_id: int, messages: Iterable[tuple[dict[str, Any] | list[Any], bytes | bytearray]]
+    ) -> None:
+        """Handle the request frames of one read of a connection, in order.
+
+        Raises:
+            ValueError: a header has no integer id; the connection should be closed (the
+                requests before it were handled).
+        """
         conn = self.conns[conn_id]
         now = self.started = self.clock()
         conn.last_seen = now
         conn.job.last_activity = now
-        if type(header) is list:
-            self._store_request(conn, header, payload, now)
-        else:
-            self._control_request(conn, header, payload, now)  # type: ignore[arg-type]
+        store = self._store_request
+        try:
+            for header, payload in messages:
+                if type(header) is list:
+                    store(conn, header, payload, now)
+                else:
+                    self._control_request(conn, header, payload, now)  # type: ignore[arg-type]
+        finally:
+            if self._answered:
+                self._count_answered()
+
+    def _count_answered(self) -> None:
+        """Hand the counts of requests answered at once to the metrics (per read, not per request)."""
+        answered, self._answered = self._answered, {}
+        if self.observe_at_once is not None:
+            for op, n in answered.items():
+                self.observe_at_once(op, n)
+        elif self.observe is not None:
+            for op, n in answered.items():
+                for _ in range(n):
+                    self.observe(op, 0.0, True)
 
     def _store_request(self, conn: Conn, h: list[Any], payload: bytes | bytearray, now: float) -> None:
         """A compact store request (protocol._store): [code, id, ...]. The store's hot path: a
@@ -223,8 +258,8 @@ class CoordinatorState(Effects):
             except Refused as exc:
                 self.fail(conn.id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys, compact=True)
                 return
-            except AlreadyAnswered as answered:
-                self._answer(conn, req_id, op, answered.value, answered.payload)
+            except AlreadyAnswered as again:
+                self._answer(conn, req_id, op, again.value, again.payload)
                 return
             j = len(self.journal)
         try:
@@ -240,8 +275,8 @@ class CoordinatorState(Effects):
             return
         if answer is DONE:
             value, body = None, b""
-            if self.observe is not None:
-                self.observe(op, 0.0, True)
+            counts = self._answered
+            counts[op] = counts.get(op, 0) + 1
         else:
             value, body = answer
             self._answer(conn, req_id, op, value, body)
@@ -253,8 +288,8 @@ class CoordinatorState(Effects):
         ``body``); the operations that are answered only when refused send nothing."""
         if op not in _NO_REPLY_NAMES:
             self.outbox.append((conn.id, [req_id, OK] if value is None else [req_id, OK, value], body))
-        if self.observe is not None:
-            self.observe(op, 0.0, True)
+        answered = self._answered
+        answered[op] = answered.get(op, 0) + 1
 
     def _not_allowed(self, conn: Conn, op: str) -> str:
         return f"a {conn.role!r} connection may not use {op!r} (allowed: {sorted(ROLE_OPS[conn.role])})"
