@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 
-from aiocoll._errors import ProtocolError
 from aiocoll.protocol import ClientHandshake
 
 __all__ = ["connect_blocking"]
@@ -28,8 +27,8 @@ def connect_blocking(address: tuple[str, int], handshake: ClientHandshake, timeo
         sock.sendall(handshake.start())
         while not handshake.done:
             data = sock.recv(4096)
-            if not data:
-                raise ProtocolError(
+            if not data:  # a connection failure (retried), not proof of another protocol
+                raise ConnectionResetError(
                     f"the coordinator at {address[0]}:{address[1]} closed the connection during the handshake"
                 )
             out = handshake.receive_data(data)

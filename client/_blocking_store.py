@@ -60,7 +60,6 @@ from aiocoll.protocol._store import (
     SET,
     SYNC,
     WAIT,
-    encode_request,
 )
 from aiocoll.stores import DEFAULT_TIMEOUT
 from aiocoll.stores._base import Value, check_amount, check_key, check_keys, pair_values, to_value
@@ -208,24 +207,9 @@ class BlockingStoreClient:
         lost = b"".join(self._core.reconnected())
         if lost:
             sock.sendall(lost)
-        self._done.clear()
-        self._cv.notify_all()  # waiters of the old connection send again
-
-    def _write(self, frame: bytes, deadline: Deadline, *, unsettled: bool = False) -> int:
-        """Send a frame (reconnecting when the connection broke); returns the generation of the
-        connection it went out on. An ``unsettled`` frame (a set nobody awaits) goes out with
-        the others a reconnect sends first, not again after them."""
-        while True:
-            sock = self._sock
-            if sock is not None:
-                try:
-                    sock.sendall(frame)
-                    return self._generation
-                except OSError:
-                    pass
-            self._reconnect(deadline)
-            if unsettled:
-                return self._generation
+        # Replies already read stay in ``_done``: they answer their requests, whatever link
+        # came since. The waiters of the old connection whose reply did not come send again.
+        self._cv.notify_all()
 
     # -- requests
     def _mutate(self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str]) -> None:
@@ -316,8 +300,16 @@ class BlockingStoreClient:
         core = self._core
         while not core.window_open():
             if not core.sync_in_flight:
+                sock = self._sock
+                if sock is None:
+                    self._reconnect(deadline)
+                    continue
                 core.sync_in_flight, frame = core.sync_frame()
-                self._write(frame, deadline)
+                try:
+                    sock.sendall(self._send_held(frame) if self._held else frame)
+                except OSError:
+                    self._reconnect(deadline)  # which forgets the SYNC: the loop sends another
+                    continue
             if self._reading:
                 if not self._cv.wait(deadline.remaining()):
                     raise self._window_timeout(deadline, op, keys)
@@ -360,45 +352,57 @@ class BlockingStoreClient:
         with self._lock:
             if core.deferred is not None:
                 core.raise_deferred()
-            if mutation:
-                if not core.window_open():
-                    self._make_room(Deadline(seconds), OP_NAMES[code], keys)
-                req_id, frame = core.mutation(code, fields, payload, keys, seconds, True)
-            while True:
-                if not mutation:
-                    req_id = core.last_id = core.last_id + 1
-                    if waits:
+            if mutation and not core.window_open():
+                self._make_room(Deadline(seconds), OP_NAMES[code], keys)
+            req_id = 0
+            try:
+                while True:
+                    sock = self._sock
+                    if sock is None:
+                        self._reconnect(Deadline(max(0.0, until - time.monotonic())))
+                        continue
+                    # Numbered as it goes out, the link's order being what settles (_store_core).
+                    if mutation:
+                        if req_id:  # sent again on a new connection, with its number
+                            core.resent(req_id)
+                        else:
+                            req_id, frame = core.mutation(code, fields, payload, keys, seconds, True)
+                    elif waits:
                         left = max(0.0, until - time.monotonic())
-                        frame = encode_request(core.pack, [code, req_id, *fields, left], payload)
+                        req_id, frame = core.request([code, *fields, left], payload)
                     else:
-                        frame = encode_request(core.pack, [code, req_id, *fields], payload)
-                sock = self._sock
-                if sock is None:
-                    self._reconnect(Deadline(max(0.0, until - time.monotonic())))
-                    continue
-                try:
-                    sock.sendall(self._send_held(frame) if self._held else frame)
-                except OSError:
-                    self._reconnect(Deadline(max(0.0, until - time.monotonic())))
-                    continue
-                try:
-                    reply = self._await(req_id, until + (_REPLY_GRACE if waits else _MIN_REPLY_TIME))
-                except TimeoutError:
-                    if mutation:
-                        core.forget(req_id)
-                    raise core.timed_out(OP_NAMES[code], seconds, waits, keys, False) from None
-                except BaseException:
-                    if mutation:
-                        core.forget(req_id)
-                    raise
-                if reply is not None:
-                    break
-                if self._closed:
-                    raise StoreError(f"{OP_NAMES[code]}: the store client of {self.address} was closed")
+                        req_id, frame = core.request([code, *fields], payload)
+                    try:
+                        sock.sendall(self._send_held(frame) if self._held else frame)
+                    except OSError:
+                        self._reconnect(Deadline(max(0.0, until - time.monotonic())))
+                        continue
+                    try:
+                        reply = self._await(req_id, until + (_REPLY_GRACE if waits else _MIN_REPLY_TIME))
+                    except TimeoutError:
+                        raise core.timed_out(OP_NAMES[code], seconds, waits, keys, False) from None
+                    if reply is not None:
+                        break
+                    if self._closed:
+                        raise StoreError(f"{OP_NAMES[code]}: the store client of {self.address} was closed")
+            except BaseException:
+                if mutation and req_id in core.unsettled:
+                    self._abandon(req_id)
+                raise
         header, body = reply
         if header[1] == OK:
             return header, body
         raise core.error(OP_NAMES[code], header, keys, seconds)
+
+    def _abandon(self, req_id: int) -> None:
+        """Holding the lock: nobody awaits mutation ``req_id`` any more (see StoreCore.forget);
+        one the current connection has not carried goes out now."""
+        frame = self._core.forget(req_id)
+        sock = self._sock
+        if frame is not None and sock is not None:
+            self._core.resent(req_id)
+            with contextlib.suppress(OSError):  # a reconnect sends it first
+                sock.sendall(self._send_held(frame) if self._held else frame)
 
     def _await(self, req_id: int, until: float) -> tuple[list[Any], bytes] | None:
         """Holding the lock: until request ``req_id``'s reply is read, by this thread or by the
@@ -432,7 +436,8 @@ class BlockingStoreClient:
             except TimeoutError:
                 continue  # the kernel's timeout is rounded: the loop's check decides
             except OSError:
-                self._reconnect(Deadline(max(0.0, until - time.monotonic())))
+                if self._generation == generation:  # else another thread replaced it already
+                    self._reconnect(Deadline(max(0.0, until - time.monotonic())))
                 return None
             finally:
                 self._reading = False
@@ -440,6 +445,8 @@ class BlockingStoreClient:
                     cv.notify_all()
             if reply is not None:
                 return reply
+            if self._generation != generation:  # replaced while we read: send it again
+                return None
 
     def _read_once(self, timeout: float | None, mine: int) -> tuple[list[Any], bytes] | None:
         """Holding the lock (released while blocked in recv): read what arrives and settle it.
@@ -462,6 +469,8 @@ class BlockingStoreClient:
             raise TimeoutError from None
         finally:
             cv.acquire()
+        if self._sock is not sock:
+            return None  # another thread replaced the connection meanwhile: these bytes are the old one's
         if not data:
             raise ConnectionResetError(f"the coordinator at {self.address} closed the connection")
         settle = self._core.settle

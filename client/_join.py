@@ -16,6 +16,8 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
 from aiocoll._deadline import Deadline
 from aiocoll._errors import ProtocolError, RendezvousError
 from aiocoll.protocol._coordinator import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ROLE_WORKER
@@ -27,6 +29,7 @@ from ._members import (
     TABLE_FETCHES,
     TABLES,
     TABLES_KEPT,
+    HostMembership,
     Member,
     Membership,
     MemberTable,
@@ -54,6 +57,7 @@ class Joining:
     host: str
     port: int
     membership: Membership | None
+    host_membership: HostMembership | None
     session_lost: str | None
     _token: str | bytes | None
     _keeper: LinkKeeper
@@ -104,33 +108,11 @@ class Joining:
             RendezvousError: refused (duplicate or out-of-range rank, another world size) or timed out.
             ValueError, TypeError: bad arguments, before anything is sent.
         """
-        if self.role != ROLE_WORKER:
-            raise RendezvousError(
-                f"join needs a session with role {ROLE_WORKER!r}; this one is {self.role!r}"
-            )
-        if self.membership is not None:
-            raise RendezvousError(
-                f"this session already joined job {self.job!r} as rank {self.membership.rank}; open a new "
-                f"session to join again"
-            )
+        self._check_can_join()
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
-            raise TypeError(f"rank must be an int or None, got {type(rank).__name__}")
-        if rank is not None and not 0 <= rank < world_size:
-            raise ValueError(
-                f"rank {rank} is out of range for world size {world_size} (valid: 0..{world_size - 1})"
-            )
-        wire_addrs = []
-        for addr in addrs:
-            if not (
-                isinstance(addr, (tuple, list))
-                and len(addr) == 2
-                and isinstance(addr[0], str)
-                and isinstance(addr[1], int)
-            ):
-                raise TypeError(f"addrs must hold (host: str, port: int) pairs, got {addr!r}")
-            wire_addrs.append([addr[0], int(addr[1])])
+        rank = self._checked_rank(rank, world_size)
+        wire_addrs = self._wire_addrs(addrs)
         if not isinstance(host, str):
             raise TypeError(f"host must be a str, got {type(host).__name__}")
         deadline = self._deadline(timeout)
@@ -183,6 +165,115 @@ class Joining:
                 membership.world_size,
             )
         return membership
+
+    async def join_host(
+        self,
+        ranks: Sequence[int | None],
+        world_size: int,
+        addrs: Sequence[Sequence[tuple[str, int]]],
+        host: str,
+        timeout: float | datetime.timedelta | None = None,
+    ) -> HostMembership:
+        """Join several members over this one session: the ranks a host runs, joined together by
+        the process that runs them (one connection for all, as a node agent does). They are alive
+        while this session is, and lost together when it closes. The reply holds their ranks and
+        sessions only; ``table_rows`` reads the addresses they need.
+
+        Args:
+            ranks: each member's rank, or None for the lowest free one.
+            world_size: the size of the round. addrs: each member's (host, port) pairs.
+            host: this machine's identity.
+
+        Raises:
+            RendezvousError: refused or timed out. ValueError, TypeError: bad arguments.
+        """
+        self._check_can_join()
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not ranks or len(ranks) != len(addrs):
+            raise ValueError(
+                f"join_host needs one address list per rank: {len(ranks)} ranks, {len(addrs)} lists"
+            )
+        members = [
+            [self._checked_rank(r, world_size), self._wire_addrs(a), host]
+            for r, a in zip(ranks, addrs, strict=True)
+        ]
+        if not isinstance(host, str):
+            raise TypeError(f"host must be a str, got {type(host).__name__}")
+        deadline = self._deadline(timeout)
+        self._heartbeat_task = asyncio.ensure_future(self._heartbeats())
+        try:
+            reply, _ = await self._call(
+                "join", {"members": members, "world_size": world_size}, deadline=deadline, waits=True
+            )
+            got = HostMembership(
+                tuple(int(r) for r in reply["ranks"]),
+                tuple(str(s) for s in reply["sessions"]),
+                int(reply["world_size"]),
+                int(reply["round"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            self._stop_heartbeats()
+            raise ProtocolError(f"the coordinator sent a malformed join reply: {exc!r}") from exc
+        except BaseException:
+            self._stop_heartbeats()
+            raise
+        self.host_membership = got
+        return got
+
+    async def table_rows(
+        self, first: int, end: int, *, timeout: float | datetime.timedelta | None = None
+    ) -> tuple[Member, ...]:
+        """The members of ranks ``first`` to ``end - 1`` of the round this session joined: the
+        addresses a member's links need, without the whole table.
+
+        Raises:
+            RendezvousError: the session has not joined, or its round was replaced.
+        """
+        joined = self.membership or self.host_membership
+        if joined is None:
+            raise RendezvousError("table_rows: this session has not joined a rendezvous")
+        _, body = await self._call(
+            "table", {"round": joined.round, "ranks": [first, end]}, deadline=self._deadline(timeout)
+        )
+        return decode_members(msgpack.unpackb(body, raw=False))
+
+    def _check_can_join(self) -> None:
+        if self.role != ROLE_WORKER:
+            raise RendezvousError(
+                f"join needs a session with role {ROLE_WORKER!r}; this one is {self.role!r}"
+            )
+        joined = self.membership or self.host_membership
+        if joined is not None:
+            ranks = joined.rank if isinstance(joined, Membership) else list(joined.ranks)
+            raise RendezvousError(
+                f"this session already joined job {self.job!r} as rank {ranks}; open a new session to "
+                f"join again"
+            )
+
+    @staticmethod
+    def _checked_rank(rank: int | None, world_size: int) -> int | None:
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
+            raise TypeError(f"rank must be an int or None, got {type(rank).__name__}")
+        if rank is not None and not 0 <= rank < world_size:
+            raise ValueError(
+                f"rank {rank} is out of range for world size {world_size} (valid: 0..{world_size - 1})"
+            )
+        return rank
+
+    @staticmethod
+    def _wire_addrs(addrs: Sequence[tuple[str, int]]) -> list[list[Any]]:
+        wire = []
+        for addr in addrs:
+            if not (
+                isinstance(addr, (tuple, list))
+                and len(addr) == 2
+                and isinstance(addr[0], str)
+                and isinstance(addr[1], int)
+            ):
+                raise TypeError(f"addrs must hold (host: str, port: int) pairs, got {addr!r}")
+            wire.append([addr[0], int(addr[1])])
+        return wire
 
     async def _member_table(self, reply: dict[str, Any], body: bytes, deadline: Deadline) -> Sequence[Member]:
         """The join reply's member table: inline (header or payload) or by digest, shared."""
@@ -260,7 +351,7 @@ class Joining:
         loop = asyncio.get_running_loop()
         while not self._closed and self.session_lost is None:
             idle = loop.time() - self._last_request
-            if self.membership is None:  # still joining: no beats yet
+            if self.membership is None and self.host_membership is None:  # still joining: no beats yet
                 await asyncio.sleep(HEARTBEAT_INTERVAL)
                 continue
             if idle < HEARTBEAT_INTERVAL:

@@ -61,6 +61,22 @@ class Membership:
     members: Sequence[Member] = field(default_factory=tuple)
 
 
+@dataclass(frozen=True)
+class HostMembership:
+    """The result of a completed rendezvous for the ranks one connection joined together (a
+    host's ranks, see ``CoordinatorSession.join_host``).
+
+    Attributes:
+        ranks, sessions: each member's rank and session id, in the order they were named.
+        world_size, round: the round's size and number.
+    """
+
+    ranks: tuple[int, ...]
+    sessions: tuple[str, ...]
+    world_size: int
+    round: int
+
+
 # Member tables decoded in this process, by digest: sessions of one process that join the same
 # round share one immutable table instead of each decoding its own copy (N sessions x N members).
 TABLES_KEPT = 8

@@ -5,15 +5,20 @@ async session (session.py) and the blocking client (_blocking_store.py) each dri
 May import foundations only (protocol, stores, _errors).
 
 Settling. A mutation is settled once its reply arrived, or, for the mutations the coordinator
-answers only when it refuses them (SET, APPEND, MSET), once any later reply on the session did:
-the coordinator carries out a connection's requests in order (protocol._store). Unsettled
-mutations are what a reconnect sends again, and what ``ack`` (the id at and below which every
-mutation is settled) holds back. Their number stays within DEDUPE_WINDOW: the coordinator keeps
-only that many replies per client.
+answers only when it refuses them (SET, APPEND, MSET), once the reply to a request sent after it
+on the same link did: the coordinator carries out a connection's requests in the order they
+arrive (protocol._store). That is the order of sending, not of ids: after a reconnect, requests
+are sent again in whatever order their callers get to it, and a read takes a new id, so the core
+numbers what each link carried (``mutation``, ``request``, ``resent``, ``reconnected``: the
+caller sends the frame next, before any other) and settles by that. Unsettled mutations are what
+a reconnect sends again, and what ``ack`` (the id at and below which every mutation is settled)
+holds back. Their number stays within DEDUPE_WINDOW: the coordinator keeps only that many
+replies per client.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -66,6 +71,11 @@ class StoreCore:
         self.sync_in_flight = 0  # the id of a SYNC sent for the window, 0 when none
         self.deferred: BaseException | None = None  # the first refusal nobody awaited
         self.pack = msgpack.Packer(use_bin_type=True).pack
+        # What the current link carried, in the order it carried it: each request's place, by
+        # id, and the mutations' (place, id), oldest first, until a later reply settles them.
+        self._sent = 0
+        self._place: dict[int, int] = {}
+        self._mutations_sent: collections.deque[tuple[int, int]] = collections.deque()
 
     # -- numbering
     def next_id(self) -> int:
@@ -100,22 +110,40 @@ class StoreCore:
         unsettled[req_id] = (op, frame, keys, timeout, replied)
         if not replied:
             self.no_reply_unsettled += 1
+        place = self._sent = self._sent + 1  # the caller sends it next
+        self._place[req_id] = place
+        self._mutations_sent.append((place, req_id))
         return req_id, frame
+
+    def request(self, header: list[Any], payload: bytes = b"") -> tuple[int, bytes]:
+        """Number a request that is not a mutation (``header`` without its id: [code, fields...])
+        and encode it; the caller sends it next. Returns (its id, its frame)."""
+        req_id = self.last_id = self.last_id + 1
+        header.insert(1, req_id)
+        self._sent += 1
+        self._place[req_id] = self._sent
+        return req_id, encode_request(self.pack, header, payload)
+
+    def resent(self, req_id: int) -> None:
+        """An awaited mutation is sent again (on a new link) by its caller, next."""
+        place = self._sent = self._sent + 1
+        self._place[req_id] = place
+        self._mutations_sent.append((place, req_id))
 
     def wants_sync(self) -> bool:
         """Whether enough unanswered mutations piled up that a SYNC should settle them."""
         return self.no_reply_unsettled >= SYNC_AFTER and not self.sync_in_flight
 
     def sync_frame(self) -> tuple[int, bytes]:
-        """A SYNC request (its id, its frame): its reply settles everything sent before it."""
-        req_id = self.next_id()
-        return req_id, encode_request(self.pack, [SYNC, req_id])
+        """A SYNC request (its id, its frame), sent next: its reply settles everything sent
+        before it."""
+        return self.request([SYNC])
 
     # -- replies
     def settle(self, header: list[Any], payload: bytes) -> Unsettled | None:
-        """A compact reply arrived: settle every mutation up to its id. Returns the mutation
-        the reply is about when it was one that nobody awaited (its refusal is kept as
-        ``deferred``), else None.
+        """A compact reply arrived: settle every mutation sent before its request on this link
+        (and its request). Returns the mutation the reply is about when it was one that nobody
+        awaited (its refusal is kept as ``deferred``), else None.
 
         Raises:
             ProtocolError: a reply header that is not [id, status, ...].
@@ -126,22 +154,21 @@ class StoreCore:
             raise ProtocolError(f"the coordinator sent a malformed reply header {header!r:.200}") from None
         if type(req_id) is not int or (status != OK and status != ERROR):
             raise ProtocolError(f"the coordinator sent a malformed reply header {header!r:.200}")
-        unsettled = self.unsettled
-        if not unsettled:  # the common reply: nothing sent before it waits to be settled
-            if req_id == self.sync_in_flight:
-                self.sync_in_flight = 0
-            return None
         if req_id == self.sync_in_flight:
             self.sync_in_flight = 0
+        place = self._place.pop(req_id, None)
+        sent = self._mutations_sent
+        if place is None or not sent:  # the common reply: nothing sent before it waits
+            return None
+        unsettled = self.unsettled
         about = None
-        while unsettled:
-            first = next(iter(unsettled))
-            if first > req_id:
-                break
-            entry = unsettled.pop(first)
-            if not entry[4]:
+        while sent and sent[0][0] <= place:
+            _, rid = sent.popleft()
+            self._place.pop(rid, None)
+            entry = unsettled.pop(rid, None)
+            if entry is not None and not entry[4]:
                 self.no_reply_unsettled -= 1
-                if first == req_id:
+                if rid == req_id:
                     about = entry
         if about is not None and status == ERROR and self.deferred is None:
             self.deferred = self.error(OP_NAMES.get(about[0], "?"), header, about[2], about[3])
@@ -154,10 +181,20 @@ class StoreCore:
 
     def reconnected(self) -> list[bytes]:
         """A new link: what to send first on it, in order (the unsettled mutations nobody
-        awaits; the coordinator answers from its memory those it had carried out). A SYNC sent
-        on the old link will not be answered."""
+        awaits; the coordinator answers from its memory those it had carried out). Nothing
+        sent on the old link will be answered there any more (a SYNC neither)."""
         self.sync_in_flight = 0
-        return self.lost_frames()
+        self._sent = 0
+        self._place.clear()
+        self._mutations_sent.clear()
+        frames = []
+        for req_id, entry in self.unsettled.items():
+            if not entry[4]:
+                frames.append(entry[1])
+                self._sent += 1
+                self._place[req_id] = self._sent
+                self._mutations_sent.append((self._sent, req_id))
+        return frames
 
     def unsettled_keys(self, most: int = 8) -> list[str]:
         """The keys of (at most ``most``) unsettled mutations nobody awaits, for messages."""
@@ -169,14 +206,17 @@ class StoreCore:
                     return keys[:most]
         return keys
 
-    def forget(self, req_id: int) -> None:
-        """An awaited mutation's caller gave up (cancelled): it no longer holds the window back
-        once answered, and is not sent again."""
+    def forget(self, req_id: int) -> bytes | None:
+        """An awaited mutation's caller gave up (timed out, cancelled): from now on it is one
+        nobody awaits, settled by a later reply or sent again after a reconnect. Returns its
+        frame when the current link has not carried it (the caller sends it now, after
+        ``resent``, or the next link carries it), else None."""
         entry = self.unsettled.get(req_id)
-        if entry is not None and entry[4]:
-            # Still unsettled as far as the coordinator knows; keep it until a later reply.
-            self.unsettled[req_id] = (entry[0], entry[1], entry[2], entry[3], False)
-            self.no_reply_unsettled += 1
+        if entry is None or not entry[4]:
+            return None
+        self.unsettled[req_id] = (entry[0], entry[1], entry[2], entry[3], False)
+        self.no_reply_unsettled += 1
+        return None if req_id in self._place else entry[1]
 
     def raise_deferred(self) -> None:
         """Raise the refusal of a mutation nobody awaited, if one came (once)."""

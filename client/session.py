@@ -77,7 +77,6 @@ from aiocoll.protocol._store import (
     SET,
     SYNC,
     WAIT,
-    encode_request,
 )
 from aiocoll.stores import DEFAULT_TIMEOUT, Store
 from aiocoll.stores._base import Value, check_amount, check_key, check_keys, to_value
@@ -86,7 +85,7 @@ from ._beat import BeatThread
 from ._connection import CoordinatorLink, LinkLost
 from ._join import Joining
 from ._link_keeper import EV_COORDINATOR_LOST, EV_RECONNECTED, CoordinatorUnreachable, LinkKeeper
-from ._members import Member, Membership, MemberTable
+from ._members import HostMembership, Member, Membership, MemberTable
 from ._store_core import SYNC_AFTER, StoreCore
 
 __all__ = [
@@ -94,6 +93,7 @@ __all__ = [
     "EV_RECONNECTED",
     "CoordinatorSession",
     "CoordinatorUnreachable",
+    "HostMembership",
     "Member",
     "MemberTable",
     "Membership",
@@ -173,6 +173,7 @@ class CoordinatorSession(Joining, Store):
         self._member_lost_callbacks: list[MemberLostCallback] = []
         self._event_callbacks: list[EventCallback] = []
         self.membership: Membership | None = None
+        self.host_membership: HostMembership | None = None  # join_host's members
         self.session_lost: str | None = None
         # Someone waits for the window of unsettled mutations to move (a future, made only then).
         self._window_moved: asyncio.Future[None] | None = None
@@ -278,8 +279,11 @@ class CoordinatorSession(Joining, Store):
         extra: dict[str, Any] = {}
         if self.role != ROLE_ADMIN:
             extra["cid"] = self._cid
-        if self.membership is not None and self.session_lost is None:
-            extra["session"] = self.membership.session
+        if self.session_lost is None:
+            if self.membership is not None:
+                extra["session"] = self.membership.session
+            elif self.host_membership is not None:
+                extra["session"] = list(self.host_membership.sessions)
         return ClientHandshake(self._token, role=self.role, job=self.job, extra=extra)
 
     def _resend_unsettled(self, link: CoordinatorLink) -> None:
@@ -310,9 +314,11 @@ class CoordinatorSession(Joining, Store):
             if not core.sync_in_flight:
                 core.sync_in_flight, frame = core.sync_frame()
                 link.send(frame)
-            waiter = self._window_moved = asyncio.get_running_loop().create_future()
+            waiter = self._window_moved
+            if waiter is None or waiter.done():  # one future for every caller waiting for room
+                waiter = self._window_moved = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(waiter, deadline.remaining())
+                await asyncio.wait_for(asyncio.shield(waiter), deadline.remaining())
             except asyncio.TimeoutError:
                 raise StoreTimeout(
                     list(keys),
@@ -320,8 +326,6 @@ class CoordinatorSession(Joining, Store):
                     f"{core.describe(op, keys)} timed out after {deadline.timeout:.3g}s: earlier mutations "
                     f"of this session were still not acknowledged by the coordinator at {self.address}",
                 ) from None
-            finally:
-                self._window_moved = None
 
     async def _usable(self, deadline: Deadline, op: str, keys: Sequence[str], waits: bool) -> CoordinatorLink:
         core = self._core
@@ -351,48 +355,62 @@ class CoordinatorSession(Joining, Store):
         req_id = 0
         frame = b""
         remaining = timeout
-        while True:
-            link = self._keeper.ready()
-            numbering = mutation and not req_id
-            if link is None or (numbering and not core.window_open()):
-                deadline = deadline or Deadline(timeout)
-                while True:  # until a link takes it and (for a new mutation) the window has room
-                    if numbering:
-                        await self._room(deadline, OP_NAMES[code], keys)
-                    link = await self._usable(deadline, OP_NAMES[code], keys, waits)
-                    if not numbering or core.window_open():
-                        break
-            if deadline is not None:
-                remaining = deadline.remaining()  # type: ignore[assignment]
-            if mutation:
-                if not req_id:  # numbered once: a mutation sent again keeps its number
-                    req_id, frame = core.mutation(code, fields, payload, keys, timeout, True)
-                bound = max(remaining, _MIN_REPLY_TIME)
-            else:
-                req_id = core.last_id = core.last_id + 1
-                if waits:
-                    frame = encode_request(core.pack, [code, req_id, *fields, remaining], payload)
+        try:
+            while True:
+                link = self._keeper.ready()
+                numbering = mutation and not req_id
+                if link is None or (numbering and not core.window_open()):
+                    deadline = deadline or Deadline(timeout)
+                    while True:  # until a link takes it and (for a new mutation) the window has room
+                        if numbering:
+                            await self._room(deadline, OP_NAMES[code], keys)
+                        link = await self._usable(deadline, OP_NAMES[code], keys, waits)
+                        if not numbering or core.window_open():
+                            break
+                if deadline is not None:
+                    remaining = deadline.remaining()  # type: ignore[assignment]
+                if mutation:
+                    if req_id:  # a mutation sent again keeps its number
+                        core.resent(req_id)
+                    else:
+                        req_id, frame = core.mutation(code, fields, payload, keys, timeout, True)
+                    bound = max(remaining, _MIN_REPLY_TIME)
+                elif waits:
+                    req_id, frame = core.request([code, *fields, remaining], payload)
                     bound = remaining + _REPLY_GRACE
                 else:
-                    frame = encode_request(core.pack, [code, req_id, *fields], payload)
+                    req_id, frame = core.request([code, *fields], payload)
                     bound = max(remaining, _MIN_REPLY_TIME)
-            self._last_request = link.loop.time()
-            fut = link.start(req_id, frame, bound)
-            try:
-                reply, body = await fut  # answered: the link has dropped what it kept for it
-            except LinkLost:
-                deadline = deadline or Deadline(remaining)
-                continue  # sent again on the next link, after the sets that went before it
-            except BaseException as exc:
-                link.forget(req_id)
-                if mutation:
-                    core.forget(req_id)  # nobody awaits it now: settled by a later reply, or sent again
-                if isinstance(exc, TimeoutError):
+                self._last_request = link.loop.time()
+                fut = link.start(req_id, frame, bound)
+                try:
+                    reply, body = await fut  # answered: the link has dropped what it kept for it
+                except LinkLost:
+                    deadline = deadline or Deadline(remaining)
+                    continue  # sent again on the next link, after the sets that went before it
+                except TimeoutError:
+                    link.forget(req_id)
                     raise core.timed_out(OP_NAMES[code], timeout, waits, keys, False) from None
-                raise
-            if reply[1] == OK:
-                return reply, body
-            raise core.error(OP_NAMES[code], reply, keys, timeout)
+                except BaseException:
+                    link.forget(req_id)
+                    raise
+                if reply[1] == OK:
+                    return reply, body
+                raise core.error(OP_NAMES[code], reply, keys, timeout)
+        except BaseException:
+            if mutation and req_id and req_id in core.unsettled:
+                self._abandon(req_id)
+            raise
+
+    def _abandon(self, req_id: int) -> None:
+        """Nobody awaits mutation ``req_id`` any more (its caller gave up): a later reply on the
+        link that carried it settles it; one the current link has not carried goes out now (or
+        first on the next link), for the coordinator may or may not have it."""
+        frame = self._core.forget(req_id)
+        link = self._keeper.ready()
+        if frame is not None and link is not None:
+            self._core.resent(req_id)
+            link.send(frame)
 
     async def _call(
         self,
@@ -604,7 +622,8 @@ class CoordinatorSession(Joining, Store):
         if beats is not None:
             beats.stop()  # before leaving: a member that left has nothing to beat for
         link = self._keeper.link
-        if link is not None and self.membership is not None and self.session_lost is None:
+        joined = self.membership is not None or self.host_membership is not None
+        if link is not None and joined and self.session_lost is None:
             with contextlib.suppress(LinkLost, TimeoutError, OSError):
                 await link.request({"op": "leave"}, b"", _LEAVE_TIMEOUT)
         self.abort()

@@ -1,6 +1,6 @@
 """The coordinator's liveness part: heartbeats, and the once-a-second look at every live member
 that declares the silent ones lost and the ones that did not come back after a restart. Sans-IO;
-imports _model, _rendezvous and aiocoll foundations only.
+imports _model, _membership, _rounds and aiocoll foundations only.
 
 Silence is measured in time the coordinator could listen: when its own loop stalled (an embedded
 coordinator in a rank busy importing torch, a paused VM), the members' heartbeats wait unread in
@@ -12,8 +12,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ._membership import Membership
 from ._model import Conn, Effects, MemberState
-from ._rendezvous import Member, Rendezvous
+from ._rounds import Member
 
 __all__ = ["HOUSEKEEPING_INTERVAL", "Liveness"]
 
@@ -38,16 +39,16 @@ class Liveness:
     """Heartbeats and silence.
 
     Args:
-        fx: where decisions go. rendezvous: whose members are watched.
+        fx: where decisions go. membership: whose members are watched.
         heartbeat_timeout: silence after which a member is declared lost.
         resume_grace: seconds restored members get to re-attach.
     """
 
     def __init__(
-        self, fx: Effects, rendezvous: Rendezvous, *, heartbeat_timeout: float, resume_grace: float
+        self, fx: Effects, membership: Membership, *, heartbeat_timeout: float, resume_grace: float
     ) -> None:
         self.fx = fx
-        self.rendezvous = rendezvous
+        self.membership = membership
         self.heartbeat_timeout = heartbeat_timeout
         self.resume_grace = resume_grace
         now = fx.clock()
@@ -58,10 +59,12 @@ class Liveness:
         return {"hb": self.op_hb}
 
     def op_hb(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        member = conn.member or conn.beat_of
+        # The connection was heard (request() noted it); a beat connection's member may be asked
+        # for a full progress report.
+        member = conn.beat_of
         if member is not None:
             member.last_seen = conn.last_seen
-            if conn.beat_of is not None and member.rank in conn.job.progress.wanted:
+            if member.rank in conn.job.progress.wanted:
                 self.fx.reply(conn, req_id, "hb", self.fx.started, {"id": req_id, "ok": True, "want": True})
                 return
         self.fx.reply(conn, req_id, "hb", self.fx.started)
@@ -81,24 +84,24 @@ class Liveness:
         """Declare lost every member silent for longer than the timeout, and every restored one
         that did not re-attach within the grace."""
         limit = self.heartbeat_timeout
-        rendezvous = self.rendezvous
-        for m in list(rendezvous.live):
+        membership = self.membership
+        for m in list(membership.live):
             if m.state is _ALIVE:
                 conn = m.conn
                 seen = heard(m)
                 if now - seen > limit:
-                    rendezvous.lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
+                    membership.lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
                     if conn is not None:
                         self.fx.closes.append(
                             (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
                         )
             elif m.state is _RESUMING and now - m.last_seen > self.resume_grace:
-                rendezvous.lose(
+                membership.lose(
                     m, f"did not reconnect within {self.resume_grace:g}s after the coordinator restarted"
                 )
 
     def _credit_stall(self, seconds: float) -> None:
-        for m in self.rendezvous.live:
+        for m in self.membership.live:
             if m.state is _ALIVE and m.conn is not None:
                 m.conn.last_seen += seconds
                 if m.beat is not None:

@@ -155,6 +155,19 @@ class CoordinatorMetrics:
             "Connections refused because the peer did not prove it holds the token.",
             registry=reg,
         )
+        self._refused = Counter(
+            PREFIX + "refused_connections",
+            "Connections refused before their handshake because the coordinator could not take "
+            "them, by reason (descriptors: no file descriptor to spare).",
+            ["reason"],
+            registry=reg,
+        )
+        self._descriptors_open = Gauge(
+            PREFIX + "descriptors_open", "File descriptors the coordinator holds (an estimate).", registry=reg
+        )
+        self._descriptor_limit = Gauge(
+            PREFIX + "descriptor_limit", "The most file descriptors the coordinator may hold.", registry=reg
+        )
         self._protocol_errors = Counter(
             PREFIX + "protocol_errors",
             "Connections closed because their bytes broke the protocol, by reason.",
@@ -184,6 +197,15 @@ class CoordinatorMetrics:
     def connection_closed(self) -> None:
         """A client connection ended, for whatever reason."""
         self._connections_open.dec()
+
+    def refused(self, reason: str) -> None:
+        """A connection was refused before its handshake (``reason``: e.g. ``"descriptors"``)."""
+        self._refused.labels(reason=reason).inc()
+
+    def set_descriptors(self, open_now: int, limit: int) -> None:
+        """How many file descriptors are held, and the most that may be."""
+        self._descriptors_open.set(open_now)
+        self._descriptor_limit.set(limit)
 
     def auth_failure(self) -> None:
         """A handshake failed authentication (wrong or missing token)."""

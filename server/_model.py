@@ -135,7 +135,7 @@ class Conn:
         "job",
         "joining",
         "last_seen",
-        "member",
+        "members",
         "peer",
         "role",
         "waiters",
@@ -149,9 +149,9 @@ class Conn:
         self.role = role
         self.allowed = ROLE_OPS.get(role, OPS)  # the operations this role may ask
         self.peer = peer
-        self.member: Any = None  # the rendezvous member it joined or resumed as
+        self.members: list[Any] = []  # the rendezvous members it joined or resumed as
         self.beat_of: Any = None  # a beat connection: the member it keeps alive
-        self.joining: Any = None  # a join waiting for the round to complete
+        self.joining: Any = None  # its join, waiting for the round to complete
         self.waiters: set[Any] = set()  # the key-value part's waits parked on this connection
         self.last_seen = now
 
@@ -251,6 +251,8 @@ class Effects:
         self.closes: list[tuple[int, str]] = []
         self.journal: list[Record] = []
         self.started = 0.0  # clock value when the request being handled arrived
+        # (clock value, why) of the last time the shell refused connections for lack of capacity.
+        self.capacity_note: tuple[float, str] | None = None
         self._timers: list[tuple[float, int, Any, Expire]] = []
         self._timer_seq = itertools.count()
         # Grows with every deadline pushed: a shell whose timer is armed and that saw the same

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._dedupe import Dedupe
+from ._membership import Membership
 from ._model import Record
-from ._rendezvous import Rendezvous
 
 if TYPE_CHECKING:
     from ._state import CoordinatorState
@@ -34,7 +34,7 @@ def snapshot(state: CoordinatorState) -> dict[str, Any]:
                 "name": j.name,
                 "kv": j.kv,
                 "next_round": j.next_round,
-                "round": Rendezvous.snapshot(j),
+                "round": Membership.snapshot(j),
                 "clients": Dedupe.snapshot(j),
             }
         )
@@ -52,7 +52,7 @@ def restore(state: CoordinatorState, snap: dict[str, Any] | None, records: list[
             job.next_round = jd["next_round"]
             rd = jd["round"]
             if rd is not None:
-                state.rendezvous.restore_round(
+                state.membership.restore_round(
                     job, rd["number"], rd["world_size"], rd["members"], rd["broken"]
                 )
             Dedupe.restore(job, jd.get("clients", []), now)
@@ -60,7 +60,7 @@ def restore(state: CoordinatorState, snap: dict[str, Any] | None, records: list[
             apply_record(state, rec)
     finally:
         state.durable = durable
-    state.rendezvous.restored(now)
+    state.membership.restored(now)
 
 
 def apply_record(state: CoordinatorState, rec: Record) -> None:
@@ -79,5 +79,5 @@ def apply_record(state: CoordinatorState, rec: Record) -> None:
     job = state.job(name, now)
     if kind == "req":
         Dedupe.apply(job, rec, now, lambda sub: apply_record(state, sub))
-    elif not (state.kv.apply(job, rec) or state.rendezvous.apply(job, rec)):
+    elif not (state.kv.apply(job, rec) or state.membership.apply(job, rec)):
         raise ValueError(f"unknown journal record kind {kind!r}")

@@ -27,7 +27,8 @@ class Progress:
         return {"progress": self.op_progress}
 
     def op_progress(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        member = conn.member or conn.beat_of
+        # A member reports on its beat connection, or on the main one when that carries it alone.
+        member = conn.beat_of or (conn.members[0] if len(conn.members) == 1 else None)
         if member is None or member.state is not MemberState.ALIVE:
             raise Refused(ERR_INVALID, "progress: only an alive member of a completed round reports progress")
         member.last_seen = conn.last_seen

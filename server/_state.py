@@ -26,6 +26,7 @@ from aiocoll.protocol._coordinator import (
     CONTROL_OPS,
     ERR_INVALID,
     ERR_UNKNOWN_OP,
+    EV_REFUSED,
     HEARTBEAT_TIMEOUT,
     OPS,
     RESUME_GRACE,
@@ -38,6 +39,7 @@ from . import _persistence
 from ._dedupe import CLIENT_SWEEP_INTERVAL, AlreadyAnswered, Dedupe
 from ._kv import DEFAULT_MAX_KEYS_PER_JOB, DEFAULT_MAX_VALUE_BYTES, KeyValue
 from ._liveness import Liveness, heard
+from ._membership import Membership
 from ._model import (
     DONE,
     PARKED,
@@ -116,9 +118,10 @@ class CoordinatorState(Effects):
         self.jobs: dict[str, Job] = {}
         self.conns: dict[int, Conn] = {}
         self.kv = KeyValue(self, max_value_bytes=max_value_bytes, max_keys_per_job=max_keys_per_job)
-        self.rendezvous = Rendezvous(self)
+        self.membership = Membership(self)
+        self.rendezvous = Rendezvous(self, self.membership)
         self.liveness = Liveness(
-            self, self.rendezvous, heartbeat_timeout=heartbeat_timeout, resume_grace=resume_grace
+            self, self.membership, heartbeat_timeout=heartbeat_timeout, resume_grace=resume_grace
         )
         self.dedupe = Dedupe(self, client_ttl=job_ttl if client_ttl is None else client_ttl)
         self.progress = Progress(self)
@@ -168,13 +171,13 @@ class CoordinatorState(Effects):
         j.last_activity = now
         self.dedupe.attach(conn, cid, now)
         if role == ROLE_BEAT:
-            self.rendezvous.attach_beat(conn, session)
+            self.membership.attach_beat(conn, session)
         elif session is not None and role == ROLE_WORKER:
-            self.rendezvous.resume(conn, session, now)
+            self.membership.resume(conn, session, now)
 
     def refused_connection(self, job: str, role: object, peer: str, reason: str) -> None:
-        """A connection naming ``job`` failed authentication (see Rendezvous.refused_connection)."""
-        self.rendezvous.refused_connection(self.jobs.get(job), role, peer, reason)
+        """A connection naming ``job`` failed authentication (see Membership.refused_connection)."""
+        self.membership.refused_connection(self.jobs.get(job), role, peer, reason)
 
     def disconnect(self, conn_id: int, reason: str) -> None:
         """Forget a connection: drop its waiters, declare its member lost (unless it left)."""
@@ -187,6 +190,7 @@ class CoordinatorState(Effects):
         self.dedupe.detach(conn, job.last_activity)
         self.kv.drop(conn)
         self.rendezvous.disconnect(conn, reason)
+        self.membership.disconnect(conn, reason)
 
     # ------------------------------------------------------------------ requests
     def request(self, conn_id: int, header: dict[str, Any] | list[Any], payload: bytes | bytearray) -> None:
@@ -348,14 +352,14 @@ class CoordinatorState(Effects):
 
     def _expire_jobs(self, now: float) -> None:
         for name, job in list(self.jobs.items()):
-            if job.conns or now - job.last_activity <= self.job_ttl or self.rendezvous.resuming(job):
+            if job.conns or now - job.last_activity <= self.job_ttl or self.membership.resuming(job):
                 continue
             self.drop_job(job)
             log.info("job=%s event=job_expired idle_for=%.0fs", name, now - job.last_activity)
 
     def drop_job(self, job: Job) -> None:
         del self.jobs[job.name]
-        self.rendezvous.forget_job(job)
+        self.membership.forget_job(job)
         if self.durable:
             self.journal.append(["drop", job.name])
 
@@ -365,6 +369,14 @@ class CoordinatorState(Effects):
         if job is None:
             job = self.jobs[name] = Job(name, now)
         return job
+
+    def out_of_capacity(self, reason: str) -> None:
+        """The shell is refusing connections (``reason`` says why: no file descriptor to spare):
+        every rank waiting in a forming round hears it now (EV_REFUSED), and a join that times
+        out later says it."""
+        self.capacity_note = (self.clock(), reason)
+        rounds = [j.round for j in self.jobs.values() if j.round is not None and not j.round.complete]
+        self.membership.notify_forming(rounds, {"ev": EV_REFUSED, "peer": "", "reason": reason[:500]})
 
     # ------------------------------------------------------------------ views
     def status(self, job: str | None = None) -> list[dict[str, Any]]:
@@ -380,7 +392,7 @@ class CoordinatorState(Effects):
             j = self.jobs[name]
             rnd = j.round
             members = []
-            for m in self.rendezvous.members_of(j):
+            for m in self.membership.members_of(j):
                 seen = heard(m) if m.state is MemberState.ALIVE else m.last_seen
                 members.append(
                     {
@@ -393,7 +405,7 @@ class CoordinatorState(Effects):
                         "progress": j.progress.progress_of(m.rank, now, wall),
                     }
                 )
-            held, summary = j.progress.held_back_by(self.rendezvous.alive_ranks(j))
+            held, summary = j.progress.held_back_by(self.membership.alive_ranks(j))
             out.append(
                 {
                     "job": name,
@@ -411,7 +423,7 @@ class CoordinatorState(Effects):
         return out
 
     def member_count(self) -> int:
-        return len(self.rendezvous.live)
+        return len(self.membership.live)
 
     # ------------------------------------------------------------------ durability
     def take_journal(self) -> list[Record]:

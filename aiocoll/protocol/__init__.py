@@ -10,6 +10,7 @@ from ._handshake import (
     MAGIC,
     PROTOCOL_VERSION,
     ClientHandshake,
+    ServerBusy,
     ServerHandshake,
     token_bytes,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "Frame",
     "FrameDecoder",
     "PayloadSink",
+    "ServerBusy",
     "ServerHandshake",
     "encode_frame",
     "encode_header",

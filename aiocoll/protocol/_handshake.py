@@ -4,7 +4,7 @@ Imports only _errors and _framing; no sockets, no asyncio.
     client -> server   MAGIC, HELLO {t, v, role, job, nonce, ...extra}
     server -> client   CHALLENGE {t, v, nonce, proof=HMAC(token, "server" | hello | snonce), ...info}
     client -> server   AUTH {t, proof=HMAC(token, "client" | hello | snonce)}
-    server -> client   WELCOME {t} | REJECT {t, reason}
+    server -> client   WELCOME {t} | REJECT {t, reason, busy?}
 
 The token never crosses the wire; both sides prove they hold it, and the proofs cover the exact
 hello bytes, so the job, role and rank a client announced cannot be altered in flight. Before the
@@ -29,6 +29,7 @@ __all__ = [
     "MAGIC",
     "PROTOCOL_VERSION",
     "ClientHandshake",
+    "ServerBusy",
     "ServerHandshake",
     "token_bytes",
 ]
@@ -37,6 +38,11 @@ MAGIC = b"AIOCOLL\x00"
 PROTOCOL_VERSION = 1
 HANDSHAKE_MAX_HEADER = 4096
 _NONCE_BYTES = 32
+
+
+class ServerBusy(ConnectionError):
+    """The server refused the connection for a reason that is not the client's (it has no file
+    descriptor to spare, say): trying again later may succeed."""
 
 
 def token_bytes(token: str | bytes | None) -> bytes:
@@ -111,9 +117,10 @@ class ClientHandshake:
     def _on_frame(self, header: dict[str, Any]) -> bytes:
         kind = header.get("t")
         if kind == "reject":
-            raise AuthenticationError(
-                f"the server refused the connection: {header.get('reason', 'no reason')}"
-            )
+            reason = header.get("reason", "no reason")
+            if header.get("busy") is True:
+                raise ServerBusy(f"the server refused the connection: {reason}")
+            raise AuthenticationError(f"the server refused the connection: {reason}")
         if self._state == "challenge" and kind == "challenge":
             nonce, proof = header.get("nonce"), header.get("proof")
             if not isinstance(nonce, bytes) or not isinstance(proof, bytes):
@@ -242,5 +249,10 @@ class ServerHandshake:
         return _frame_bytes({"t": "welcome"})
 
     @staticmethod
-    def reject_bytes(reason: str) -> bytes:
-        return _frame_bytes({"t": "reject", "reason": reason[:512]})
+    def reject_bytes(reason: str, *, busy: bool = False) -> bytes:
+        """A REJECT frame; ``busy``: not about the client (the server cannot take it now), so
+        the client may try again (it raises ServerBusy, not AuthenticationError)."""
+        header: dict[str, Any] = {"t": "reject", "reason": reason[:512]}
+        if busy:
+            header["busy"] = True
+        return _frame_bytes(header)

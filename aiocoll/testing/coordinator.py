@@ -34,6 +34,8 @@ class CoordinatorProcess:
         token: the AIOCOLL_TOKEN it runs with.
         port: the port to listen on; 0 lets the kernel pick one (read back as ``port``).
         start_timeout: seconds to wait for it to listen.
+        descriptor_limit: the most file descriptors it may open (its RLIMIT_NOFILE, soft and
+            hard); None: inherited.
 
     Attributes:
         proc: the child process. port: the port it listens on. log_path: its log file.
@@ -49,15 +51,24 @@ class CoordinatorProcess:
         token: str,
         port: int = 0,
         start_timeout: float = 30.0,
+        descriptor_limit: int | None = None,
     ) -> None:
         self.log_path = os.fspath(log_path)
         self._log = open(self.log_path, "wb")  # closed in stop()
         command = [sys.executable, "-m", "aiocoll", "coordinator", "--host", "127.0.0.1", "--port", str(port)]
+
+        def limit_descriptors() -> None:
+            if descriptor_limit is not None:
+                import resource
+
+                resource.setrlimit(resource.RLIMIT_NOFILE, (descriptor_limit, descriptor_limit))
+
         self.proc = subprocess.Popen(
             [*command, *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "AIOCOLL_TOKEN": token},
+            preexec_fn=limit_descriptors if descriptor_limit is not None else None,
         )
         self.port = self._wait_listening(start_timeout)
 

@@ -517,7 +517,7 @@ async def test_snapshots_taken_while_serving_keep_journal_and_snapshot_consisten
 async def test_client_that_never_reads_its_replies_is_closed_and_others_are_served(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import aiocoll.server._coordinator as shell
+    import aiocoll.server._connection as shell
 
     monkeypatch.setattr(shell, "WRITE_STALL_TIMEOUT", 0.5)
     async with Coordinator("127.0.0.1", 0, token=TOKEN) as c:

@@ -18,7 +18,7 @@ from aiocoll import StoreError, StoreTimeout
 from aiocoll._deadline import Deadline
 from aiocoll.protocol import FrameDecoder
 from aiocoll.protocol._coordinator import CID_BYTES, DEDUPE_WINDOW, ERR_TOO_LARGE, ROLE_STORE
-from aiocoll.protocol._store import ADD, ERROR, OK, SET, SYNC
+from aiocoll.protocol._store import ADD, ERROR, GET, OK, SET, SYNC
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -27,7 +27,7 @@ def test_ack_is_the_id_below_which_every_mutation_is_settled() -> None:
     core = StoreCore("j", "127.0.0.1:1")
     ids = [core.mutation(ADD, ["k", 1], b"", ["k"], Deadline(5), True)[0] for _ in range(4)]
     assert ids == [1, 2, 3, 4] and core.ack() == 0
-    read = core.next_id()  # a read in between takes an id, never holds the window back
+    read, _ = core.request([GET, "k", None])  # a read in between takes an id, never holds the window back
     core.settle([2, OK, 2], b"")  # replies come in order: 1 was answered before 2
     assert core.ack() == 2
     core.settle([4, OK, 4], b"")
@@ -47,8 +47,8 @@ def test_a_set_is_settled_by_any_later_reply_and_its_refusal_is_kept_for_the_nex
     assert core.ack() == refused and core.no_reply_unsettled == 1
     exc = core.take_deferred()
     assert isinstance(exc, StoreError) and "big" in str(exc) and core.take_deferred() is None
-    read = core.next_id()
-    core.settle([read, OK], b"")  # any later reply
+    read, _ = core.request([GET, "k", None])
+    core.settle([read, OK], b"")  # the reply to any request sent later
     assert core.ack() == read and core.no_reply_unsettled == 0 and core.lost_frames() == []
     assert first < refused < third < read
 
@@ -92,3 +92,19 @@ async def test_a_mutation_beyond_the_window_sends_a_sync_and_waits_for_its_reply
     with pytest.raises(StoreTimeout, match="not acknowledged"):
         await session.set("late", b"v", timeout=0.05)
     session.abort()
+
+
+def test_after_a_reconnect_a_reply_settles_only_what_the_new_link_carried_before_it() -> None:
+    # Requests go out again after a reconnect in whatever order their callers get to it, and a
+    # read takes a new id: a reply must not settle a mutation that has not been sent again yet.
+    core = StoreCore("j", "127.0.0.1:1")
+    add, _ = core.mutation(ADD, ["n", 1], b"", ["n"], 5.0, True)  # awaited; its link drops
+    queued, set_frame = core.mutation(SET, ["k"], b"v", ["k"], 5.0, False)
+    assert core.reconnected() == [set_frame], "the sets nobody awaits go first on the new link"
+    read, _ = core.request([GET, "k", None])  # another caller's read, before the add is re-sent
+    core.settle([read, OK], b"v")
+    assert add in core.unsettled and queued not in core.unsettled
+    assert core.ack() == add - 1, "the add still holds the window back: its number is not forgotten"
+    core.resent(add)
+    core.settle([add, OK, 1], b"")
+    assert not core.unsettled and core.ack() == core.last_id

@@ -1,0 +1,373 @@
+"""One client connection of the coordinator: the sans-IO handshake, then frames read straight
+from the socket's buffer into the state machine, replies written back with backpressure, and every
+way a connection is refused or closed (bad bytes, a failed handshake, a client that does not read,
+no file descriptor to spare) with a logged reason. May import aiocoll foundations and the server's
+_model, _state and _metrics; the Coordinator (_coordinator.py) owns the connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import socket
+from typing import TYPE_CHECKING, Any, cast
+
+import msgpack
+
+from aiocoll._errors import AuthenticationError, ProtocolError
+from aiocoll.protocol import PREFIX, FrameDecoder, ServerHandshake
+from aiocoll.protocol._coordinator import ROLE_ADMIN, ROLE_BEAT, ROLE_STORE, ROLE_WORKER
+
+from ._model import EncodedHeader
+
+if TYPE_CHECKING:
+    from ._coordinator import Coordinator
+
+__all__ = ["MAX_HEADER", "WRITE_STALL_TIMEOUT", "Connection", "Header"]
+
+log = logging.getLogger("aiocoll.server")
+
+MAX_HEADER = 64 * 1024
+# A reader slower than this many seconds with a full output buffer is treated as not reading.
+WRITE_STALL_TIMEOUT = 30.0
+_HIGH_WATER = 4 * 1024 * 1024
+_LOW_WATER = 1024 * 1024
+_HS_READ = 4096
+_ROLES = frozenset({ROLE_WORKER, ROLE_STORE, ROLE_ADMIN, ROLE_BEAT})
+_conn_ids = itertools.count(1)
+# Reply payloads up to this size are copied into the frame's one write.
+_COPY_PAYLOAD = 16 * 1024
+# One packer for every reply header (the coordinator runs on one thread).
+_pack = msgpack.Packer(use_bin_type=True).pack
+pack_prefix = PREFIX.pack  # the bound method itself: one call less per reply
+# A reply or event header: a map, a compact list, or one encoded ahead for many recipients.
+Header = dict[str, Any] | list[Any] | EncodedHeader
+
+
+def _error_category(exc: BaseException) -> str:
+    """A short, stable metric label for a protocol error (the full message goes to the log)."""
+    text = str(exc)
+    for needle, label in (
+        ("magic", "bad_magic"),
+        ("header of", "header_size"),
+        ("payload of", "payload_size"),
+        ("undecodable", "bad_header"),
+        ("must be a map", "bad_header"),
+        ("version", "version"),
+        ("role", "bad_role"),
+        ("job", "bad_hello"),
+        ("nonce", "bad_hello"),
+        ("unexpected", "handshake_sequence"),
+    ):
+        if needle in text:
+            return label
+    return "other"
+
+
+class Connection(asyncio.BufferedProtocol):
+    """One client connection: handshake first, then frames into the state machine."""
+
+    def __init__(self, coord: Coordinator) -> None:
+        self.coord = coord
+        self.id = next(_conn_ids)
+        self.transport: asyncio.Transport | None = None
+        self.peer = "?"
+        self.hs: ServerHandshake | None = ServerHandshake(
+            coord._token, roles=_ROLES, info={"server": "aiocoll-coordinator"}
+        )
+        self.hs_buf: bytearray | None = bytearray(_HS_READ)
+        self.decoder: FrameDecoder | None = None
+        self.job = ""
+        self.role = ""
+        self.authenticated = False
+        self.closing = False
+        self.paused = False
+        self.hs_timer: asyncio.TimerHandle | None = None
+        self.stall_timer: asyncio.TimerHandle | None = None
+        self.refusal: str | None = None  # why it is refused (no descriptor to spare), if it is
+        # Events produced before the client's first request (resume): sent after that request.
+        self.early: list[tuple[Header, bytes | bytearray | memoryview]] | None = []
+
+    # -- asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport, but provide its methods.
+        self.transport = cast(asyncio.Transport, transport)
+        coord = self.coord
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            self.peer = f"{peer[0]}:{peer[1]}"  # the numeric address: never a reverse lookup
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport.set_write_buffer_limits(high=_HIGH_WATER, low=_LOW_WATER)
+        coord.metrics.connection_opened()
+        coord.sockets += 1
+        if coord._draining:
+            self.close("the coordinator is shutting down", abort=True)
+            return
+        self.refusal = coord.capacity_refusal()  # sent in answer to the hello, not before it
+        pending = coord._handshaking
+        pending[self] = None
+        if len(pending) > coord.max_pending_handshakes:
+            oldest = next(iter(pending))
+            oldest.close(
+                f"more than {coord.max_pending_handshakes} connections are still in their "
+                f"handshake; closing the oldest",
+                abort=True,
+            )
+            coord.metrics.protocol_error("handshake_overflow")
+        self.hs_timer = coord._loop.call_later(coord.handshake_timeout, self._handshake_expired)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.decoder is not None:
+            return self.decoder.get_buffer(sizehint)
+        assert self.hs_buf is not None
+        return memoryview(self.hs_buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.closing:
+            return
+        decoder = self.decoder
+        if decoder is None:
+            self._handshake_bytes(nbytes)
+            return
+        try:
+            messages = decoder.buffer_updated_messages(nbytes)
+        except ProtocolError as exc:
+            self._protocol_error(exc)
+            return
+        if not messages:
+            return  # a frame is still arriving: nothing was decided
+        coord = self.coord
+        if self.early is not None:
+            early, self.early = self.early, None
+            self.send_many(early)
+        try:
+            coord.state.requests(self.id, messages)
+        except ValueError as exc:
+            self._protocol_error(exc)
+        except Exception:
+            log.exception("job=%s event=internal_error peer=%s", self.job, self.peer)
+            self.close("internal error handling a request (see the traceback above)", abort=True)
+        coord._after_batch()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        coord = self.coord
+        coord.sockets -= 1
+        for timer in (self.hs_timer, self.stall_timer):
+            if timer is not None:
+                timer.cancel()
+        coord._handshaking.pop(self, None)
+        coord.metrics.connection_closed()
+        if not self.authenticated:
+            if self.hs is not None and self.hs.state == "auth" and not self.closing:
+                # The client verifies our proof first: one that holds another token hangs up here.
+                coord.metrics.auth_failure()
+                log.warning(
+                    "event=auth_failed peer=%s job=%s reason=the client closed after our challenge "
+                    "(its token differs from ours, or it gave up)",
+                    self.peer,
+                    self.hs.hello.get("job"),
+                )
+                self._tell_refused(
+                    self.hs, "it hung up after the coordinator's challenge: its token differs (most likely)"
+                )
+            return
+        reason = "closed by the client" if exc is None else f"connection error: {exc}"
+        if self.decoder is not None and self.decoder.mid_frame and not self.closing:
+            reason = "closed by the client in the middle of a frame (truncated)"
+            log.warning("job=%s event=protocol_error peer=%s reason=%s", self.job, self.peer, reason)
+            coord.metrics.protocol_error("truncated")
+        coord._conns.pop(self.id, None)
+        if coord._stopping:
+            if not coord._conns and coord._all_closed is not None:
+                coord._all_closed.set()
+            return  # shutting down: members will resume after the restart, not be declared lost
+        try:
+            coord.state.disconnect(self.id, reason)
+        except Exception:
+            log.exception(
+                "job=%s event=internal_error peer=%s while forgetting a connection", self.job, self.peer
+            )
+        coord._after_batch()
+
+    def pause_writing(self) -> None:
+        # The client reads slower than we answer: stop reading its requests until it catches up,
+        # and if it never does, it is not reading at all.
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+        if self.stall_timer is None:
+            self.stall_timer = self.coord._loop.call_later(WRITE_STALL_TIMEOUT, self._stalled)
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.stall_timer is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+        if self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
+    # -- handshake
+    def _handshake_bytes(self, nbytes: int) -> None:
+        hs, buf, transport = self.hs, self.hs_buf, self.transport
+        assert hs is not None and buf is not None and transport is not None
+        if self.refusal is not None:
+            # Read (and dropped) before refusing: closing with unread bytes would reset the
+            # connection and the client would never see why.
+            transport.write(ServerHandshake.reject_bytes(self.refusal, busy=True))
+            self.close("refused: " + self.refusal, log_it=False)
+            return
+        try:
+            out = hs.receive_data(bytes(buf[:nbytes]))
+        except AuthenticationError as exc:
+            self.coord.metrics.auth_failure()
+            log.warning("event=auth_failed peer=%s reason=%s", self.peer, exc)
+            transport.write(ServerHandshake.reject_bytes("authentication failed: wrong token"))
+            self.close("authentication failed", log_it=False)
+            self._tell_refused(hs, "it failed authentication (a wrong token)")
+            return
+        except ProtocolError as exc:
+            self._protocol_error(exc, reject=True)
+            return
+        if out:
+            transport.write(out)
+        if hs.done:
+            self._authenticated()
+
+    def _tell_refused(self, hs: ServerHandshake, why: str) -> None:
+        """A worker naming a job failed authentication: its members waiting to form a round hear of
+        it (a notice only: the hello is unauthenticated; see CoordinatorState.refused_connection)."""
+        job = hs.hello.get("job")
+        if isinstance(job, str):
+            self.coord.state.refused_connection(job, hs.hello.get("role"), self.peer, why)
+            self.coord._after_batch()
+
+    def _authenticated(self) -> None:
+        coord = self.coord
+        assert self.hs is not None
+        hello = self.hs.hello
+        self.hs = None
+        self.hs_buf = None
+        if self.hs_timer is not None:
+            self.hs_timer.cancel()
+            self.hs_timer = None
+        coord._handshaking.pop(self, None)
+        self.job, self.role = hello["job"], hello["role"]
+        self.decoder = FrameDecoder(
+            max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=16 * 1024, lists=True
+        )
+        self.authenticated = True
+        coord._conns[self.id] = self
+        log.debug("job=%s event=connected role=%s peer=%s", self.job, self.role, self.peer)
+        coord.state.connect(
+            self.id, self.job, self.role, peer=self.peer, session=hello.get("session"), cid=hello.get("cid")
+        )
+        coord._after_batch()
+
+    def _handshake_expired(self) -> None:
+        self.hs_timer = None
+        if not self.authenticated and not self.closing:
+            self.coord.metrics.protocol_error("handshake_timeout")
+            self.close(f"handshake not finished within {self.coord.handshake_timeout:g}s", abort=True)
+
+    def _stalled(self) -> None:
+        self.stall_timer = None
+        if self.paused and not self.closing:
+            self.close(f"the client has not read its replies for {WRITE_STALL_TIMEOUT:g}s", abort=True)
+
+    # -- output and closing
+    def send(self, header: Header, payload: bytes | bytearray | memoryview) -> None:
+        """Write one frame (a reply or an event)."""
+        transport = self.transport
+        if transport is None or self.closing:
+            return
+        if self.early is not None:
+            # Nothing follows the WELCOME frame until the client's first request: a client's
+            # handshake decoder would swallow (and choke on) an event sent in the same segment.
+            self.early.append((header, payload))
+            return
+        if type(header) is not EncodedHeader:
+            head = _pack(header)
+            size = len(payload)
+            if size > _COPY_PAYLOAD:
+                transport.writelines([pack_prefix(len(head), size) + head, payload])
+            else:  # one buffer, one send call: the common store reply
+                transport.write(b"".join((pack_prefix(len(head), size), head, payload)))
+        else:
+            assert isinstance(header, EncodedHeader)
+            transport.writelines([pack_prefix(header.size, len(payload)), *header.parts, payload])
+        if self.paused:
+            self._check_backlog(transport)
+
+    def send_many(self, frames: list[tuple[Header, bytes | bytearray | memoryview]]) -> None:
+        """Write several frames, in order, with one write: the replies to the requests that
+        arrived in one read (pipelined sets) cost one send call instead of one each."""
+        transport = self.transport
+        if transport is None or self.closing:
+            return
+        if self.early is not None:
+            self.early.extend(frames)
+            return
+        parts: list[bytes | bytearray | memoryview] = []
+        small = True
+        for header, payload in frames:
+            size = len(payload)
+            if type(header) is not EncodedHeader:
+                head = _pack(header)
+                parts.append(pack_prefix(len(head), size) + head)
+            else:
+                assert isinstance(header, EncodedHeader)
+                parts.append(pack_prefix(header.size, size))
+                parts.extend(header.parts)
+                small = False
+            if size:
+                parts.append(payload)
+                if size > _COPY_PAYLOAD:
+                    small = False
+        if small:
+            transport.write(b"".join(parts))
+        else:
+            transport.writelines(parts)
+        if self.paused:
+            self._check_backlog(transport)
+
+    def _check_backlog(self, transport: asyncio.Transport) -> None:
+        if transport.get_write_buffer_size() > self.coord.max_output_bytes:
+            self.close(
+                f"more than {self.coord.max_output_bytes} bytes of replies are waiting for the "
+                f"client to read them",
+                abort=True,
+            )
+
+    def _protocol_error(self, exc: BaseException, *, reject: bool = False) -> None:
+        self.coord.metrics.protocol_error(_error_category(exc))
+        if reject and self.transport is not None:
+            self.transport.write(ServerHandshake.reject_bytes(str(exc)))
+        self.close(f"protocol error: {exc}", event="protocol_error")
+
+    def close(self, reason: str, *, abort: bool = False, log_it: bool = True, event: str = "closed") -> None:
+        if self.closing:
+            return
+        self.closing = True
+        # Out of the handshake count now, not when the loop reports the close: a burst of new
+        # connections must each evict a different (live) one.
+        self.coord._handshaking.pop(self, None)
+        if log_it:
+            log.warning("job=%s event=%s peer=%s reason=%s", self.job or "-", event, self.peer, reason)
+        transport = self.transport
+        if transport is None:
+            return
+        if abort:
+            transport.abort()
+        else:
+            transport.close()
+            # close() waits for the output buffer to drain; a client that never reads would keep
+            # the socket forever, so abort after a short grace.
+            self.coord._loop.call_later(2.0, transport.abort)

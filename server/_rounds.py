@@ -1,0 +1,136 @@
+"""The rendezvous' data: rounds, their members, the joins that wait for a round, and the states
+a member and a round move through. Pure data; imports _model and _tables only. The joining
+(_rendezvous) and what follows it (_membership) both work on these.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from ._model import Conn, Job, MemberState, can_move
+from ._tables import encode_rows, table_digest
+
+__all__ = ["ALIVE", "JOINING", "LEFT", "LOST", "RESUMING", "JoinRequest", "Member", "Round", "RoundState"]
+
+JOINING, ALIVE, RESUMING, LEFT, LOST = (
+    MemberState.JOINING,
+    MemberState.ALIVE,
+    MemberState.RESUMING,
+    MemberState.LEFT,
+    MemberState.LOST,
+)
+
+
+class RoundState(enum.Enum):
+    FORMING = "forming"  # members are joining
+    COMPLETE = "complete"  # full; every member has its rank
+    BROKEN = "broken"  # complete, and a member has since left or been lost: the next join opens a new one
+
+
+class Member:
+    """One rank of one rendezvous round."""
+
+    __slots__ = (
+        "addrs",
+        "assigned",
+        "beat",
+        "conn",
+        "host",
+        "last_seen",
+        "rank",
+        "reason",
+        "request",
+        "round",
+        "session",
+        "state",
+    )
+
+    def __init__(self, rank: int, addrs: list[Any], host: str, rnd: Round) -> None:
+        self.rank = rank
+        # The coordinator picked this rank (the join asked for none): until the round completes
+        # it may move to another free rank, so that a member asking for this one gets it.
+        self.assigned = False
+        self.addrs = addrs
+        self.host = host
+        self.session = ""
+        self.state = JOINING
+        self.conn: Conn | None = None
+        self.beat: Conn | None = None  # its beat connection (ROLE_BEAT), heard apart from conn
+        self.round = rnd
+        self.request: JoinRequest | None = None  # the join it came with, until the round completes
+        self.reason = ""
+        self.last_seen = 0.0
+
+    def move(self, new: MemberState) -> None:
+        assert can_move(self.state, new), f"member {self.rank}: {self.state} -> {new}"
+        self.state = new
+
+
+class JoinRequest:
+    """One ``join`` waiting for its round: the members it brought and how to answer it."""
+
+    __slots__ = (
+        "conn",
+        "deadline",
+        "many",
+        "members",
+        "req_id",
+        "started",
+        "table_in_payload",
+        "table_ref",
+        "timeout",
+    )
+
+    def __init__(self, conn: Conn, req_id: int, started: float, timeout: float | None, many: bool) -> None:
+        self.conn = conn
+        self.req_id = req_id
+        self.started = started
+        self.timeout = timeout
+        self.deadline: float | None = None
+        self.many = many  # it named its members in a list: answered with lists
+        self.members: list[Member] = []
+        self.table_in_payload = False
+        self.table_ref = False
+
+    @property
+    def waiting(self) -> bool:
+        """It still waits for its round (the deadline heap asks)."""
+        return bool(self.members) and self.members[0].state is JOINING
+
+    def ranks(self) -> str:
+        ranks = [m.rank for m in self.members]
+        return (
+            f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[:16]}{'...' if len(ranks) > 16 else ''}"
+        )
+
+
+class Round:
+    __slots__ = ("free_hint", "job", "members", "number", "state", "table", "table_digest", "world_size")
+
+    def __init__(self, job: Job, number: int, world_size: int) -> None:
+        self.job = job
+        self.number = number
+        self.world_size = world_size
+        self.members: dict[int, Member] = {}
+        self.state = RoundState.FORMING
+        self.free_hint = 0  # lowest rank that may be free
+        # The completed round's member table, msgpack-encoded once, and its digest; made when a
+        # join or a ``table`` request first needs it.
+        self.table: bytes | None = None
+        self.table_digest = b""
+
+    @property
+    def complete(self) -> bool:
+        return self.state is not RoundState.FORMING
+
+    @property
+    def broken(self) -> bool:
+        return self.state is RoundState.BROKEN
+
+    def full_table(self) -> tuple[bytes, bytes]:
+        """The member table (msgpack, sorted by rank) and its digest, encoded once."""
+        if self.table is None:
+            self.table = encode_rows(sorted(self.members.values(), key=lambda m: m.rank))
+            self.table_digest = table_digest(self.table)
+        return self.table, self.table_digest

@@ -1,0 +1,142 @@
+"""Joins that carry many members over one connection (a host's ranks, a node agent's), in the
+coordinator's state machine without sockets: one reply per join with ranks and sessions only, the
+table read in slices, members lost together with their connection and each loss told once per
+connection, refusals and timeouts naming the ranks, and re-attaching after a restart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+from aiocoll.server import CoordinatorState
+
+from aiocoll.protocol._coordinator import ERR_INVALID, ERR_RENDEZVOUS, EV_MEMBER_LOST, EV_RESTARTED
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Driver:
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.state = CoordinatorState(clock=lambda: self.now)
+        self.ids = 0
+
+    def connect(self, session: Any = None) -> int:
+        self.ids += 1
+        self.state.connect(self.ids, "j", "worker", peer=f"10.0.0.{self.ids}:1", session=session)
+        return self.ids
+
+    def join(self, conn: int, ranks: list[int | None], world_size: int, **extra: Any) -> None:
+        members = [[r, [["10.0.0.1", 7000 + i]], f"host{conn}"] for i, r in enumerate(ranks)]
+        header = {"op": "join", "id": 50 + conn, "members": members, "world_size": world_size, **extra}
+        self.state.request(conn, header, b"")
+
+    def take(self, conn: int) -> list[tuple[dict[str, Any], bytes]]:
+        outbox = self.state.outbox
+        mine = [(h if isinstance(h, dict) else h.decode(), bytes(p)) for c, h, p in outbox if c == conn]
+        outbox[:] = [f for f in outbox if f[0] != conn]
+        return mine
+
+    def call(self, conn: int, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        self.state.request(conn, header, b"")
+        [reply] = self.take(conn)
+        return reply
+
+
+def test_many_members_join_over_one_connection_and_get_one_reply_with_ranks_and_sessions() -> None:
+    d = Driver()
+    a, b = d.connect(), d.connect()
+    d.join(a, [None, None, 5, None], 8)
+    assert d.take(a) == []
+    d.join(b, [0, None, None, None], 8)
+    [(reply_a, body_a)], [(reply_b, _)] = d.take(a), d.take(b)
+    assert reply_a["ok"] and reply_b["ok"] and body_a == b""
+    assert "members" not in reply_a and "table_digest" not in reply_a, "no table in a many-member reply"
+    ranks = reply_a["ranks"] + reply_b["ranks"]
+    assert sorted(ranks) == list(range(8)) and reply_a["ranks"][2] == 5 and reply_b["ranks"][0] == 0
+    sessions = reply_a["sessions"] + reply_b["sessions"]
+    assert len(set(sessions)) == 8
+    assert reply_a["world_size"] == 8 and reply_a["round"] == reply_b["round"] == 0
+    # The addresses a member's links need: a slice of the table, by rank.
+    header, rows = d.call(a, {"op": "table", "id": 9, "round": 0, "ranks": [4, 7]})
+    assert header["ok"] and [m["rank"] for m in msgpack.unpackb(rows)] == [4, 5, 6]
+    assert msgpack.unpackb(rows)[1]["host"] == f"host{a}"  # rank 5 came with connection a
+    for span in ([0, 9], [3, 2], ["0", 1], [1]):
+        header, _ = d.call(a, {"op": "table", "id": 10, "round": 0, "ranks": span})
+        assert header["err"] == ERR_INVALID, span
+    status = d.state.status("j")[0]
+    assert status["complete"] and [m["rank"] for m in status["members"]] == list(range(8))
+
+
+def test_a_closed_connection_loses_all_its_members_and_each_loss_is_told_once_per_connection() -> None:
+    d = Driver()
+    a, b, c = d.connect(), d.connect(), d.connect()
+    d.join(a, [0, 1, 2], 6)
+    d.join(b, [3, 4], 6)
+    d.join(c, [5], 6)
+    for conn in (a, b, c):
+        d.take(conn)
+    d.state.disconnect(b, "cut")
+    lost_told_a = [h for h, _ in d.take(a) if h.get("ev") == EV_MEMBER_LOST]
+    lost_told_c = [h for h, _ in d.take(c) if h.get("ev") == EV_MEMBER_LOST]
+    assert sorted(e["rank"] for e in lost_told_a) == [3, 4], "once per lost rank, not per listener"
+    assert sorted(e["rank"] for e in lost_told_c) == [3, 4]
+    states = {m["rank"]: m["state"] for m in d.state.status("j")[0]["members"]}
+    assert states == {0: "alive", 1: "alive", 2: "alive", 3: "lost", 4: "lost", 5: "alive"}
+    assert d.state.member_count() == 4
+    # A leave takes every member of the connection with it.
+    header, _ = d.call(a, {"op": "leave", "id": 77})
+    assert header["ok"]
+    states = {m["rank"]: m["state"] for m in d.state.status("j")[0]["members"]}
+    assert [states[r] for r in (0, 1, 2)] == ["left"] * 3
+
+
+def test_a_conflicting_member_fails_the_round_and_a_timeout_names_the_ranks() -> None:
+    d = Driver()
+    a, b = d.connect(), d.connect()
+    d.join(a, [0, 1], 4)
+    d.join(b, [2, 1], 4)  # rank 1 twice
+    [(refused, _)] = d.take(b)
+    [(failed, _)] = d.take(a)
+    assert refused["err"] == ERR_RENDEZVOUS and "rank 1 already joined" in refused["msg"]
+    assert failed["err"] == ERR_RENDEZVOUS and "ranks [0, 1]" in failed["msg"]
+    assert d.state.jobs["j"].round.members == {}, "the round was emptied"
+    # More members than the round has free ranks: refused, and so is the round.
+    c = d.connect()
+    d.join(c, [None, None, None], 4, timeout=5)
+    d.join(d.connect(), [None, None], 4)
+    [(crowded, _)] = d.take(c)
+    assert crowded["err"] == ERR_RENDEZVOUS and "2 members joined a round with 1 free ranks" in crowded["msg"]
+    # A join that times out names the ranks it brought, and the ranks missing.
+    e = d.connect()
+    d.join(e, [None, 3], 4, timeout=5)
+    d.now += 6
+    d.state.tick()
+    [(late, _)] = d.take(e)
+    assert (
+        late["err"] == ERR_RENDEZVOUS
+        and "for ranks [0, 3]" in late["msg"]
+        and "missing ranks [1, 2]" in late["msg"]
+    )
+
+
+def test_many_members_resume_on_a_new_connection_after_a_restart() -> None:
+    d = Driver()
+    d.state.durable = True
+    a, b = d.connect(), d.connect()
+    d.join(a, [0, 1, 2], 4)
+    d.join(b, [3], 4)
+    [(reply, _)] = d.take(a)
+    snapshot, records = d.state.snapshot(), d.state.take_journal()
+    restored = Driver()
+    restored.state.restore(snapshot, records)
+    assert restored.state.member_count() == 4  # resuming
+    again = restored.connect(session=reply["sessions"])
+    assert [h.get("ev") for h, _ in restored.take(again)] == [EV_RESTARTED]
+    restored.now += 31  # past the resume grace: only rank 3 did not come back
+    restored.state.tick()
+    states = {m["rank"]: m["state"] for m in restored.state.status("j")[0]["members"]}
+    assert states == {0: "alive", 1: "alive", 2: "alive", 3: "lost"}
+    lost = [h for h, _ in restored.take(again) if h.get("ev") == EV_MEMBER_LOST]
+    assert [e["rank"] for e in lost] == [3]
