@@ -227,9 +227,7 @@ class JobProgress:
                 verdicts.append(verdict)
         return verdicts
 
-    def _check_point(
-        self, group: str, seq: int, members: tuple[int, ...], waited: float
-    ) -> Verdict | None:
+    def _check_point(self, group: str, seq: int, members: tuple[int, ...], waited: float) -> Verdict | None:
         seen = self._first_seen[(group, seq)]
         sigs: dict[int, tuple[tuple[str, Any], ...]] = {}
         behind: list[int] = []
@@ -284,9 +282,7 @@ class JobProgress:
                 del self.behind[next(iter(self.behind))]
             waiting = sorted(sigs)
             what = describe_sig(next(iter(sigs.values()))) if sigs else "an operation"
-            last = ", ".join(
-                f"rank {r} is at seq {self._reports[r].seqs.get(group, 0)}" for r in behind
-            )
+            last = ", ".join(f"rank {r} is at seq {self._reports[r].seqs.get(group, 0)}" for r in behind)
             return Verdict(
                 "behind",
                 group,
@@ -299,6 +295,10 @@ class JobProgress:
         return None
 
     # -- views ------------------------------------------------------------------------------
+    def reporting(self) -> set[int]:
+        """The ranks whose report is kept (each has something pending, or had)."""
+        return set(self._reports)
+
     def progress_of(self, rank: int, now: float, wall: float) -> list[dict[str, Any]]:
         """`aiocoll status --json`'s ``progress`` list for ``rank``: what it reported waiting in."""
         report = self._reports.get(rank)

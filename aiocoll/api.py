@@ -1064,9 +1064,7 @@ async def _init_with_coordinator(
                 )
                 coordinator = None
         session = await _connect_session(CoordinatorSession, host, port, token, job, ROLE_WORKER, deadline)
-        membership = await session.join(
-            rank, world_size, addrs, host_identity(), deadline.remaining()
-        )
+        membership = await session.join(rank, world_size, addrs, host_identity(), deadline.remaining())
         if membership.world_size != world_size:
             raise RendezvousError(
                 f"the coordinator reports world_size {membership.world_size}, we asked for {world_size}"
@@ -1161,9 +1159,7 @@ async def _init_with_store(
         # init_process_group (after destroy) never hands out a previous round's dead addresses.
         rnd = await store.add(f"aiocoll/{job}/rounds/{rank}", 1)
         prefix = f"aiocoll/{job}/round{rnd}/peer/"
-        await store.set(
-            f"{prefix}{rank}", msgpack.packb({"addrs": addrs, "host": host_identity()})
-        )
+        await store.set(f"{prefix}{rank}", msgpack.packb({"addrs": addrs, "host": host_identity()}))
         keys = [f"{prefix}{r}" for r in range(world_size)]
         try:
             await asyncio.wait_for(store.wait(keys, deadline.remaining()), deadline.remaining())

@@ -610,9 +610,7 @@ def all_gather(tensor_list: list[Any], tensor: Any, group: Any = None, async_op:
     pg = _member(group, "all_gather")
     if pg is None:
         return None
-    return _launch(
-        "all_gather", lambda: pg.core.all_gather(tensor_list, tensor), async_op, list(tensor_list)
-    )
+    return _launch("all_gather", lambda: pg.core.all_gather(tensor_list, tensor), async_op, list(tensor_list))
 
 
 def all_gather_into_tensor(

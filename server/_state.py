@@ -35,10 +35,10 @@ from aiocoll.protocol._coordinator import (
 )
 from aiocoll.protocol._store import MUTATIONS, NO_REPLY, OK, OP_NAMES
 
-from . import _persistence
+from . import _persistence, _views
 from ._dedupe import CLIENT_SWEEP_INTERVAL, AlreadyAnswered, Dedupe
 from ._kv import DEFAULT_MAX_KEYS_PER_JOB, DEFAULT_MAX_VALUE_BYTES, KeyValue
-from ._liveness import Liveness, heard
+from ._liveness import Liveness
 from ._membership import Membership
 from ._model import (
     DONE,
@@ -48,7 +48,6 @@ from ._model import (
     Effects,
     EncodedHeader,
     Job,
-    MemberState,
     Record,
     Refused,
     Send,
@@ -380,47 +379,9 @@ class CoordinatorState(Effects):
 
     # ------------------------------------------------------------------ views
     def status(self, job: str | None = None) -> list[dict[str, Any]]:
-        """What the ``status`` op, /jobs and `aiocoll status` show: one entry per job.
-
-        ``last_seen`` is seconds since the member was last heard from (None if never).
-        """
-        now = self.clock()
-        wall = self.wall_clock()
-        out = []
-        names = sorted(self.jobs) if job is None else ([job] if job in self.jobs else [])
-        for name in names:
-            j = self.jobs[name]
-            rnd = j.round
-            members = []
-            for m in self.membership.members_of(j):
-                seen = heard(m) if m.state is MemberState.ALIVE else m.last_seen
-                members.append(
-                    {
-                        "rank": m.rank,
-                        "host": m.host,
-                        "alive": m.state is MemberState.ALIVE,
-                        "state": m.state.value,
-                        "last_seen": round(now - seen, 3),
-                        "reason": m.reason,
-                        "progress": j.progress.progress_of(m.rank, now, wall),
-                    }
-                )
-            held, summary = j.progress.held_back_by(self.membership.alive_ranks(j))
-            out.append(
-                {
-                    "job": name,
-                    "world_size": rnd.world_size if rnd else None,
-                    "round": rnd.number if rnd else None,
-                    "complete": bool(rnd and rnd.complete),
-                    "keys": len(j.kv),
-                    "connections": len(j.conns),
-                    "members": members,
-                    "held_back_by": held,
-                    "summary": summary,
-                    "progress_reports": j.progress.reports_received,
-                }
-            )
-        return out
+        """What the ``status`` op, /jobs and `aiocoll status` show: one entry per job (see
+        _views.status)."""
+        return _views.status(self, job)
 
     def member_count(self) -> int:
         return len(self.membership.live)

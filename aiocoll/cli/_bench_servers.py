@@ -70,12 +70,29 @@ class ServerProcess:
     """A running server child: ``port``, and ``stop()`` which ends it (idempotent)."""
 
     def __init__(
-        self, name: str, process: BaseProcess, conn: multiprocessing.connection.Connection, port: int
+        self,
+        name: str,
+        process: BaseProcess,
+        conn: multiprocessing.connection.Connection,
+        port: int,
+        http_port: int | None = None,
     ):
         self.name = name
         self.process = process
         self.port = port
+        self.http_port = http_port
         self._conn = conn
+
+    def rss_bytes(self) -> int | None:
+        """Its resident memory now (None where /proc does not tell)."""
+        try:
+            with open(f"/proc/{self.process.pid}/status", encoding="ascii") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return None
 
     def stop(self, timeout: float = 10.0) -> None:
         with contextlib.suppress(OSError):
@@ -113,19 +130,27 @@ def _start(name: str, target: Any, args: tuple[Any, ...], timeout: float) -> Ser
     if isinstance(message, tuple) and message[0] == "error":
         process.join(5)
         raise RuntimeError(f"the {name} failed to start: {message[1]}")
+    if isinstance(message, tuple):  # (port, HTTP port)
+        return ServerProcess(name, process, parent_conn, int(message[0]), int(message[1]))
     return ServerProcess(name, process, parent_conn, int(message))
 
 
 def start_coordinator(
-    token: str | None, *, verbose: bool = False, timeout: float = 60.0, state_dir: str | None = None
+    token: str | None,
+    *,
+    verbose: bool = False,
+    timeout: float = 60.0,
+    state_dir: str | None = None,
+    http: bool = False,
 ) -> ServerProcess:
     """Start an aiocoll coordinator on 127.0.0.1 (a free port) in its own process, durable in
-    ``state_dir`` when one is given.
+    ``state_dir`` when one is given, serving /healthz, /metrics and /jobs on a free port of its
+    own with ``http`` (``http_port``).
 
     Raises:
         RuntimeError: when it does not come up within ``timeout`` seconds, with its error.
     """
-    return _start("aiocoll coordinator", _coordinator_main, (token, verbose, state_dir), timeout)
+    return _start("aiocoll coordinator", _coordinator_main, (token, verbose, state_dir, http), timeout)
 
 
 def start_tcpstore(*, timeout: float = 60.0) -> ServerProcess:
@@ -147,6 +172,7 @@ def _coordinator_main(
     token: str | None,
     verbose: bool,
     state_dir: str | None = None,
+    http: bool = False,
 ) -> None:
     import asyncio
 
@@ -156,9 +182,11 @@ def _coordinator_main(
     async def serve() -> None:
         from aiocoll.server import Coordinator
 
-        coordinator = Coordinator("127.0.0.1", 0, token=token, state_dir=state_dir)
+        coordinator = Coordinator(
+            "127.0.0.1", 0, token=token, state_dir=state_dir, http_port=0 if http else None
+        )
         await coordinator.start()
-        conn.send(coordinator.port)
+        conn.send((coordinator.port, coordinator.http_port) if http else coordinator.port)
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, _wait_for_stop, conn)

@@ -390,6 +390,7 @@ def _aiocoll_participant(
     go: Any,
     release: Any,
     results: Any,
+    per_host: int = 1,
 ) -> None:
     from aiocoll.client.session import CoordinatorSession
 
@@ -405,16 +406,31 @@ def _aiocoll_participant(
         await session.join(rank, world_size, [("127.0.0.1", 20000 + rank % 40000)], "bench-host", timeout)
         return session
 
+    async def join_host(host_ranks: list[int], session: Any) -> Any:
+        # A host's ranks over one connection, as a node agent carries them: its ranks and
+        # sessions come back; the addresses of the ring neighbours are read as a table slice.
+        if session is None:
+            session = await connect(host_ranks[0])
+        addrs = [[("127.0.0.1", 20000 + r % 40000)] for r in host_ranks]
+        await session.join_host(host_ranks, world_size, addrs, f"bench-host-{host_ranks[0]}", timeout)
+        first, end = max(0, host_ranks[0] - 1), min(world_size, host_ranks[-1] + 2)
+        await session.table_rows(first, end)
+        return session
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        early: list[Any] = [None] * len(ranks)
+        hosts = [ranks[i : i + per_host] for i in range(0, len(ranks), per_host)]
+        early: list[Any] = [None] * len(hosts)
         if warm:
-            early = list(await asyncio.gather(*(connect(rank) for rank in ranks)))
+            early = list(await asyncio.gather(*(connect(host[0]) for host in hosts)))
         results.put(("ready", os.getpid()))
         # Blocking on purpose, as torch's participants do: a thread hop here would be the
         # harness's cost, not aiocoll's. Nothing needs the loop before joining (no heartbeats).
         go.wait()
-        sessions = await asyncio.gather(*(join(rank, s) for rank, s in zip(ranks, early, strict=True)))
+        if per_host == 1:
+            sessions = await asyncio.gather(*(join(h[0], s) for h, s in zip(hosts, early, strict=True)))
+        else:
+            sessions = await asyncio.gather(*(join_host(h, s) for h, s in zip(hosts, early, strict=True)))
         results.put(("done", time.monotonic()))
         # sessions stay up until every process is done, as a real job's would
         await loop.run_in_executor(None, release.wait, timeout)
@@ -526,6 +542,7 @@ def _rendezvous_launcher(
     loop_kind: str,
     verbose: bool,
     warm: bool,
+    per_host: int = 1,
 ) -> None:
     """Import one implementation, fork the participants, release them at once, report the time."""
     raise_fd_limit()
@@ -550,9 +567,11 @@ def _rendezvous_launcher(
             ranks = list(range(p * per_proc, (p + 1) * per_proc))
             if impl == "aiocoll":
                 args: tuple[Any, ...] = (ranks, world_size, port, token, job, timeout, loop_kind, warm)
+                extra: tuple[Any, ...] = (per_host,)
             else:
                 args = (ranks, world_size, port, job, timeout, warm)
-            child = ctx.Process(target=target, args=(*args, go, release, results), daemon=True)
+                extra = ()
+            child = ctx.Process(target=target, args=(*args, go, release, results, *extra), daemon=True)
             child.start()
             children.append(child)
         errors: list[str] = []
@@ -594,13 +613,27 @@ def _measure_rendezvous(
     loop_kind: str,
     verbose: bool,
     warm: bool,
+    per_host: int = 1,
 ) -> float:
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
     job = f"rdzv-{secrets.token_hex(4)}"
     launcher = ctx.Process(
         target=_rendezvous_launcher,
-        args=(child_conn, impl, procs, per_proc, port, token, job, timeout, loop_kind, verbose, warm),
+        args=(
+            child_conn,
+            impl,
+            procs,
+            per_proc,
+            port,
+            token,
+            job,
+            timeout,
+            loop_kind,
+            verbose,
+            warm,
+            per_host,
+        ),
         name=f"{impl}-rendezvous-launcher",
         daemon=False,  # it forks the participants, which daemonic processes may not do
     )
@@ -630,6 +663,92 @@ def _measure_rendezvous(
             launcher.join(5)
 
 
+# File descriptors a coordinator keeps for itself (listeners, files, HTTP); the rest are connections.
+_COORDINATOR_DESCRIPTORS = 96
+
+
+def _check_descriptors(ranks: int, per_host: int, procs: int) -> None:
+    """Refuse up front a simulation this machine's open-file limit cannot hold: one connection
+    per host to the one coordinator process, and each simulating process holds its hosts'.
+
+    Raises:
+        StoreBenchError: naming the numbers and what to change.
+    """
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if limit == resource.RLIM_INFINITY:
+        return
+    hosts = math.ceil(ranks / per_host)
+    if hosts + _COORDINATOR_DESCRIPTORS > limit:
+        fit = (limit - _COORDINATOR_DESCRIPTORS) * per_host
+        raise StoreBenchError(
+            f"--simulated {ranks} with --ranks-per-host {per_host} needs {hosts} connections to the "
+            f"coordinator, and this machine lets a process hold {limit} open files (the hard limit): "
+            f"use --ranks-per-host {math.ceil(ranks / (limit - _COORDINATOR_DESCRIPTORS))} or more, or at "
+            f"most --simulated {fit}"
+        )
+    if math.ceil(hosts / procs) + 64 > limit:
+        raise StoreBenchError(
+            f"{math.ceil(hosts / procs)} connections per simulating process exceed the open-file limit "
+            f"{limit}: raise --sim-procs"
+        )
+
+
+class _Probe:
+    """Asks the coordinator for /healthz, /metrics and a status view in turn while a rendezvous
+    runs, keeping the slowest answer of each, and samples its resident memory."""
+
+    def __init__(self, coordinator: Any, token: str) -> None:
+        import threading
+
+        self._coordinator = coordinator
+        self._token = token
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-probe", daemon=True)
+        self.worst: dict[str, float] = {"/healthz": 0.0, "/metrics": 0.0, "status": 0.0}
+        self.rss_peak: int | None = None
+
+    def __enter__(self) -> _Probe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        import urllib.request
+
+        from aiocoll.client.session import CoordinatorSession
+
+        async def status() -> None:
+            session = await CoordinatorSession.connect(
+                "127.0.0.1", self._coordinator.port, token=self._token, role="admin", timeout=30
+            )
+            try:
+                await session.status()
+            finally:
+                await session.aclose()
+
+        base = f"http://127.0.0.1:{self._coordinator.http_port}"
+        while not self._stop.wait(0.25):
+            for name in self.worst:
+                began = time.monotonic()
+                try:
+                    if name == "status":
+                        asyncio.run(status())
+                    else:
+                        with urllib.request.urlopen(base + name, timeout=30) as response:
+                            response.read()
+                except Exception:  # an answer that never came counts as the whole wait
+                    pass
+                self.worst[name] = max(self.worst[name], time.monotonic() - began)
+            rss = self._coordinator.rss_bytes()
+            if rss is not None:
+                self.rss_peak = max(rss, self.rss_peak or 0)
+
+
 def run_rendezvous(args: argparse.Namespace) -> int:
     """Rendezvous time for N processes (and TCPStore's equivalent), plus the simulated-clients mode.
 
@@ -644,8 +763,10 @@ def run_rendezvous(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     servers: list[Any] = []
+    if args.simulated:
+        _check_descriptors(args.simulated, args.ranks_per_host, args.sim_procs)
     try:
-        coordinator = start_coordinator(token, verbose=args.verbose)
+        coordinator = start_coordinator(token, verbose=args.verbose, http=bool(args.simulated))
         servers.append(coordinator)
         tcp = None
         if with_tcp and proc_counts:
@@ -682,32 +803,43 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                     sys.stderr.write(f"[bench rendezvous] {count} processes ({row['mode']}) done\n")
         if args.simulated:
             procs = args.sim_procs
-            per_proc = math.ceil(args.simulated / procs)
-            values = [
-                _measure_rendezvous(
-                    "aiocoll",
-                    procs,
-                    per_proc,
-                    coordinator.port,
-                    token,
-                    args.timeout,
-                    loop_kind,
-                    args.verbose,
-                    False,
-                )
-                for _ in range(args.rounds)
-            ]
+            per_host = args.ranks_per_host
+            per_proc = math.ceil(args.simulated / procs / per_host) * per_host
+            values, probes, memory = [], [], []
+            for _ in range(args.rounds):
+                rss_before = coordinator.rss_bytes()
+                with _Probe(coordinator, token) as probe:
+                    values.append(
+                        _measure_rendezvous(
+                            "aiocoll",
+                            procs,
+                            per_proc,
+                            coordinator.port,
+                            token,
+                            args.timeout,
+                            loop_kind,
+                            args.verbose,
+                            False,
+                            per_host,
+                        )
+                    )
+                probes.append(probe.worst)
+                if rss_before is not None and probe.rss_peak is not None:
+                    memory.append((probe.rss_peak - rss_before) / (procs * per_proc))
             rows.append(
                 {
                     "mode": "cold, simulated",
                     "processes": procs,
                     "clients": procs * per_proc,
+                    "ranks_per_connection": per_host,
                     "aiocoll": statistics.median(values),
                     "aiocoll_rounds": values,
+                    "probe_worst_s": {k: max(p[k] for p in probes) for k in probes[0]},
+                    "member_bytes": statistics.median(memory) if memory else None,
                 }
             )
             if not args.quiet:
-                sys.stderr.write(f"[bench rendezvous] {procs * per_proc} simulated clients done\n")
+                sys.stderr.write(f"[bench rendezvous] {procs * per_proc} simulated ranks done\n")
     finally:
         for server in servers:
             server.stop()
@@ -724,6 +856,17 @@ def run_rendezvous(args: argparse.Namespace) -> int:
             "# tcpstore: connect, set addr/RANK, add(count), last sets complete, wait(complete), multi_get "
             "all addresses; ratio = aiocoll/tcpstore (lower is better)"
         )
+    for r in rows:
+        if "probe_worst_s" in r:
+            worst = ", ".join(f"{k} {v:.3f} s" for k, v in r["probe_worst_s"].items())
+            print(
+                f"# simulated: {r['clients']} ranks, {r['ranks_per_connection']} per connection (a host's "
+                f"ranks joined together), each host then reads its ring neighbours' rows; slowest answers "
+                f"of the coordinator meanwhile: {worst}"
+            )
+            if r["member_bytes"] is not None:
+                per_rank = r["member_bytes"]
+                print(f"# simulated: coordinator memory per rank {per_rank:.0f} bytes (peak RSS growth)")
     headers = ["mode", "processes", "clients", "aiocoll (s)"] + (
         ["tcpstore (s)", "ratio"] if with_tcp else []
     )

@@ -25,6 +25,7 @@ examples:
   aiocoll bench --op all_reduce --sizes 4K:256M --tensor torch-cuda --vs nccl
   aiocoll bench --op store --clients 1,8 --vs tcpstore
   aiocoll bench --op rendezvous --procs 64,256 --vs tcpstore --simulated 10000
+  aiocoll bench --op rendezvous --procs '' --simulated 100000 --ranks-per-host 8
 
 sizes: MIN:MAX is a doubling sweep (MIN:MAX:F multiplies by F), a,b,c a list; K, M, G are
 powers of 1024. all_gather/reduce_scatter/all_to_all sizes are the whole buffer (n parts),
@@ -133,11 +134,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--simulated",
         type=int,
         default=10000,
-        help="simulated clients (asyncio sessions, many per process) that rendezvous as one job; 0 skips "
+        help="simulated ranks (asyncio sessions, many per process) that rendezvous as one job; 0 skips "
         "(default 10000)",
     )
     store.add_argument(
         "--sim-procs", type=int, default=8, help="processes hosting the simulated clients (default 8)"
+    )
+    store.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=8,
+        help="simulated ranks carried by one connection, as a host's ranks are by one process "
+        "(CoordinatorSession.join_host); 1: a connection per rank (default 8)",
     )
 
 
@@ -173,9 +181,12 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.op == "rendezvous" and (args.rounds < 1 or args.sim_procs < 1 or args.simulated < 0):
+    if args.op == "rendezvous" and (
+        args.rounds < 1 or args.sim_procs < 1 or args.simulated < 0 or args.ranks_per_host < 1
+    ):
         print(
-            "aiocoll bench: --rounds and --sim-procs must be at least 1, --simulated at least 0",
+            "aiocoll bench: --rounds, --sim-procs and --ranks-per-host must be at least 1, "
+            "--simulated at least 0",
             file=sys.stderr,
         )
         return 2

@@ -276,6 +276,12 @@ def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str
                 ]
             )
         lines.extend(_grid(rows, indent="  "))
+        total = job.get("members_total")
+        if isinstance(total, int) and total > len(members):
+            lines.append(
+                f"  ... {total - len(members)} more members not shown ({job.get('members_alive')} of "
+                f"{total} alive); listed first are those not alive, holding the job back or reporting"
+            )
         lines.extend(_progress_lines(job, members, now))
     return "\n".join(lines)
 

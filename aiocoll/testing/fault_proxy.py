@@ -160,7 +160,9 @@ class FaultProxy:
             with contextlib.suppress(OSError, RuntimeError):
                 writer.write_eof()
         except (OSError, asyncio.IncompleteReadError):
-            pass
+            # One side was reset (a peer killed with bytes unread, say): reset the other too, as
+            # a direct connection would be; left open, it would wait for answers that never come.
+            link.abort()
         finally:
             if all(t.done() or t is asyncio.current_task() for t in link.tasks):
                 self._links.discard(link)

@@ -140,3 +140,19 @@ def test_many_members_resume_on_a_new_connection_after_a_restart() -> None:
     assert states == {0: "alive", 1: "alive", 2: "alive", 3: "lost"}
     lost = [h for h, _ in restored.take(again) if h.get("ev") == EV_MEMBER_LOST]
     assert [e["rank"] for e in lost] == [3]
+
+
+def test_status_of_a_large_job_lists_the_members_that_matter_and_counts_them_all() -> None:
+    from aiocoll.server._views import STATUS_MEMBERS
+
+    d = Driver()
+    size = STATUS_MEMBERS + 44
+    conns = [d.connect() for _ in range(size // 4)]
+    for i, conn in enumerate(conns):
+        d.join(conn, [4 * i + k for k in range(4)], size)
+    d.state.disconnect(conns[-1], "cut")  # the last four ranks are lost
+    job = d.state.status("j")[0]
+    assert job["members_total"] == size and job["members_alive"] == size - 4
+    listed = [m["rank"] for m in job["members"]]
+    assert len(listed) == STATUS_MEMBERS and listed == sorted(listed)
+    assert set(range(size - 4, size)) <= set(listed), "the lost ones are listed, beyond the first ranks"

@@ -1,0 +1,83 @@
+"""What the coordinator shows of its jobs (the ``status`` op, ``/jobs``, `aiocoll status`): per
+job its round, keys, connections, the progress cross-check's verdict, and its members, at most
+STATUS_MEMBERS of them (a job of 100,000 ranks must not make a status request take seconds or
+megabytes): the ones that matter first (not alive, holding the job back, reporting progress),
+then the lowest ranks. Reads the state's parts; decides nothing. Imports server modules only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ._liveness import heard
+from ._model import MemberState
+
+if TYPE_CHECKING:
+    from ._rounds import Member
+    from ._state import CoordinatorState
+
+__all__ = ["STATUS_MEMBERS", "status"]
+
+STATUS_MEMBERS = 256
+_ALIVE = MemberState.ALIVE
+
+
+def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, Any]]:
+    """One entry per job (``job``: only that one). ``last_seen`` is seconds since the member
+    was last heard from; ``members_total``/``members_alive`` count them all, ``members`` lists
+    at most STATUS_MEMBERS."""
+    now = state.clock()
+    wall = state.wall_clock()
+    out = []
+    names = sorted(state.jobs) if job is None else ([job] if job in state.jobs else [])
+    for name in names:
+        j = state.jobs[name]
+        rnd = j.round
+        alive = state.membership.alive_ranks(j)
+        held, summary = j.progress.held_back_by(alive)
+        shown = _members_to_show(list(state.membership.members_of(j)), set(held), j.progress.reporting())
+        members = []
+        for m in shown:
+            seen = heard(m) if m.state is _ALIVE else m.last_seen
+            members.append(
+                {
+                    "rank": m.rank,
+                    "host": m.host,
+                    "alive": m.state is _ALIVE,
+                    "state": m.state.value,
+                    "last_seen": round(now - seen, 3),
+                    "reason": m.reason,
+                    "progress": j.progress.progress_of(m.rank, now, wall),
+                }
+            )
+        out.append(
+            {
+                "job": name,
+                "world_size": rnd.world_size if rnd else None,
+                "round": rnd.number if rnd else None,
+                "complete": bool(rnd and rnd.complete),
+                "keys": len(j.kv),
+                "connections": len(j.conns),
+                "members": members,
+                "members_total": len(rnd.members) if rnd else 0,
+                "members_alive": len(alive),
+                "held_back_by": held,
+                "summary": summary,
+                "progress_reports": j.progress.reports_received,
+            }
+        )
+    return out
+
+
+def _members_to_show(members: list[Member], held: set[int], reporting: set[int]) -> list[Member]:
+    """All of them, sorted by rank, when they are few; else the ones that matter, then the
+    lowest ranks, up to STATUS_MEMBERS (sorted by rank)."""
+    if len(members) <= STATUS_MEMBERS:
+        return members
+    first = [m for m in members if m.state is not _ALIVE or m.rank in held or m.rank in reporting]
+    chosen = {m.rank: m for m in first[:STATUS_MEMBERS]}
+    for m in members:
+        if len(chosen) >= STATUS_MEMBERS:
+            break
+        chosen.setdefault(m.rank, m)
+    return sorted(chosen.values(), key=lambda m: m.rank)
