@@ -233,8 +233,15 @@ class CoordinatorSession(Joining, Store):
     def _on_event(self, event: dict[str, Any]) -> None:
         name = event.get("ev")
         if name == EV_MEMBER_LOST:
-            rank, reason = event.get("rank"), str(event.get("reason", ""))
-            if isinstance(rank, int):
+            # One rank, or (a connection's members, a second's silent ones) several at once.
+            reason = str(event.get("reason", ""))
+            ranks = event.get("ranks")
+            lost = (
+                [r for r in ranks if isinstance(r, int)] if isinstance(ranks, list) else [event.get("rank")]
+            )
+            for rank in lost:
+                if not isinstance(rank, int):
+                    continue
                 log.warning(
                     "job=%s rank=%s event=member_lost lost_rank=%d reason=%s",
                     self.job,

@@ -70,7 +70,8 @@ class Coordinator:
             declared lost; None: AIOCOLL_HEARTBEAT_TIMEOUT, else HEARTBEAT_TIMEOUT (10 s).
         resume_grace: seconds members get to reconnect after a restart from ``state_dir``.
         max_pending_handshakes: most connections allowed in their handshake at once (the oldest
-            is closed beyond that).
+            is closed beyond that); None: half the file descriptors the process may hold, at
+            least 1,024.
 
     Use ``async with Coordinator(...) as c:`` or ``await c.start()`` / ``await c.stop()``.
     """
@@ -90,7 +91,7 @@ class Coordinator:
         handshake_timeout: float = 5.0,
         heartbeat_timeout: float | None = None,
         resume_grace: float = RESUME_GRACE,
-        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
+        max_pending_handshakes: int | None = None,
     ) -> None:
         if max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
@@ -108,7 +109,10 @@ class Coordinator:
         self.max_payload = max_value_bytes * _PAYLOAD_VALUES + _PAYLOAD_SLACK
         self.max_output_bytes = 2 * self.max_payload + 64 * 1024 * 1024
         self.handshake_timeout = handshake_timeout
-        self.max_pending_handshakes = max_pending_handshakes
+        # None: half the descriptors the process may hold (at least MAX_PENDING_HANDSHAKES), set
+        # at start; a storm of thousands of hosts connecting at once must not be cut back.
+        self._pending_handshakes_wanted = max_pending_handshakes
+        self.max_pending_handshakes = max_pending_handshakes or MAX_PENDING_HANDSHAKES
         self.metrics = CoordinatorMetrics()
         self.state = CoordinatorState(
             clock=time.monotonic,
@@ -191,6 +195,8 @@ class Coordinator:
             self.port = sockets[0].getsockname()[1] if sockets else self._requested_port
             self.descriptor_limit = raise_descriptor_limit()
             self._descriptors_base = open_descriptors()
+            if self._pending_handshakes_wanted is None:
+                self.max_pending_handshakes = max(MAX_PENDING_HANDSHAKES, self.descriptor_limit // 2)
             # Tests and launchers parse this line to learn the port (with port 0).
             log.info("listening on %s", self.address)
             log.info(

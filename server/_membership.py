@@ -26,6 +26,9 @@ __all__ = ["Membership"]
 
 log = logging.getLogger("aiocoll.server")
 
+# A member_lost event names at most this many ranks (``count`` says how many were lost).
+LOST_RANKS_PER_EVENT = 1024
+
 
 class Membership:
     """The joined members of every job.
@@ -39,6 +42,8 @@ class Membership:
         self.fx = fx
         self.sessions: dict[str, Member] = {}
         self.live: set[Member] = set()
+        # Members lost since the last ``announce``, by round: (round, members).
+        self._lost: dict[int, tuple[Round, list[Member]]] = {}
 
     def admit(self, m: Member, now: float) -> None:
         """A member of a round that just completed: alive, with its session."""
@@ -159,8 +164,9 @@ class Membership:
             self.fx.journal.append(["gone", rnd.job.name, rnd.number, member.rank, state.value, reason])
 
     def lose(self, member: Member, reason: str) -> None:
-        """Declare an alive or resuming member lost and tell the others (EV_MEMBER_LOST), once
-        per connection."""
+        """Declare an alive or resuming member lost. The others hear of it from ``announce``,
+        which the dispatcher calls once its request, tick or closing is handled: the losses of
+        one such step (a connection's members, the silent ones of a second) go out together."""
         if member.state is not ALIVE and member.state is not RESUMING:
             return
         conn = member.conn
@@ -168,21 +174,53 @@ class Membership:
             conn.members.remove(member)
         self._gone(member, LOST, reason)
         rnd = member.round
-        log.warning(
-            "job=%s rank=%d event=member_lost round=%d reason=%s",
-            rnd.job.name,
-            member.rank,
-            rnd.number,
-            reason,
-        )
-        event = {"ev": EV_MEMBER_LOST, "rank": member.rank, "reason": reason, "round": rnd.number}
-        told: set[int] = set()
+        batch = self._lost.get(id(rnd))
+        if batch is None:
+            self._lost[id(rnd)] = (rnd, [member])
+        else:
+            batch[1].append(member)
+
+    def announce(self) -> None:
+        """Tell the connections that carry alive members of a round which of its members were
+        lost since the last call: one event (EV_MEMBER_LOST) per connection, naming up to
+        LOST_RANKS_PER_EVENT of them, so that losing many members costs the size of the round
+        once, not once per member."""
+        lost, self._lost = self._lost, {}
         outbox = self.fx.outbox
-        for other in rnd.members.values():
-            to = other.conn
-            if to is not None and other.state is ALIVE and to.id not in told:
-                told.add(to.id)
-                outbox.append((to.id, event, b""))
+        for rnd, members in lost.values():
+            first = members[0]
+            if len(members) == 1:
+                log.warning(
+                    "job=%s rank=%d event=member_lost round=%d reason=%s",
+                    rnd.job.name,
+                    first.rank,
+                    rnd.number,
+                    first.reason,
+                )
+            else:
+                log.warning(
+                    "job=%s event=members_lost round=%d count=%d ranks=%s reason=%s",
+                    rnd.job.name,
+                    rnd.number,
+                    len(members),
+                    [m.rank for m in members[:16]],
+                    first.reason,
+                )
+            event: dict[str, Any] = {
+                "ev": EV_MEMBER_LOST,
+                "rank": first.rank,
+                "reason": first.reason,
+                "round": rnd.number,
+            }
+            if len(members) > 1:
+                event["ranks"] = [m.rank for m in members[:LOST_RANKS_PER_EVENT]]
+                event["count"] = len(members)
+            told: set[int] = set()
+            for other in rnd.members.values():
+                to = other.conn
+                if to is not None and other.state is ALIVE and to.id not in told:
+                    told.add(to.id)
+                    outbox.append((to.id, event, b""))
 
     def forget_job(self, job: Job) -> None:
         """The job expired: its members' sessions go with it."""

@@ -173,6 +173,7 @@ class CoordinatorState(Effects):
             self.membership.attach_beat(conn, session)
         elif session is not None and role == ROLE_WORKER:
             self.membership.resume(conn, session, now)
+        self.membership.announce()
 
     def refused_connection(self, job: str, role: object, peer: str, reason: str) -> None:
         """A connection naming ``job`` failed authentication (see Membership.refused_connection)."""
@@ -190,6 +191,7 @@ class CoordinatorState(Effects):
         self.kv.drop(conn)
         self.rendezvous.disconnect(conn, reason)
         self.membership.disconnect(conn, reason)
+        self.membership.announce()
 
     # ------------------------------------------------------------------ requests
     def request(self, conn_id: int, header: dict[str, Any] | list[Any], payload: bytes | bytearray) -> None:
@@ -223,6 +225,7 @@ class CoordinatorState(Effects):
         finally:
             if self._answered:
                 self._count_answered()
+            self.membership.announce()
 
     def _count_answered(self) -> None:
         """Hand the counts of requests answered at once to the metrics (per read, not per request)."""
@@ -345,6 +348,7 @@ class CoordinatorState(Effects):
         self.run_timers(now)
         if self.liveness.due(now):
             self.liveness.check(now)
+            self.membership.announce()
             self.progress.recheck(self.jobs, now)
             self.dedupe.sweep(self.jobs, now)
             self._expire_jobs(now)

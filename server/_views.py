@@ -35,7 +35,7 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
         rnd = j.round
         alive = state.membership.alive_ranks(j)
         held, summary = j.progress.held_back_by(alive)
-        shown = _members_to_show(list(state.membership.members_of(j)), set(held), j.progress.reporting())
+        shown = _members_to_show(rnd.members if rnd else {}, set(held), j.progress.reporting())
         members = []
         for m in shown:
             seen = heard(m) if m.state is _ALIVE else m.last_seen
@@ -69,15 +69,22 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
     return out
 
 
-def _members_to_show(members: list[Member], held: set[int], reporting: set[int]) -> list[Member]:
+def _members_to_show(members: dict[int, Member], held: set[int], reporting: set[int]) -> list[Member]:
     """All of them, sorted by rank, when they are few; else the ones that matter, then the
-    lowest ranks, up to STATUS_MEMBERS (sorted by rank)."""
+    lowest ranks, up to STATUS_MEMBERS (sorted by rank; no sort of the whole round)."""
     if len(members) <= STATUS_MEMBERS:
-        return members
-    first = [m for m in members if m.state is not _ALIVE or m.rank in held or m.rank in reporting]
-    chosen = {m.rank: m for m in first[:STATUS_MEMBERS]}
-    for m in members:
-        if len(chosen) >= STATUS_MEMBERS:
-            break
-        chosen.setdefault(m.rank, m)
+        return sorted(members.values(), key=lambda m: m.rank)
+    chosen: dict[int, Member] = {}
+    for m in members.values():
+        if m.state is not _ALIVE or m.rank in held or m.rank in reporting:
+            chosen[m.rank] = m
+            if len(chosen) >= STATUS_MEMBERS:
+                break
+    rank = 0
+    highest = max(members)
+    while len(chosen) < STATUS_MEMBERS and rank <= highest:
+        at = members.get(rank)
+        if at is not None:
+            chosen.setdefault(rank, at)
+        rank += 1
     return sorted(chosen.values(), key=lambda m: m.rank)

@@ -434,9 +434,7 @@ def _aiocoll_participant(
         results.put(("done", time.monotonic()))
         # sessions stay up until every process is done, as a real job's would
         await loop.run_in_executor(None, release.wait, timeout)
-        for session in sessions:
-            with contextlib.suppress(Exception):
-                await session.aclose()
+        await asyncio.gather(*(session.aclose() for session in sessions), return_exceptions=True)
 
     try:
         run_loop(main(), loop_kind)
@@ -534,7 +532,7 @@ def _rendezvous_launcher(
     conn: multiprocessing.connection.Connection,
     impl: str,
     procs: int,
-    per_proc: int,
+    ranks: int,
     port: int,
     token: str,
     job: str,
@@ -561,15 +559,15 @@ def _rendezvous_launcher(
             target = _tcpstore_participant
         ctx = multiprocessing.get_context("fork")
         go, release, results = ctx.Event(), ctx.Event(), ctx.Queue()
-        world_size = procs * per_proc
+        world_size = ranks  # the ranks of all processes, split as evenly as they go
         children = []
         for p in range(procs):
-            ranks = list(range(p * per_proc, (p + 1) * per_proc))
+            mine = list(range(p * world_size // procs, (p + 1) * world_size // procs))
             if impl == "aiocoll":
-                args: tuple[Any, ...] = (ranks, world_size, port, token, job, timeout, loop_kind, warm)
+                args: tuple[Any, ...] = (mine, world_size, port, token, job, timeout, loop_kind, warm)
                 extra: tuple[Any, ...] = (per_host,)
             else:
-                args = (ranks, world_size, port, job, timeout, warm)
+                args = (mine, world_size, port, job, timeout, warm)
                 extra = ()
             child = ctx.Process(target=target, args=(*args, go, release, results, *extra), daemon=True)
             child.start()
@@ -606,7 +604,7 @@ def _rendezvous_launcher(
 def _measure_rendezvous(
     impl: str,
     procs: int,
-    per_proc: int,
+    ranks: int,
     port: int,
     token: str,
     timeout: float,
@@ -624,7 +622,7 @@ def _measure_rendezvous(
             child_conn,
             impl,
             procs,
-            per_proc,
+            ranks,
             port,
             token,
             job,
@@ -643,7 +641,7 @@ def _measure_rendezvous(
         for stage in ("ready", "time"):
             if not parent_conn.poll(timeout + 30):
                 raise StoreBenchError(
-                    f"{impl} rendezvous of {procs * per_proc}: no {stage} within {timeout:.0f} s"
+                    f"{impl} rendezvous of {ranks}: no {stage} within {timeout:.0f} s"
                 )
             try:
                 message = parent_conn.recv()
@@ -652,7 +650,7 @@ def _measure_rendezvous(
                     f"{impl} rendezvous launcher exited (code {launcher.exitcode})"
                 ) from None
             if message[0] == "error":
-                raise StoreBenchError(f"{impl} rendezvous of {procs * per_proc} failed: {message[1]}")
+                raise StoreBenchError(f"{impl} rendezvous of {ranks} failed: {message[1]}")
             if stage == "ready":
                 parent_conn.send("go")
         return float(message[1])
@@ -785,7 +783,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                         port = coordinator.port if impl == "aiocoll" else tcp.port  # type: ignore[union-attr]
                         samples[impl].append(
                             _measure_rendezvous(
-                                impl, count, 1, port, token, args.timeout, loop_kind, args.verbose, warm
+                                impl, count, count, port, token, args.timeout, loop_kind, args.verbose, warm
                             )
                         )
                 row: dict[str, Any] = {
@@ -804,7 +802,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
         if args.simulated:
             procs = args.sim_procs
             per_host = args.ranks_per_host
-            per_proc = math.ceil(args.simulated / procs / per_host) * per_host
+            ranks = args.simulated  # in all: each process takes an equal share
             values, probes, memory = [], [], []
             for _ in range(args.rounds):
                 rss_before = coordinator.rss_bytes()
@@ -813,7 +811,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                         _measure_rendezvous(
                             "aiocoll",
                             procs,
-                            per_proc,
+                            ranks,
                             coordinator.port,
                             token,
                             args.timeout,
@@ -825,12 +823,12 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                     )
                 probes.append(probe.worst)
                 if rss_before is not None and probe.rss_peak is not None:
-                    memory.append((probe.rss_peak - rss_before) / (procs * per_proc))
+                    memory.append((probe.rss_peak - rss_before) / ranks)
             rows.append(
                 {
                     "mode": "cold, simulated",
                     "processes": procs,
-                    "clients": procs * per_proc,
+                    "clients": ranks,
                     "ranks_per_connection": per_host,
                     "aiocoll": statistics.median(values),
                     "aiocoll_rounds": values,
@@ -839,7 +837,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                 }
             )
             if not args.quiet:
-                sys.stderr.write(f"[bench rendezvous] {procs * per_proc} simulated ranks done\n")
+                sys.stderr.write(f"[bench rendezvous] {ranks} simulated ranks done\n")
     finally:
         for server in servers:
             server.stop()

@@ -435,9 +435,11 @@ async def test_concurrent_adds_and_appends_through_cuts_and_a_coordinator_crash_
             stop.set()
             for task in writers:
                 task.cancel()
-            await store.aclose()
-            for c in coordinators:
-                c.stop()
+            try:
+                await store.aclose()
+            finally:
+                for c in coordinators:
+                    c.stop()
     assert counter == len(seen) > 0
     assert sorted(seen) == list(range(1, counter + 1)), "every add answered once, with its own value"
     assert sorted(log) == sorted(appended) and len(set(log)) == len(log)
