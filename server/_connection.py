@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import socket
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, cast
 
 import msgpack
@@ -25,7 +26,7 @@ from ._model import EncodedHeader
 if TYPE_CHECKING:
     from ._coordinator import Coordinator
 
-__all__ = ["MAX_HEADER", "WRITE_STALL_TIMEOUT", "Connection", "Header"]
+__all__ = ["MAX_HEADER", "WRITE_STALL_TIMEOUT", "Connection", "Frame", "Header"]
 
 log = logging.getLogger("aiocoll.server")
 
@@ -44,6 +45,8 @@ _pack = msgpack.Packer(use_bin_type=True).pack
 pack_prefix = PREFIX.pack  # the bound method itself: one call less per reply
 # A reply or event header: a map, a compact list, or one encoded ahead for many recipients.
 Header = dict[str, Any] | list[Any] | EncodedHeader
+# One frame to write: its header and payload.
+Frame = tuple[Header, bytes | bytearray | memoryview]
 
 
 def _error_category(exc: BaseException) -> str:
@@ -87,8 +90,10 @@ class Connection(asyncio.BufferedProtocol):
         self.hs_timer: asyncio.TimerHandle | None = None
         self.stall_timer: asyncio.TimerHandle | None = None
         self.refusal: str | None = None  # why it is refused (no descriptor to spare), if it is
+        self.held: list[Any] | None = None  # requests read, waiting for a later loop turn
+        self.queued = False  # its handshake waits for a later loop turn (not the client's delay)
         # Events produced before the client's first request (resume): sent after that request.
-        self.early: list[tuple[Header, bytes | bytearray | memoryview]] | None = []
+        self.early: list[Frame] | None = []
 
     # -- asyncio callbacks
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -132,7 +137,19 @@ class Connection(asyncio.BufferedProtocol):
             return
         decoder = self.decoder
         if decoder is None:
+            turns = self.coord.turns
+            hs = self.hs
+            if turns.exhausted and hs is not None and hs.hello and hs.hello.get("role") != ROLE_ADMIN:
+                # A storm of hosts connecting at once: past its hello (read at once, to learn
+                # who it is), a worker's handshake waits its turn like its requests will.
+                assert self.transport is not None
+                self.transport.pause_reading()
+                self.queued = True
+                turns.later(lambda: self._handshake_held(nbytes))
+                return
+            began = perf_counter()
             self._handshake_bytes(nbytes)
+            turns.charge(perf_counter() - began)
             return
         try:
             messages = decoder.buffer_updated_messages(nbytes)
@@ -141,6 +158,20 @@ class Connection(asyncio.BufferedProtocol):
             return
         if not messages:
             return  # a frame is still arriving: nothing was decided
+        turns = self.coord.turns
+        if turns.exhausted and self.role != ROLE_ADMIN:
+            # This turn's time for requests is spent: these wait their turn, and the socket is not
+            # read meanwhile (the decoder's buffer holds them until then). An operator's status
+            # request goes ahead of the queue.
+            assert self.transport is not None
+            self.held = messages
+            self.transport.pause_reading()
+            turns.later(self._handle_held)
+            return
+        self._handle(messages)
+
+    def _handle(self, messages: list[Any]) -> None:
+        began = perf_counter()
         coord = self.coord
         if self.early is not None:
             early, self.early = self.early, None
@@ -153,12 +184,38 @@ class Connection(asyncio.BufferedProtocol):
             log.exception("job=%s event=internal_error peer=%s", self.job, self.peer)
             self.close("internal error handling a request (see the traceback above)", abort=True)
         coord._after_batch()
+        coord.turns.charge(perf_counter() - began)
+
+    def _handshake_held(self, nbytes: int) -> None:
+        self.queued = False
+        if self.closing or self.transport is None or self.hs is None:
+            return
+        began = perf_counter()
+        self._handshake_bytes(nbytes)
+        self.coord.turns.charge(perf_counter() - began)
+        self._resume_reading()
+
+    def _handle_held(self) -> None:
+        messages, self.held = self.held, None
+        if messages is None or self.closing:
+            return  # handled when the connection was lost, or closed by us meanwhile
+        self._handle(messages)
+        self._resume_reading()
+
+    def _resume_reading(self) -> None:
+        if self.transport is not None and not (self.closing or self.paused or self.held is not None):
+            self.transport.resume_reading()
 
     def eof_received(self) -> bool:
         return False  # close our side too
 
     def connection_lost(self, exc: BaseException | None) -> None:
         coord = self.coord
+        self.transport = None  # nothing more goes out; work put off for it finds nothing to do
+        if self.held is not None and not self.closing and not coord._stopping:
+            # Requests read before the connection went (a leave, then a close): they count.
+            messages, self.held = self.held, None
+            self._handle(messages)
         coord.sockets -= 1
         for timer in (self.hs_timer, self.stall_timer):
             if timer is not None:
@@ -189,13 +246,7 @@ class Connection(asyncio.BufferedProtocol):
             if not coord._conns and coord._all_closed is not None:
                 coord._all_closed.set()
             return  # shutting down: members will resume after the restart, not be declared lost
-        try:
-            coord.state.disconnect(self.id, reason)
-        except Exception:
-            log.exception(
-                "job=%s event=internal_error peer=%s while forgetting a connection", self.job, self.peer
-            )
-        coord._after_batch()
+        coord.forget_connection(self.id, reason)
 
     def pause_writing(self) -> None:
         # The client reads slower than we answer: stop reading its requests until it catches up,
@@ -211,8 +262,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.stall_timer is not None:
             self.stall_timer.cancel()
             self.stall_timer = None
-        if self.transport is not None and not self.closing:
-            self.transport.resume_reading()
+        self._resume_reading()
 
     # -- handshake
     def _handshake_bytes(self, nbytes: int) -> None:
@@ -273,6 +323,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def _handshake_expired(self) -> None:
         self.hs_timer = None
+        if self.queued:  # the wait is ours, not the client's: give it the time again
+            self.hs_timer = self.coord._loop.call_later(self.coord.handshake_timeout, self._handshake_expired)
+            return
         if not self.authenticated and not self.closing:
             self.coord.metrics.protocol_error("handshake_timeout")
             self.close(f"handshake not finished within {self.coord.handshake_timeout:g}s", abort=True)
@@ -306,7 +359,7 @@ class Connection(asyncio.BufferedProtocol):
         if self.paused:
             self._check_backlog(transport)
 
-    def send_many(self, frames: list[tuple[Header, bytes | bytearray | memoryview]]) -> None:
+    def send_many(self, frames: list[Frame]) -> None:
         """Write several frames, in order, with one write: the replies to the requests that
         arrived in one read (pipelined sets) cost one send call instead of one each."""
         transport = self.transport

@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,9 +27,11 @@ from aiocoll.protocol._coordinator import (
     env_seconds,
 )
 
-from ._connection import Connection, Header
+from ._collector import CollectorPacing
+from ._connection import Connection, Frame
 from ._journal import Journal
 from ._limits import open_descriptors, raise_descriptor_limit
+from ._listener import Listener
 from ._metrics import CoordinatorMetrics
 from ._state import (
     DEFAULT_JOB_TTL,
@@ -37,6 +40,7 @@ from ._state import (
     CoordinatorState,
     Send,
 )
+from ._turns import Turns
 
 __all__ = ["Coordinator"]
 
@@ -50,6 +54,8 @@ CAPACITY_NOTICE_EVERY = 5.0
 # Request payloads may carry several values (mset, cas): up to 4 values' worth plus slack.
 _PAYLOAD_VALUES = 4
 _PAYLOAD_SLACK = 64 * 1024
+# Connections written to between two looks at the clock when many are answered at once.
+_WRITES_PER_CHECK = 256
 
 
 class Coordinator:
@@ -72,6 +78,10 @@ class Coordinator:
         max_pending_handshakes: most connections allowed in their handshake at once (the oldest
             is closed beyond that); None: half the file descriptors the process may hold, at
             least 1,024.
+        pace_collector: hold off Python's automatic full garbage collection while serving and
+            run it every minute at a quiet moment instead (a process-wide setting, restored at
+            stop; ``aiocoll coordinator`` turns it on). Without it, a coordinator holding a large
+            job stalls for the length of a full collection each time its heap grows by a quarter.
 
     Use ``async with Coordinator(...) as c:`` or ``await c.start()`` / ``await c.stop()``.
     """
@@ -92,6 +102,7 @@ class Coordinator:
         heartbeat_timeout: float | None = None,
         resume_grace: float = RESUME_GRACE,
         max_pending_handshakes: int | None = None,
+        pace_collector: bool = False,
     ) -> None:
         if max_value_bytes < 1:
             raise ValueError(f"max_value_bytes must be positive, got {max_value_bytes}")
@@ -128,13 +139,22 @@ class Coordinator:
         )
         self.port = 0
         self._loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]  # set by start()
-        self._server: asyncio.Server | None = None
+        self._listener: Listener | None = None
         self._http: Any = None
         self._conns: dict[int, Connection] = {}
         self._handshaking: collections.OrderedDict[Connection, None] = collections.OrderedDict()
         self._journal: Journal | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._held: list[Send] = []
+        self.turns = Turns()
+        self._pace_collector = pace_collector
+        self.collector: CollectorPacing | None = None
+        # Frames decided but not yet written, per connection in order: a large answer is written
+        # over several loop turns (see _write_unsent).
+        self._unsent: collections.deque[tuple[int, list[Frame]]] = collections.deque()
+        # Connections lost in this loop turn, forgotten together in the next (one announcement
+        # of the members lost with them, however many went at once).
+        self._lost: list[tuple[int, str]] = []
         self._writing = False
         self._flush_wanted: asyncio.Event | None = None
         self._flush_idle: asyncio.Event | None = None
@@ -179,20 +199,20 @@ class Coordinator:
             raise RuntimeError("Coordinator.start() called twice")
         self._started = True
         self._loop = asyncio.get_running_loop()
+        self.turns.attach(self._loop)
         self._stopped = asyncio.Event()
         try:
             # State first, so that the first connection already sees every restored key.
             if self.state_dir is not None:
                 await self._open_journal()
-            self._server = await self._loop.create_server(
-                lambda: Connection(self),
+            self._listener = Listener(
+                self._loop,
                 self.host,
                 self._requested_port,
-                reuse_address=True,
-                backlog=4096,
+                lambda: Connection(self),
+                on_exhausted=self._accept_exhausted,
             )
-            sockets = self._server.sockets or ()
-            self.port = sockets[0].getsockname()[1] if sockets else self._requested_port
+            self.port = self._listener.port
             self.descriptor_limit = raise_descriptor_limit()
             self._descriptors_base = open_descriptors()
             if self._pending_handshakes_wanted is None:
@@ -230,6 +250,9 @@ class Coordinator:
         except BaseException:
             await self._teardown()
             raise
+        if self._pace_collector:
+            self.collector = CollectorPacing(self._loop, lambda: bool(self.turns.backlog or self._unsent))
+            self.collector.start()
         self._arm_timer()
 
     async def _open_journal(self) -> None:
@@ -266,14 +289,15 @@ class Coordinator:
         self._draining = True
         deadline = self._loop.time() + drain_timeout
         log.info("draining: no new connections; finishing in-flight replies (up to %gs)", drain_timeout)
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         for conn in list(self._handshaking):
             conn.close("the coordinator is shutting down", abort=True, log_it=False)
         if self._journal is not None and self._flush_wanted is not None and self._flush_idle is not None:
             self._flush_wanted.set()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._idle(), max(0.0, deadline - self._loop.time()))
+        self.turns.run_all()  # requests read and replies decided go out before the close
         self._stopping = True
         conns = list(self._conns.values())
         for conn in conns:
@@ -301,6 +325,8 @@ class Coordinator:
     async def _teardown(self, *, final_snapshot: bool = False) -> None:
         self._draining = True
         self._stopping = True
+        if self.collector is not None:
+            self.collector.stop()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -308,10 +334,9 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 await self._http.close()
             self._http = None
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._flusher is not None:
             self._flusher.cancel()
             with contextlib.suppress(BaseException):
@@ -353,6 +378,14 @@ class Coordinator:
         """File descriptors held: those at start (listeners, files) plus a socket per connection."""
         return self._descriptors_base + self.sockets
 
+    def _accept_exhausted(self, exc: OSError) -> None:
+        """accept() itself failed for lack of descriptors (something besides connections holds
+        them): accepting pauses briefly, and it is told like a refused connection."""
+        self._out_of_descriptors(
+            f"the coordinator at {self.address} could not accept a connection ({exc}): raise its "
+            f"limit (ulimit -n)"
+        )
+
     def capacity_refusal(self) -> str | None:
         """Why a connection just accepted must be refused (None: it may stay). A coordinator
         out of file descriptors says so at once: in the log (once every few seconds), in
@@ -365,6 +398,10 @@ class Coordinator:
             f"({self.descriptors_in_use} in use, limit {self.descriptor_limit}): raise its limit "
             f"(ulimit -n) or carry each host's ranks over one connection (CoordinatorSession.join_host)"
         )
+        self._out_of_descriptors(reason)
+        return reason
+
+    def _out_of_descriptors(self, reason: str) -> None:
         self.metrics.refused("descriptors")
         self.refused_for_descriptors += 1
         now = self._loop.time()
@@ -373,9 +410,24 @@ class Coordinator:
             log.error("event=out_of_descriptors refused=%d reason=%s", self.refused_for_descriptors, reason)
             self.state.out_of_capacity(reason)
             self._after_batch()
-        return reason
 
     # ------------------------------------------------------------------ the state machine's effects
+    def forget_connection(self, conn_id: int, reason: str) -> None:
+        """A connection closed: forgotten at the start of the next loop turn, with every other
+        connection that closed in this one (a job whose hosts all died costs one announcement)."""
+        lost = self._lost
+        lost.append((conn_id, reason))
+        if len(lost) == 1:
+            self._loop.call_soon(self._forget_lost)
+
+    def _forget_lost(self) -> None:
+        lost, self._lost = self._lost, []
+        try:
+            self.state.disconnect_many(lost)
+        except Exception:
+            log.exception("event=internal_error while forgetting %d connection(s)", len(lost))
+        self._after_batch()
+
     def _after_batch(self) -> None:
         """Deliver what the state machine decided; hold replies until their records are durable."""
         state = self.state
@@ -399,27 +451,51 @@ class Coordinator:
 
     def _deliver(self, out: list[Send]) -> None:
         conns = self._conns
-        if len(out) == 1:
+        if len(out) == 1 and not self._unsent:
             conn_id, header, payload = out[0]
             conn = conns.get(conn_id)
             if conn is not None:
                 conn.send(header, payload)
             return
         # One write per connection for everything decided at once (in order per connection).
-        by_conn: dict[int, list[tuple[Header, bytes | bytearray | memoryview]]] = {}
+        by_conn: dict[int, list[Frame]] = {}
         for conn_id, header, payload in out:
             frames = by_conn.get(conn_id)
             if frames is None:
                 by_conn[conn_id] = [(header, payload)]
             else:
                 frames.append((header, payload))
-        for conn_id, frames in by_conn.items():
+        unsent = self._unsent
+        if unsent:  # behind what an earlier turn left unwritten, to keep each connection's order
+            unsent.extend(by_conn.items())
+            return
+        if len(by_conn) <= _WRITES_PER_CHECK:
+            self._write(by_conn.items())
+            return
+        unsent.extend(by_conn.items())
+        self._write_unsent()
+
+    def _write(self, groups: Iterable[tuple[int, list[Frame]]]) -> None:
+        conns = self._conns
+        for conn_id, frames in groups:
             conn = conns.get(conn_id)
             if conn is not None:
                 if len(frames) == 1:
                     conn.send(*frames[0])
                 else:
                     conn.send_many(frames)
+
+    def _write_unsent(self) -> None:
+        """Write what is waiting, a slice at a time, until this turn's share is spent (answering
+        a round of 12,500 hosts is 12,500 writes: the next turns write the rest)."""
+        unsent, turns = self._unsent, self.turns
+        while unsent and not turns.exhausted:
+            began = time.perf_counter()
+            count = min(len(unsent), _WRITES_PER_CHECK)
+            self._write(unsent.popleft() for _ in range(count))
+            turns.charge(time.perf_counter() - began)
+        if unsent:
+            turns.later(self._write_unsent)
 
     def _kick_flush(self) -> None:
         if self._flush_wanted is not None:

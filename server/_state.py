@@ -180,17 +180,24 @@ class CoordinatorState(Effects):
         self.membership.refused_connection(self.jobs.get(job), role, peer, reason)
 
     def disconnect(self, conn_id: int, reason: str) -> None:
-        """Forget a connection: drop its waiters, declare its member lost (unless it left)."""
-        conn = self.conns.pop(conn_id, None)
-        if conn is None:
-            return
-        job = conn.job
-        job.conns.discard(conn)
-        job.last_activity = self.clock()
-        self.dedupe.detach(conn, job.last_activity)
-        self.kv.drop(conn)
-        self.rendezvous.disconnect(conn, reason)
-        self.membership.disconnect(conn, reason)
+        """Forget a connection: drop its waiters, declare its members lost (unless they left)."""
+        self.disconnect_many(((conn_id, reason),))
+
+    def disconnect_many(self, lost: Iterable[tuple[int, str]]) -> None:
+        """Forget several connections (``(conn_id, reason)`` each) at once: the others hear of the
+        members lost with them in one announcement, not one per connection."""
+        now = self.clock()
+        for conn_id, reason in lost:
+            conn = self.conns.pop(conn_id, None)
+            if conn is None:
+                continue
+            job = conn.job
+            job.conns.discard(conn)
+            job.last_activity = now
+            self.dedupe.detach(conn, now)
+            self.kv.drop(conn)
+            self.rendezvous.disconnect(conn, reason)
+            self.membership.disconnect(conn, reason)
         self.membership.announce()
 
     # ------------------------------------------------------------------ requests

@@ -183,7 +183,12 @@ def _coordinator_main(
         from aiocoll.server import Coordinator
 
         coordinator = Coordinator(
-            "127.0.0.1", 0, token=token, state_dir=state_dir, http_port=0 if http else None
+            "127.0.0.1",
+            0,
+            token=token,
+            state_dir=state_dir,
+            http_port=0 if http else None,
+            pace_collector=True,  # as `aiocoll coordinator` runs
         )
         await coordinator.start()
         conn.send((coordinator.port, coordinator.http_port) if http else coordinator.port)

@@ -211,7 +211,8 @@ def _run(args: argparse.Namespace, collective: bool) -> int:
         except BenchError as exc:
             print(f"aiocoll bench: {exc}", file=sys.stderr)
             return 1
-    from ._bench_store import StoreBenchError, run_rendezvous, run_store
+    from ._bench_rendezvous import run_rendezvous
+    from ._bench_store import StoreBenchError, run_store
 
     try:
         return run_store(args) if args.op == "store" else run_rendezvous(args)

@@ -103,6 +103,7 @@ async def _serve(args: argparse.Namespace, token: str | None) -> int:
         max_value_bytes=args.max_value_bytes,
         job_ttl=args.job_ttl,
         heartbeat_timeout=args.heartbeat_timeout,
+        pace_collector=True,
     )
     loop = asyncio.get_running_loop()
     signals_seen: list[int] = []
