@@ -2,7 +2,8 @@
 operation in the client and in the server, Python calls per operation, and optionally a cProfile
 of either end. A developer's tool for the coordinator's request path; docs/PERFORMANCE.md quotes it.
 
-    python scripts/store_cost.py                          # aiocoll async, aiocoll.sync, TCPStore
+    python scripts/store_cost.py                          # aiocoll async, aiocoll.sync, TCPStore, bare
+    taskset -c 0 python scripts/store_cost.py --ops get,add # one core: no cross-core wake-ups
     python scripts/store_cost.py --ops get --count 20000
     python scripts/store_cost.py --clients async --profile client   # cProfile of the client
     python scripts/store_cost.py --clients sync --profile server     # cProfile of the coordinator
@@ -96,6 +97,68 @@ def _serve_tcpstore(conn: Any) -> None:
         elif command == "stop":
             break
     del store
+
+
+def _serve_bare(conn: Any) -> None:
+    """The floor of a Python request path: a uvloop server that answers each 4-byte-length-prefixed
+    request with a fixed short reply and does nothing else (no parsing, no state)."""
+    import struct
+
+    import uvloop
+
+    reply = struct.pack("!I", 4) + b"done"
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+            self.buffer = b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            while len(self.buffer) >= 4:
+                size = struct.unpack_from("!I", self.buffer)[0]
+                if len(self.buffer) < 4 + size:
+                    return
+                self.buffer = self.buffer[4 + size :]
+                self.transport.write(reply)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(Echo, "127.0.0.1", 0)
+        conn.send(server.sockets[0].getsockname()[1])
+        done = loop.create_future()
+
+        def on_command() -> None:
+            command = conn.recv()
+            if command == "cpu":
+                conn.send(_cpu())
+            elif command == "stop" and not done.done():
+                done.set_result(None)
+
+        loop.add_reader(conn.fileno(), on_command)
+        await done
+        server.close()
+
+    uvloop.run(serve())
+
+
+class BareClient:
+    """A blocking socket that sends each operation as one small frame and reads the reply: what
+    any Python client of any Python server pays at least."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+        import struct
+
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.frame = struct.pack("!I", 8) + b"request!"
+
+    def _round_trip(self, *_: Any) -> bytes:
+        self.sock.sendall(self.frame)
+        return self.sock.recv(64)
+
+    set = get = add = _round_trip
 
 
 class Server:
@@ -240,7 +303,11 @@ def measure_async(server: Server, token: str, op: str, count: int, profile: bool
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", default="set,get,add", help="comma-separated: set, get, add")
-    parser.add_argument("--clients", default="async,sync,tcpstore", help="async, sync, tcpstore")
+    parser.add_argument(
+        "--clients",
+        default="async,sync,tcpstore,bare",
+        help="async, sync, tcpstore, bare (a Python server and client doing nothing but a round trip)",
+    )
     parser.add_argument("--count", type=int, default=20000, help="operations per measurement")
     parser.add_argument("--profile", choices=("client", "server"), help="cProfile one end (aiocoll only)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, clients interleaved; medians kept")
@@ -252,6 +319,13 @@ def main() -> int:
     rows: list[dict[str, Any]] = []
     profiles: list[str] = []
     for client in [c for _ in range(args.rounds) for c in clients]:
+        if client == "bare":
+            server = Server(_serve_bare)
+            bare = BareClient(server.port)
+            for op in ops:
+                rows.append(measure_sync("bare python (floor)", bare, server, op, args.count, False))
+            server.stop()
+            continue
         if client == "tcpstore":
             server = Server(_serve_tcpstore)
             from torch.distributed import TCPStore

@@ -16,6 +16,7 @@ from aiocoll.protocol._coordinator import (
     EV_REFUSED,
     EV_RESTARTED,
     EV_SESSION_LOST,
+    LOST_RANKS_PER_EVENT,
     ROLE_WORKER,
 )
 
@@ -25,10 +26,6 @@ from ._rounds import ALIVE, JOINING, LEFT, LOST, RESUMING, Member, Round, RoundS
 __all__ = ["Membership"]
 
 log = logging.getLogger("aiocoll.server")
-
-# A member_lost event names at most this many ranks (``count`` says how many were lost).
-LOST_RANKS_PER_EVENT = 1024
-
 
 class Membership:
     """The joined members of every job.

@@ -2,34 +2,30 @@
 and helpers to pack several values into one payload. Imports only _errors; no I/O.
 
 This module is the single source of truth shared by the coordinator (aiocoll.server) and its
-client (aiocoll.client.session). Every frame is ``header`` (msgpack map) + ``payload`` (raw bytes).
+clients (aiocoll.client). Every frame is ``header`` (msgpack) + ``payload`` (raw bytes). The store
+requests (set, get, add, cas, wait, check, del, nkeys, mget, mset, append, sync) have a compact
+positional header described in protocol._store; the requests below have a map header.
 
 Requests (client -> coordinator), header ``{"op": OP, "id": int, ...}``:
 
     op        fields                                       payload            reply fields / payload
-    set       key                                          value              -
-    get       key, timeout                                 -                  payload = value (waits)
-    add       key, amount (int)                            -                  value (int)
-    cas       key                                          expected+desired   payload = current value
-                                                           (sizes=[e, d])
-    wait      keys, timeout                                -                  -
-    check     keys                                         -                  value (bool)
-    del       key                                          -                  value (bool)
-    nkeys     -                                            -                  value (int)
-    mget      keys, timeout                                -                  payload = values, sizes
-    mset      keys, sizes                                  values             -
-    append    key                                          value              -
     join      rank (int|None), world_size, addrs           -                  rank, world_size, round,
-              ([[host, port], ...]), host (host identity),                    members: [{rank, addrs,
-              timeout                                                         host}] sorted by rank
+              ([[host, port], ...]), host (host identity),                    session, members: [{rank,
+              timeout                                                         addrs, host}] by rank
+    join      members ([[rank|None, addrs, host], ...],    -                  ranks, sessions (in the
+              at most MAX_MEMBERS_PER_JOIN), world_size,                      order named), world_size,
+              timeout: a host's ranks over one connection                     round; no table
     hb        -                                            -                  -
     leave     -                                            -                  -
     status    job (str|None: all jobs)                     -                  jobs: [{job, world_size,
                                                                               round, complete, keys,
                                                                               members: [{rank, host,
                                                                               alive, last_seen,
-                                                                              progress}], held_back_by,
-                                                                              summary, progress_reports}]
+                                                                              progress}] (at most 256),
+                                                                              members_total,
+                                                                              members_alive,
+                                                                              held_back_by, summary,
+                                                                              progress_reports}]
     progress  ops, seqs, busy (see "Progress" below)        -                  -
 
 join may carry ``table_in_payload: True``: the reply then has no "members" field; its payload is
@@ -49,19 +45,20 @@ digest_size 16) and ``table_size`` (bytes). A client that already holds a table 
                                                                               with table_in_payload
 
 ``table`` answers only for the job's current completed round; for any other round it fails with
-ERR_RENDEZVOUS (the table was replaced: join again). Every role may read it.
+ERR_RENDEZVOUS (the table was replaced: join again). Every role may read it. With ``ranks:
+[first, end]`` it answers only the rows of ranks first..end-1 (what a member's links need: a
+many-member join's reply has no table), as a msgpack list in the payload.
 
 ``timeout`` is seconds (float) or None (wait forever, bounded by the connection's life).
 Keys are str (1..MAX_KEY_BYTES UTF-8 bytes); values are bytes up to the coordinator's limit.
-cas follows torch's compareSet: if the key is missing and expected is empty, or the current value
-equals expected, the key is set to desired; the reply is the value now stored (or expected, when
-the key is missing and expected was not empty).
 
 Replies (coordinator -> client): ``{"id": same, "ok": True, ...}`` or
 ``{"id": same, "ok": False, "err": ERR_*, "msg": human text, "keys": [...]}``.
 
 Events (coordinator -> worker, unsolicited, no "id"): ``{"ev": EV_*, ...}``:
-    member_lost   rank, reason        a member of this job's current round dropped or went silent
+    member_lost   rank, reason,       members of this job's current round dropped or went silent;
+                  round (ranks,       those found together come in one event: rank is the first,
+                  count)              count how many, ranks up to LOST_RANKS_PER_EVENT of them
     restarted     -                   sent right after a resume: the coordinator restarted
     session_lost  reason              the hello's session could not be resumed
     mismatch      group, seq, ranks,  the members' progress reports disagree at (group, seq): every
@@ -100,14 +97,14 @@ has not run (None when it runs). The coordinator compares the members' signature
 (group, seq) and sends EV_MISMATCH, or EV_BEHIND naming the members that have not reached it.
 
 Exactly-once mutations: a client may send the hello extra field ``cid`` (CID_BYTES random bytes,
-one per client session) and then number its mutations (set, add, cas, del, mset, append) with the
-header fields ``rid`` (int, growing by one per mutation of that client) and ``ack`` (int: every
-mutation with rid <= ack has had its reply, so the coordinator may forget those replies). The
-coordinator remembers the reply of every numbered mutation above the client's ack, journaled in
-the same record as the mutation, so a request re-sent after a reconnect (or a coordinator restart
-with --state-dir) with the same cid and rid gets the first reply again and is not applied twice.
-A client keeps at most DEDUPE_WINDOW numbered mutations above its ack; a request beyond that, or
-one whose rid is at or below an ack already given, is refused with ERR_INVALID.
+one per client session); the id of each of its store mutations is then also its number, and
+``ack`` in the store header says every mutation with a smaller or equal id is settled, so the
+coordinator may forget those replies (protocol._store). The coordinator remembers the reply of
+every numbered mutation above the client's ack, journaled in the same record as the mutation, so
+a request re-sent after a reconnect (or a coordinator restart with --state-dir) with the same cid
+and id gets the first reply again and is not applied twice. A client keeps at most DEDUPE_WINDOW
+numbered mutations above its ack; a request beyond that, or one at or below an ack already given,
+is refused with ERR_INVALID.
 """
 
 from __future__ import annotations
@@ -134,9 +131,9 @@ __all__ = [
     "EV_REFUSED",
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
+    "LOST_RANKS_PER_EVENT",
     "MAX_KEY_BYTES",
     "CONTROL_OPS",
-    "MUTATING_OPS",
     "OPS",
     "STORE_OPS",
     "RESUME_GRACE",
@@ -185,8 +182,8 @@ RESUME_GRACE = 30.0
 MAX_KEY_BYTES = 4096
 CID_BYTES = 16
 DEDUPE_WINDOW = 1024
-# The store operations that change state; with ``rid`` they are applied at most once per client.
-MUTATING_OPS = frozenset({"set", "add", "cas", "del", "mset", "append"})
+# A member_lost event names at most this many ranks (``count`` says how many were lost).
+LOST_RANKS_PER_EVENT = 1024
 
 
 def env_seconds(name: str, default: float) -> float:
