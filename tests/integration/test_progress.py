@@ -367,7 +367,7 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
         assert wrong.stdout.startswith("RendezvousError|") or wrong.stdout.startswith("AuthenticationError|")
         for proc in waiting:
             out, err = proc.communicate(timeout=30)
-            assert out.startswith("RendezvousError|") and "timed out" in out, out  # their own timeout
+            assert out.startswith("RendezvousError|") and "timed out" in out, out + err  # their own timeout
             assert "event=join_refused" in err and "give it the same token" in err, err
     finally:
         coordinator.terminate()
