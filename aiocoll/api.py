@@ -938,7 +938,8 @@ async def init_process_group(
     Args:
         init_method: "env://" (default; MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
             "tcp://HOST:PORT" or "file:///PATH". With env:// and tcp:// rank 0 starts a coordinator
-            inside its own process when none answers at the address.
+            inside its own process when none answers at the address (never at the one
+            AIOCOLL_COORDINATOR names: `aiocoll run` set it to a coordinator that runs).
         rank, world_size: override RANK / WORLD_SIZE (rank may be left to the coordinator).
         timeout: seconds (or timedelta) for rendezvous, and every operation's default deadline.
         token: shared secret (default env AIOCOLL_TOKEN). job: job id (default env AIOCOLL_JOB
@@ -983,10 +984,12 @@ async def init_process_group(
         return await _init_with_store(fstore, rank, world_size, deadline, seconds, token, job, owns=True)
     host: str | None
     port: int | None
+    start_one = True  # rank 0 starts a coordinator when none answers (the contract's env:// and tcp://)
     if url.scheme == "env":
         named = os.environ.get("AIOCOLL_COORDINATOR")
         if named:  # `aiocoll run` names its coordinator here and leaves MASTER_* to torch's store
             host, port = _host_port(named, "AIOCOLL_COORDINATOR")
+            start_one = False  # a named coordinator runs (embedded, or --coordinator): never replace it
         else:
             host = os.environ.get("MASTER_ADDR")
             port = env_int("MASTER_PORT")
@@ -1001,7 +1004,9 @@ async def init_process_group(
             raise ValueError(f"init_method {method!r} must look like tcp://HOST:PORT")
     else:
         raise ValueError(f"init_method {method!r}: expected env://, tcp://HOST:PORT or file:///PATH")
-    return await _init_with_coordinator(host, port, rank, world_size, deadline, seconds, token, job)
+    return await _init_with_coordinator(
+        host, port, rank, world_size, deadline, seconds, token, job, start_one=start_one
+    )
 
 
 def _host_port(text: str, what: str) -> tuple[str, int]:
@@ -1037,6 +1042,8 @@ async def _init_with_coordinator(
     seconds: float | None,
     token: str | None,
     job: str,
+    *,
+    start_one: bool = True,
 ) -> ProcessGroup:
     from aiocoll.client.session import CoordinatorSession
     from aiocoll.protocol._coordinator import ROLE_WORKER
@@ -1049,7 +1056,7 @@ async def _init_with_coordinator(
     session = None
     try:
         addrs = await listen_addresses(transport, iface, token=token, job=job)
-        if rank == 0 and not await _coordinator_answers(host, port):
+        if start_one and rank == 0 and not await _coordinator_answers(host, port):
             from aiocoll.server import Coordinator
 
             coordinator = Coordinator(host, port, token=token)
@@ -1063,7 +1070,9 @@ async def _init_with_coordinator(
                     exc,
                 )
                 coordinator = None
-        session = await _connect_session(CoordinatorSession, host, port, token, job, ROLE_WORKER, deadline)
+        session = await _connect_session(
+            CoordinatorSession, host, port, token, job, ROLE_WORKER, deadline, start_one=start_one
+        )
         membership = await session.join(rank, world_size, addrs, host_identity(), deadline.remaining())
         if membership.world_size != world_size:
             raise RendezvousError(
@@ -1117,7 +1126,15 @@ def _on_verdict(engine: Engine, event: dict[str, Any]) -> None:
 
 
 async def _connect_session(
-    cls: Any, host: str, port: int, token: str | None, job: str, role: str, deadline: Deadline
+    cls: Any,
+    host: str,
+    port: int,
+    token: str | None,
+    job: str,
+    role: str,
+    deadline: Deadline,
+    *,
+    start_one: bool = True,
 ) -> Any:
     from aiocoll.client.session import CoordinatorUnreachable
 
@@ -1129,6 +1146,12 @@ async def _connect_session(
             host, port, token=token, job=job, role=role, timeout=remaining if remaining is not None else 1e9
         )
     except (OSError, asyncio.TimeoutError, CoordinatorUnreachable) as exc:
+        if not start_one:
+            raise RendezvousError(
+                f"the coordinator AIOCOLL_COORDINATOR names does not answer: {exc}. Rank 0 does not start "
+                f"one in its place: `aiocoll run --coordinator` needs one running there; leave "
+                f"--coordinator out to let the launcher run one"
+            ) from exc
         raise RendezvousError(
             f"no aiocoll coordinator answered at {host}:{port} within the rendezvous timeout ({exc}); "
             f"start one (aiocoll coordinator), or let the process with RANK=0 (rank=0) start one "
