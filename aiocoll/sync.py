@@ -24,6 +24,8 @@ checks both against the async API.
 from __future__ import annotations
 
 import datetime
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -201,6 +203,9 @@ class _World:
         self.group = group
         self.subgroups: list[ProcessGroup] = []
         self.counter = 0
+        # The store torch's default group was made with, when this module made that group over
+        # this one (it then destroys it too); None otherwise.
+        self.torch_store: Any = None
 
 
 _state_lock = threading.Lock()
@@ -338,6 +343,12 @@ def init_process_group(
     if store is not None and init_method is not None:
         raise ValueError("init_method and store are mutually exclusive, pass only one")
     seconds = to_seconds(timeout if timeout is not None else DEFAULT_TIMEOUT)
+    torch_store = None
+    if store is None and init_method in (None, "env://") and _under_torchrun():
+        # torchrun serves a TCPStore on MASTER_PORT (no aiocoll coordinator there): rendezvous
+        # through it, as torch's own env:// does.
+        torch_store, rank, world_size = _torchrun_rendezvous(rank, world_size, seconds)
+        store = torch_store
     async_store = as_async_store(store) if store is not None else None
     with _state_lock:
         if _world is not None:
@@ -355,7 +366,75 @@ def init_process_group(
                 store=async_store,
             )
         )
-        _world = _World(ProcessGroup(core, seconds, group_name or "default_pg"))
+        world = _World(ProcessGroup(core, seconds, group_name or "default_pg"))
+        try:
+            world.torch_store = _make_torch_default_group(core, torch_store, seconds)
+        except BaseException:
+            get_loop_thread().run(core.destroy())
+            raise
+        _world = world
+
+
+def _under_torchrun() -> bool:
+    """Started by torchrun (torch.distributed.run), not by ``aiocoll run`` (which names its
+    coordinator in AIOCOLL_COORDINATOR)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get("AIOCOLL_COORDINATOR")
+
+
+def _torchrun_rendezvous(rank: int, world_size: int, seconds: float | None) -> tuple[Any, int, int]:
+    """torch's env:// rendezvous: the store torchrun serves (prefixed per restart, as torch does),
+    this process's rank and the world size.
+
+    Raises:
+        RuntimeError: torch is not importable (torchrun comes with torch, so this is a broken
+            installation), naming what to do.
+    """
+    try:
+        import torch.distributed as td
+    except ImportError as exc:
+        raise RuntimeError(
+            "aiocoll.sync.init_process_group: this process was started by torchrun, whose rendezvous "
+            "store is torch's, but torch cannot be imported here; install torch, or start the script "
+            "with `aiocoll run`"
+        ) from exc
+    wait = datetime.timedelta(seconds=seconds if seconds else 1800.0)
+    torch_store, rank, world_size = next(
+        td.rendezvous("env://", rank=rank, world_size=world_size, timeout=wait)
+    )
+    return torch_store, int(rank), int(world_size)
+
+
+def _make_torch_default_group(core: Any, torch_store: Any, seconds: float | None) -> Any:
+    """When the script uses torch, make torch's default process group too, on the "aiocoll"
+    backend and over the same aiocoll group, so that DDP, FSDP2, DeviceMesh and
+    ``torch.distributed.*`` calls work beside this module's. Returns the torch store it was given
+    (the caller keeps it: torch holds only the C++ side of a store written in Python), or None.
+
+    Only when torch is already imported (a script that uses DDP has imported torch; one that does
+    not should not pay for importing it) and has no default group yet.
+    """
+    if "torch" not in sys.modules:
+        return None
+    import torch.distributed as td
+
+    if not td.is_available() or td.is_initialized():
+        return None
+    import aiocoll.torch as backend
+
+    if torch_store is None:
+        from ._torch_store import TorchStoreOverAiocoll
+
+        rendezvous_store = core.store if core.store is not None else core._rt.session
+        torch_store = TorchStoreOverAiocoll(rendezvous_store, seconds)
+    with backend.adopting(core):
+        td.init_process_group(
+            backend=backend.BACKEND_NAME,
+            store=torch_store,
+            rank=core.rank,
+            world_size=core.size,
+            timeout=datetime.timedelta(seconds=seconds if seconds else 1800.0),
+        )
+    return torch_store
 
 
 def is_initialized() -> bool:
@@ -436,6 +515,11 @@ def destroy_process_group(group: Any = None) -> None:
     if group is None:
         with _state_lock:
             _world = None
+        if world.torch_store is not None:
+            import torch.distributed as td
+
+            if td.is_initialized():
+                td.destroy_process_group()
         for sub in reversed(world.subgroups):
             loop_thread.run(sub.core.destroy())
         loop_thread.run(world.group.core.destroy())

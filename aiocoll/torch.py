@@ -33,10 +33,11 @@ else is launched on that group until they finish: one gradient bucket (a large
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +50,14 @@ from ._sync_stores import as_async_store
 from ._torch_work import AiocollWork
 from ._types import ReduceOp
 
-__all__ = ["BACKEND_NAME", "DEVICES", "AiocollProcessGroup", "AiocollWork", "create_process_group"]
+__all__ = [
+    "BACKEND_NAME",
+    "DEVICES",
+    "AiocollProcessGroup",
+    "AiocollWork",
+    "adopting",
+    "create_process_group",
+]
 
 BACKEND_NAME = "aiocoll"
 # The devices whose tensors the backend moves: registered with torch, and checked at every call.
@@ -132,6 +140,12 @@ class AiocollProcessGroup(td.ProcessGroup):
         self._lock = threading.Lock()
         self._coalescing = threading.local()  # .works: the Works issued since _start_coalescing
         self._loop = get_loop_thread()
+        adopted = _take_adoptable(rank, size)
+        # An adopted group is aiocoll.sync's world: it is that module's to close, not this one's.
+        self._owns_core = adopted is None
+        if adopted is not None:
+            self._core = adopted
+            return
         async_store = as_async_store(store)
 
         async def join() -> Any:
@@ -174,7 +188,9 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     def _name_core_group(self) -> None:
         # Each torch group is its own aiocoll world (group id "w" inside): name it as torch does.
-        self._core._set_label(self._label)
+        # An adopted one keeps the name aiocoll.sync gave it.
+        if self._owns_core:
+            self._core._set_label(self._label)
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
@@ -454,7 +470,7 @@ class AiocollProcessGroup(td.ProcessGroup):
             if self._closed:
                 return
             self._closed = True
-        if self._loop.thread.is_alive():
+        if self._owns_core and self._loop.thread.is_alive():
             self._loop.run(self._core.destroy())
 
     def abort(self) -> None:
@@ -470,6 +486,36 @@ def _opts_timeout(opts: Any) -> float | None:
         return None
     seconds = value.total_seconds()
     return seconds if seconds > 0 else None  # c10d's "unset" is negative
+
+
+# aiocoll.sync's world while it makes torch's default group over it (see ``adopting``).
+_adoptable: list[Any] = []
+_adoptable_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def adopting(core: Any) -> Iterator[None]:
+    """Within this block, the next group torch creates with the rank and size of ``core`` (an
+    aiocoll.ProcessGroup) runs over ``core`` instead of a rendezvous of its own: how
+    ``aiocoll.sync.init_process_group`` gives torch a default group (for DDP, FSDP2, DeviceMesh
+    and ``torch.distributed.*``) that is the very group the script's aiocoll.sync calls use."""
+    with _adoptable_lock:
+        _adoptable.append(core)
+    try:
+        yield
+    finally:
+        with _adoptable_lock:
+            if core in _adoptable:
+                _adoptable.remove(core)
+
+
+def _take_adoptable(rank: int, size: int) -> Any:
+    with _adoptable_lock:
+        for core in _adoptable:
+            if core.rank == rank and core.size == size:
+                _adoptable.remove(core)
+                return core
+    return None
 
 
 def create_process_group(
