@@ -129,7 +129,8 @@ def _print_header(op: str, n: int, args: argparse.Namespace, contenders: Sequenc
     )
     print(
         "# time = median over iterations of the slowest rank; avg = slowest rank's mean (nccl-tests' "
-        "time, outliers included); min = fastest iteration; "
+        "time, outliers included; it may be below min, since each rank times only its own part of an "
+        "iteration while time and min take the slowest rank of each); min = fastest iteration; "
         f"{bandwidth}; algo = what aiocoll ran"
         + (
             "; X/c = aiocoll's X over contender c's (time: lower is better, busbw: higher is better)"
