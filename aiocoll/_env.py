@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
-__all__ = ["env_float", "env_int"]
+__all__ = ["env_float", "env_int", "env_text"]
 
 _N = TypeVar("_N", int, float)
 
@@ -43,3 +43,11 @@ def env_float(name: str, environ: Mapping[str, str] | None = None) -> float | No
         ValueError: naming the variable and its value when it is not a number.
     """
     return _number(name, float, "a number", environ)
+
+
+def env_text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The text in ``name``, stripped; None when it is unset or blank."""
+    raw = (os.environ if environ is None else environ).get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return raw.strip()
