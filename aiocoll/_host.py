@@ -12,20 +12,23 @@ identity must differ wherever that would be wrong, and agree wherever it is righ
   kernel: processes there cannot reach each other's loopback or abstract Unix sockets, so
   treating them as one host would be wrong; a shared-memory link would also want to confirm it.
 
-The identity is ``HOSTNAME/BOOT_ID/NET_NS_INODE`` (hostname first, so logs and `aiocoll status`
-stay readable). ``AIOCOLL_HOST_ID`` overrides it for setups these facts cannot see through. Where a
+The identity is ``HOSTNAME/BOOT_ID/NET_NS_INODE`` (hostname first, so logs stay readable;
+`aiocoll status` shows the hostname alone, from host_label). ``AIOCOLL_HOST_ID`` overrides it for setups these facts cannot see through. Where a
 file cannot be read (not Linux), its part is left empty. Foundation module: standard library only.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 
-__all__ = ["HOST_ID_ENV", "host_identity"]
+__all__ = ["HOST_ID_ENV", "host_identity", "host_label"]
 
 HOST_ID_ENV = "AIOCOLL_HOST_ID"
 _MAX_CHARS = 256  # the coordinator's bound on a member's host field
+# HOSTNAME/BOOT_ID/NET_NS_INODE as host_identity builds it (either id may be empty off Linux).
+_IDENTITY = re.compile(r"(?P<name>[^/]*)/(?:[0-9a-fA-F-]{36})?/[0-9]*")
 
 
 def _read(path: str) -> str:
@@ -56,3 +59,13 @@ def host_identity() -> str:
     boot_id = _read("/proc/sys/kernel/random/boot_id")
     identity = f"{socket.gethostname()}/{boot_id}/{_net_namespace()}"
     return identity[-_MAX_CHARS:]  # an absurdly long hostname loses its start, never the ids
+
+
+def host_label(identity: str) -> str:
+    """The part of a host identity a person reads: the hostname of ``HOSTNAME/BOOT_ID/NET_NS``
+    (`aiocoll status`'s HOST column; ``--json`` keeps the whole identity). An identity of another
+    shape (``AIOCOLL_HOST_ID``, a name written by hand) is returned whole."""
+    match = _IDENTITY.fullmatch(identity)
+    if match is None or not match.group("name"):
+        return identity
+    return match.group("name")

@@ -1,12 +1,13 @@
 """The coordinator's progress part: the ``progress`` reports members send on their beat connection,
-fed to each job's cross-check (aiocoll._progress_check.JobProgress), and its verdicts announced to
-the group (``mismatch``, ``behind``). Sans-IO; imports _model, _rendezvous and aiocoll
-foundations only.
+fed to each job's cross-check (aiocoll._progress_check.JobProgress), its verdicts announced to
+the group (``mismatch``, ``behind``), and what holds a job back for the status view (only while
+a member still waits). Sans-IO; imports _model, _rendezvous and aiocoll foundations only.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from aiocoll._progress_check import ProgressError, Verdict
@@ -38,7 +39,31 @@ class Progress:
         except ProgressError as exc:
             raise Refused(ERR_INVALID, f"progress from rank {member.rank}: {exc}") from None
         self.fx.reply(conn, req_id, "progress", self.fx.started)
+        self.settle(job)
         self.announce(job, verdicts)
+
+    def settle(self, job: Job) -> None:
+        """Drop the 'behind' verdicts whose stall point no member waits at any more.
+
+        A verdict names the ranks that had not reached an operation others waited in; once
+        those waiters' operations completed (their report withdrawn) or the waiters left or were
+        lost (their report forgotten), it no longer says anything about the job, and a job whose
+        members all left cleanly must not go on saying it is held back.
+        """
+        progress = job.progress
+        unseen = set(progress.behind)
+        for rank in progress.reporting() if unseen else ():
+            unseen.difference_update((e["group"], e["seq"]) for e in progress.progress_of(rank, 0.0, 0.0))
+            if not unseen:
+                return
+        for point in unseen:
+            del progress.behind[point]
+
+    def held_back_by(self, job: Job, alive: Iterable[int]) -> tuple[list[int], str]:
+        """The ranks holding ``job`` back and a sentence saying why (empty when none), from the
+        members' reports that still stand (the ``status`` view's held_back_by and summary)."""
+        self.settle(job)
+        return job.progress.held_back_by(alive)
 
     def recheck(self, jobs: dict[str, Job], now: float) -> None:
         """Stall points waiting for reports whose patience ran out get their verdict."""

@@ -30,6 +30,7 @@ from aiocoll.protocol._coordinator import (
     HEARTBEAT_TIMEOUT,
     OPS,
     RESUME_GRACE,
+    ROLE_ADMIN,
     ROLE_BEAT,
     ROLE_WORKER,
 )
@@ -161,9 +162,13 @@ class CoordinatorState(Effects):
         cid: object = None,
     ) -> None:
         """Register an authenticated connection to ``job``; re-attach a member when ``session`` names
-        one; ``cid`` (CID_BYTES bytes) names the client whose numbered mutations it carries."""
+        one; ``cid`` (CID_BYTES bytes) names the client whose numbered mutations it carries.
+
+        An admin connection (`aiocoll status`) only looks: it makes no job. Naming one that does
+        not exist gives it an empty job of that name that no view lists, and that goes with it.
+        """
         now = self.clock()
-        j = self.job(job, now)
+        j = (self.jobs.get(job) or Job(job, now)) if role == ROLE_ADMIN else self.job(job, now)
         conn = Conn(conn_id, j, role, peer, now)
         self.conns[conn_id] = conn
         j.conns.add(conn)
@@ -342,6 +347,8 @@ class CoordinatorState(Effects):
         job = h.get("job")
         if job is not None and type(job) is not str:
             raise Refused(ERR_INVALID, f"'job' must be a string or None, got {type(job).__name__}")
+        if job is not None and job not in self.jobs:
+            raise Refused(ERR_INVALID, _views.no_such_job(self, job))
         self.reply(conn, req_id, "status", self.started, {"id": req_id, "ok": True, "jobs": self.status(job)})
 
     # ------------------------------------------------------------------ time

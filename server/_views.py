@@ -16,9 +16,10 @@ if TYPE_CHECKING:
     from ._rounds import Member
     from ._state import CoordinatorState
 
-__all__ = ["STATUS_MEMBERS", "status"]
+__all__ = ["STATUS_MEMBERS", "no_such_job", "status"]
 
 STATUS_MEMBERS = 256
+NAMED_JOBS = 20  # jobs a "no such job" answer names
 _ALIVE = MemberState.ALIVE
 
 
@@ -34,7 +35,7 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
         j = state.jobs[name]
         rnd = j.round
         alive = state.membership.alive_ranks(j)
-        held, summary = j.progress.held_back_by(alive)
+        held, summary = state.progress.held_back_by(j, alive)
         shown = _members_to_show(rnd.members if rnd else {}, set(held), j.progress.reporting())
         members = []
         for m in shown:
@@ -67,6 +68,17 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
             }
         )
     return out
+
+
+def no_such_job(state: CoordinatorState, job: str) -> str:
+    """What a status request for ``job``, which this coordinator does not hold, is told: the
+    name, and the jobs it does hold (the first NAMED_JOBS of them, by name)."""
+    names = sorted(state.jobs)
+    if not names:
+        return f"no such job {job[:200]!r} (this coordinator holds no job)"
+    listed = ", ".join(repr(n[:200]) for n in names[:NAMED_JOBS])
+    more = f" and {len(names) - NAMED_JOBS} more" if len(names) > NAMED_JOBS else ""
+    return f"no such job {job[:200]!r} (this coordinator holds {listed}{more})"
 
 
 def _members_to_show(members: dict[int, Member], held: set[int], reporting: set[int]) -> list[Member]:

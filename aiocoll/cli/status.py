@@ -64,23 +64,59 @@ def _default_address() -> str:
     return host_port(host, port)
 
 
+_DESCRIPTION = """\
+Show what an aiocoll coordinator holds: each job (world size, rendezvous round, whether it is
+complete, keys), its members (rank, host, alive, last heartbeat) and, when something waits, what
+each rank is doing (group, sequence number, operation, state, age, the ranks it waits for) with
+the rank(s) holding the job back. It only looks: asking about a job creates nothing on the
+coordinator. `aiocoll run` prints the command for its job when it starts it."""
+
+_EPILOG = """\
+examples:
+  # the command `aiocoll run` printed for its job (its coordinator, job id and token file)
+  aiocoll status --coordinator 127.0.0.1:43887 --job default --token-file /tmp/aiocoll-run-x/token
+
+  # every job of a coordinator service, refreshed every 2 seconds
+  aiocoll status --coordinator 10.0.0.1:29500 --token-file secret --watch
+
+  # one job as JSON: members with their full host identity and 'progress' lists
+  aiocoll status --coordinator 10.0.0.1:29500 --token-file secret --job exp42 --json
+
+exit status: 0 when the coordinator answered (and holds the job --job names); 1 when it could
+not be reached, refused the token, or holds no such job. See docs/COORDINATOR.md."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register `aiocoll status` options on ``parser``."""
+    """Register `aiocoll status` options (and its --help text) on ``parser``."""
+    parser.description = _DESCRIPTION
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "--coordinator",
         metavar="HOST:PORT",
         default=None,
-        help="coordinator to ask (default: AIOCOLL_COORDINATOR, else MASTER_ADDR:MASTER_PORT, "
-        f"else {DEFAULT_HOST}:{DEFAULT_PORT})",
+        help="the coordinator to ask ([v6]:PORT for IPv6). Default: AIOCOLL_COORDINATOR (set inside an "
+        f"`aiocoll run` job), else MASTER_ADDR:MASTER_PORT, else {DEFAULT_HOST}:{DEFAULT_PORT}",
     )
-    parser.add_argument("--job", metavar="ID", default=None, help="show only this job (default: every job)")
+    parser.add_argument(
+        "--job",
+        metavar="ID",
+        default=None,
+        help="show only this job; exit 1 if the coordinator holds no such job (default: every job)",
+    )
     parser.add_argument(
         "--token-file",
         metavar="FILE",
         default=None,
-        help="file holding the shared token (default: the AIOCOLL_TOKEN environment variable)",
+        help="file holding the shared token the coordinator was started with; surrounding whitespace "
+        "is ignored (default: the AIOCOLL_TOKEN environment variable)",
     )
-    parser.add_argument("--json", action="store_true", help="print the status as JSON instead of a table")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the jobs as JSON instead of a table (hosts as their full identity, "
+        "HOSTNAME/BOOT_ID/NET_NS, where the table shows the hostname)",
+    )
     parser.add_argument(
         "--watch",
         nargs="?",
@@ -88,10 +124,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const=2.0,
         default=None,
         metavar="SECONDS",
-        help="refresh every SECONDS (default 2) until interrupted (Ctrl-C)",
+        help="show the status again every SECONDS (default 2) until Ctrl-C",
     )
     parser.add_argument(
-        "--timeout", type=float, default=10.0, metavar="SECONDS", help="give up after this long (default 10)"
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up on a coordinator that has not answered within SECONDS (default 10)",
     )
 
 
@@ -175,10 +215,13 @@ async def query_status(
                 if header.get("id") != 1:
                     continue  # an unsolicited event; not for an admin view
                 if not header.get("ok"):
-                    raise StatusError(
-                        f"the coordinator at {where} refused the status request: "
-                        f"{header.get('msg') or header.get('err') or 'no reason given'}"
-                    )
+                    reason = str(header.get("msg") or header.get("err") or "no reason given")
+                    if job is not None and "no such job" in reason:
+                        raise StatusError(
+                            f"the coordinator at {where} answers: {reason.removeprefix('status: ')}; "
+                            "check --job, or leave it out to list every job"
+                        )
+                    raise StatusError(f"the coordinator at {where} refused the status request: {reason}")
                 jobs = header.get("jobs")
                 if not isinstance(jobs, list):
                     raise StatusError(f"the coordinator at {where} sent a status reply without a job list")
@@ -219,6 +262,15 @@ def _age(last_seen: object, now: float) -> str:
 
 def _cell(value: object) -> str:
     return "-" if value is None else str(value)
+
+
+def _host(value: object) -> str:
+    """The hostname of a member's host identity (--json shows all of it)."""
+    if not isinstance(value, str):
+        return _cell(value)
+    from .._host import host_label
+
+    return host_label(value)
 
 
 def _yes(value: object) -> str:
@@ -270,7 +322,7 @@ def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str
             rows.append(
                 [
                     _cell(member.get("rank", "?")),
-                    _cell(member.get("host")),
+                    _host(member.get("host")),
                     _yes(member.get("alive")),
                     _age(member.get("last_seen"), now),
                 ]
@@ -423,6 +475,10 @@ def _render(
     elif jobs or args.job is None:
         print(format_table(jobs), file=out)
     if args.job is not None and not jobs:
-        print(f"aiocoll status: the coordinator at {host}:{port} holds no job {args.job!r}", file=err)
+        print(
+            f"aiocoll status: the coordinator at {host}:{port} has no job {args.job!r}; check --job, "
+            "or leave it out to list every job",
+            file=err,
+        )
         return 1
     return 0
