@@ -1,7 +1,8 @@
 """PNG charts for `aiocoll bench --plot`: bus bandwidth (and time) against size, log-log.
 
 matplotlib is imported here only, lazily, with the Agg backend (no display needed); this module
-is imported only when --plot is given. Imports nothing of aiocoll but the bench helpers.
+is imported only when --plot is given. Imports nothing of aiocoll but the bench helpers and the
+palette (aiocoll/_palette.py), which the coordinator's web page shares.
 """
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .._palette import SERIES
 from ._bench_common import format_bytes
 
 __all__ = ["plot_collectives"]
 
 _STYLE = {
-    "aiocoll": {"color": "#1f6fb4", "marker": "o"},
-    "gloo": {"color": "#d9661f", "marker": "s"},
-    "mpi": {"color": "#3a9a3a", "marker": "^"},
+    "aiocoll": {"color": SERIES["aiocoll"], "marker": "o"},
+    "gloo": {"color": SERIES["gloo"], "marker": "s"},
+    "mpi": {"color": SERIES["mpi"], "marker": "^"},
 }
 _LABELS = {"aiocoll": "aiocoll", "gloo": "torch gloo", "mpi": "MPI (mpi4py)"}
 
