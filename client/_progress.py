@@ -1,7 +1,7 @@
 """What this rank is doing, for the coordinator's progress view, and a record of its last operations.
 
-May import foundations only (aiocoll._errors, aiocoll.protocol); never the engine (the engine owns
-a tracker and hands it its groups) nor the public surface.
+May import foundations only (aiocoll._errors, aiocoll.protocol) and client/_timeline; never the
+engine (the engine owns a tracker and hands it its groups) nor the public surface.
 
 Two consumers, two costs:
 
@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 from aiocoll.protocol._coordinator import env_seconds
 
+from ._timeline import Timeline, timeline_for_process
+
 __all__ = ["DEFAULT_PROGRESS_AFTER", "HISTORY", "LOOP_STAMP_EVERY", "ProgressTracker", "signature"]
 
 log = logging.getLogger("aiocoll.client.progress")
@@ -43,6 +45,8 @@ _SIG_KEYS = ("kind", "root", "dtype", "count", "op", "ranks")
 
 class _Group(Protocol):
     gid: str
+    label: str
+    index: int
     ranks: tuple[int, ...]
     next_seq: int
     pending: Any  # a set of operations
@@ -95,6 +99,8 @@ class ProgressTracker:
         self._last_sent: Any = None  # what the last report said (None: nothing reported)
         self.wanted = False  # a peer asked for a full report (store mode; see ask_progress)
         self.reports_sent = 0
+        # Where finished operations are also written (client/_timeline.py), when one is kept.
+        self.timeline: Timeline | None = timeline_for_process(rank)
         # (group, seq) -> (ranks the coordinator found behind, its message); see ``behind_at``.
         self._behind: collections.OrderedDict[tuple[str, int], tuple[list[int], str]] = (
             collections.OrderedDict()
@@ -114,13 +120,19 @@ class ProgressTracker:
         if self._stamper is not None:
             self._stamper.cancel()
             self._stamper = None
+        if self.timeline is not None:
+            self.timeline.flush()
 
     def record(
-        self, kind: str, gid: str, seq: int, sig: dict[str, Any] | None, start: float, outcome: str
+        self, kind: str, group: _Group, seq: int, sig: dict[str, Any] | None, start: float, outcome: str
     ) -> None:
-        """An operation finished (``outcome``: "ok", "cancelled" or the error's class name).
-        ``sig`` is the operation's message meta as given (made wire-safe only when reported)."""
-        self.history.append((kind, gid, seq, sig, start, time.monotonic(), outcome))
+        """An operation of ``group`` finished (``outcome``: "ok", "cancelled" or the error's class
+        name). ``sig`` is the operation's message meta as given (made wire-safe only when
+        reported). With a timeline (AIOCOLL_TIMELINE), it is written there too."""
+        end = time.monotonic()
+        self.history.append((kind, group.gid, seq, sig, start, end, outcome))
+        if self.timeline is not None:
+            self.timeline.add(kind, group.gid, group.label, seq, sig, start, end, outcome, group.index)
 
     def note_behind(self, gid: str, seq: int, ranks: Sequence[int], message: str) -> None:
         """The coordinator found ``ranks`` behind at (gid, seq) while others wait there."""

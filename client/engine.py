@@ -527,7 +527,7 @@ class Engine:
                 if failure is not None:
                     outcome = type(failure).__name__
         # issue 10 hook: the record of the last operations (logged on a failure)
-        self.progress.record(op.kind, op.group.gid, op.seq, op.sig, op.started, outcome)
+        self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome)
         if op.seq < 0:
             return
         if outcome != "ok":
