@@ -1,7 +1,7 @@
 """The coordinator's membership part: the members of completed rounds, once joined: their
 sessions and connections, re-attaching after a restart, beat connections, leaving, loss (with the
 ``member_lost`` event, once per connection), and their part of snapshots and the journal.
-Sans-IO; imports _model and _rounds only. Liveness (_liveness) decides when a member went silent
+Sans-IO; imports _model, _rounds and _events only. Liveness (_liveness) decides when a member went silent
 and calls ``lose``; joining (_rendezvous) hands completed rounds' members over with ``admit``.
 """
 
@@ -20,12 +20,14 @@ from aiocoll.protocol._coordinator import (
     ROLE_WORKER,
 )
 
+from ._events import RANKS_PER_EVENT, events_of
 from ._model import Conn, Effects, Job, MemberState, Record
 from ._rounds import ALIVE, JOINING, LEFT, LOST, RESUMING, Member, Round, RoundState
 
 __all__ = ["Membership"]
 
 log = logging.getLogger("aiocoll.server")
+
 
 class Membership:
     """The joined members of every job.
@@ -37,6 +39,7 @@ class Membership:
 
     def __init__(self, fx: Effects) -> None:
         self.fx = fx
+        self.events = events_of(fx)
         self.sessions: dict[str, Member] = {}
         self.live: set[Member] = set()
         # Members lost since the last ``announce``, by round: (round, members).
@@ -55,6 +58,7 @@ class Membership:
         (EV_SESSION_LOST)."""
         j = conn.job
         restarted = False
+        resumed: list[Member] = []
         for name in session if isinstance(session, list) else [session]:
             member = self.sessions.get(name) if isinstance(name, str) else None
             if member is None or member.round.job is not j or member.state not in (ALIVE, RESUMING):
@@ -74,6 +78,7 @@ class Membership:
                 self.fx.closes.append((old.id, f"session of rank {member.rank} resumed on a new connection"))
             restarted |= member.state is RESUMING
             if member.state is RESUMING:
+                resumed.append(member)
                 member.move(ALIVE)
             member.conn = conn
             member.last_seen = now
@@ -85,6 +90,11 @@ class Membership:
                 member.rank,
                 member.round.number,
                 conn.peer,
+            )
+        if resumed:
+            ranks = [m.rank for m in resumed[:RANKS_PER_EVENT]]
+            self.events.record(
+                j.name, "resumed", rnd=resumed[0].round.number, ranks=ranks, count=len(resumed)
             )
         if restarted:
             self.fx.outbox.append((conn.id, {"ev": EV_RESTARTED}, b""))
@@ -106,6 +116,9 @@ class Membership:
         """A connection naming job ``j`` failed authentication: tell its members waiting in a
         forming round (EV_REFUSED), so their logs say why a rank may never arrive. Only a notice:
         the hello is unauthenticated, and an outsider must not be able to fail a rendezvous."""
+        if j is not None and role == ROLE_WORKER:
+            number = j.round.number if j.round is not None else None
+            self.events.record(j.name, "connection_refused", rnd=number, detail=reason, peer=peer)
         rnd = j.round if j is not None else None
         if role != ROLE_WORKER or rnd is None or rnd.complete:
             return
@@ -136,6 +149,10 @@ class Membership:
     def leave(self, conn: Conn) -> None:
         """The connection's members said goodbye."""
         members, conn.members = conn.members, []
+        if members:
+            ranks = [m.rank for m in members[:RANKS_PER_EVENT]]
+            number = members[0].round.number
+            self.events.record(conn.job.name, "left", rnd=number, ranks=ranks, count=len(members))
         for member in members:
             self._gone(member, LEFT, "left")
             log.info(
@@ -203,6 +220,10 @@ class Membership:
                     [m.rank for m in members[:16]],
                     first.reason,
                 )
+            ranks = [m.rank for m in members[:RANKS_PER_EVENT]]
+            self.events.record(
+                rnd.job.name, "lost", rnd=rnd.number, ranks=ranks, count=len(members), detail=first.reason
+            )
             event: dict[str, Any] = {
                 "ev": EV_MEMBER_LOST,
                 "rank": first.rank,
@@ -221,6 +242,7 @@ class Membership:
 
     def forget_job(self, job: Job) -> None:
         """The job expired: its members' sessions go with it."""
+        self.events.forget(job.name)
         if job.round is not None:
             for m in job.round.members.values():
                 self.sessions.pop(m.session, None)

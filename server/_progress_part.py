@@ -13,6 +13,7 @@ from typing import Any
 from aiocoll._progress_check import ProgressError, Verdict
 from aiocoll.protocol._coordinator import ERR_INVALID, EV_BEHIND, EV_MISMATCH
 
+from ._events import events_of
 from ._model import Conn, Effects, Job, MemberState, Refused
 
 __all__ = ["Progress"]
@@ -23,6 +24,7 @@ log = logging.getLogger("aiocoll.server")
 class Progress:
     def __init__(self, fx: Effects) -> None:
         self.fx = fx
+        self.events = events_of(fx)
 
     def handlers(self) -> dict[str, Any]:
         return {"progress": self.op_progress}
@@ -86,6 +88,7 @@ class Progress:
                 list(v.ranks),
                 v.message,
             )
+            self.events.record(job.name, v.kind, rnd=rnd.number, ranks=v.ranks, detail=v.message)
             event = {
                 "ev": EV_MISMATCH if v.kind == "mismatch" else EV_BEHIND,
                 "group": v.group,

@@ -1,6 +1,6 @@
 """The coordinator's rendezvous part: forming rounds, the joins that wait for them, the member
 table, and refusing joins that contradict a round. Sans-IO; imports _model, _rounds, _tables,
-_membership and aiocoll foundations only. A completed round's members go to the membership part
+_membership, _events and aiocoll foundations only. A completed round's members go to the membership part
 (_membership), which keeps them from then on.
 
 One connection may carry many members: a join names one member (``rank``, ``addrs``, ``host``)
@@ -19,6 +19,7 @@ from typing import Any
 
 from aiocoll.protocol._coordinator import ERR_INVALID, ERR_RENDEZVOUS
 
+from ._events import RANKS_PER_EVENT, events_of
 from ._membership import Membership
 from ._model import Conn, Effects, Job, Refused, error_header, fmt_timeout, timeout_field
 from ._rounds import JOINING, LOST, JoinRequest, Member, Round, RoundState
@@ -68,6 +69,7 @@ class Rendezvous:
     def __init__(self, fx: Effects, membership: Membership) -> None:
         self.fx = fx
         self.membership = membership
+        self.events = events_of(fx)
 
     def handlers(self) -> dict[str, Any]:
         return {"join": self.op_join, "leave": self.op_leave, "table": self.op_table}
@@ -116,6 +118,13 @@ class Rendezvous:
         rnd = job.round
         if rnd is not None and rnd.complete:
             if not rnd.broken:
+                self.events.record(
+                    job.name,
+                    "join_refused",
+                    rnd=rnd.number,
+                    ranks=[w[0] for w in wanted[:RANKS_PER_EVENT] if w[0] is not None],
+                    detail=f"round {rnd.number} is complete and all its members are alive",
+                )
                 raise Refused(
                     ERR_RENDEZVOUS,
                     f"{who}: round {rnd.number} of job {job.name!r} is complete "
@@ -136,6 +145,13 @@ class Rendezvous:
             return
         for rank, _, _ in wanted:
             if rank is not None and not 0 <= rank < world_size:
+                self.events.record(
+                    job.name,
+                    "join_refused",
+                    rnd=rnd.number,
+                    ranks=[rank],
+                    detail=f"rank {rank} is out of range for world size {world_size}",
+                )
                 raise Refused(
                     ERR_RENDEZVOUS,
                     f"job {job.name!r}: rank {rank} is out of range for world size "
@@ -161,6 +177,15 @@ class Rendezvous:
             member.request = request
             member.last_seen = now
             request.members.append(member)
+        self.events.record(
+            job.name,
+            "join",
+            rnd=rnd.number,
+            ranks=[m.rank for m in request.members[:RANKS_PER_EVENT]],
+            count=len(request.members),
+            detail=str(world_size),
+            total=len(rnd.members),
+        )
         log.debug(
             "job=%s %s event=join round=%d joined=%d/%d",
             job.name,
@@ -266,6 +291,7 @@ class Rendezvous:
             conn.joining = None
             conn.members.extend(request.members)
             self._answer_join(request, rnd)
+        self.events.record(rnd.job.name, "round_complete", rnd=rnd.number, count=len(members))
         log.info(
             "job=%s event=round_complete round=%d world_size=%d", rnd.job.name, rnd.number, rnd.world_size
         )
@@ -341,6 +367,7 @@ class Rendezvous:
         once (the round cannot complete as the ranks were configured) instead of waiting out
         their timeout. (Not a Refused: that would take back the other members' replies.)"""
         self.fx.fail(refused.id, req_id, "join", self.fx.started, ERR_RENDEZVOUS, f"join: {why}")
+        self.events.record(rnd.job.name, "join_refused", rnd=rnd.number, detail=why)
         requests: dict[int, JoinRequest] = {}
         for m in rnd.members.values():
             if m.state is JOINING and m.request is not None:
@@ -390,6 +417,14 @@ class Rendezvous:
         present = sum(1 for m in rnd.members.values() if id(m) not in mine)
         absent = [r for r in range(rnd.world_size) if r not in rnd.members][:32]
         self._drop_request(request, "rendezvous timed out")
+        self.events.record(
+            rnd.job.name,
+            "join_timeout",
+            rnd=rnd.number,
+            ranks=[m.rank for m in request.members[:RANKS_PER_EVENT]],
+            count=len(request.members),
+            detail=f"{present + len(request.members)} of {rnd.world_size} ranks had joined; missing {absent}",
+        )
         note = self.fx.capacity_note
         meanwhile = f"; meanwhile {note[1]}" if note is not None and note[0] >= request.started else ""
         self.fx.fail(

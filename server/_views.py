@@ -1,14 +1,16 @@
 """What the coordinator shows of its jobs (the ``status`` op, ``/jobs``, `aiocoll status`): per
-job its round, keys, connections, the progress cross-check's verdict, and its members, at most
-STATUS_MEMBERS of them (a job of 100,000 ranks must not make a status request take seconds or
-megabytes): the ones that matter first (not alive, holding the job back, reporting progress),
-then the lowest ranks. Reads the state's parts; decides nothing. Imports server modules only.
+job its round, keys, connections, the progress cross-check's verdict, its recent events
+(_events), and its members, at most STATUS_MEMBERS of them (a job of 100,000 ranks must not make
+a status request take seconds or megabytes): the ones that matter first (not alive, holding the
+job back, reporting progress), then the lowest ranks. Reads the state's parts; decides nothing.
+Imports server modules only.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ._events import events_of
 from ._liveness import heard
 from ._model import MemberState
 
@@ -30,6 +32,7 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
     now = state.clock()
     wall = state.wall_clock()
     out = []
+    events = events_of(state)
     names = sorted(state.jobs) if job is None else ([job] if job in state.jobs else [])
     for name in names:
         j = state.jobs[name]
@@ -65,6 +68,7 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
                 "held_back_by": held,
                 "summary": summary,
                 "progress_reports": j.progress.reports_received,
+                "events": events.of(name),
             }
         )
     return out
