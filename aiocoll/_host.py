@@ -13,8 +13,9 @@ identity must differ wherever that would be wrong, and agree wherever it is righ
   treating them as one host would be wrong; a shared-memory link would also want to confirm it.
 
 The identity is ``HOSTNAME/BOOT_ID/NET_NS_INODE`` (hostname first, so logs stay readable;
-`aiocoll status` shows the hostname alone, from host_label). ``AIOCOLL_HOST_ID`` overrides it for setups these facts cannot see through. Where a
-file cannot be read (not Linux), its part is left empty. Foundation module: standard library only.
+`aiocoll status` shows the hostname alone, from host_label). ``AIOCOLL_HOST_ID`` overrides it for
+setups these facts cannot see through. Where a file cannot be read (not Linux), its part is left
+empty. Foundation module: standard library only.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,7 +39,13 @@ from ._launch_config import (
     resolve_torch_store_address,
     worker_environment,
 )
-from ._launch_coordinator import EmbeddedCoordinatorUnavailable, start_embedded_coordinator
+from ._launch_coordinator import (
+    CoordinatorNotAnswering,
+    EmbeddedCoordinatorUnavailable,
+    start_embedded_coordinator,
+    wait_for_coordinator,
+)
+from ._token_file import write_private_token_file
 
 __all__ = ["Console", "exit_code_of", "describe_returncode", "pick_free_port", "run_agent"]
 
@@ -46,6 +53,8 @@ LOG_PREFIX = b"[aiocoll run] "
 # A line longer than this is passed on in pieces: the pending partial line is a bounded buffer.
 MAX_LINE_BYTES = 64 * 1024
 READ_CHUNK = 64 * 1024
+# The last lines of a worker's stderr kept to name the cause of its failure (its last non-blank
+# line: a traceback's exception). Its output was shown as it came, so none is shown again.
 STDERR_TAIL_LINES = 20
 TAIL_LINE_CHARS = 400
 # How long to wait, after a worker exits, for the rest of its output to arrive.
@@ -435,15 +444,7 @@ class _Generation:
             f"rank {worker.rank} (node {self._config.placement.node_rank}, local rank {worker.local_rank}, "
             f"pid {worker.pid}) failed: {describe_returncode(worker.returncode)}"
         )
-        if worker.stderr_tail:
-            self._console.log(f"last {len(worker.stderr_tail)} line(s) of rank {worker.rank}'s stderr:")
-            for line in worker.stderr_tail:
-                text = line.decode("utf-8", errors="replace")
-                if len(text) > TAIL_LINE_CHARS:
-                    text = text[:TAIL_LINE_CHARS] + "..."
-                self._console.log(f"  {text}")
-        else:
-            self._console.log(f"rank {worker.rank} wrote nothing to stderr")
+        self._console.log(self._cause(worker))
         others = [w for w in self._live() if w is not worker]
         if others:
             self._console.log(
@@ -451,6 +452,21 @@ class _Generation:
                 f"(SIGKILL after {self._config.grace_period:g}s)"
             )
         self.request_stop(signal.SIGTERM)
+
+    def _cause(self, worker: _Worker) -> str:
+        """One line naming why ``worker`` failed: its last non-blank stderr line (a traceback's
+        exception), pointing at its whole output above rather than printing it a second time."""
+        last = next((line for line in reversed(worker.stderr_tail) if line.strip()), None)
+        if last is None:
+            return f"rank {worker.rank} wrote nothing to stderr"
+        text = last.decode("utf-8", errors="replace").strip()
+        if len(text) > TAIL_LINE_CHARS:
+            text = text[:TAIL_LINE_CHARS] + "..."
+        where = f"its output is above, each line prefixed '[rank{worker.rank}]: '"
+        if self._config.log_dir is not None:
+            folder = os.path.join(self._config.log_dir, f"restart_{self._restart_count}")
+            where += f", and in {os.path.join(folder, f'rank{worker.rank}.stderr')}"
+        return f"rank {worker.rank}'s last stderr line: {text} ({where})"
 
 
 class _Agent:
@@ -461,14 +477,20 @@ class _Agent:
         self._console = console
         self._received: int | None = None
         self._current: _Generation | None = None
+        self._signalled = asyncio.Event()
+        self._status_command = ""
+        self._remove_token_file: Callable[[], None] | None = None
 
     def _on_signal(self, signum: int) -> None:
         name = _signal_name(signum)
         if self._received is None:
             self._received = signum
+            self._signalled.set()
+            if self._current is None:
+                self._console.log(f"received {name}: stopping before the workers start")
+                return
             self._console.log(f"received {name}: forwarding it to the workers (send it again to kill them)")
-            if self._current is not None:
-                self._current.request_stop(signum)
+            self._current.request_stop(signum)
         else:
             self._console.log(f"received {name} again: killing the workers")
             if self._current is not None:
@@ -486,9 +508,9 @@ class _Agent:
         log_handler = _ConsoleLogHandler(self._console)
         try:
             config = self._config
+            token = config.token if config.token is not None else os.environ.get("AIOCOLL_TOKEN") or None
             if config.coordinator is None:
                 coordinator_logger.addHandler(log_handler)
-                token = config.token if config.token is not None else os.environ.get("AIOCOLL_TOKEN")
                 if not token:
                     # Secure by default: the embedded coordinator and the workers' peer links are
                     # only for this launch, so a fresh random secret costs the user nothing.
@@ -506,16 +528,76 @@ class _Agent:
                 self._console.log(f"embedded coordinator listening on {host}:{port}")
             else:
                 host, port = config.coordinator
+                refused = await self._wait_for_coordinator(host, port)
+                if refused is not None:
+                    return refused
+            self._status_command = self._make_status_command(host, port, token)
             return await self._run_generations(host, port)
         finally:
             for signum in installed:
                 loop.remove_signal_handler(signum)
+            if self._remove_token_file is not None:
+                self._remove_token_file()
             if coordinator is not None:
                 try:
                     await asyncio.wait_for(coordinator.stop(), COORDINATOR_STOP_SECONDS)
                 except Exception as exc:  # the job's outcome is already decided; say why and go on
                     self._console.log(f"the embedded coordinator did not stop cleanly: {exc!r}")
             coordinator_logger.removeHandler(log_handler)
+
+    async def _wait_for_coordinator(self, host: str, port: int) -> int | None:
+        """Wait until --coordinator accepts a connection; None then, else the exit status (it did
+        not answer within --connect-timeout, or the launcher was signalled meanwhile)."""
+        where = format_host_port(host, port)
+        timeout = self._config.connect_timeout
+
+        def waiting(reason: str) -> None:
+            self._console.log(f"waiting up to {timeout:g}s for the coordinator at {where} ({reason})")
+
+        probe = asyncio.ensure_future(wait_for_coordinator(host, port, timeout, waiting))
+        signalled = asyncio.ensure_future(self._signalled.wait())
+        try:
+            await asyncio.wait({probe, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            signalled.cancel()
+            if not probe.done():
+                probe.cancel()
+                await asyncio.gather(probe, return_exceptions=True)
+        if self._received is not None:
+            return 128 + self._received
+        try:
+            probe.result()
+        except CoordinatorNotAnswering as exc:
+            start = f"aiocoll coordinator --host {host} --port {port}"
+            if self._config.token_file is not None:
+                start += f" --token-file {shlex.quote(self._config.token_file)}"
+            self._console.log(
+                f"error: no aiocoll coordinator answers at {where} ({exc.reason}; tried for {timeout:g}s, "
+                f"--connect-timeout). Start one there first ({start}, on that machine), or check the "
+                "address; or leave out --coordinator to let the launcher run one for this job (one node "
+                "only). No worker was started"
+            )
+            return EXIT_SETUP_FAILED
+        return None
+
+    def _make_status_command(self, host: str, port: int, token: str | None) -> str:
+        """The `aiocoll status` command for this job, its token in a file (mode 0600), never on
+        the command line: --token-file's own file, else one written for this launch (removed
+        when the launcher exits)."""
+        config = self._config
+        words = ["aiocoll", "status", "--coordinator", format_host_port(host, port), "--job", config.job]
+        token_file = config.token_file if config.token is not None else None
+        if token and token_file is None:
+            try:
+                token_file, self._remove_token_file = write_private_token_file(token)
+            except OSError as exc:
+                self._console.log(
+                    f"warning: cannot write the token to a file for aiocoll status ({exc}); give that "
+                    "command AIOCOLL_TOKEN in its environment"
+                )
+        if token_file is not None:
+            words += ["--token-file", token_file]
+        return " ".join(shlex.quote(word) for word in words)
 
     async def _run_generations(self, host: str, port: int) -> int:
         config = self._config
@@ -544,6 +626,7 @@ class _Agent:
             f"MASTER_ADDR:MASTER_PORT {format_host_port(store.addr, store.port)} "
             f"(rank 0's torch store; {store.source})"
         )
+        self._console.log(f"to see what each rank is doing, run: {self._status_command}")
         restart_count = 0
         while True:
             if self._received is not None:

@@ -1,13 +1,15 @@
 """What `aiocoll run` will launch: node placement, worker command and per-rank environment.
 
 Pure functions over the parsed arguments and an environment mapping; nothing here starts a
-process, opens a socket or touches the event loop, so every rule (which SLURM or Kubernetes
+process, opens a socket or touches the event loop (check_script only asks whether a path
+exists), so every rule (which SLURM or Kubernetes
 variable wins, how ranks are numbered, what each worker's environment holds) is unit-testable.
 It imports only the standard library: the launcher must start fast and never import torch.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,7 +25,9 @@ __all__ = [
     "LaunchConfigError",
     "NodePlacement",
     "TorchStoreAddress",
+    "DEFAULT_CONNECT_TIMEOUT",
     "build_worker_command",
+    "check_script",
     "default_job",
     "format_host_port",
     "parse_coordinator_address",
@@ -34,6 +38,9 @@ __all__ = [
 ]
 
 DEFAULT_COORDINATOR_PORT = 29500
+# How long the launcher waits for a --coordinator to accept a connection before it gives up:
+# long enough for a coordinator started beside the launchers (one srun step before another).
+DEFAULT_CONNECT_TIMEOUT = 30.0
 # torchrun's default MASTER_PORT: used for the torch store of a job on several nodes when
 # --master-port is not given, so torchrun command lines keep meaning what they meant.
 DEFAULT_TORCH_STORE_PORT = 29500
@@ -73,6 +80,7 @@ class LaunchConfig:
         max_restarts: how many times a failed generation is restarted.
         token: shared secret read from --token-file, or None (AIOCOLL_TOKEN then passes through
             from the launcher's own environment).
+        token_file: the absolute path of --token-file, or None.
         command: the argv each worker runs.
         monitor_interval: seconds between checks of the workers' state.
         grace_period: seconds between the stop signal and SIGKILL.
@@ -81,6 +89,8 @@ class LaunchConfig:
             command-line option sets it: --master-port names the torch store's port instead).
         master_addr: --master-addr, the host of torch.distributed's rank-0 store, or None.
         master_port: --master-port, the port of that store, or None.
+        connect_timeout: seconds an external coordinator (--coordinator) has to accept a
+            connection before the launcher gives up, starting no worker.
     """
 
     nproc_per_node: int
@@ -96,6 +106,8 @@ class LaunchConfig:
     embedded_port: int = 0
     master_addr: str | None = None
     master_port: int | None = None
+    token_file: str | None = None
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
 
     @property
     def world_size(self) -> int:
@@ -243,6 +255,30 @@ def build_worker_command(
     if module:
         return (interpreter, "-u", "-m", target, *args)
     return (interpreter, "-u", target, *args)
+
+
+def check_script(target: str, *, module: bool = False, no_python: bool = False) -> None:
+    """Refuse a SCRIPT path that does not exist, before any worker starts.
+
+    A module name (``module``) is found by Python in the worker, and a program (``no_python``) by
+    the kernel when it starts (a failure there is exit 127), so only a script path is checked
+    here; ``-`` (the script on standard input) is left to Python.
+
+    Raises:
+        LaunchConfigError: naming the path, where it was looked for and what to do.
+    """
+    if module or no_python or target == "-" or os.path.exists(target):
+        return
+    where = os.path.abspath(target)
+    hint = (
+        f"; to run the module {target!r}, pass -m {target}"
+        if not target.endswith(".py") and os.sep not in target
+        else ""
+    )
+    raise LaunchConfigError(
+        f"SCRIPT {target!r} does not exist (looked for {where}); give the path of the Python file "
+        f"each worker runs, relative to {os.getcwd()} or absolute{hint}"
+    )
 
 
 def read_token_file(path: str) -> str:

@@ -24,16 +24,24 @@ _DESCRIPTION = """\
 Launch a multi-process job, as torchrun does: start --nproc-per-node workers running SCRIPT,
 each with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, AIOCOLL_COORDINATOR,
 MASTER_ADDR, MASTER_PORT, AIOCOLL_JOB and AIOCOLL_RESTART_COUNT set (AIOCOLL_TOKEN passes through).
-AIOCOLL_COORDINATOR names the aiocoll coordinator: --coordinator, or without it one the launcher
-runs itself on 127.0.0.1, on a free port. MASTER_ADDR:MASTER_PORT is left free for the store rank 0
-of a torch.distributed script binds (gloo via env://, or "aiocoll" after 'import aiocoll.torch'):
-on one node 127.0.0.1 and another free port, on several nodes --master-addr (else the
-coordinator's host) and --master-port (else 29500). Every output line of a worker
-is prefixed with '[rankN]: '. When one worker fails, the others are stopped (SIGTERM, then SIGKILL
-after --grace-period), the failure is reported with the rank, exit status and the last lines of
-its stderr, and the launcher exits with that worker's exit code (128+N if signal N killed it)
-unless --max-restarts allows restarting the whole generation. SIGINT/SIGTERM/SIGHUP sent to the
-launcher are forwarded to every worker; a second one kills them."""
+
+AIOCOLL_COORDINATOR names the aiocoll coordinator the workers join: --coordinator, which must
+answer within --connect-timeout or nothing starts, or without it one the launcher runs itself on
+127.0.0.1, on a free port, with a random token unless one is given. When the job starts, the
+launcher prints the 'aiocoll status' command that shows what each rank is doing (its token is
+kept in a file only you can read, never on the command line).
+
+MASTER_ADDR:MASTER_PORT is left free for the store that rank 0 of a torch.distributed script
+binds (gloo via env://, or "aiocoll" after 'import aiocoll.torch'): on one node 127.0.0.1 and
+another free port; on several nodes --master-addr (else the coordinator's host) and
+--master-port (else 29500).
+
+Every output line of a worker is prefixed with '[rankN]: '. When one worker fails, the others are
+stopped (SIGTERM, then SIGKILL after --grace-period), the launcher names the rank, its exit status
+and its last stderr line (its traceback was shown once, as it came), and exits with that
+worker's exit code (128+N if signal N killed it) unless --max-restarts allows restarting the
+whole generation. SIGINT/SIGTERM/SIGHUP sent to the launcher are forwarded to every worker; a
+second one kills them."""
 
 _EPILOG = """\
 examples:
@@ -66,7 +74,8 @@ examples:
 
 exit status: 0 when every worker exited 0; a failed worker's exit code (128+N when signal N
 killed it) once restarts are used up; 128+N when the launcher itself got signal N; 2 for a bad
-command line; 127 when a worker could not be started. See docs/LAUNCHER.md."""
+command line (a SCRIPT that does not exist, say) or a --coordinator that does not answer, before
+any worker starts; 127 when a worker could not be started. See docs/LAUNCHER.md."""
 
 
 def _whole_number(minimum: int) -> Callable[[str], int]:
@@ -153,8 +162,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="coordinator",
         default=None,
         metavar="HOST:PORT",
-        help="a running aiocoll coordinator (required with --nnodes > 1); default: start one "
-        "inside the launcher on 127.0.0.1",
+        help="the address of a running aiocoll coordinator ('aiocoll coordinator', or the container); "
+        "required with --nnodes > 1. If it does not accept a connection within --connect-timeout, "
+        "the launcher exits 2 and starts no worker. Default: run one inside the launcher, on "
+        "127.0.0.1 (one node only)",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        "--connect_timeout",
+        dest="connect_timeout",
+        type=_seconds(True),
+        default=None,
+        metavar="SECONDS",
+        help="how long --coordinator has to accept a connection before the launcher gives up (default: 30)",
     )
     parser.add_argument(
         "--master-addr",
@@ -197,7 +217,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="job",
         default=None,
         metavar="ID",
-        help="job id the workers join (AIOCOLL_JOB; default: $AIOCOLL_JOB, else 'default')",
+        help="job id the workers join (AIOCOLL_JOB; default: $AIOCOLL_JOB, else 'default'); give each "
+        "job its own when several share one coordinator",
     )
     parser.add_argument(
         "--token-file",
@@ -206,7 +227,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="file holding the shared secret; given to workers as AIOCOLL_TOKEN and to the embedded "
-        "coordinator (default: AIOCOLL_TOKEN from the environment, if set)",
+        "coordinator (default: AIOCOLL_TOKEN from the environment; with neither, an embedded "
+        "coordinator gets a random secret for this launch)",
     )
     parser.add_argument(
         "--monitor-interval",
@@ -215,7 +237,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_seconds(True),
         default=0.1,
         metavar="SECONDS",
-        help="how often the workers' state is checked (default: 0.1)",
+        help="how often the launcher checks whether a worker has exited (default: 0.1)",
     )
     parser.add_argument(
         "--grace-period",
@@ -224,7 +246,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_seconds(False),
         default=10.0,
         metavar="SECONDS",
-        help="time between the stop signal and SIGKILL (default: 10)",
+        help="seconds a worker has to exit after SIGTERM before it gets SIGKILL (default: 10)",
     )
     parser.add_argument(
         "--heartbeat-timeout",
@@ -234,8 +256,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="SECONDS",
         help="the embedded coordinator declares a worker lost after this long without a heartbeat "
-        "(AIOCOLL_HEARTBEAT_TIMEOUT; default 10). Workers beat from a thread: a busy event loop is "
-        "not silence, a frozen or dead process is",
+        "(sets AIOCOLL_HEARTBEAT_TIMEOUT; default: 10). Workers beat from a thread: a busy event loop "
+        "is not silence, a frozen or dead process is",
     )
     parser.add_argument(
         "--progress-after",
@@ -244,8 +266,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_seconds(True),
         default=None,
         metavar="SECONDS",
-        help="a worker reports an operation to the coordinator (aiocoll status) once it has waited "
-        "this long (AIOCOLL_PROGRESS_AFTER; default 1)",
+        help="a worker reports an operation to the coordinator (shown by aiocoll status) once it has "
+        "waited this long (sets AIOCOLL_PROGRESS_AFTER; default: 1)",
     )
     parser.add_argument(
         "--log-dir",
@@ -259,16 +281,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-m",
         "--module",
         action="store_true",
-        help="SCRIPT is a module name, run as 'python -m SCRIPT'",
+        help="SCRIPT is a module name, run as 'python -m SCRIPT' (found on the workers' sys.path)",
     )
     parser.add_argument(
         "--no-python",
         "--no_python",
         dest="no_python",
         action="store_true",
-        help="run SCRIPT as a program, not through Python",
+        help="run SCRIPT as a program (found on PATH), not through Python",
     )
-    parser.add_argument("script", metavar="SCRIPT", help="the Python script (or module, or program) to run")
+    parser.add_argument(
+        "script",
+        metavar="SCRIPT",
+        help="the Python file each worker runs (checked to exist before any worker starts); with -m "
+        "a module, with --no-python a program",
+    )
     parser.add_argument(
         "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments passed to SCRIPT unchanged"
     )
@@ -281,6 +308,7 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         LaunchConfigError: when the options do not describe a launchable job.
     """
     from ._launch_config import (
+        DEFAULT_CONNECT_TIMEOUT,
         LaunchConfig,
         LaunchConfigError,
         build_worker_command,
@@ -327,6 +355,8 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         log_dir=args.log_dir,
         master_addr=master_addr,
         master_port=args.master_port,
+        token_file=os.path.abspath(args.token_file) if args.token_file is not None else None,
+        connect_timeout=getattr(args, "connect_timeout", None) or DEFAULT_CONNECT_TIMEOUT,
     )
 
 
@@ -335,7 +365,7 @@ def main(args: argparse.Namespace) -> int:
     import asyncio
 
     from ._launch_agent import Console, run_agent
-    from ._launch_config import LaunchConfigError
+    from ._launch_config import LaunchConfigError, check_script
 
     console = Console.from_sys()
     # Read by the embedded coordinator and inherited by every worker (issue 10).
@@ -345,6 +375,7 @@ def main(args: argparse.Namespace) -> int:
         os.environ["AIOCOLL_PROGRESS_AFTER"] = f"{args.progress_after:g}"
     try:
         config = build_config(args, os.environ)
+        check_script(args.script, module=args.module, no_python=args.no_python)
     except LaunchConfigError as exc:
         console.log(f"error: {exc}")
         return 2

@@ -14,9 +14,11 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,14 @@ import pytest
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
 LAUNCHER = [sys.executable, "-m", "aiocoll.cli.run"]
-# Workers never contact it unless a test says so; an address that refuses connections.
-UNUSED_COORDINATOR = "127.0.0.1:9"
+
+
+@pytest.fixture(scope="module")
+def coordinator() -> Iterator[str]:
+    """A --coordinator address that accepts connections, as the launcher checks before it starts
+    any worker; the workers of these tests never contact it unless a test says so."""
+    with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
 
 PROBE = r'''
 import json, os, sys
@@ -101,12 +109,14 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(tmp_path: Path) -> None:
+def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(
+    tmp_path: Path, coordinator: str
+) -> None:
     (tmp_path / "probe.py").write_text(PROBE)
     (tmp_path / "token").write_text("launcher-secret\n")
     lines = 3000
     proc = _launch(
-        "--nproc-per-node", "3", "--coordinator", UNUSED_COORDINATOR, "--job", "env-check",
+        "--nproc-per-node", "3", "--coordinator", coordinator, "--job", "env-check",
         "--token-file", "token", "--log-dir", "logs", "probe.py", "--lr", "0.1", "--nproc-per-node", "9",
         cwd=tmp_path, env=_clean_env(PROBE_LINES=str(lines)),
     )
@@ -121,15 +131,15 @@ def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(tmp_pa
     assert sorted(envs) == [0, 1, 2]
     # MASTER_PORT is a free port for torch's rank-0 store, the same for every rank, and never the
     # coordinator's: the coordinator is named by AIOCOLL_COORDINATOR. The log line names both.
-    coordinator, store = _logged_addresses(proc.stderr)
-    assert coordinator == UNUSED_COORDINATOR
+    logged, store = _logged_addresses(proc.stderr)
+    assert logged == coordinator
     master_port = store.removeprefix("127.0.0.1:")
-    assert master_port.isdigit() and master_port != "9", store
+    assert master_port.isdigit() and master_port != coordinator.split(":")[1], store
     for rank, env in envs.items():
         assert env == {
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
             "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": master_port, "AIOCOLL_COORDINATOR": UNUSED_COORDINATOR, "AIOCOLL_JOB": "env-check",
+            "MASTER_PORT": master_port, "AIOCOLL_COORDINATOR": coordinator, "AIOCOLL_JOB": "env-check",
             "AIOCOLL_TOKEN": "launcher-secret", "AIOCOLL_RESTART_COUNT": "0",
             "OMP_NUM_THREADS": "1", "argv": ["--lr", "0.1", "--nproc-per-node", "9"],
         }
@@ -152,16 +162,25 @@ def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(tmp_pa
         assert raw_err.startswith(f"err {rank} 0 ")
 
     assert "[aiocoll run] all 3 rank(s) (0..2) exited 0" in proc.stderr
+    # The status command for the job names --token-file's own file, never the secret itself.
+    token_file = (tmp_path / "token").resolve()
+    assert f"run: aiocoll status --coordinator {coordinator} --job env-check --token-file {token_file}\n" in (
+        proc.stderr
+    )
+    launcher_lines = [line for line in proc.stderr.splitlines() if line.startswith("[aiocoll run] ")]
+    assert not any("launcher-secret" in line for line in launcher_lines)
 
 
-def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks(tmp_path: Path) -> None:
+def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks(
+    tmp_path: Path, coordinator: str
+) -> None:
     (tmp_path / "probe_module.py").write_text(PROBE)
     env = _clean_env(
         SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_LOCALID="0",
         PYTHONPATH=str(tmp_path), AIOCOLL_TOKEN="inherited",
     )
     proc = _launch(
-        "--nproc_per_node", "2", "--coordinator", "127.0.0.1:4321", "-m", "probe_module", "a",
+        "--nproc_per_node", "2", "--coordinator", coordinator, "-m", "probe_module", "a",
         cwd=tmp_path, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -174,7 +193,7 @@ def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks
     for local_rank, rank in enumerate((2, 3)):
         assert envs[rank]["LOCAL_RANK"] == str(local_rank)
         placed = (envs[rank]["WORLD_SIZE"], envs[rank]["GROUP_RANK"], envs[rank]["AIOCOLL_COORDINATOR"])
-        assert placed == ("4", "1", "127.0.0.1:4321")
+        assert placed == ("4", "1", coordinator)
         assert (envs[rank]["MASTER_ADDR"], envs[rank]["MASTER_PORT"]) == ("127.0.0.1", "29500")
         assert envs[rank]["AIOCOLL_TOKEN"] == "inherited" and envs[rank]["argv"] == ["a"]
 
@@ -207,11 +226,13 @@ time.sleep(120)
 '''
 
 
-def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(tmp_path: Path) -> None:
+def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(
+    tmp_path: Path, coordinator: str
+) -> None:
     (tmp_path / "failing.py").write_text(FAILING)
     started = time.monotonic()
     proc = _launch(
-        "--nproc-per-node", "3", "--grace-period", "1", "--coordinator", UNUSED_COORDINATOR, "failing.py",
+        "--nproc-per-node", "3", "--grace-period", "1", "--coordinator", coordinator, "failing.py",
         cwd=tmp_path, env=_clean_env(),
     )
     assert time.monotonic() - started < 40, "the launcher should stop the sleeping workers, not wait for them"
@@ -219,7 +240,15 @@ def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(
     err = proc.stderr
     assert "[aiocoll run] rank 1 (node 0, local rank 1, pid " in err
     assert ") failed: exit code 3" in err
-    assert "[aiocoll run]   ValueError: loss is nan at step 7" in err  # the tail of its stderr
+    # Its traceback is shown once, as it came; the report names the cause in one line.
+    assert err.count("Traceback (most recent call last):") == 1
+    assert "[rank1]: Traceback (most recent call last):" in err
+    cause = (
+        "[aiocoll run] rank 1's last stderr line: ValueError: loss is nan at step 7 "
+        "(its output is above, each line prefixed '[rank1]: ')"
+    )
+    assert cause in err
+    assert err.count("ValueError: loss is nan at step 7") == 2  # its own line and the cause
     assert "stopping the other 2 worker(s) with SIGTERM" in err
     assert "rank(s) 2 still running 1s after the stop signal; sending SIGKILL" in err
     assert "job failed (no restarts allowed): rank 1 failed (exit code 3)" in err
@@ -237,11 +266,13 @@ time.sleep(120)
 '''
 
 
-def test_restarts_run_out_and_a_signal_death_is_named_and_exits_128_plus_signal(tmp_path: Path) -> None:
+def test_restarts_run_out_and_a_signal_death_is_named_and_exits_128_plus_signal(
+    tmp_path: Path, coordinator: str
+) -> None:
     (tmp_path / "self_killing.py").write_text(SELF_KILLING)
     proc = _launch(
         "--nproc-per-node", "2", "--max-restarts", "1", "--grace-period", "5",
-        "--coordinator", UNUSED_COORDINATOR, "self_killing.py", cwd=tmp_path, env=_clean_env(),
+        "--coordinator", coordinator, "self_killing.py", cwd=tmp_path, env=_clean_env(),
     )
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert _rank_lines(proc.stdout, 0) == ["generation 0", "generation 1"]
@@ -264,18 +295,20 @@ if os.environ["RANK"] == "1" and not os.path.exists(marker):
 '''
 
 
-def test_max_restarts_restarts_the_whole_generation_with_the_same_job(tmp_path: Path) -> None:
+def test_max_restarts_restarts_the_whole_generation_with_the_same_job(
+    tmp_path: Path, coordinator: str
+) -> None:
     (tmp_path / "restarting.py").write_text(RESTARTING)
     proc = _launch(
         "--nproc-per-node", "2", "--max-restarts", "1", "--job", "elastic-7",
-        "--coordinator", UNUSED_COORDINATOR, "restarting.py", cwd=tmp_path, env=_clean_env(),
+        "--coordinator", coordinator, "restarting.py", cwd=tmp_path, env=_clean_env(),
     )
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
         assert _rank_lines(proc.stdout, rank) == ["attempt 0 elastic-7", "attempt 1 elastic-7"]
     err = proc.stderr
     assert "rank 1 (node 0, local rank 1" in err and "failed: exit code 5" in err
-    assert "[aiocoll run]   first generation fails" in err
+    assert "[aiocoll run] rank 1's last stderr line: first generation fails" in err
     restarting = (
         "rank 1 failed (exit code 5): restarting all 2 local worker(s) (restart 1 of 1, job 'elastic-7')"
     )
@@ -301,10 +334,12 @@ while True:
 '''
 
 
-def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(tmp_path: Path) -> None:
+def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(
+    tmp_path: Path, coordinator: str
+) -> None:
     (tmp_path / "trapping.py").write_text(TRAPPING)
     launcher = subprocess.Popen(
-        [*LAUNCHER, "--nproc-per-node", "2", "--grace-period", "60", "--coordinator", UNUSED_COORDINATOR,
+        [*LAUNCHER, "--nproc-per-node", "2", "--grace-period", "60", "--coordinator", coordinator,
          "trapping.py"],
         cwd=tmp_path, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -331,9 +366,9 @@ def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(tmp_p
     assert not _pid_alive(int((tmp_path / "ready1").read_text()))
 
 
-def test_a_program_that_cannot_start_is_reported_with_exit_127(tmp_path: Path) -> None:
+def test_a_program_that_cannot_start_is_reported_with_exit_127(tmp_path: Path, coordinator: str) -> None:
     proc = _launch(
-        "--no-python", "--nproc-per-node", "2", "--coordinator", UNUSED_COORDINATOR,
+        "--no-python", "--nproc-per-node", "2", "--coordinator", coordinator,
         str(tmp_path / "no-such-program"), cwd=tmp_path, env=_clean_env(),
     )
     assert proc.returncode == 127

@@ -14,6 +14,7 @@ from aiocoll.cli._launch_agent import describe_returncode, exit_code_of
 from aiocoll.cli._launch_config import (
     LaunchConfigError,
     build_worker_command,
+    check_script,
     format_host_port,
     parse_coordinator_address,
     resolve_node_placement,
@@ -309,3 +310,53 @@ def test_help_has_examples_and_both_spellings(capsys: pytest.CaptureFixture[str]
     for fragment in ("examples:", "--nproc-per-node", "--nproc_per_node", "--max-restarts", "SLURM_PROCID",
                      "JOB_COMPLETION_INDEX", "exit status:"):
         assert fragment in out, fragment
+
+
+def test_a_missing_script_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert run.main(_parse("--nproc-per-node", "2", "nosuch.py")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("[aiocoll run] error: SCRIPT 'nosuch.py' does not exist")
+    assert str(tmp_path / "nosuch.py") in err
+    assert run.main(_parse("train")) == 2
+    assert "to run the module 'train', pass -m train" in capsys.readouterr().err
+    (tmp_path / "there.py").write_text("")
+    (tmp_path / "package").mkdir()
+    check_script("there.py")
+    check_script(str(tmp_path / "package"))  # a directory (or zip) with __main__.py runs too
+    check_script("-")  # the script on standard input
+    check_script("some.module", module=True)  # found by Python in the worker
+    check_script("no-such-program", no_python=True)  # a spawn failure is exit 127, per worker
+
+
+def test_connect_timeout_defaults_to_30_seconds_and_must_be_positive(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run.build_config(_parse("--coordinator", "h:1", "s.py"), {}).connect_timeout == 30.0
+    config = run.build_config(_parse("--coordinator", "h:1", "--connect-timeout", "2.5", "s.py"), {})
+    assert config.connect_timeout == 2.5
+    with pytest.raises(SystemExit):
+        _parse("--connect-timeout", "0", "s.py")
+    assert "--connect-timeout" in capsys.readouterr().err
+
+
+def test_the_container_docs_start_workers_against_the_containers_coordinator() -> None:
+    """docs/CONTAINER.md: every `aiocoll run` line names the container's coordinator (an
+    `aiocoll run` without --coordinator runs one of its own and ignores the container) and
+    reads the token from a file, as the `aiocoll status` line beside it does."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "CONTAINER.md").read_text()
+    commands = [
+        line.split("aiocoll run", 1)[1].split("#")[0]
+        for line in text.replace("\\\n", " ").splitlines()
+        if "aiocoll run " in line and not line.lstrip().startswith("#")
+    ]
+    assert commands, "CONTAINER.md shows how workers use the container"
+    for command in commands:
+        args = _parse(*command.replace("<host>", "coordinator-host").split())
+        assert args.coordinator is not None, command
+        assert parse_coordinator_address(args.coordinator) == ("coordinator-host", 29500), command
+        assert args.token_file is not None, command
+    status = [line for line in text.splitlines() if "aiocoll status --coordinator <host>:29500" in line]
+    assert status and all("--token-file" in line for line in status)

@@ -1,0 +1,130 @@
+"""What `aiocoll run` checks before it starts any worker, and what a worker never does instead.
+
+`--coordinator HOST:PORT` means that coordinator: an explicit address where nothing answers
+fails at once, in the launcher, naming the address and what to do; and a worker told
+AIOCOLL_COORDINATOR never starts a coordinator of its own when that one does not answer (rank 0
+used to, silently, so a job ran on a coordinator nobody asked for). A SCRIPT that does not exist
+fails before anything starts. Real processes over loopback; nothing here forms a world.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_launcher import LAUNCHER, _clean_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+
+MARKING = r"""
+import os
+here = os.path.dirname(os.path.abspath(__file__))
+open(os.path.join(here, "started-" + os.environ["RANK"]), "w").close()
+"""
+
+
+def _free_port() -> int:
+    """A port nothing listens on (bound, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_an_explicit_coordinator_that_does_not_answer_fails_before_any_worker_starts(tmp_path: Path) -> None:
+    (tmp_path / "marking.py").write_text(MARKING)
+    port = _free_port()
+    started = time.monotonic()
+    proc = subprocess.run(
+        [
+            *LAUNCHER,
+            "--nproc-per-node",
+            "2",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--connect-timeout",
+            "2",
+            "marking.py",
+        ],
+        cwd=tmp_path,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    assert elapsed < 15, f"took {elapsed:.1f}s with --connect-timeout 2"
+    err = proc.stderr
+    assert f"error: no aiocoll coordinator answers at 127.0.0.1:{port}" in err, err
+    assert f"aiocoll coordinator --host 127.0.0.1 --port {port}" in err  # how to start one there
+    assert "leave out --coordinator" in err  # or let the launcher run one
+    assert "--connect-timeout" in err
+    assert not list(tmp_path.glob("started-*")), "no worker may start without its coordinator"
+    assert "[rank" not in proc.stdout + err
+
+
+WORKER = r"""
+import aiocoll.sync as dist
+dist.init_process_group(timeout=3)
+print("joined", flush=True)
+"""
+
+
+def test_a_worker_never_starts_a_coordinator_in_place_of_the_one_aiocoll_coordinator_names(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "worker.py").write_text(WORKER)
+    port = _free_port()
+    env = _clean_env(AIOCOLL_COORDINATOR=f"127.0.0.1:{port}", RANK="0", WORLD_SIZE="1", AIOCOLL_TOKEN="t")
+    proc = subprocess.Popen(
+        [sys.executable, "worker.py"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        seen_listening = False
+        while proc.poll() is None:
+            seen_listening = seen_listening or _listening(port)
+            time.sleep(0.1)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0 and "joined" not in out, out + err
+    assert not seen_listening, "rank 0 started a coordinator of its own at AIOCOLL_COORDINATOR's address"
+    assert "RendezvousError" in err and f"127.0.0.1:{port}" in err
+    assert "Rank 0 does not start one in its place" in err
+
+
+def test_a_missing_script_fails_at_once_and_starts_nothing(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = subprocess.run(
+        [*LAUNCHER, "--nproc-per-node", "2", "nosuch.py"],
+        cwd=tmp_path,
+        env=_clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert time.monotonic() - started < 20
+    assert proc.stderr.startswith("[aiocoll run] error: SCRIPT 'nosuch.py' does not exist")
+    assert str(tmp_path.resolve() / "nosuch.py") in proc.stderr
+    # Nothing was started: no embedded coordinator, no worker, no status command.
+    assert "coordinator listening" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr
+    assert "aiocoll status" not in proc.stderr
