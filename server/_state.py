@@ -171,8 +171,9 @@ class CoordinatorState(Effects):
         j = (self.jobs.get(job) or Job(job, now)) if role == ROLE_ADMIN else self.job(job, now)
         conn = Conn(conn_id, j, role, peer, now)
         self.conns[conn_id] = conn
-        j.conns.add(conn)
-        j.last_activity = now
+        if role != ROLE_ADMIN:  # watching a job (status --watch) does not keep it from expiring
+            j.conns.add(conn)
+            j.last_activity = now
         self.dedupe.attach(conn, cid, now)
         if role == ROLE_BEAT:
             self.membership.attach_beat(conn, session)
@@ -198,7 +199,8 @@ class CoordinatorState(Effects):
                 continue
             job = conn.job
             job.conns.discard(conn)
-            job.last_activity = now
+            if conn.role != ROLE_ADMIN:
+                job.last_activity = now
             self.dedupe.detach(conn, now)
             self.kv.drop(conn)
             self.rendezvous.disconnect(conn, reason)
@@ -226,7 +228,8 @@ class CoordinatorState(Effects):
         conn = self.conns[conn_id]
         now = self.started = self.clock()
         conn.last_seen = now
-        conn.job.last_activity = now
+        if conn.role != ROLE_ADMIN:
+            conn.job.last_activity = now
         store = self._store_request
         try:
             for header, payload in messages:

@@ -454,6 +454,21 @@ def test_abandoned_job_expires_after_ttl_but_not_while_connected() -> None:
     assert "drop" not in h.state.jobs and "keep" in h.state.jobs
 
 
+def test_an_operator_watching_a_job_does_not_keep_it_from_expiring() -> None:
+    h = Harness(job_ttl=60)
+    worker = h.connect("done", "store")
+    ok(h.call(worker, "set", b"1", key="k"))
+    h.state.disconnect(worker, "finished")
+    watcher = h.connect("done", "admin")
+    for _ in range(5):  # `aiocoll status --watch` asking every 10 s
+        h.tick(10)
+        ok(h.call(watcher, "status", job="done"))
+    h.tick(11)
+    assert "done" not in h.state.jobs, "only workers' activity keeps a job"
+    refused, _ = h.call(watcher, "status", job="done")
+    assert refused["ok"] is False and "no such job 'done'" in refused["msg"]
+
+
 def test_status_lists_jobs_members_and_liveness() -> None:
     h = Harness()
     conns, _ = complete_round(h, 2, job="train")
