@@ -4,7 +4,8 @@ Run by scripts/check_container.sh *inside* the image (with the image's own Pytho
 installed aiocoll), in the network namespace where the image's default command is serving.
 Checks: the handshake with the right token and a set/get/add round trip; a wrong token refused
 (by the client's check of the coordinator's proof, and by the coordinator for a forged proof);
-/healthz, /metrics and /jobs over HTTP; `aiocoll status` from the image. Prints one PASS/FAIL
+/healthz, /metrics and /jobs over HTTP (/jobs after proving the token as the web page does:
+docs/COORDINATOR.md); `aiocoll status` from the image. Prints one PASS/FAIL
 line per check and exits 1 if any failed. Standard library plus aiocoll.protocol only.
 
     python _container_probe.py --port 29500 --http-port 29501 --token SECRET
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import json
 import os
 import subprocess
@@ -160,15 +163,26 @@ async def check_server_refuses_a_forged_proof(port: int) -> None:
         writer.close()
 
 
-def http_get(port: int, path: str) -> tuple[int, str, bytes]:
-    with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=10) as response:
+def http_get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(f"http://{HOST}:{port}{path}", headers=headers or {})
+    with urllib.request.urlopen(request, timeout=10) as response:
         return response.status, response.headers.get("Content-Type", ""), response.read()
 
 
-def check_http(port: int) -> None:
+def http_session(port: int, token: str) -> dict[str, str]:
+    """The Authorization header /jobs wants from a coordinator with a token: answer /auth's nonce
+    with hex HMAC-SHA256(token, "aiocoll page|" + nonce), as the web page does."""
+    nonce = json.loads(http_get(port, "/auth")[2])["nonce"]
+    proof = hmac.new(token.encode(), b"aiocoll page|" + nonce.encode(), hashlib.sha256).hexdigest()
+    session = json.loads(http_get(port, f"/auth?nonce={nonce}&proof={proof}")[2])["session"]
+    return {"Authorization": f"Bearer {session}"}
+
+
+def check_http(port: int, token: str) -> None:
     for path in ("/healthz", "/metrics", "/jobs"):
         try:
-            status, content_type, body = http_get(port, path)
+            headers = http_session(port, token) if path == "/jobs" else None
+            status, content_type, body = http_get(port, path, headers)
         except Exception as exc:
             report(False, f"GET {path}", repr(exc))
             continue
@@ -208,7 +222,7 @@ def main() -> int:
     asyncio.run(check_store(args.port, args.token))
     asyncio.run(check_wrong_token(args.port))
     asyncio.run(check_server_refuses_a_forged_proof(args.port))
-    check_http(args.http_port)
+    check_http(args.http_port, args.token)
     check_status_cli(args.port, args.token)
     print(f"probe: {len(failures)} check(s) failed" if failures else "probe: every check passed", flush=True)
     return 1 if failures else 0

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiocoll.protocol._coordinator import (
     HEARTBEAT_TIMEOUT,
@@ -42,7 +42,16 @@ from ._state import (
 )
 from ._turns import Turns
 
+if TYPE_CHECKING:
+    from ._http import Reply, Request
+
 __all__ = ["Coordinator"]
+
+
+def _json(status: int, body: dict[str, Any]) -> tuple[int, str, bytes]:
+    """An HTTP route's JSON answer."""
+    return status, "application/json", json.dumps(body).encode()
+
 
 log = logging.getLogger("aiocoll.server")
 
@@ -66,7 +75,9 @@ class Coordinator:
         port: TCP port; 0 picks a free one (read ``.port`` after ``start()``).
         token: shared secret every client must prove it holds; None means the empty secret.
         state_dir: directory for the durable journal and snapshots; None keeps state in memory.
-        http_port: serve /healthz, /metrics and /jobs on this port (0: a free one); None: no HTTP.
+        http_port: serve the web page (/), /healthz, /metrics, /auth and /jobs on this port (0: a
+            free one); None: no HTTP. With a token, the page and /jobs show a job only to a
+            client that proved it holds the token (docs/COORDINATOR.md, "Operations").
         http_host: address for the HTTP endpoints (default: ``host``).
         max_value_bytes: largest value a key may hold.
         max_keys_per_job: most keys in one job's key space.
@@ -236,14 +247,19 @@ class Coordinator:
                 )
             if self.http_port is not None:
                 from ._http import start_http_server
+                from ._page import PAGE_PATHS
+                from ._page_access import PageAccess
 
+                self._page_access = PageAccess(self._token, time.monotonic)
                 self._http = await start_http_server(
                     self.http_host,
                     self.http_port,
                     {
                         "/healthz": self._route_healthz,
                         "/metrics": self._route_metrics,
+                        "/auth": self._route_auth,
                         "/jobs": self._route_jobs,
+                        **{path: self._route_page for path in PAGE_PATHS},
                     },
                 )
                 self.http_port = self._http.port
@@ -589,6 +605,52 @@ class Coordinator:
         body, content_type = self.metrics.render()
         return 200, content_type, body
 
-    async def _route_jobs(self) -> tuple[int, str, bytes]:
-        body = json.dumps({"jobs": self.state.status()}, indent=1).encode()
-        return 200, "application/json", body
+    async def _route_page(self, request: Request) -> Reply:
+        from ._page import PAGE_HEADERS, asset
+
+        content_type, body = asset(request.path)
+        return 200, content_type, body, PAGE_HEADERS
+
+    async def _route_auth(self, request: Request) -> Reply:
+        """GET /auth: a nonce to answer (``{"token": true, "nonce"}``; ``{"token": false}`` when the
+        coordinator has none); GET /auth?nonce=N&proof=P: a session value for /jobs, or 403."""
+        from ._page_access import NONCE_SECONDS, SESSION_SECONDS
+
+        access = self._page_access
+        if access.open:
+            return _json(200, {"token": False})
+        nonce, proof = request.query.get("nonce"), request.query.get("proof")
+        if nonce is None and proof is None:
+            return _json(200, {"token": True, "nonce": access.challenge(), "expires_in": NONCE_SECONDS})
+        session = access.answer(nonce or "", proof or "")
+        if session is None:
+            self.metrics.auth_failure()
+            log.warning(
+                "event=http_auth_failed peer=%s reason=a wrong proof for the page (a wrong token), "
+                "or a nonce that is unknown, used or older than %gs",
+                request.peer,
+                NONCE_SECONDS,
+            )
+            return _json(
+                403,
+                {
+                    "token": True,
+                    "error": "proof refused: the token is not this coordinator's, or the nonce expired "
+                    "or was used (ask GET /auth for a new one)",
+                },
+            )
+        log.info("event=http_session peer=%s expires_in=%gs", request.peer, SESSION_SECONDS)
+        return _json(200, {"token": True, "session": session, "expires_in": SESSION_SECONDS})
+
+    async def _route_jobs(self, request: Request) -> Reply:
+        access = self._page_access
+        if not access.admits(request.headers.get("authorization")):
+            body = {
+                "token": True,
+                "error": "this coordinator has a token: prove you hold it first (GET /auth for a nonce, "
+                "GET /auth?nonce=N&proof=HEX(HMAC-SHA256(token, 'aiocoll page|' + N)) for a session, "
+                "then send 'Authorization: Bearer SESSION'); the page at / does this for you",
+            }
+            return *_json(401, body), {"WWW-Authenticate": 'Bearer realm="aiocoll coordinator"'}
+        payload = {"jobs": self.state.status(), "time": round(time.time(), 3), "token": not access.open}
+        return 200, "application/json", json.dumps(payload, indent=1).encode()

@@ -1,21 +1,30 @@
-"""A small, strict HTTP/1.1 server on asyncio for the coordinator's /healthz, /metrics and /jobs.
+"""A small, strict HTTP/1.1 server on asyncio for the coordinator's web page and its /healthz,
+/metrics, /auth and /jobs.
 
 Imports only the standard library: it must not import the client, the public surface or any
 HTTP framework, so the coordinator stays a dependency-light service. It exists because those
-three read-only endpoints need far less than a web framework, but must still be safe on a port
+read-only endpoints need far less than a web framework, but must still be safe on a port
 that anyone may reach: GET and HEAD only, no request bodies, a bounded request head, a deadline
 for reading it and for writing the reply, a cap on concurrent connections, one request per
 connection (``Connection: close``), and no DNS lookups of any kind.
+
+A route is ``async def route()`` (an endpoint that needs nothing of the request) or
+``async def route(request)`` (it reads the query or a header: ``Request``); it answers
+(status, content type, body), or (status, content type, body, extra headers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import re
 import socket
-from collections.abc import Awaitable, Callable
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Union
 
 __all__ = [
     "MAX_CONNECTIONS",
@@ -23,26 +32,50 @@ __all__ = [
     "READ_TIMEOUT",
     "HANDLER_TIMEOUT",
     "HttpServer",
+    "Reply",
+    "Request",
     "Route",
     "start_http_server",
 ]
 
 log = logging.getLogger("aiocoll.server.http")
 
-# A route answers (status, content type, body).
-Route = Callable[[], Awaitable[tuple[int, str, bytes]]]
+
+@dataclass(frozen=True)
+class Request:
+    """What a route may read of a request.
+
+    Attributes:
+        method: "GET" or "HEAD". path: the path, without the query.
+        query: the query's fields (the last one wins when a name repeats).
+        headers: header fields by lower-case name (the last one wins). peer: the client's address.
+    """
+
+    method: str
+    path: str
+    query: Mapping[str, str]
+    headers: Mapping[str, str]
+    peer: str
+
+
+# A route answers (status, content type, body), or (status, content type, body, extra headers).
+Reply = Union[tuple[int, str, bytes], tuple[int, str, bytes, Mapping[str, str]]]
+Route = Union[Callable[[], Awaitable[Reply]], Callable[[Request], Awaitable[Reply]]]
 
 MAX_REQUEST_BYTES = 8 * 1024  # request line + headers; a GET needs a few hundred bytes
 READ_TIMEOUT = 5.0  # seconds a client has to send its whole request head
 WRITE_TIMEOUT = 10.0  # seconds a client has to take the whole reply
 HANDLER_TIMEOUT = 10.0  # seconds a route may take before the client gets 503
 MAX_CONNECTIONS = 64  # concurrent HTTP connections; more are closed at once
+MAX_QUERY_FIELDS = 16  # a query with more is refused
 LINGER_TIMEOUT = 1.0  # seconds to wait for the client to close after the reply
 LINGER_BYTES = 64 * 1024  # most unread request bytes discarded before closing anyway
 
 _REASONS = {
     200: "OK",
     400: "Bad Request",
+    401: "Unauthorized",
+    403: "Forbidden",
     404: "Not Found",
     405: "Method Not Allowed",
     408: "Request Timeout",
@@ -74,8 +107,9 @@ class _BadRequest(Exception):
         self.reason = reason
 
 
-def _parse_head(head: bytes) -> tuple[str, str]:
-    """Validate a request head (up to and without the blank line); return (method, path).
+def _parse_head(head: bytes) -> tuple[str, str, str, dict[str, str]]:
+    """Validate a request head (up to and without the blank line); return (method, path, query,
+    headers by lower-case name).
 
     Raises:
         _BadRequest: with the status to answer when the head breaks HTTP/1.1's grammar.
@@ -94,6 +128,7 @@ def _parse_head(head: bytes) -> tuple[str, str]:
     if not _TARGET.match(target):
         raise _BadRequest(400, "request target must be an absolute path")
     host_count = 0
+    headers: dict[str, str] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep or not _TOKEN.match(name):  # also refuses obsolete line folding
@@ -102,6 +137,7 @@ def _parse_head(head: bytes) -> tuple[str, str]:
         if not _FIELD_VALUE.match(value):
             raise _BadRequest(400, "control character in a header value")
         lname = name.lower()
+        headers[lname.decode("ascii")] = value.decode("latin-1")
         if lname == b"host":
             host_count += 1
         elif lname == b"transfer-encoding" or (lname == b"content-length" and value != b"0"):
@@ -109,8 +145,53 @@ def _parse_head(head: bytes) -> tuple[str, str]:
             raise _BadRequest(400, "request bodies are not accepted")
     if version == b"HTTP/1.1" and host_count != 1:
         raise _BadRequest(400, "an HTTP/1.1 request needs exactly one Host header")
-    path = target.split(b"?", 1)[0].decode("ascii")
-    return method.decode("ascii"), path
+    path, _, query = target.decode("ascii").partition("?")
+    return method.decode("ascii"), path, query, headers
+
+
+def _parse_query(query: str) -> dict[str, str]:
+    """The fields of a query string.
+
+    Raises:
+        _BadRequest: when it has more than MAX_QUERY_FIELDS fields.
+    """
+    try:
+        fields = urllib.parse.parse_qsl(query, keep_blank_values=True, max_num_fields=MAX_QUERY_FIELDS)
+    except ValueError:
+        raise _BadRequest(400, f"a query of more than {MAX_QUERY_FIELDS} fields") from None
+    return dict(fields)
+
+
+def _header_lines(headers: Mapping[str, str]) -> str:
+    """A route's extra header fields as lines of a reply head.
+
+    Raises:
+        ValueError: a name that is not a token or a value with a control character (a route's
+            bug; it must never become a response splitting hole).
+    """
+    lines = []
+    for name, value in headers.items():
+        if not _TOKEN.match(name.encode("latin-1")) or not _FIELD_VALUE.match(value.encode("latin-1")):
+            raise ValueError(f"bad reply header {name!r}: {value[:64]!r}")
+        lines.append(f"{name}: {value}\r\n")
+    return "".join(lines)
+
+
+def _peer_text(peer: object) -> str:
+    """A client's address as HOST:PORT ([HOST]:PORT for IPv6)."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return str(peer)
+
+
+def _takes_request(route: Route) -> bool:
+    """Whether ``route`` is ``async def route(request)`` rather than ``async def route()``."""
+    try:
+        params = inspect.signature(route).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it bare
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL) for p in params)
 
 
 def _response(status: int, content_type: str, body: bytes, *, head_only: bool, extra: str = "") -> bytes:
@@ -143,7 +224,7 @@ class HttpServer:
 
     def __init__(self, server: asyncio.Server, host: str, routes: dict[str, Route]) -> None:
         self._server = server
-        self._routes = dict(routes)
+        self._routes = {path: (route, _takes_request(route)) for path, route in routes.items()}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self.host = host
@@ -204,26 +285,34 @@ class HttpServer:
         except asyncio.IncompleteReadError:
             raise ConnectionResetError("client closed before finishing its request") from None
         try:
-            method, path = _parse_head(head[:-4])
+            method, path, query, headers = _parse_head(head[:-4])
+            fields = _parse_query(query) if query else {}
         except _BadRequest as exc:
             log.debug("http client %s: %s", peer, exc.reason)
             return _text(exc.status, exc.reason)
         head_only = method == "HEAD"
         if method not in _ALLOWED:
             return _text(405, f"method {method} not allowed", extra="Allow: GET, HEAD\r\n")
-        route = self._routes.get(path)
-        if route is None:
+        entry = self._routes.get(path)
+        if entry is None:
             known = ", ".join(sorted(self._routes))
             return _text(404, f"no such path {path!r}; try one of: {known}", head_only=head_only)
+        route, takes_request = entry
         try:
-            status, content_type, body = await asyncio.wait_for(route(), HANDLER_TIMEOUT)
+            if takes_request:
+                request = Request(method, path, fields, headers, _peer_text(peer))
+                reply = await asyncio.wait_for(route(request), HANDLER_TIMEOUT)  # type: ignore[call-arg]
+            else:
+                reply = await asyncio.wait_for(route(), HANDLER_TIMEOUT)  # type: ignore[call-arg]
+            status, content_type, body = reply[:3]
+            extra = _header_lines(reply[3]) if len(reply) > 3 else ""
         except asyncio.TimeoutError:
             log.warning("http route %s took longer than %ss", path, HANDLER_TIMEOUT)
             return _text(503, f"{path} did not answer in time", head_only=head_only)
         except Exception:
             log.exception("http route %s failed", path)
             return _text(500, f"{path} failed; see the coordinator's log", head_only=head_only)
-        return _response(status, content_type, body, head_only=head_only)
+        return _response(status, content_type, body, head_only=head_only, extra=extra)
 
 
 async def start_http_server(host: str, port: int, routes: dict[str, Route]) -> HttpServer:
@@ -232,8 +321,9 @@ async def start_http_server(host: str, port: int, routes: dict[str, Route]) -> H
     Args:
         host: address to bind (an IP literal; "0.0.0.0" for every IPv4 interface).
         port: TCP port; 0 picks a free one (read it back from ``HttpServer.port``).
-        routes: path (e.g. ``"/metrics"``) -> coroutine function returning
-            (status, content type, body). The query string is ignored when matching.
+        routes: path (e.g. ``"/metrics"``) -> coroutine function, with no argument or with the
+            ``Request``, returning (status, content type, body[, extra headers]). The query
+            string is not part of the path matched.
 
     Returns:
         The running HttpServer.

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from aiocoll.server import Coordinator
+from aiocoll.server._page_access import page_proof
 
 from aiocoll import AuthenticationError
 from aiocoll.protocol import MAGIC, ClientHandshake, FrameDecoder, encode_frame, pack_prefix
@@ -176,9 +177,9 @@ async def wait_closed_by_server(reader: asyncio.StreamReader, within: float = 10
             received += data
 
 
-async def http_get(port: int, path: str) -> tuple[int, bytes]:
+async def http_get(port: int, path: str, extra: str = "") -> tuple[int, bytes]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra}\r\n".encode())
     raw = await asyncio.wait_for(reader.read(), 10)
     writer.close()
     head, _, body = raw.partition(b"\r\n\r\n")
@@ -305,6 +306,11 @@ async def test_coordinator_process_serves_everyone_despite_bad_input_and_drains_
     status, body = await http_get(http_port, "/healthz")
     assert status == 200
     status, body = await http_get(http_port, "/jobs")
+    assert status == 401 and b"train" not in body  # with a token: only for who proved holding it
+    nonce = json.loads((await http_get(http_port, "/auth"))[1])["nonce"]
+    _, body = await http_get(http_port, f"/auth?nonce={nonce}&proof={page_proof(TOKEN, nonce)}")
+    bearer = f"Authorization: Bearer {json.loads(body)['session']}\r\n"
+    status, body = await http_get(http_port, "/jobs", bearer)
     jobs = {j["job"]: j for j in json.loads(body)["jobs"]}
     assert jobs["train"]["keys"] == 6  # a, n, c, m2, late, counter and jobs["rdzv"]["world_size"] == 2
     status, body = await http_get(http_port, "/metrics")

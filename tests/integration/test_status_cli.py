@@ -12,12 +12,14 @@ import re
 import signal
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiocoll.server._page_access import page_proof
 
 from aiocoll.protocol import ClientHandshake, FrameDecoder, ServerHandshake, encode_frame
 from aiocoll.protocol._coordinator import ROLE_ADMIN, ROLE_WORKER
@@ -257,9 +259,13 @@ async def _until_reply(reader: asyncio.StreamReader, decoder: FrameDecoder, req_
                 return frame.header
 
 
-def _http_get(port: int, path: str) -> tuple[int, str, bytes]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-        return response.status, response.headers["Content-Type"], response.read()
+def _http_get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read()
 
 
 @pytest.mark.skipif(not _HAS_COORDINATOR, reason="aiocoll.cli.coordinator is not written yet")
@@ -324,7 +330,13 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
 
         status, _, body = await asyncio.to_thread(_http_get, http_port, "/healthz")
         assert status == 200 and body
-        status, content_type, body = await asyncio.to_thread(_http_get, http_port, "/jobs")
+        status, _, body = await asyncio.to_thread(_http_get, http_port, "/jobs")
+        assert status == 401 and b"train" not in body  # with a token: only for who proved holding it
+        nonce = json.loads((await asyncio.to_thread(_http_get, http_port, "/auth"))[2])["nonce"]
+        proof = page_proof(TOKEN, nonce)
+        _, _, body = await asyncio.to_thread(_http_get, http_port, f"/auth?nonce={nonce}&proof={proof}")
+        bearer = {"Authorization": f"Bearer {json.loads(body)['session']}"}
+        status, content_type, body = await asyncio.to_thread(_http_get, http_port, "/jobs", bearer)
         assert status == 200 and content_type.startswith("application/json")
         assert "train" in json.dumps(json.loads(body))
         status, content_type, body = await asyncio.to_thread(_http_get, http_port, "/metrics")
