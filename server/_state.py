@@ -1,7 +1,7 @@
 """The coordinator's state machine: a thin dispatcher over its parts. No sockets, no asyncio, no
 threads; time comes from an injected clock. Imports the server's parts (_kv, _rendezvous,
-_liveness, _dedupe, _progress_part, _persistence) and aiocoll foundations; never client/ or the
-public surface.
+_liveness, _dedupe, _progress_part, _quorum, _persistence) and aiocoll foundations; never client/
+or the public surface.
 
 It exists so that every decision the coordinator makes can be tested without a network and
 replayed from the durable journal: the asyncio shell (_coordinator.py) feeds it requests,
@@ -11,9 +11,10 @@ connection openings and closings and clock ticks, and drains what it decided (``
 
 The parts, each with one concern and its own data in each job (``_model.Job``): the key-value
 store and its waiters (_kv), rounds and membership (_rendezvous), heartbeats and silence
-(_liveness), exactly-once mutations (_dedupe), the progress cross-check (_progress_part), and
-snapshot and replay (_persistence). A request is looked up in one command table (op -> the part's
-handler); a numbered mutation passes through the dedupe part on its way.
+(_liveness), exactly-once mutations (_dedupe), the progress cross-check (_progress_part), the
+replicas' quorums (_quorum), and snapshot and replay (_persistence). A request is looked up in
+one command table (op -> the part's handler); a numbered mutation passes through the dedupe part
+on its way.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from ._model import (
     StoreHandler,
 )
 from ._progress_part import Progress
+from ._quorum import Quorum
 from ._rendezvous import Rendezvous
 
 __all__ = [
@@ -125,6 +127,7 @@ class CoordinatorState(Effects):
         )
         self.dedupe = Dedupe(self, client_ttl=job_ttl if client_ttl is None else client_ttl)
         self.progress = Progress(self)
+        self.quorum = Quorum(self, self.kv, heartbeat_timeout=lambda: self.liveness.heartbeat_timeout)
         # The command tables: every operation to the part that answers it; store operations by
         # their compact code, the others by name.
         self._store: dict[int, tuple[str, StoreHandler]] = self.kv.handlers()
@@ -132,6 +135,7 @@ class CoordinatorState(Effects):
             **self.rendezvous.handlers(),
             **self.liveness.handlers(),
             **self.progress.handlers(),
+            **self.quorum.handlers(),
             "status": self._op_status,
         }
         names = set(self._handlers) | {name for name, _ in self._store.values()}
@@ -205,6 +209,7 @@ class CoordinatorState(Effects):
             self.kv.drop(conn)
             self.rendezvous.disconnect(conn, reason)
             self.membership.disconnect(conn, reason)
+            self.quorum.disconnect(conn, reason)
         self.membership.announce()
 
     # ------------------------------------------------------------------ requests

@@ -27,6 +27,12 @@ Requests (client -> coordinator), header ``{"op": OP, "id": int, ...}``:
                                                                               held_back_by, summary,
                                                                               progress_reports}]
     progress  ops, seqs, busy (see "Progress" below)        -                  -
+    quorum    replica, uid, step, ask, host, min_replicas,  -                  quorum_id, members:
+              join_timeout, renew, timeout: a replica at                      [[replica, step, host]]
+              a step boundary (server/_quorum.py,                             (by replica), index,
+              docs/FAULT_TOLERANCE.md)                                        max_step, heal: [source
+                                                                              index or -1], left:
+                                                                              [[replica, host, why]]
 
 join may carry ``table_in_payload: True``: the reply then has no "members" field; its payload is
 the msgpack encoding of that same list (a 10,000-member table is ~0.5 MB, so a client may decode it
@@ -156,7 +162,7 @@ ROLE_BEAT = "beat"  # a joined worker's second connection: heartbeats and progre
 STORE_OPS = frozenset(
     {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append", "sync"}
 )
-CONTROL_OPS = frozenset({"join", "hb", "leave", "status", "table", "progress"})
+CONTROL_OPS = frozenset({"join", "hb", "leave", "status", "table", "progress", "quorum"})
 OPS = STORE_OPS | CONTROL_OPS
 
 ERR_TIMEOUT = "timeout"  # a waiting get/wait/mget ran out; "keys" names the missing keys

@@ -1,0 +1,324 @@
+"""The coordinator's quorum part (issue 20) without sockets: replicas asking at step boundaries on
+a fake clock; when a quorum forms (the join window, the fast path, a replica whose connection
+closed or went silent), its id (kept while the membership stays), who heals from whom, refusals,
+timeouts, and a coordinator restart from the journal that loses nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from aiocoll.server import CoordinatorState
+from aiocoll.server._quorum import QUORUM_KEY, heal_plan
+from store_frames import StateDriver
+
+from aiocoll.protocol._coordinator import ERR_INVALID, ERR_TIMEOUT, ERR_UNKNOWN_OP
+
+pytestmark = pytest.mark.timeout(20)
+
+JOIN = 5.0  # the join window every replica asks with here
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Replicas:
+    """A CoordinatorState and the replicas that ask it for quorums, each on a connection."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.clock = Clock()
+        self.state = CoordinatorState(clock=self.clock, heartbeat_timeout=4.0, **kwargs)
+        self.driver = StateDriver(self.state)
+        self.conns: dict[str, int] = {}
+        self.uids: dict[str, str] = {}
+        self.asks: dict[str, int] = {}
+        self.next_conn = 0
+        self.next_id = 100
+        self.quorum_ids: set[int] = set()
+        self.cut: set[str] = set()  # replicas whose connection stays open but carries nothing
+
+    def start(self, replica: str, *, uid: str | None = None) -> None:
+        """A replica process starts: its own connection and incarnation id."""
+        self.next_conn += 1
+        self.conns[replica] = self.next_conn
+        self.uids[replica] = uid or f"{replica}-{self.next_conn}"
+        self.asks[replica] = 0
+        self.state.connect(self.next_conn, "train", "store", peer=f"10.0.0.{self.next_conn}:5000")
+
+    def ask(self, name: str, step: int, /, *, again: bool = False, **fields: Any) -> None:
+        """Replica ``name`` asks for a quorum at ``step`` (``again``: re-sends its last ask, as
+        after a reconnect); ``fields`` replace the request's."""
+        if not again:
+            self.asks[name] += 1
+        self.next_id += 1
+        self.quorum_ids.add(self.next_id)
+        request = {
+            "replica": name,
+            "uid": self.uids[name],
+            "step": step,
+            "ask": self.asks[name],
+            "host": f"host-{name}",
+            "min_replicas": 2,
+            "join_timeout": JOIN,
+            "timeout": 60.0,
+            "id": self.next_id,
+            **fields,
+        }
+        self.driver.send(self.conns[name], "quorum", **request)
+
+    def replies(self) -> dict[str, dict[str, Any]]:
+        """The replies to quorum asks sent since last taken, by replica."""
+        by_conn = {c: r for r, c in self.conns.items()}
+        out = {}
+        for conn, header, _ in self.state.outbox:
+            if conn in by_conn and isinstance(header, dict) and header.get("id") in self.quorum_ids:
+                out[by_conn[conn]] = header
+        self.state.outbox.clear()
+        return out
+
+    def tick(self, seconds: float) -> None:
+        """Time passes; every replica not ``cut`` off beats each half second, as Managers do."""
+        end = self.clock.now + seconds
+        while self.clock.now < end:
+            self.clock.now = min(end, self.clock.now + 0.5)
+            for name, conn in self.conns.items():
+                if name not in self.cut and conn in self.state.conns:
+                    self.next_id += 1
+                    self.driver.send(conn, "hb", id=self.next_id)
+            self.state.tick()
+
+    def close(self, replica: str) -> None:
+        self.state.disconnect(self.conns[replica], "connection reset by peer")
+
+
+def members(reply: dict[str, Any]) -> list[str]:
+    return [m[0] for m in reply["members"]]
+
+
+def formed(r: Replicas, *, step: int, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Everyone in ``names`` asks at ``step``; the quorum must form at once with all of them."""
+    for name in names:
+        r.ask(name, step)
+    replies = r.replies()
+    assert sorted(replies) == sorted(names), replies
+    assert all(reply["ok"] for reply in replies.values()), replies
+    return replies
+
+
+def first_quorum(r: Replicas, names: list[str]) -> dict[str, dict[str, Any]]:
+    for name in names:
+        r.start(name)
+        r.ask(name, 0)
+    assert r.replies() == {}  # a job's first quorum waits for its join window
+    r.tick(JOIN + 0.01)
+    return r.replies()
+
+
+def trained(names: list[str]) -> Replicas:
+    """Replicas ``names`` past their first quorum and one more step."""
+    r = Replicas()
+    first_quorum(r, names)
+    formed(r, step=1, names=names)
+    return r
+
+
+def test_first_quorum_waits_for_the_join_window_then_orders_members_and_syncs_them_from_the_first() -> None:
+    r = Replicas()
+    r.start("b")
+    r.ask("b", 0)
+    r.tick(2.0)
+    r.start("a")
+    r.ask("a", 0)
+    r.tick(2.0)
+    assert r.replies() == {}
+    r.start("c")
+    r.ask("c", 0)
+    r.tick(1.01)  # the window counts from the first ask
+    replies = r.replies()
+    assert sorted(replies) == ["a", "b", "c"]
+    for i, name in enumerate(["a", "b", "c"]):
+        reply = replies[name]
+        assert reply["ok"] is True and reply["quorum_id"] == 1
+        assert reply["members"] == [["a", 0, "host-a"], ["b", 0, "host-b"], ["c", 0, "host-c"]]
+        assert reply["index"] == i and reply["max_step"] == 0
+        assert reply["heal"] == [-1, 0, 0]  # a starting job: everyone takes the first one's model
+        assert reply["left"] == []
+
+
+def test_next_quorum_forms_at_once_and_keeps_its_id_unless_membership_changes_or_a_replica_renews() -> None:
+    r = Replicas()
+    first_quorum(r, ["a", "b", "c"])
+    for step in (1, 2):
+        replies = formed(r, step=step, names=["c", "a", "b"])
+        assert {reply["quorum_id"] for reply in replies.values()} == {1}
+        assert all(reply["heal"] == [-1, -1, -1] for reply in replies.values())
+    r.ask("a", 3)
+    r.ask("b", 3, renew=True)  # its step failed: a fresh group, with the same members
+    assert r.replies() == {}  # c has not asked and is there: wait for it
+    r.ask("c", 3)
+    replies = r.replies()
+    assert {reply["quorum_id"] for reply in replies.values()} == {2}
+    assert members(replies["a"]) == ["a", "b", "c"]
+
+
+def test_a_replica_whose_connection_closes_leaves_at_once_and_the_waiting_ones_form_without_it() -> None:
+    r = trained(["a", "b", "c"])
+    r.ask("a", 2)
+    r.ask("c", 2)
+    assert r.replies() == {}
+    r.close("b")  # kill -9: the kernel closes its sockets
+    replies = r.replies()
+    assert sorted(replies) == ["a", "c"]
+    reply = replies["a"]
+    assert reply["quorum_id"] == 2 and members(reply) == ["a", "c"] and reply["index"] == 0
+    assert replies["c"]["index"] == 1
+    [(name, host, why)] = reply["left"]
+    assert name == "b" and host == "host-b" and "connection" in why and "closed" in why
+    # the next step needs only the two
+    assert {x["quorum_id"] for x in formed(r, step=3, names=["a", "c"]).values()} == {2}
+
+
+def test_a_restarted_replica_joins_at_the_next_boundary_and_heals_from_a_live_one() -> None:
+    r = trained(["a", "b", "c"])
+    r.close("b")
+    formed(r, step=2, names=["a", "c"])
+    r.start("b")  # the same replica name, a new incarnation
+    r.ask("b", 0)
+    assert r.replies() == {}  # waits for the others' next step boundary
+    r.ask("a", 3)
+    r.ask("c", 3)
+    replies = r.replies()
+    assert sorted(replies) == ["a", "b", "c"]
+    assert {x["quorum_id"] for x in replies.values()} == {3}
+    assert replies["b"]["members"] == [["a", 3, "host-a"], ["b", 0, "host-b"], ["c", 3, "host-c"]]
+    assert replies["b"]["max_step"] == 3 and replies["b"]["heal"] == [-1, 0, -1]
+
+
+def test_the_same_name_restarted_before_anyone_noticed_still_changes_the_quorum_id() -> None:
+    r = Replicas()
+    first_quorum(r, ["a", "b"])
+    r.start("b")  # a new process under the old name, on a new connection; the old one lingers
+    replies = formed(r, step=1, names=["a", "b"])
+    assert {x["quorum_id"] for x in replies.values()} == {2}  # another incarnation: a new group
+
+
+def test_healing_replicas_are_spread_round_robin_over_the_up_to_date_ones() -> None:
+    assert heal_plan([5, 0, 5, 3, 0, 5, 4]) == [-1, 0, -1, 2, 5, -1, 0]
+    assert heal_plan([7, 7]) == [-1, -1]
+    assert heal_plan([0, 0, 0]) == [-1, 0, 0]
+    assert heal_plan([0, 2]) == [1, -1]
+
+
+def test_a_silent_replica_is_not_waited_for_after_the_heartbeat_timeout() -> None:
+    r = trained(["a", "b", "c"])
+    r.cut.add("c")  # c's host is cut off: its connection stays open but nothing arrives
+    r.ask("a", 2)
+    r.ask("b", 2)
+    r.tick(3.5)
+    assert r.replies() == {}
+    r.tick(0.6)  # c silent for 4.1 s > heartbeat timeout 4 s
+    replies = r.replies()
+    assert sorted(replies) == ["a", "b"] and members(replies["a"]) == ["a", "b"]
+    [(name, _, why)] = replies["a"]["left"]
+    assert name == "c" and "silent" in why and "10.0.0.3" in why
+
+
+def test_a_replica_there_but_not_asking_is_left_out_after_the_join_window() -> None:
+    r = trained(["a", "b", "c"])
+    r.ask("a", 2)
+    r.ask("b", 2)
+    r.tick(JOIN - 0.1)  # c beats (its process lives) but never asks
+    assert r.replies() == {}
+    r.tick(0.11)
+    replies = r.replies()
+    assert members(replies["b"]) == ["a", "b"]
+    assert "join window" in replies["b"]["left"][0][2]
+
+
+def test_an_ask_without_enough_replicas_times_out_naming_who_asked_and_who_was_waited_for() -> None:
+    r = Replicas()
+    first_quorum(r, ["a", "b"])
+    r.close("b")
+    r.ask("a", 1, timeout=3.0)
+    r.tick(3.1)
+    reply = r.replies()["a"]
+    assert reply["ok"] is False and reply["err"] == ERR_TIMEOUT
+    assert "'a'" in reply["msg"] and "1 of at least 2" in reply["msg"] and "min_replicas" in reply["msg"]
+
+
+def test_asks_that_disagree_or_are_malformed_are_refused_and_admin_connections_cannot_ask() -> None:
+    r = Replicas()
+    r.start("a")
+    r.start("b")
+    r.ask("a", 0)
+    r.ask("b", 0, min_replicas=3)
+    reply = r.replies()["b"]
+    assert reply["err"] == ERR_INVALID and "min_replicas=3" in reply["msg"] and "'a'" in reply["msg"]
+    for bad in ({"replica": ""}, {"step": -1}, {"uid": 5}, {"min_replicas": 0}, {"join_timeout": "x"}):
+        r.ask("b", 0, **bad)
+        reply = r.replies()["b"]
+        assert reply["ok"] is False and reply["err"] == ERR_INVALID, (bad, reply)
+    r.state.connect(99, "train", "admin", peer="10.0.0.99:1")
+    r.driver.send(99, "quorum", replica="x", uid="x", step=0, ask=1, id=5)
+    [(conn, header, _)] = r.state.outbox
+    assert conn == 99 and header["err"] == ERR_INVALID and "may not use 'quorum'" in header["msg"]
+    r.state.outbox.clear()
+    r.driver.send(99, "quorom", id=6)
+    assert r.state.outbox[0][1]["err"] == ERR_UNKNOWN_OP and "quorum" in r.state.outbox[0][1]["msg"]
+
+
+def test_a_coordinator_restart_during_a_quorum_loses_nothing() -> None:
+    r = Replicas(durable=True)
+    first_quorum(r, ["a", "b", "c"])
+    formed(r, step=1, names=["a", "b", "c"])
+    # step 2: the quorum forms, but the coordinator dies before b's and c's replies leave it
+    r.ask("a", 2)
+    r.ask("b", 2)
+    r.ask("c", 2)
+    answered = r.replies()
+    assert {x["quorum_id"] for x in answered.values()} == {1}
+    records = r.state.take_journal()
+    assert any(rec[0] == "set" and rec[2] == QUORUM_KEY for rec in records)
+
+    again = Replicas(durable=True)
+    again.state.restore(None, records)
+    for name in ("a", "b", "c"):
+        again.conns[name] = again.next_conn = again.next_conn + 1
+        again.state.connect(again.next_conn, "train", "store", peer="10.0.0.9:1")
+        again.uids[name], again.asks[name] = r.uids[name], r.asks[name]
+    # b and c send their ask again: the same answer, at once
+    again.ask("b", 2, again=True)
+    again.ask("c", 2, again=True)
+    replies = again.replies()
+    assert replies == {name: {**answered[name], "id": replies[name]["id"]} for name in ("b", "c")}
+    # a went on to step 3 and asks there; b and c too: the same members, so the same id
+    again.ask("a", 3)
+    again.ask("b", 3)
+    assert again.replies() == {}  # c was in the previous quorum and is there: waited for
+    again.ask("c", 3)
+    replies = again.replies()
+    assert {x["quorum_id"] for x in replies.values()} == {1}
+    assert all(x["heal"] == [-1, -1, -1] and x["max_step"] == 3 for x in replies.values())
+    # a change of membership after the restart takes the next id, not one already used
+    again.close("c")
+    replies = formed(again, step=4, names=["a", "b"])
+    assert {x["quorum_id"] for x in replies.values()} == {2}
+
+
+def test_after_a_restart_the_previous_members_not_yet_back_are_waited_for_until_the_join_window() -> None:
+    r = Replicas(durable=True)
+    first_quorum(r, ["a", "b"])
+    again = Replicas(durable=True)
+    again.state.restore(None, r.state.take_journal())
+    again.start("a")
+    again.uids["a"], again.asks["a"] = r.uids["a"], r.asks["a"]
+    again.ask("a", 1, min_replicas=1)
+    assert again.replies() == {}  # b may be reconnecting
+    again.tick(JOIN + 0.01)
+    reply = again.replies()["a"]
+    assert members(reply) == ["a"] and reply["quorum_id"] == 2
