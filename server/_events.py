@@ -50,7 +50,7 @@ class _Event:
 def _who(ranks: list[int], count: int) -> str:
     if count <= 1 and ranks:
         return f"rank {ranks[0]}"
-    listed = ", ".join(map(str, ranks))
+    listed = ", ".join(map(str, sorted(ranks)))
     if count > len(ranks):
         return f"{count} ranks ({listed}, ...)"
     return f"ranks {listed}"
@@ -140,7 +140,7 @@ class JobEvents:
                 "time": round(e.time, 3),
                 "kind": e.kind,
                 "round": e.round,
-                "ranks": list(e.ranks),
+                "ranks": sorted(e.ranks),
                 "count": e.count,
                 "text": _text(e),
             }

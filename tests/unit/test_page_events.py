@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from aiocoll.server._events import EVENTS_PER_JOB, RANKS_PER_EVENT, JobEvents
 from test_server_progress import SIG_AR, SIG_BC, _op, _report, _world
 from test_server_state import Harness, join, refused
 
 from aiocoll.protocol._coordinator import ERR_RENDEZVOUS
-from server._events import EVENTS_PER_JOB, RANKS_PER_EVENT, JobEvents
 
 pytestmark = pytest.mark.timeout(30)
 
