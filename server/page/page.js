@@ -158,7 +158,7 @@
     const text = {
       open:
         "This coordinator has no token: anyone who can reach its HTTP port sees these jobs, " +
-        "and anyone who can reach its main port can join them. Start it with --token-file.",
+        "and anyone who can reach its main port can join them. Give it a token (--token-file or AIOCOLL_TOKEN).",
       locked:
         "This coordinator has a token, and this page shows nothing of its jobs until you give it. " +
         "Open the page as " + where + "#token=YOUR_TOKEN: the page proves it holds the token " +
