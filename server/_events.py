@@ -7,21 +7,17 @@ Sans-IO and cheap on the hot paths: the parts that decide (_rendezvous, _members
 _progress_part) record plain fields, and the sentences are written only when a view asks.
 Consecutive joins into one round, and consecutive refusals for the same reason, fold into one
 event with a count, so a round of 100,000 joins is one line, and an outsider knocking with a
-wrong token over and over cannot push the job's real history out of the ring. Imports _model
-only (for types).
+wrong token over and over cannot push the job's real history out of the ring. Imports only the
+standard library; the state machine's Effects (_model.py) holds one JobEvents for all jobs.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._model import Effects
-
-__all__ = ["EVENTS_PER_JOB", "RANKS_PER_EVENT", "JobEvents", "events_of"]
+__all__ = ["EVENTS_PER_JOB", "RANKS_PER_EVENT", "JobEvents"]
 
 EVENTS_PER_JOB = 50
 RANKS_PER_EVENT = 16  # ranks an event lists; ``count`` says how many there were
@@ -150,18 +146,3 @@ class JobEvents:
     def forget(self, job: str) -> None:
         """The job is gone: so is its history."""
         self._rings.pop(job, None)
-
-
-# One JobEvents per state machine, found from the Effects every part is handed: the parts that
-# record (_rendezvous, _membership, _progress_part) and the view that reads (_views) share it
-# without a constructor of the dispatcher's having to pass it around. Weak keys: it goes with
-# its state.
-_BY_STATE: weakref.WeakKeyDictionary[Effects, JobEvents] = weakref.WeakKeyDictionary()
-
-
-def events_of(fx: Effects) -> JobEvents:
-    """The event rings of the state machine ``fx`` (made on first use)."""
-    events = _BY_STATE.get(fx)
-    if events is None:
-        events = _BY_STATE[fx] = JobEvents(fx.wall_clock)
-    return events

@@ -20,7 +20,7 @@ from aiocoll.protocol._coordinator import (
     ROLE_WORKER,
 )
 
-from ._events import RANKS_PER_EVENT, events_of
+from ._events import RANKS_PER_EVENT
 from ._model import Conn, Effects, Job, MemberState, Record
 from ._rounds import ALIVE, JOINING, LEFT, LOST, RESUMING, Member, Round, RoundState
 
@@ -39,7 +39,7 @@ class Membership:
 
     def __init__(self, fx: Effects) -> None:
         self.fx = fx
-        self.events = events_of(fx)
+        self.events = fx.events
         self.sessions: dict[str, Member] = {}
         self.live: set[Member] = set()
         # Members lost since the last ``announce``, by round: (round, members).

@@ -30,6 +30,8 @@ from aiocoll.protocol._coordinator import (
 )
 from aiocoll.protocol._store import ERROR
 
+from ._events import JobEvents
+
 __all__ = [
     "ROLE_OPS",
     "Conn",
@@ -246,6 +248,8 @@ class Effects:
         self.clock = clock
         # Seconds since 1970, for the "since" of progress reports (``status``); default: clock.
         self.wall_clock = wall_clock or clock
+        # Each job's recent events, for the page and /jobs (recorded by the parts that decide).
+        self.events = JobEvents(self.wall_clock)
         self.durable = durable
         self.observe = observe
         self.outbox: list[Send] = []

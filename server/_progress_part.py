@@ -13,7 +13,6 @@ from typing import Any
 from aiocoll._progress_check import ProgressError, Verdict
 from aiocoll.protocol._coordinator import ERR_INVALID, EV_BEHIND, EV_MISMATCH
 
-from ._events import events_of
 from ._model import Conn, Effects, Job, MemberState, Refused
 
 __all__ = ["Progress"]
@@ -24,7 +23,7 @@ log = logging.getLogger("aiocoll.server")
 class Progress:
     def __init__(self, fx: Effects) -> None:
         self.fx = fx
-        self.events = events_of(fx)
+        self.events = fx.events
 
     def handlers(self) -> dict[str, Any]:
         return {"progress": self.op_progress}

@@ -19,7 +19,7 @@ from typing import Any
 
 from aiocoll.protocol._coordinator import ERR_INVALID, ERR_RENDEZVOUS
 
-from ._events import RANKS_PER_EVENT, events_of
+from ._events import RANKS_PER_EVENT
 from ._membership import Membership
 from ._model import Conn, Effects, Job, Refused, error_header, fmt_timeout, timeout_field
 from ._rounds import JOINING, LOST, JoinRequest, Member, Round, RoundState
@@ -69,7 +69,7 @@ class Rendezvous:
     def __init__(self, fx: Effects, membership: Membership) -> None:
         self.fx = fx
         self.membership = membership
-        self.events = events_of(fx)
+        self.events = fx.events
 
     def handlers(self) -> dict[str, Any]:
         return {"join": self.op_join, "leave": self.op_leave, "table": self.op_table}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._events import events_of
 from ._liveness import heard
 from ._model import MemberState
 
@@ -32,7 +31,7 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
     now = state.clock()
     wall = state.wall_clock()
     out = []
-    events = events_of(state)
+    events = state.events
     names = sorted(state.jobs) if job is None else ([job] if job in state.jobs else [])
     for name in names:
         j = state.jobs[name]
