@@ -3,12 +3,14 @@ job its round, keys, connections, the progress cross-check's verdict, its recent
 (_events), and its members, at most STATUS_MEMBERS of them (a job of 100,000 ranks must not make
 a status request take seconds or megabytes): the ones that matter first (not alive, holding the
 job back, reporting progress), then the lowest ranks. Reads the state's parts; decides nothing.
-Imports server modules only.
+Imports server modules and aiocoll._host (the hostname of a host identity) only.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from aiocoll._host import host_label
 
 from ._liveness import heard
 from ._model import MemberState
@@ -46,6 +48,7 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
                 {
                     "rank": m.rank,
                     "host": m.host,
+                    "hostname": host_label(m.host),
                     "alive": m.state is _ALIVE,
                     "state": m.state.value,
                     "last_seen": round(now - seen, 3),

@@ -322,7 +322,7 @@ def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str
             rows.append(
                 [
                     _cell(member.get("rank", "?")),
-                    _host(member.get("host")),
+                    member.get("hostname") or _host(member.get("host")),
                     _yes(member.get("alive")),
                     _age(member.get("last_seen"), now),
                 ]

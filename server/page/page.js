@@ -18,8 +18,6 @@
   const PROOF_LABEL = "aiocoll page|";
   const BAD_EVENTS = new Set(["lost", "join_refused", "join_timeout", "connection_refused", "mismatch", "behind"]);
   const GOOD_EVENTS = new Set(["join", "round_complete", "resumed"]);
-  // HOSTNAME/BOOT_ID/NET_NS, as aiocoll identifies a host: the page shows the hostname.
-  const HOST_IDENTITY = /^([^/]*)\/(?:[0-9a-fA-F-]{36})?\/[0-9]*$/;
 
   let token = null; // from the fragment; memory only
   let refused = false; // the coordinator refused this token's proof: do not try it again
@@ -205,11 +203,6 @@
     return (seconds / 3600).toFixed(1) + " h";
   }
 
-  function hostLabel(host) {
-    const match = HOST_IDENTITY.exec(String(host || ""));
-    return match && match[1] ? match[1] : String(host || "\u2013");
-  }
-
   function memberState(member) {
     const state = member.state || (member.alive ? "alive" : "lost");
     if (state === "alive" && (member.progress || []).some((entry) => entry.state === "slow")) {
@@ -296,7 +289,7 @@
       return el("tr", { "data-rank": member.rank, "data-state": state, "data-held": holds ? "true" : "false",
         class: holds ? "held" : null }, [
         rankCell,
-        el("td", { class: "host", title: member.host || "" }, hostLabel(member.host)),
+        el("td", { class: "host", title: member.host || "" }, member.hostname || member.host || "\u2013"),
         stateCell,
         el("td", { class: "num" }, age(member.last_seen) + " ago"),
         el("td", { class: "op" }, waitsIn),
