@@ -3,7 +3,8 @@
 #   docker build -t aiocoll-coordinator .
 #   docker run -p 29500:29500 -p 29501:29501 -e AIOCOLL_TOKEN=secret aiocoll-coordinator
 #
-# Port 29500 serves rendezvous and the store; 29501 serves /healthz, /metrics and /jobs over HTTP.
+# Port 29500 serves rendezvous and the store; 29501 serves the live page (/), /jobs, /healthz and
+# /metrics over HTTP (the page and /jobs ask for the token; open http://HOST:29501/#token=SECRET).
 # The token comes from AIOCOLL_TOKEN, or from a mounted file named by AIOCOLL_TOKEN_FILE (or
 # mounted at /run/secrets/aiocoll_token); without one the container refuses to start (see
 # scripts/container-entrypoint.sh). Only the coordinator's dependencies are installed: no torch.

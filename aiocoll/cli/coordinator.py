@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--http-port",
         type=int,
         metavar="Q",
-        help="serve /healthz, /metrics (Prometheus) and /jobs (JSON) on this port",
+        help="serve the live web page (/, open it as http://HOST:Q/#token=SECRET), /jobs (JSON; both "
+        "need the token when the coordinator has one), /healthz and /metrics (Prometheus) on this port",
     )
     parser.add_argument("--http-host", metavar="H", help="address for the HTTP endpoints (default: --host)")
     parser.add_argument(
