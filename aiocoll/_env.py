@@ -1,5 +1,6 @@
 """Numbers from environment variables: one parser and one wording for every setting aiocoll
-reads (AIOCOLL_*, and the launchers' RANK, WORLD_SIZE, SLURM_*, ...).
+reads (AIOCOLL_*, and the launchers' RANK, WORLD_SIZE, SLURM_*, ...); and what to say when the
+variables a launcher sets are missing.
 
 Imports only the standard library; never anything of aiocoll's.
 """
@@ -7,10 +8,13 @@ Imports only the standard library; never anything of aiocoll's.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-__all__ = ["env_float", "env_int", "env_text"]
+__all__ = ["LAUNCH_VARIABLES", "env_float", "env_int", "env_text", "launch_variables_missing"]
+
+# What env:// reads, in the order a launcher's documentation lists them.
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 
 _N = TypeVar("_N", int, float)
 
@@ -51,3 +55,19 @@ def env_text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     if raw is None or raw.strip() == "":
         return None
     return raw.strip()
+
+
+def launch_variables_missing(missing: Sequence[str]) -> ValueError:
+    """The error for an env:// rendezvous whose launcher variables ``missing`` are not set: the
+    script was most likely started with plain ``python``, not by a launcher."""
+    if set(missing) >= set(LAUNCH_VARIABLES):
+        unset = "none of them is set"
+    else:
+        names = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
+        unset = f"{names} {'is' if len(missing) == 1 else 'are'} not set"
+    return ValueError(
+        f"init_method='env://' (the default) reads {', '.join(LAUNCH_VARIABLES[:-1])} and "
+        f"{LAUNCH_VARIABLES[-1]} from the environment, and {unset}. Launch the script with `aiocoll "
+        f"run --nproc-per-node N script.py` (or torchrun), which sets them for every process, or set "
+        f"them yourself (or pass init_method='tcp://HOST:PORT' with rank= and world_size=)"
+    )

@@ -2,12 +2,26 @@
 
 All errors derive from DistError (torch.distributed's name for its base error). Where a builtin
 describes the failure too, we inherit it as well, so ``except TimeoutError`` keeps working.
-Messages always name what went wrong: rank, operation, group, sequence number, key.
+Messages always name what went wrong: rank, operation, group, sequence number, key; and say each
+cause once: an error that wraps another whose words it already holds does not chain it (``chain``).
+
+The classes the top-level package exports say so in ``__module__``: tracebacks, ``repr`` and
+pickles name ``aiocoll.CollectiveTimeout``, not this private module. Every error pickles with its
+message and attributes (``DistError.__reduce__``), so one can cross a process boundary.
+
+Warnings go through ``warn``, which points them at the user's line: the first frame outside
+aiocoll, or, on the blocking facade's loop thread (where no user frame is), the line that called
+the facade (``CALLER_SITE``, set by aiocoll/_sync_loop.py).
 """
 
 from __future__ import annotations
 
+import sys
+import warnings
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
+from types import FrameType
+from typing import Any, TypeVar
 
 __all__ = [
     "AuthenticationError",
@@ -19,15 +33,108 @@ __all__ = [
     "RendezvousError",
     "StoreError",
     "StoreTimeout",
+    "CALLER_SITE",
+    "chain",
+    "group_name",
+    "user_site",
+    "warn",
 ]
+
+_E = TypeVar("_E", bound=BaseException)
+
+# The world group's id (aiocoll.api.WORLD_GID): short on the wire, "world" in messages.
+_WORLD_GID = "w"
+
+
+def group_name(gid: str) -> str:
+    """A group's name in messages: the world group (id "w") is "world", and a sub-group made
+    from it ("w.5") is "world.5"; other ids read as they are."""
+    if gid == _WORLD_GID:
+        return "world"
+    if gid.startswith(_WORLD_GID + "."):
+        return "world" + gid[len(_WORLD_GID) :]
+    return gid
+
+
+# (filename, line, module globals) of the user's call that a coroutine on the loop thread serves.
+Site = tuple[str, int, dict[str, Any]]
+CALLER_SITE: ContextVar[Site | None] = ContextVar("aiocoll_caller_site", default=None)
+
+
+def user_site(frame: FrameType | None) -> Site | None:
+    """The first frame from ``frame`` outwards whose module is not aiocoll's, as a Site."""
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name != "aiocoll" and not name.startswith("aiocoll."):
+            return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+        frame = frame.f_back
+    return None
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` at the user's line (see the module's docstring), not at aiocoll's."""
+    site = CALLER_SITE.get() or user_site(sys._getframe(1))
+    if site is None:
+        warnings.warn(message, category, stacklevel=2)
+        return
+    filename, line, module_globals = site
+    warnings.warn_explicit(
+        message,
+        category,
+        filename,
+        line,
+        module=module_globals.get("__name__"),
+        registry=module_globals.setdefault("__warningregistry__", {}),
+    )
+
+
+def chain(err: _E, cause: BaseException) -> _E:
+    """``err`` with ``cause`` as its ``__cause__``, unless ``err``'s message already says what
+    ``cause`` says: then the traceback would print the same words twice, so nothing is chained
+    (and the implicit context is hidden). Use it as ``raise chain(Outer(...), exc)``.
+    """
+    if _repeats(str(err), cause):
+        err.__cause__ = None
+        err.__suppress_context__ = True
+    else:
+        err.__cause__ = cause
+    return err
+
+
+def _repeats(message: str, cause: BaseException) -> bool:
+    said = str(cause)
+    if not said or said in message:
+        return True
+    if isinstance(cause, PeerLostError):
+        return f"rank {cause.rank}" in message and (not cause.reason or cause.reason in message)
+    return False
+
+
+def _rebuild(cls: type[DistError], message: str, state: dict[str, Any]) -> DistError:
+    # The allocator of the class's layout: OSError's for the timeouts (TimeoutError is one).
+    base: Any = OSError if issubclass(cls, OSError) else BaseException
+    err = base.__new__(cls, message)
+    err.args = (message,)
+    err.__dict__.update(state)
+    return err
 
 
 class DistError(RuntimeError):
     """Base of every aiocoll error."""
 
+    __module__ = "aiocoll"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from the message and the attributes, without calling __init__: the subclasses'
+        # constructors take fields, not the finished message.
+        message = str(self.args[0]) if self.args else ""
+        return (_rebuild, (type(self), message, dict(self.__dict__)))
+
 
 class AuthenticationError(DistError):
     """The peer or coordinator did not prove it holds the shared token (or we did not)."""
+
+    __module__ = "aiocoll"
 
 
 class ProtocolError(DistError):
@@ -38,6 +145,8 @@ class ProtocolError(DistError):
             something the protocol cannot carry.
     """
 
+    __module__ = "aiocoll"
+
     def __init__(self, message: str, *, remote: bool = True) -> None:
         super().__init__(message)
         self.remote = remote
@@ -46,9 +155,13 @@ class ProtocolError(DistError):
 class RendezvousError(DistError):
     """Rendezvous was refused or could not complete (duplicate rank, world-size disagreement)."""
 
+    __module__ = "aiocoll"
+
 
 class StoreError(DistError):
     """A store operation was refused (wrong-typed key or value, value too large, ...)."""
+
+    __module__ = "aiocoll"
 
 
 class StoreTimeout(StoreError, TimeoutError):
@@ -57,6 +170,8 @@ class StoreTimeout(StoreError, TimeoutError):
     Attributes:
         keys: the keys that were still missing.
     """
+
+    __module__ = "aiocoll"
 
     def __init__(self, keys: Iterable[str], timeout: float | None, message: str | None = None) -> None:
         self.keys = list(keys)
@@ -77,6 +192,8 @@ class CollectiveTimeout(DistError, TimeoutError):
         op: operation name, group: group name, seq: the group's sequence number of the call,
         missing_ranks: the (global) ranks that did not answer in time.
     """
+
+    __module__ = "aiocoll"
 
     def __init__(
         self,
@@ -110,9 +227,13 @@ class PeerLostError(DistError):
         rank: the (global) rank that was lost; reason: what we observed.
     """
 
+    __module__ = "aiocoll"
+
     def __init__(self, rank: int, reason: str = "", message: str | None = None) -> None:
         self.rank = rank
-        self.reason = reason
+        # A reason that is itself a PeerLostError's message ("lost rank 1: closed the connection")
+        # loses its repeated prefix: the message says "lost rank 1" once.
+        self.reason = reason = str(reason).removeprefix(f"lost rank {rank}: ")
         if message is None:
             message = f"lost rank {rank}" + (f": {reason}" if reason else "")
         super().__init__(message)
@@ -124,6 +245,8 @@ class MismatchError(DistError):
     Attributes:
         group, seq: where; ranks: the ranks whose calls disagreed; details: both signatures.
     """
+
+    __module__ = "aiocoll"
 
     def __init__(self, message: str, *, group: str = "", seq: int = -1, ranks: Sequence[int] = ()) -> None:
         self.group = group

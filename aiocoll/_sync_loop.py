@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ._device import Device, DeviceTensor
-from ._errors import DistError
+from ._errors import CALLER_SITE, DistError, user_site
 from ._run import new_event_loop
 from ._staging import CallerStreamContext, caller_context, record_caller_streams
 from ._work import Work as _CoreWork
@@ -184,7 +184,13 @@ class LoopThread:
         except BaseException:
             coro.close()
             raise
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        # The coroutine runs in a copy of this thread's context: a warning it gives names the
+        # line that called the facade, not this loop's (aiocoll._errors.warn).
+        site = CALLER_SITE.set(user_site(sys._getframe(1)))
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        finally:
+            CALLER_SITE.reset(site)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:

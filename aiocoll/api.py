@@ -20,7 +20,6 @@ import functools
 import logging
 import os
 import pickle
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -29,8 +28,8 @@ import msgpack
 import numpy as np
 
 from aiocoll._deadline import Deadline, to_seconds
-from aiocoll._env import env_int
-from aiocoll._errors import DistError, MismatchError, RendezvousError
+from aiocoll._env import LAUNCH_VARIABLES, env_int, launch_variables_missing
+from aiocoll._errors import DistError, MismatchError, RendezvousError, warn
 from aiocoll._ipc import ipc_groups
 from aiocoll._reduce import check_reduce_op
 from aiocoll._staged_ops import StagedOp, has_device_arrays
@@ -957,10 +956,9 @@ async def init_process_group(
     if token is None:
         token = os.environ.get("AIOCOLL_TOKEN") or None
     if not token:
-        warnings.warn(
+        warn(
             "aiocoll: no token (AIOCOLL_TOKEN unset): anyone who can reach the coordinator and peer "
-            "ports can join this job; set AIOCOLL_TOKEN to a shared secret",
-            stacklevel=2,
+            "ports can join this job; set AIOCOLL_TOKEN to a shared secret"
         )
     job = job or os.environ.get("AIOCOLL_JOB") or "default"
     if rank is None:
@@ -993,11 +991,9 @@ async def init_process_group(
         else:
             host = os.environ.get("MASTER_ADDR")
             port = env_int("MASTER_PORT")
-            if not host or port is None:
-                raise ValueError(
-                    "env:// needs MASTER_ADDR and MASTER_PORT (or AIOCOLL_COORDINATOR) set, or pass "
-                    "init_method='tcp://HOST:PORT'"
-                )
+        given = {"MASTER_ADDR": host, "MASTER_PORT": port, "RANK": rank, "WORLD_SIZE": world_size}
+        if not host or port is None or world_size is None:  # RANK alone may be left to the coordinator
+            raise launch_variables_missing([name for name in LAUNCH_VARIABLES if given[name] in (None, "")])
     elif url.scheme == "tcp":
         host, port = url.hostname, url.port
         if not host or port is None:

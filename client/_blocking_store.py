@@ -30,7 +30,6 @@ import contextlib
 import datetime
 import logging
 import os
-import random
 import socket
 import struct
 import threading
@@ -65,7 +64,7 @@ from aiocoll.stores import DEFAULT_TIMEOUT
 from aiocoll.stores._base import Value, check_amount, check_key, check_keys, pair_values, to_value
 
 from ._blocking import connect_blocking
-from ._link_keeper import CoordinatorUnreachable
+from ._link_keeper import SILENCE, ConnectTries
 from ._store_core import SYNC_AFTER, StoreCore
 
 __all__ = ["BlockingStoreClient"]
@@ -85,8 +84,6 @@ def _send_held_at_exit() -> None:
 
 _REPLY_GRACE = 5.0  # as the async session: the coordinator's own timeout answer comes first
 _MIN_REPLY_TIME = 1.0
-_ATTEMPT_TIMEOUT = 10.0
-_BACKOFF_FIRST, _BACKOFF_MAX = 0.05, 2.0
 _READ_SIZE = 256 * 1024
 # A set within this long of the last send is held back, to go out with the rest of its burst.
 _BATCH_WINDOW = 100e-6
@@ -156,43 +153,18 @@ class BlockingStoreClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        delay = _BACKOFF_FIRST
-        attempts = 0
+        tries = ConnectTries(self.host, self.port)
         while True:
             if self._closed:
                 raise StoreError(f"the store client of {self.address} was closed")
-            attempts += 1
-            remaining = deadline.remaining()
-            attempt = _ATTEMPT_TIMEOUT if remaining is None else max(min(remaining, _ATTEMPT_TIMEOUT), 0.05)
+            attempt = tries.attempt_time(deadline)
             handshake = ClientHandshake(self._token, role=ROLE_STORE, job=self.job, extra={"cid": self._cid})
             try:
-                sock = connect_blocking((self.host, self.port), handshake, attempt)
+                sock = connect_blocking((self.host, self.port), handshake, attempt, silence=SILENCE)
                 break
-            except AuthenticationError as exc:
-                raise AuthenticationError(
-                    f"the coordinator at {self.address} did not accept us for job {self.job!r}: {exc}. "
-                    f"Use the coordinator's token: set AIOCOLL_TOKEN (or pass token=) to the value the "
-                    f"coordinator was started with (--token-file or its AIOCOLL_TOKEN)"
-                ) from exc
-            except ProtocolError as exc:
-                raise ProtocolError(
-                    f"{self.address} did not answer as an aiocoll coordinator: {exc}. Check the port and "
-                    f"that both sides run the same aiocoll release",
-                    remote=exc.remote,
-                ) from exc
-            except OSError as exc:
-                last = exc
-            remaining = deadline.remaining()
-            if remaining is not None and remaining <= 0:
-                raise CoordinatorUnreachable(
-                    f"no aiocoll coordinator answered at {self.address} within {deadline.timeout:.3g}s "
-                    f"({attempts} attempts; last error: {type(last).__name__}: {last or 'timed out'}). "
-                    f"Check that the coordinator runs there and that host and port are right, or raise "
-                    f"the timeout"
-                ) from last
-            pause = random.uniform(0, delay)
-            time.sleep(pause if remaining is None else min(pause, remaining))
-            delay = min(delay * 2, _BACKOFF_MAX)
+            except (OSError, AuthenticationError, ProtocolError) as exc:
+                pause = tries.failed(exc, deadline)
+            time.sleep(pause)
         # Blocking mode, and the kernel keeps the deadlines (SO_SNDTIMEO, SO_RCVTIMEO): a Python
         # socket timeout costs a poll() before every send and recv and an ioctl each time it is
         # changed; these cost one setsockopt when a deadline's tenth of a second changes.

@@ -5,7 +5,9 @@ that runs ClientHandshake, then FrameDecoder, and multiplexes requests over the 
 that a long ``wait`` does not hold up a ``set`` behind it. Writes honour pause_writing /
 resume_writing (bounded write buffer), TCP_NODELAY is set on connect, and the decoder caps
 header and payload sizes. Reconnecting is the session's business (session.py): a link that
-drops fails its pending requests with ``LinkLost`` and is never reused.
+drops fails its pending requests with ``LinkLost`` and is never reused. ``open_link`` says how an
+attempt failed: SilentServer when the server accepted and then sent nothing (whoever retries
+counts those: client/_link_keeper.py), a TimeoutError naming the step that took too long.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from typing import Any, cast
 import msgpack
 
 from aiocoll._errors import AuthenticationError, ProtocolError
+from aiocoll._net import host_port
 from aiocoll.protocol import PREFIX, ClientHandshake, FrameDecoder
+from aiocoll.protocol._handshake import SilentServer
 
 __all__ = ["CoordinatorLink", "EventCallback", "LinkLost", "SettleCallback", "open_link"]
 
@@ -73,6 +77,8 @@ class CoordinatorLink(asyncio.Protocol):
             shared with its store requests, whose ids it assigns itself).
         on_settle: called with every compact (store) reply, header and payload, before the
             request it answers is woken: the session settles its mutations there.
+        silence: seconds the server may take to send its first byte once connected (None: no
+            limit); past them the link fails with SilentServer.
     """
 
     def __init__(
@@ -82,8 +88,12 @@ class CoordinatorLink(asyncio.Protocol):
         on_lost: LostCallback,
         next_id: Callable[[], int] | None = None,
         on_settle: SettleCallback | None = None,
+        silence: float | None = None,
     ) -> None:
         self._handshake = handshake
+        self._silence = silence
+        self._silence_timer: asyncio.TimerHandle | None = None
+        self.heard = False  # the server sent at least one byte
         self._on_event = on_event
         self._on_lost = on_lost
         self._next_id = next_id if next_id is not None else itertools.count(1).__next__
@@ -127,8 +137,25 @@ class CoordinatorLink(asyncio.Protocol):
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._transport.set_write_buffer_limits(high=_WRITE_HIGH, low=_WRITE_LOW)
         self._transport.write(self._handshake.start())
+        if self._silence is not None:
+            self._silence_timer = self.loop.call_later(self._silence, self._silent, self._silence)
+
+    def _silent(self, seconds: float) -> None:
+        self._silence_timer = None
+        if not self.heard:
+            self._fail(
+                SilentServer(
+                    f"{self._handshake.address} accepted the connection but sent nothing in answer "
+                    f"to aiocoll's hello within {seconds:g}s"
+                )
+            )
 
     def data_received(self, data: bytes) -> None:
+        if not self.heard:
+            self.heard = True
+            if self._silence_timer is not None:
+                self._silence_timer.cancel()
+                self._silence_timer = None
         try:
             if self._decoder is None:
                 data = self._handshake_data(data)
@@ -163,7 +190,8 @@ class CoordinatorLink(asyncio.Protocol):
         self._hs_buffer += data
         if len(self._hs_buffer) > _HANDSHAKE_BUFFER:
             raise ProtocolError(
-                f"the server at {self.peer} sent {len(self._hs_buffer)} bytes during the handshake"
+                f"the server at {self.peer} sent {len(self._hs_buffer)} bytes during the handshake: "
+                f"it is not an aiocoll coordinator"
             )
         assert self._transport is not None
         while len(self._hs_buffer) >= PREFIX.size:
@@ -351,11 +379,14 @@ class CoordinatorLink(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
+            self._silence_timer = None
         self._expiry.clear()
         if self._transport is not None and not from_transport:
             self._transport.abort()
         if not self.ready.done():
-            if isinstance(exc, (AuthenticationError, ProtocolError)):
+            if isinstance(exc, (AuthenticationError, ProtocolError, SilentServer)):
                 self.ready.set_exception(exc)
             else:
                 self.ready.set_exception(
@@ -387,21 +418,30 @@ async def open_link(
     timeout: float,
     next_id: Callable[[], int] | None = None,
     on_settle: SettleCallback | None = None,
+    silence: float | None = None,
 ) -> tuple[CoordinatorLink, dict[str, Any]]:
     """Connect, authenticate and return (link, the server's handshake info).
+
+    Args:
+        silence: seconds the server may take to send its first byte once connected (None: up
+            to ``timeout``).
 
     Raises:
         OSError: the TCP connection failed (refused, unreachable); the caller may retry.
         AuthenticationError, ProtocolError: the other side is not our coordinator or holds
-            another token; retrying will not help.
-        TimeoutError: connecting or the handshake took longer than ``timeout``.
+            another token; retrying will not help (the message names the address).
+        SilentServer: it accepted the connection and sent nothing within ``silence``.
+        TimeoutError: connecting or the handshake took longer than ``timeout`` (the message says
+            which).
     """
     loop = asyncio.get_running_loop()
     link: CoordinatorLink | None = None
+    address = host_port(host, port)
+    handshake.name_server(address)
 
     def factory() -> CoordinatorLink:
         nonlocal link
-        link = CoordinatorLink(handshake, on_event, on_lost, next_id, on_settle)
+        link = CoordinatorLink(handshake, on_event, on_lost, next_id, on_settle, silence)
         return link
 
     async def connect_and_authenticate() -> dict[str, Any]:
@@ -411,6 +451,21 @@ async def open_link(
 
     try:
         info = await asyncio.wait_for(connect_and_authenticate(), timeout)
+    except SilentServer:  # a TimeoutError too, but the caller counts these
+        assert link is not None
+        link.close()
+        raise
+    except asyncio.TimeoutError:
+        if link is not None:
+            link.close()
+        if link is None:
+            raise TimeoutError(f"connecting to {address} took longer than {timeout:.3g}s") from None
+        if not link.heard:
+            raise TimeoutError(
+                f"{address} accepted the connection but sent nothing in answer to aiocoll's hello "
+                f"within {timeout:.3g}s"
+            ) from None
+        raise TimeoutError(f"the handshake with {address} did not finish within {timeout:.3g}s") from None
     except BaseException:
         if link is not None:
             link.close()

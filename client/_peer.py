@@ -104,19 +104,33 @@ async def _recv_frame_bytes(loop: asyncio.AbstractEventLoop, sock: socket.socket
 
 
 async def client_handshake(
-    sock: socket.socket, *, token: str | bytes | None, job: str, rank: int, peer: int
+    sock: socket.socket,
+    *,
+    token: str | bytes | None,
+    job: str,
+    rank: int,
+    peer: int,
+    address: str | None = None,
 ) -> None:
-    """Authenticate an outgoing link as ``rank`` of ``job`` (role "peer").
+    """Authenticate an outgoing link as ``rank`` of ``job`` (role "peer") to ``peer`` at ``address``
+    (HOST:PORT, for the errors).
 
     Raises:
-        AuthenticationError: the tokens differ or the peer refused us.
+        AuthenticationError: the tokens differ or the peer refused us (naming the peer).
         ProtocolError / ConnectionError: the other end is not an aiocoll peer, or went away.
     """
     loop = asyncio.get_running_loop()
     hs = ClientHandshake(token, role=PEER_ROLE, job=job, extra={"rank": rank, "to": peer})
+    where = address or f"rank {peer}'s address"
+    hs.name_server(where, f"rank {peer} at {address}" if address else f"rank {peer}")
     await loop.sock_sendall(sock, hs.start())
     while not hs.done:
-        out = hs.receive_data(await _recv_frame_bytes(loop, sock))
+        # One frame at a time, so no byte after the last one is consumed here. The handshake sees
+        # the prefix first: on the first frame it names what answered when that is not a peer.
+        prefix = await _recv_exactly(loop, sock, PREFIX.size)
+        hs.receive_data(prefix)
+        header_len, _ = PREFIX.unpack(prefix)
+        out = hs.receive_data(await _recv_exactly(loop, sock, header_len))
         if out:
             await loop.sock_sendall(sock, out)
 

@@ -10,6 +10,11 @@ The token never crosses the wire; both sides prove they hold it, and the proofs 
 hello bytes, so the job, role and rank a client announced cannot be altered in flight. Before the
 handshake completes nothing larger than ``HANDSHAKE_MAX_HEADER`` is parsed and no payload is
 accepted. Either side raises AuthenticationError (wrong token) or ProtocolError (not our protocol).
+
+The client's errors say what answered and what to do: a server whose first bytes cannot begin a
+CHALLENGE is named at once (an HTTP server, or the bytes themselves); a failed proof says which
+side holds no token, when one of them holds none. ``ClientHandshake.server`` names the other end
+in those messages ("the coordinator at HOST:PORT"); whoever opens the connection sets it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ __all__ = [
     "ClientHandshake",
     "ServerBusy",
     "ServerHandshake",
+    "SilentServer",
     "token_bytes",
 ]
 
@@ -43,6 +49,37 @@ _NONCE_BYTES = 32
 class ServerBusy(ConnectionError):
     """The server refused the connection for a reason that is not the client's (it has no file
     descriptor to spare, say): trying again later may succeed."""
+
+
+class SilentServer(TimeoutError):
+    """The server accepted the connection but sent not one byte in answer to our hello within
+    the time the opener allowed. An aiocoll server answers a hello at once, so silence on several
+    attempts in a row means something else listens there (a torch TCPStore waits for more)."""
+
+
+_OTHER_RELEASE = "it is not an aiocoll server, or runs another aiocoll release (use the same on both sides)"
+# How many of a server's first bytes an error quotes.
+_QUOTED_BYTES = 24
+
+
+def foreign_reply(first: bytes, address: str) -> ProtocolError | None:
+    """None when ``first`` (the first bytes a server sent, at least PREFIX.size of them) can
+    begin a handshake frame; else the error that says what answered at ``address`` instead."""
+    header_len, payload_len = PREFIX.unpack_from(first)
+    if 0 < header_len <= HANDSHAKE_MAX_HEADER and payload_len == 0:
+        return None
+    # A status line, or an HTML page with none (an HTTP/0.9 answer: Python's http.server gives
+    # one to a request line it cannot parse).
+    if first.startswith(b"HTTP/") or first[:5].lower() in (b"<!doc", b"<html"):
+        return ProtocolError(
+            f"an HTTP server answered at {address} (the coordinator's --http-port, or another web "
+            f"service), not an aiocoll coordinator: use the coordinator's main port (--port, 29500 "
+            f"by default)"
+        )
+    return ProtocolError(
+        f"{address} answered with bytes that are not aiocoll's (first bytes: "
+        f"{first[:_QUOTED_BYTES]!r}): it is not an aiocoll coordinator or peer; check the port"
+    )
 
 
 def token_bytes(token: str | bytes | None) -> bytes:
@@ -97,8 +134,18 @@ class ClientHandshake:
         self._hello_raw = encode_header(self._hello)
         self._decoder = FrameDecoder(max_header=HANDSHAKE_MAX_HEADER, max_payload=0)
         self._state = "init"
+        self._first: bytes | None = b""  # the server's first bytes, until there are enough to check them
         self.server_info: dict[str, Any] = {}
         self.done = False
+        # What the errors call the other end (see ``name_server``).
+        self.address = "the server"
+        self.server = "the server"
+
+    def name_server(self, address: str, server: str | None = None) -> None:
+        """Name the other end in this handshake's errors: its ``address`` (HOST:PORT) and what
+        it should be (default "the coordinator at ADDRESS"; a peer link says "rank 3 at ...")."""
+        self.address = address
+        self.server = server or f"the coordinator at {address}"
 
     def start(self) -> bytes:
         if self._state != "init":
@@ -107,7 +154,22 @@ class ClientHandshake:
         return MAGIC + PREFIX.pack(len(self._hello_raw), 0) + self._hello_raw
 
     def receive_data(self, data: bytes) -> bytes:
-        """Feed bytes from the server; returns bytes to send (possibly empty)."""
+        """Feed bytes from the server; returns bytes to send (possibly empty).
+
+        Raises:
+            ProtocolError: the bytes are not aiocoll's (naming what answered). AuthenticationError:
+                the server's proof failed, or it refused us. ServerBusy: it cannot take us now.
+        """
+        if self._first is not None:
+            # Checked before the decoder sees them: its verdict on an HTTP reply would be "frame
+            # header of 1213486160 bytes", which says nothing to whoever chose the port.
+            self._first += data
+            if len(self._first) < PREFIX.size:
+                return b""
+            data, self._first = self._first, None
+            foreign = foreign_reply(data, self.address)
+            if foreign is not None:
+                raise foreign
         frames = self._decoder.feed(data)
         out = b""
         for frame in frames:
@@ -119,18 +181,15 @@ class ClientHandshake:
         if kind == "reject":
             reason = header.get("reason", "no reason")
             if header.get("busy") is True:
-                raise ServerBusy(f"the server refused the connection: {reason}")
-            raise AuthenticationError(f"the server refused the connection: {reason}")
+                raise ServerBusy(f"{self.server} refused the connection: {reason}")
+            raise AuthenticationError(f"{self.server} refused the connection: {reason}")
         if self._state == "challenge" and kind == "challenge":
             nonce, proof = header.get("nonce"), header.get("proof")
             if not isinstance(nonce, bytes) or not isinstance(proof, bytes):
-                raise ProtocolError("malformed challenge from the server")
+                raise ProtocolError(f"malformed challenge from {self.server}: {_OTHER_RELEASE}")
             expected = _proof(self._key, b"server", self._hello_raw, nonce)
             if not hmac.compare_digest(expected, proof):
-                raise AuthenticationError(
-                    "the server could not prove it holds our token: the tokens differ "
-                    "(check AIOCOLL_TOKEN / --token-file on both sides)"
-                )
+                raise AuthenticationError(self._tokens_differ(proof, nonce))
             self.server_info = {k: v for k, v in header.items() if k not in ("t", "nonce", "proof")}
             self._state = "welcome"
             return _frame_bytes({"t": "auth", "proof": _proof(self._key, b"client", self._hello_raw, nonce)})
@@ -139,7 +198,30 @@ class ClientHandshake:
             self._state = "done"
             self.done = True
             return b""
-        raise ProtocolError(f"unexpected {kind!r} frame in handshake state {self._state!r}")
+        raise ProtocolError(
+            f"unexpected {kind!r} frame from {self.server} in handshake state {self._state!r}: "
+            f"{_OTHER_RELEASE}"
+        )
+
+    def _tokens_differ(self, proof: bytes, nonce: bytes) -> str:
+        """Which side lacks a token, when one does: we know our own, and a server without one
+        proves with the empty secret."""
+        if not self._key:
+            return (
+                f"this process has no token (AIOCOLL_TOKEN is not set) but {self.server} requires "
+                f"one: set AIOCOLL_TOKEN (or pass token=) to the token it was started with (its "
+                f"--token-file or AIOCOLL_TOKEN)"
+            )
+        if hmac.compare_digest(_proof(b"", b"server", self._hello_raw, nonce), proof):
+            return (
+                f"{self.server} has no token but this process has one (AIOCOLL_TOKEN or token=): "
+                f"give it the same token (--token-file or AIOCOLL_TOKEN where it starts), or unset "
+                f"AIOCOLL_TOKEN here"
+            )
+        return (
+            f"{self.server} holds a different token from this process: set the same AIOCOLL_TOKEN "
+            f"(or token=, --token-file) on both sides"
+        )
 
 
 class ServerHandshake:

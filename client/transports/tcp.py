@@ -32,6 +32,7 @@ import msgpack
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import AuthenticationError, PeerLostError, ProtocolError, RendezvousError
+from aiocoll._net import host_port
 from aiocoll.algorithms._transport import StrayHandler, Tag
 from aiocoll.protocol import PREFIX, Frame
 
@@ -282,15 +283,19 @@ class TcpTransport(LinkTransport):
                     await loop.sock_connect(sock, (host, port))
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     await asyncio.wait_for(
-                        client_handshake(sock, token=self._token, job=self._job, rank=self.rank, peer=peer),
+                        client_handshake(
+                            sock,
+                            token=self._token,
+                            job=self._job,
+                            rank=self.rank,
+                            peer=peer,
+                            address=host_port(host, port),
+                        ),
                         min(_HANDSHAKE_TIMEOUT, deadline.remaining() or _HANDSHAKE_TIMEOUT),
                     )
                 except AuthenticationError as exc:
                     sock.close()
-                    self.fail_link(
-                        peer,
-                        AuthenticationError(f"rank {peer} at {host}:{port} refused rank {self.rank}: {exc}"),
-                    )
+                    self.fail_link(peer, exc)  # it names the peer, its address and what to do
                     return
                 except (OSError, ProtocolError, asyncio.TimeoutError) as exc:
                     sock.close()

@@ -162,7 +162,12 @@ def test_token_never_crosses_the_wire() -> None:
 def test_client_refuses_a_server_with_another_token() -> None:
     client = ClientHandshake("right", role="worker", job="j")
     server = ServerHandshake("wrong", roles={"worker"})
-    with pytest.raises(AuthenticationError, match="tokens differ"):
+    client.name_server("10.0.0.1:29500")
+    with pytest.raises(
+        AuthenticationError,
+        match=r"the coordinator at 10\.0\.0\.1:29500 holds a different token from this process: set the "
+        r"same AIOCOLL_TOKEN",
+    ):
         client.receive_data(server.receive_data(client.start()))
 
 

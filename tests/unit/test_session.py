@@ -104,7 +104,7 @@ async def test_a_server_with_another_token_fails_the_handshake_with_authenticati
     link.connection_made(transport)  # type: ignore[arg-type]
     server = ServerHandshake("theirs", roles={ROLE_WORKER})
     link.data_received(server.receive_data(transport.take()))
-    with pytest.raises(AuthenticationError, match="tokens differ"):
+    with pytest.raises(AuthenticationError, match="the server holds a different token from this process"):
         await link.ready
     assert transport.aborted
 

@@ -1,0 +1,158 @@
+"""Issue 18: a rank pointed at something that is not an aiocoll coordinator, or holding the wrong
+token, is told so within seconds, naming what answered and what to do, over real sockets on
+loopback: the async session (connect_store, init_process_group) and the blocking store client
+(aiocoll.sync.TCPStore) alike."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+from aiocoll.client._link_keeper import SILENCE, SILENT_ATTEMPTS
+from aiocoll.server import Coordinator
+
+import aiocoll
+import aiocoll.sync
+from aiocoll import AuthenticationError, ProtocolError
+
+pytestmark = pytest.mark.integration
+
+_PATIENCE = 120.0  # what the clients would wait for without the checks: far past the test's timeout
+
+
+@contextlib.contextmanager
+def _eager_http_server() -> Iterator[int]:
+    """A web server that answers any bytes at once with 400, as most do to a bad request line."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield listener.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+async def _failure(make: Callable[[], Awaitable[Any]]) -> tuple[BaseException, float]:
+    began = time.monotonic()
+    with pytest.raises((ProtocolError, AuthenticationError)) as err:
+        await make()
+    return err.value, time.monotonic() - began
+
+
+def _sync_store(port: int, token: str | None = None) -> Callable[[], Awaitable[Any]]:
+    return lambda: asyncio.to_thread(aiocoll.sync.TCPStore, "127.0.0.1", port, timeout=_PATIENCE, token=token)
+
+
+def _async_store(port: int, token: str | None = None) -> Callable[[], Awaitable[Any]]:
+    return lambda: aiocoll.connect_store(f"tcp://127.0.0.1:{port}", token=token, timeout=_PATIENCE)
+
+
+@pytest.mark.timeout(90)
+async def test_a_tcpstore_or_a_web_server_is_named_within_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed import TCPStore
+
+    monkeypatch.setenv("AIOCOLL_TOKEN", "t")
+    torch_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    coordinator = Coordinator("127.0.0.1", 0, token="t", http_port=0)
+    await coordinator.start()
+    try:
+        with _eager_http_server() as web:
+            assert coordinator.http_port is not None
+            silent, http, page = torch_store.port, web, coordinator.http_port
+            cases = {
+                ("tcpstore", "async"): _async_store(silent),
+                ("tcpstore", "sync"): _sync_store(silent),
+                ("tcpstore", "init"): lambda: aiocoll.init_process_group(
+                    f"tcp://127.0.0.1:{silent}", rank=1, world_size=2, timeout=_PATIENCE
+                ),
+                ("web", "async"): _async_store(http),
+                ("web", "sync"): _sync_store(http),
+                ("page", "async"): _async_store(page),
+                ("page", "sync"): _sync_store(page),
+            }
+            outcomes = dict(
+                zip(cases, await asyncio.gather(*(_failure(make) for make in cases.values())), strict=True)
+            )
+    finally:
+        await coordinator.stop()
+    for (target, client), (err, took) in outcomes.items():
+        message = str(err)
+        assert isinstance(err, ProtocolError), (target, client, err)
+        assert message.count("not an aiocoll coordinator") == 1, message  # said once, not wrapped again
+        if target == "tcpstore":
+            assert message.startswith(
+                f"127.0.0.1:{silent} accepted the connection but did not answer aiocoll's handshake "
+                f"within {SILENCE:g}s, {SILENT_ATTEMPTS} times in a row: it is not an aiocoll coordinator "
+                f"(a torch TCPStore, such as torchrun's on MASTER_PORT, behaves like this)"
+            ), message
+            assert took < SILENT_ATTEMPTS * SILENCE + 5, (client, took)
+        else:
+            port = http if target == "web" else page
+            assert message.startswith(
+                f"an HTTP server answered at 127.0.0.1:{port} (the coordinator's --http-port, or another "
+                f"web service), not an aiocoll coordinator: use the coordinator's main port"
+            ), message
+            # The coordinator's HTTP port answers bytes it cannot parse after its 5 s read timeout.
+            assert took < (3 if target == "web" else 8), (target, client, took)
+
+
+@pytest.mark.timeout(60)
+async def test_a_missing_token_is_named_on_the_side_that_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AIOCOLL_TOKEN", raising=False)
+    guarded = Coordinator("127.0.0.1", 0, token="secret")
+    open_ = Coordinator("127.0.0.1", 0)
+    await guarded.start()
+    await open_.start()
+    try:
+        with pytest.warns(RuntimeWarning, match="without a token"):
+            no_token = [await _failure(_async_store(guarded.port)), await _failure(_sync_store(guarded.port))]
+        theirs_none = [
+            await _failure(_async_store(open_.port, "secret")),
+            await _failure(_sync_store(open_.port, "secret")),
+        ]
+        other = [
+            await _failure(_async_store(guarded.port, "other")),
+            await _failure(_sync_store(guarded.port, "other")),
+        ]
+    finally:
+        await guarded.stop()
+        await open_.stop()
+    for err, took in no_token:
+        assert isinstance(err, AuthenticationError) and took < 5
+        assert str(err).startswith(
+            f"this process has no token (AIOCOLL_TOKEN is not set) but the coordinator at "
+            f"127.0.0.1:{guarded.port} requires one: set AIOCOLL_TOKEN"
+        ), err
+    for err, _ in theirs_none:
+        assert isinstance(err, AuthenticationError)
+        assert str(err).startswith(
+            f"the coordinator at 127.0.0.1:{open_.port} has no token but this process has one"
+        ), err
+    for err, _ in other:
+        assert isinstance(err, AuthenticationError)
+        assert str(err).startswith(f"the coordinator at 127.0.0.1:{guarded.port} holds a different token"), (
+            err
+        )
+    for err, _ in no_token + theirs_none + other:
+        assert str(err).count("token") <= 4 and "did not accept us" not in str(err), err
