@@ -35,6 +35,7 @@ from .._net import free_port as pick_free_port
 from ._launch_config import (
     LaunchConfig,
     LaunchConfigError,
+    RankLayout,
     format_host_port,
     resolve_torch_store_address,
     worker_environment,
@@ -95,6 +96,9 @@ class Console:
     def __init__(self, stdout: IO[bytes] | TextIO, stderr: IO[bytes] | TextIO) -> None:
         self._streams: dict[int, Any] = {1: stdout, 2: stderr}
         self._broken: set[int] = set()
+        # What starts each of the launcher's own lines; an elastic node adds its name and node
+        # rank, so that the lines of several launchers read apart.
+        self.prefix = LOG_PREFIX
 
     @classmethod
     def from_sys(cls) -> Console:
@@ -115,7 +119,9 @@ class Console:
 
     def log(self, message: str) -> None:
         lines = message.splitlines() or [""]
-        self.write(2, b"".join(LOG_PREFIX + line.encode("utf-8", errors="replace") + b"\n" for line in lines))
+        self.write(
+            2, b"".join(self.prefix + line.encode("utf-8", errors="replace") + b"\n" for line in lines)
+        )
 
 
 class _ConsoleLogHandler(logging.Handler):
@@ -290,7 +296,11 @@ class GenerationResult:
 
 
 class _Generation:
-    """One set of nproc_per_node workers, from spawn until the last one has exited."""
+    """One set of nproc_per_node workers, from spawn until the last one has exited.
+
+    ``layout`` places them (default: the fixed one of the launch); ``generation`` numbers them
+    (default: ``restart_count``; an elastic job also starts generations on changes of membership).
+    """
 
     def __init__(
         self,
@@ -301,10 +311,16 @@ class _Generation:
         coordinator: tuple[str, int],
         master_addr: str,
         master_port: int,
+        layout: RankLayout | None = None,
+        generation: int | None = None,
+        max_restarts: int | None = None,
     ) -> None:
         self._config = config
         self._console = console
         self._restart_count = restart_count
+        self.layout = config.layout() if layout is None else layout
+        self._generation = restart_count if generation is None else generation
+        self._max_restarts = max_restarts
         self._coordinator = coordinator
         self._master_addr = master_addr
         self._master_port = master_port
@@ -349,7 +365,7 @@ class _Generation:
             try:
                 self._workers.append(self._spawn(loop, local_rank, preexec))
             except OSError as exc:
-                rank = self._config.global_rank(local_rank)
+                rank = self.layout.global_rank(local_rank)
                 self._result.spawn_error = (
                     f"cannot start rank {rank} ({' '.join(self._config.command)}): {exc}"
                 )
@@ -363,7 +379,7 @@ class _Generation:
         self, loop: asyncio.AbstractEventLoop, local_rank: int, preexec: Callable[[], None] | None
     ) -> _Worker:
         config = self._config
-        rank = config.global_rank(local_rank)
+        rank = self.layout.global_rank(local_rank)
         env = worker_environment(
             config,
             os.environ,
@@ -372,10 +388,13 @@ class _Generation:
             coordinator=self._coordinator,
             master_addr=self._master_addr,
             master_port=self._master_port,
+            layout=self.layout,
+            generation=self._generation,
+            max_restarts=self._max_restarts,
         )
         tees: list[IO[bytes] | None] = [None, None]
         if config.log_dir is not None:
-            folder = os.path.join(config.log_dir, f"restart_{self._restart_count}")
+            folder = os.path.join(config.log_dir, f"restart_{self._generation}")
             os.makedirs(folder, exist_ok=True)
             tees = [open(os.path.join(folder, f"rank{rank}.{name}"), "wb") for name in ("stdout", "stderr")]
         try:
@@ -441,7 +460,7 @@ class _Generation:
         # The exit can be seen before the last of its stderr is read: wait for EOF (bounded).
         await worker.drain(PIPE_DRAIN_SECONDS)
         self._console.log(
-            f"rank {worker.rank} (node {self._config.placement.node_rank}, local rank {worker.local_rank}, "
+            f"rank {worker.rank} (node {self.layout.node_rank}, local rank {worker.local_rank}, "
             f"pid {worker.pid}) failed: {describe_returncode(worker.returncode)}"
         )
         self._console.log(self._cause(worker))
@@ -456,21 +475,31 @@ class _Generation:
     def _cause(self, worker: _Worker) -> str:
         """One line naming why ``worker`` failed: its last non-blank stderr line (a traceback's
         exception), pointing at its whole output above rather than printing it a second time."""
-        last = next((line for line in reversed(worker.stderr_tail) if line.strip()), None)
-        if last is None:
+        text = last_stderr_line(worker)
+        if text is None:
             return f"rank {worker.rank} wrote nothing to stderr"
-        text = last.decode("utf-8", errors="replace").strip()
-        if len(text) > TAIL_LINE_CHARS:
-            text = text[:TAIL_LINE_CHARS] + "..."
         where = f"its output is above, each line prefixed '[rank{worker.rank}]: '"
         if self._config.log_dir is not None:
-            folder = os.path.join(self._config.log_dir, f"restart_{self._restart_count}")
+            folder = os.path.join(self._config.log_dir, f"restart_{self._generation}")
             where += f", and in {os.path.join(folder, f'rank{worker.rank}.stderr')}"
         return f"rank {worker.rank}'s last stderr line: {text} ({where})"
 
 
+def last_stderr_line(worker: _Worker) -> str | None:
+    """A worker's last non-blank stderr line (a traceback's exception), shortened; None if none."""
+    last = next((line for line in reversed(worker.stderr_tail) if line.strip()), None)
+    if last is None:
+        return None
+    text = last.decode("utf-8", errors="replace").strip()
+    return text[:TAIL_LINE_CHARS] + "..." if len(text) > TAIL_LINE_CHARS else text
+
+
 class _Agent:
-    """Runs generations until one succeeds, restarts run out, or the launcher is signalled."""
+    """Runs generations until one succeeds, restarts run out, or the launcher is signalled.
+
+    With --nnodes MIN:MAX the generations are the job's, decided with the other nodes; an
+    ElasticNode (_launch_elastic) runs them, through ``received``, ``begin`` and ``finish``.
+    """
 
     def __init__(self, config: LaunchConfig, console: Console) -> None:
         self._config = config
@@ -480,6 +509,32 @@ class _Agent:
         self._signalled = asyncio.Event()
         self._status_command = ""
         self._remove_token_file: Callable[[], None] | None = None
+
+    @property
+    def config(self) -> LaunchConfig:
+        return self._config
+
+    @property
+    def console(self) -> Console:
+        return self._console
+
+    @property
+    def received(self) -> int | None:
+        """The first signal the launcher got, or None."""
+        return self._received
+
+    @property
+    def signalled(self) -> asyncio.Event:
+        return self._signalled
+
+    def begin(self, generation: _Generation) -> None:
+        """``generation`` is the one signals go to from now on (stopped at once if one came)."""
+        self._current = generation
+        if self._received is not None:
+            generation.request_stop(self._received)
+
+    def finish(self) -> None:
+        self._current = None
 
     def _on_signal(self, signum: int) -> None:
         name = _signal_name(signum)
@@ -532,6 +587,11 @@ class _Agent:
                 if refused is not None:
                     return refused
             self._status_command = self._make_status_command(host, port, token)
+            if config.elastic is not None:
+                from ._launch_elastic import ElasticNode
+
+                self._console.log(f"to see what each rank is doing, run: {self._status_command}")
+                return await ElasticNode(self, (host, port), token).run()
             return await self._run_generations(host, port)
         finally:
             for signum in installed:

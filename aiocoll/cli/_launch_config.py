@@ -2,8 +2,8 @@
 
 Pure functions over the parsed arguments and an environment mapping; nothing here starts a
 process, opens a socket or touches the event loop (check_script only asks whether a path
-exists), so every rule (which SLURM or Kubernetes
-variable wins, how ranks are numbered, what each worker's environment holds) is unit-testable.
+exists), so every rule (which SLURM or Kubernetes variable wins, what ``--nnodes MIN:MAX``
+means, how ranks are numbered, what each worker's environment holds) is unit-testable.
 It imports only the standard library: the launcher must start fast and never import torch.
 """
 
@@ -20,9 +20,16 @@ from ._token_file import read_token_file as _read_token_file
 
 __all__ = [
     "DEFAULT_COORDINATOR_PORT",
+    "DEFAULT_JOIN_WINDOW",
+    "DEFAULT_NODE_TIMEOUT",
+    "DEFAULT_RDZV_TIMEOUT",
+    "ElasticSpec",
+    "RankLayout",
+    "parse_nnodes",
     "DEFAULT_TORCH_STORE_PORT",
     "LaunchConfig",
     "LaunchConfigError",
+    "NodeCount",
     "NodePlacement",
     "TorchStoreAddress",
     "DEFAULT_CONNECT_TIMEOUT",
@@ -34,6 +41,7 @@ __all__ = [
     "read_token_file",
     "resolve_node_placement",
     "resolve_torch_store_address",
+    "elastic_torch_store_address",
     "worker_environment",
 ]
 
@@ -45,6 +53,13 @@ DEFAULT_CONNECT_TIMEOUT = 30.0
 # --master-port is not given, so torchrun command lines keep meaning what they meant.
 DEFAULT_TORCH_STORE_PORT = 29500
 LOOPBACK_HOST = "127.0.0.1"
+# --nnodes MIN:MAX: how long the rendezvous waits after the MIN-th node for more to arrive
+# (torchrun's last_call_timeout, shorter: a node that arrives later is admitted anyway, by a new
+# generation), how long a node waits to be admitted at all (torchrun's join_timeout), and how
+# long a node agent may go without beating before the others count its node lost.
+DEFAULT_JOIN_WINDOW = 5.0
+DEFAULT_RDZV_TIMEOUT = 600.0
+DEFAULT_NODE_TIMEOUT = 10.0
 
 
 class LaunchConfigError(ValueError):
@@ -69,12 +84,54 @@ class NodePlacement:
 
 
 @dataclass(frozen=True)
+class ElasticSpec:
+    """``--nnodes MIN:MAX``: node ranks and the world size are decided at each generation.
+
+    Attributes:
+        min_nodes: a generation starts once this many nodes joined (and the join window passed).
+        max_nodes: nodes admitted at most; more wait as spares until one leaves.
+        join_window: seconds after the MIN-th node for more to arrive (--rdzv-join-window).
+        rdzv_timeout: seconds a node waits to be admitted before it gives up (--rdzv-timeout).
+        node_timeout: seconds a node agent may go without beating before the other nodes count
+            it lost (--heartbeat-timeout).
+    """
+
+    min_nodes: int
+    max_nodes: int
+    join_window: float = DEFAULT_JOIN_WINDOW
+    rdzv_timeout: float = DEFAULT_RDZV_TIMEOUT
+    node_timeout: float = DEFAULT_NODE_TIMEOUT
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one node's workers sit in one generation.
+
+    Attributes:
+        node_rank: the node's index in the generation (GROUP_RANK).
+        nnodes: nodes in the generation (GROUP_WORLD_SIZE).
+        first_rank: the global rank of the node's local rank 0 (the workers of the nodes before
+            it come first, each node with its own --nproc-per-node).
+        world_size: every node's workers together (WORLD_SIZE).
+    """
+
+    node_rank: int
+    nnodes: int
+    first_rank: int
+    world_size: int
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.first_rank + local_rank
+
+
+@dataclass(frozen=True)
 class LaunchConfig:
     """Everything the agent needs to run the job on this node.
 
     Attributes:
         nproc_per_node: workers started by this launcher.
-        placement: nnodes and node_rank.
+        placement: nnodes and node_rank. With ``elastic``, nnodes is MAX and node_rank 0: the
+            real ones are decided at each generation (see ``layout``).
         coordinator: (host, port) of an external coordinator, or None to start an embedded one.
         job: the job id every worker joins (AIOCOLL_JOB).
         max_restarts: how many times a failed generation is restarted.
@@ -91,6 +148,8 @@ class LaunchConfig:
         master_port: --master-port, the port of that store, or None.
         connect_timeout: seconds an external coordinator (--coordinator) has to accept a
             connection before the launcher gives up, starting no worker.
+        elastic: the node range and the rendezvous's timing (--nnodes MIN:MAX), or None for a
+            fixed number of nodes.
     """
 
     nproc_per_node: int
@@ -108,6 +167,7 @@ class LaunchConfig:
     master_port: int | None = None
     token_file: str | None = None
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    elastic: ElasticSpec | None = None
 
     @property
     def world_size(self) -> int:
@@ -116,6 +176,60 @@ class LaunchConfig:
     def global_rank(self, local_rank: int) -> int:
         """Rank of a local worker: node_rank * nproc_per_node + local_rank (equal nodes assumed)."""
         return self.placement.node_rank * self.nproc_per_node + local_rank
+
+    def layout(self) -> RankLayout:
+        """The fixed layout of a job with a fixed number of nodes (every node runs nproc_per_node)."""
+        return RankLayout(
+            node_rank=self.placement.node_rank,
+            nnodes=self.placement.nnodes,
+            first_rank=self.global_rank(0),
+            world_size=self.world_size,
+        )
+
+
+@dataclass(frozen=True)
+class NodeCount:
+    """``--nnodes`` as written: ``M``, or ``MIN:MAX`` (``ranged``).
+
+    A range with MAX above 1 is elastic (torchrun's meaning): the nodes rendezvous, and node
+    ranks and the world size are decided at each generation. ``1:1`` is a single node.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    ranged: bool = False
+
+    @property
+    def elastic(self) -> bool:
+        return self.ranged and self.max_nodes > 1
+
+    def __str__(self) -> str:
+        return f"{self.min_nodes}:{self.max_nodes}" if self.ranged else str(self.max_nodes)
+
+
+def parse_nnodes(text: str) -> NodeCount:
+    """``--nnodes``: ``M`` (a fixed number of nodes) or ``MIN:MAX`` (torchrun's elastic range).
+
+    Raises:
+        LaunchConfigError: naming what is wrong (not a number, below 1, MIN above MAX).
+    """
+    parts = text.strip().split(":")
+    if len(parts) > 2:
+        raise LaunchConfigError(f"expected M or MIN:MAX (e.g. 2:4), got {text!r}")
+    try:
+        numbers = [int(part) for part in parts]
+    except ValueError:
+        raise LaunchConfigError(
+            f"expected M or MIN:MAX with whole numbers (e.g. 2:4), got {text!r}"
+        ) from None
+    if any(number < 1 for number in numbers):
+        raise LaunchConfigError(f"node counts must be at least 1, got {text!r}")
+    low, high = numbers[0], numbers[-1]
+    if low > high:
+        raise LaunchConfigError(
+            f"MIN {low} is above MAX {high} in {text!r}; write MIN:MAX, e.g. {high}:{low}"
+        )
+    return NodeCount(low, high, ranged=len(numbers) == 2)
 
 
 def parse_coordinator_address(text: str) -> tuple[str, int]:
@@ -371,6 +485,34 @@ def resolve_torch_store_address(
     return TorchStoreAddress(addr=addr, port=port, source=source, warnings=tuple(warnings))
 
 
+def elastic_torch_store_address(
+    config: LaunchConfig, node0: tuple[str, int], coordinator: tuple[str, int]
+) -> TorchStoreAddress:
+    """MASTER_ADDR/MASTER_PORT of one generation of an elastic job (--nnodes MIN:MAX).
+
+    As torchrun does, rank 0's store goes on the node of node rank 0 of the generation, at a port
+    that node found free when it joined: --master-addr else that node's address (the one it
+    reaches the coordinator from), --master-port else its free port.
+
+    Args:
+        config: the launch (its master_addr and master_port).
+        node0: (address, free port) that node rank 0 announced.
+        coordinator: (host, port) of the coordinator, which the store must not coincide with.
+    """
+    addr = config.master_addr or node0[0]
+    port = config.master_port if config.master_port is not None else node0[1]
+    where = "node rank 0's address" if config.master_addr is None else "--master-addr"
+    which = "a port node rank 0 found free" if config.master_port is None else "--master-port"
+    warnings: tuple[str, ...] = ()
+    if (addr, port) == coordinator:
+        warnings = (
+            f"MASTER_ADDR:MASTER_PORT {format_host_port(addr, port)} is the coordinator's own address; "
+            "rank 0 of a torch.distributed script would fail to bind its store there; pass --master-port "
+            "with another port",
+        )
+    return TorchStoreAddress(addr=addr, port=port, source=f"{where}, {which}", warnings=warnings)
+
+
 def worker_environment(
     config: LaunchConfig,
     base: Mapping[str, str],
@@ -380,35 +522,62 @@ def worker_environment(
     coordinator: tuple[str, int],
     master_addr: str,
     master_port: int,
+    layout: RankLayout | None = None,
+    generation: int | None = None,
+    max_restarts: int | None = None,
 ) -> dict[str, str]:
     """The environment of one worker: the launcher's own plus the rank variables.
+
+    torchrun's variables are set as torchrun sets them: TORCHELASTIC_RESTART_COUNT counts the
+    restarts after failures (a generation started by a change of membership does not add to
+    it), TORCHELASTIC_RUN_ID is the job id, and ROLE_* describe the one role every worker has.
+    AIOCOLL_GENERATION counts every generation, membership changes included.
 
     Args:
         config: the launch.
         base: the launcher's environment (AIOCOLL_TOKEN and everything else pass through).
         local_rank: the worker's index on this node.
-        restart_count: how many times the generation has been restarted (0 at first).
+        restart_count: restarts after failures so far (0 at first).
         coordinator: (host, port) where the aiocoll coordinator answers (AIOCOLL_COORDINATOR).
         master_addr, master_port: where rank 0 of a torch.distributed script binds its store
             (MASTER_ADDR, MASTER_PORT); see resolve_torch_store_address.
+        layout: this generation's ranks (default: the fixed layout, ``config.layout()``).
+        generation: the generation's number (default: ``restart_count``, as without
+            --nnodes MIN:MAX every new generation is a restart).
+        max_restarts: the job's --max-restarts (default: this launcher's own).
     """
+    layout = config.layout() if layout is None else layout
+    generation = restart_count if generation is None else generation
+    max_restarts = config.max_restarts if max_restarts is None else max_restarts
+    rank = str(layout.global_rank(local_rank))
+    world_size = str(layout.world_size)
     env = dict(base)
     env.update(
         {
-            "RANK": str(config.global_rank(local_rank)),
+            "RANK": rank,
             "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(config.world_size),
+            "WORLD_SIZE": world_size,
             "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
-            "GROUP_RANK": str(config.placement.node_rank),
-            "GROUP_WORLD_SIZE": str(config.placement.nnodes),
+            "GROUP_RANK": str(layout.node_rank),
+            "GROUP_WORLD_SIZE": str(layout.nnodes),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": rank,
+            "ROLE_WORLD_SIZE": world_size,
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
             "AIOCOLL_COORDINATOR": format_host_port(*coordinator),
             "AIOCOLL_JOB": config.job,
             "AIOCOLL_RESTART_COUNT": str(restart_count),
-            "AIOCOLL_MAX_RESTARTS": str(config.max_restarts),
+            "AIOCOLL_MAX_RESTARTS": str(max_restarts),
+            "AIOCOLL_GENERATION": str(generation),
+            "TORCHELASTIC_RUN_ID": config.job,
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
         }
     )
+    # torch's env:// would then expect an agent's store on MASTER_PORT instead of making one on
+    # rank 0 (a launcher inside a torchrun worker passes it on); aiocoll run serves none.
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if config.token is not None:
         env["AIOCOLL_TOKEN"] = config.token
     # Several multi-threaded math libraries per core oversubscribe the machine; torchrun makes the

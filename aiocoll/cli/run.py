@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._launch_config import LaunchConfig
+    from ._launch_config import ElasticSpec, LaunchConfig, NodeCount, NodePlacement
 
 __all__ = ["add_arguments", "main"]
 
@@ -104,12 +104,13 @@ def _port(text: str) -> int:
     return value
 
 
-def _nnodes(text: str) -> int:
-    if ":" in text:
-        raise argparse.ArgumentTypeError(
-            f"elastic node ranges ({text!r}) are not supported; give the fixed number of nodes"
-        )
-    return _positive_int(text)
+def _nnodes(text: str) -> NodeCount:
+    from ._launch_config import LaunchConfigError, parse_nnodes
+
+    try:
+        return parse_nnodes(text)
+    except LaunchConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _seconds(minimum_exclusive: bool) -> Callable[[str], float]:
@@ -143,8 +144,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--nnodes",
         type=_nnodes,
         default=None,
-        metavar="M",
-        help="nodes in the job (default: SLURM_NTASKS inside an srun task, else 1)",
+        metavar="M|MIN:MAX",
+        help="nodes in the job: M, a fixed number (default: SLURM_NTASKS inside an srun task, else 1), "
+        "or MIN:MAX, elastic as in torchrun: the launchers rendezvous through --coordinator, the job "
+        "starts once MIN nodes joined and --rdzv-join-window passed, nodes that come later are "
+        "admitted up to MAX, and every change of membership (a node joins, or its launcher dies or "
+        "loses the coordinator) stops the workers and starts a new generation with new ranks; "
+        "node ranks are assigned at each generation (--node-rank is ignored)",
     )
     parser.add_argument(
         "--node-rank",
@@ -163,7 +169,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="HOST:PORT",
         help="the address of a running aiocoll coordinator ('aiocoll coordinator', or the container); "
-        "required with --nnodes > 1. If it does not accept a connection within --connect-timeout, "
+        "required with --nnodes > 1 and with --nnodes MIN:MAX, where the launchers also rendezvous "
+        "through it. If it does not accept a connection within --connect-timeout, "
         "the launcher exits 2 and starts no worker. Default: run one inside the launcher, on "
         "127.0.0.1 (one node only)",
     )
@@ -208,7 +215,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=0,
         metavar="K",
-        help="restart the whole generation up to K times after a failure (default: 0)",
+        help="restart the whole generation up to K times after a worker failure (default: 0); with "
+        "--nnodes MIN:MAX the count is the job's, and changes of membership do not use it up",
+    )
+    parser.add_argument(
+        "--rdzv-join-window",
+        "--rdzv_join_window",
+        dest="rdzv_join_window",
+        type=_seconds(False),
+        default=None,
+        metavar="SECONDS",
+        help="with --nnodes MIN:MAX: once MIN nodes joined, how long the first generation waits for "
+        "more, up to MAX (default: 5); a node that comes later is admitted by a new generation",
+    )
+    parser.add_argument(
+        "--rdzv-timeout",
+        "--rdzv_timeout",
+        dest="rdzv_timeout",
+        type=_seconds(True),
+        default=None,
+        metavar="SECONDS",
+        help="with --nnodes MIN:MAX: how long a node waits to be admitted (for MIN nodes, or as a "
+        "spare while MAX nodes run) before its launcher gives up and exits 1 (default: 600)",
     )
     parser.add_argument(
         "--job",
@@ -257,7 +285,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="the embedded coordinator declares a worker lost after this long without a heartbeat "
         "(sets AIOCOLL_HEARTBEAT_TIMEOUT; default: 10). Workers beat from a thread: a busy event loop "
-        "is not silence, a frozen or dead process is",
+        "is not silence, a frozen or dead process is. With --nnodes MIN:MAX also how long a node's "
+        "launcher may go without beating before the other nodes count that node lost",
     )
     parser.add_argument(
         "--progress-after",
@@ -315,12 +344,12 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         default_job,
         parse_coordinator_address,
         read_token_file,
-        resolve_node_placement,
     )
 
-    placement = resolve_node_placement(args.nnodes, args.node_rank, environ)
+    count = args.nnodes
+    elastic, placement = _elastic_or_fixed(args, environ)
     if args.standalone and placement.nnodes > 1:
-        raise LaunchConfigError("--standalone means a single node; drop it or use --nnodes 1")
+        raise LaunchConfigError(f"--standalone means a single node; drop it or use --nnodes 1, not {count}")
     # --master-addr/--master-port name torch's rank-0 store (MASTER_ADDR/MASTER_PORT), never the
     # coordinator: the two must differ, or rank 0 of a gloo script cannot bind its store.
     coordinator = parse_coordinator_address(args.coordinator) if args.coordinator is not None else None
@@ -330,8 +359,10 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
             if args.master_addr is not None
             else ""
         )
+        written = count if count is not None else placement.nnodes
+        through = "; the launchers rendezvous through it" if elastic is not None else ""
         raise LaunchConfigError(
-            f"--nnodes {placement.nnodes} needs --coordinator HOST:PORT, an address every node can reach "
+            f"--nnodes {written} needs --coordinator HOST:PORT, an address every node can reach{through} "
             "(start one with 'aiocoll coordinator --port 29500' on one machine); an embedded coordinator "
             f"serves a single node only{hint}"
         )
@@ -357,7 +388,60 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launch
         master_port=args.master_port,
         token_file=os.path.abspath(args.token_file) if args.token_file is not None else None,
         connect_timeout=getattr(args, "connect_timeout", None) or DEFAULT_CONNECT_TIMEOUT,
+        elastic=elastic,
     )
+
+
+def _elastic_or_fixed(
+    args: argparse.Namespace, environ: Mapping[str, str]
+) -> tuple[ElasticSpec | None, NodePlacement]:
+    """``--nnodes MIN:MAX`` (MAX above 1): the elastic spec, and a placement that only carries
+    MAX and notes (node ranks come from the rendezvous); otherwise no spec and the fixed
+    placement from the command line, SLURM or Kubernetes."""
+    from dataclasses import replace
+
+    from ._launch_config import (
+        DEFAULT_JOIN_WINDOW,
+        DEFAULT_NODE_TIMEOUT,
+        DEFAULT_RDZV_TIMEOUT,
+        ElasticSpec,
+        NodePlacement,
+        resolve_node_placement,
+    )
+
+    count = args.nnodes
+    join_window = getattr(args, "rdzv_join_window", None)
+    rdzv_timeout = getattr(args, "rdzv_timeout", None)
+    if count is None or not count.elastic:
+        placement = resolve_node_placement(
+            count.max_nodes if count is not None else None, args.node_rank, environ
+        )
+        unused = [
+            name
+            for name, value in (("--rdzv-join-window", join_window), ("--rdzv-timeout", rdzv_timeout))
+            if value is not None
+        ]
+        if unused:
+            verb = "applies" if len(unused) == 1 else "apply"
+            note = f"{' and '.join(unused)} {verb} only to an elastic --nnodes MIN:MAX; ignored"
+            placement = replace(placement, warnings=(*placement.warnings, note))
+        return None, placement
+    heartbeat = getattr(args, "heartbeat_timeout", None)
+    spec = ElasticSpec(
+        min_nodes=count.min_nodes,
+        max_nodes=count.max_nodes,
+        join_window=DEFAULT_JOIN_WINDOW if join_window is None else join_window,
+        rdzv_timeout=DEFAULT_RDZV_TIMEOUT if rdzv_timeout is None else rdzv_timeout,
+        node_timeout=DEFAULT_NODE_TIMEOUT if heartbeat is None else heartbeat,
+    )
+    warnings: tuple[str, ...] = ()
+    if args.node_rank is not None:
+        warnings = (
+            f"--node-rank {args.node_rank} is ignored with --nnodes {count}: node ranks are assigned "
+            "at each generation, in the order the nodes joined (as torchrun does)",
+        )
+    sources = (f"--nnodes {count}: node ranks and the world size are decided at each generation",)
+    return spec, NodePlacement(nnodes=count.max_nodes, node_rank=0, sources=sources, warnings=warnings)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -5,6 +5,8 @@ command-line errors (which must name what is wrong and exit 2)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -12,14 +14,56 @@ import pytest
 from aiocoll.cli import run
 from aiocoll.cli._launch_agent import describe_returncode, exit_code_of
 from aiocoll.cli._launch_config import (
+    DEFAULT_JOIN_WINDOW,
+    DEFAULT_NODE_TIMEOUT,
+    DEFAULT_RDZV_TIMEOUT,
+    ElasticSpec,
     LaunchConfigError,
+    NodeCount,
+    RankLayout,
     build_worker_command,
     check_script,
+    elastic_torch_store_address,
     format_host_port,
     parse_coordinator_address,
+    parse_nnodes,
     resolve_node_placement,
     resolve_torch_store_address,
     worker_environment,
+)
+from aiocoll.cli._launch_nodes import (
+    FAILED,
+    FINISHED,
+    FORMING,
+    JOINED,
+    LEFT,
+    LOST,
+    REJOINED,
+    RUNNING,
+    Admitted,
+    Beats,
+    Ended,
+    Ending,
+    Finished,
+    Node,
+    NodeState,
+    NodeStateError,
+    View,
+    Wait,
+    Write,
+    assign_node_ranks,
+    close_formation,
+    decode_state,
+    encode_state,
+    end_generation,
+    formation_wait,
+    join_step,
+    layout_of,
+    leave,
+    mark_done,
+    new_run,
+    running_step,
+    watched_nodes,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -290,10 +334,117 @@ def test_nproc_per_node_must_be_a_positive_integer(value: str, capsys: pytest.Ca
     assert info.value.code == 2 and "--nproc-per-node" in capsys.readouterr().err
 
 
-def test_elastic_node_ranges_are_refused_clearly(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        _parse("--nnodes", "1:4", "s.py")
-    assert "elastic node ranges" in capsys.readouterr().err
+def test_nnodes_is_a_fixed_count_or_an_elastic_range() -> None:
+    fixed = run.build_config(_parse("--nnodes", "3", "--node-rank", "1", "--coordinator", "h:1", "s.py"), {})
+    assert fixed.elastic is None and (fixed.placement.nnodes, fixed.placement.node_rank) == (3, 1)
+    single = run.build_config(_parse("--nnodes", "1:1", "s.py"), {})
+    assert single.elastic is None and single.placement.nnodes == 1  # a range of one node is one node
+    elastic = run.build_config(_parse("--nnodes", "2:4", "--coordinator", "h:1", "s.py"), {})
+    assert elastic.elastic == ElasticSpec(
+        min_nodes=2, max_nodes=4, join_window=DEFAULT_JOIN_WINDOW, rdzv_timeout=DEFAULT_RDZV_TIMEOUT,
+        node_timeout=DEFAULT_NODE_TIMEOUT,
+    )
+    assert elastic.placement.nnodes == 4 and "decided at each generation" in elastic.placement.sources[0]
+    timed = run.build_config(_parse(
+        "--nnodes", "2:2", "--coordinator", "h:1", "--rdzv-join-window", "0.5", "--rdzv_timeout", "30",
+        "--heartbeat-timeout", "3", "s.py"), {})
+    assert timed.elastic == ElasticSpec(2, 2, join_window=0.5, rdzv_timeout=30.0, node_timeout=3.0)
+    assert parse_nnodes("2:4") == NodeCount(2, 4, ranged=True) and str(parse_nnodes("2:4")) == "2:4"
+    assert parse_nnodes(" 3 ") == NodeCount(3, 3) and not parse_nnodes("3").elastic
+
+
+@pytest.mark.parametrize(
+    ("text", "fragment"),
+    [
+        ("4:2", "MIN 4 is above MAX 2 in '4:2'; write MIN:MAX, e.g. 2:4"),
+        ("0:2", "node counts must be at least 1"),
+        ("0", "node counts must be at least 1"),
+        ("a:b", "expected M or MIN:MAX with whole numbers"),
+        ("1:2:3", "expected M or MIN:MAX (e.g. 2:4)"),
+        ("2:", "expected M or MIN:MAX with whole numbers"),
+    ],
+)
+def test_bad_node_counts_say_what_is_wrong(
+    text: str, fragment: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(LaunchConfigError, match=re.escape(fragment)):
+        parse_nnodes(text)
+    with pytest.raises(SystemExit) as info:
+        _parse("--nnodes", text, "s.py")
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "--nnodes" in err and fragment in err
+
+
+def test_an_elastic_range_needs_a_coordinator_and_ignores_node_rank(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert run.main(_parse("--nnodes", "2:4", "s.py")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("[aiocoll run] error: --nnodes 2:4 needs --coordinator HOST:PORT")
+    assert "the launchers rendezvous through it" in err
+    with pytest.raises(LaunchConfigError, match="--standalone means a single node"):
+        run.build_config(_parse("--standalone", "--nnodes", "1:2", "--coordinator", "h:1", "s.py"), {})
+    config = run.build_config(
+        _parse("--nnodes", "2:4", "--node-rank", "1", "--coordinator", "h:1", "s.py"), {}
+    )
+    assert config.placement.warnings == (
+        "--node-rank 1 is ignored with --nnodes 2:4: node ranks are assigned at each generation, in the "
+        "order the nodes joined (as torchrun does)",
+    )
+    # Inside an srun task SLURM's node rank does not apply either: the rendezvous assigns it.
+    slurm = run.build_config(
+        _parse("--nnodes", "2:4", "--coordinator", "h:1", "s.py"), {"SLURM_PROCID": "3", "SLURM_NTASKS": "4"}
+    )
+    assert slurm.elastic is not None and slurm.placement.node_rank == 0
+    fixed = run.build_config(_parse("--rdzv-join-window", "2", "--coordinator", "h:1", "s.py"), {})
+    assert fixed.placement.warnings == (
+        "--rdzv-join-window applies only to an elastic --nnodes MIN:MAX; ignored",
+    )
+
+
+def test_worker_environment_of_an_elastic_generation_has_torchruns_variables() -> None:
+    config = run.build_config(
+        _parse("--nnodes", "2:3", "--nproc-per-node", "2", "--coordinator", "h:1", "--max-restarts", "3",
+               "--job", "exp", "s.py"),
+        {},
+    )
+    layout = RankLayout(node_rank=1, nnodes=3, first_rank=4, world_size=7)
+    env = worker_environment(
+        config, {"TORCHELASTIC_USE_AGENT_STORE": "True"}, local_rank=1, restart_count=1,
+        coordinator=("h", 1), master_addr="10.0.0.5", master_port=40000, layout=layout, generation=5,
+        max_restarts=2,
+    )
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")} == {
+        "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "7", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "5", "ROLE_WORLD_SIZE": "7", "ROLE_NAME": "default",
+    }
+    # Restarts count failures (torchrun's meaning); generations count membership changes too.
+    assert env["TORCHELASTIC_RESTART_COUNT"] == env["AIOCOLL_RESTART_COUNT"] == "1"
+    assert env["AIOCOLL_GENERATION"] == "5"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == env["AIOCOLL_MAX_RESTARTS"] == "2"  # the job's, not ours
+    assert env["TORCHELASTIC_RUN_ID"] == env["AIOCOLL_JOB"] == "exp"
+    # No agent store listens on MASTER_PORT: torch's env:// must make its own on rank 0.
+    assert "TORCHELASTIC_USE_AGENT_STORE" not in env
+    fixed = run.build_config(_parse("--nproc-per-node", "2", "--coordinator", "h:1", "s.py"), {})
+    env = worker_environment(
+        fixed, {}, local_rank=0, restart_count=2, coordinator=("h", 1), master_addr="a", master_port=2
+    )
+    assert env["TORCHELASTIC_RESTART_COUNT"] == env["AIOCOLL_GENERATION"] == "2"
+    assert env["TORCHELASTIC_RUN_ID"] == "default" and env["TORCHELASTIC_MAX_RESTARTS"] == "0"
+
+
+def test_the_torch_store_of_an_elastic_generation_is_on_node_rank_0() -> None:
+    config = run.build_config(_parse("--nnodes", "2:3", "--coordinator", "10.0.0.1:29500", "s.py"), {})
+    store = elastic_torch_store_address(config, ("10.0.0.7", 41000), ("10.0.0.1", 29500))
+    assert (store.addr, store.port, store.warnings) == ("10.0.0.7", 41000, ())
+    given = run.build_config(
+        _parse("--nnodes", "2:3", "--coordinator", "10.0.0.1:29500", "--master-addr", "n0",
+               "--master-port", "29500", "s.py"),
+        {},
+    )
+    store = elastic_torch_store_address(given, ("10.0.0.7", 41000), ("n0", 29500))
+    assert (store.addr, store.port) == ("n0", 29500) and "coordinator's own address" in store.warnings[0]
 
 
 def test_exit_status_of_a_failed_worker() -> None:
@@ -360,3 +511,185 @@ def test_the_container_docs_start_workers_against_the_containers_coordinator() -
         assert args.token_file is not None, command
     status = [line for line in text.splitlines() if "aiocoll status --coordinator <host>:29500" in line]
     assert status and all("--token-file" in line for line in status)
+
+
+# -- the node rendezvous of --nnodes MIN:MAX (aiocoll/cli/_launch_nodes.py), without a coordinator --
+
+
+def _node(name: str, nproc: int = 1) -> Node:
+    return Node(id=f"{name}/x", name=name, nproc=nproc, addr=f"10.0.0.{len(name)}", port=40000 + len(name))
+
+
+A, B, C, D = _node("a"), _node("b"), _node("c"), _node("d")
+
+
+def _forming(*nodes: Node, min_nodes: int = 2, max_nodes: int = 3, max_restarts: int = 0) -> NodeState:
+    state = new_run("r1", nodes[0], min_nodes=min_nodes, max_nodes=max_nodes, max_restarts=max_restarts)
+    return dataclasses.replace(state, nodes=nodes)
+
+
+def _step(state: NodeState | None, me: Node, view: View = View(), *, run: str | None = "r1",
+          last_gen: int = -1) -> object:
+    fresh = new_run("r2", me, min_nodes=2, max_nodes=3, max_restarts=0)
+    return join_step(state, me, view, run=run, last_gen=last_gen, fresh=fresh)
+
+
+def _running(*nodes: Node, gen: int = 0, **changes: object) -> NodeState:
+    return dataclasses.replace(_forming(*nodes), gen=gen, phase=RUNNING, **changes)  # type: ignore[arg-type]
+
+
+def test_node_ranks_keep_the_last_generations_order_and_add_newcomers_in_arrival_order() -> None:
+    assert assign_node_ranks([], [C, A, B]) == (C, A, B)
+    assert assign_node_ranks([B.id, A.id], [A, D, B, C]) == (B, A, D, C)
+    assert assign_node_ranks([A.id, B.id, C.id], [C, D]) == (C, D)  # a and b left: c is node 0 now
+    wide, narrow = _node("wide", nproc=4), _node("narrow", nproc=2)
+    state = _running(wide, narrow, A)
+    assert layout_of(state, wide.id) == RankLayout(node_rank=0, nnodes=3, first_rank=0, world_size=7)
+    assert layout_of(state, narrow.id) == RankLayout(node_rank=1, nnodes=3, first_rank=4, world_size=7)
+    assert layout_of(state, A.id) == RankLayout(node_rank=2, nnodes=3, first_rank=6, world_size=7)
+
+
+def test_the_first_generation_starts_at_min_after_the_join_window_or_at_once_at_max() -> None:
+    first = _step(None, A)
+    assert isinstance(first, Write) and first.state.nodes == (A,) and first.state.phase == FORMING
+    one = _forming(A)
+    assert _step(one, A) == Wait("1 node(s) joined, waiting for at least 2 (--nnodes 2:3)")
+    joined = _step(one, B)
+    assert isinstance(joined, Write) and joined.state.ids() == [A.id, B.id]
+    two = joined.state
+    waiting = _step(two, A, View(now=10.5, min_since=10.0, join_window=1.0))
+    assert isinstance(waiting, Wait) and "waiting up to 1s (--rdzv-join-window)" in waiting.note
+    started = _step(two, A, View(now=11.0, min_since=10.0, join_window=1.0))
+    assert isinstance(started, Write) and started.state.phase == RUNNING
+    assert started.state.ids() == [A.id, B.id]
+    assert started.state.gen == 0 and started.state.serial > two.serial
+    full = _step(_forming(A, B, C), A, View(now=0.0, min_since=0.0, join_window=60.0))
+    assert isinstance(full, Write) and full.state.phase == RUNNING and len(full.state.nodes) == 3
+    # Beyond MAX a node waits as a spare; a node whose beats stopped does not count.
+    spare = _step(_forming(A, B, C), D)
+    assert isinstance(spare, Write) and spare.state.waiting == (D,) and D not in spare.state.nodes
+    dead_c = View(dead=frozenset({C.id}), now=0.0, min_since=0.0, join_window=60.0)
+    assert isinstance(_step(_forming(A, B, C), A, dead_c), Wait)
+    pruned = close_formation(_forming(A, B, C), dead_c)
+    assert pruned.ids() == [A.id, B.id]
+    # Once running, a member starts its workers; the same generation is never started twice.
+    assert _step(started.state, B) == Admitted(started.state)
+    again = _step(started.state, B, last_gen=0)
+    assert isinstance(again, Write) and again.state.ended is not None and again.state.ended.kind == REJOINED
+
+
+def test_a_node_that_arrives_while_a_generation_runs_ends_it_without_using_up_restarts() -> None:
+    running = _running(A, B, restarts=1, max_restarts=2)
+    asked = _step(running, C)
+    assert isinstance(asked, Write) and asked.state.waiting == (C,) and asked.state.gen == 0
+    for me in (C, A):  # the newcomer itself or a member: whoever writes first
+        ended = _step(asked.state, C) if me is C else running_step(
+            asked.state, A, View(), run="r1", gen=0, succeeded=False, failure=None
+        )
+        assert isinstance(ended, Write)
+        nxt = ended.state
+        assert (nxt.phase, nxt.gen, nxt.restarts) == (FORMING, 1, 1)
+        assert nxt.expected == (A.id, B.id, C.id) and nxt.previous == (A.id, B.id)
+        assert nxt.ended == Ending(0, JOINED, "node(s) c asked to join")
+    # Everyone expected is back: the generation starts without waiting for the join window.
+    back = dataclasses.replace(nxt, nodes=(C, B, A))
+    assert formation_wait(back, View(now=0.0, min_since=0.0, join_window=60.0)) is None
+    assert close_formation(back, View()).ids() == [A.id, B.id, C.id]
+    # One expected node still stopping its workers (beating): the others wait for it...
+    partial = dataclasses.replace(nxt, nodes=(C, B))
+    assert "waiting for 1 node(s) of the last generation" in str(formation_wait(partial, View(now=99.0)))
+    # ...unless its beats stopped.
+    assert formation_wait(partial, View(dead=frozenset({A.id}))) is None
+    # At MAX, or with a node already done, nobody is admitted: the arrival waits.
+    assert _step(dataclasses.replace(asked.state, nodes=(A, B, D)), C) == Wait(
+        "generation 0 runs with its 3 nodes (MAX); a spare until one leaves"
+    )
+    assert isinstance(_step(dataclasses.replace(asked.state, done=(A.id,)), C), Wait)
+
+
+def test_a_node_seen_dead_ends_the_generation_and_the_rest_go_on_without_it() -> None:
+    running = _running(A, B, C, gen=4, restarts=1)
+    view = View(dead=frozenset({A.id}), node_timeout=3.0)
+    ended = running_step(running, B, view, run="r1", gen=4, succeeded=False, failure=("x", "", 1))
+    assert isinstance(ended, Write)  # a lost node explains a failure seen meanwhile: not counted
+    nxt = ended.state
+    assert (nxt.gen, nxt.phase, nxt.restarts, nxt.expected) == (5, FORMING, 1, (B.id, C.id))
+    assert nxt.ended is not None and nxt.ended.kind == LOST
+    assert nxt.ended.reason == (
+        "node(s) a lost: their launcher stopped beating for 3s (it died, or lost the coordinator)"
+    )
+    # The node that was lost (or any node of the old generation) only sees that it ended.
+    assert running_step(nxt, C, View(), run="r1", gen=4, succeeded=False, failure=None) == Ended(nxt)
+    # A node that leaves on a signal ends its generation too, and is not expected back.
+    left = leave(running, C, "node c left: its launcher got SIGTERM")
+    assert left is not None and left.expected == (A.id, B.id) and left.ended.kind == LEFT  # type: ignore[union-attr]
+    forming = leave(nxt, B, "bye")
+    assert forming is not None and forming.expected == (C.id,)
+    assert leave(_forming(A), B, "bye") is None
+
+
+def test_failures_use_up_restarts_and_the_last_one_ends_the_job_with_its_status() -> None:
+    running = _running(A, B, max_restarts=1)
+    failure = ("rank 1 (node 1 b) failed (exit code 3)", "ValueError: nan", 3)
+    first = running_step(running, B, View(), run="r1", gen=0, succeeded=False, failure=failure)
+    assert isinstance(first, Write)
+    restarted = first.state
+    assert (restarted.phase, restarted.gen, restarted.restarts) == (FORMING, 1, 1)
+    assert restarted.expected == (A.id, B.id)
+    assert restarted.ended == Ending(0, FAILED, failure[0], cause="ValueError: nan", node=B.id)
+    second = running_step(
+        _running(A, B, gen=1, restarts=1, max_restarts=1), B, View(), run="r1", gen=1, succeeded=False,
+        failure=failure,
+    )
+    assert isinstance(second, Write) and second.state.phase == FINISHED and second.state.exit_code == 3
+    assert running_step(second.state, A, View(), run="r1", gen=1, succeeded=False, failure=None) == Finished(
+        second.state
+    )
+    # A node that waited, or finished, when the job ended learns it; a newcomer starts it again.
+    assert _step(second.state, C, run="r1") == Finished(second.state)
+    again = _step(second.state, C, run=None)
+    assert isinstance(again, Write) and again.state.run == "r2" and again.state.nodes == (C,)
+
+
+def test_the_job_completes_when_every_node_of_a_generation_exited_0() -> None:
+    running = _running(A, B, gen=2)
+    half = running_step(running, A, View(), run="r1", gen=2, succeeded=True, failure=None)
+    assert isinstance(half, Write) and half.state.done == (A.id,) and half.state.phase == RUNNING
+    assert running_step(half.state, A, View(), run="r1", gen=2, succeeded=True, failure=None) == Wait()
+    done = running_step(half.state, B, View(), run="r1", gen=2, succeeded=True, failure=None)
+    assert isinstance(done, Write) and done.state.phase == FINISHED and done.state.exit_code == 0
+    assert mark_done(running, A.id).phase == RUNNING
+
+
+def test_node_state_round_trips_and_foreign_bytes_are_refused() -> None:
+    state = dataclasses.replace(
+        _running(A, B, gen=3, restarts=1, max_restarts=2), waiting=(C,), previous=(B.id,), done=(A.id,),
+        ended=Ending(2, FAILED, "why", "cause", B.id),
+    )
+    assert decode_state(encode_state(state)) == state
+    forming = end_generation(state, LOST, "gone", gone=[A.id])
+    assert decode_state(encode_state(forming)) == forming and forming.expected == (B.id, C.id)
+    for raw in (b"", b"not json", b"[]", b'{"f": 99}', encode_state(state).replace(b'"running"', b'"odd"')):
+        with pytest.raises(NodeStateError):
+            decode_state(raw)
+
+
+def test_beats_find_a_node_dead_only_after_the_timeout_of_watching_it() -> None:
+    beats = Beats(timeout=3.0)
+    beats.observe(A.id, 5, now=0.0)
+    beats.observe(B.id, 7, now=0.0)
+    beats.observe(A.id, 6, now=2.0)
+    assert beats.dead([A.id, B.id, C.id], now=2.9) == frozenset()
+    assert beats.dead([A.id, B.id, C.id], now=3.0) == {B.id}  # never seen (C): not judged
+    assert beats.dead([A.id], now=5.0) == {A.id}
+    assert beats.moved_past({A.id: 5}) and not beats.moved_past({A.id: 6, B.id: 7})
+    beats.keep([A.id])
+    assert beats.value(B.id) is None
+
+
+def test_a_running_node_watches_the_next_one_and_a_waiting_node_watches_all() -> None:
+    running = _running(A, B, C)
+    assert [watched_nodes(running, n, running=True) for n in (A, B, C)] == [[B.id], [C.id], [A.id]]
+    assert watched_nodes(_running(A), A, running=True) == []
+    assert watched_nodes(dataclasses.replace(running, waiting=(D,)), D, running=False) == [A.id, B.id, C.id]
+    assert watched_nodes(None, A, running=False) == []
