@@ -2,7 +2,8 @@
 at the same (group, seq) disagree or some ranks are behind.
 
 Pure: no sockets, no asyncio, no clock of its own (callers pass ``now``). A foundation module:
-imports nothing of aiocoll, so both sides use the one mechanism. The coordinator
+imports nothing of aiocoll but _errors (the groups' names in messages), so both sides use the
+one mechanism. The coordinator
 (server/_state.py) keeps one ``JobProgress`` per job and feeds it the ``progress`` reports that
 workers send over their beat connection (protocol._coordinator, "Progress"); it turns the
 verdicts into ``mismatch`` / ``behind`` events and the ``status`` view into `aiocoll status`
@@ -21,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from ._errors import group_name
 
 __all__ = ["MAX_DONE", "MAX_OPS", "JobProgress", "ProgressError", "Verdict", "describe_sig"]
 
@@ -265,7 +268,8 @@ class JobProgress:
                 seq,
                 members,
                 tuple(sorted(sigs)),
-                f"the ranks called different operations at seq {seq} of group {group!r}: {called}{extra}. "
+                f"the ranks called different operations at seq {seq} of group {group_name(group)!r}: "
+                f"{called}{extra}. "
                 f"Every rank of a group must call the same operations, with the same root, dtype, "
                 f"size and reduce op, in the same order",
             )
@@ -282,15 +286,20 @@ class JobProgress:
                 del self.behind[next(iter(self.behind))]
             waiting = sorted(sigs)
             what = describe_sig(next(iter(sigs.values()))) if sigs else "an operation"
-            last = ", ".join(f"rank {r} is at seq {self._reports[r].seqs.get(group, 0)}" for r in behind)
+            # A rank's ``seqs`` entry is the seq its next call on the group takes: one that equals
+            # ``seq`` finished everything before it, so only one further back is worth naming.
+            earlier = [(r, self._reports[r].seqs.get(group, 0)) for r in behind]
+            last = "".join(
+                f"; rank {r} is further back: its next call is seq {at}" for r, at in earlier if at < seq
+            )
             return Verdict(
                 "behind",
                 group,
                 seq,
                 members,
                 tuple(behind),
-                f"rank(s) {behind} have not called seq {seq} of group {group!r} ({what}) that rank(s) "
-                f"{waiting} wait in ({last}): they are busy elsewhere or stuck before it",
+                f"rank(s) {behind} have not called seq {seq} of group {group_name(group)!r} ({what}), "
+                f"which rank(s) {waiting} wait in: they are busy elsewhere or stuck before it{last}",
             )
         return None
 

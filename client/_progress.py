@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from aiocoll._errors import group_name
 from aiocoll.protocol._coordinator import env_seconds
 
 from ._timeline import Timeline, timeline_for_process
@@ -151,19 +152,27 @@ class ProgressTracker:
             stamp = now_wall - (now_mono - t)
             return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int(stamp * 1000) % 1000:03d}"
 
-        lines = [f"rank {self.rank}: {why}; its last {len(self.history)} operation(s), oldest first:"]
-        for kind, gid, seq, sig, start, end, outcome in list(self.history):
+        done = list(self.history)
+        pending = [(group, op) for group in list(self._groups()) for op in list(group.pending)]
+        head = f"rank {self.rank}: {why}"
+        if len(done) > 1:
+            head += f"; its last {len(done)} operations, oldest first:"
+        elif done:
+            head += "; its last operation:"
+        elif pending:
+            head += "; no operation had finished yet:"
+        lines = [head]
+        for kind, gid, seq, sig, start, end, outcome in done:
             size = ""
             if sig and sig.get("count") is not None:
                 size = f" count={sig['count']}" + (f" dtype={sig['dtype']}" if sig.get("dtype") else "")
-            where = f"group={gid!r}" + (f" seq={seq}" if seq >= 0 else "")
+            where = f"group={group_name(gid)!r}" + (f" seq={seq}" if seq >= 0 else "")
             took = f"{(end - start) * 1e3:.1f} ms"
             lines.append(f"  {kind} {where}{size} start={wall(start)} end={wall(end)} ({took}) {outcome}")
-        for group in list(self._groups()):
-            for op in list(group.pending):
-                lines.append(
-                    f"  {op.kind} group={group.gid!r} seq={op.seq} start={wall(op.started)} still pending"
-                )
+        for group, op in pending:
+            lines.append(
+                f"  {op.kind} group={group.label!r} seq={op.seq} start={wall(op.started)} still pending"
+            )
         log.warning("\n".join(lines))
 
     # -- on the beat thread ---------------------------------------------------------------

@@ -33,7 +33,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
+from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError, chain, group_name
 from aiocoll._work import Work
 from aiocoll.algorithms._transport import (
     LandedCallback,
@@ -78,8 +78,8 @@ class GroupState:
     Attributes:
         gid: the group id (the same string on every member). ranks: members' global ranks, in
         group-rank order. index: this process's rank within the group. label: the name messages
-        give the group (the gid unless the layer above names it, as the torch backend does with
-        torch's group name).
+        give the group (``group_name(gid)``: "world" for the world group, unless the layer above
+        names it, as the torch backend does with torch's group name).
     """
 
     __slots__ = (
@@ -99,7 +99,7 @@ class GroupState:
 
     def __init__(self, gid: str, ranks: Sequence[int], my_rank: int) -> None:
         self.gid = gid
-        self.label = gid
+        self.label = group_name(gid)
         self.ranks = tuple(ranks)
         self.members = frozenset(ranks)
         self.index = self.ranks.index(my_rank)
@@ -300,7 +300,9 @@ class Engine:
         lost = self._lost_ranks() & group.members
         if lost:
             rank = min(lost)
-            group.broken = PeerLostError(rank, f"rank {rank} was already lost when group {gid!r} formed")
+            group.broken = PeerLostError(
+                rank, f"rank {rank} was already lost when group {group.label!r} formed"
+            )
         notices = self._orphan_notices.pop(gid, None)
         if notices:
             group.notices.update(notices)
@@ -310,7 +312,7 @@ class Engine:
     def forget_group(self, gid: str) -> None:
         group = self._groups.pop(gid, None)
         if group is not None:
-            self._fail_pending(group, DistError(f"group {gid!r} was destroyed"), from_seq=0)
+            self._fail_pending(group, DistError(f"group {group.label!r} was destroyed"), from_seq=0)
 
     def _lost_ranks(self) -> set[int]:
         return set(self.transport.lost_peers)
@@ -438,31 +440,40 @@ class Engine:
             return
         where = f"{kind} (group {group.label!r}" + (f", seq {seq})" if seq >= 0 else ")")
         if isinstance(cause, PeerLostError):
-            raise PeerLostError(
-                cause.rank,
-                cause.reason,
-                message=f"{where} cannot run: rank {cause.rank} of this group is lost ({cause.reason}); "
-                f"the group is unusable, create a new one from the surviving ranks",
-            ) from cause
+            raise chain(
+                PeerLostError(
+                    cause.rank,
+                    cause.reason,
+                    message=f"{where} cannot run: rank {cause.rank} of this group is lost ({cause.reason}); "
+                    f"the group is unusable, create a new one from the surviving ranks",
+                ),
+                cause,
+            )
         if isinstance(cause, MismatchError):
-            raise MismatchError(
-                f"{where} cannot run: the group is broken since seq {cause.seq}, where ranks called "
-                f"different operations ({cause}); create a new group",
-                group=group.gid,
-                seq=cause.seq,
-                ranks=cause.ranks,
-            ) from cause
+            raise chain(
+                MismatchError(
+                    f"{where} cannot run: the group is broken since seq {cause.seq}, where ranks called "
+                    f"different operations ({cause}); create a new group",
+                    group=group.gid,
+                    seq=cause.seq,
+                    ranks=cause.ranks,
+                ),
+                cause,
+            )
         if isinstance(cause, CollectiveTimeout):
-            raise CollectiveTimeout(
-                kind,
-                group.label,
-                seq,
-                cause.missing_ranks,
-                cause.timeout,
-                message=f"{where} cannot run: {cause.op} at seq {cause.seq} timed out waiting for rank(s) "
-                f"{cause.missing_ranks}, so the group is out of step; create a new group",
-            ) from cause
-        raise DistError(f"{where} cannot run: the group is broken ({cause})") from cause
+            raise chain(
+                CollectiveTimeout(
+                    kind,
+                    group.label,
+                    seq,
+                    cause.missing_ranks,
+                    cause.timeout,
+                    message=f"{where} cannot run: {cause.op} at seq {cause.seq} timed out waiting for "
+                    f"rank(s) {cause.missing_ranks}, so the group is out of step; create a new group",
+                ),
+                cause,
+            )
+        raise chain(DistError(f"{where} cannot run: the group is broken ({cause})"), cause)
 
     async def _run(self, op: _Op, body: Body) -> None:
         fut = op.future
@@ -509,10 +520,13 @@ class Engine:
             self._notify_mismatch(op, err)
             self._break(op.group, err, from_seq=op.seq, except_op=op)
             return
+        if isinstance(exc, PeerLostError):
+            if not fut.done():
+                fut.set_exception(_for_op(exc, op))  # names the operation that failed
+            self._break(op.group, exc, from_seq=0, except_op=op)
+            return
         if not fut.done():
             fut.set_exception(exc)
-        if isinstance(exc, PeerLostError):
-            self._break(op.group, exc, from_seq=0, except_op=op)
 
     def _finish(self, op: _Op) -> None:
         op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
@@ -614,7 +628,7 @@ class Engine:
         ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
         missing = ends or direct
         # issue 10 hook: the members' progress reports, compared, named the ranks behind.
-        behind = self.progress.behind_at(op.group.label, op.seq) if op.seq >= 0 else None
+        behind = self.progress.behind_at(op.group.gid, op.seq) if op.seq >= 0 else None
         if behind is not None:
             missing = behind[0]
             err = CollectiveTimeout(
@@ -628,18 +642,22 @@ class Engine:
             )
         else:
             err = CollectiveTimeout(op.kind, op.group.label, op.seq, missing, op.timeout)
-        log.warning("rank %d: %s", self.rank, err)
-        self.progress.log_record(f"{op.describe()} timed out")
-        # One rank's failure is every rank's news: the others stop waiting for this one now.
+        # One log line (the exception tells the rest): what timed out, and the operations before it.
+        self.progress.log_record(
+            f"{op.describe()} timed out after {op.timeout}s waiting for rank(s) {missing}"
+        )
+        # One rank's failure is every rank's news: the others stop waiting for this one now. They
+        # hear what the progress reports showed, if anything: the rest they know.
         if op.seq >= 0 and not self._closed:
             meta = {
                 "k": "gave_up",
                 "g": op.group.gid,
                 "s": op.seq,
                 "r": self.rank,
+                "op": op.kind,
                 "waits": missing,
                 "t": op.timeout,
-                "why": str(err)[:2000],
+                "why": behind[1][:2000] if behind is not None else "",
             }
             self._tell(op.group.ranks, meta)
         if log.isEnabledFor(logging.DEBUG):
@@ -725,11 +743,12 @@ class Engine:
         if exc.seq >= 0 and exc.group:
             return exc
         ranks = sorted(set(exc.ranks) | {self.rank})
-        err = MismatchError(
-            f"{op.describe()} on rank {self.rank}: {exc}", group=op.group.gid, seq=op.seq, ranks=ranks
+        return chain(
+            MismatchError(
+                f"{op.describe()} on rank {self.rank}: {exc}", group=op.group.gid, seq=op.seq, ranks=ranks
+            ),
+            exc,
         )
-        err.__cause__ = exc
-        return err
 
     def _notify_mismatch(self, op: _Op, err: MismatchError) -> None:
         if op.seq < 0:
@@ -776,7 +795,7 @@ class Engine:
             return  # already known to be out of step: late messages are expected
         desc = ", ".join(f"{k}={v!r}" for k, v in meta.items())
         err = MismatchError(
-            f"rank {src} sent rank {self.rank} a message for seq {seq} of group {gid!r} that "
+            f"rank {src} sent rank {self.rank} a message for seq {seq} of group {group.label!r} that "
             f"rank {self.rank}'s call did not expect (rank {src} called {{{desc}}}): the ranks "
             f"called different operations or roots at this point. Every rank of a group must call "
             f"the same operations, with the same root, dtype, size and reduce op, in the same order.",
@@ -810,7 +829,7 @@ class Engine:
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))
         group = self._groups.get(gid)
-        label = group.label if group is not None else gid
+        label = group.label if group is not None else group_name(gid)
         err = MismatchError(
             f"rank {src} found that the ranks' calls at seq {seq} of group {label!r} disagree: {why}",
             group=gid,
@@ -841,7 +860,7 @@ class Engine:
         if self._closed:
             return
         known = self._groups.get(gid)
-        label = known.label if known is not None else gid
+        label = known.label if known is not None else group_name(gid)
         err = MismatchError(
             f"comparing the ranks' progress reports showed that their calls at seq {seq} of group {label!r} "
             f"disagree: {why}",
@@ -857,18 +876,21 @@ class Engine:
         group = self._groups.get(gid)
         if group is None or (group.broken is not None and group.broken_seq <= seq):
             return
-        kind = next((op.kind for op in group.pending if op.seq == seq), "operation")
+        kind = next((op.kind for op in group.pending if op.seq == seq), None) or str(
+            meta.get("op") or "operation"
+        )
         waits = [int(w) for w in meta.get("waits", [])]
         timeout = meta.get("t")
+        why = str(meta.get("why", ""))[:500]
         err = CollectiveTimeout(
             kind,
             group.label,
             seq,
             waits,
             float(timeout) if isinstance(timeout, (int, float)) else None,
-            message=f"{kind} (group {group.label!r}, seq {seq}) failed: rank {src} gave up on it when its "
-            f"own timeout ({timeout}s) ran out, waiting for rank(s) {waits}; this rank stops waiting too. "
-            f"Rank {src} said: {str(meta.get('why', ''))[:500]}",
+            message=f"{kind} (group {group.label!r}, seq {seq}) failed: rank {src} gave up on it after its "
+            f"timeout of {timeout}s, waiting for rank(s) {waits}, and so does this rank"
+            + (f"; the ranks' progress reports show that {why}" if why else ""),
         )
         log.warning("rank %d: %s", self.rank, err)
         self._fail_at(gid, seq, err)
@@ -896,7 +918,7 @@ class Engine:
         self._closed = True
         self.progress.stop()
         for group in list(self._groups.values()):
-            self._fail_pending(group, DistError(f"group {group.gid!r} was destroyed"), from_seq=0)
+            self._fail_pending(group, DistError(f"group {group.label!r} was destroyed"), from_seq=0)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -950,8 +972,7 @@ def _for_op(err: BaseException, op: _Op) -> BaseException:
         )
     else:
         return err
-    out.__cause__ = err
-    return out
+    return chain(out, err)
 
 
 async def _counting(pending: dict[Any, int], key: Any, transfer: Awaitable[_T]) -> _T:

@@ -313,7 +313,8 @@ class LinkTransport(Transport):
         self._fail_ready(peer, reason)
         if lost and not self._closed:
             exc = PeerLostError(peer, reason)
-            log.warning("rank %d lost its link to rank %d: %s", self.rank, peer, reason)
+            # INFO: the engine logs the loss once, with this rank's last operations (its record).
+            log.info("rank %d lost its link to rank %d: %s", self.rank, peer, reason)
             for handler in list(self._handlers):
                 try:
                     handler(peer, exc)

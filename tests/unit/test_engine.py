@@ -99,7 +99,7 @@ async def test_timeout_names_the_ranks_whose_messages_are_outstanding_and_breaks
         await work
     assert loop.time() - t0 < 2.0
     err = info.value
-    assert (err.op, err.group, err.seq, err.missing_ranks) == ("barrier", "w", 0, [1])
+    assert (err.op, err.group, err.seq, err.missing_ranks) == ("barrier", "world", 0, [1])
     assert isinstance(err, TimeoutError)
     with pytest.raises(CollectiveTimeout, match="seq 0"):
         engs[0].submit(g0, "barrier", barrier_body((0, 1), 0), timeout=1)

@@ -42,8 +42,11 @@ async def test_a_timeout_logs_the_last_operations_and_fails_the_group_s_other_ra
         await patient
     assert loop.time() - started < 5.0
     record = "\n".join(r.getMessage() for r in caplog.records if "its last" in r.getMessage())
-    assert "rank 1: all_reduce (group 'w', seq 2) timed out; its last 2 operation(s)" in record
-    assert "all_reduce group='w' seq=0 count=4 dtype=float32 start=" in record and " ok" in record
+    assert (
+        "rank 1: all_reduce (group 'world', seq 2) timed out after 0.3s waiting for rank(s) [2]; "
+        "its last 2 operations, oldest first:" in record
+    ), record
+    assert "all_reduce group='world' seq=0 count=4 dtype=float32 start=" in record and " ok" in record
     await asyncio.sleep(0.05)  # the failed operation's task ends (and is recorded) a moment later
     report = engs[0].progress.report(full=True)
     assert report is not None and report["seqs"] == {"w": 3} and len(report["done"]) == 3

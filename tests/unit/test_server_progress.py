@@ -94,7 +94,11 @@ def test_a_rank_that_has_not_reached_the_seq_is_named_behind_in_events_and_statu
     _report(h, beats[1], [_op(3, SIG_AR, [2])], {"w": 4})
     _report(h, beats[2], [], {"w": 3})  # its next call on w will be seq 3: it is behind
     (event,) = _events(h, mains[0])
-    assert event["ev"] == EV_BEHIND and event["ranks"] == [2] and "rank 2 is at seq 3" in event["msg"]
+    assert event["ev"] == EV_BEHIND and event["ranks"] == [2]
+    assert event["msg"] == (
+        "rank(s) [2] have not called seq 3 of group 'world' (all_reduce(dtype=float32, count=4, op=sum)), "
+        "which rank(s) [0, 1] wait in: they are busy elsewhere or stuck before it"
+    ), event["msg"]
     job = h.state.status("j")[0]
     assert job["held_back_by"] == [2] and "held back by rank 2" in job["summary"]
     members = {m["rank"]: m for m in job["members"]}
