@@ -17,6 +17,8 @@ SURFACE = (
     "aiocoll.testing",
     "aiocoll._connect",
     "aiocoll.__main__",
+    "aiocoll.ft",
+    "aiocoll.ft_torch",
 )
 
 

@@ -1,0 +1,607 @@
+"""Per-step fault tolerance without restart (issue 20): ``Manager``, a replica's side of the
+coordinator's quorums. Public surface (an addition to the contract, docs/FAULT_TOLERANCE.md);
+imports the async API, the client's coordinator session and foundations; never torch (the torch
+wrapper is aiocoll/ft_torch.py).
+
+A *replica* holds one copy of the model (here: one process). At each step boundary it asks the
+coordinator for a quorum (server/_quorum.py); the step's collectives run over a process group of
+that quorum, made when the quorum changed (job ``JOB/qID``, the old one destroyed). A replica lost
+mid-step fails that step's operations on the others within seconds (PeerLostError, as always);
+they commit nothing, and their next quorum leaves it out: no restart, no rendezvous of everyone. A
+new or restarted replica joins at the next quorum and first receives the state (a torch
+state_dict, any pytree of arrays) from a live replica over the group's peer links.
+
+    manager = Manager("10.0.0.1:29500", replica="r0", state_dict=get, load_state_dict=put)
+    while manager.step < steps:
+        await manager.start_step()                   # quorum; heal when behind
+        grads = compute(params, batch(manager.step))
+        await manager.all_reduce_mean(grads)         # False when the step failed
+        if await manager.commit():                   # every replica of the quorum succeeded
+            apply(params, grads)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+import os
+import pickle
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from aiocoll._deadline import Deadline
+from aiocoll._errors import CollectiveTimeout, DistError, PeerLostError, StoreTimeout
+from aiocoll._types import ReduceOp
+from aiocoll.api import ProcessGroup, _host_port, _init_with_coordinator
+from aiocoll.client.session import CoordinatorSession
+from aiocoll.protocol._coordinator import ROLE_STORE
+
+__all__ = ["Manager", "QuorumError", "StepFailed"]
+
+log = logging.getLogger("aiocoll.ft")
+
+_BEAT_EVERY = 1.0  # the coordinator counts a replica gone after its heartbeat timeout of silence
+_DESTROY_TIMEOUT = 5.0  # an old group's goodbye may not hold up the next step longer than this
+_HEAL_TAG = 0x4845414C  # the point-to-point tag of state transfers ("HEAL")
+
+
+class QuorumError(DistError):
+    """No quorum could be formed (or joined) within the Manager's ``quorum_timeout``.
+
+    Attributes:
+        replica: this replica's name. step: its committed steps.
+    """
+
+    __module__ = "aiocoll.ft"
+
+    def __init__(self, message: str, *, replica: str, step: int) -> None:
+        super().__init__(message)
+        self.replica = replica
+        self.step = step
+
+
+class StepFailed(DistError):
+    """Why a step did not commit (``Manager.last_error``; the Manager logs it and goes on).
+
+    Attributes:
+        step: the step. quorum_id: the quorum it ran in. replicas, ranks, hosts: the replicas
+        the failure names (lost, or did not answer), their ranks in the quorum's group and their
+        hosts. cause: the error of the operation that failed.
+    """
+
+    __module__ = "aiocoll.ft"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int,
+        quorum_id: int,
+        replicas: Sequence[str] = (),
+        ranks: Sequence[int] = (),
+        hosts: Sequence[str] = (),
+        cause: BaseException | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.step = step
+        self.quorum_id = quorum_id
+        self.replicas = list(replicas)
+        self.ranks = list(ranks)
+        self.hosts = list(hosts)
+        self.cause = cause
+
+
+# ---------------------------------------------------------------------------------------------
+# state transfer: a pickle whose arrays travel apart, straight from and into their memory
+
+
+def _torch_tensor(obj: object) -> Any:
+    """``obj`` as a dense torch tensor (detached) when it is one, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    if obj.layout is not torch.strided or obj.is_quantized or obj.device.type == "meta":
+        return None  # left to pickle itself
+    return obj.detach()
+
+
+def pack_state(state: Any) -> tuple[np.ndarray, list[Any]]:
+    """Split ``state`` (any picklable object: a state_dict, a pytree of arrays) into a small
+    pickle and the arrays it holds (numpy arrays and dense torch tensors), each of which is sent
+    as it is, without a copy into the pickle.
+
+    Returns:
+        (the pickle as uint8, the arrays in the order the pickle refers to them).
+    """
+    arrays: list[Any] = []
+    shapes: list[tuple[str, str, tuple[int, ...]]] = []
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if type(obj) is np.ndarray and not obj.dtype.hasobject:
+                shapes.append(("np", obj.dtype.str, obj.shape))
+            else:
+                tensor = _torch_tensor(obj)
+                if tensor is None:
+                    return None
+                shapes.append(("torch", str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
+                obj = tensor
+            arrays.append(obj)
+            return len(arrays) - 1
+
+    inner = io.BytesIO()
+    _Pickler(inner, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
+    outer = pickle.dumps((shapes, inner.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
+    return np.frombuffer(outer, np.uint8), arrays
+
+
+def _empty_like(kind: str, dtype: str, shape: tuple[int, ...]) -> Any:
+    if kind == "np":
+        return np.empty(shape, np.dtype(dtype))
+    import torch  # the source sent torch tensors: this process uses torch too
+
+    return torch.empty(shape, dtype=getattr(torch, dtype))
+
+
+def _numel(array: Any) -> int:
+    return int(array.size) if isinstance(array, np.ndarray) else int(array.numel())
+
+
+def _nbytes(array: Any) -> int:
+    return int(array.nbytes) if isinstance(array, np.ndarray) else int(array.numel() * array.element_size())
+
+
+async def send_state(pg: ProcessGroup, packed: tuple[np.ndarray, list[Any]], dst: int, timeout: float) -> int:
+    """Send a ``pack_state`` result to group rank ``dst``; returns the bytes sent."""
+    head, arrays = packed
+    works = [pg.send(np.array([head.size], np.int64), dst, _HEAL_TAG, timeout=timeout)]
+    works.append(pg.send(head, dst, _HEAL_TAG, timeout=timeout))
+    works += [pg.send(a, dst, _HEAL_TAG, timeout=timeout) for a in arrays if _numel(a)]
+    await _all(works)
+    return int(head.size) + sum(_nbytes(a) for a in arrays)
+
+
+async def recv_state(pg: ProcessGroup, src: int, timeout: float) -> tuple[Any, int]:
+    """Receive what ``send_state`` sent from group rank ``src``; returns (state, bytes).
+
+    The pickle comes from an authenticated peer of this job (every peer link proves the job's
+    token), which is what makes unpickling it acceptable.
+    """
+    size = np.zeros(1, np.int64)
+    await pg.recv(size, src, _HEAL_TAG, timeout=timeout)
+    head = np.empty(int(size[0]), np.uint8)
+    await pg.recv(head, src, _HEAL_TAG, timeout=timeout)
+    shapes, inner = pickle.loads(head.tobytes())
+    arrays = [_empty_like(*s) for s in shapes]
+    await _all([pg.recv(a, src, _HEAL_TAG, timeout=timeout) for a in arrays if _numel(a)])
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return arrays[pid]
+
+    state = _Unpickler(io.BytesIO(inner)).load()
+    return state, int(head.size) + sum(_nbytes(a) for a in arrays)
+
+
+async def _all(works: Sequence[Any]) -> None:
+    """Await every one (none left running unobserved); raise the first failure."""
+    results = await asyncio.gather(*works, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+
+
+# ---------------------------------------------------------------------------------------------
+# the manager
+
+
+def _default_coordinator() -> str:
+    named = os.environ.get("AIOCOLL_COORDINATOR")
+    if named:
+        return named
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host and port:
+        return f"{host}:{port}"
+    raise ValueError(
+        "Manager: no coordinator given: pass coordinator='HOST:PORT', or set AIOCOLL_COORDINATOR "
+        "(aiocoll run sets it) or MASTER_ADDR and MASTER_PORT"
+    )
+
+
+def _default_replica() -> str:
+    named = os.environ.get("AIOCOLL_REPLICA")
+    if named:
+        return named
+    rank = os.environ.get("RANK")
+    return f"replica{rank}" if rank else f"{socket.gethostname()}:{os.getpid()}"
+
+
+class Manager:
+    """One replica's side of per-step fault tolerance (see the module's docstring).
+
+    Args:
+        coordinator: "HOST:PORT" of the aiocoll coordinator (default: AIOCOLL_COORDINATOR, else
+            MASTER_ADDR:MASTER_PORT). Start it with ``--state-dir`` to survive its own restart.
+        replica: this replica's name, unique in the job and the same when it restarts (default:
+            AIOCOLL_REPLICA, else replica{RANK}, else HOSTNAME:PID).
+        state_dict: returns the state a replica that is behind needs (model and optimizer
+            state_dicts, any pytree of numpy arrays or torch tensors); called on a live replica
+            when another one heals from it. load_state_dict: takes that state on a replica that
+            heals. Both may be set later as attributes (aiocoll.ft_torch does), before the first
+            ``start_step``.
+        job: the job (default AIOCOLL_JOB, else "default"); its quorums' groups are jobs
+            "JOB/qID" on the same coordinator.
+        token: the shared secret (default AIOCOLL_TOKEN).
+        min_replicas: a quorum needs at least this many replicas (more than half of them avoids
+            two quorums training apart).
+        join_timeout: seconds a quorum waits for replicas of the previous quorum that are there
+            but have not asked (and a job's first quorum for everyone); also how long a new
+            quorum's group may take to form.
+        timeout: seconds each collective of a step, and a heal, may take.
+        quorum_timeout: seconds ``start_step`` may take in all (asking again after failures).
+
+    Attributes:
+        replica: this replica's name. step: steps committed (the state's step).
+        quorum_id, members, index, hosts: the current quorum, its replicas (by name), this one's
+            place among them (its rank in ``group``) and their hosts.
+        group: the current quorum's ProcessGroup (for more collectives of the step).
+        last_error: why the last failed step failed (a StepFailed), else None.
+        last_heal: {"source", "bytes", "seconds"} of the last state received, else None.
+    """
+
+    def __init__(
+        self,
+        coordinator: str | None = None,
+        *,
+        replica: str | None = None,
+        state_dict: Callable[[], Any] | None = None,
+        load_state_dict: Callable[[Any], None] | None = None,
+        job: str | None = None,
+        token: str | None = None,
+        min_replicas: int = 1,
+        join_timeout: float = 10.0,
+        timeout: float = 60.0,
+        quorum_timeout: float = 600.0,
+    ) -> None:
+        if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
+            raise ValueError(f"Manager: min_replicas must be a positive int, got {min_replicas!r}")
+        for name, value in (
+            ("join_timeout", join_timeout),
+            ("timeout", timeout),
+            ("quorum_timeout", quorum_timeout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"Manager: {name} must be a positive number of seconds, got {value!r}")
+        self.coordinator = coordinator or _default_coordinator()
+        self._host, self._port = _host_port(self.coordinator, "coordinator")
+        self.replica = replica or _default_replica()
+        if not isinstance(self.replica, str) or not 0 < len(self.replica) <= 256:
+            raise ValueError(f"Manager: replica must be a name of 1..256 characters, got {self.replica!r}")
+        self.job = job or os.environ.get("AIOCOLL_JOB") or "default"
+        self._token = token if token is not None else (os.environ.get("AIOCOLL_TOKEN") or None)
+        self.state_dict = state_dict
+        self.load_state_dict = load_state_dict
+        self.min_replicas = min_replicas
+        self.join_timeout = float(join_timeout)
+        self.timeout = float(timeout)
+        self.quorum_timeout = float(quorum_timeout)
+        self.host = socket.gethostname()
+        self._uid = os.urandom(8).hex()  # this incarnation: a restart under the same name is new
+        self.step = 0
+        self.quorum_id = 0
+        self.members: list[str] = []
+        self.hosts: list[str] = []
+        self.index = -1
+        self.group: ProcessGroup | None = None
+        self.last_error: StepFailed | None = None
+        self.last_heal: dict[str, Any] | None = None
+        self._session: CoordinatorSession | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self._asks = 0
+        self._renew = False  # the last step failed: ask for a fresh group
+        self._failed: StepFailed | None = None  # the current step's failure
+        self._in_step = False
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<aiocoll.ft.Manager replica {self.replica!r} job {self.job!r} step {self.step} "
+            f"quorum {self.quorum_id} members {self.members}>"
+        )
+
+    @property
+    def size(self) -> int:
+        """The number of replicas in the current quorum."""
+        return len(self.members)
+
+    def _where(self) -> str:
+        return f"replica {self.replica!r} (rank {self.index} of quorum {self.quorum_id}, host {self.host})"
+
+    def _who(self, rank: int) -> str:
+        if 0 <= rank < len(self.members):
+            return f"replica {self.members[rank]!r} (rank {rank}, host {self.hosts[rank]})"
+        return f"rank {rank}"
+
+    # -- the coordinator session -------------------------------------------------------------
+    async def _connected(self, deadline: Deadline) -> CoordinatorSession:
+        if self._closed:
+            raise DistError(f"{self._where()}: the Manager is closed")
+        if self._session is None:
+            self._session = await CoordinatorSession.connect(
+                self._host,
+                self._port,
+                token=self._token,
+                job=self.job,
+                role=ROLE_STORE,
+                timeout=self.quorum_timeout,
+            )
+            self._beat = asyncio.ensure_future(self._beat_forever(self._session))
+        return self._session
+
+    async def _beat_forever(self, session: CoordinatorSession) -> None:
+        """Heartbeats on the quorum connection: a replica whose host is cut off falls silent
+        and stops holding the others' quorum (the coordinator's heartbeat timeout)."""
+        while not session.closed:
+            with contextlib.suppress(Exception):
+                await session._call("hb", {}, deadline=Deadline(5.0))
+            await asyncio.sleep(_BEAT_EVERY)
+
+    # -- a step ------------------------------------------------------------------------------
+    async def start_step(self) -> int:
+        """Begin a step: ask for the quorum, make its group when it changed, and receive the
+        state when this replica is behind (or send it to those that are).
+
+        Returns:
+            ``step``, the number of the step about to run (the steps committed so far).
+        Raises:
+            QuorumError: no quorum within ``quorum_timeout`` (too few replicas, no coordinator).
+        """
+        deadline = Deadline(self.quorum_timeout)
+        self._failed = None
+        self._in_step = True
+        while True:
+            reply = await self._ask(deadline)
+            try:
+                await self._adopt(reply, deadline)
+                return self.step
+            except (DistError, OSError, asyncio.TimeoutError) as exc:
+                # A replica lost while the group formed or during a heal: ask again, for a
+                # fresh group (the lost one will be left out).
+                self._renew = True
+                log.warning(
+                    "%s: step %d: joining quorum %d failed (%s: %s); asking for a new quorum",
+                    self._where(),
+                    self.step,
+                    reply["quorum_id"],
+                    type(exc).__name__,
+                    exc,
+                )
+                remaining = deadline.remaining()
+                if remaining is not None and remaining <= 0:
+                    raise QuorumError(
+                        f"{self._where()}: could not join a quorum within {self.quorum_timeout:g}s: {exc}",
+                        replica=self.replica,
+                        step=self.step,
+                    ) from exc
+
+    async def _ask(self, deadline: Deadline) -> dict[str, Any]:
+        self._asks += 1
+        fields = {
+            "replica": self.replica,
+            "uid": self._uid,
+            "step": self.step,
+            "ask": self._asks,
+            "host": self.host,
+            "min_replicas": self.min_replicas,
+            "join_timeout": self.join_timeout,
+            "renew": self._renew,
+        }
+        try:
+            session = await self._connected(deadline)
+            reply, _ = await session._call("quorum", fields, deadline=deadline, waits=True)
+        except StoreTimeout as exc:
+            raise QuorumError(
+                f"{self._where()}: no quorum of at least {self.min_replicas} replicas of job {self.job!r} "
+                f"within {self.quorum_timeout:g}s: {exc}",
+                replica=self.replica,
+                step=self.step,
+            ) from exc
+        except DistError as exc:
+            raise QuorumError(
+                f"{self._where()}: asking the coordinator at {self.coordinator} for a quorum failed: {exc}",
+                replica=self.replica,
+                step=self.step,
+            ) from exc
+        self._renew = False
+        return reply
+
+    async def _adopt(self, reply: dict[str, Any], deadline: Deadline) -> None:
+        qid, members, index = int(reply["quorum_id"]), reply["members"], int(reply["index"])
+        for name, host, why in reply.get("left", []):
+            log.warning(
+                "%s: quorum %d leaves out replica %r (host %s): %s", self.replica, qid, name, host, why
+            )
+        if qid != self.quorum_id or self.group is None:
+            old, self.group = self.group, None
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(old.destroy(), _DESTROY_TIMEOUT)
+            self.quorum_id, self.index = qid, index
+            self.members = [m[0] for m in members]
+            self.hosts = [m[2] for m in members]
+            remaining = deadline.remaining()
+            forming = self.join_timeout if remaining is None else max(min(self.join_timeout, remaining), 0.1)
+            self.group = await _init_with_coordinator(
+                self._host,
+                self._port,
+                index,
+                len(members),
+                Deadline(forming),
+                self.timeout,
+                self._token,
+                f"{self.job}/q{qid}",
+                start_one=False,  # the coordinator runs: never start one in its place
+            )
+            log.info(
+                "%s: step %d: quorum %d of %d replicas %s",
+                self._where(),
+                self.step,
+                qid,
+                len(members),
+                self.members,
+            )
+        self.members = [m[0] for m in members]
+        self.hosts = [m[2] for m in members]
+        await self._heal(reply)
+
+    async def _heal(self, reply: dict[str, Any]) -> None:
+        heal: list[int] = reply["heal"]
+        pg = self.group
+        assert pg is not None
+        source = heal[self.index]
+        healers = [i for i, s in enumerate(heal) if s == self.index]
+        if (healers or source >= 0) and (self.state_dict is None or self.load_state_dict is None):
+            raise RuntimeError(
+                f"{self._where()}: quorum {self.quorum_id} needs a state transfer, but the Manager has no "
+                f"state_dict/load_state_dict: give them to Manager(...) (aiocoll.ft_torch's wrapper does)"
+            )
+        if healers:
+            assert self.state_dict is not None
+            packed = pack_state(self.state_dict())
+            started = time.perf_counter()
+            await _all([send_state(pg, packed, dst, self.timeout) for dst in healers])
+            log.info(
+                "%s: sent the state of step %d to %s in %.3fs",
+                self._where(),
+                self.step,
+                [self.members[i] for i in healers],
+                time.perf_counter() - started,
+            )
+        if source >= 0:
+            started = time.perf_counter()
+            state, nbytes = await recv_state(pg, source, self.timeout)
+            assert self.load_state_dict is not None
+            self.load_state_dict(state)
+            seconds = time.perf_counter() - started
+            previous, self.step = self.step, int(reply["max_step"])
+            self.last_heal = {"source": self.members[source], "bytes": nbytes, "seconds": seconds}
+            log.info(
+                "%s: healed from %s: step %d -> %d, %d bytes in %.3fs",
+                self._where(),
+                self._who(source),
+                previous,
+                self.step,
+                nbytes,
+                seconds,
+            )
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        """Record the step's failure, naming the replicas, ranks and hosts it involves."""
+        if isinstance(exc, PeerLostError):
+            ranks = [exc.rank]
+        elif isinstance(exc, CollectiveTimeout):
+            ranks = list(exc.missing_ranks)
+        else:
+            ranks = list(getattr(exc, "ranks", []) or [])
+        ranks = [r for r in ranks if 0 <= r < len(self.members)]
+        named = ", ".join(self._who(r) for r in ranks) or "no replica named"
+        failure = StepFailed(
+            f"{self._where()}: step {self.step}: {what} failed ({named}): {type(exc).__name__}: "
+            f"{str(exc).rstrip('.')}. "
+            f"The step is not committed; the next quorum leaves out the replicas that are gone and "
+            f"heals the ones that fell behind",
+            step=self.step,
+            quorum_id=self.quorum_id,
+            replicas=[self.members[r] for r in ranks],
+            ranks=ranks,
+            hosts=[self.hosts[r] for r in ranks],
+            cause=exc,
+        )
+        if self._failed is None:
+            self._failed = failure
+            self.last_error = failure
+            log.warning("%s", failure)
+
+    def report_error(self, exc: BaseException) -> None:
+        """Mark the current step failed (an operation of your own on ``group`` failed): it will
+        not commit, and the next quorum makes a fresh group."""
+        self._fail("an operation of the step", exc)
+
+    async def all_reduce_mean(self, arrays: Sequence[Any], *, timeout: float | None = None) -> bool:
+        """Average ``arrays`` (numpy arrays or torch tensors, floating point) over the quorum's
+        replicas, in place: the sum over the replicas divided by their number.
+
+        Returns:
+            True; False when the step has failed (then nothing may be relied on, and ``commit``
+            returns False): a failure does not raise, it is logged and kept in ``last_error``.
+        """
+        if self._failed is not None:
+            return False
+        pg = self._group("all_reduce_mean")
+        n = pg.size
+        try:
+            await _all([pg.all_reduce(a, ReduceOp.SUM, timeout=timeout or self.timeout) for a in arrays])
+        except DistError as exc:
+            self._fail("all_reduce_mean", exc)
+            return False
+        for a in arrays:
+            a /= n
+        return True
+
+    async def commit(self, *, timeout: float | None = None) -> bool:
+        """End the step: whether every replica of the quorum completed it (a MIN all_reduce of
+        the replicas' flags). When True, apply the step (``step`` has moved on); when False, do
+        not: the next ``start_step`` asks for a new quorum and heals a replica that fell behind.
+        """
+        pg = self._group("commit")
+        flag = np.array([0 if self._failed is not None else 1], np.int32)
+        try:
+            await pg.all_reduce(flag, ReduceOp.MIN, timeout=timeout or self.timeout)
+        except DistError as exc:
+            self._fail("commit", exc)
+            flag[0] = 0
+        self._in_step = False
+        if self._failed is not None:
+            self._renew = True
+            return False
+        if not flag[0]:
+            log.warning("%s: step %d not committed: another replica's step failed", self._where(), self.step)
+            return False
+        self.step += 1
+        self.last_error = None
+        return True
+
+    def _group(self, what: str) -> ProcessGroup:
+        if self.group is None or not self._in_step:
+            raise RuntimeError(f"{what}: call start_step() first ({self._where()})")
+        return self.group
+
+    # -- closing -----------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Leave: destroy the quorum's group and close the coordinator session. Twice is fine."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._beat is not None:
+            self._beat.cancel()
+        group, self.group = self.group, None
+        if group is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(group.destroy(), _DESTROY_TIMEOUT)
+        session, self._session = self._session, None
+        if session is not None:
+            with contextlib.suppress(Exception):
+                await session.aclose()
+
+    async def __aenter__(self) -> Manager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

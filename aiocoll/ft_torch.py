@@ -1,0 +1,157 @@
+"""Per-step fault tolerance for an ordinary torch training loop (issue 20): an optimizer wrapper
+over ``aiocoll.ft.Manager``. Public surface (an addition to the contract, docs/FAULT_TOLERANCE.md);
+imports torch, aiocoll.ft and the loop thread the blocking facade runs on. Holds no logic of its
+own beyond torch's side: which tensors are the state, and the gradients as one flat buffer.
+
+    manager = aiocoll.ft.Manager("10.0.0.1:29500", replica="r0", min_replicas=2)
+    opt = FaultTolerantOptimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1), model)
+    while manager.step < steps:
+        opt.zero_grad()                        # quorum; receives the state when behind
+        loss_fn(model(*batch(manager.step))).backward()
+        opt.step()                             # averaged over the quorum; applied if committed
+
+The Manager's coroutines run on aiocoll's loop thread (the one aiocoll.sync uses); these
+methods block until they finish.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from aiocoll._sync_loop import get_loop_thread, issue_on_caller_streams
+from aiocoll.ft import Manager
+
+__all__ = ["FaultTolerantOptimizer", "Manager"]
+
+
+class FaultTolerantOptimizer:
+    """An optimizer that runs only the steps every replica of the quorum completed.
+
+    Args:
+        manager: this replica's Manager. When it has no ``state_dict``/``load_state_dict`` yet,
+            they become the model's and the optimizer's (what a replica that heals receives).
+        optimizer: the torch optimizer to wrap (its param_groups hold what is trained).
+        model: the module, so that its buffers (BatchNorm statistics) travel in a heal too; None:
+            the optimizer's parameters only.
+
+    Attributes:
+        manager, optimizer, model: as given. committed: whether the last ``step`` was applied.
+    """
+
+    def __init__(
+        self, manager: Manager, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None
+    ) -> None:
+        self.manager = manager
+        self.optimizer = optimizer
+        self.model = model
+        self.committed = False
+        if manager.state_dict is None:
+            manager.state_dict = self._state
+        if manager.load_state_dict is None:
+            manager.load_state_dict = self._load
+
+    # -- the state a replica heals with -------------------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def _state(self) -> dict[str, Any]:
+        if self.model is not None:
+            trained: Any = self.model.state_dict()
+        else:
+            trained = [p.detach() for p in self._params()]
+        return {"model": trained, "optimizer": self.optimizer.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        if self.model is not None:
+            self.model.load_state_dict(state["model"])
+        else:
+            with torch.no_grad():
+                for p, value in zip(self._params(), state["model"], strict=True):
+                    p.copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    # -- the training loop's calls ------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Start a step (the quorum; the state received when this replica is behind), then clear
+        the gradients.
+
+        Raises:
+            aiocoll.ft.QuorumError: no quorum within the Manager's quorum_timeout.
+        """
+        get_loop_thread().run(self.manager.start_step())
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:
+        """Average the gradients over the quorum's replicas, commit, and run the wrapped
+        optimizer's step only when every replica completed this one.
+
+        A parameter without a gradient counts as a zero gradient, so that every replica reduces
+        the same tensors.
+
+        Returns:
+            Whether the step was committed and applied (``manager.last_error`` says why not).
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        params = self._params()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        flats = list(_flatten(grads).values())
+        # As aiocoll.sync issues a call: a CUDA buffer is read after what the calling thread's
+        # streams computed, and the call returns once the result is on the device.
+        averaging, _ = issue_on_caller_streams(
+            lambda: self.manager.all_reduce_mean(flats), flats, wait_on_host=True
+        )
+        if averaging.result():
+            _unflatten(grads, flats)
+        self.committed = get_loop_thread().run(self.manager.commit())
+        if self.committed:
+            self.optimizer.step()
+        return self.committed
+
+    def close(self) -> None:
+        """Leave the quorum (the Manager's ``close``)."""
+        get_loop_thread().run(self.manager.close())
+
+    # -- the wrapped optimizer's face ---------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"FaultTolerantOptimizer({self.optimizer!r}, {self.manager!r})"
+
+
+def _flatten(grads: list[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+    """The gradients as one contiguous buffer per dtype and device: one all_reduce each."""
+    parts: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in grads:
+        parts.setdefault((g.dtype, g.device), []).append(g.reshape(-1))
+    return {key: torch.cat(tensors) for key, tensors in parts.items()}
+
+
+def _unflatten(grads: list[torch.Tensor], flats: list[torch.Tensor]) -> None:
+    """Copy the averaged buffers back into the gradients (in the order ``_flatten`` took them)."""
+    by_key = {(f.dtype, f.device): f for f in flats}
+    offsets = dict.fromkeys(by_key, 0)
+    for g in grads:
+        key = (g.dtype, g.device)
+        start = offsets[key]
+        g.copy_(by_key[key][start : start + g.numel()].view_as(g))
+        offsets[key] = start + g.numel()
