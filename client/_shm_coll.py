@@ -68,7 +68,7 @@ import msgpack
 import numpy as np
 
 from aiocoll._env import env_float
-from aiocoll._errors import DistError, MismatchError, PeerLostError
+from aiocoll._errors import DistError, MismatchError, PeerLostError, group_name
 from aiocoll._progress_check import _sig as progress_sig
 from aiocoll._progress_check import describe_sig
 from aiocoll._reduce import combine, finish_avg, reduce_into
@@ -741,9 +741,9 @@ class ShmGroup:
             for call, rs in calls.items()
         )
         return MismatchError(
-            f"the ranks called different operations at seq {seq} of group {self._gid!r} (they differ in "
-            f"{', '.join(sorted(differing))}): {called}. Every rank of a group must call the same "
-            "operations, with the same root, dtype, size and reduce op, in the same order",
+            f"the ranks called different operations at seq {seq} of group {group_name(self._gid)!r} "
+            f"(they differ in {', '.join(sorted(differing))}): {called}. Every rank of a group must call "
+            "the same operations, with the same root, dtype, size and reduce op, in the same order",
             group=self._gid,
             seq=seq,
             ranks=sorted(self.ranks),

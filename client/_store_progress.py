@@ -115,7 +115,7 @@ class StoreProgress:
             if v.kind == "mismatch":
                 await self._engine.share_mismatch(v.group, v.seq, list(v.ranks), v.message)
             else:
-                log.warning("rank %d: group %r seq %d: %s", self._engine.rank, v.group, v.seq, v.message)
+                log.warning("rank %d: %s", self._engine.rank, v.message)  # it names the group and seq
                 self._engine.progress.note_behind(v.group, v.seq, v.ranks, v.message)
         ask = [
             r

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from .._buffers import REDUCE_BLOCK_BYTES, Buffers
-from .._errors import MismatchError
+from .._errors import MismatchError, group_name
 from . import _schedule as S
 from ._plan import CollectiveSpec, Prepared, prepare
 from ._transport import Tag, Transport
@@ -113,7 +113,7 @@ class Context:
         group, seq = "", -1
         if len(self.tag) >= 3 and self.tag[0] == "c":
             group, seq = str(self.tag[1]), self.tag[2] if isinstance(self.tag[2], int) else -1
-        where = f" (group {group!r}, seq {seq})" if group else ""
+        where = f" (group {group_name(group)!r}, seq {seq})" if group else ""
         if isinstance(remote, dict) and not _same_meta(remote, self.meta):
             keys = [k for k in _SIGNATURE_FIELDS if self.meta.get(k) != remote.get(k)]
             keys += sorted(
