@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiocoll._deadline import Deadline
-from aiocoll._errors import AuthenticationError, DistError, ProtocolError, StoreError
+from aiocoll._errors import AuthenticationError, DistError, ProtocolError, StoreError, chain
 from aiocoll._net import host_port
 from aiocoll.protocol import ClientHandshake
 from aiocoll.protocol._handshake import SilentServer
@@ -116,13 +116,16 @@ class ConnectTries:
         remaining = deadline.remaining()
         if remaining is not None and remaining <= 0:
             last = self.last
-            raise CoordinatorUnreachable(
-                f"no aiocoll coordinator answered at {self.address} within {deadline.timeout:.3g}s "
-                f"({self.attempts} attempt{'s' if self.attempts > 1 else ''}; last: "
-                f"{str(last) or type(last).__name__}). Check that the coordinator runs there "
-                f"(aiocoll coordinator --port {self.port}) and that host and port are right, or "
-                f"raise the timeout"
-            ) from last
+            raise chain(
+                CoordinatorUnreachable(
+                    f"no aiocoll coordinator answered at {self.address} within {deadline.timeout:.3g}s "
+                    f"({self.attempts} attempt{'s' if self.attempts > 1 else ''}; last: "
+                    f"{str(last) or type(last).__name__}). Check that the coordinator runs there "
+                    f"(aiocoll coordinator --port {self.port}) and that host and port are right, or "
+                    f"raise the timeout"
+                ),
+                last,
+            )
         pause = random.uniform(0, self._delay)
         self._delay = min(self._delay * 2, _BACKOFF_MAX)
         return pause if remaining is None else min(pause, remaining)
