@@ -64,7 +64,7 @@ from aiocoll.stores import DEFAULT_TIMEOUT
 from aiocoll.stores._base import Value, check_amount, check_key, check_keys, pair_values, to_value
 
 from ._blocking import connect_blocking
-from ._link_keeper import SILENCE, ConnectTries
+from ._link_keeper import ConnectTries
 from ._store_core import SYNC_AFTER, StoreCore
 
 __all__ = ["BlockingStoreClient"]
@@ -153,14 +153,14 @@ class BlockingStoreClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        tries = ConnectTries(self.host, self.port)
+        tries = ConnectTries(self.host, self.port, first=first)
         while True:
             if self._closed:
                 raise StoreError(f"the store client of {self.address} was closed")
             attempt = tries.attempt_time(deadline)
             handshake = ClientHandshake(self._token, role=ROLE_STORE, job=self.job, extra={"cid": self._cid})
             try:
-                sock = connect_blocking((self.host, self.port), handshake, attempt, silence=SILENCE)
+                sock = connect_blocking((self.host, self.port), handshake, attempt, silence=tries.silence)
                 break
             except (OSError, AuthenticationError, ProtocolError) as exc:
                 pause = tries.failed(exc, deadline)

@@ -69,16 +69,23 @@ class ConnectTries:
     Connection refusals, resets and timeouts are retried (a coordinator that is starting up
     refuses connections) until the deadline. A handshake verdict (AuthenticationError,
     ProtocolError) is raised as it is: it names the address and what to do, and retrying will not
-    change it. A server that accepted and sent nothing, SILENT_ATTEMPTS times in a row, is not a
-    coordinator: ProtocolError.
+    change it. On a first connection, a server that accepted and sent nothing for SILENCE seconds,
+    SILENT_ATTEMPTS times in a row, is not a coordinator: ProtocolError. Once a coordinator has
+    answered at this address, silence is that coordinator frozen or overloaded (stopped, paused by
+    a debugger): reconnecting keeps trying until the deadline, with no silence limit.
 
     Args:
-        host, port: where the coordinator should be.
+        host, port: where the coordinator should be. first: no coordinator answered this client
+            at this address yet.
+
+    Attributes:
+        silence: the silence limit each attempt passes to the opener (None: none).
     """
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, *, first: bool) -> None:
         self.address = host_port(host, port)
         self.port = port
+        self.silence = SILENCE if first else None
         self.attempts = 0
         self.silent = 0  # attempts in a row the server accepted and never answered
         self.last: BaseException | None = None
@@ -172,6 +179,7 @@ class LinkKeeper:
         self.fatal: BaseException | None = None  # reconnecting gave up: why
         self.closed = False
         self.server_info: dict[str, Any] = {}
+        self._answered = False  # a coordinator at this address completed a handshake with us
         self._reconnect_task: asyncio.Task[None] | None = None
 
     @property
@@ -185,7 +193,7 @@ class LinkKeeper:
             CoordinatorUnreachable: nothing answered in time. AuthenticationError, ProtocolError:
                 not retried (another token, not a coordinator).
         """
-        tries = ConnectTries(self.host, self.port)
+        tries = ConnectTries(self.host, self.port, first=not self._answered)
         while True:
             attempt_time = tries.attempt_time(deadline)
             try:
@@ -198,13 +206,14 @@ class LinkKeeper:
                     timeout=attempt_time,
                     next_id=self._next_id,
                     on_settle=self._on_settle,
-                    silence=SILENCE,
+                    silence=tries.silence,
                 )
                 if link.closed:
                     raise ConnectionResetError(
                         f"the coordinator at {self.address} closed the link right after the handshake"
                     )
                 self.server_info = info
+                self._answered = True
                 return link
             except (OSError, asyncio.TimeoutError, AuthenticationError, ProtocolError) as exc:
                 pause = tries.failed(exc, deadline)

@@ -20,6 +20,7 @@ from aiocoll.server import Coordinator
 import aiocoll
 import aiocoll.sync
 from aiocoll import AuthenticationError, ProtocolError
+from aiocoll.testing.fault_proxy import FaultProxy
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +157,36 @@ async def test_a_missing_token_is_named_on_the_side_that_lacks_it(monkeypatch: p
         )
     for err, _ in no_token + theirs_none + other:
         assert str(err).count("token") <= 4 and "did not accept us" not in str(err), err
+
+
+@pytest.mark.timeout(90)
+async def test_a_coordinator_that_answered_and_then_froze_is_waited_for_not_called_foreign() -> None:
+    """Silence is a verdict only on a first connection: later it is the same coordinator, stopped
+    (SIGSTOP, a debugger), and reconnecting keeps trying until the timeout, as before."""
+    frozen = socket.create_server(("127.0.0.1", 0))  # the kernel accepts for it; nobody answers
+    coordinator = Coordinator("127.0.0.1", 0, token="t")
+    await coordinator.start()
+    try:
+        async with FaultProxy("127.0.0.1", coordinator.port) as proxy:
+            store = await aiocoll.connect_store(f"tcp://127.0.0.1:{proxy.port}", token="t", timeout=60)
+            blocking = await asyncio.to_thread(
+                aiocoll.sync.TCPStore, "127.0.0.1", proxy.port, timeout=60, token="t"
+            )
+            try:
+                await store.set("k", b"1")
+                await store.flush()
+                proxy.retarget("127.0.0.1", frozen.getsockname()[1])
+                proxy.cut()  # both clients reconnect, to a server that accepts and says nothing
+                blocked = asyncio.ensure_future(asyncio.to_thread(blocking.get, "k"))
+                waiting = asyncio.ensure_future(store.get("k"))
+                await asyncio.sleep(SILENT_ATTEMPTS * SILENCE + 3)
+                assert not blocked.done() and not waiting.done(), (blocked, waiting)
+                proxy.retarget("127.0.0.1", coordinator.port)
+                assert await asyncio.wait_for(waiting, 30) == b"1"
+                assert await asyncio.wait_for(blocked, 30) == b"1"
+            finally:
+                await store.aclose()
+                await asyncio.to_thread(blocking.close)
+    finally:
+        await coordinator.stop()
+        frozen.close()
