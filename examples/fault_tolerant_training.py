@@ -70,17 +70,18 @@ def batch(replica: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_of(model: torch.nn.Module, replica: str, step: int) -> torch.Tensor:
     x, y = batch(replica, step)
-    return torch.nn.functional.mse_loss(model(x), y)
+    device = next(model.parameters()).device
+    return torch.nn.functional.mse_loss(model(x.to(device)), y.to(device))
 
 
 def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     """SHA-256 of the parameters and the optimizer's momentum: equal only when bit-identical."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().numpy().tobytes())
+        h.update(p.detach().cpu().numpy().tobytes())
         momentum = optimizer.state.get(p, {}).get("momentum_buffer")
         if momentum is not None:
-            h.update(momentum.numpy().tobytes())
+            h.update(momentum.cpu().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -91,7 +92,7 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the same arithmetic in every process (and in a reference run)
     replica = args.replica or os.environ.get("AIOCOLL_REPLICA") or f"replica{os.environ.get('RANK', 0)}"
-    model = make_model(replica, args.ballast_mib)
+    model = make_model(replica, args.ballast_mib).to(args.device)
     manager = Manager(
         args.coordinator,
         replica=replica,
@@ -174,6 +175,7 @@ def demo(args: argparse.Namespace) -> None:
         command = [sys.executable, __file__, "--coordinator", f"127.0.0.1:{coordinator.port}"]
         command += ["--replica", name, "--steps", str(args.steps), "--record", str(out / f"{name}.jsonl")]
         command += ["--step-time", str(args.step_time), "--ballast-mib", str(args.ballast_mib)]
+        command += ["--device", args.device]
         command += ["--min-replicas", "2", "--join-timeout", str(args.join_timeout)]
         log = open(out / f"{name}.log", "ab")  # the child holds it
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -277,6 +279,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--record", help="append a JSON line per committed step to this file")
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds of pretend compute per step")
+    parser.add_argument("--device", default="cpu", help="where the model lives: cpu, cuda, cuda:1...")
     parser.add_argument("--ballast-mib", type=int, default=0, help="MiB of extra state (times large heals)")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--join-timeout", type=float, default=10.0)
