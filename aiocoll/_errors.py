@@ -47,8 +47,11 @@ _WORLD_GID = "w"
 
 
 def group_name(gid: str) -> str:
-    """A group's name in messages: the world group (id "w") is "world", and a sub-group made
-    from it ("w.5") is "world.5"; other ids read as they are."""
+    """A group's name in messages.
+
+    The world group (id "w") is "world", and a sub-group made from it ("w.5") is "world.5";
+    other ids read as they are.
+    """
     if gid == _WORLD_GID:
         return "world"
     if gid.startswith(_WORLD_GID + "."):
@@ -89,9 +92,11 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
 
 def chain(err: _E, cause: BaseException) -> _E:
-    """``err`` with ``cause`` as its ``__cause__``, unless ``err``'s message already says what
-    ``cause`` says: then the traceback would print the same words twice, so nothing is chained
-    (and the implicit context is hidden). Use it as ``raise chain(Outer(...), exc)``.
+    """``err`` with ``cause`` as its ``__cause__``, unless ``err``'s message already says it.
+
+    When ``err``'s message already says what ``cause`` says, the traceback would print the same
+    words twice, so nothing is chained (and the implicit context is hidden). Use it as
+    ``raise chain(Outer(...), exc)``.
     """
     if _repeats(str(err), cause):
         err.__cause__ = None

@@ -85,7 +85,7 @@ class Store:
         return self._run(self._async.add(key, amount))
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        """torch's compareSet: set ``desired_value`` if the key holds ``expected_value``."""
+        """Torch's compareSet: set ``desired_value`` if the key holds ``expected_value``."""
         return self._run(self._async.compare_set(key, expected_value, desired_value))
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | float | None = None) -> None:
@@ -187,13 +187,17 @@ class TCPStore(Store):
     itself in the key ``init/`` (as torch does) and the master waits until all have joined.
 
     Args:
-        host_name: IP address or name of the master. port: its port.
+        host_name: IP address or name of the master.
+        port: the master's port.
         world_size: how many instances will connect (None: not counted).
-        is_master: start the coordinator here. timeout: default wait, and the connect deadline.
+        is_master: start the coordinator here.
+        timeout: default wait, and the connect deadline.
         wait_for_workers: whether the master waits for ``world_size`` instances.
-        multi_tenant, master_listen_fd, use_libuv: accepted for torch compatibility; ignored.
-        token: aiocoll shared secret (default env ``AIOCOLL_TOKEN``). job: key space (default env
-            ``AIOCOLL_JOB``).
+        multi_tenant: accepted for torch compatibility; ignored.
+        master_listen_fd: accepted for torch compatibility; ignored.
+        use_libuv: accepted for torch compatibility; ignored.
+        token: aiocoll shared secret (default env ``AIOCOLL_TOKEN``).
+        job: key space (default env ``AIOCOLL_JOB``).
 
     Raises:
         StoreTimeout: when the master did not see ``world_size`` workers within ``timeout``.
@@ -265,8 +269,10 @@ class TCPStore(Store):
 
     @property
     def async_store(self) -> AsyncStore:
-        """An aiocoll async store over this one's connection (calls run on worker threads, so
-        they keep this object's order of requests)."""
+        """An aiocoll async store over this one's connection.
+
+        Its calls run on worker threads, so they keep this object's order of requests.
+        """
         if self._adapter is None:
             self._adapter = BlockingStoreAdapter(self._client)
         return self._adapter
@@ -288,7 +294,7 @@ class TCPStore(Store):
         return self._client.add(key, amount)
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
-        """torch's compareSet: set ``desired_value`` if the key holds ``expected_value``."""
+        """Torch's compareSet: set ``desired_value`` if the key holds ``expected_value``."""
         return self._client.compare_set(key, expected_value, desired_value)
 
     def wait(self, keys: Sequence[str], timeout: datetime.timedelta | float | None = None) -> None:
@@ -349,8 +355,10 @@ class TCPStore(Store):
             get_loop_thread().run(_stop(coordinator))
 
     def close(self) -> None:
-        """Close the connection (after the sets not yet acknowledged) and, on the master, stop
-        the coordinator. Idempotent."""
+        """Close the connection, after the sets not yet acknowledged; idempotent.
+
+        On the master, this also stops the coordinator.
+        """
         try:
             if self._adapter is not None:
                 get_loop_thread().run(self._adapter.aclose())

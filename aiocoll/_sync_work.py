@@ -1,5 +1,6 @@
-"""The blocking Work handle that aiocoll.sync returns for ``async_op=True`` and isend/irecv, and
-the queries (done? failed? result?) it shares with the Work of aiocoll.torch.
+"""The blocking Work handle that aiocoll.sync returns for ``async_op=True`` and isend/irecv.
+
+It also holds the queries (done? failed? result?) it shares with the Work of aiocoll.torch.
 
 Imports only aiocoll foundations and the loop-thread bridge; torch is imported lazily, and only
 when the caller's process already loaded it, so a numpy-only script never pays for it. It exists
@@ -55,8 +56,9 @@ class OutcomeQueries:
         return list(self._tensors)
 
     def _sender(self, method: str) -> int:
-        """What ``method`` (source_rank or _source_rank) returns: the rank a recv from any source
-        received from, once it completed.
+        """What ``method`` (source_rank or _source_rank) returns.
+
+        That is the rank a recv from any source received from, once it completed.
 
         Raises:
             RuntimeError: for an operation that is not a recv from any source.
@@ -96,9 +98,13 @@ class Work(OutcomeQueries):
             timeout: seconds or timedelta to wait at most; None (or 0, as in torch) waits until
                 the operation's own deadline ends it.
 
+        Returns:
+            True once the operation completed.
+
         Raises:
-            The operation's error (CollectiveTimeout, PeerLostError, MismatchError, ...);
-            TimeoutError when ``timeout`` ran out first (the operation keeps running).
+            DistError: the operation's own error (CollectiveTimeout, PeerLostError,
+                MismatchError, ...).
+            TimeoutError: ``timeout`` ran out first (the operation keeps running).
         """
         seconds = to_seconds(timeout)
         if seconds == 0:

@@ -1,5 +1,7 @@
-"""Work: the handle every operation returns at call time; imports only the standard library and
-aiocoll._errors (a foundation, so the engine in aiocoll.client can create it).
+"""Work: the handle every operation returns at call time.
+
+Imports only the standard library and aiocoll._errors (a foundation, so the engine in
+aiocoll.client can create it).
 
 A Work wraps the asyncio future the engine completes. It is awaitable on the loop (awaiting is
 shielded: cancelling the awaiting task does not cancel the operation, which keeps the group's
@@ -123,7 +125,8 @@ class Work:
         """The result of a finished operation.
 
         Raises:
-            the operation's error; asyncio.InvalidStateError while it is still running.
+            DistError: the operation's own error (CollectiveTimeout, PeerLostError, ...).
+            asyncio.InvalidStateError: while the operation is still running.
         """
         return self._future.result()
 
@@ -138,9 +141,14 @@ class Work:
 
         Args:
             timeout: seconds to wait, None for as long as the operation's own deadline allows.
+
+        Returns:
+            True once the operation completed.
+
         Raises:
-            the operation's error; TimeoutError when ``timeout`` passed first;
-            RuntimeError when called on the event loop's thread.
+            DistError: the operation's own error (CollectiveTimeout, PeerLostError, ...).
+            TimeoutError: ``timeout`` passed first (the operation keeps running).
+            RuntimeError: when called on the event loop's own thread.
         """
         if self._future.done():
             self._future.result()

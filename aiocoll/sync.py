@@ -169,10 +169,12 @@ class ProcessGroup:
         return int(self.core.size)
 
     def name(self) -> str:
+        """The backend's name, "aiocoll"."""
         return "aiocoll"
 
     @property
     def group_name(self) -> str:
+        """The group's name in messages (``group_desc`` when it was given one)."""
         return self._name
 
     def group_rank(self, global_rank: int, what: str = "rank") -> int:
@@ -190,6 +192,7 @@ class ProcessGroup:
             ) from None
 
     def global_rank(self, group_rank: int) -> int:
+        """The global rank of the member at ``group_rank``."""
         return self.ranks[group_rank]
 
     def __repr__(self) -> str:
@@ -219,8 +222,11 @@ class _GroupMeta(type):
 
 
 class GroupMember(metaclass=_GroupMeta):
-    """torch's GroupMember: ``GroupMember.WORLD`` (the default group, None before init) and
-    ``GroupMember.NON_GROUP_MEMBER`` (what new_group gives processes outside the new group)."""
+    """Torch's GroupMember.
+
+    ``GroupMember.WORLD`` is the default group (None before init), and
+    ``GroupMember.NON_GROUP_MEMBER`` is what new_group gives processes outside the new group.
+    """
 
     NON_GROUP_MEMBER = -100
 
@@ -267,7 +273,7 @@ def _member(group: Any, op: str) -> ProcessGroup | None:
 def _rank_in(
     pg: ProcessGroup, global_rank: int | None, group_rank: int | None, what: str, default: int | None = None
 ) -> int:
-    """torch's rule: either a global rank or a group rank, never both; group ranks go to the core."""
+    """Torch's rule: either a global rank or a group rank, never both; group ranks go to the core."""
     if group_rank is not None:
         if global_rank is not None:
             raise ValueError(f"pass either {what} or group_{what}, not both")
@@ -294,8 +300,11 @@ def _launch(
     tensors: list[Any],
     source_rank: Callable[[Any], int] | None = None,
 ) -> Any:
-    """Issue one core operation; block for it, or return a Work when ``async_op``. CUDA tensors
-    are staged after the caller's current streams and land before the operation completes."""
+    """Issue one core operation; block for it, or return a Work when ``async_op``.
+
+    CUDA tensors are staged after the caller's current streams and land before the operation
+    completes.
+    """
     outcome, _streams = issue_on_caller_streams(start, tensors, wait_on_host=True)
     if async_op:
         outcome.wait_launched()
@@ -327,15 +336,25 @@ def init_process_group(
         backend: "gloo", "nccl", "mpi", "aiocoll" or None: all mean aiocoll.
         init_method: "env://" (default when no store is given), "tcp://HOST:PORT" or "file:///PATH".
         timeout: rendezvous deadline and default for every operation (default 30 minutes).
-        world_size, rank: -1 reads them from the environment (WORLD_SIZE, RANK).
+        world_size: -1 reads it from the environment (WORLD_SIZE).
+        rank: -1 reads it from the environment (RANK).
         store: rendezvous through this store instead (an aiocoll.sync store, an aiocoll.Store or a
             torch.distributed.Store); needs rank and world_size.
-        group_name, pg_options, device_id: accepted for compatibility.
-        token, job: aiocoll's shared secret and job id (defaults: AIOCOLL_TOKEN, AIOCOLL_JOB).
+        group_name: accepted for compatibility.
+        pg_options: accepted for compatibility.
+        device_id: accepted for compatibility.
+        token: aiocoll's shared secret (default: env AIOCOLL_TOKEN).
+        job: the job id, the coordinator's key space (default: env AIOCOLL_JOB).
 
     Raises:
         ValueError: unknown backend, bad ranks, or the default group already exists.
-        RendezvousError / StoreTimeout / AuthenticationError: from the rendezvous.
+        RendezvousError: the rendezvous failed (also StoreTimeout, AuthenticationError).
+
+    Example:
+        ```python
+        import aiocoll.sync as dist
+        dist.init_process_group("gloo")   # under `aiocoll run` or torchrun
+        ```
     """
     global _world
     if backend is not None and str(backend).lower() not in _BACKENDS:
@@ -376,14 +395,18 @@ def init_process_group(
 
 
 def _under_torchrun() -> bool:
-    """Started by torchrun (torch.distributed.run), not by ``aiocoll run`` (which names its
-    coordinator in AIOCOLL_COORDINATOR)."""
+    """Started by torchrun (torch.distributed.run), not by ``aiocoll run``.
+
+    ``aiocoll run`` names its coordinator in AIOCOLL_COORDINATOR.
+    """
     return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get("AIOCOLL_COORDINATOR")
 
 
 def _torchrun_rendezvous(rank: int, world_size: int, seconds: float | None) -> tuple[Any, int, int]:
-    """torch's env:// rendezvous: the store torchrun serves (prefixed per restart, as torch does),
-    this process's rank and the world size.
+    """Torch's env:// rendezvous.
+
+    Returns the store torchrun serves (prefixed per restart, as torch does), this process's rank
+    and the world size.
 
     Raises:
         RuntimeError: torch is not importable (torchrun comes with torch, so this is a broken
@@ -405,10 +428,12 @@ def _torchrun_rendezvous(rank: int, world_size: int, seconds: float | None) -> t
 
 
 def _make_torch_default_group(core: Any, torch_store: Any, seconds: float | None) -> Any:
-    """When the script uses torch, make torch's default process group too, on the "aiocoll"
-    backend and over the same aiocoll group, so that DDP, FSDP2, DeviceMesh and
-    ``torch.distributed.*`` calls work beside this module's. Returns the torch store it was given
-    (the caller keeps it: torch holds only the C++ side of a store written in Python), or None.
+    """When the script uses torch, make torch's default process group too.
+
+    It runs on the "aiocoll" backend and over the same aiocoll group, so that DDP, FSDP2,
+    DeviceMesh and ``torch.distributed.*`` calls work beside this module's. Returns the torch
+    store it was given (the caller keeps it: torch holds only the C++ side of a store written in
+    Python), or None.
 
     Only when torch is already imported (a script that uses DDP has imported torch; one that does
     not should not pay for importing it) and has no default group yet.
@@ -478,9 +503,14 @@ def new_group(
     """Make a group of the given global ranks; every rank of the world must call it.
 
     Args:
-        ranks: global ranks of the members (None: all). timeout: accepted, the world's applies.
-        backend, pg_options, use_local_synchronization, device_id: accepted for compatibility.
-        group_desc: a name for messages. sort_ranks: order members by global rank.
+        ranks: global ranks of the members (None: all).
+        timeout: accepted; the world's applies.
+        backend: accepted for compatibility.
+        pg_options: accepted for compatibility.
+        use_local_synchronization: accepted for compatibility.
+        group_desc: a name for messages.
+        device_id: accepted for compatibility.
+        sort_ranks: order members by global rank.
 
     Returns:
         The group handle for ``group=``; ``GroupMember.NON_GROUP_MEMBER`` on non-members.
@@ -571,8 +601,11 @@ def send(
 def recv(
     tensor: Any, src: int | None = None, group: Any = None, tag: int = 0, group_src: int | None = None
 ) -> int:
-    """Receive into ``tensor`` from ``src`` (None: any rank); returns the sender's global rank
-    (-1 for non-members)."""
+    """Receive into ``tensor`` from ``src`` (None: any rank).
+
+    Returns:
+        The sender's global rank (-1 for non-members).
+    """
     pg = _member(group, "recv")
     if pg is None:
         return -1
@@ -839,6 +872,7 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
     As in torch, every other rank reports to the group's rank 0, which answers once all arrived.
 
     Args:
+        group: the group (None: the default group).
         timeout: seconds or timedelta (default: the group's timeout).
         wait_all_ranks: rank 0 waits the whole timeout and names every missing rank, instead of
             failing on the first (lowest) missing one.

@@ -106,7 +106,7 @@ def parse_counter(key: str, current: bytes | None) -> int:
 
 
 def compare_set_result(current: bytes | None, expected: bytes, desired: bytes) -> tuple[bytes, bool]:
-    """torch's compareSet rule; returns (the reply value, whether to store ``desired``)."""
+    """Torch's compareSet rule; returns (the reply value, whether to store ``desired``)."""
     if current is None:
         if expected == b"":
             return desired, True
