@@ -14,7 +14,7 @@ safe:
   sequence number in the order the callers launched, whichever thread they ran on.
 * CUDA tensors are ordered on the caller's streams, not the loop thread's:
   ``issue_on_caller_streams`` records events on the calling thread's current CUDA streams and
-  hands them to the core with the call (aiocoll._staging.caller_context).
+  hands them to the core with the call (aiocoll.device._staging.caller_context).
 * Nothing a user supplies runs on the loop thread. A callback that blocks (PowerSGD's waits on
   another all_reduce) would otherwise deadlock the network; futures are completed on
   ``completion_pool()`` instead.
@@ -31,11 +31,11 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from ._device import Device, DeviceTensor
 from ._errors import CALLER_SITE, DistError, user_site
 from ._run import new_event_loop
-from ._staging import CallerStreamContext, caller_context, record_caller_streams
 from ._work import Work as _CoreWork
+from .device._device import Device, DeviceTensor
+from .device._staging import CallerStreamContext, caller_context, record_caller_streams
 
 __all__ = ["Outcome", "completion_pool", "get_loop_thread", "LoopThread"]
 
@@ -237,8 +237,8 @@ def issue_on_caller_streams(
     (aiocoll.torch's Work). The context is None when no device is involved.
     """
     devices: list[Device] = [t.device for t in tensors if isinstance(t, DeviceTensor)]
-    if "aiocoll._cuda" in sys.modules or any(getattr(t, "is_cuda", False) for t in tensors):
-        from ._cuda import cuda_devices_of
+    if "aiocoll.device._cuda" in sys.modules or any(getattr(t, "is_cuda", False) for t in tensors):
+        from .device._cuda import cuda_devices_of
 
         devices += cuda_devices_of(tensors)
     if not devices:

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as td
 
 from ._deadline import to_seconds
-from ._device import DeviceError
-from ._staging import CallerStreamContext
 from ._sync_loop import Outcome
 from ._sync_work import OutcomeQueries
+from .device._device import DeviceError
+from .device._staging import CallerStreamContext
 
 __all__ = ["AiocollWork"]
 
@@ -56,7 +56,7 @@ class AiocollWork(OutcomeQueries, td.Work):
         tensors: the future's value and ``result()``: the output tensors, as c10d returns them.
         source_rank: for recv from any source, turns the core's result (the group rank of the
             sender) into what ``_source_rank()`` returns.
-        streams: for CUDA tensors, the caller's stream context (aiocoll._staging); the operation
+        streams: for CUDA tensors, the caller's stream context (aiocoll.device._staging); the operation
             leaves its completion events there. ``wait()`` makes the caller's current stream wait
             for them; the future completes once they were reached.
     """

@@ -30,26 +30,13 @@ import numpy as np
 from aiocoll._deadline import Deadline, to_seconds
 from aiocoll._env import LAUNCH_VARIABLES, env_int, launch_variables_missing
 from aiocoll._errors import DistError, MismatchError, RendezvousError, warn
-from aiocoll._ipc import ipc_groups
 from aiocoll._reduce import check_reduce_op
-from aiocoll._staged_ops import StagedOp, has_device_arrays
-from aiocoll._tensors import Working, as_working, dtype_name, numel
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec
-from aiocoll.algorithms._driver import Driver, start_collective
-from aiocoll.algorithms._plan import prepare
-from aiocoll.client._shm_coll import (
-    ShmGroup,
-    intra_host_group,
-    region_offer,
-    release_offer,
-    shm_starter,
-    world_group,
-)
 from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
-from aiocoll.client.routing import HostParts, choose_route, host_layout, run_routed
+from aiocoll.client.providers import Operation, ProviderTable, world_table
 from aiocoll.client.transports import (
     LinkTransport,
     PeerRow,
@@ -59,6 +46,8 @@ from aiocoll.client.transports import (
     open_transport,
 )
 from aiocoll.client.transports.tcp import route_interface
+from aiocoll.device._staged_ops import StagedOp, has_device_arrays
+from aiocoll.device._tensors import Working, as_working, dtype_name, numel
 from aiocoll.stores import FileStore, Store
 
 __all__ = ["ProcessGroup", "init_process_group"]
@@ -169,11 +158,15 @@ class _Runtime:
         self.default_timeout = default_timeout
         self.closed = False
         self.store_progress: StoreProgress | None = None
-        # Groups whose members all share this host: their collectives' shared-memory side.
-        self.shm_groups: dict[str, ShmGroup] = {}
-        shm = world_group(transport, WORLD_GID)
-        if shm is not None:
-            self.shm_groups[WORLD_GID] = shm
+        # Every group's providers (client/providers.py), by group id: closed with the group.
+        self.tables: dict[str, ProviderTable] = {}
+
+    def table(self, state: GroupState, made: ProviderTable | None) -> ProviderTable:
+        """The providers of the group ``state`` (the world's are chosen here; a sub-group's
+        when it formed, ``made``)."""
+        table = made or world_table(self.engine, state, self.transport, self.hosts, id(self))
+        self.tables[state.gid] = table
+        return table
 
     async def aclose(self) -> None:
         if self.closed:
@@ -182,8 +175,9 @@ class _Runtime:
         if self.store_progress is not None:
             await self.store_progress.aclose()
         await self.engine.aclose()
-        for shm in self.shm_groups.values():
-            shm.close()
+        for table in self.tables.values():
+            table.close()
+        self.tables.clear()
         if self.coordinator is not None:
             # Others still use the embedded coordinator until they leave: each leaves its session
             # before it says goodbye on its links, so once every link is closed the coordinator
@@ -219,7 +213,14 @@ class ProcessGroup:
         ranks, indexed by group rank.
     """
 
-    def __init__(self, runtime: _Runtime, state: GroupState, *, owner: bool = False) -> None:
+    def __init__(
+        self,
+        runtime: _Runtime,
+        state: GroupState,
+        *,
+        owner: bool = False,
+        providers: ProviderTable | None = None,
+    ) -> None:
         self._rt = runtime
         self._state = state
         self._owner = owner
@@ -229,22 +230,8 @@ class ProcessGroup:
         self.group_id = state.gid
         self._destroyed = False
         self._metas: dict[tuple[Any, ...], dict[str, Any]] = {}
-        self._shm = runtime.shm_groups.get(state.gid)
-        self._layout = host_layout(self.ranks, state.ranks[state.index], runtime.hosts)
-        # A group over several hosts with other members on ours: its hierarchical all_reduce
-        # may run the intra-host parts on shared memory (decided by the host's members).
-        self._host_parts: HostParts | None = None
-        layout = self._layout
-        if layout is not None and layout.hosts > 1 and len(layout.local) > 1:
-            self._host_parts = HostParts(runtime.transport, self._host_gid, self._keep_host_group)
-
-    @property
-    def _host_gid(self) -> str:
-        """The id of this group's intra-host arena group (see client/routing.HostParts)."""
-        return f"{self.group_id}/host"
-
-    def _keep_host_group(self, shm: ShmGroup) -> None:
-        self._rt.shm_groups[self._host_gid] = shm  # closed with the group or the runtime
+        # How this group's collectives run: chosen once, here (client/providers.py).
+        self._providers = runtime.table(state, providers)
 
     def __repr__(self) -> str:
         return f"<aiocoll.ProcessGroup {self.group_id!r} rank {self.rank}/{self.size} ranks={self.ranks}>"
@@ -305,82 +292,10 @@ class ProcessGroup:
     ) -> Work:
         if self._destroyed:
             raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
-        if has_device_arrays(send, recv):
-            return self._staged_collective(kind, meta, send, recv, workings, result, timeout, root, op)
-        # The one place where a collective leaves the links for a faster path: every member on
-        # this host, and a kind the shared-memory arenas serve (client/_shm_coll.py); else the
-        # routes (flat or hierarchical) over the links.
-        if self._shm is not None:
-            on_arena = shm_starter(self._shm, kind, send, recv, meta, workings, result, root, op)
-            if on_arena is not None:
-                return self._rt.engine.submit_eager(
-                    self._state,
-                    kind,
-                    on_arena,
-                    timeout=_timeout(timeout, self._rt.default_timeout),
-                    signature=meta,  # what progress reports compare across ranks
-                )
-        spec = CollectiveSpec(
-            kind, self._state.ranks, self.rank, tuple(send), tuple(recv), root, op, None, meta.get("dtype")
-        )  # (positional: keywords cost more than the rest of building it)
-        layout = self._layout
-        if choose_route(kind, op, layout) == "flat":
-            # Every flat collective runs from message callbacks, without a task
-            # (aiocoll.algorithms._driver).
-            def start(tag: tuple[Any, ...], transport: OpTransport, finish: Any) -> Driver:
-                def done(exc: BaseException | None) -> None:
-                    if exc is None:
-                        try:
-                            for w in workings:
-                                w.finish()
-                        except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
-                            exc = copy_back
-                    finish(result, exc)
-
-                return start_collective(prepare(spec, meta), spec, transport, tag, meta, done)
-
-            return self._rt.engine.submit_eager(
-                self._state,
-                kind,
-                start,
-                timeout=_timeout(timeout, self._rt.default_timeout),
-                signature=meta,  # issue 10: what progress reports compare across ranks
-            )
-
-        async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
-            await run_routed(spec, transport, tag, meta, layout, host_parts=self._host_parts)
-            for w in workings:
-                w.finish()
-            return result
-
-        return self._submit(kind, body, timeout, signature=meta)
-
-    def _staged_collective(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Working],
-        result: Any,
-        timeout: Any,
-        root: int,
-        op: ReduceOp,
-    ) -> Work:
-        """A collective over device tensors, chunk by chunk through pinned staging."""
-        staged = StagedOp(
-            kind, self.size, send, recv, rank=self._rt.transport.rank, group_key=(id(self._rt), self.group_id)
+        return self._providers.submit(
+            Operation(kind, meta, send, recv, workings, result, root, op),
+            _timeout(timeout, self._rt.default_timeout),
         )
-        ranks, me, gid = tuple(self.ranks), self.rank, self.group_id
-
-        async def body(tag: tuple[Any, ...], transport: OpTransport) -> Any:
-            what = f"{kind} (group {gid!r}, seq {tag[2]})"
-            await staged.collective(transport, tag, meta, ranks=ranks, me=me, root=root, op=op, what=what)
-            for w in workings:
-                w.finish()
-            return result
-
-        return self._submit(kind, body, timeout)
 
     def _meta(
         self,
@@ -747,11 +662,11 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             size = np.array([len(data)], dtype=np.int64)
             meta = {"kind": "broadcast_object", "root": root}
-            await run_routed(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta, self._layout)
+            await self._providers.run_within(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta)
             buf = (
                 np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
             )
-            await run_routed(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta, self._layout)
+            await self._providers.run_within(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta)
             return obj if me == root else pickle.loads(buf.tobytes())
 
         signature = {"kind": "broadcast_object", "root": root}
@@ -768,7 +683,7 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)]
             meta = {"kind": "all_gather_object"}
-            await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta, self._layout)
+            await self._providers.run_within(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta)
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
         signature = {"kind": "all_gather_object"}
@@ -777,7 +692,9 @@ class ProcessGroup:
     async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
         mine = np.array([n], dtype=np.int64)
         outs = [np.empty(1, np.int64) for _ in range(self.size)]
-        await run_routed(self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind}, self._layout)
+        await self._providers.run_within(
+            self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind}
+        )
         return np.array([int(o[0]) for o in outs], dtype=np.int64)
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
@@ -793,7 +710,7 @@ class ProcessGroup:
             mine[: len(data)] = np.frombuffer(data, np.uint8)
             outs = [np.empty(longest, np.uint8) for _ in range(self.size)] if me == root else []
             meta = {"kind": "gather_object", "root": root}
-            await run_routed(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta, self._layout)
+            await self._providers.run_within(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta)
             if me != root:
                 return None
             return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
@@ -816,7 +733,7 @@ class ProcessGroup:
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
             sizes = np.array([len(b) for b in blobs] or [0] * self.size, dtype=np.int64)
             meta = {"kind": "scatter_object", "root": root}
-            await run_routed(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta, self._layout)
+            await self._providers.run_within(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta)
             longest = int(sizes.max())
             send = []
             if me == root:
@@ -825,7 +742,7 @@ class ProcessGroup:
                     arr[: len(b)] = np.frombuffer(b, np.uint8)
                     send.append(arr)
             out = np.empty(longest, np.uint8)
-            await run_routed(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta, self._layout)
+            await self._providers.run_within(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta)
             return pickle.loads(out[: int(sizes[me])].tobytes())
 
         signature = {"kind": "scatter_object", "root": root}
@@ -855,16 +772,16 @@ class ProcessGroup:
                 raise ValueError("new_group: ranks is empty")
         members = [self.ranks[r] for r in chosen]
         meta = {"kind": "new_group", "ranks": chosen}
-        # Every rank offers the shared-memory regions it could give the new group; the AND of
-        # the offers (an all_reduce is a barrier too) is what every member can use.
-        offered = region_offer(self._rt.transport, members)
-        offers = np.array([offered], np.uint64)
+        # Every rank offers what its providers could give the new group; the AND of the offers
+        # (an all_reduce is a barrier too) is what every member can use.
+        forming = self._providers.forming(members)
+        offers = forming.offers
         agree = CollectiveSpec(
             "all_reduce", tuple(self.ranks), self.rank, (offers,), (offers,), op=ReduceOp.BAND
         )
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
-            await run_routed(agree, tp, tag, meta, self._layout)
+            await self._providers.run_within(agree, tp, tag, meta)
             return f"{self.group_id}.{tag[2]}"
 
         try:
@@ -872,12 +789,10 @@ class ProcessGroup:
             if self._rt.transport.rank not in members:
                 return None
             state = self._rt.engine.group(gid, members)
-            shm = intra_host_group(self._rt.transport, members, int(offers[0]), gid)
+            providers = forming.formed(self._rt.engine, state)
         finally:
-            release_offer(self._rt.transport, members, offered)
-        if shm is not None:
-            self._rt.shm_groups[gid] = shm
-        return ProcessGroup(self._rt, state)
+            forming.release()
+        return ProcessGroup(self._rt, state, providers=providers)
 
     async def destroy(self) -> None:
         """Leave the group; for the group init_process_group returned, close links and sessions.
@@ -889,14 +804,11 @@ class ProcessGroup:
         self._destroyed = True
         if self._owner:
             await self._rt.aclose()
-            ipc_groups.forget((id(self._rt),))
         else:
             self._rt.engine.forget_group(self.group_id)
-            ipc_groups.forget((id(self._rt), self.group_id))
-            for gid in (self.group_id, self._host_gid):
-                shm = self._rt.shm_groups.pop(gid, None)
-                if shm is not None:
-                    shm.close()
+            table = self._rt.tables.pop(self.group_id, None)
+            if table is not None:
+                table.close()
 
     async def __aenter__(self) -> ProcessGroup:
         return self

@@ -9,7 +9,7 @@ each call c10d makes (lists of tensors plus an options object) into one operatio
 ``aiocoll.ProcessGroup`` running on aiocoll's loop thread, and returns an ``AiocollWork``.
 
 Devices: registered for "cpu" and "cuda". CUDA tensors go through aiocoll's pinned staging
-pipeline (aiocoll._staging). As torch's own collectives do, an operation orders itself on the
+pipeline (aiocoll.device._staging). As torch's own collectives do, an operation orders itself on the
 caller's current CUDA stream: the values staged are those the caller's stream computed before
 the call (an event recorded on the calling thread at call time), and ``Work.wait()`` makes the
 caller's current stream wait for the results instead of blocking the host on the last copy

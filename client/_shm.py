@@ -51,6 +51,7 @@ from ._peer import client_handshake, dialler_rank, server_handshake
 
 __all__ = [
     "ARENA_HEADER",
+    "REGION_CONTROL",
     "RING_HEADER",
     "ShmHost",
     "ShmPeer",
@@ -60,6 +61,16 @@ __all__ = [
 log = logging.getLogger("aiocoll.client.shm")
 
 ARENA_HEADER = 4096  # the first page: the probe nonce; group regions follow
+# A group region (client/_shm_coll.py lays it out): its counters and signatures, then two slots
+# of ``2 * chunk`` bytes each.
+REGION_CONTROL = 4096
+
+
+def region_bytes(chunk: int) -> int:
+    """Bytes of one group region for steps of ``chunk`` bytes."""
+    return REGION_CONTROL + 4 * chunk
+
+
 RING_HEADER = 4096  # a ring's first page holds its counters (client._shm_ring); data follows
 _PROBE_OFFSET = 0
 _NONCE = 16

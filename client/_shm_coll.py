@@ -62,7 +62,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
@@ -74,7 +74,8 @@ from aiocoll._progress_check import describe_sig
 from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 
-from ._shm import ARENA_HEADER, ShmHost, current_cpu, fence
+from ._operation import Finish, Operation, finish_with_copy_back
+from ._shm import ARENA_HEADER, REGION_CONTROL, ShmHost, current_cpu, fence, region_bytes
 from ._vm_read import vm_read, vm_read_available
 from .engine import OpTransport
 from .transports._link import LinkTransport
@@ -82,12 +83,13 @@ from .transports.shm import shm_host
 
 __all__ = [
     "ALL_REGIONS",
+    "ArenaForming",
+    "ArenaProvider",
     "ShmGroup",
     "ShmWaker",
     "intra_host_group",
     "region_bytes",
     "region_offer",
-    "shm_starter",
     "world_group",
 ]
 
@@ -102,7 +104,7 @@ _BASE = 112  # (byte 896) where this region sits in the owner's address space (t
 _DIRECT = 113  # (byte 904) 1: the owner can read every member's memory directly, 2: it cannot
 _BUF = 120  # (byte 960) per slot: address and size of the owner's buffer, for direct reads
 _SIG_BYTES = 256
-_DATA = 4096
+_DATA = REGION_CONTROL
 _SIG_HEAD = struct.Struct("<qH")
 _SLOTS = 2  # steps in flight: the region's data holds this many slots (signatures: one each)
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
@@ -145,7 +147,6 @@ _PACKED_SIGS: dict[int, tuple[dict[str, Any], bytes]] = {}
 _PACKED_SIGS_MAX = 256
 
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
-Finish = Callable[[Any, BaseException | None], None]
 OpGen = Generator[Wait, None, Any]
 OnWait = Callable[[list[int]], None]
 
@@ -196,11 +197,6 @@ def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray
         return lambda slot: np.copyto(slot[: part.size], part)
 
     return filler
-
-
-def region_bytes(chunk: int) -> int:
-    """Bytes of one group region for steps of ``chunk`` bytes."""
-    return _DATA + 4 * chunk
 
 
 class _ShmOp:
@@ -1149,52 +1145,75 @@ def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
     return intra_host_group(transport, range(n), 1, gid)
 
 
-def shm_starter(
-    group: ShmGroup,
-    kind: str,
-    send: Sequence[np.ndarray],
-    recv: Sequence[np.ndarray],
-    meta: dict[str, Any],
-    workings: Sequence[Any],
-    result: Any,
-    root: int = 0,
-    op: ReduceOp = ReduceOp.SUM,
-) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
-    """An engine starter (see Engine.submit_eager) that runs a collective over ``group``'s
-    shared memory (``kind``, its arrays, root and reduce op as in CollectiveSpec, ``meta`` its
-    signature), or None when it is not one the arenas serve (its kind, an out-of-place
-    all_reduce). Once it succeeded, each of ``workings`` (the operation's tensors,
-    aiocoll._tensors.Working) copies its result back to its tensor, and the Work completes with
-    ``result``."""
-    if kind not in _SERVED:
-        return None
-    if kind == "all_reduce" and send[0] is not recv[0]:
-        return None
+class ArenaProvider:
+    """The arena collectives as a provider (client/providers.py): the kinds ``ShmGroup`` serves,
+    over a group whose members all share this host, in the region they agreed on."""
 
-    def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
-        sig = ShmGroup.signature(tag[2], meta)
+    name: ClassVar[str] = "arena"
+    eager: ClassVar[bool] = True
+    kinds: frozenset[str] = frozenset(_SERVED)
 
-        def fin(_: Any, exc: BaseException | None) -> None:
-            if exc is None:
-                try:
-                    for w in workings:
-                        w.finish()
-                except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
-                    exc = copy_back
-            finish(result, exc)
+    def __init__(self, group: ShmGroup) -> None:
+        self.group = group
+        self.why = f"every member on this host, linked by shared memory (region {group.region})"
 
-        on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
-        if kind == "all_reduce":
-            return group.all_reduce(recv[0], op, _dtype_name(recv, meta), sig, fin, on_wait)
-        if kind == "broadcast":
-            return group.broadcast(recv[0], root, sig, fin, on_wait)
-        if kind == "all_gather":
-            return group.all_gather(recv, send[0], sig, fin, on_wait)
-        if kind == "reduce_scatter":
-            return group.reduce_scatter(recv[0], send, op, _dtype_name(recv, meta), sig, fin, on_wait)
-        return group.barrier(sig, fin, on_wait)
+    @classmethod
+    def for_world(cls, links: LinkTransport, gid: str) -> ArenaProvider | None:
+        group = world_group(links, gid)
+        return None if group is None else cls(group)
 
-    return start
+    def usable(self, links: LinkTransport) -> bool:
+        """Every other member is still linked to us by shared memory."""
+        kinds = links.link_kinds()
+        me = links.rank
+        return all(kinds.get(r) == "shm" for r in self.group.ranks if r != me)
+
+    def prepare(self, operation: Operation) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
+        """An engine starter for ``operation``, or None for one the arenas do not take (an
+        out-of-place all_reduce)."""
+        kind = operation.kind
+        send, recv = operation.send, operation.recv
+        if kind == "all_reduce" and send[0] is not recv[0]:
+            return None
+        group, meta, root, op = self.group, operation.meta, operation.root, operation.op
+        workings, result = operation.workings, operation.result
+
+        def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
+            sig = ShmGroup.signature(tag[2], meta)
+            fin = finish_with_copy_back(workings, result, finish)
+            on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
+            if kind == "all_reduce":
+                return group.all_reduce(recv[0], op, _dtype_name(recv, meta), sig, fin, on_wait)
+            if kind == "broadcast":
+                return group.broadcast(recv[0], root, sig, fin, on_wait)
+            if kind == "all_gather":
+                return group.all_gather(recv, send[0], sig, fin, on_wait)
+            if kind == "reduce_scatter":
+                return group.reduce_scatter(recv[0], send, op, _dtype_name(recv, meta), sig, fin, on_wait)
+            return group.barrier(sig, fin, on_wait)
+
+        return start
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class ArenaForming:
+    """A sub-group forming: the arena regions this rank offers it (``offered``, ANDed over the
+    parent group's ranks by the formation's all_reduce), the group's arena once agreed
+    (``formed``), and the offer's end (``release``, whatever happened)."""
+
+    def __init__(self, links: LinkTransport, members: Sequence[int]) -> None:
+        self._links = links
+        self._members = members
+        self.offered = region_offer(links, members)
+
+    def formed(self, agreed: int, gid: str) -> ArenaProvider | None:
+        group = intra_host_group(self._links, self._members, agreed, gid)
+        return None if group is None else ArenaProvider(group)
+
+    def release(self) -> None:
+        release_offer(self._links, self._members, self.offered)
 
 
 def _dtype_name(recv: Sequence[np.ndarray], meta: dict[str, Any]) -> str:

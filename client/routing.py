@@ -1,12 +1,14 @@
-"""Where a collective's members are decides how it runs: the one dispatch point, and hierarchical all_reduce.
+"""Where a collective's members are: the routed provider (hierarchical all_reduce) and the route of a part.
 
-``choose_route`` is the single place that picks, from a group's ``HostLayout`` (which of its
+``choose_route`` picks, from a group's ``HostLayout`` (which of its
 members share a host, by the membership table's host identity), how an operation runs:
 "flat" (the algorithms of aiocoll.algorithms over the group's links) or "hierarchical" (an
 all_reduce over a group that spans hosts with several ranks on at least one: reduce within each
 host to its leader, all_reduce among the leaders, broadcast within each host). A group whose
-members all share one host, with shared-memory links, runs the kinds the arenas serve before any
-route is chosen (ProcessGroup._collective, client/_shm_coll.py).
+members all share one host, with shared-memory links, runs the kinds the arenas serve on them
+instead (the arena provider); which provider runs what is chosen once per group by
+client/providers.py, which takes ``RoutedProvider`` for the groups where the hierarchical route
+applies.
 
 ``run_routed`` runs an operation the way ``choose_route`` says. The hierarchical all_reduce is
 composed of the existing operations, each run on the sub-group it concerns through
@@ -25,9 +27,9 @@ not linked to it by shared memory), the offers are ANDed among them over the lin
 highest region free on all is the host's (new groups take the lowest, so the two rarely meet).
 A host whose members cannot agree on a region runs the parts as messages, as before.
 
-Imports foundations (aiocoll.algorithms, aiocoll._types, aiocoll._reduce) and client._shm_coll
-(the arenas' collectives); the public layer builds layouts from the membership table and calls
-``run_routed``.
+Imports foundations (aiocoll.algorithms, aiocoll._types, aiocoll._reduce), client._operation
+and client._shm_coll (the arenas' collectives); client/providers.py builds layouts from the
+membership table and calls ``run_routed`` and ``RoutedProvider``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -43,10 +45,19 @@ from aiocoll._reduce import finish_avg
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport, run_collective
 
+from ._operation import Operation, spec_of
 from ._shm_coll import ShmGroup, intra_host_group, region_offer, release_offer
 from .transports._link import LinkTransport
 
-__all__ = ["HIERARCHICAL_OPS", "HostLayout", "HostParts", "choose_route", "host_layout", "run_routed"]
+__all__ = [
+    "HIERARCHICAL_OPS",
+    "HostLayout",
+    "HostParts",
+    "RoutedProvider",
+    "choose_route",
+    "host_layout",
+    "run_routed",
+]
 
 # Ops whose result does not depend on how partial results are grouped (up to floating-point
 # rounding). AVG runs as SUM through the parts and is divided once at the end, as the flat path
@@ -224,7 +235,7 @@ async def _hierarchical_all_reduce(
     if len(local) > 1 and host_parts is not None:
         await host_parts.decide(local, transport, tag, meta)
         arenas = host_parts.group
-    flat = x.reshape(-1)  # a view: working arrays are contiguous (aiocoll._tensors)
+    flat = x.reshape(-1)  # a view: working arrays are contiguous (aiocoll.device._tensors)
     dtype_name = str(spec.dtype or meta.get("dtype") or x.dtype.name)
     seq = int(tag[2]) if len(tag) > 2 and isinstance(tag[2], int) else 0
     waiting_for = getattr(transport, "waiting_for", None)  # progress reports name whom we wait for
@@ -251,3 +262,59 @@ async def _hierarchical_all_reduce(
         await run_routed(spread, transport, (*tag, _HOST_BROADCAST), meta, at_home)
     if average:  # every rank divides the same sum the same way: identical bits everywhere
         finish_avg(x, len(spec.ranks), spec.dtype or meta.get("dtype") or x.dtype.name)
+
+
+class RoutedProvider:
+    """The hierarchical all_reduce as a provider (client/providers.py), for a group spanning
+    hosts with several members on at least one; its intra-host parts on the arenas when the
+    host's members agree on a region (``HostParts``), else as messages.
+
+    Args:
+        links: the process's transport. ranks: the group's global ranks, me: my group rank.
+        layout: the group's members by host (None: unknown, the route never applies).
+        host_gid: names the host's arena group.
+    """
+
+    name: ClassVar[str] = "routed"
+    eager: ClassVar[bool] = False
+
+    def __init__(
+        self, links: LinkTransport, ranks: tuple[int, ...], me: int, layout: HostLayout | None, host_gid: str
+    ) -> None:
+        self._ranks = ranks
+        self._me = me
+        self._layout = layout
+        applies = layout is not None and layout.hosts > 1 and layout.crowded
+        self.kinds: frozenset[str] = frozenset({"all_reduce"}) if applies else frozenset()
+        self.why = (
+            f"the group spans {layout.hosts} hosts with several members on one"
+            if applies and layout is not None
+            else "the group's members are not spread over several hosts with several on one"
+        )
+        self._arena: ShmGroup | None = None
+        self._parts: HostParts | None = None
+        if applies and layout is not None and len(layout.local) > 1:
+            self._parts = HostParts(links, host_gid, self._made)
+
+    def _made(self, group: ShmGroup) -> None:
+        self._arena = group  # closed with the provider
+
+    def prepare(self, operation: Operation) -> Callable[[Tag, Any], Any] | None:
+        """An engine body for ``operation``, or None for a reduce op the route cannot regroup."""
+        if operation.op not in HIERARCHICAL_OPS or self._layout is None:
+            return None
+        spec = spec_of(operation, self._ranks, self._me)
+        meta, layout, parts = operation.meta, self._layout, self._parts
+        workings, result = operation.workings, operation.result
+
+        async def body(tag: Tag, transport: Any) -> Any:
+            await _hierarchical_all_reduce(spec, transport, tag, meta, layout, parts)
+            for w in workings:
+                w.finish()
+            return result
+
+        return body
+
+    def close(self) -> None:
+        if self._arena is not None:
+            self._arena.close()

@@ -106,7 +106,7 @@ async def main(args: argparse.Namespace) -> None:
         for _ in range(args.warmup):
             await pg.all_reduce(x)
         await pg.barrier()
-        shm = pg._shm
+        shm = pg._providers.arena
         sleeps = shm.sleeps if shm is not None else 0
         lead = pg.rank == 0
         profile = cProfile.Profile() if lead and args.profile else None

@@ -199,7 +199,7 @@ def _check_cuda_args(args: argparse.Namespace) -> None:
     if "nccl" in args.contenders and args.tensor != "torch-cuda":
         raise BenchError("--vs nccl measures CUDA tensors: add --tensor torch-cuda")
     if args.tensor == "torch-cuda":
-        from aiocoll._cuda import cuda_unavailable
+        from aiocoll.device._cuda import cuda_unavailable
 
         why = cuda_unavailable()
         if why is not None:
@@ -212,7 +212,7 @@ def _check_cuda_args(args: argparse.Namespace) -> None:
 
         if not torch.distributed.is_nccl_available():
             raise BenchError("--vs nccl: this torch has no NCCL; use --vs gloo")
-        from aiocoll._cuda import device_count
+        from aiocoll.device._cuda import device_count
 
         # NCCL refuses two ranks on one device ("Duplicate GPU detected") at its first call;
         # say so before any process starts. aiocoll itself shares a device between ranks.

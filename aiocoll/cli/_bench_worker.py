@@ -277,7 +277,7 @@ async def time_blocking(
     dist = runner.pg
     call = runner.calls()
     if on_device:
-        from aiocoll._cuda import synchronize
+        from aiocoll.device._cuda import synchronize
 
         issue = call
 
@@ -324,7 +324,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
     theirs = next((c for c in cfg["vs"] if c in ("gloo", "nccl")), None)  # torch.distributed's
     device = None
     if cfg["tensor"] == "torch-cuda":
-        from aiocoll._cuda import device_count, set_device
+        from aiocoll.device._cuda import device_count, set_device
 
         device = set_device(rank % device_count())
     if theirs or cfg["tensor"] != "numpy":
@@ -368,7 +368,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                 if impl == "aiocoll":
                     hook.last.pop(op, None)
                     bufs = Buffers(sized, cfg["dtype"], use_torch, rank, n, device)
-                    shm = pg._shm  # the group's shared-memory collectives, when on one host
+                    shm = pg._providers.arena  # the arena collectives, when on one host
                     shm_before = shm.completed if shm is not None else 0
                     times, usage = await _time_aiocoll(
                         OpRunner(impl, op, bufs, pg), cfg["warmup"], cfg["iters"]
@@ -377,7 +377,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                     if shm is not None and shm.completed - shm_before >= cfg["iters"]:
                         algorithm = "shm"  # read each other's memory (no algorithm over links)
                     if device is not None:
-                        from aiocoll._staged_ops import StagedOp
+                        from aiocoll.device._staged_ops import StagedOp
 
                         algorithm = f"{algorithm}+{StagedOp.last_path}"  # which device path ran
                 elif contender_gap(impl, op, cfg["tensor"]) is not None:

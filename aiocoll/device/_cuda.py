@@ -1,9 +1,9 @@
 """The CUDA implementation of the device interface: the only module that calls torch.cuda.
 
 Foundation layer: imports torch (loaded only when a CUDA tensor is met, so torch is already in
-the process), aiocoll._device and numpy. Everything above it (staging pipeline, IPC exchange,
-torch backend) goes through aiocoll._device's classes, so the ordering rules tested with the
-thread-backed device (aiocoll._device_threads) are the ones that run here.
+the process), aiocoll.device._device and numpy. Everything above it (staging pipeline, IPC exchange,
+torch backend) goes through aiocoll.device._device's classes, so the ordering rules tested with the
+thread-backed device (aiocoll.device._device_threads) are the ones that run here.
 
 NOT YET EXERCISED ON A GPU: written against torch 2.13's documented CUDA API (streams, events,
 pinned memory, non_blocking copies, storage IPC handles) on a machine without one; the tests
@@ -20,8 +20,8 @@ import msgpack
 import numpy as np
 import torch
 
-from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
 from aiocoll._types import ReduceOp
+from aiocoll.device._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
 
 __all__ = [
     "CudaDevice",

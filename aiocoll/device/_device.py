@@ -1,10 +1,10 @@
 """The device interface: streams, events, pinned host buffers, async copies and IPC handles.
 
 Foundation layer: imports only the standard library, numpy and aiocoll foundations (_host,
-_types), never torch. The staging pipeline (aiocoll._staging) and the IPC path are written
+_types), never torch. The staging pipeline (aiocoll.device._staging) and the IPC path are written
 against these classes alone, so that their ordering, chunking, pool and error rules can be
-tested with a CPU implementation whose copies run on worker threads (aiocoll._device_threads)
-and run unchanged on CUDA (aiocoll._cuda, the only module that calls torch.cuda).
+tested with a CPU implementation whose copies run on worker threads (aiocoll.device._device_threads)
+and run unchanged on CUDA (aiocoll.device._cuda, the only module that calls torch.cuda).
 
 The semantics are CUDA's, kept to what the pipeline needs:
 - A ``Stream`` runs the work queued on it in order, asynchronously to the host.
@@ -87,7 +87,7 @@ class DeviceTensor(ABC):
     """A tensor in device memory as aiocoll's staging sees it: flat, contiguous, one dtype.
 
     ``as_working`` turns any object implementing this into a device working (see
-    aiocoll._staging); a torch CUDA tensor is wrapped by aiocoll._cuda.
+    aiocoll.device._staging); a torch CUDA tensor is wrapped by aiocoll.device._cuda.
 
     Attributes:
         device: the Device it lives on. dtype_name: canonical dtype ("float32", "bfloat16", ...).

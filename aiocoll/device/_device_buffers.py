@@ -1,15 +1,15 @@
 """Device memory behind the step driver's buffer interface: scratch, views, copies and reductions
 queued on a device stream.
 
-Foundation layer: imports aiocoll._buffers (the interface), aiocoll._device, aiocoll._staging
+Foundation layer: imports aiocoll._buffers (the interface), aiocoll.device._device, aiocoll.device._staging
 (DeviceSpan) and aiocoll._types; never torch (the Device does the work), asyncio, client/ or the
 public surface. Arrays are DeviceSpans
 (a device tensor and an element range); every method queues its work on the stream it was made
 with and returns at once, so ordering against copies and other processes is by that stream's
-events. The IPC path (aiocoll._ipc) does its device-side copies and reductions through it.
+events. The IPC path (aiocoll.device._ipc) does its device-side copies and reductions through it.
 
 Device memory never goes on a link as it is: ``payload`` and ``landed`` refuse, since bytes
-between hosts travel through pinned staging (aiocoll._staging), chunk by chunk.
+between hosts travel through pinned staging (aiocoll.device._staging), chunk by chunk.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from aiocoll._buffers import Buffers
-from aiocoll._device import Device, DeviceError, Stream
-from aiocoll._staging import DeviceSpan
 from aiocoll._types import ReduceOp
+from aiocoll.device._device import Device, DeviceError, Stream
+from aiocoll.device._staging import DeviceSpan
 
 __all__ = ["DeviceBuffers"]
 
@@ -58,7 +58,7 @@ class DeviceBuffers(Buffers):
     def payload(self, view: DeviceSpan) -> memoryview:
         raise DeviceError(
             f"device memory on {self.device.name} goes on a link only through pinned staging "
-            "(aiocoll._staging)"
+            "(aiocoll.device._staging)"
         )
 
     def landed(self, memory: memoryview, like: DeviceSpan) -> DeviceSpan:

@@ -1,6 +1,6 @@
 """A CPU implementation of the device interface whose streams are worker threads.
 
-Foundation layer: imports aiocoll._device and numpy only. It exists so that the staging
+Foundation layer: imports aiocoll.device._device and numpy only. It exists so that the staging
 pipeline's ordering, chunking, pool and error rules are tested for real without a GPU: every
 stream is a thread running its queue in order, copies really happen later than the call that
 queued them, and an event is a real synchronisation point, so a pipeline that forgets to wait for
@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
 from aiocoll._reduce import finish_avg, reduce_into
 from aiocoll._types import ReduceOp
+from aiocoll.device._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
 
 __all__ = ["ThreadDevice", "ThreadDeviceTensor"]
 

@@ -1,8 +1,8 @@
 """Device-to-device all_reduce and broadcast between ranks that share a host, through IPC.
 
-Foundation layer: imports aiocoll._device (the interface), aiocoll._staging, the algorithms
+Foundation layer: imports aiocoll.device._device (the interface), aiocoll.device._staging, the algorithms
 (run_collective, the Transport interface), _errors and msgpack; never torch, client/ or the
-public surface. aiocoll._staged_ops asks ``IpcGroups.for_op`` whether an operation can take this
+public surface. aiocoll.device._staged_ops asks ``IpcGroups.for_op`` whether an operation can take this
 path and falls back to pinned staging when it cannot.
 
 Setup, once per group and device, at the group's first eligible operation (every rank reaches
@@ -21,7 +21,7 @@ One chunk c of an all_reduce (a broadcast is the same with one writer, the root)
    order straight from the peers' mailboxes (the same order on every rank, so every rank gets the
    same bits), into the caller's tensor; a peer on another device is first copied device to
    device into a local scratch buffer; AVG then divides. These copies and reductions go through
-   the step driver's buffer interface, implemented for device memory (aiocoll._device_buffers);
+   the step driver's buffer interface, implemented for device memory (aiocoll.device._device_buffers);
 3. when those reads are done (an event, waited for on the host) it tells every peer "done".
 A rank overwrites a slot (chunk c+2), and an operation ends, only after every peer said "done"
 with what the slot held: producers outlive their consumers. A group's IPC operations run one at
@@ -39,12 +39,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from aiocoll._device import Device, DeviceError, DeviceTensor, Event, Stream
-from aiocoll._device_buffers import DeviceBuffers
 from aiocoll._errors import MismatchError
-from aiocoll._staging import DeviceSpan, Staging
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Transport, run_collective
+from aiocoll.device._device import Device, DeviceError, DeviceTensor, Event, Stream
+from aiocoll.device._device_buffers import DeviceBuffers
+from aiocoll.device._staging import DeviceSpan, Staging
 
 __all__ = ["IPC_OPS", "IPC_KINDS", "IpcGroup", "ipc_groups"]
 

@@ -1,12 +1,13 @@
 """Operations on device tensors, run chunk by chunk through the pinned staging pipeline.
 
-Foundation layer: imports aiocoll._staging, aiocoll._ipc, aiocoll._device, the algorithms (run_collective,
-CollectiveSpec, the Transport interface) and numpy; never client/, server/ or the public surface.
-The public layer describes an operation as it does for host tensors (send and receive lists cut
-from its tensors' Working arrays); when some of those are DeviceSpans it builds a StagedOp at
-call time (which records the caller's event then) and awaits ``collective``, ``send_to`` or
-``recv_from`` in the operation's body. A multi-chunk all_reduce or broadcast between ranks of
-one host goes device to device instead when the group can (aiocoll._ipc); the rest is staged.
+Foundation layer: imports this package's _staging, _ipc and _device, the algorithms
+(run_collective, CollectiveSpec, the Transport interface) and numpy; never client/, server/ or
+the public surface. The staged provider (client/providers.py) hands it an operation as the
+public layer built it (send and receive lists cut from its tensors' Working arrays); when some
+of those are DeviceSpans it builds a StagedOp at call time (which records the caller's event
+then) and awaits ``collective`` in the operation's body (``send_to`` and ``recv_from`` for the
+point-to-point calls). A multi-chunk all_reduce or broadcast between ranks of one host goes
+device to device instead when the group can (_ipc); the rest is staged.
 
 Chunking: every array of a collective is cut into the same element ranges
 [c*m, (c+1)*m), and chunk c runs as an ordinary collective over the chunk's host views, tagged
@@ -31,9 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from aiocoll._device import Device, DeviceTensor
-from aiocoll._ipc import IPC_KINDS, IPC_OPS, ipc_groups
-from aiocoll._staging import (
+from aiocoll._types import ReduceOp
+from aiocoll.algorithms import CollectiveSpec, Transport, run_collective
+from aiocoll.device._device import Device, DeviceTensor
+from aiocoll.device._ipc import IPC_KINDS, IPC_OPS, ipc_groups
+from aiocoll.device._staging import (
     CallerStreamContext,
     DeviceSpan,
     Piece,
@@ -44,8 +47,6 @@ from aiocoll._staging import (
     run_pipeline,
     staging_for,
 )
-from aiocoll._types import ReduceOp
-from aiocoll.algorithms import CollectiveSpec, Transport, run_collective
 
 __all__ = ["StagedOp", "has_device_arrays"]
 
@@ -75,7 +76,7 @@ class StagedOp:
         kind: the operation ("all_reduce", "send", ...). group_size: ranks in the group.
         send, recv: the operation's arrays (DeviceSpans and host numpy arrays, any mix).
         rank: this process's global rank, for log lines.
-        group_key: names the group for its IPC state (aiocoll._ipc); None: never IPC.
+        group_key: names the group for its IPC state (aiocoll.device._ipc); None: never IPC.
     Raises:
         ValueError: device tensors on more than one device.
     """
@@ -212,7 +213,7 @@ class StagedOp:
         op: ReduceOp,
         what: str,
     ) -> bool:
-        """Run the operation device to device through IPC when the group can (aiocoll._ipc);
+        """Run the operation device to device through IPC when the group can (aiocoll.device._ipc);
         False when it cannot (the caller stages it). Every rank reaches the same answer: the
         conditions are the operation's signature, and the group's setup is collective."""
         if (

@@ -1,6 +1,6 @@
 """Pinned staging of device tensors: the bounded buffer pool, the event waiter and the pipeline.
 
-Foundation layer: imports aiocoll._device (the interface), aiocoll._errors and numpy; never
+Foundation layer: imports aiocoll.device._device (the interface), aiocoll._errors and numpy; never
 torch, never a concrete device. The public layer hands ``run_pipeline`` an operation cut into
 chunks (each chunk: pieces of device tensors to read and/or write, plus host arrays that need
 no staging) and a ``transfer(k, views)`` coroutine that moves chunk ``k`` over the network
@@ -48,8 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from aiocoll._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream
 from aiocoll._env import env_int
+from aiocoll.device._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream
 
 __all__ = [
     "CHUNK_BYTES",

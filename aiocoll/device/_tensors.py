@@ -1,7 +1,7 @@
 """Tensor buffer handling: numpy arrays and torch tensors to contiguous 1-D numpy working arrays.
 
-Imports only aiocoll's device foundations (aiocoll._device, aiocoll._staging; aiocoll._cuda
-when a CUDA tensor is met) and never imports torch itself: a torch tensor can only exist if the
+Imports only this package's device foundations (_device, _staging; _cuda when a CUDA tensor
+is met) and never imports torch itself: a torch tensor can only exist if the
 caller already imported torch, so we look for it in ``sys.modules``. The engine turns every
 tensor an operation touches into a ``Working`` (a flat numpy view of the same memory where
 possible, a staging copy otherwise) before the algorithms run, and calls ``finish()`` afterwards
@@ -9,9 +9,9 @@ so results land in the caller's tensor in place. Signatures use ``dtype_name`` a
 
 Staging copies are needed for: non-contiguous or non-native-byte-order numpy arrays and CPU torch
 tensors that are not contiguous or carry a lazy conjugate/negative bit. Tensors in device memory
-(torch CUDA tensors, any aiocoll._device.DeviceTensor) are not copied here: their Working's
+(torch CUDA tensors, any aiocoll.device._device.DeviceTensor) are not copied here: their Working's
 ``array`` is a ``DeviceSpan`` and the operation runs through the pinned staging pipeline
-(aiocoll._staged_ops), chunk by chunk. bfloat16 travels as its raw bits in a uint16
+(aiocoll.device._staged_ops), chunk by chunk. bfloat16 travels as its raw bits in a uint16
 array (numpy has no bfloat16); ``aiocoll._reduce`` knows how to reduce those bits.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from aiocoll._device import DeviceTensor
-from aiocoll._staging import DeviceSpan
+from aiocoll.device._device import DeviceTensor
+from aiocoll.device._staging import DeviceSpan
 
 __all__ = ["SUPPORTED_DTYPES", "Working", "as_working", "dtype_name", "is_torch_tensor", "numel"]
 
@@ -186,7 +186,7 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
     if device.type == "meta":
         raise TypeError("a tensor on the 'meta' device has no data to communicate")
     if device.type == "cuda":
-        from aiocoll._cuda import wrap_cuda_tensor
+        from aiocoll.device._cuda import wrap_cuda_tensor
 
         return device_working(wrap_cuda_tensor(tensor, name), read=read, write=write)
     source = tensor.detach()

@@ -24,15 +24,24 @@ from __future__ import annotations
 
 import asyncio
 import os
-from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from aiocoll._deadline import Deadline
 from aiocoll._host import host_identity
 
+from ._kind import (
+    CHOICES,
+    SHM_PORT,
+    TRANSPORT_ENV,
+    LinkKind,
+    PeerEntry,
+    PeerRow,
+    shm_address,
+    tcp_addresses,
+)
 from ._link import LinkTransport
+from .shm import ShmKind
 from .tcp import TcpTransport
 
 __all__ = [
@@ -54,71 +63,6 @@ __all__ = [
     "transport_choice",
 ]
 
-TRANSPORT_ENV = "AIOCOLL_TRANSPORT"
-CHOICES = ("auto", "tcp", "shm")
-SHM_PORT = 0  # a membership address ["@name", SHM_PORT] is a shared-memory (abstract Unix) listener
-
-
-def shm_address(addrs: Sequence[Sequence[Any]]) -> str | None:
-    """A membership row's shared-memory address ("@name"), if it published one."""
-    return next((str(a[0]) for a in addrs if is_shm_address(a)), None)
-
-
-def is_shm_address(addr: Sequence[Any]) -> bool:
-    return len(addr) == 2 and str(addr[0]).startswith("@") and addr[1] == SHM_PORT
-
-
-def tcp_addresses(addrs: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
-    """A membership row's addresses without the shared-memory one."""
-    return [a for a in addrs if not is_shm_address(a)]
-
-
-class PeerEntry(Protocol):
-    """One row of the membership table (client.session.Member fits)."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def addrs(self) -> Sequence[Sequence[Any]]: ...
-
-    @property
-    def host(self) -> str: ...
-
-
-@dataclass(frozen=True)
-class PeerRow:
-    """A membership-table row built from other sources than the coordinator (a store)."""
-
-    rank: int
-    addrs: Sequence[Sequence[Any]]
-    host: str = ""
-
-
-class LinkKind(ABC):
-    """How links of one kind are made."""
-
-    name: str
-    same_host_only: bool = False
-
-    def unavailable(self) -> str | None:
-        """None when this kind can be used in this process, else why not (for the error)."""
-        return None
-
-    @abstractmethod
-    async def connect(
-        self,
-        transport: LinkTransport,
-        peers: Sequence[int],
-        table: Mapping[int, PeerEntry],
-        deadline: Deadline,
-    ) -> None:
-        """Make and ``attach`` a link to every rank of ``peers``; returns once all are attached.
-
-        Raises:
-            RendezvousError (names the ranks), AuthenticationError.
-        """
-
 
 class _Tcp(LinkKind):
     name = "tcp"
@@ -134,7 +78,7 @@ class _Tcp(LinkKind):
         await transport.connect({r: tcp_addresses(table[r].addrs) for r in peers}, deadline, peers)
 
 
-KINDS: dict[str, LinkKind] = {"tcp": _Tcp()}
+KINDS: dict[str, LinkKind] = {"tcp": _Tcp(), "shm": ShmKind()}
 # ``auto``'s preference, first match wins; tcp serves every pair, so it comes last.
 AUTO_ORDER: tuple[str, ...] = ("shm", "tcp")
 
@@ -225,9 +169,3 @@ async def connect_links(
     elif connects:
         await asyncio.gather(*connects)
     return kinds
-
-
-# The shm kind builds on the names above (LinkKind, the tcp kind's transport).
-from .shm import ShmKind  # noqa: E402
-
-KINDS["shm"] = ShmKind()

@@ -188,6 +188,7 @@ class LinkTransport(Transport):
         self._identity: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._links: dict[int, Link] = {}
+        self.links_version = 0  # changes whenever a link is attached or closed (providers re-select)
         self._link_ready: dict[int, asyncio.Future[None]] = {}
         self._handlers: list[LostPeerHandler] = []
         self._closed = False
@@ -256,6 +257,7 @@ class LinkTransport(Transport):
         if peer in self._links:
             raise ValueError(f"rank {peer} already has a {self._links[peer].kind} link to rank {self.rank}")
         self._links[peer] = link
+        self.links_version += 1
         self.matcher.attach(peer, link)
         fut = self._link_ready.get(peer)
         if fut is not None and not fut.done():
@@ -308,6 +310,7 @@ class LinkTransport(Transport):
         peer = link.peer
         if self._links.get(peer) is link:
             del self._links[peer]
+            self.links_version += 1
         if not self.matcher.peer_lost(peer, reason):
             return
         self._fail_ready(peer, reason)

@@ -64,9 +64,9 @@ from aiocoll._errors import AuthenticationError, PeerLostError, RendezvousError
 from aiocoll.algorithms._transport import Tag
 from aiocoll.protocol import PREFIX
 
-from .._shm import ShmHost, ShmPeer, ShmUnavailable
+from .._shm import ShmHost, ShmPeer, ShmUnavailable, region_bytes
 from .._shm_ring import RingReader, RingWriter
-from ._factory import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
+from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
 from ._link import LinkHost, LinkTransport, as_bytes_view
 from .tcp import TcpLink, TcpTransport, _consume_outcome
 
@@ -480,8 +480,6 @@ def prepare_shm(transport: TcpTransport, *, token: str | None, job: str, forced:
     Returns:
         the address to publish beside the tcp one: ``["@name", SHM_PORT]``.
     """
-    from .._shm_coll import region_bytes
-
     chunk = _chunk()
 
     def on_peer(peer: ShmPeer) -> None:

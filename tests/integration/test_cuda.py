@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 async def async_worker(pg: Any) -> dict[str, Any]:
     import torch
 
-    from aiocoll._staged_ops import StagedOp
+    from aiocoll.device._staged_ops import StagedOp
 
     r, n = pg.rank, pg.size
     dev = torch.device("cuda", r % torch.cuda.device_count())

@@ -31,9 +31,9 @@ ENV = {"AIOCOLL_STAGING_CHUNK_BYTES": "512", "AIOCOLL_STAGING_BUFFERS": "2"}
 async def worker(pg: Any, mode: str) -> dict[str, Any]:
     import logging
 
-    from aiocoll._device_threads import ThreadDevice
-    from aiocoll._staged_ops import StagedOp
-    from aiocoll._staging import staging_for
+    from aiocoll.device._device_threads import ThreadDevice
+    from aiocoll.device._staged_ops import StagedOp
+    from aiocoll.device._staging import staging_for
 
     r, n = pg.rank, pg.size
     said: list[str] = []

@@ -41,8 +41,8 @@ async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"identity": host_identity()}
     out["identities"] = await pg.all_gather_object(out["identity"])
-    out["route"] = choose_route("all_reduce", ReduceOp.SUM, pg._layout)
-    out["avg_route"] = choose_route("all_reduce", ReduceOp.AVG, pg._layout)
+    out["route"] = choose_route("all_reduce", ReduceOp.SUM, pg._providers.layout)
+    out["avg_route"] = choose_route("all_reduce", ReduceOp.AVG, pg._providers.layout)
     out["link_kinds"] = pg._rt.transport.link_kinds()
     n = pg.size
     for dtype in ("float64", "int32", "float32"):
@@ -66,7 +66,7 @@ async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
     np.testing.assert_array_equal(gathered, np.concatenate([_inputs(r, 100, "int64") for r in range(n)]))
     sub = await pg.new_group(SUBGROUP)
     if sub is not None:
-        out["sub_route"] = choose_route("all_reduce", ReduceOp.SUM, sub._layout)
+        out["sub_route"] = choose_route("all_reduce", ReduceOp.SUM, sub._providers.layout)
         y = _inputs(pg.rank, 70_000, "float64")
         await sub.all_reduce(y)
         np.testing.assert_array_equal(y, np.sum([_inputs(r, 70_000, "float64") for r in SUBGROUP], axis=0))
@@ -79,7 +79,7 @@ async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
 
 def _arena_ops(pg: Any) -> int | None:
     """Operations the group's intra-host arena group completed here (None: it has none)."""
-    parts = pg._host_parts
+    parts = pg._providers.host_parts
     return None if parts is None or parts.group is None else int(parts.group.completed)
 
 
@@ -135,10 +135,10 @@ async def _tcp_checks(pg: Any) -> dict[str, Any]:
         await pg.all_reduce(x)
         np.testing.assert_array_equal(x, np.sum([_inputs(r, count, "float64") for r in range(n)], axis=0))
     return {
-        "route": choose_route("all_reduce", ReduceOp.SUM, pg._layout),
+        "route": choose_route("all_reduce", ReduceOp.SUM, pg._providers.layout),
         "kinds": sorted(set(pg._rt.transport.link_kinds().values())),
         "arena_ops": _arena_ops(pg),
-        "decided": pg._host_parts is not None and pg._host_parts.decided,
+        "decided": pg._providers.host_parts is not None and pg._providers.host_parts.decided,
     }
 
 

@@ -58,7 +58,7 @@ async def shm_checks(pg: Any) -> dict[str, Any]:
     r, n = pg.rank, pg.size
     out: dict[str, Any] = {
         "kinds": sorted(set(pg._rt.transport.link_kinds().values())),
-        "world_shm": pg._shm is not None,
+        "world_shm": pg._providers.arena is not None,
         "garbage": await per_operation_garbage(pg),
     }
     x = np.arange(300_000, dtype=np.float32) * (r + 1)  # 1.2 MB: two steps of the 1 MiB chunk
@@ -88,16 +88,16 @@ async def shm_checks(pg: Any) -> dict[str, Any]:
     sub = await pg.new_group([0, 2, 3])
     other = await pg.new_group([1, 3])
     if sub is not None:
-        out["sub_region"] = sub._shm.region
+        out["sub_region"] = sub._providers.arena.region
         s = np.full(4, float(r))
         await sub.all_reduce(s)
         out["sub_sum"] = s.tolist()
         await sub.destroy()
     if other is not None:
-        out["other_region"] = other._shm.region
+        out["other_region"] = other._providers.arena.region
     again = await pg.new_group([0, 2])
     if again is not None:
-        out["again_region"] = again._shm.region
+        out["again_region"] = again._providers.arena.region
         a = np.full(2, r + 1, np.int32)
         await again.all_reduce(a)
         out["again_sum"] = a.tolist()
@@ -106,7 +106,7 @@ async def shm_checks(pg: Any) -> dict[str, Any]:
     regions = []
     for name, g in (("first", first), ("second", second)):
         if g is not None:
-            regions.append(None if g._shm is None else g._shm.region)
+            regions.append(None if g._providers.arena is None else g._providers.arena.region)
             v = np.full(3, float(r + 1))
             await g.all_reduce(v)
             out[f"{name}_sum"] = v.tolist()
@@ -163,7 +163,7 @@ async def tcp_checks(pg: Any) -> dict[str, Any]:
     await pg.all_reduce(x)
     return {
         "kinds": sorted(set(pg._rt.transport.link_kinds().values())),
-        "shm": pg._shm is not None,
+        "shm": pg._providers.arena is not None,
         "x": x.tolist(),
         "garbage": await per_operation_garbage(pg),
         "polled": await polled_ping_pongs(pg),  # receives over tcp links let the loop sleep
@@ -202,7 +202,7 @@ async def killed(pg: Any, op: str = "all_reduce") -> dict[str, Any]:
         if res["error"]:
             res["after"] = time.monotonic() - t0
             res["dev_shm"] = sorted(set(dev_shm_in_use()) - inherited)
-            res["direct_steps"] = pg._shm.direct_steps
+            res["direct_steps"] = pg._providers.arena.direct_steps
             return res
     return {"error": None}
 

@@ -29,7 +29,7 @@ class Rank:
     """One rank's device, and a caller stream whose slow kernel writes the values to send."""
 
     def __init__(self) -> None:
-        from aiocoll._device_threads import ThreadDevice
+        from aiocoll.device._device_threads import ThreadDevice
 
         self.dev = ThreadDevice(copy_delay=0.0005)
         self.caller = self.dev.new_stream()
@@ -126,7 +126,7 @@ async def worker(pg: Any) -> dict[str, Any]:
     # The torch backend's mode: the caller's event comes from the context (recorded on the
     # caller's stream by another thread, here a busy stream that is not this thread's current
     # one), and the operation leaves its completion events there instead of waiting on the host.
-    from aiocoll._staging import CallerStreamContext, caller_context
+    from aiocoll.device._staging import CallerStreamContext, caller_context
 
     busy = d.dev.new_stream()
     vals = d.empty(600, np.float32)
@@ -157,7 +157,7 @@ async def worker(pg: Any) -> dict[str, Any]:
     many = [d.tensor(np.full(400, r + i, np.float32)) for i in range(8)]
     await asyncio.gather(*(pg.all_reduce(t) for t in many))
     out["many"] = [t.snapshot() for t in many]
-    from aiocoll._staging import staging_for
+    from aiocoll.device._staging import staging_for
 
     pool = staging_for(d.dev).pool
     out["pool"] = (pool.allocated, pool.capacity, pool.in_use, d.dev.pinned_allocations)
@@ -231,8 +231,8 @@ async def dies_mid_pipeline(pg: Any) -> dict[str, Any]:
     import os
     import signal
 
-    from aiocoll._device_threads import ThreadDevice
-    from aiocoll._staging import staging_for
+    from aiocoll.device._device_threads import ThreadDevice
+    from aiocoll.device._staging import staging_for
 
     dev = ThreadDevice(copy_delay=0.001)
     x = dev.tensor(np.ones(25_600, np.float32))  # 400 chunks of 256 bytes

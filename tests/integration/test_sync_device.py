@@ -22,7 +22,7 @@ SCRIPT = r"""
 import json, os, sys, time
 import numpy as np
 import aiocoll.sync as dist
-from aiocoll._device_threads import ThreadDevice
+from aiocoll.device._device_threads import ThreadDevice
 
 dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=0, world_size=1)
 dev = ThreadDevice(copy_delay=0.001)

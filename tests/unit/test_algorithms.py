@@ -391,7 +391,7 @@ async def test_invalid_op_dtype_pairs_raise_type_error(dtype: str, op: ReduceOp)
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.PRODUCT])
 async def test_bfloat16_torch_tensors_all_reduce_like_torch(op: ReduceOp, small_chunks: None) -> None:
     torch = pytest.importorskip("torch")
-    from aiocoll._tensors import as_working
+    from aiocoll.device._tensors import as_working
 
     n = 4
     gen = torch.Generator().manual_seed(0)

@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from aiocoll._device import DeviceError
-from aiocoll._device_buffers import DeviceBuffers
-from aiocoll._device_threads import ThreadDevice
-from aiocoll._staging import DeviceSpan
 from aiocoll._types import ReduceOp
+from aiocoll.device._device import DeviceError
+from aiocoll.device._device_buffers import DeviceBuffers
+from aiocoll.device._device_threads import ThreadDevice
+from aiocoll.device._staging import DeviceSpan
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -135,18 +135,18 @@ def test_importing_aiocoll_is_cheap() -> None:
 
 
 def test_only_the_cuda_device_module_calls_torch_cuda() -> None:
-    # The GPU path's CUDA calls live in one thin module behind aiocoll._device's interface, so
+    # The GPU path's CUDA calls live in one thin module behind aiocoll.device._device's interface, so
     # that everything above it is tested against the thread-backed device without a GPU.
     callers = []
     for folder in SOURCE_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == ROOT / "aiocoll" / "_cuda.py":
+            if path == ROOT / "aiocoll" / "device" / "_cuda.py":
                 continue
             tree = ast.parse(path.read_text(), str(path))
             for node in ast.walk(tree):
                 if isinstance(node, ast.Attribute) and node.attr == "cuda":
                     callers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not callers, "torch.cuda used outside aiocoll/_cuda.py:\n" + "\n".join(callers)
+    assert not callers, "torch.cuda used outside aiocoll/device/_cuda.py:\n" + "\n".join(callers)
 
 
 def test_the_matcher_is_sans_io_and_link_kinds_sit_in_the_client_layer() -> None:

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocoll._device import DeviceError
-from aiocoll._device_threads import ThreadDevice, raise_device_error
 from aiocoll._errors import PeerLostError
-from aiocoll._staging import DeviceSpan, Piece, Staging, chunk_bounds, ready_event, run_pipeline
+from aiocoll.device._device import DeviceError
+from aiocoll.device._device_threads import ThreadDevice, raise_device_error
+from aiocoll.device._staging import DeviceSpan, Piece, Staging, chunk_bounds, ready_event, run_pipeline
 
 pytestmark = pytest.mark.timeout(60)
 

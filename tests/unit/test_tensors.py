@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from aiocoll._tensors import SUPPORTED_DTYPES, as_working, dtype_name, is_torch_tensor, numel
+from aiocoll.device._tensors import SUPPORTED_DTYPES, as_working, dtype_name, is_torch_tensor, numel
 
 NUMPY_DTYPES = sorted(SUPPORTED_DTYPES - {"bfloat16"})
 
@@ -95,7 +95,7 @@ def test_unsupported_objects_and_dtypes_raise_type_error() -> None:
 def test_importing_and_using_the_foundations_does_not_import_torch() -> None:
     code = (
         "import sys, numpy as np\n"
-        "from aiocoll._tensors import as_working\n"
+        "from aiocoll.device._tensors import as_working\n"
         "import aiocoll._reduce, aiocoll.algorithms, aiocoll.client.transports.memory\n"
         "as_working(np.zeros(3)).finish()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
