@@ -103,9 +103,13 @@ class AiocollWork(OutcomeQueries, td.Work):
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until the operation completes; a timeout of 0 or None waits without limit.
 
+        Returns:
+            True once the operation completed.
+
         Raises:
-            The operation's error (CollectiveTimeout, PeerLostError, MismatchError, ...);
-            TimeoutError when ``timeout`` ran out first.
+            DistError: the operation's own error (CollectiveTimeout, PeerLostError,
+                MismatchError, ...).
+            TimeoutError: ``timeout`` ran out first.
         """
         seconds = to_seconds(timeout) if timeout is not None else None
         if not seconds:

@@ -123,11 +123,12 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     Args:
         store: the store torch gives the backend (prefixed for this group); used for rendezvous.
-        rank, size: this process's rank in the group and the group's size.
+        rank: this process's rank in the group.
+        size: the group's size.
         timeout: rendezvous deadline and every operation's default (timedelta or seconds).
 
     Raises:
-        RendezvousError / StoreTimeout: when the group could not form in time.
+        RendezvousError: the group could not form in time (StoreTimeout when its store ran out).
     """
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta | float | None) -> None:
@@ -159,9 +160,11 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     # -- identity ------------------------------------------------------------------------------
     def getBackendName(self) -> str:
+        """The backend's name, "aiocoll" (c10d asks it)."""
         return BACKEND_NAME
 
     def name(self) -> str:
+        """The backend's name, "aiocoll"."""
         return BACKEND_NAME
 
     # torch asks the group for its backend of the device given as init_process_group's
@@ -194,10 +197,12 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     @property
     def group_name(self) -> str:  # type: ignore[override]
+        """The group's name as torch knows it."""
         return self._group_name
 
     @property
     def group_desc(self) -> str:
+        """The group's description (``new_group(group_desc=...)``), used in messages."""
         return self._group_desc
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -223,6 +228,7 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     # -- collectives ---------------------------------------------------------------------------
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        """All-reduce each tensor of ``tensors`` in place (``opts.reduceOp``; SUM for sparse tensors)."""
         op = _reduce_op(opts)
         t = _one(tensors, "allreduce")
         if t.layout == torch.sparse_coo:
@@ -252,17 +258,20 @@ class AiocollProcessGroup(td.ProcessGroup):
         return self._launch("allreduce", lambda: add_up(self._core.all_gather_object(entries)), [t])
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:
+        """All-reduce several tensors as one operation, in place."""
         op = _reduce_op(opts)
         ts = list(tensors)
         calls = [functools.partial(self._core.all_reduce, t, op=op) for t in ts]
         return self._many("allreduce_coalesced", calls, ts)
 
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        """Broadcast ``tensors`` from ``opts.rootRank`` to every member, in place."""
         root = _root(opts)
         t = _one(tensors, "broadcast")
         return self._launch("broadcast", lambda: self._core.broadcast(t, src=root), [t])
 
     def reduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
+        """Reduce ``tensors`` onto ``opts.rootRank`` (``opts.reduceOp``)."""
         op = _reduce_op(opts)
         root = _root(opts)
         t = _one(tensors, "reduce")
@@ -274,6 +283,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_tensors: Sequence[torch.Tensor],
         opts: Any = None,
     ) -> AiocollWork:
+        """Gather every member's tensor into each output list."""
         outs = list(_one(output_tensors, "allgather"))  # type: ignore[arg-type]
         t = _one(input_tensors, "allgather")
         return self._launch("allgather", lambda: self._core.all_gather(outs, t), outs)
@@ -299,6 +309,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         return self._many("allgather_coalesced", calls, [x for outs in output_lists for x in outs])
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> AiocollWork:
+        """Gather every member's ``input`` into the flat ``output``."""
         return self._launch(
             "all_gather_into_tensor", lambda: self._core.all_gather_into_tensor(output, input), [output]
         )
@@ -308,6 +319,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
     ) -> AiocollWork:
+        """Several all_gather_into_tensor operations as one."""
         pairs = list(zip(outputs, inputs, strict=True))
         calls = [functools.partial(self._core.all_gather_into_tensor, o, i) for o, i in pairs]
         return self._many("allgather_into_tensor_coalesced", calls, list(outputs))
@@ -318,6 +330,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_tensors: Sequence[Sequence[torch.Tensor]],
         opts: Any = None,
     ) -> AiocollWork:
+        """Reduce the input lists and scatter the results, one tensor per member."""
         op = _reduce_op(opts)
         out = _one(output_tensors, "reduce_scatter")
         ins = list(_one(input_tensors, "reduce_scatter"))  # type: ignore[arg-type]
@@ -326,6 +339,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def reduce_scatter_tensor(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> AiocollWork:
+        """Reduce the flat ``input`` and give each member its slice in ``output``."""
         op = _reduce_op(opts)
         return self._launch(
             "reduce_scatter_tensor", lambda: self._core.reduce_scatter_tensor(output, input, op=op), [output]
@@ -337,6 +351,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def reduce_scatter_tensor_coalesced(
         self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], opts: Any = None
     ) -> AiocollWork:
+        """Several reduce_scatter_tensor operations as one."""
         op = _reduce_op(opts)
         pairs = list(zip(outputs, inputs, strict=True))
         calls = [functools.partial(self._core.reduce_scatter_tensor, o, i, op=op) for o, i in pairs]
@@ -348,6 +363,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_tensors: Sequence[torch.Tensor],
         opts: Any = None,
     ) -> AiocollWork:
+        """Gather every member's tensor onto ``opts.rootRank``."""
         root = _root(opts)
         t = _one(input_tensors, "gather")
         outs = list(output_tensors[0]) if len(output_tensors) > 0 else None
@@ -359,6 +375,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_tensors: Sequence[Sequence[torch.Tensor]],
         opts: Any = None,
     ) -> AiocollWork:
+        """Scatter the root's list, one tensor per member."""
         root = _root(opts)
         out = _one(output_tensors, "scatter")
         ins = list(input_tensors[0]) if len(input_tensors) > 0 else None
@@ -367,6 +384,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def alltoall(
         self, output_tensors: Sequence[torch.Tensor], input_tensors: Sequence[torch.Tensor], opts: Any = None
     ) -> AiocollWork:
+        """Each member sends its i-th input tensor to member i."""
         outs, ins = list(output_tensors), list(input_tensors)
         return self._launch("alltoall", lambda: self._core.all_to_all(outs, ins), outs)
 
@@ -378,6 +396,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         input_split_sizes: Sequence[int],
         opts: Any = None,
     ) -> AiocollWork:
+        """All-to-all on flat tensors, split by the given sizes (equal parts when empty)."""
         out_splits = [int(s) for s in output_split_sizes] or None
         in_splits = [int(s) for s in input_split_sizes] or None
         return self._launch(
@@ -387,6 +406,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         )
 
     def barrier(self, opts: Any = None) -> AiocollWork:
+        """Wait until every member called barrier."""
         seconds = _opts_timeout(opts)
         if seconds is None:
             return self._launch("barrier", lambda: self._core.barrier(), [])
@@ -395,7 +415,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def monitored_barrier(
         self, timeout: datetime.timedelta | float | None = None, wait_all_ranks: bool = False
     ) -> None:
-        """torch's ``ProcessGroup.monitored_barrier``: rank 0 names the ranks that did not arrive.
+        """Torch's ``ProcessGroup.monitored_barrier``: rank 0 names the ranks that did not arrive.
 
         ``torch.distributed.monitored_barrier(group)`` refuses every group not recorded as gloo
         (torch's own check); call this on the group instead, e.g.
@@ -412,16 +432,19 @@ class AiocollProcessGroup(td.ProcessGroup):
 
     # -- point to point ------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], dstRank: int, tag: int = 0) -> AiocollWork:
+        """Send ``tensors[0]`` to ``dstRank`` with ``tag``."""
         t = _one(tensors, "send")
         dst = int(dstRank)
         return self._launch("send", lambda: self._core.send(t, dst, tag=int(tag)), [t])
 
     def recv(self, tensors: Sequence[torch.Tensor], srcRank: int, tag: int = 0) -> AiocollWork:
+        """Receive into ``tensors[0]`` from ``srcRank`` with ``tag``."""
         t = _one(tensors, "recv")
         src = int(srcRank)
         return self._launch("recv", lambda: self._core.recv(t, src, tag=int(tag)), [t], int)
 
     def recv_anysource(self, tensors: Sequence[torch.Tensor], tag: int = 0) -> AiocollWork:
+        """Receive into ``tensors[0]`` from any member; the Work's source rank says whose."""
         t = _one(tensors, "recv_anysource")
         # torch maps the group rank _source_rank() gives to a global rank itself.
         return self._launch("recv_anysource", lambda: self._core.recv(t, None, tag=int(tag)), [t], int)
@@ -474,6 +497,7 @@ class AiocollProcessGroup(td.ProcessGroup):
             self._loop.run(self._core.destroy())
 
     def abort(self) -> None:
+        """Fail every operation in flight and close the group's links at once."""
         self.shutdown()
 
     def __repr__(self) -> str:
@@ -495,10 +519,13 @@ _adoptable_lock = threading.Lock()
 
 @contextlib.contextmanager
 def adopting(core: Any) -> Iterator[None]:
-    """Within this block, the next group torch creates with the rank and size of ``core`` (an
-    aiocoll.ProcessGroup) runs over ``core`` instead of a rendezvous of its own: how
-    ``aiocoll.sync.init_process_group`` gives torch a default group (for DDP, FSDP2, DeviceMesh
-    and ``torch.distributed.*``) that is the very group the script's aiocoll.sync calls use."""
+    """Within this block, torch's next group of ``core``'s rank and size runs over ``core``.
+
+    ``core`` is an aiocoll.ProcessGroup; the group torch creates uses it instead of a rendezvous
+    of its own. This is how ``aiocoll.sync.init_process_group`` gives torch a default group (for
+    DDP, FSDP2, DeviceMesh and ``torch.distributed.*``) that is the very group the script's
+    aiocoll.sync calls use.
+    """
     with _adoptable_lock:
         _adoptable.append(core)
     try:
