@@ -162,8 +162,10 @@ class _Runtime:
         self.tables: dict[str, ProviderTable] = {}
 
     def table(self, state: GroupState, made: ProviderTable | None) -> ProviderTable:
-        """The providers of the group ``state`` (the world's are chosen here; a sub-group's
-        when it formed, ``made``)."""
+        """The providers of the group ``state``.
+
+        The world's are chosen here; a sub-group's when it formed (``made``).
+        """
         table = made or world_table(self.engine, state, self.transport, self.hosts, id(self))
         self.tables[state.gid] = table
         return table
@@ -205,12 +207,29 @@ class _Runtime:
 class ProcessGroup:
     """A group of ranks and every operation of the contract over them.
 
-    Every operation enqueues at call time and returns a :class:`aiocoll.Work`; ``await`` it for the
-    result. Operations of one group match across ranks in the order each rank called them.
+    Every operation enqueues at call time and returns a :class:`aiocoll.Work` at once; ``await`` it
+    for the result, or call ``.wait()`` from a thread outside the event loop. Operations of one
+    group match across ranks in the order each rank called them, so many may be in flight
+    (``asyncio.gather``). Rank arguments (``src``, ``dst``) are ranks within this group.
+
+    Tensors are ``numpy.ndarray`` or ``torch.Tensor`` (CPU or CUDA), of any shape, contiguous or
+    not; results are written in place. Make one with :func:`init_process_group` or
+    :meth:`new_group`.
 
     Attributes:
-        rank: this process's rank in the group. size: the number of ranks. ranks: members' global
-        ranks, indexed by group rank.
+        rank: this process's rank in the group.
+        size: the number of ranks in the group.
+        ranks: the members' global ranks, indexed by group rank.
+        group_id: the group's id in messages (the world group's is ``"w"``).
+
+    Example:
+        ```python
+        async with await aiocoll.init_process_group() as pg:
+            x = np.full(4, pg.rank, dtype=np.float32)
+            await pg.all_reduce(x)                   # the sum over the ranks, in place
+            a, b = np.ones(3), np.ones(3)
+            await asyncio.gather(pg.all_reduce(a), pg.broadcast(b, src=0))
+        ```
     """
 
     def __init__(
@@ -238,6 +257,7 @@ class ProcessGroup:
 
     @property
     def default_timeout(self) -> float | None:
+        """Seconds every operation may take unless given its own ``timeout=`` (None: no limit)."""
         return self._rt.default_timeout
 
     def _set_label(self, label: str) -> None:
@@ -245,8 +265,10 @@ class ProcessGroup:
         self._state.label = label
 
     def _set_default_timeout(self, seconds: float | None) -> None:
-        """Change the default deadline of later operations of every group on this runtime
-        (torch's ``ProcessGroup.set_timeout``; each torch group has a runtime of its own)."""
+        """Change the default deadline of later operations of every group on this runtime.
+
+        This is torch's ``ProcessGroup.set_timeout``; each torch group has a runtime of its own.
+        """
         self._rt.default_timeout = seconds
 
     @property
@@ -307,9 +329,11 @@ class ProcessGroup:
         op: str | None = None,
     ) -> dict[str, Any]:
         """An operation's signature (kind, dtype, count, root, op: what every rank must agree on).
+
         Made once per distinct signature and shared by every operation that has it (a training
         loop repeats a few), so what is derived from it can be cached by identity (the packed
-        bytes shared-memory collectives publish); nothing may change the dict."""
+        bytes shared-memory collectives publish); nothing may change the dict.
+        """
         key = (kind, name, count, root, op)
         meta = self._metas.get(key)
         if meta is not None:
@@ -330,10 +354,21 @@ class ProcessGroup:
 
     # -- point to point --------------------------------------------------------------------
     def send(self, tensor: Any, dst: int, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
-        """Send ``tensor`` to group rank ``dst``; awaits to None once it was handed off.
+        """Send ``tensor`` to group rank ``dst``.
+
+        Args:
+            tensor: the data to send; it may be reused once the Work completes.
+            dst: the receiving group rank.
+            tag: tells apart messages between the same two ranks; the receive must use the same tag.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives None, once the data was handed off.
 
         Raises:
-            ValueError: dst out of range or this rank. TypeError: not a tensor, or tag not an int.
+            ValueError: ``dst`` out of range or this rank.
+            TypeError: not a tensor, or ``tag`` not an int.
         """
         d = _check_rank("dst", dst, self.size)
         if d == self.rank:
@@ -360,11 +395,24 @@ class ProcessGroup:
         return self._submit("send", body, timeout, p2p_tag=utag, peers=(peer,))
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
-        """Receive into ``tensor`` from group rank ``src`` (None: any); awaits to the source rank.
+        """Receive into ``tensor`` from group rank ``src``, or from any rank.
+
+        Args:
+            tensor: where the message lands; its dtype and size must be the sender's.
+            src: the sending group rank; None takes the first message of ``tag`` from any rank (it
+                keeps waiting while some other rank of the group is alive).
+            tag: the sender's tag.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives the sender's group rank.
 
         Raises:
-            ValueError / TypeError: bad src, tag or tensor. The awaited Work raises MismatchError
-            when the message's dtype or size differs from ``tensor``'s.
+            ValueError: ``src`` out of range or this rank.
+            TypeError: not a tensor, or ``tag`` not an int.
+            MismatchError: (from the awaited Work) the message's dtype or size differs from
+                ``tensor``'s.
         """
         s = _check_opt_rank("src", src, self.size)
         if s is not None and s == self.rank:
@@ -407,17 +455,50 @@ class ProcessGroup:
 
     # -- collectives -----------------------------------------------------------------------
     def broadcast(self, tensor: Any, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
-        """Copy ``tensor`` of group rank ``src`` into ``tensor`` everywhere; awaits to ``tensor``."""
+        """Copy ``tensor`` of group rank ``src`` into ``tensor`` on every rank.
+
+        Args:
+            tensor: the data on ``src``; the destination, of the same dtype and size, elsewhere.
+            src: the group rank whose data is sent.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``tensor``.
+
+        Raises:
+            ValueError: ``src`` out of range.
+            MismatchError: (from the awaited Work) ranks gave different roots, dtypes or sizes.
+        """
         root = _check_rank("src", src, self.size)
         w = as_working(tensor, read=root == self.rank, write=True)
         meta = self._meta("broadcast", w.dtype_name, w.numel, root=root)
         return self._collective("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
 
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
-        """Reduce ``tensor`` over every rank, result in place everywhere; awaits to ``tensor``.
+        """Reduce ``tensor`` over every rank; the result is written into ``tensor`` everywhere.
+
+        Args:
+            tensor: this rank's contribution, overwritten with the result.
+            op: an :class:`aiocoll.ReduceOp` (or torch's, or its name).
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``tensor``.
 
         Raises:
-            TypeError: not a tensor, or ``op`` meaningless for its dtype (AVG of ints, bitwise of floats).
+            TypeError: not a tensor, or ``op`` meaningless for its dtype (AVG of integers, bitwise
+                operations on floats).
+            MismatchError: (from the awaited Work) ranks gave different ops, dtypes or sizes.
+            PeerLostError: (from the awaited Work) a rank of the group was lost.
+            CollectiveTimeout: (from the awaited Work) the operation outlived its timeout.
+
+        Example:
+            ```python
+            grads = np.ones(1024, dtype=np.float32)
+            await pg.all_reduce(grads, op=aiocoll.ReduceOp.AVG)
+            ```
         """
         w = as_working(tensor)
         name = w.dtype_name
@@ -426,7 +507,22 @@ class ProcessGroup:
         return self._collective("all_reduce", meta, (w.array,), (w.array,), (w,), tensor, timeout, op=rop)
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
-        """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``; awaits to ``tensor``."""
+        """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``.
+
+        Args:
+            tensor: this rank's contribution; on ``dst`` it is overwritten with the result.
+            dst: the group rank that receives the result.
+            op: an :class:`aiocoll.ReduceOp`.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``tensor``.
+
+        Raises:
+            ValueError: ``dst`` out of range.
+            TypeError: not a tensor, or ``op`` meaningless for its dtype.
+        """
         root = _check_rank("dst", dst, self.size)
         name = dtype_name(tensor)
         rop = _coerce_op(op, name, "reduce")
@@ -445,7 +541,21 @@ class ProcessGroup:
         )
 
     def all_gather(self, tensor_list: Any, tensor: Any, *, timeout: Any = _DEFAULT) -> Work:
-        """Gather every rank's ``tensor`` into ``tensor_list`` everywhere; awaits to ``tensor_list``."""
+        """Gather every rank's ``tensor`` into ``tensor_list`` on every rank.
+
+        Args:
+            tensor_list: one tensor per rank, in group-rank order, each of ``tensor``'s dtype and size.
+            tensor: this rank's contribution.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``tensor_list``.
+
+        Raises:
+            ValueError: ``tensor_list`` does not hold one tensor per rank.
+            TypeError: a tensor of another dtype or size.
+        """
         name = dtype_name(tensor)
         outs = _check_list("all_gather: tensor_list", tensor_list, self.size)
         _same_dtype("all_gather: tensor_list", outs, name)
@@ -460,7 +570,21 @@ class ProcessGroup:
     def all_gather_into_tensor(
         self, output_tensor: Any, input_tensor: Any, *, timeout: Any = _DEFAULT
     ) -> Work:
-        """Gather every rank's ``input_tensor`` into ``output_tensor`` (size x its elements, rank order)."""
+        """Gather every rank's ``input_tensor`` into one ``output_tensor``, in rank order.
+
+        Args:
+            output_tensor: ``size`` times ``input_tensor``'s elements.
+            input_tensor: this rank's contribution.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``output_tensor``.
+
+        Raises:
+            ValueError: ``output_tensor`` has the wrong number of elements.
+            TypeError: the tensors' dtypes differ.
+        """
         name = dtype_name(input_tensor)
         _same_dtype("all_gather_into_tensor: output_tensor", [output_tensor], name)
         n = numel(input_tensor)
@@ -501,8 +625,21 @@ class ProcessGroup:
         return tensors
 
     def gather(self, tensor: Any, gather_list: Any = None, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
-        """Gather every rank's ``tensor`` into ``gather_list`` of group rank ``dst``; awaits to
-        ``gather_list`` there and None elsewhere."""
+        """Gather every rank's ``tensor`` into ``gather_list`` of group rank ``dst``.
+
+        Args:
+            tensor: this rank's contribution.
+            gather_list: on ``dst``, one tensor per rank; None on the other ranks.
+            dst: the group rank that gathers.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``gather_list`` on ``dst`` and None elsewhere.
+
+        Raises:
+            ValueError: ``gather_list`` missing on ``dst``, given elsewhere, or of the wrong length.
+        """
         root = _check_rank("dst", dst, self.size)
         name = dtype_name(tensor)
         w = as_working(tensor, write=False)
@@ -519,7 +656,21 @@ class ProcessGroup:
     def scatter(
         self, tensor: Any, scatter_list: Any = None, src: int = 0, *, timeout: Any = _DEFAULT
     ) -> Work:
-        """Give group rank i ``scatter_list[i]`` of rank ``src``, into ``tensor``; awaits to ``tensor``."""
+        """Give group rank ``i`` the tensor ``scatter_list[i]`` of rank ``src``, into its ``tensor``.
+
+        Args:
+            tensor: where this rank's part lands.
+            scatter_list: on ``src``, one tensor per rank; None on the other ranks.
+            src: the group rank that scatters.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``tensor``.
+
+        Raises:
+            ValueError: ``scatter_list`` missing on ``src``, given elsewhere, or of the wrong length.
+        """
         root = _check_rank("src", src, self.size)
         name = dtype_name(tensor)
         w = as_working(tensor, read=False)
@@ -531,7 +682,22 @@ class ProcessGroup:
     def reduce_scatter(
         self, output: Any, input_list: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
     ) -> Work:
-        """Reduce ``input_list[i]`` over ranks into ``output`` of group rank i; awaits to ``output``."""
+        """Reduce ``input_list[i]`` over every rank into ``output`` of group rank ``i``.
+
+        Args:
+            output: where this rank's reduced part lands.
+            input_list: one tensor per rank, each of ``output``'s dtype and size.
+            op: an :class:`aiocoll.ReduceOp`.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``output``.
+
+        Raises:
+            ValueError: ``input_list`` does not hold one tensor per rank.
+            TypeError: a tensor of another dtype or size, or ``op`` meaningless for the dtype.
+        """
         name = dtype_name(output)
         rop = _coerce_op(op, name, "reduce_scatter")
         ins = _check_list("reduce_scatter: input_list", input_list, self.size)
@@ -545,7 +711,22 @@ class ProcessGroup:
     def reduce_scatter_tensor(
         self, output: Any, input: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
     ) -> Work:
-        """Reduce ``input`` (size x output's elements) over ranks; rank i gets block i in ``output``."""
+        """Reduce ``input`` over every rank; rank ``i`` gets block ``i`` of the result in ``output``.
+
+        Args:
+            output: where this rank's block lands.
+            input: ``size`` times ``output``'s elements.
+            op: an :class:`aiocoll.ReduceOp`.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``output``.
+
+        Raises:
+            ValueError: ``input`` has the wrong number of elements.
+            TypeError: the dtypes differ, or ``op`` is meaningless for the dtype.
+        """
         name = dtype_name(output)
         rop = _coerce_op(op, name, "reduce_scatter_tensor")
         _same_dtype("reduce_scatter_tensor: input", [input], name)
@@ -562,7 +743,20 @@ class ProcessGroup:
         return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
 
     def all_to_all(self, output_list: Any, input_list: Any, *, timeout: Any = _DEFAULT) -> Work:
-        """Send ``input_list[j]`` to group rank j, receive rank j's into ``output_list[j]``."""
+        """Send ``input_list[j]`` to group rank ``j`` and receive rank ``j``'s into ``output_list[j]``.
+
+        Args:
+            output_list: one tensor per rank, where each rank's part lands.
+            input_list: one tensor per rank, what each rank gets from this one.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``output_list``.
+
+        Raises:
+            ValueError: a list does not hold one tensor per rank.
+        """
         outs = _check_list("all_to_all: output_list", output_list, self.size)
         ins = _check_list("all_to_all: input_list", input_list, self.size)
         if not ins:
@@ -589,7 +783,23 @@ class ProcessGroup:
         *,
         timeout: Any = _DEFAULT,
     ) -> Work:
-        """all_to_all on one tensor, split along dim 0 (equally, or by the given split sizes)."""
+        """All-to-all on one tensor, split along dimension 0.
+
+        Args:
+            output: where the parts from every rank land, in rank order.
+            input: the parts for every rank, in rank order.
+            output_split_sizes: rows received from each rank; None: equal parts.
+            input_split_sizes: rows sent to each rank; None: equal parts.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives ``output``.
+
+        Raises:
+            ValueError: split sizes that do not add up to the tensor's rows, or a tensor that does not
+                divide equally.
+        """
         name = dtype_name(input)
         _same_dtype("all_to_all_single: output", [output], name)
         wi = as_working(input, write=False)
@@ -642,7 +852,15 @@ class ProcessGroup:
         return bounds
 
     def barrier(self, *, timeout: Any = _DEFAULT) -> Work:
-        """Wait until every rank of the group reached the barrier; awaits to None."""
+        """Wait until every rank of the group reached the barrier.
+
+        Args:
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives None.
+        """
         return self._collective("barrier", self._meta("barrier"), (), (), (), None, timeout)
 
     # -- object operations -----------------------------------------------------------------
@@ -654,7 +872,19 @@ class ProcessGroup:
         return CollectiveSpec(kind, tuple(self.ranks), self.rank, tuple(send), tuple(recv), root=root)
 
     def broadcast_object(self, obj: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
-        """Send a picklable object from group rank ``src`` to every rank; awaits to the object."""
+        """Send a picklable object from group rank ``src`` to every rank.
+
+        Objects are unpickled only from authenticated peers (see the token).
+
+        Args:
+            obj: the object on ``src``; ignored elsewhere.
+            src: the group rank that sends.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives the object, on every rank.
+        """
         root = _check_rank("src", src, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if root == self.rank else b""
         me = self.rank
@@ -673,7 +903,21 @@ class ProcessGroup:
         return self._submit("broadcast_object", body, timeout, signature=signature)
 
     def all_gather_object(self, obj: Any, *, timeout: Any = _DEFAULT) -> Work:
-        """Gather a picklable object from every rank; awaits to the list, in group-rank order."""
+        """Gather a picklable object from every rank.
+
+        Args:
+            obj: this rank's object.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives the list of every rank's object, in group-rank order.
+
+        Example:
+            ```python
+            hosts = await pg.all_gather_object(socket.gethostname())
+            ```
+        """
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
         async def body(tag: tuple[Any, ...], tp: OpTransport) -> list[Any]:
@@ -698,7 +942,17 @@ class ProcessGroup:
         return np.array([int(o[0]) for o in outs], dtype=np.int64)
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
-        """Gather picklable objects at group rank ``dst``; awaits to the list there, None elsewhere."""
+        """Gather picklable objects at group rank ``dst``.
+
+        Args:
+            obj: this rank's object.
+            dst: the group rank that gathers.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives the list of every rank's object on ``dst``, None elsewhere.
+        """
         root = _check_rank("dst", dst, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         me = self.rank
@@ -719,7 +973,20 @@ class ProcessGroup:
         return self._submit("gather_object", body, timeout, signature=signature)
 
     def scatter_object(self, objs: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
-        """Give group rank i the object ``objs[i]`` of rank ``src``; awaits to this rank's object."""
+        """Give group rank ``i`` the object ``objs[i]`` of rank ``src``.
+
+        Args:
+            objs: on ``src``, one picklable object per rank; ignored elsewhere.
+            src: the group rank that scatters.
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
+        Returns:
+            A Work, at once; awaiting it gives this rank's object.
+
+        Raises:
+            ValueError: ``objs`` missing on ``src`` or of the wrong length.
+        """
         root = _check_rank("src", src, self.size)
         me = self.rank
         blobs: list[bytes] = []
@@ -754,11 +1021,25 @@ class ProcessGroup:
     ) -> ProcessGroup | None:
         """Make a sub-group of the given group ranks; every rank of this group must call it.
 
+        Args:
+            ranks: the members, as ranks of this group (None: all of them).
+            timeout: seconds this operation may take (None: no limit); by default the group's,
+                from ``init_process_group(timeout=...)``.
+
         Returns:
-            the new group on its members, None on the others.
+            The new group on its members, None on the others.
+
         Raises:
-            ValueError / TypeError: ranks repeated, out of range, or not ints.
+            ValueError: ranks repeated or out of range.
+            TypeError: ranks that are not ints.
             MismatchError: ranks called it with different rank lists.
+
+        Example:
+            ```python
+            evens = await pg.new_group(range(0, pg.size, 2))
+            if evens is not None:
+                await evens.all_reduce(x)
+            ```
         """
         if ranks is None:
             chosen = list(range(self.size))
@@ -795,9 +1076,9 @@ class ProcessGroup:
         return ProcessGroup(self._rt, state, providers=providers)
 
     async def destroy(self) -> None:
-        """Leave the group; for the group init_process_group returned, close links and sessions.
+        """Leave the group; for the group init_process_group returned, close its links and sessions.
 
-        Pending operations fail; calling it twice is fine.
+        Pending operations fail; calling it twice is fine. ``async with`` on the group calls it.
         """
         if self._destroyed:
             return
@@ -847,21 +1128,32 @@ async def init_process_group(
     """Join a job and return its world group.
 
     Args:
-        init_method: "env://" (default; MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
-            "tcp://HOST:PORT" or "file:///PATH". With env:// and tcp:// rank 0 starts a coordinator
-            inside its own process when none answers at the address (never at the one
-            AIOCOLL_COORDINATOR names: `aiocoll run` set it to a coordinator that runs).
-        rank, world_size: override RANK / WORLD_SIZE (rank may be left to the coordinator).
-        timeout: seconds (or timedelta) for rendezvous, and every operation's default deadline.
-        token: shared secret (default env AIOCOLL_TOKEN). job: job id (default env AIOCOLL_JOB
-            or "default").
-        store: rendezvous through this aiocoll Store instead (rank and world_size required).
+        init_method: ``"env://"`` (the default: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, as set
+            by ``aiocoll run`` or torchrun), ``"tcp://HOST:PORT"`` or ``"file:///PATH"``. With
+            env:// and tcp://, rank 0 starts a coordinator inside its own process when none answers
+            at the address (never in place of the one AIOCOLL_COORDINATOR names).
+        rank: this process's rank (default: RANK); may be left to the coordinator.
+        world_size: the number of ranks (default: WORLD_SIZE).
+        timeout: seconds (or a timedelta) for the rendezvous, and every operation's default.
+        token: the shared secret (default: env AIOCOLL_TOKEN). Without one, a warning says that
+            anyone who can reach the ports can join.
+        job: the job id, one coordinator's key space (default: env AIOCOLL_JOB, else "default").
+        store: rendezvous through this aiocoll Store instead (``rank`` and ``world_size``
+            required).
+
     Returns:
-        the world ProcessGroup.
+        The world ProcessGroup; use it as an async context manager to destroy it at the end.
+
     Raises:
         ValueError: missing or inconsistent rank, world size or address.
         RendezvousError: the job could not form within ``timeout``.
         AuthenticationError: the coordinator or a peer refused our token.
+
+    Example:
+        ```python
+        async with await aiocoll.init_process_group() as pg:
+            print(pg.rank, pg.size)
+        ```
     """
     seconds = to_seconds(timeout)
     deadline = Deadline(seconds)
