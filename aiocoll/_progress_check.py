@@ -2,9 +2,9 @@
 at the same (group, seq) disagree or some ranks are behind.
 
 Pure: no sockets, no asyncio, no clock of its own (callers pass ``now``). A foundation module:
-imports nothing of aiocoll but _errors (the groups' names in messages), so both sides use the
-one mechanism. The coordinator
-(server/_state.py) keeps one ``JobProgress`` per job and feeds it the ``progress`` reports that
+imports nothing of aiocoll but _errors (the groups' names in messages) and _signature (the
+signature's fields and the one wording of a mismatch), so both sides use the one mechanism. The
+coordinator (server/_state.py) keeps one ``JobProgress`` per job and feeds it the ``progress`` reports that
 workers send over their beat connection (protocol._coordinator, "Progress"); it turns the
 verdicts into ``mismatch`` / ``behind`` events and the ``status`` view into `aiocoll status`
 lines. A job that rendezvoused through a store and has no coordinator (the torch backend,
@@ -23,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import aiocoll._signature as _signature
+
 from ._errors import group_name
 
 __all__ = ["MAX_DONE", "MAX_OPS", "JobProgress", "ProgressError", "Verdict", "describe_sig"]
@@ -35,7 +37,7 @@ _MAX_TEXT = 256
 # Seconds a stall point waits for the members asked for a report before a mismatch is announced
 # with what is known (a rank that never answers must not hold the verdict back).
 PATIENCE = 2.0
-_SIG_KEYS = ("kind", "root", "dtype", "count", "op", "ranks")
+_SIG_KEYS = _signature.REPORTED
 
 
 class ProgressError(ValueError):
@@ -105,11 +107,8 @@ def _sig(value: Any) -> tuple[tuple[str, Any], ...]:
 
 
 def describe_sig(sig: tuple[tuple[str, Any], ...]) -> str:
-    """``all_reduce(dtype=float32, count=4, op=sum)`` for a signature tuple."""
-    fields = dict(sig)
-    kind = fields.pop("kind", "?")
-    args = ", ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-    return f"{kind}({args})"
+    """``all_reduce(dtype=float32, count=4, op=sum)`` for a signature tuple (aiocoll._signature)."""
+    return _signature.describe(dict(sig))
 
 
 class _Op:
@@ -254,25 +253,12 @@ class JobProgress:
             return None
         if len(set(sigs.values())) > 1:
             self._announced.add((group, seq))
-            by_sig: dict[tuple[tuple[str, Any], ...], list[int]] = {}
-            for rank, sig in sorted(sigs.items()):
-                by_sig.setdefault(sig, []).append(rank)
-            called = "; ".join(
-                f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} called {describe_sig(sig)}"
-                for sig, rs in by_sig.items()
-            )
-            extra = f"; rank(s) {behind} had not called it yet" if behind else ""
-            return Verdict(
-                "mismatch",
-                group,
-                seq,
-                members,
-                tuple(sorted(sigs)),
-                f"the ranks called different operations at seq {seq} of group {group_name(group)!r}: "
-                f"{called}{extra}. "
-                f"Every rank of a group must call the same operations, with the same root, dtype, "
-                f"size and reduce op, in the same order",
-            )
+            calls = {rank: describe_sig(sig) for rank, sig in sigs.items()}
+            message = _signature.mismatch_message(group, seq, calls)
+            if behind:
+                said, _, advice = message.partition(". Every rank")
+                message = f"{said}; rank(s) {behind} had not called it yet. Every rank{advice}"
+            return Verdict("mismatch", group, seq, members, tuple(sorted(sigs)), message)
         if stale:
             self.wanted.update(stale)
             self.waiting = True

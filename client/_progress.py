@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from aiocoll._errors import group_name
+from aiocoll._signature import REPORTED
 from aiocoll.protocol._coordinator import env_seconds
 
 from ._timeline import Timeline, timeline_for_process
@@ -41,7 +42,7 @@ DEFAULT_PROGRESS_AFTER = 1.0
 HISTORY = 64  # operations kept for the record logged on a failure (and `done` in reports)
 LOOP_STAMP_EVERY = 0.25
 _MAX_OPS = 64  # the coordinator's limit (server/_progress.MAX_OPS)
-_SIG_KEYS = ("kind", "root", "dtype", "count", "op", "ranks")
+_SIG_KEYS = REPORTED  # aiocoll._signature: the fields every rank must agree on
 
 
 class _Group(Protocol):

@@ -58,19 +58,16 @@ import hashlib
 import logging
 import os
 import select
-import struct
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, ClassVar
 
-import msgpack
 import numpy as np
 
+import aiocoll._signature as _signature
 from aiocoll._env import env_float
-from aiocoll._errors import DistError, MismatchError, PeerLostError, group_name
-from aiocoll._progress_check import _sig as progress_sig
-from aiocoll._progress_check import describe_sig
+from aiocoll._errors import DistError, MismatchError, PeerLostError
 from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 
@@ -103,9 +100,8 @@ _LOST = 104  # (byte 832) 1 + the rank whose loss failed this member's group, 0 
 _BASE = 112  # (byte 896) where this region sits in the owner's address space (the probe reads it)
 _DIRECT = 113  # (byte 904) 1: the owner can read every member's memory directly, 2: it cannot
 _BUF = 120  # (byte 960) per slot: address and size of the owner's buffer, for direct reads
-_SIG_BYTES = 256
+_SIG_BYTES = _signature.PACKED_BYTES
 _DATA = REGION_CONTROL
-_SIG_HEAD = struct.Struct("<qH")
 _SLOTS = 2  # steps in flight: the region's data holds this many slots (signatures: one each)
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
 _SPIN_MIN_S = 5e-6
@@ -142,33 +138,10 @@ _BCAST_DIRECT_CHUNKS = 32
 DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (always the slots)
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 
-# id(meta) -> (meta, its packed signature): see ShmGroup.signature
-_PACKED_SIGS: dict[int, tuple[dict[str, Any], bytes]] = {}
-_PACKED_SIGS_MAX = 256
 
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
 OpGen = Generator[Wait, None, Any]
 OnWait = Callable[[list[int]], None]
-
-
-def _read_sig(raw: bytes) -> dict[str, Any]:
-    """A member's published signature (an authenticated peer's bytes, only ever shown)."""
-    seq, size = _SIG_HEAD.unpack_from(raw)
-    try:
-        meta = msgpack.unpackb(raw[_SIG_HEAD.size : _SIG_HEAD.size + size], raw=False)
-    except Exception:
-        return {"unreadable": raw.hex(), "seq": seq}
-    return {**meta, "seq": seq} if isinstance(meta, dict) else {"meta": meta, "seq": seq}
-
-
-def _describe(meta: dict[str, Any], *, with_seq: bool) -> str:
-    """``all_reduce(dtype=float32, count=4, op=sum)``, as progress reports describe a call."""
-    fields = {k: v for k, v in meta.items() if k != "seq"}
-    try:
-        text = describe_sig(progress_sig(fields))
-    except Exception:
-        text = repr(fields)
-    return f"{text} at seq {meta.get('seq')}" if with_seq else text
 
 
 _CPUS = os.cpu_count() or 1
@@ -372,23 +345,9 @@ class ShmGroup:
 
     @staticmethod
     def signature(seq: int, meta: dict[str, Any]) -> bytes:
-        """What every member publishes with an operation: its seq and its signature. An
-        operation's meta is never changed once made, and the public layer hands every operation
-        of one signature the same dict (aiocoll.api ProcessGroup._meta), so its packing is
-        kept by the dict's identity (the entry holds the dict: its id cannot be reused)."""
-        known = _PACKED_SIGS.get(id(meta))
-        if known is not None and known[0] is meta:
-            packed = known[1]
-        else:
-            packed = msgpack.packb(meta, use_bin_type=True)
-            if _SIG_HEAD.size + len(packed) > _SIG_BYTES:
-                import hashlib
-
-                packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
-            if len(_PACKED_SIGS) >= _PACKED_SIGS_MAX:
-                _PACKED_SIGS.clear()
-            _PACKED_SIGS[id(meta)] = (meta, packed)
-        return _SIG_HEAD.pack(seq, len(packed)) + packed
+        """What every member publishes with an operation: its seq and its signature, packed
+        (aiocoll._signature.pack)."""
+        return _signature.pack(seq, meta)
 
     # -- the steps -------------------------------------------------------------------------
     def _announce(self, t: int, sig: bytes | None, fill: Callable[[np.ndarray], None] | None) -> OpGen:
@@ -718,32 +677,14 @@ class ShmGroup:
                 raise self._mismatch(o, sig)
 
     def _mismatch(self, o: int, mine: bytes) -> MismatchError:
-        """Every member's call at this point (we hold all their signatures), grouped by what
-        they called, worded as the coordinator's progress check words it."""
-        seq, _ = _SIG_HEAD.unpack_from(mine)
-        mine_meta = _read_sig(mine)
-        metas = [
-            mine_meta if j == self.me else _read_sig(bytes(self._raw[j][o : o + _SIG_BYTES]))
-            for j in range(self.n)
-        ]
-        differing = {
-            str(k) for meta in metas for k in set(meta) | set(mine_meta) if meta.get(k) != mine_meta.get(k)
+        """Every member's call at this point (we hold all their signatures), in the one wording
+        of a mismatch (aiocoll._signature)."""
+        mine_meta = _signature.unpack(mine)
+        metas = {
+            self.ranks[j]: _signature.unpack(bytes(self._raw[j][o : o + _SIG_BYTES])) for j in self.others
         }
-        calls: dict[str, list[int]] = {}
-        for j, meta in enumerate(metas):
-            calls.setdefault(_describe(meta, with_seq="seq" in differing), []).append(self.ranks[j])
-        called = "; ".join(
-            f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))} called {call}"
-            for call, rs in calls.items()
-        )
-        return MismatchError(
-            f"the ranks called different operations at seq {seq} of group {group_name(self._gid)!r} "
-            f"(they differ in {', '.join(sorted(differing))}): {called}. Every rank of a group must call "
-            "the same operations, with the same root, dtype, size and reduce op, in the same order",
-            group=self._gid,
-            seq=seq,
-            ranks=sorted(self.ranks),
-        )
+        metas[self.ranks[self.me]] = mine_meta
+        return _signature.mismatch(self._gid, int(mine_meta["seq"]), metas, mine_meta)
 
     # -- the driver ------------------------------------------------------------------------
     def _publish(self, counter: int, t: int) -> None:

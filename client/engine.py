@@ -830,8 +830,10 @@ class Engine:
         why = str(meta.get("why", ""))
         group = self._groups.get(gid)
         label = group.label if group is not None else group_name(gid)
+        # ``why`` already says where (aiocoll._signature's wording): said once, with who found it
+        where = "" if f"at seq {seq} of group" in why else f" at seq {seq} of group {label!r}"
         err = MismatchError(
-            f"rank {src} found that the ranks' calls at seq {seq} of group {label!r} disagree: {why}",
+            f"rank {src} found that the ranks' calls{where} disagree: {why}",
             group=gid,
             seq=seq,
             ranks=ranks,

@@ -28,6 +28,8 @@ import functools
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
+import aiocoll._signature as _signature
+
 from .._buffers import REDUCE_BLOCK_BYTES, Buffers
 from .._errors import MismatchError, group_name
 from . import _schedule as S
@@ -40,8 +42,6 @@ PREPOST_BYTES = 32 * 1024
 """Lanes whose first receive is at least this large post each step's receive a step early (when
 safe), and reduced receives this large are taken where they landed: a payload that arrives
 before its receive is posted costs an extra copy through fresh memory."""
-
-_SIGNATURE_FIELDS = ("kind", "root", "dtype", "count", "op")
 
 Done = Callable[[BaseException | None], None]
 
@@ -96,7 +96,7 @@ class Context:
         """The error to raise for a receive from global rank ``src`` that the transport failed
         with ``exc`` (a message of the wrong length): named by whatever differs in the calls."""
         remote = getattr(exc, "remote_meta", None)
-        if isinstance(remote, dict) and not _same_meta(remote, self.meta):
+        if isinstance(remote, dict) and not _signature.same(remote, self.meta):
             err = self._mismatch(src, remote)
         else:
             err = self._mismatch(src, remote, size_detail=str(exc))
@@ -105,7 +105,7 @@ class Context:
 
     def meta_error(self, src: int, remote_meta: dict[str, Any]) -> MismatchError | None:
         """None when global rank ``src``'s signature matches ours, else the MismatchError."""
-        if remote_meta == self.meta or _same_meta(remote_meta, self.meta):
+        if remote_meta == self.meta or _signature.same(remote_meta, self.meta):
             return None
         return self._mismatch(src, remote_meta)
 
@@ -113,50 +113,22 @@ class Context:
         group, seq = "", -1
         if len(self.tag) >= 3 and self.tag[0] == "c":
             group, seq = str(self.tag[1]), self.tag[2] if isinstance(self.tag[2], int) else -1
-        where = f" (group {group_name(group)!r}, seq {seq})" if group else ""
-        if isinstance(remote, dict) and not _same_meta(remote, self.meta):
-            keys = [k for k in _SIGNATURE_FIELDS if self.meta.get(k) != remote.get(k)]
-            keys += sorted(
-                str(k)
-                for k in set(self.meta) | set(remote)
-                if k not in _SIGNATURE_FIELDS and self.meta.get(k) != remote.get(k)
-            )
-            message = (
-                f"rank {self.me_global} and rank {src} called different collectives at one point{where}: "
-                f"they differ in {', '.join(keys)}; rank {self.me_global}: {_fmt(self.meta)}; rank {src}: "
-                f"{_fmt(remote)}. Every rank of a group must call the same operations, with the same "
-                "root, dtype, size and reduce op, in the same order."
-            )
+        if isinstance(remote, dict) and not _signature.same(remote, self.meta):
+            err = _signature.mismatch(group, seq, {self.me_global: self.meta, src: remote}, self.meta)
+            keys = err.fields  # type: ignore[attr-defined]
         else:
+            where = f" (group {group_name(group)!r}, seq {seq})" if group else ""
             keys = ["size"]
             message = (
                 f"rank {self.me_global} received a message of the wrong size from rank {src}{where} "
                 f"during {self.meta.get('kind', 'a collective')} ({size_detail}); the ranks passed "
                 "tensors (or split sizes) that do not agree."
             )
-        err = MismatchError(message, group=group, seq=seq, ranks=sorted({self.me_global, src}))
+            err = MismatchError(message, group=group, seq=seq, ranks=sorted({self.me_global, src}))
         err.local_meta = dict(self.meta)  # type: ignore[attr-defined]
         err.remote_meta = remote  # type: ignore[attr-defined]
         err.fields = keys  # type: ignore[attr-defined]
         return err
-
-
-def _plain(value: Any) -> Any:
-    """What a value looks like after a msgpack round trip: tuples become lists."""
-    if isinstance(value, (tuple, list)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
-def _same_meta(remote: Any, local: dict[str, Any]) -> bool:
-    # A network transport hands back a decoded copy, so compare as the wire would carry them.
-    return bool(remote == local or _plain(remote) == _plain(local))
-
-
-def _fmt(meta: dict[str, Any]) -> str:
-    return "{" + ", ".join(f"{k}={meta[k]!r}" for k in meta) + "}"
 
 
 def _may_prepost(step: S.Step, nxt: S.Step) -> bool:

@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from aiocoll._errors import MismatchError
+import aiocoll._signature as _signature
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Transport, run_collective
 from aiocoll.device._device import Device, DeviceError, DeviceTensor, Event, Stream
@@ -54,7 +54,6 @@ IPC_KINDS = frozenset({"all_reduce", "broadcast"})
 IPC_OPS = frozenset({ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG})
 _RECORD_BYTES = 4096  # an exchanged record's bound (handles are ~100-200 bytes)
 SLOTS = 2  # mailbox slots: chunk c+1 is posted while peers still read chunk c
-_SIGNATURE = ("kind", "root", "dtype", "count", "op")
 
 
 class IpcGroup:
@@ -210,10 +209,10 @@ class IpcGroup:
                 *(transport.recv(ranks[i], (*tag, "ipc", step, c), memoryview(bytearray(0))) for i in frm)
             )
             for i, (_, theirs) in zip(frm, got, strict=True):
-                if any(theirs.get(k) != meta.get(k) for k in _SIGNATURE):
-                    raise MismatchError(
-                        f"{what}: rank {i} called {theirs} where this rank called {meta}", ranks=[ranks[i]]
-                    )
+                if not _signature.same(theirs, meta):
+                    seq = int(tag[2]) if len(tag) > 2 and isinstance(tag[2], int) else -1
+                    group = str(tag[1]) if len(tag) > 1 else ""
+                    raise _signature.mismatch(group, seq, {ranks[me]: meta, ranks[i]: theirs}, meta)
 
         async def post(c: int) -> None:
             a, b = bounds[c]
