@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 import warnings
 from urllib.parse import urlsplit
 
+from aiocoll._env import env_text
 from aiocoll.client.session import CoordinatorSession
 from aiocoll.protocol._coordinator import ROLE_STORE
 
@@ -70,9 +70,9 @@ async def connect_store(
     """
     host, port = parse_tcp_url(url)
     if token is None:
-        token = os.environ.get("AIOCOLL_TOKEN") or None
+        token = env_text("AIOCOLL_TOKEN", strip=False)
     if job is None:
-        job = os.environ.get("AIOCOLL_JOB") or "default"
+        job = env_text("AIOCOLL_JOB", strip=False) or "default"
     if not token:
         message = (
             f"connecting to the coordinator at {host}:{port} without a token: anyone who can reach that "

@@ -11,7 +11,14 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-__all__ = ["LAUNCH_VARIABLES", "env_float", "env_int", "env_text", "launch_variables_missing"]
+__all__ = [
+    "LAUNCH_VARIABLES",
+    "env_float",
+    "env_int",
+    "env_seconds",
+    "env_text",
+    "launch_variables_missing",
+]
 
 # What env:// reads, in the order a launcher's documentation lists them.
 LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -49,12 +56,33 @@ def env_float(name: str, environ: Mapping[str, str] | None = None) -> float | No
     return _number(name, float, "a number", environ)
 
 
-def env_text(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """The text in ``name``, stripped; None when it is unset or blank."""
+def env_seconds(name: str, default: float) -> float:
+    """A positive number of seconds from ``name`` (``default`` when unset or blank):
+    AIOCOLL_HEARTBEAT_TIMEOUT (the coordinator's liveness limit) and AIOCOLL_PROGRESS_AFTER (how
+    long an operation waits before its rank reports it).
+
+    Raises:
+        ValueError: the variable is set to something that is not a positive number.
+    """
+    text = env_text(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not a number of seconds") from None
+    if not 0 < value < 1e9:
+        raise ValueError(f"environment variable {name}={text!r} must be a positive number of seconds")
+    return value
+
+
+def env_text(name: str, environ: Mapping[str, str] | None = None, *, strip: bool = True) -> str | None:
+    """The text in ``name``, stripped (as set, with ``strip=False``: a secret is taken whole);
+    None when it is unset or blank."""
     raw = (os.environ if environ is None else environ).get(name)
     if raw is None or raw.strip() == "":
         return None
-    return raw.strip()
+    return raw.strip() if strip else raw
 
 
 def launch_variables_missing(missing: Sequence[str]) -> ValueError:

@@ -15,7 +15,7 @@ identity must differ wherever that would be wrong, and agree wherever it is righ
 The identity is ``HOSTNAME/BOOT_ID/NET_NS_INODE`` (hostname first, so logs stay readable;
 `aiocoll status` shows the hostname alone, from host_label). ``AIOCOLL_HOST_ID`` overrides it for
 setups these facts cannot see through. Where a file cannot be read (not Linux), its part is left
-empty. Foundation module: standard library only.
+empty. Foundation module: the standard library and aiocoll._env only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 import re
 import socket
+
+from aiocoll._env import env_text
 
 __all__ = ["HOST_ID_ENV", "host_identity", "host_label"]
 
@@ -54,7 +56,7 @@ def host_identity() -> str:
     Read afresh on every call (cheap; done once per rendezvous), so a process that moved into
     another namespace before joining reports where it is now.
     """
-    override = os.environ.get(HOST_ID_ENV)
+    override = env_text(HOST_ID_ENV)
     if override:
         return override[:_MAX_CHARS]
     boot_id = _read("/proc/sys/kernel/random/boot_id")

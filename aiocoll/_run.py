@@ -11,9 +11,10 @@ Foundation module: standard library, and uvloop when present.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from aiocoll._env import env_text
 
 __all__ = ["new_event_loop", "run"]
 
@@ -21,7 +22,7 @@ _T = TypeVar("_T")
 
 
 def _wants_uvloop() -> bool:
-    return os.environ.get("AIOCOLL_LOOP", "uvloop").strip().lower() == "uvloop"
+    return (env_text("AIOCOLL_LOOP") or "uvloop").lower() == "uvloop"
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:

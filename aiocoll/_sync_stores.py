@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from aiocoll._env import env_text
+
 from ._deadline import to_seconds
 from ._errors import DistError, StoreTimeout
 from ._sync_loop import get_loop_thread
@@ -225,7 +227,7 @@ class TCPStore(Store):
         if seconds is None:
             raise ValueError("TCPStore needs a finite timeout")
         if token is None:  # the coordinator we start and our connection must agree on it
-            token = os.environ.get("AIOCOLL_TOKEN") or None
+            token = env_text("AIOCOLL_TOKEN", strip=False)
         self.host = host_name
         self.libuvBackend = use_libuv
         self._coordinator: Any = None
@@ -237,7 +239,7 @@ class TCPStore(Store):
                 host_name,
                 port,
                 token=token,
-                job=job or os.environ.get("AIOCOLL_JOB") or "default",
+                job=job or env_text("AIOCOLL_JOB", strip=False) or "default",
                 timeout=seconds,
             )
         except BaseException:

@@ -28,7 +28,7 @@ import msgpack
 import numpy as np
 
 from aiocoll._deadline import Deadline, to_seconds
-from aiocoll._env import LAUNCH_VARIABLES, env_int, launch_variables_missing
+from aiocoll._env import LAUNCH_VARIABLES, env_int, env_text, launch_variables_missing
 from aiocoll._errors import DistError, MismatchError, RendezvousError, warn
 from aiocoll._reduce import check_reduce_op
 from aiocoll._types import ReduceOp
@@ -1158,13 +1158,13 @@ async def init_process_group(
     seconds = to_seconds(timeout)
     deadline = Deadline(seconds)
     if token is None:
-        token = os.environ.get("AIOCOLL_TOKEN") or None
+        token = env_text("AIOCOLL_TOKEN", strip=False)
     if not token:
         warn(
             "aiocoll: no token (AIOCOLL_TOKEN unset): anyone who can reach the coordinator and peer "
             "ports can join this job; set AIOCOLL_TOKEN to a shared secret"
         )
-    job = job or os.environ.get("AIOCOLL_JOB") or "default"
+    job = job or env_text("AIOCOLL_JOB", strip=False) or "default"
     if rank is None:
         rank = env_int("RANK")
     if world_size is None:
@@ -1188,7 +1188,7 @@ async def init_process_group(
     port: int | None
     start_one = True  # rank 0 starts a coordinator when none answers (the contract's env:// and tcp://)
     if url.scheme == "env":
-        named = os.environ.get("AIOCOLL_COORDINATOR")
+        named = env_text("AIOCOLL_COORDINATOR")
         if named:  # `aiocoll run` names its coordinator here and leaves MASTER_* to torch's store
             host, port = _host_port(named, "AIOCOLL_COORDINATOR")
             start_one = False  # a named coordinator runs (embedded, or --coordinator): never replace it
@@ -1372,7 +1372,7 @@ async def _init_with_store(
 ) -> ProcessGroup:
     _check_world(rank, world_size, need_rank=True)
     assert rank is not None and world_size is not None
-    host = os.environ.get("AIOCOLL_PEER_HOST") or (
+    host = env_text("AIOCOLL_PEER_HOST") or (
         route_interface(os.environ["MASTER_ADDR"]) if os.environ.get("MASTER_ADDR") else "127.0.0.1"
     )
     transport = open_transport(rank, world_size, token=token, job=job)

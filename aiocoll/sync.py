@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._deadline import to_seconds
+from ._env import env_text
 from ._errors import DistError
 from ._monitored_barrier import monitored_barrier as run_monitored_barrier
 from ._sync_loop import get_loop_thread, issue_on_caller_streams
@@ -399,7 +400,7 @@ def _under_torchrun() -> bool:
 
     ``aiocoll run`` names its coordinator in AIOCOLL_COORDINATOR.
     """
-    return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get("AIOCOLL_COORDINATOR")
+    return "TORCHELASTIC_RUN_ID" in os.environ and not env_text("AIOCOLL_COORDINATOR")
 
 
 def _torchrun_rendezvous(rank: int, world_size: int, seconds: float | None) -> tuple[Any, int, int]:

@@ -20,13 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from aiocoll._env import env_float, env_int
 from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll.protocol import (
     HANDSHAKE_MAX_HEADER,
@@ -54,15 +54,9 @@ _IOV_MAX = 64
 
 def _spin_seconds() -> float:
     """AIOCOLL_SPIN_US (opt-in, default 0: off): how long to busy-poll inside a large payload."""
-    raw = os.environ.get("AIOCOLL_SPIN_US", "").strip()
-    try:
-        value = float(raw or 0)
-    except ValueError:
-        raise ValueError(
-            f"AIOCOLL_SPIN_US={raw!r} is not a number of microseconds (0 or unset: off)"
-        ) from None
+    value = env_float("AIOCOLL_SPIN_US") or 0.0
     if value < 0:
-        raise ValueError(f"AIOCOLL_SPIN_US={raw!r} must be 0 or more microseconds")
+        raise ValueError(f"environment variable AIOCOLL_SPIN_US={value} must be 0 or more microseconds")
     return value / 1e6
 
 
@@ -73,7 +67,7 @@ def _tune(sock: socket.socket) -> None:
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    size = int(os.environ.get("AIOCOLL_SOCKBUF", "0"))
+    size = env_int("AIOCOLL_SOCKBUF")
     if size:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)

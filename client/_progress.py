@@ -28,9 +28,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from aiocoll._env import env_seconds
 from aiocoll._errors import group_name
 from aiocoll._signature import REPORTED
-from aiocoll.protocol._coordinator import env_seconds
 
 from ._timeline import Timeline, timeline_for_process
 

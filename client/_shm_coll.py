@@ -57,7 +57,6 @@ import contextlib
 import hashlib
 import logging
 import os
-import select
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
@@ -66,7 +65,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 import aiocoll._signature as _signature
-from aiocoll._env import env_float
+from aiocoll._env import env_float, env_text
 from aiocoll._errors import DistError, MismatchError, PeerLostError
 from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
@@ -74,6 +73,7 @@ from aiocoll._types import ReduceOp
 from ._operation import Finish, Operation, finish_with_copy_back
 from ._shm import ARENA_HEADER, REGION_CONTROL, ShmHost, current_cpu, fence, region_bytes
 from ._vm_read import vm_read, vm_read_available
+from ._waiting import LATE_YIELD_S, SpinBudget, host_contended, nap, oversubscribed, spin
 from .engine import OpTransport
 from .transports._link import LinkTransport
 from .transports.shm import shm_host
@@ -104,7 +104,6 @@ _SIG_BYTES = _signature.PACKED_BYTES
 _DATA = REGION_CONTROL
 _SLOTS = 2  # steps in flight: the region's data holds this many slots (signatures: one each)
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
-_SPIN_MIN_S = 5e-6
 _PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
 # Between the steps of a large operation the peers are a copy away: sleeping there hands the
 # core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
@@ -120,8 +119,6 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # napping at once on a busy host cost a sleep and a wake-up per short wait (a 1 MiB all_gather of
 # 2 ranks went from 59 to 290 us).
 _STEP_PLAIN_S = 50e-6
-_LATE_YIELD_S = 200e-6  # a yield that returns later than this: other work held our core
-_HANDOFF_S = 3e-6  # a yield that returns later than this ran another task (a peer rank's turn)
 _HANDOFFS = 8  # of a spin's yields, at most this many are not charged to its budget (_spin)
 _NAP_FOR_S = 0.1  # after a late yield, waits between steps nap rather than yield for this long
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
@@ -142,23 +139,6 @@ _INLINE_S = 0.002  # at most this long of operations completing inside their cal
 Wait = tuple[int, int, tuple[int, ...]]  # (counter, step, members): wait until all reach it
 OpGen = Generator[Wait, None, Any]
 OnWait = Callable[[list[int]], None]
-
-
-_CPUS = os.cpu_count() or 1
-_LOADAVG_FD: int | None = None
-
-
-def _host_contended() -> bool:
-    """Whether more tasks are runnable on this host than it has cores (this one included):
-    the kernel's instantaneous count, the fourth field of /proc/loadavg ("2/95")."""
-    global _LOADAVG_FD
-    try:
-        if _LOADAVG_FD is None:
-            _LOADAVG_FD = os.open("/proc/loadavg", os.O_RDONLY | os.O_CLOEXEC)
-        field = os.pread(_LOADAVG_FD, 128, 0).split()[3]
-        return int(field.split(b"/")[0]) > _CPUS
-    except (OSError, IndexError, ValueError):
-        return True  # no count to go by: do not hold a core we may not have
 
 
 def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:
@@ -278,14 +258,13 @@ class ShmGroup:
         self.queue: deque[_ShmOp] = deque()
         self.broken: BaseException | None = None
         # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
-        oversubscribed = ranks_on_host > (os.cpu_count() or 1)
-        self._oversubscribed = oversubscribed
-        self._step_plain_s = _PLAIN_SPIN_S if oversubscribed else _STEP_PLAIN_S
+        shared = oversubscribed(ranks_on_host)
+        self._oversubscribed = shared
+        self._step_plain_s = _PLAIN_SPIN_S if shared else _STEP_PLAIN_S
         if spin_s is None:
             spin_us = env_float("AIOCOLL_SHM_SPIN_US")
-            spin_s = (spin_us if spin_us is not None else 20.0 if oversubscribed else 100.0) * 1e-6
-        self._spin_s = spin_s
-        self._spin_budget = spin_s
+            spin_s = (spin_us if spin_us is not None else 20.0 if shared else 100.0) * 1e-6
+        self._budget = SpinBudget(spin_s)
         self._inline_since: float | None = None
         self._inner = False  # inside a multi-step operation: its waits are short, spin longer
         self._timer: asyncio.TimerHandle | None = None
@@ -558,7 +537,7 @@ class ShmGroup:
         member's memory directly? Read each one's ``group`` mark through the kernel and compare
         it with the mark seen in shared memory (a wrong process, e.g. a pid of another pid
         namespace, fails this), then publish the verdict."""
-        ok = os.environ.get(DIRECT_ENV, "1") != "0" and vm_read_available()
+        ok = env_text(DIRECT_ENV) != "0" and vm_read_available()
         probe = np.zeros(1, np.int64)
         for j in self.others if ok else ():
             try:
@@ -794,30 +773,9 @@ class ShmGroup:
         if beside:
             return False
         ready = self._ready
-        budget = self._spin_budget
-        clock = time.perf_counter
-        start = clock()
-        shared = self._oversubscribed
-        plain, stop = start + (0.0 if shared else min(budget, _PLAIN_SPIN_S)), start + budget
-        while clock() < plain:
-            if ready(wait):
-                return True
-        sched_yield = os.sched_yield
-        handoffs = _HANDOFFS if shared else 0
-        while True:
-            before = clock()
-            sched_yield()
-            if handoffs:
-                took = clock() - before
-                if _HANDOFF_S < took < _LATE_YIELD_S:
-                    handoffs -= 1
-                    stop += took
-            if ready(wait):
-                self._spin_budget = min(self._spin_s, budget * 2)
-                return True
-            if clock() > stop:
-                self._spin_budget = max(_SPIN_MIN_S, budget / 2)
-                return False
+        if self._oversubscribed:
+            return spin(lambda: ready(wait), self._budget, 0.0, _HANDOFFS)
+        return spin(lambda: ready(wait), self._budget, _PLAIN_SPIN_S)
 
     def _beside(self, wait: Wait) -> bool:
         """Whether a member we wait for last ran on the CPU we run on now (and publish ours).
@@ -840,7 +798,7 @@ class ShmGroup:
             if row[_CPU] == cpu and row[counter] < t:
                 self.beside += 1
                 # with no idle core to wake up on, a yield hands ours over sooner than a sleep
-                return not _host_contended()
+                return not host_contended()
         return False
 
     def _wait_step(self, wait: Wait, beside: bool = False) -> bool:
@@ -869,14 +827,14 @@ class ShmGroup:
             now = clock()
             if now > stop:
                 return False
-            if not _host_contended():
+            if not host_contended():
                 plain = now + _CONTENTION_EVERY_S
                 continue
             if now < self._nap_until:
                 return self._nap(wait, stop)
             os.sched_yield()
             back = clock()
-            if back - now > _LATE_YIELD_S:
+            if back - now > LATE_YIELD_S:
                 self._nap_until = back + _NAP_FOR_S
             if ready(wait):
                 return True
@@ -886,21 +844,13 @@ class ShmGroup:
         """Block on the eventfd (our sleeping flag up, so publishers write it) until ``wait``
         is met or the clock reaches ``stop``; the event loop is not involved."""
         ctl = self._ctl[self.me]
-        efd = self._host.efd
         ctl[_SLEEP] = 1
         fence()  # the flag is visible before we look once more
         woke_others = False
         try:
-            while not self._ready(wait):
-                left = stop - time.perf_counter()
-                if left <= 0:
-                    return False
-                self.naps += 1
-                if select.select((efd,), (), (), left)[0]:
-                    with contextlib.suppress(BlockingIOError):
-                        os.eventfd_read(efd)
-                    woke_others = True
-            return True
+            met, woke_others, naps = nap(self._host.efd, lambda: self._ready(wait), stop)
+            self.naps += naps
+            return met
         finally:
             ctl[_SLEEP] = 0
             if woke_others and self._waker.sleeping - {self}:

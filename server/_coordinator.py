@@ -21,11 +21,8 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from aiocoll.protocol._coordinator import (
-    HEARTBEAT_TIMEOUT,
-    RESUME_GRACE,
-    env_seconds,
-)
+from aiocoll._env import env_seconds
+from aiocoll.protocol._coordinator import HEARTBEAT_TIMEOUT, RESUME_GRACE
 
 from ._collector import CollectorPacing
 from ._connection import Connection, Frame

@@ -23,6 +23,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from aiocoll._env import env_text
+
 from ._bench_common import (
     BUSBW_FACTORS,
     DTYPE_SIZES,
@@ -124,7 +126,7 @@ def _print_header(op: str, n: int, args: argparse.Namespace, contenders: Sequenc
     print(
         f"# aiocoll bench: {op}, world size {n}, {args.dtype} ({args.tensor}), "
         f"{args.iters} iters after {args.warmup} warmup, algorithm {args.algorithm or 'auto'}, "
-        f"transport {args.transport or os.environ.get('AIOCOLL_TRANSPORT') or 'auto'}, loop {args.loop}, "
+        f"transport {args.transport or env_text('AIOCOLL_TRANSPORT') or 'auto'}, loop {args.loop}, "
         f"{args.hog} CPU hog(s), load {_loadavg()}, {utc_now()}"
     )
     print(
@@ -409,7 +411,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         algorithm=args.algorithm or "auto",
         loop=args.loop,
         vs=contenders,
-        transport=args.transport or os.environ.get("AIOCOLL_TRANSPORT") or "auto",
+        transport=args.transport or env_text("AIOCOLL_TRANSPORT") or "auto",
         hog=args.hog,
         hog_pids=args.hog_pids,
         load=_loadavg(),

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any, TextIO
 
+from aiocoll._env import env_text
+
 from .._net import free_port as pick_free_port
 from ._launch_config import (
     LaunchConfig,
@@ -501,9 +503,12 @@ class _Agent:
     ElasticNode (_launch_elastic) runs them, through ``received``, ``begin`` and ``finish``.
     """
 
-    def __init__(self, config: LaunchConfig, console: Console) -> None:
+    def __init__(
+        self, config: LaunchConfig, console: Console, elastic: Callable[..., Any] | None = None
+    ) -> None:
         self._config = config
         self._console = console
+        self._elastic = elastic  # ElasticNode (_launch_elastic), handed in: it builds on this module
         self._received: int | None = None
         self._current: _Generation | None = None
         self._signalled = asyncio.Event()
@@ -563,7 +568,7 @@ class _Agent:
         log_handler = _ConsoleLogHandler(self._console)
         try:
             config = self._config
-            token = config.token if config.token is not None else os.environ.get("AIOCOLL_TOKEN") or None
+            token = config.token if config.token is not None else env_text("AIOCOLL_TOKEN", strip=False)
             if config.coordinator is None:
                 coordinator_logger.addHandler(log_handler)
                 if not token:
@@ -588,10 +593,10 @@ class _Agent:
                     return refused
             self._status_command = self._make_status_command(host, port, token)
             if config.elastic is not None:
-                from ._launch_elastic import ElasticNode
-
+                if self._elastic is None:
+                    raise RuntimeError("an elastic job needs the elastic node runner (run_agent's elastic=)")
                 self._console.log(f"to see what each rank is doing, run: {self._status_command}")
-                return await ElasticNode(self, (host, port), token).run()
+                return int(await self._elastic(self, (host, port), token).run())
             return await self._run_generations(host, port)
         finally:
             for signum in installed:
@@ -741,7 +746,7 @@ class _Agent:
         return "; ".join(parts)
 
 
-async def run_agent(config: LaunchConfig, console: Console) -> int:
+async def run_agent(config: LaunchConfig, console: Console, elastic: Callable[..., Any] | None = None) -> int:
     """Run the job described by ``config`` on this node and return the launcher's exit status.
 
     Returns:
@@ -749,5 +754,8 @@ async def run_agent(config: LaunchConfig, console: Console) -> int:
         if signal N killed it) when restarts ran out; 128+N when the launcher got signal N;
         127 when a worker could not be started; 2 when the embedded coordinator could not start or
         MASTER_ADDR:MASTER_PORT could not be chosen.
+
+    ``elastic`` runs a job with an elastic node range (``_launch_elastic.ElasticNode``: it builds
+    on this module, so it is handed in rather than imported here).
     """
-    return await _Agent(config, console).run()
+    return await _Agent(config, console, elastic).run()

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from aiocoll._env import env_text
+
 from .._env import env_int
 from .._net import host_port
 from ._token_file import read_token_file as _read_token_file
@@ -589,4 +591,4 @@ def worker_environment(
 
 def default_job(environ: Mapping[str, str]) -> str:
     """The job id when --job is not given: AIOCOLL_JOB, else ``"default"`` (the contract's default)."""
-    return environ.get("AIOCOLL_JOB") or "default"
+    return env_text("AIOCOLL_JOB", environ, strip=False) or "default"

@@ -88,7 +88,9 @@ def _read_token(args: argparse.Namespace) -> str | None:
             return read_token_file(args.token_file)
         except ValueError as exc:
             raise SystemExit(f"aiocoll coordinator: {exc}") from exc
-    return os.environ.get("AIOCOLL_TOKEN") or None
+    from aiocoll._env import env_text
+
+    return env_text("AIOCOLL_TOKEN", strip=False)
 
 
 async def _serve(args: argparse.Namespace, token: str | None) -> int:

@@ -467,7 +467,12 @@ def main(args: argparse.Namespace) -> int:
         console.log(note)
     for warning in config.placement.warnings:
         console.log(f"warning: {warning}")
-    return asyncio.run(run_agent(config, console))
+    elastic = None
+    if config.elastic is not None:
+        from ._launch_elastic import ElasticNode
+
+        elastic = ElasticNode
+    return asyncio.run(run_agent(config, console, elastic))
 
 
 def _standalone(argv: Sequence[str] | None = None) -> int:

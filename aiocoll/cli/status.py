@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from aiocoll._env import env_text
+
 __all__ = ["StatusError", "add_arguments", "format_table", "main", "parse_address", "query_status"]
 
 DEFAULT_HOST = "127.0.0.1"
@@ -55,8 +57,9 @@ def parse_address(text: str) -> tuple[str, int]:
 def _default_address() -> str:
     # Inside an `aiocoll run` job the coordinator is AIOCOLL_COORDINATOR; MASTER_ADDR:MASTER_PORT
     # is then rank 0's torch store, so it comes second.
-    if os.environ.get("AIOCOLL_COORDINATOR"):
-        return os.environ["AIOCOLL_COORDINATOR"]
+    named = env_text("AIOCOLL_COORDINATOR", strip=False)
+    if named:
+        return named
     host = os.environ.get("MASTER_ADDR") or DEFAULT_HOST
     port = os.environ.get("MASTER_PORT") or str(DEFAULT_PORT)
     from .._net import host_port
@@ -137,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _read_token(token_file: str | None) -> str | None:
     if token_file is None:
-        return os.environ.get("AIOCOLL_TOKEN")
+        return env_text("AIOCOLL_TOKEN", strip=False)
     from ._token_file import read_token_file
 
     try:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +39,7 @@ import msgpack
 import numpy as np
 
 import aiocoll._signature as _signature
+from aiocoll._env import env_text
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Transport, run_collective
 from aiocoll.device._device import Device, DeviceError, DeviceTensor, Event, Stream
@@ -79,7 +79,7 @@ class IpcGroup:
 
     # -- setup -------------------------------------------------------------------------------
     def _local_record(self) -> list[Any]:
-        why = "disabled by AIOCOLL_CUDA_IPC=0" if os.environ.get("AIOCOLL_CUDA_IPC") == "0" else None
+        why = "disabled by AIOCOLL_CUDA_IPC=0" if env_text("AIOCOLL_CUDA_IPC") == "0" else None
         why = why or self.device.ipc_supported()
         if why is None:
             try:

@@ -115,7 +115,6 @@ is refused with ERR_INVALID.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 from .._errors import ProtocolError
@@ -147,7 +146,6 @@ __all__ = [
     "ROLE_BEAT",
     "ROLE_STORE",
     "ROLE_WORKER",
-    "env_seconds",
     "join_values",
     "split_values",
 ]
@@ -190,26 +188,6 @@ CID_BYTES = 16
 DEDUPE_WINDOW = 1024
 # A member_lost event names at most this many ranks (``count`` says how many were lost).
 LOST_RANKS_PER_EVENT = 1024
-
-
-def env_seconds(name: str, default: float) -> float:
-    """A positive number of seconds from environment variable ``name`` (``default`` when unset):
-    AIOCOLL_HEARTBEAT_TIMEOUT (the coordinator's liveness limit) and AIOCOLL_PROGRESS_AFTER (how
-    long an operation waits before its rank reports it).
-
-    Raises:
-        ValueError: the variable is set to something that is not a positive number.
-    """
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not a number of seconds") from None
-    if not 0 < value < 1e9:
-        raise ValueError(f"environment variable {name}={text!r} must be a positive number of seconds")
-    return value
 
 
 def join_values(values: Sequence[bytes | bytearray | memoryview]) -> tuple[bytes, list[int]]:

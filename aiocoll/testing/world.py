@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiocoll._env import env_text
 from aiocoll._net import free_port
 
 __all__ = [
@@ -343,12 +344,12 @@ def _child_main() -> None:
     payload = pickle.loads(spec["payload"])
     import logging
 
-    level = os.environ.get("AIOCOLL_TEST_LOG_LEVEL", "WARNING")
+    level = env_text("AIOCOLL_TEST_LOG_LEVEL") or "WARNING"
     logging.basicConfig(
         level=getattr(logging, level), format=f"[rank {payload['rank']}] %(levelname)s %(name)s: %(message)s"
     )
     # AIOCOLL_TEST_UVLOOP=1 runs the worker on uvloop, when it is installed.
-    if os.environ.get("AIOCOLL_TEST_UVLOOP") == "1" and importlib.util.find_spec("uvloop") is not None:
+    if env_text("AIOCOLL_TEST_UVLOOP") == "1" and importlib.util.find_spec("uvloop") is not None:
         import uvloop
 
         outcome = uvloop.run(_child(payload))

@@ -1,5 +1,6 @@
 """The worker's transport: per-peer links of several kinds behind one interface (_link.py), the
-one factory that picks a kind per peer (_factory.py), and the kinds (tcp; memory for tests).
+one factory that picks a kind per peer (_factory.py), what the kinds share (_kind.py), and the
+kinds (tcp, shm; memory for tests).
 
 Imports only foundations and the modules of this package; never the public surface.
 """

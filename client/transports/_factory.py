@@ -15,7 +15,7 @@ setting ``AIOCOLL_TRANSPORT`` (or the ``choice`` argument, for tests and benchma
 
 Every member computes the same choice from the same table, so both ends of a pair agree.
 
-Adding a link kind (shm, cuda): write its Link (see _link.py), a ``LinkKind`` whose ``connect``
+Adding a link kind (a GPU-direct link, say): write its Link (see _link.py), a ``LinkKind`` whose ``connect``
 makes the links for the peers it was given and ``attach``es them to the transport, add it to
 ``KINDS`` (and to ``AUTO_ORDER`` where ``auto`` should prefer it). Nothing else changes.
 """
@@ -23,11 +23,11 @@ makes the links for the peers it was given and ``attach``es them to the transpor
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiocoll._deadline import Deadline
+from aiocoll._env import env_text
 from aiocoll._host import host_identity
 
 from ._kind import (
@@ -89,7 +89,7 @@ def transport_choice(value: str | None = None) -> str:
     Raises:
         ValueError: not one of auto, tcp, shm; or shm, which this process cannot use.
     """
-    raw = value if value is not None else os.environ.get(TRANSPORT_ENV, "")
+    raw = value if value is not None else (env_text(TRANSPORT_ENV) or "")
     choice = raw.strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(f"{TRANSPORT_ENV}={raw!r} is not one of {', '.join(CHOICES)} (default auto)")

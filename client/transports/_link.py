@@ -2,7 +2,7 @@
 
 Imports only foundations (aiocoll._errors, aiocoll._deadline, aiocoll._matching,
 aiocoll.algorithms._transport); never the public surface. A link kind is a plug-in: adding one
-(shared memory, cuda) means writing a ``Link`` subclass and its connector (see _factory.py),
+(as shm was added beside tcp) means writing a ``Link`` subclass and its connector (see _factory.py),
 nothing else; the engine, the driver and the matcher never learn which kind carries a message.
 
 The interface, both directions:

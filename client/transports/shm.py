@@ -60,12 +60,14 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
 from aiocoll._deadline import Deadline
+from aiocoll._env import env_int
 from aiocoll._errors import AuthenticationError, PeerLostError, RendezvousError
 from aiocoll.algorithms._transport import Tag
 from aiocoll.protocol import PREFIX
 
 from .._shm import ShmHost, ShmPeer, ShmUnavailable, region_bytes
 from .._shm_ring import RingReader, RingWriter
+from .._waiting import SpinBudget, spin
 from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
 from ._link import LinkHost, LinkTransport, as_bytes_view
 from .tcp import TcpLink, TcpTransport, _consume_outcome
@@ -80,7 +82,6 @@ _REGIONS = 64  # groups of one process that can use the arena at once (one regio
 _RING_BYTES = 4 << 20  # each direction of each pair: bounded, touched only as far as used
 _CHUNKS_PER_RING = 8  # a payload moves in chunks of this fraction of the ring (pipelining)
 _SPIN_S = 50e-6  # the most a sender spins for ring space before it sleeps
-_SPIN_MIN_S = 2e-6
 _HANGUP_CHECK_S = 0.5
 _DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
 _INLINE_S = 0.002  # the most a send moves into the ring before the event loop gets a turn
@@ -142,8 +143,7 @@ class ShmLink(TcpLink):
             self._reader = RingReader(in_ring)
         capacity = self._writer.capacity if self._writer is not None else 0
         self._chunk = max(4096, capacity // _CHUNKS_PER_RING)
-        self._spin_max = spin_s
-        self._spin_budget = spin_s
+        self._budget = SpinBudget(spin_s)
         self._sending: deque[_Outgoing] = deque()
         self._incoming: _Incoming | None = None
         self._asleep = False
@@ -271,23 +271,12 @@ class ShmLink(TcpLink):
             self.write_nowait([memoryview(PREFIX.pack(len(packed), 0) + packed)])
 
     def _spin_until_room(self, writer: RingWriter, need: int) -> bool:
-        """Wait up to the spin budget for room, yielding the CPU at every check (the receiver
-        may be waiting for this very core). The budget halves after a spin that failed and
-        doubles back after one that succeeded, so a slow receiver is not spun for."""
-        budget = self._spin_budget
-        if budget <= 0:
-            return False
-        clock = time.perf_counter
-        stop = clock() + budget
+        """Wait for room by the one wait policy (client/_waiting.py): yielding the CPU at every
+        check (the receiver may be waiting for this very core), up to a budget that halves after
+        a spin that failed and doubles back after one that succeeded, so a slow receiver is not
+        spun for."""
         has_room = writer.has_room
-        sched_yield = os.sched_yield
-        while clock() < stop:
-            sched_yield()
-            if has_room(need):
-                self._spin_budget = min(self._spin_max, budget * 2)
-                return True
-        self._spin_budget = max(_SPIN_MIN_S, budget / 2)
-        return False
+        return spin(lambda: has_room(need), self._budget)
 
     def _sleep(self) -> None:
         self._asleep = True
@@ -458,11 +447,7 @@ class ShmLink(TcpLink):
 
 
 def _chunk() -> int:
-    raw = os.environ.get(SHM_CHUNK_ENV, "")
-    try:
-        chunk = int(raw) if raw else _DEFAULT_CHUNK
-    except ValueError:
-        raise ValueError(f"{SHM_CHUNK_ENV}={raw!r} is not a number of bytes") from None
+    chunk = env_int(SHM_CHUNK_ENV) or _DEFAULT_CHUNK
     if chunk < 64 * 1024 or chunk % 4096:
         raise ValueError(f"{SHM_CHUNK_ENV}={chunk}: use a multiple of 4096 bytes of at least 64 KiB")
     return chunk

@@ -1,4 +1,6 @@
-"""The import graph points down only (ARCHITECTURE.md): foundations < server, client < public surface."""
+"""The import graph points down only (docs/design/index.md): foundations < server, client < public
+surface; no two modules import each other in a circle; the public layer names no provider; only
+aiocoll/_env.py reads AIOCOLL_* variables."""
 
 from __future__ import annotations
 
@@ -61,11 +63,26 @@ ALLOWED = {
 }
 
 
-def _imports(path: Path) -> list[str]:
+def _is_type_checking(node: ast.AST) -> bool:
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, *, runtime_only: bool = False) -> list[str]:
+    """What ``path`` imports of aiocoll (``runtime_only``: not what only type checkers read)."""
     module, is_package = _module_name(path)
     package = module if is_package else module.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    if runtime_only:
+        for parent in ast.walk(tree):
+            for field in ("body", "orelse"):
+                block = getattr(parent, field, None)
+                if isinstance(block, list):
+                    setattr(parent, field, [n for n in block if not _is_type_checking(n)])
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -202,3 +219,133 @@ def test_the_planner_and_step_driver_reach_memory_only_through_buffers() -> None
     assert _layer(_module_name(ROOT / "aiocoll/_buffers.py")[0]) == "foundation"
     for gone in ("aiocoll/algorithms/_eager.py", "aiocoll/algorithms/_executor.py"):
         assert not (ROOT / gone).exists(), f"{gone}: one step driver, not two"
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the modules it imports at run time (at the top or inside a function; not under
+    ``if TYPE_CHECKING``), resolved; a module's imports of its own enclosing packages are left
+    out (the package is already being loaded)."""
+    graph: dict[str, set[str]] = {}
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            module, _ = _module_name(path)
+            targets = {_resolve(name) for name in _imports(path, runtime_only=True)}
+            graph[module] = {t for t in targets if t != module and not _within(module, t)}
+    return graph
+
+
+def test_no_two_modules_import_each_other_in_a_circle() -> None:
+    """A circle, even closed by an import inside a function or at the bottom of a file, means
+    neither module can be read, loaded or replaced alone: hand the other side what it needs as a
+    parameter, or move what both need into a module below them."""
+    graph = _import_graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(start: str) -> None:  # Tarjan's strongly connected components, iteratively
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in graph:
+                    continue
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    assert not circles, "modules importing each other in a circle:\n" + "\n".join(
+        " <-> ".join(c) for c in circles
+    )
+
+
+def test_the_public_layer_names_no_provider() -> None:
+    """aiocoll/api.py checks arguments and builds the operation; the group's providers
+    (client/providers.py) decide how it runs, so the public layer never names shared memory."""
+    text = (ROOT / "aiocoll" / "api.py").read_text()
+    assert "shm" not in text.lower()
+    for provider in ("_shm_coll", "routing", "_driver", "_ipc", "start_collective", "run_routed"):
+        assert provider not in text, provider
+
+
+def _reads_aiocoll_variable(node: ast.AST, constants: dict[str, str]) -> bool:
+    """``os.environ.get(X)``, ``os.environ[X]`` (read), ``os.getenv(X)`` or ``X in os.environ``
+    where X is an AIOCOLL_* name, written out or as a module constant."""
+
+    def names_aiocoll(arg: ast.AST) -> bool:
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value.startswith("AIOCOLL_")
+        if isinstance(arg, ast.Name):
+            return constants.get(arg.id, "").startswith("AIOCOLL_")
+        return False
+
+    def is_environ(expr: ast.AST) -> bool:
+        return isinstance(expr, ast.Attribute) and expr.attr == "environ"
+
+    if isinstance(node, ast.Call) and node.args:
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr == "get" and is_environ(func.value):
+            return names_aiocoll(node.args[0])
+        if isinstance(func, ast.Attribute) and func.attr == "getenv":
+            return names_aiocoll(node.args[0])
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and is_environ(node.value):
+        return names_aiocoll(node.slice)
+    if isinstance(node, ast.Compare) and any(is_environ(c) for c in node.comparators):
+        return names_aiocoll(node.left)
+    return False
+
+
+# Written at the same time by another change, which moves its reads to aiocoll._env next.
+_NOT_YET = {"aiocoll/ft.py"}
+
+
+def test_only_the_env_module_reads_aiocoll_variables() -> None:
+    """One parser and one wording for every setting (aiocoll/_env.py); launchers may still set
+    variables for their children."""
+    readers = []
+    for folder in SOURCE_DIRS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if rel == Path("aiocoll/_env.py") or str(rel) in _NOT_YET:
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            constants = {
+                target.id: node.value.value
+                for node in tree.body
+                if isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+                for target in node.targets
+                if isinstance(target, ast.Name)
+            }
+            readers += [
+                f"{rel}:{node.lineno}" for node in ast.walk(tree) if _reads_aiocoll_variable(node, constants)
+            ]
+    assert not readers, "AIOCOLL_* read outside aiocoll/_env.py:\n" + "\n".join(readers)
