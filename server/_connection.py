@@ -226,14 +226,21 @@ class Connection(asyncio.BufferedProtocol):
             if self.hs is not None and self.hs.state == "auth" and not self.closing:
                 # The client verifies our proof first: one that holds another token hangs up here.
                 coord.metrics.auth_failure()
+                # We cannot tell "another token" from "none" here: the client's proof never came.
+                differs = (
+                    "it holds another token than ours, or none"
+                    if self.hs.has_token
+                    else "it holds a token and this coordinator has none"
+                )
                 log.warning(
                     "event=auth_failed peer=%s job=%s reason=the client closed after our challenge "
-                    "(its token differs from ours, or it gave up)",
+                    "(%s, most likely)",
                     self.peer,
                     self.hs.hello.get("job"),
+                    differs,
                 )
                 self._tell_refused(
-                    self.hs, "it hung up after the coordinator's challenge: its token differs (most likely)"
+                    self.hs, f"it hung up after the coordinator's challenge: {differs} (most likely)"
                 )
             return
         reason = "closed by the client" if exc is None else f"connection error: {exc}"

@@ -44,6 +44,7 @@ from ._launch_config import (
 )
 from ._launch_coordinator import (
     CoordinatorNotAnswering,
+    CoordinatorRefused,
     EmbeddedCoordinatorUnavailable,
     start_embedded_coordinator,
     wait_for_coordinator,
@@ -588,7 +589,7 @@ class _Agent:
                 self._console.log(f"embedded coordinator listening on {host}:{port}")
             else:
                 host, port = config.coordinator
-                refused = await self._wait_for_coordinator(host, port)
+                refused = await self._wait_for_coordinator(host, port, token)
                 if refused is not None:
                     return refused
             self._status_command = self._make_status_command(host, port, token)
@@ -610,16 +611,19 @@ class _Agent:
                     self._console.log(f"the embedded coordinator did not stop cleanly: {exc!r}")
             coordinator_logger.removeHandler(log_handler)
 
-    async def _wait_for_coordinator(self, host: str, port: int) -> int | None:
-        """Wait until --coordinator accepts a connection; None then, else the exit status (it did
-        not answer within --connect-timeout, or the launcher was signalled meanwhile)."""
+    async def _wait_for_coordinator(self, host: str, port: int, token: str | None) -> int | None:
+        """Wait until --coordinator completes the handshake with the job's token; None then, else
+        the exit status (it did not answer within --connect-timeout, something else answered, or
+        the launcher was signalled meanwhile)."""
         where = format_host_port(host, port)
         timeout = self._config.connect_timeout
 
         def waiting(reason: str) -> None:
             self._console.log(f"waiting up to {timeout:g}s for the coordinator at {where} ({reason})")
 
-        probe = asyncio.ensure_future(wait_for_coordinator(host, port, timeout, waiting))
+        probe = asyncio.ensure_future(
+            wait_for_coordinator(host, port, timeout, token=token, job=self._config.job, on_wait=waiting)
+        )
         signalled = asyncio.ensure_future(self._signalled.wait())
         try:
             await asyncio.wait({probe, signalled}, return_when=asyncio.FIRST_COMPLETED)
@@ -642,6 +646,9 @@ class _Agent:
                 "address; or leave out --coordinator to let the launcher run one for this job (one node "
                 "only). No worker was started"
             )
+            return EXIT_SETUP_FAILED
+        except CoordinatorRefused as exc:
+            self._console.log(f"error: {exc}. No worker was started")
             return EXIT_SETUP_FAILED
         return None
 

@@ -3,16 +3,15 @@ the check that a --coordinator answers before any worker starts.
 
 Two small functions, so the launcher depends on the coordinator service through a single seam:
 one starts ``aiocoll.server.Coordinator`` on the launcher's own event loop, on 127.0.0.1 with a
-port the kernel picks, and hands back a handle to stop it; the other waits (bounded) until
-something accepts a connection at an external coordinator's address, so that a wrong or dead
-address fails the launch at once instead of leaving every worker to find out. It lives on the
+port the kernel picks, and hands back a handle to stop it; the other waits (bounded) until an
+external coordinator completes the handshake with the job's token, so that a wrong or dead
+address, or a wrong token, fails the launch once instead of leaving every worker to find out. It lives on the
 public-surface side (aiocoll/cli) and may import aiocoll.server, never the other way round.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import socket
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "CoordinatorNotAnswering",
+    "CoordinatorRefused",
     "EmbeddedCoordinator",
     "EmbeddedCoordinatorUnavailable",
     "start_embedded_coordinator",
@@ -27,6 +27,11 @@ __all__ = [
 ]
 
 EMBEDDED_HOST = "127.0.0.1"
+
+
+class CoordinatorRefused(ConnectionError):
+    """Something answered at the coordinator's address that is not this job's coordinator: another
+    token, a web server, a torch store. The message names what answered and what to do."""
 
 
 class EmbeddedCoordinatorUnavailable(RuntimeError):
@@ -55,42 +60,66 @@ def _why(exc: BaseException) -> str:
 
 
 async def wait_for_coordinator(
-    host: str, port: int, timeout: float, on_wait: Callable[[str], None] | None = None
+    host: str,
+    port: int,
+    timeout: float,
+    *,
+    token: str | None,
+    job: str,
+    on_wait: Callable[[str], None] | None = None,
 ) -> None:
-    """Return once something accepts a TCP connection at ``host:port``, trying for ``timeout`` s.
+    """Return once an aiocoll coordinator at ``host:port`` completed the handshake with ``token``,
+    trying for ``timeout`` s.
 
-    Only the connection is checked (it is closed at once, before any handshake, which a
-    coordinator passes over in silence): whether it is an aiocoll coordinator and holds the
-    job's token, the workers' own handshake says.
+    The probe authenticates as an admin (as ``aiocoll status`` does: it creates no job and keeps
+    none alive), with the same connect loop the workers use, so whatever would stop every worker
+    (another token, a web server or a torch store on that port) stops the launch once instead.
 
     Args:
         host, port: the coordinator's address (--coordinator).
         timeout: seconds to keep trying (a coordinator may be starting beside the launcher).
+        token: the job's token (None: none). job: the job's name.
         on_wait: called once, with the reason, when the first attempt fails and trying goes on.
 
     Raises:
-        CoordinatorNotAnswering: nothing accepted within ``timeout``.
+        CoordinatorNotAnswering: nothing answered within ``timeout``.
+        CoordinatorRefused: something answered that is not this job's coordinator (the message
+            says what and what to do).
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    from aiocoll._deadline import Deadline
+    from aiocoll._errors import AuthenticationError, ProtocolError
+    from aiocoll.client._connection import open_link
+    from aiocoll.client._link_keeper import ConnectTries, CoordinatorUnreachable
+    from aiocoll.protocol import ClientHandshake
+    from aiocoll.protocol._coordinator import ROLE_ADMIN
+
+    deadline = Deadline(timeout)
+    tries = ConnectTries(host, port, first=True)
     told = False
     while True:
-        left = deadline - loop.time()
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), max(left, 0.1))
-        except (OSError, asyncio.TimeoutError) as exc:
-            reason = _why(exc)
-            left = deadline - loop.time()
-            if left <= 0:
-                raise CoordinatorNotAnswering(reason) from None
+            link, _ = await open_link(
+                host,
+                port,
+                ClientHandshake(token, role=ROLE_ADMIN, job=job),
+                on_event=lambda _event: None,
+                on_lost=lambda _link, _exc: None,
+                timeout=tries.attempt_time(deadline),
+                silence=tries.silence,
+            )
+        except (OSError, asyncio.TimeoutError, AuthenticationError, ProtocolError) as exc:
+            try:
+                pause = tries.failed(exc, deadline)
+            except CoordinatorUnreachable:
+                raise CoordinatorNotAnswering(_why(exc)) from None
+            except (AuthenticationError, ProtocolError) as verdict:
+                raise CoordinatorRefused(str(verdict)) from None
             if not told and on_wait is not None:
-                on_wait(reason)
+                on_wait(_why(exc))
             told = True
-            await asyncio.sleep(min(0.25, left))
+            await asyncio.sleep(pause)
             continue
-        writer.close()
-        with contextlib.suppress(OSError):
-            await writer.wait_closed()
+        link.close()
         return
 
 

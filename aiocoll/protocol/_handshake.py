@@ -258,6 +258,11 @@ class ServerHandshake:
         self.done = False
 
     @property
+    def has_token(self) -> bool:
+        """Whether this side holds a token (an empty one is none)."""
+        return bool(self._key)
+
+    @property
     def state(self) -> str:
         return self._state
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,12 +29,36 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 LAUNCHER = [sys.executable, "-m", "aiocoll.cli.run"]
 
 
+# The token of the module's coordinator: a launcher checks, before any worker starts, that
+# --coordinator completes the handshake with the job's token.
+COORDINATOR_TOKEN = "launcher-secret"
+
+
 @pytest.fixture(scope="module")
-def coordinator() -> Iterator[str]:
-    """A --coordinator address that accepts connections, as the launcher checks before it starts
-    any worker; the workers of these tests never contact it unless a test says so."""
-    with socket.create_server(("127.0.0.1", 0), backlog=128) as listener:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
+def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real coordinator for --coordinator, holding COORDINATOR_TOKEN; the workers of these
+    tests never contact it unless a test says so."""
+    token_file = tmp_path_factory.mktemp("coordinator") / "token"
+    token_file.write_text(COORDINATOR_TOKEN)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiocoll", "coordinator", "--host", "127.0.0.1", "--port", "0",
+         "--token-file", str(token_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_clean_env(),
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = []
+        listening = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+        while (line := proc.stdout.readline()) and not (found := listening.search(line)):
+            lines.append(line)
+        assert line, f"the coordinator exited before listening: {lines}"
+        # keep its pipe drained
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield f"127.0.0.1:{found.group(1)}"
+    finally:
+        proc.kill()
+        proc.wait(10)
+
 
 PROBE = r'''
 import json, os, sys
@@ -59,6 +84,11 @@ def _launch(
     return subprocess.run(
         [*LAUNCHER, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def _token_env() -> dict[str, str]:
+    """The environment of a launch against the module's coordinator."""
+    return _clean_env(AIOCOLL_TOKEN=COORDINATOR_TOKEN)
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -113,7 +143,7 @@ def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(
     tmp_path: Path, coordinator: str
 ) -> None:
     (tmp_path / "probe.py").write_text(PROBE)
-    (tmp_path / "token").write_text("launcher-secret\n")
+    (tmp_path / "token").write_text(COORDINATOR_TOKEN + "\n")
     lines = 3000
     proc = _launch(
         "--nproc-per-node", "3", "--coordinator", coordinator, "--job", "env-check",
@@ -177,7 +207,7 @@ def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks
     (tmp_path / "probe_module.py").write_text(PROBE)
     env = _clean_env(
         SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_LOCALID="0",
-        PYTHONPATH=str(tmp_path), AIOCOLL_TOKEN="inherited",
+        PYTHONPATH=str(tmp_path), AIOCOLL_TOKEN=COORDINATOR_TOKEN,
     )
     proc = _launch(
         "--nproc_per_node", "2", "--coordinator", coordinator, "-m", "probe_module", "a",
@@ -195,7 +225,7 @@ def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks
         placed = (envs[rank]["WORLD_SIZE"], envs[rank]["GROUP_RANK"], envs[rank]["AIOCOLL_COORDINATOR"])
         assert placed == ("4", "1", coordinator)
         assert (envs[rank]["MASTER_ADDR"], envs[rank]["MASTER_PORT"]) == ("127.0.0.1", "29500")
-        assert envs[rank]["AIOCOLL_TOKEN"] == "inherited" and envs[rank]["argv"] == ["a"]
+        assert envs[rank]["AIOCOLL_TOKEN"] == COORDINATOR_TOKEN and envs[rank]["argv"] == ["a"]
 
 
 FAILING = r'''
@@ -233,7 +263,7 @@ def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(
     started = time.monotonic()
     proc = _launch(
         "--nproc-per-node", "3", "--grace-period", "1", "--coordinator", coordinator, "failing.py",
-        cwd=tmp_path, env=_clean_env(),
+        cwd=tmp_path, env=_token_env(),
     )
     assert time.monotonic() - started < 40, "the launcher should stop the sleeping workers, not wait for them"
     assert proc.returncode == 3, proc.stderr
@@ -272,7 +302,7 @@ def test_restarts_run_out_and_a_signal_death_is_named_and_exits_128_plus_signal(
     (tmp_path / "self_killing.py").write_text(SELF_KILLING)
     proc = _launch(
         "--nproc-per-node", "2", "--max-restarts", "1", "--grace-period", "5",
-        "--coordinator", coordinator, "self_killing.py", cwd=tmp_path, env=_clean_env(),
+        "--coordinator", coordinator, "self_killing.py", cwd=tmp_path, env=_token_env(),
     )
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert _rank_lines(proc.stdout, 0) == ["generation 0", "generation 1"]
@@ -301,7 +331,7 @@ def test_max_restarts_restarts_the_whole_generation_with_the_same_job(
     (tmp_path / "restarting.py").write_text(RESTARTING)
     proc = _launch(
         "--nproc-per-node", "2", "--max-restarts", "1", "--job", "elastic-7",
-        "--coordinator", coordinator, "restarting.py", cwd=tmp_path, env=_clean_env(),
+        "--coordinator", coordinator, "restarting.py", cwd=tmp_path, env=_token_env(),
     )
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
@@ -341,7 +371,7 @@ def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(
     launcher = subprocess.Popen(
         [*LAUNCHER, "--nproc-per-node", "2", "--grace-period", "60", "--coordinator", coordinator,
          "trapping.py"],
-        cwd=tmp_path, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path, env=_token_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
         _wait_for(tmp_path / "ready0")
@@ -369,7 +399,7 @@ def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(
 def test_a_program_that_cannot_start_is_reported_with_exit_127(tmp_path: Path, coordinator: str) -> None:
     proc = _launch(
         "--no-python", "--nproc-per-node", "2", "--coordinator", coordinator,
-        str(tmp_path / "no-such-program"), cwd=tmp_path, env=_clean_env(),
+        str(tmp_path / "no-such-program"), cwd=tmp_path, env=_token_env(),
     )
     assert proc.returncode == 127
     assert f"cannot start rank 0 ({tmp_path / 'no-such-program'}): [Errno 2]" in proc.stderr

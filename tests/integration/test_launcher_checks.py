@@ -9,9 +9,11 @@ fails before anything starts. Real processes over loopback; nothing here forms a
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -128,3 +130,52 @@ def test_a_missing_script_fails_at_once_and_starts_nothing(tmp_path: Path) -> No
     # Nothing was started: no embedded coordinator, no worker, no status command.
     assert "coordinator listening" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr
     assert "aiocoll status" not in proc.stderr
+
+
+def test_a_coordinator_that_refuses_the_token_or_is_not_one_fails_once_before_any_worker_starts(
+    tmp_path: Path,
+) -> None:
+    """The launcher's check is the workers' handshake: another token, or the coordinator's web
+    port given as --coordinator, stop the launch once, saying what answered, and start nothing."""
+    (tmp_path / "token").write_text("the-right-token")
+    (tmp_path / "marking.py").write_text(MARKING)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "aiocoll", "coordinator", "--host", "127.0.0.1", "--port", "0",
+         "--http-port", "0", "--token-file", "token"],
+        cwd=tmp_path, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        port = http_port = None
+        log = []
+        while port is None or http_port is None:
+            line = proc.stdout.readline()
+            assert line, f"the coordinator exited before listening: {log}"
+            log.append(line)
+            if m := re.search(r"http\S* .*on 127\.0\.0\.1:(\d+)", line):
+                http_port = int(m.group(1))
+            elif m := re.search(r"listening on 127\.0\.0\.1:(\d+)", line):
+                port = int(m.group(1))
+        threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep its pipe drained
+
+        cases = {
+            "wrong token": (port, "a-wrong-token", "token"),
+            "web port": (http_port, "the-right-token", "an HTTP server answered"),
+        }
+        for case, (where, token, said) in cases.items():
+            started = time.monotonic()
+            launch = subprocess.run(
+                [*LAUNCHER, "--nproc-per-node", "2", "--coordinator", f"127.0.0.1:{where}", "marking.py"],
+                cwd=tmp_path, env=_clean_env(AIOCOLL_TOKEN=token), capture_output=True, text=True, timeout=45,
+            )  # fmt: skip
+            err = launch.stderr
+            assert launch.returncode == 2, f"{case}: {err}"
+            assert time.monotonic() - started < 20, case
+            assert said in err and f"127.0.0.1:{where}" in err, f"{case}: {err}"
+            assert "No worker was started" in err, f"{case}: {err}"
+            assert err.count("error:") == 1 and "Traceback" not in err, f"{case}: said once: {err}"
+            assert not list(tmp_path.glob("started-*")), f"{case}: no worker may start"
+            assert "[rank" not in launch.stdout + err, case
+    finally:
+        proc.kill()
+        proc.wait(10)

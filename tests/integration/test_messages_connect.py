@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import threading
 import time
@@ -119,8 +120,11 @@ async def test_a_tcpstore_or_a_web_server_is_named_within_seconds(monkeypatch: p
 
 
 @pytest.mark.timeout(60)
-async def test_a_missing_token_is_named_on_the_side_that_lacks_it(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_missing_token_is_named_on_the_side_that_lacks_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.delenv("AIOCOLL_TOKEN", raising=False)
+    caplog.set_level(logging.WARNING, logger="aiocoll.server")
     guarded = Coordinator("127.0.0.1", 0, token="secret")
     open_ = Coordinator("127.0.0.1", 0)
     await guarded.start()
@@ -136,6 +140,10 @@ async def test_a_missing_token_is_named_on_the_side_that_lacks_it(monkeypatch: p
             await _failure(_async_store(guarded.port, "other")),
             await _failure(_sync_store(guarded.port, "other")),
         ]
+        for _ in range(100):  # each coordinator reads its client's hang-up in a later loop turn
+            if sum("event=auth_failed" in r.getMessage() for r in caplog.records) >= 6:
+                break
+            await asyncio.sleep(0.05)
     finally:
         await guarded.stop()
         await open_.stop()
@@ -157,6 +165,11 @@ async def test_a_missing_token_is_named_on_the_side_that_lacks_it(monkeypatch: p
         )
     for err, _ in no_token + theirs_none + other:
         assert str(err).count("token") <= 4 and "did not accept us" not in str(err), err
+    # The coordinator's log says what it can know: whether it holds a token itself.
+    refusals = [r.getMessage() for r in caplog.records if "event=auth_failed" in r.getMessage()]
+    assert len(refusals) == 6, refusals
+    assert sum("it holds another token than ours, or none" in m for m in refusals) == 4, refusals
+    assert sum("it holds a token and this coordinator has none" in m for m in refusals) == 2, refusals
 
 
 @pytest.mark.timeout(90)
