@@ -36,7 +36,7 @@ from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec
 from aiocoll.client._store_progress import StoreProgress
 from aiocoll.client.engine import Engine, GroupState, OpTransport
-from aiocoll.client.providers import Operation, ProviderTable, world_table
+from aiocoll.client.providers import ProviderTable, world_table
 from aiocoll.client.transports import (
     LinkTransport,
     PeerRow,
@@ -315,8 +315,15 @@ class ProcessGroup:
         if self._destroyed:
             raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
         return self._providers.submit(
-            Operation(kind, meta, send, recv, workings, result, root, op),
-            _timeout(timeout, self._rt.default_timeout),
+            kind,
+            meta,
+            send,
+            recv,
+            workings,
+            result,
+            root,
+            op,
+            self._rt.default_timeout if timeout is _DEFAULT else to_seconds(timeout),
         )
 
     def _meta(
@@ -504,7 +511,8 @@ class ProcessGroup:
         name = w.dtype_name
         rop = _coerce_op(op, name, "all_reduce")
         meta = self._meta("all_reduce", name, w.numel, op=rop._value_)
-        return self._collective("all_reduce", meta, (w.array,), (w.array,), (w,), tensor, timeout, op=rop)
+        arrays = (w.array,)  # in place: one tuple for what it reads and writes
+        return self._collective("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, op=rop)
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``.

@@ -1,4 +1,4 @@
-"""What a collective provider is handed and what it implements (see client/providers.py).
+"""What a collective provider implements and is handed (see client/providers.py).
 
 Imports foundations only (aiocoll._types, aiocoll.algorithms); the providers (client/_shm_coll.py,
 client/routing.py, client/providers.py) import it, so none imports another for these names.
@@ -12,46 +12,20 @@ from typing import Any, ClassVar, Protocol
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec
 
-__all__ = ["Finish", "Operation", "Provider", "finish_with_copy_back", "spec_of"]
+__all__ = ["Finish", "Provider", "finish_with_copy_back", "spec_of"]
 
 Finish = Callable[[Any, BaseException | None], None]
 
 
-class Operation:
-    """One collective call as the public layer built it: what every provider is handed.
-
-    Attributes:
-        kind: the operation ("all_reduce", ...). meta: its signature (aiocoll._signature).
-        send, recv: the arrays it reads and writes (host numpy arrays or device spans).
-        workings: the call's tensors (aiocoll.device._tensors.Working), copied back on success.
-        result: what the Work completes with. root: group rank of a rooted kind. op: reduce op.
-    """
-
-    __slots__ = ("kind", "meta", "op", "recv", "result", "root", "send", "workings")
-
-    def __init__(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int = 0,
-        op: ReduceOp = ReduceOp.SUM,
-    ) -> None:
-        self.kind = kind
-        self.meta = meta
-        self.send = send
-        self.recv = recv
-        self.workings = workings
-        self.result = result
-        self.root = root
-        self.op = op
-
-
 class Provider(Protocol):
-    """What a collective provider implements (see the module header).
+    """What a collective provider implements (see client/providers.py).
+
+    An operation reaches ``prepare`` as the public layer built it, field by field (no object is
+    made for it: this runs on every call): ``kind`` ("all_reduce", ...); ``meta``, its signature
+    (aiocoll._signature); ``send`` and ``recv``, the arrays it reads and writes (host numpy arrays
+    or device spans); ``workings``, the call's tensors (aiocoll.device._tensors.Working), copied
+    back on success; ``result``, what the Work completes with; ``root``, the group rank of a
+    rooted kind; ``op``, the reduce op.
 
     ``eager`` providers return an engine starter from ``prepare`` (``start(tag, transport,
     finish)``, Engine.submit_eager: runs from callbacks); the others an engine body (``await
@@ -63,7 +37,17 @@ class Provider(Protocol):
     eager: ClassVar[bool]
     kinds: frozenset[str]
 
-    def prepare(self, operation: Operation) -> Any: ...
+    def prepare(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
+        root: int,
+        op: ReduceOp,
+    ) -> Any: ...
 
     def close(self) -> None: ...
 
@@ -85,16 +69,17 @@ def finish_with_copy_back(workings: Sequence[Any], result: Any, finish: Finish) 
     return done
 
 
-def spec_of(operation: Operation, ranks: tuple[int, ...], me: int) -> CollectiveSpec:
-    """The algorithms' description of ``operation`` for member ``me`` of the group ``ranks``."""
+def spec_of(
+    kind: str,
+    meta: dict[str, Any],
+    send: Sequence[Any],
+    recv: Sequence[Any],
+    root: int,
+    op: ReduceOp,
+    ranks: tuple[int, ...],
+    me: int,
+) -> CollectiveSpec:
+    """The algorithms' description of an operation for member ``me`` of the group ``ranks``."""
     return CollectiveSpec(
-        operation.kind,
-        ranks,
-        me,
-        tuple(operation.send),
-        tuple(operation.recv),
-        operation.root,
-        operation.op,
-        None,
-        operation.meta.get("dtype"),
+        kind, ranks, me, tuple(send), tuple(recv), root, op, None, meta.get("dtype")
     )  # (positional: keywords cost more than the rest of building it)

@@ -70,7 +70,7 @@ from aiocoll._errors import DistError, MismatchError, PeerLostError
 from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 
-from ._operation import Finish, Operation, finish_with_copy_back
+from ._operation import Finish, finish_with_copy_back
 from ._shm import ARENA_HEADER, REGION_CONTROL, ShmHost, current_cpu, fence, region_bytes
 from ._vm_read import vm_read, vm_read_available
 from ._waiting import LATE_YIELD_S, SpinBudget, host_contended, nap, oversubscribed, spin
@@ -1059,18 +1059,25 @@ class ArenaProvider:
         me = links.rank
         return all(kinds.get(r) == "shm" for r in self.group.ranks if r != me)
 
-    def prepare(self, operation: Operation) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
-        """An engine starter for ``operation``, or None for one the arenas do not take (an
-        out-of-place all_reduce)."""
-        kind = operation.kind
-        send, recv = operation.send, operation.recv
+    def prepare(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
+        root: int,
+        op: ReduceOp,
+    ) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
+        """An engine starter for the operation (see client/_operation.Provider), or None for one
+        the arenas do not take (an out-of-place all_reduce)."""
         if kind == "all_reduce" and send[0] is not recv[0]:
             return None
-        group, meta, root, op = self.group, operation.meta, operation.root, operation.op
-        workings, result = operation.workings, operation.result
+        group = self.group
 
         def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
-            sig = ShmGroup.signature(tag[2], meta)
+            sig = _signature.pack(tag[2], meta)
             fin = finish_with_copy_back(workings, result, finish)
             on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
             if kind == "all_reduce":

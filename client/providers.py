@@ -2,8 +2,9 @@
 
 Imports foundations (aiocoll.algorithms, the device staging of aiocoll.device) and the client's
 engine, arenas (client/_shm_coll.py) and routes (client/routing.py); never the public surface.
-The public layer checks a call's arguments and builds an ``Operation``; the group's
-``ProviderTable`` hands it to the provider chosen for it. Nothing else decides how a collective
+The public layer checks a call's arguments and builds the operation (its kind, signature,
+arrays, tensors, root and reduce op); the group's ``ProviderTable`` hands it to the provider
+chosen for it. Nothing else decides how a collective
 runs.
 
 A provider serves some operation kinds over some groups. It says so once, when a group is made:
@@ -35,20 +36,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag
 from aiocoll.algorithms._driver import start_collective
 from aiocoll.algorithms._plan import prepare
 from aiocoll.device._ipc import ipc_groups
-from aiocoll.device._staged_ops import StagedOp, has_device_arrays
+from aiocoll.device._staged_ops import StagedOp
+from aiocoll.device._staging import DeviceSpan
 
-from ._operation import Finish, Operation, Provider, finish_with_copy_back, spec_of
+from ._operation import Finish, Provider, finish_with_copy_back, spec_of
 from ._shm_coll import ArenaForming, ArenaProvider
 from .engine import Engine, GroupState, OpTransport
 from .routing import HostLayout, RoutedProvider, host_layout, run_routed
 from .transports._link import LinkTransport
 
 __all__ = [
-    "Operation",
     "Provider",
     "ProviderTable",
     "finish_with_copy_back",
@@ -70,10 +72,18 @@ class DriverProvider:
         self._ranks = ranks
         self._me = me
 
-    def prepare(self, operation: Operation) -> Callable[[Tag, OpTransport, Finish], Any]:
-        spec = spec_of(operation, self._ranks, self._me)
-        meta = operation.meta
-        workings, result = operation.workings, operation.result
+    def prepare(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
+        root: int,
+        op: ReduceOp,
+    ) -> Callable[[Tag, OpTransport, Finish], Any]:
+        spec = spec_of(kind, meta, send, recv, root, op, self._ranks, self._me)
 
         def start(tag: Tag, transport: OpTransport, finish: Finish) -> Any:
             done = finish_with_copy_back(workings, result, finish)
@@ -105,13 +115,19 @@ class StagedProvider:
         self._key = group_key
         self._gid = gid
 
-    def prepare(self, operation: Operation) -> Callable[[Tag, OpTransport], Any]:
-        kind, meta = operation.kind, operation.meta
-        staged = StagedOp(
-            kind, len(self._ranks), operation.send, operation.recv, rank=self._rank, group_key=self._key
-        )
-        ranks, me, gid, root, op = self._ranks, self._me, self._gid, operation.root, operation.op
-        workings, result = operation.workings, operation.result
+    def prepare(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
+        root: int,
+        op: ReduceOp,
+    ) -> Callable[[Tag, OpTransport], Any]:
+        staged = StagedOp(kind, len(self._ranks), send, recv, rank=self._rank, group_key=self._key)
+        ranks, me, gid = self._ranks, self._me, self._gid
 
         async def body(tag: Tag, transport: OpTransport) -> Any:
             what = f"{kind} (group {gid!r}, seq {tag[2]})"
@@ -186,27 +202,53 @@ class ProviderTable:
         return self._routed._parts
 
     # -- running -----------------------------------------------------------------------------
-    def submit(self, operation: Operation, timeout: float | None) -> Any:
-        """Run ``operation`` on the first provider that takes it; returns its Work."""
+    def submit(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
+        root: int,
+        op: ReduceOp,
+        timeout: float | None,
+    ) -> Any:
+        """Run the operation (the fields of Provider.prepare) on the first provider that takes
+        it; returns its Work."""
         if self._links_seen != self._links.links_version:
             self.select()
-        if has_device_arrays(operation.send, operation.recv):
-            # signature None: staged chunks check each chunk's signature themselves
-            return self._engine.submit(
-                self._state, operation.kind, self._staged.prepare(operation), timeout=timeout
-            )
-        for provider in self._by_kind.get(operation.kind, self._any):
-            run = provider.prepare(operation)
+        for a in send:  # (inline, not has_device_arrays: this runs on every collective)
+            if isinstance(a, DeviceSpan):
+                return self._submit_staged(kind, meta, send, recv, workings, result, root, op, timeout)
+        if recv is not send:  # (an in-place operation hands one tuple for both)
+            for a in recv:
+                if isinstance(a, DeviceSpan):
+                    return self._submit_staged(kind, meta, send, recv, workings, result, root, op, timeout)
+        for provider in self._by_kind.get(kind, self._any):
+            run = provider.prepare(kind, meta, send, recv, workings, result, root, op)
             if run is None:
                 continue
             if provider.eager:
-                return self._engine.submit_eager(
-                    self._state, operation.kind, run, timeout=timeout, signature=operation.meta
-                )
-            return self._engine.submit(
-                self._state, operation.kind, run, timeout=timeout, signature=operation.meta
-            )
-        raise AssertionError(f"no provider took {operation.kind}")  # the driver takes every kind
+                return self._engine.submit_eager(self._state, kind, run, timeout=timeout, signature=meta)
+            return self._engine.submit(self._state, kind, run, timeout=timeout, signature=meta)
+        raise AssertionError(f"no provider took {kind}")  # the driver takes every kind
+
+    def _submit_staged(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
+        root: int,
+        op: ReduceOp,
+        timeout: float | None,
+    ) -> Any:
+        # signature None: staged chunks check each chunk's signature themselves
+        body = self._staged.prepare(kind, meta, send, recv, workings, result, root, op)
+        return self._engine.submit(self._state, kind, body, timeout=timeout)
 
     async def run_within(self, spec: CollectiveSpec, transport: Any, tag: Tag, meta: dict[str, Any]) -> None:
         """Run ``spec`` as a part of an operation already running (object collectives, a group's

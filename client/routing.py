@@ -45,7 +45,7 @@ from aiocoll._reduce import finish_avg
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport, run_collective
 
-from ._operation import Operation, spec_of
+from ._operation import spec_of
 from ._shm_coll import ShmGroup, intra_host_group, region_offer, release_offer
 from .transports._link import LinkTransport
 
@@ -299,13 +299,23 @@ class RoutedProvider:
     def _made(self, group: ShmGroup) -> None:
         self._arena = group  # closed with the provider
 
-    def prepare(self, operation: Operation) -> Callable[[Tag, Any], Any] | None:
-        """An engine body for ``operation``, or None for a reduce op the route cannot regroup."""
-        if operation.op not in HIERARCHICAL_OPS or self._layout is None:
+    def prepare(
+        self,
+        kind: str,
+        meta: dict[str, Any],
+        send: Sequence[Any],
+        recv: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
+        root: int,
+        op: ReduceOp,
+    ) -> Callable[[Tag, Any], Any] | None:
+        """An engine body for the operation (see client/_operation.Provider), or None for a
+        reduce op the route cannot regroup."""
+        if op not in HIERARCHICAL_OPS or self._layout is None:
             return None
-        spec = spec_of(operation, self._ranks, self._me)
-        meta, layout, parts = operation.meta, self._layout, self._parts
-        workings, result = operation.workings, operation.result
+        spec = spec_of(kind, meta, send, recv, root, op, self._ranks, self._me)
+        layout, parts = self._layout, self._parts
 
         async def body(tag: Tag, transport: Any) -> Any:
             await _hierarchical_all_reduce(spec, transport, tag, meta, layout, parts)
