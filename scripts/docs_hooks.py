@@ -6,6 +6,15 @@ A page asks for generated text with a marker line:
   command itself builds (aiocoll.cli.main.build_parser);
 - ``<!-- generated: changelog -->``: CHANGELOG.md from the repository root.
 
+Headings get GitHub's anchors (``## Elastic jobs: `--nnodes MIN:MAX` `` is
+``#elastic-jobs---nnodes-minmax``), so that a link into a page works alike on a forge and on the
+site.
+
+Pages may also link to files of the repository outside docs/ (``[the example](../examples/x.py)``),
+which a forge shows; the site holds no copy of them, so such a link becomes the file's path as
+code (``the example (`examples/x.py`)``) instead of a broken link. A link to a path that exists
+nowhere stays, and the strict build reports it.
+
 Imports aiocoll's CLI parser only; runs nothing else of aiocoll's.
 """
 
@@ -13,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -55,8 +65,41 @@ def changelog_markdown() -> str:
 GENERATORS = {"cli-help": cli_help_markdown, "changelog": changelog_markdown}
 
 
-def on_page_markdown(markdown: str, **_: Any) -> str:
-    """mkdocs hook: replace each ``<!-- generated: NAME -->`` line with NAME's text."""
+LINK = re.compile(r"\[([^\]]+)\]\(([^)\s#]+)(#[^)\s]*)?\)")
+
+
+def repository_links_as_paths(markdown: str, page_path: str, docs_dir: Path) -> str:
+    """Links from the page at ``page_path`` (relative to docs) to files outside docs, as paths."""
+    page_dir = (docs_dir / page_path).parent
+
+    def replace(match: re.Match[str]) -> str:
+        text, target = match.group(1), match.group(2)
+        if "://" in target or target.startswith(("/", "mailto:")):
+            return match.group(0)
+        resolved = (page_dir / target).resolve()
+        if resolved.is_relative_to(docs_dir.resolve()) or not resolved.exists():
+            return match.group(0)
+        path = resolved.relative_to(ROOT).as_posix()
+        return f"`{path}`" if text.strip("`") == path else f"{text} (`{path}`)"
+
+    return LINK.sub(replace, markdown)
+
+
+def github_slug(value: str, separator: str = "-") -> str:
+    """A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", value.strip().lower()).replace(" ", separator)
+
+
+def on_config(config: Any, **_: Any) -> Any:
+    """mkdocs hook: headings' anchors are GitHub's (see the module's docstring)."""
+    config["mdx_configs"].setdefault("toc", {})["slugify"] = github_slug
+    return config
+
+
+def on_page_markdown(markdown: str, page: Any = None, config: Any = None, **_: Any) -> str:
+    """mkdocs hook: fill the generated sections and turn links to repository files into paths."""
+    if page is not None and config is not None:
+        markdown = repository_links_as_paths(markdown, page.file.src_uri, Path(config["docs_dir"]))
     out = []
     for line in markdown.splitlines():
         marker = line.strip()
