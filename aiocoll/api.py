@@ -207,14 +207,14 @@ class _Runtime:
 class ProcessGroup:
     """A group of ranks and every operation of the contract over them.
 
-    Every operation enqueues at call time and returns a :class:`aiocoll.Work` at once; ``await`` it
+    Every operation enqueues at call time and returns a `aiocoll.Work` at once; ``await`` it
     for the result, or call ``.wait()`` from a thread outside the event loop. Operations of one
     group match across ranks in the order each rank called them, so many may be in flight
     (``asyncio.gather``). Rank arguments (``src``, ``dst``) are ranks within this group.
 
     Tensors are ``numpy.ndarray`` or ``torch.Tensor`` (CPU or CUDA), of any shape, contiguous or
-    not; results are written in place. Make one with :func:`init_process_group` or
-    :meth:`new_group`.
+    not; results are written in place. Make one with `init_process_group` or
+    `new_group`.
 
     Attributes:
         rank: this process's rank in the group.
@@ -487,7 +487,7 @@ class ProcessGroup:
 
         Args:
             tensor: this rank's contribution, overwritten with the result.
-            op: an :class:`aiocoll.ReduceOp` (or torch's, or its name).
+            op: an `aiocoll.ReduceOp` (or torch's, or its name).
             timeout: seconds this operation may take (None: no limit); by default the group's,
                 from ``init_process_group(timeout=...)``.
 
@@ -520,7 +520,7 @@ class ProcessGroup:
         Args:
             tensor: this rank's contribution; on ``dst`` it is overwritten with the result.
             dst: the group rank that receives the result.
-            op: an :class:`aiocoll.ReduceOp`.
+            op: an `aiocoll.ReduceOp`.
             timeout: seconds this operation may take (None: no limit); by default the group's,
                 from ``init_process_group(timeout=...)``.
 
@@ -695,7 +695,7 @@ class ProcessGroup:
         Args:
             output: where this rank's reduced part lands.
             input_list: one tensor per rank, each of ``output``'s dtype and size.
-            op: an :class:`aiocoll.ReduceOp`.
+            op: an `aiocoll.ReduceOp`.
             timeout: seconds this operation may take (None: no limit); by default the group's,
                 from ``init_process_group(timeout=...)``.
 
@@ -724,7 +724,7 @@ class ProcessGroup:
         Args:
             output: where this rank's block lands.
             input: ``size`` times ``output``'s elements.
-            op: an :class:`aiocoll.ReduceOp`.
+            op: an `aiocoll.ReduceOp`.
             timeout: seconds this operation may take (None: no limit); by default the group's,
                 from ``init_process_group(timeout=...)``.
 
