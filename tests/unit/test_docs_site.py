@@ -73,3 +73,34 @@ def test_every_python_example_says_how_it_runs_and_compiles() -> None:
             compile(example.code, example.label, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
         except SyntaxError as exc:
             pytest.fail(f"{example.label}: {exc}")
+
+
+def _hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "scripts" / "docs_hooks.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(30)
+def test_headings_get_githubs_anchors() -> None:
+    slug = _hooks().github_slug
+    assert slug("Elastic jobs: --nnodes MIN:MAX") == "elastic-jobs---nnodes-minmax"
+    assert slug("The web page") == "the-web-page"
+    assert slug("aiocoll coordinator") == "aiocoll-coordinator"
+
+
+@pytest.mark.timeout(30)
+def test_links_to_repository_files_become_paths_and_others_stay() -> None:
+    rewrite = _hooks().repository_links_as_paths
+    docs = ROOT / "docs"
+    page = "guides/example.md"
+    text = "[the demo](../../examples/demo.py) and [examples/demo.py](../../examples/demo.py)"
+    assert rewrite(text, page, docs) == "the demo (`examples/demo.py`) and `examples/demo.py`"
+    kept = "[Security](security.md), [a page](../PERFORMANCE.md#gpus), [web](https://example.org/x)"
+    assert rewrite(kept, page, docs) == kept
+    missing = "[gone](../../examples/no_such_file.py)"
+    assert rewrite(missing, page, docs) == missing  # left for the strict build to report
