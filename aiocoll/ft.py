@@ -1,7 +1,8 @@
-"""Per-step fault tolerance without restart (issue 20): ``Manager``, a replica's side of the
-coordinator's quorums. Public surface (an addition to the contract, docs/FAULT_TOLERANCE.md);
-imports the async API, the client's coordinator session and foundations; never torch (the torch
-wrapper is aiocoll/ft_torch.py).
+"""Per-step fault tolerance without restart: ``Manager``, a replica's side of the coordinator's quorums.
+
+Public surface (an addition to the contract, docs/FAULT_TOLERANCE.md); imports the async API, the
+client's coordinator session and foundations; never torch (the torch wrapper is
+aiocoll/ft_torch.py).
 
 A *replica* holds one copy of the model (here: one process). At each step boundary it asks the
 coordinator for a quorum (server/_quorum.py); the step's collectives run over a process group of
@@ -50,13 +51,19 @@ log = logging.getLogger("aiocoll.ft")
 _BEAT_EVERY = 1.0  # the coordinator counts a replica gone after its heartbeat timeout of silence
 _DESTROY_TIMEOUT = 5.0  # an old group's goodbye may not hold up the next step longer than this
 _HEAL_TAG = 0x4845414C  # the point-to-point tag of state transfers ("HEAL")
+_STAGED_BYTES = 256 << 20  # host copies of device tensors a heal's sender keeps in flight, at most
 
 
 class QuorumError(DistError):
     """No quorum could be formed (or joined) within the Manager's ``quorum_timeout``.
 
+    Raised by ``Manager.start_step``. The message names this replica, its rank in the last quorum
+    and its host, and what the coordinator said: how many replicas asked (by name) and which ones
+    of the previous quorum it waited for, or why it could not be reached.
+
     Attributes:
-        replica: this replica's name. step: its committed steps.
+        replica: this replica's name.
+        step: the steps this replica had committed.
     """
 
     __module__ = "aiocoll.ft"
@@ -68,12 +75,19 @@ class QuorumError(DistError):
 
 
 class StepFailed(DistError):
-    """Why a step did not commit (``Manager.last_error``; the Manager logs it and goes on).
+    """Why a step did not commit: kept in ``Manager.last_error`` and logged, never raised.
+
+    The message names this replica (rank, host), the step, the operation that failed and the
+    replicas it involves, each with its rank in the quorum's group and its host.
 
     Attributes:
-        step: the step. quorum_id: the quorum it ran in. replicas, ranks, hosts: the replicas
-        the failure names (lost, or did not answer), their ranks in the quorum's group and their
-        hosts. cause: the error of the operation that failed.
+        step: the step that failed.
+        quorum_id: the quorum it ran in.
+        replicas: the replicas the failure names (lost, or did not answer in time).
+        ranks: their ranks in the quorum's group, in the same order.
+        hosts: their hosts, in the same order.
+        cause: the error of the operation that failed (a ``PeerLostError``,
+            ``CollectiveTimeout``, ...).
     """
 
     __module__ = "aiocoll.ft"
@@ -113,12 +127,16 @@ def _torch_tensor(obj: object) -> Any:
 
 
 def pack_state(state: Any) -> tuple[np.ndarray, list[Any]]:
-    """Split ``state`` (any picklable object: a state_dict, a pytree of arrays) into a small
-    pickle and the arrays it holds (numpy arrays and dense torch tensors), each of which is sent
-    as it is, without a copy into the pickle.
+    """Split a state into a small pickle and the arrays it holds, for ``send_state``.
+
+    Numpy arrays and dense torch tensors are kept apart and sent as they are, without a copy into
+    the pickle; everything else (containers, numbers, strings) is pickled.
+
+    Args:
+        state: any picklable object: a state_dict, a pytree of arrays.
 
     Returns:
-        (the pickle as uint8, the arrays in the order the pickle refers to them).
+        The pickle as a uint8 array, and the arrays in the order the pickle refers to them.
     """
     arrays: list[Any] = []
     shapes: list[tuple[str, str, tuple[int, ...]]] = []
@@ -159,20 +177,68 @@ def _nbytes(array: Any) -> int:
 
 
 async def send_state(pg: ProcessGroup, packed: tuple[np.ndarray, list[Any]], dst: int, timeout: float) -> int:
-    """Send a ``pack_state`` result to group rank ``dst``; returns the bytes sent."""
+    """Send a ``pack_state`` result to one rank of a group, over the group's peer links.
+
+    Device tensors (CUDA) are sent from host copies, at most 256 MiB of them at a time: the
+    receiver receives into host memory.
+
+    Args:
+        pg: the group.
+        packed: what ``pack_state`` returned.
+        dst: the receiving rank in ``pg``.
+        timeout: seconds each send may take.
+
+    Returns:
+        The number of bytes sent.
+
+    Raises:
+        aiocoll.DistError: a send failed (``PeerLostError``, ``CollectiveTimeout``, ...).
+    """
     head, arrays = packed
     works = [pg.send(np.array([head.size], np.int64), dst, _HEAL_TAG, timeout=timeout)]
     works.append(pg.send(head, dst, _HEAL_TAG, timeout=timeout))
-    works += [pg.send(a, dst, _HEAL_TAG, timeout=timeout) for a in arrays if _numel(a)]
+    staged = 0
+    for a in arrays:
+        if not _numel(a):
+            continue
+        host = _on_host(a)
+        if host is not a:
+            staged += _nbytes(host)
+        works.append(pg.send(host, dst, _HEAL_TAG, timeout=timeout))  # posted now, in order
+        if staged >= _STAGED_BYTES:  # bound the host copies in flight
+            await _all(works)
+            works, staged = [], 0
     await _all(works)
     return int(head.size) + sum(_nbytes(a) for a in arrays)
 
 
+def _on_host(array: Any) -> Any:
+    """``array`` when it is in host memory; else a host copy of it (a CUDA tensor).
+
+    The receiver always receives into host memory (it may have no device), and a message must
+    be sent as it is received: a device tensor is sent from a host copy.
+    """
+    if isinstance(array, np.ndarray) or array.device.type == "cpu":
+        return array
+    return array.cpu()
+
+
 async def recv_state(pg: ProcessGroup, src: int, timeout: float) -> tuple[Any, int]:
-    """Receive what ``send_state`` sent from group rank ``src``; returns (state, bytes).
+    """Receive what ``send_state`` sent from one rank of a group.
 
     The pickle comes from an authenticated peer of this job (every peer link proves the job's
     token), which is what makes unpickling it acceptable.
+
+    Args:
+        pg: the group.
+        src: the sending rank in ``pg``.
+        timeout: seconds each receive may take.
+
+    Returns:
+        The state (arrays as numpy arrays or CPU torch tensors) and the number of bytes received.
+
+    Raises:
+        aiocoll.DistError: a receive failed (``PeerLostError``, ``CollectiveTimeout``, ...).
     """
     size = np.zeros(1, np.int64)
     await pg.recv(size, src, _HEAL_TAG, timeout=timeout)
@@ -224,7 +290,12 @@ def _default_replica() -> str:
 
 
 class Manager:
-    """One replica's side of per-step fault tolerance (see the module's docstring).
+    """One replica's side of per-step fault tolerance.
+
+    A replica holds one copy of the model (here: one process). Each step is ``start_step``
+    (the quorum; a heal when behind), the step's collectives over the quorum's ``group``
+    (``all_reduce_mean``), then ``commit``; a step that failed anywhere commits nowhere, and the
+    next quorum leaves out the replicas that are gone. See docs/FAULT_TOLERANCE.md.
 
     Args:
         coordinator: "HOST:PORT" of the aiocoll coordinator (default: AIOCOLL_COORDINATOR, else
@@ -233,27 +304,34 @@ class Manager:
             AIOCOLL_REPLICA, else replica{RANK}, else HOSTNAME:PID).
         state_dict: returns the state a replica that is behind needs (model and optimizer
             state_dicts, any pytree of numpy arrays or torch tensors); called on a live replica
-            when another one heals from it. load_state_dict: takes that state on a replica that
-            heals. Both may be set later as attributes (aiocoll.ft_torch does), before the first
-            ``start_step``.
+            when another one heals from it. May be set later as an attribute (aiocoll.ft_torch
+            does), before the first ``start_step``.
+        load_state_dict: takes that state on a replica that heals (arrays arrive as numpy
+            arrays or CPU torch tensors). May be set later, like ``state_dict``.
         job: the job (default AIOCOLL_JOB, else "default"); its quorums' groups are jobs
             "JOB/qID" on the same coordinator.
         token: the shared secret (default AIOCOLL_TOKEN).
         min_replicas: a quorum needs at least this many replicas (more than half of them avoids
-            two quorums training apart).
+            two quorums training apart). Every replica of a job must give the same value.
         join_timeout: seconds a quorum waits for replicas of the previous quorum that are there
             but have not asked (and a job's first quorum for everyone); also how long a new
-            quorum's group may take to form.
+            quorum's group may take to form. Every replica must give the same value.
         timeout: seconds each collective of a step, and a heal, may take.
         quorum_timeout: seconds ``start_step`` may take in all (asking again after failures).
 
     Attributes:
-        replica: this replica's name. step: steps committed (the state's step).
-        quorum_id, members, index, hosts: the current quorum, its replicas (by name), this one's
-            place among them (its rank in ``group``) and their hosts.
+        replica: this replica's name.
+        step: steps committed (the state's step).
+        quorum_id: the current quorum's id (it changes when its membership changes).
+        members: the current quorum's replicas, by name, in rank order.
+        index: this replica's rank in ``group``.
+        hosts: the members' hosts, in rank order.
         group: the current quorum's ProcessGroup (for more collectives of the step).
         last_error: why the last failed step failed (a StepFailed), else None.
-        last_heal: {"source", "bytes", "seconds"} of the last state received, else None.
+        last_heal: ``{"source", "bytes", "seconds"}`` of the last state received, else None.
+
+    Raises:
+        ValueError: a setting out of range, or no coordinator given or found in the environment.
     """
 
     def __init__(
@@ -329,6 +407,27 @@ class Manager:
             return f"replica {self.members[rank]!r} (rank {rank}, host {self.hosts[rank]})"
         return f"rank {rank}"
 
+    def _ranks_of(self, exc: BaseException) -> list[int]:
+        """The ranks of the current quorum that ``exc`` names (lost, or did not answer)."""
+        if isinstance(exc, PeerLostError):
+            ranks = [exc.rank]
+        elif isinstance(exc, CollectiveTimeout):
+            ranks = list(exc.missing_ranks)
+        else:
+            ranks = list(getattr(exc, "ranks", []) or [])
+        return [r for r in ranks if 0 <= r < len(self.members)]
+
+    def _named(self, exc: BaseException) -> str:
+        """The replicas ``exc`` involves, each with its rank and host.
+
+        When it names none (a group that did not form), the other members of the quorum.
+        """
+        ranks = self._ranks_of(exc)
+        if ranks:
+            return ", ".join(self._who(r) for r in ranks)
+        others = [self._who(r) for r in range(len(self.members)) if r != self.index]
+        return f"one of {', '.join(others)}" if others else "no other replica"
+
     # -- the coordinator session -------------------------------------------------------------
     async def _connected(self, deadline: Deadline) -> CoordinatorSession:
         if self._closed:
@@ -346,8 +445,11 @@ class Manager:
         return self._session
 
     async def _beat_forever(self, session: CoordinatorSession) -> None:
-        """Heartbeats on the quorum connection: a replica whose host is cut off falls silent
-        and stops holding the others' quorum (the coordinator's heartbeat timeout)."""
+        """Heartbeats on the quorum connection.
+
+        A replica whose host is cut off falls silent and stops holding up the others' quorum
+        (the coordinator's heartbeat timeout).
+        """
         while not session.closed:
             with contextlib.suppress(Exception):
                 await session._call("hb", {}, deadline=Deadline(5.0))
@@ -355,13 +457,21 @@ class Manager:
 
     # -- a step ------------------------------------------------------------------------------
     async def start_step(self) -> int:
-        """Begin a step: ask for the quorum, make its group when it changed, and receive the
-        state when this replica is behind (or send it to those that are).
+        """Begin a step: the quorum, its group, and the state for a replica that is behind.
+
+        Asks the coordinator for this step's quorum and waits until it forms; makes the quorum's
+        process group when the membership changed (destroying the old one); then receives the
+        state from a live replica when this one is behind (a new or restarted replica), or sends
+        it to the replicas the coordinator assigned to this one. A failure while the group forms
+        or during a heal (a replica lost meanwhile) makes it ask again, for a quorum without it.
 
         Returns:
-            ``step``, the number of the step about to run (the steps committed so far).
+            ``step``: the number of the step about to run (the steps committed so far).
+
         Raises:
-            QuorumError: no quorum within ``quorum_timeout`` (too few replicas, no coordinator).
+            QuorumError: no quorum within ``quorum_timeout`` (too few replicas, the coordinator
+                not reachable).
+            RuntimeError: a heal is needed but ``state_dict``/``load_state_dict`` are not set.
         """
         deadline = Deadline(self.quorum_timeout)
         self._failed = None
@@ -376,17 +486,19 @@ class Manager:
                 # fresh group (the lost one will be left out).
                 self._renew = True
                 log.warning(
-                    "%s: step %d: joining quorum %d failed (%s: %s); asking for a new quorum",
+                    "%s: step %d: joining quorum %d failed (%s): %s: %s; asking for a new quorum",
                     self._where(),
                     self.step,
                     reply["quorum_id"],
+                    self._named(exc),
                     type(exc).__name__,
                     exc,
                 )
                 remaining = deadline.remaining()
                 if remaining is not None and remaining <= 0:
                     raise QuorumError(
-                        f"{self._where()}: could not join a quorum within {self.quorum_timeout:g}s: {exc}",
+                        f"{self._where()}: could not join a quorum within {self.quorum_timeout:g}s; the last "
+                        f"one failed ({self._named(exc)}): {exc}",
                         replica=self.replica,
                         step=self.step,
                     ) from exc
@@ -425,8 +537,16 @@ class Manager:
     async def _adopt(self, reply: dict[str, Any], deadline: Deadline) -> None:
         qid, members, index = int(reply["quorum_id"]), reply["members"], int(reply["index"])
         for name, host, why in reply.get("left", []):
+            rank = self.members.index(name) if name in self.members else -1
             log.warning(
-                "%s: quorum %d leaves out replica %r (host %s): %s", self.replica, qid, name, host, why
+                "%s: quorum %d leaves out replica %r (rank %d of quorum %d, host %s): %s",
+                self._where(),
+                qid,
+                name,
+                rank,
+                self.quorum_id,
+                host,
+                why,
             )
         if qid != self.quorum_id or self.group is None:
             old, self.group = self.group, None
@@ -504,14 +624,8 @@ class Manager:
 
     def _fail(self, what: str, exc: BaseException) -> None:
         """Record the step's failure, naming the replicas, ranks and hosts it involves."""
-        if isinstance(exc, PeerLostError):
-            ranks = [exc.rank]
-        elif isinstance(exc, CollectiveTimeout):
-            ranks = list(exc.missing_ranks)
-        else:
-            ranks = list(getattr(exc, "ranks", []) or [])
-        ranks = [r for r in ranks if 0 <= r < len(self.members)]
-        named = ", ".join(self._who(r) for r in ranks) or "no replica named"
+        ranks = self._ranks_of(exc)
+        named = self._named(exc)
         failure = StepFailed(
             f"{self._where()}: step {self.step}: {what} failed ({named}): {type(exc).__name__}: "
             f"{str(exc).rstrip('.')}. "
@@ -530,17 +644,33 @@ class Manager:
             log.warning("%s", failure)
 
     def report_error(self, exc: BaseException) -> None:
-        """Mark the current step failed (an operation of your own on ``group`` failed): it will
-        not commit, and the next quorum makes a fresh group."""
+        """Mark the current step failed: it will not commit, and the next quorum makes a fresh group.
+
+        Call it when an operation of your own on ``group`` failed.
+
+        Args:
+            exc: the error; its ranks (``PeerLostError.rank``, ``CollectiveTimeout.missing_ranks``)
+                are named in ``last_error`` with their replicas and hosts.
+        """
         self._fail("an operation of the step", exc)
 
     async def all_reduce_mean(self, arrays: Sequence[Any], *, timeout: float | None = None) -> bool:
-        """Average ``arrays`` (numpy arrays or torch tensors, floating point) over the quorum's
-        replicas, in place: the sum over the replicas divided by their number.
+        """Average arrays over the quorum's replicas, in place.
+
+        The sum over the replicas that are in this step's quorum, divided by their number. A
+        failure does not raise: it is logged and kept in ``last_error``, and ``commit`` returns
+        False.
+
+        Args:
+            arrays: numpy arrays or torch tensors (floating point; CUDA tensors too), the same
+                shapes and dtypes on every replica.
+            timeout: seconds the all_reduce may take (default: the Manager's ``timeout``).
 
         Returns:
-            True; False when the step has failed (then nothing may be relied on, and ``commit``
-            returns False): a failure does not raise, it is logged and kept in ``last_error``.
+            True; False when the step has failed (then the arrays' contents are not to be used).
+
+        Raises:
+            RuntimeError: called outside a step (before ``start_step``).
         """
         if self._failed is not None:
             return False
@@ -556,9 +686,20 @@ class Manager:
         return True
 
     async def commit(self, *, timeout: float | None = None) -> bool:
-        """End the step: whether every replica of the quorum completed it (a MIN all_reduce of
-        the replicas' flags). When True, apply the step (``step`` has moved on); when False, do
-        not: the next ``start_step`` asks for a new quorum and heals a replica that fell behind.
+        """End the step: whether every replica of the quorum completed it.
+
+        A MIN all_reduce of the replicas' flags. When True, apply the step (``step`` has moved
+        on); when False, do not: the next ``start_step`` asks for a new quorum, which leaves out
+        the replicas that are gone and heals the ones that fell behind.
+
+        Args:
+            timeout: seconds the all_reduce may take (default: the Manager's ``timeout``).
+
+        Returns:
+            Whether the step is committed.
+
+        Raises:
+            RuntimeError: called outside a step (before ``start_step``).
         """
         pg = self._group("commit")
         flag = np.array([0 if self._failed is not None else 1], np.int32)
@@ -585,7 +726,10 @@ class Manager:
 
     # -- closing -----------------------------------------------------------------------------
     async def close(self) -> None:
-        """Leave: destroy the quorum's group and close the coordinator session. Twice is fine."""
+        """Leave: destroy the quorum's group and close the coordinator session. Twice is fine.
+
+        The other replicas' next quorum leaves this one out at once (its connection closed).
+        """
         if self._closed:
             return
         self._closed = True

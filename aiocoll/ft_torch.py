@@ -1,7 +1,8 @@
-"""Per-step fault tolerance for an ordinary torch training loop (issue 20): an optimizer wrapper
-over ``aiocoll.ft.Manager``. Public surface (an addition to the contract, docs/FAULT_TOLERANCE.md);
-imports torch, aiocoll.ft and the loop thread the blocking facade runs on. Holds no logic of its
-own beyond torch's side: which tensors are the state, and the gradients as one flat buffer.
+"""Per-step fault tolerance for an ordinary torch training loop: an optimizer wrapper over aiocoll.ft.
+
+Public surface (an addition to the contract, docs/FAULT_TOLERANCE.md); imports torch, aiocoll.ft
+and the loop thread the blocking facade runs on. Holds no logic of its own beyond torch's side:
+which tensors are the state, and the gradients as one flat buffer.
 
     manager = aiocoll.ft.Manager("10.0.0.1:29500", replica="r0", min_replicas=2)
     opt = FaultTolerantOptimizer(manager, torch.optim.SGD(model.parameters(), lr=0.1), model)
@@ -38,7 +39,10 @@ class FaultTolerantOptimizer:
             the optimizer's parameters only.
 
     Attributes:
-        manager, optimizer, model: as given. committed: whether the last ``step`` was applied.
+        manager: as given.
+        optimizer: the wrapped optimizer.
+        model: as given.
+        committed: whether the last ``step`` was applied.
     """
 
     def __init__(
@@ -75,8 +79,10 @@ class FaultTolerantOptimizer:
 
     # -- the training loop's calls ------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Start a step (the quorum; the state received when this replica is behind), then clear
-        the gradients.
+        """Start a step (the quorum; the state received when behind), then clear the gradients.
+
+        Args:
+            set_to_none: as torch's ``Optimizer.zero_grad``.
 
         Raises:
             aiocoll.ft.QuorumError: no quorum within the Manager's quorum_timeout.
@@ -85,11 +91,15 @@ class FaultTolerantOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
-        """Average the gradients over the quorum's replicas, commit, and run the wrapped
-        optimizer's step only when every replica completed this one.
+        """Average the gradients over the quorum, commit, and apply the step only if committed.
 
-        A parameter without a gradient counts as a zero gradient, so that every replica reduces
-        the same tensors.
+        The wrapped optimizer's step runs only when every replica of the quorum completed this
+        step. A parameter without a gradient counts as a zero gradient, so that every replica
+        reduces the same tensors.
+
+        Args:
+            closure: as torch's ``Optimizer.step``: called (with gradients enabled) before the
+                gradients are averaged.
 
         Returns:
             Whether the step was committed and applied (``manager.last_error`` says why not).
@@ -122,16 +132,28 @@ class FaultTolerantOptimizer:
     # -- the wrapped optimizer's face ---------------------------------------------------------
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups``."""
         return self.optimizer.param_groups
 
     @property
     def state(self) -> Any:
+        """The wrapped optimizer's ``state``."""
         return self.optimizer.state
 
     def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()`` (for checkpoints).
+
+        Returns:
+            The wrapped optimizer's state_dict.
+        """
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state into the wrapped optimizer (from a checkpoint).
+
+        Args:
+            state_dict: what ``state_dict`` returned.
+        """
         self.optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:

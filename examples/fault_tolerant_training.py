@@ -24,6 +24,7 @@ quorum, members, a digest of the parameters and optimizer state, timings).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
@@ -104,7 +105,7 @@ def train(args: argparse.Namespace) -> None:
     opt = aiocoll.ft_torch.FaultTolerantOptimizer(manager, make_optimizer(model), model)
     record = open(args.record, "a", buffering=1) if args.record else None
     losses = []
-    while manager.step < args.steps:
+    while manager.step < _last_step(args):
         began = time.perf_counter()
         heals = manager.last_heal
         opt.zero_grad()  # this step's quorum; the state from a live replica when behind
@@ -138,6 +139,14 @@ def train(args: argparse.Namespace) -> None:
     )
 
 
+def _last_step(args: argparse.Namespace) -> int:
+    """--steps, or the step --until-file names once it exists (read before every step)."""
+    if args.until_file:
+        with contextlib.suppress(FileNotFoundError):
+            return int(Path(args.until_file).read_text())
+    return args.steps
+
+
 def _write(record: Any, replica: str, entry: dict[str, Any]) -> None:
     entry.update(replica=replica, pid=os.getpid(), host=socket.gethostname(), t=time.time())
     record.write(json.dumps(entry) + "\n")
@@ -158,6 +167,14 @@ def _committed(path: Path) -> list[dict[str, Any]]:
     return [e for e in _records(path) if e["event"] == "step"]
 
 
+def _new(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The entries of the last process that wrote them (a restarted replica's)."""
+    return [e for e in entries if e["pid"] != entries[0]["pid"]] if entries else []
+
+
+_MARGIN = 20  # steps every replica trains after the restarted one healed, at least
+
+
 def demo(args: argparse.Namespace) -> None:
     from aiocoll.testing.coordinator import CoordinatorProcess
 
@@ -168,12 +185,19 @@ def demo(args: argparse.Namespace) -> None:
         out / "coordinator.log", "--state-dir", str(out / "state"), "--heartbeat-timeout", "5", token=token
     )
     names = [f"r{k}" for k in range(args.replicas)]
+    until = out / "until"
+    until.unlink(missing_ok=True)
+    last_step = None
     victim = names[1]
     env = {**os.environ, "AIOCOLL_TOKEN": token}
 
     def start(name: str) -> subprocess.Popen[bytes]:
         command = [sys.executable, __file__, "--coordinator", f"127.0.0.1:{coordinator.port}"]
-        command += ["--replica", name, "--steps", str(args.steps), "--record", str(out / f"{name}.jsonl")]
+        # The replicas train until the demo writes the last step into `until`: --steps, or more
+        # when the restarted replica healed so late (a loaded machine) that fewer than MARGIN
+        # steps were left; so it always trains on after its heal, and all stop at the same step.
+        command += ["--replica", name, "--steps", str(1 << 40), "--until-file", str(until)]
+        command += ["--record", str(out / f"{name}.jsonl")]
         command += ["--step-time", str(args.step_time), "--ballast-mib", str(args.ballast_mib)]
         command += ["--device", args.device]
         command += ["--min-replicas", "2", "--join-timeout", str(args.join_timeout)]
@@ -201,6 +225,11 @@ def demo(args: argparse.Namespace) -> None:
                     procs[victim] = start(victim)
                     restarted = time.time()
                     print(f"demo: restarted {victim}", flush=True)
+            if restarted is not None and last_step is None and any(e["healed"] for e in _new(done[victim])):
+                top = max(e["step"] for n in names for e in done[n])
+                last_step = max(args.steps, top + _MARGIN)
+                (out / "until.tmp").write_text(str(last_step))
+                (out / "until.tmp").replace(until)  # whole, or not there
             time.sleep(0.01)
     finally:
         for p in procs.values():
@@ -210,11 +239,12 @@ def demo(args: argparse.Namespace) -> None:
     failed = [n for n, p in procs.items() if p.returncode != 0]
     if failed:
         raise SystemExit(f"demo: replicas {failed} failed; logs in {out}")
-    summary = check(out, names, victim, killed_at, args.steps)
+    assert last_step is not None
+    summary = check(out, names, victim, killed_at, last_step)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     heal = summary["heal"]
     print(
-        f"fault-tolerant training: {len(names)} replicas, {args.steps} steps; {victim} killed (kill -9) "
+        f"fault-tolerant training: {len(names)} replicas, {last_step} steps; {victim} killed (kill -9) "
         f"after step {args.kill_at}; the others committed step {summary['recovered_step']} without it "
         f"{summary['recovery_s']:.2f}s later, without a restart; {victim} restarted and healed from "
         f"{heal['source']} before step {summary['healed_step']} ({heal['bytes']} bytes in "
@@ -256,6 +286,7 @@ def check(out: Path, names: list[str], victim: str, killed_at: float | None, ste
         raise SystemExit(f"demo: no step without {victim} after the kill, or no heal after its restart")
     timed = [e for e in ordered if not e["healed"]]
     return {
+        "steps": steps,
         "killed_at": killed_at,
         "recovered_step": survivors[0]["step"],
         "recovery_s": survivors[0]["t"] - killed_at,
@@ -278,6 +309,7 @@ def main() -> None:
     parser.add_argument("--job", default=None, help="the job (default AIOCOLL_JOB, else 'default')")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--record", help="append a JSON line per committed step to this file")
+    parser.add_argument("--until-file", help="once this file exists, train to the step it holds, not --steps")
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds of pretend compute per step")
     parser.add_argument("--device", default="cpu", help="where the model lives: cpu, cuda, cuda:1...")
     parser.add_argument("--ballast-mib", type=int, default=0, help="MiB of extra state (times large heals)")

@@ -314,12 +314,15 @@ class Quorum:
             return
         del jq.asks[a.replica]
         now = self.fx.clock()
-        asked = sorted(jq.asks)
-        detail = (
-            f"{len(asked) + 1} of at least {a.min_replicas} replicas asked ({', '.join([a.replica, *asked])})"
-        )
+        asked = [a, *sorted(jq.asks.values(), key=lambda other: other.replica)]
+        named = ", ".join(f"{other.replica} (host {other.host})" for other in asked)
+        detail = f"{len(asked)} of at least {a.min_replicas} replicas asked ({named})"
         if jq.last is not None:
-            waited = [m[0] for m in jq.last["members"] if m[0] not in jq.asks and m[0] != a.replica]
+            waited = [
+                f"{m[0]} (host {m[3]})"
+                for m in jq.last["members"]
+                if m[0] not in jq.asks and m[0] != a.replica
+            ]
             if waited:
                 detail += f"; waited for replicas of quorum {jq.last['id']}: {', '.join(waited)}"
         self.fx.fail(

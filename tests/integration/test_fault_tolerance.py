@@ -4,12 +4,14 @@ One run of examples/fault_tolerant_training.py --demo: a coordinator, three repl
 small torch model through aiocoll.ft_torch; one is killed with kill -9 after its step 20 and
 restarted a few steps later. Checked from the replicas' records, independently of the demo's own
 checks: the survivors commit a step without it within RECOVERY_BOUND seconds of the kill and are
-never restarted; every step 0..STEPS-1 is committed once, by the replicas of its quorum, with
-bit-identical parameters and momentum on all of them; the restarted replica heals from a live one
-to that same state and trains on; and every step's parameters equal, bit for bit, a reference run
-in this process with the same membership history (gradients summed in rank order and divided by
-the quorum's size, as the replicas' shared-memory all_reduce does on one host). The errors the
-survivors logged name the lost replica, its rank and its host.
+never restarted; every step 0..N-1 is committed once, by the replicas of its quorum, with
+bit-identical parameters and momentum on all of them (N: STEPS, or more when the restarted
+replica healed late on a loaded machine: the demo has every replica train 20 steps past the
+heal); the restarted replica heals from a live one to that same state and trains on; and every
+step's parameters equal, bit for bit, a reference run in this process with the same membership
+history (gradients summed in rank order and divided by the quorum's size, as the replicas'
+shared-memory all_reduce does on one host). What the survivors logged names the lost replica,
+its rank and its host.
 
 A second world moves states between two processes with the Manager's state transfer: a pytree of
 numpy arrays and torch tensors of several dtypes and shapes (0-d, empty, bfloat16, non-contiguous)
@@ -94,11 +96,13 @@ def test_three_replicas_survive_a_kill_without_restart_and_heal_the_restarted_on
         for name in ("r0", "r1", "r2")
     }
     steps = {name: [e for e in entries if e["event"] == "step"] for name, entries in records.items()}
+    last = summary["steps"]
+    assert last >= STEPS
 
     # the survivors: one process each from start to end, every step committed once, in order
     for name in ("r0", "r2"):
         assert len({e["pid"] for e in records[name]}) == 1, name
-        assert [e["step"] for e in steps[name]] == list(range(STEPS)), name
+        assert [e["step"] for e in steps[name]] == list(range(last)), name
     killed_at = summary["killed_at"]
     after = [e for e in steps["r0"] if e["t"] > killed_at]
     first_without = next(e for e in after if "r1" not in e["members"])
@@ -112,12 +116,13 @@ def test_three_replicas_survive_a_kill_without_restart_and_heal_the_restarted_on
     second = [e for e in steps["r1"] if e["pid"] == pids[1]]
     assert second[0]["healed"] is not None and second[0]["healed"]["source"] in ("r0", "r2")
     assert second[0]["healed"]["bytes"] > 0
-    assert [e["step"] for e in second] == list(range(second[0]["step"], STEPS))
+    assert [e["step"] for e in second] == list(range(second[0]["step"], last))
+    assert last - second[0]["step"] >= 20
 
     # every step: committed by exactly its quorum's replicas, bit-identical on all of them
     killed = [e for e in steps["r1"] if e["pid"] == pids[0]]
     history = []
-    for step in range(STEPS):
+    for step in range(last):
         members = steps["r0"][step]["members"]
         history.append(members)
         entries = [e for name in steps for e in steps[name] if e["step"] == step]
@@ -134,11 +139,17 @@ def test_three_replicas_survive_a_kill_without_restart_and_heal_the_restarted_on
     expected = _reference(_example(), history)
     assert [e["digest"] for e in steps["r0"]] == expected
 
-    # what the survivors said: the lost replica by name, rank and host
-    who = f"replica 'r1' (rank 1, host {socket.gethostname()})"
+    # what the survivors said: the lost replica by name, rank and host. The next quorum always
+    # says whom it left out; a step the kill interrupted failed naming it (a kill between two
+    # steps fails no operation: the quorum that follows simply forms without it).
+    host = socket.gethostname()
     for name in ("r0", "r2"):
         log = (tmp_path / f"{name}.log").read_text()
-        assert who in log and "not committed" in log, log[-3000:]
+        assert re.search(rf"leaves out replica 'r1' \(rank 1 of quorum \d+, host {re.escape(host)}\)", log), (
+            log[-3000:]
+        )
+        for e in (e for e in records[name] if e["event"] == "failed"):
+            assert f"replica 'r1' (rank 1, host {host})" in e["error"] and "not committed" in e["error"], e
 
 
 # ---------------------------------------------------------------------------------------------

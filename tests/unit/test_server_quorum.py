@@ -249,6 +249,8 @@ def test_an_ask_without_enough_replicas_times_out_naming_who_asked_and_who_was_w
     reply = r.replies()["a"]
     assert reply["ok"] is False and reply["err"] == ERR_TIMEOUT
     assert "'a'" in reply["msg"] and "1 of at least 2" in reply["msg"] and "min_replicas" in reply["msg"]
+    # every replica it names comes with its host: the one that asked, the one it waited for
+    assert "a (host host-a)" in reply["msg"] and "quorum 1: b (host host-b)" in reply["msg"]
 
 
 def test_asks_that_disagree_or_are_malformed_are_refused_and_admin_connections_cannot_ask() -> None:
