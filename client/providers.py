@@ -31,7 +31,7 @@ A new provider (UCX, a GPU-direct link) is a class with ``name``, ``eager``, ``k
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -98,8 +98,9 @@ class DriverProvider:
 
 
 class StagedProvider:
-    """Device tensors: wraps the group's host path, chunk by chunk through pinned staging, or
-    device to device (CUDA IPC) where the group can; chosen per call by where the tensors are."""
+    """Device tensors: wraps the group's route over the links (``inner``: each chunk's host
+    operation runs by it), chunk by chunk through pinned staging, or device to device (CUDA IPC)
+    where the group can; chosen per call by where the tensors are."""
 
     name: ClassVar[str] = "staged"
     eager: ClassVar[bool] = False
@@ -107,8 +108,15 @@ class StagedProvider:
     why = "device tensors, whatever the kind"
 
     def __init__(
-        self, ranks: tuple[int, ...], me: int, rank: int, group_key: tuple[Any, ...], gid: str
+        self,
+        ranks: tuple[int, ...],
+        me: int,
+        rank: int,
+        group_key: tuple[Any, ...],
+        gid: str,
+        inner: Callable[[CollectiveSpec, Any, Tag, dict[str, Any]], Awaitable[None]],
     ) -> None:
+        self._inner = inner
         self._ranks = ranks
         self._me = me
         self._rank = rank
@@ -127,11 +135,13 @@ class StagedProvider:
         op: ReduceOp,
     ) -> Callable[[Tag, OpTransport], Any]:
         staged = StagedOp(kind, len(self._ranks), send, recv, rank=self._rank, group_key=self._key)
-        ranks, me, gid = self._ranks, self._me, self._gid
+        ranks, me, gid, inner = self._ranks, self._me, self._gid, self._inner
 
         async def body(tag: Tag, transport: OpTransport) -> Any:
             what = f"{kind} (group {gid!r}, seq {tag[2]})"
-            await staged.collective(transport, tag, meta, ranks=ranks, me=me, root=root, op=op, what=what)
+            await staged.collective(
+                transport, tag, meta, ranks=ranks, me=me, root=root, op=op, what=what, run=inner
+            )
             for w in workings:
                 w.finish()
             return result
@@ -170,7 +180,7 @@ class ProviderTable:
         self._me = state.index
         self.layout: HostLayout | None = host_layout(ranks, ranks[state.index], hosts)
         self._routed = RoutedProvider(links, ranks, self._me, self.layout, f"{state.gid}/host")
-        self._staged = StagedProvider(ranks, self._me, links.rank, group_key, state.gid)
+        self._staged = StagedProvider(ranks, self._me, links.rank, group_key, state.gid, self.run_within)
         self._driver = DriverProvider(ranks, self._me)
         self._by_kind: dict[str, tuple[Provider, ...]] = {}
         self._any: tuple[Provider, ...] = ()

@@ -6,8 +6,9 @@ the public surface. The staged provider (client/providers.py) hands it an operat
 public layer built it (send and receive lists cut from its tensors' Working arrays); when some
 of those are DeviceSpans it builds a StagedOp at call time (which records the caller's event
 then) and awaits ``collective`` in the operation's body (``send_to`` and ``recv_from`` for the
-point-to-point calls). A multi-chunk all_reduce or broadcast between ranks of one host goes
-device to device instead when the group can (_ipc); the rest is staged.
+point-to-point calls), each chunk's host operation run by the route the provider hands in (the
+group's route over the links). A multi-chunk all_reduce or broadcast between ranks of one host
+goes device to device instead when the group can (_ipc); the rest is staged.
 
 Chunking: every array of a collective is cut into the same element ranges
 [c*m, (c+1)*m), and chunk c runs as an ordinary collective over the chunk's host views, tagged
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,10 @@ log = logging.getLogger("aiocoll.staging")
 # Kinds whose send and receive lists are one array (or the same array): a chunk stages one
 # range. The others stage up to one range per rank in each direction.
 _SINGLE_ARRAY_KINDS = frozenset({"all_reduce", "broadcast", "reduce", "send", "recv"})
+
+
+# How a staged chunk's host operation runs: (spec, transport, tag, meta), as run_collective.
+RunPart = Callable[[CollectiveSpec, Transport, tuple[Any, ...], dict[str, Any]], Awaitable[None]]
 
 
 def has_device_arrays(*groups: Sequence[Any]) -> bool:
@@ -268,12 +273,17 @@ class StagedOp:
         root: int,
         op: ReduceOp,
         what: str,
+        run: Callable[
+            [CollectiveSpec, Transport, tuple[Any, ...], dict[str, Any]], Awaitable[None]
+        ] = run_collective,
     ) -> None:
-        """Run the collective ``self.kind`` chunk by chunk (see the module header)."""
+        """Run the collective ``self.kind`` chunk by chunk (see the module header); each chunk's
+        host operation runs by ``run`` (the wrapped provider's route; by default the algorithms
+        over the links)."""
         if self.kind == "all_to_all":
             longest = np.array([max([a.size for a in (*self.send, *self.recv)] or [0])], np.int64)
             agree = CollectiveSpec("all_reduce", ranks, me, (longest,), (longest,), op=ReduceOp.MAX)
-            await run_collective(agree, transport, (*tag, "n"), {"kind": "all_to_all_chunks"})
+            await run(agree, transport, (*tag, "n"), {"kind": "all_to_all_chunks"})
             count = int(longest[0])
         else:
             count = int(meta.get("count", 0))
@@ -281,7 +291,7 @@ class StagedOp:
 
         async def move(k: int, send: tuple[np.ndarray, ...], recv: tuple[np.ndarray, ...]) -> None:
             spec = CollectiveSpec(self.kind, ranks, me, send, recv, root=root, op=op, dtype=dtype)
-            await run_collective(spec, transport, chunk_tag(tag, k, total), meta)
+            await run(spec, transport, chunk_tag(tag, k, total), meta)
 
         bounds = self._bounds(count)
         total = len(bounds)
