@@ -4,13 +4,13 @@ Imports foundations (aiocoll.algorithms, the device staging of aiocoll.device) a
 engine, arenas (client/_shm_coll.py) and routes (client/routing.py); never the public surface.
 The public layer checks a call's arguments and builds the operation (its kind, signature,
 arrays, tensors, root and reduce op); the group's ``ProviderTable`` hands it to the provider
-chosen for it. Nothing else decides how a collective
-runs.
+chosen for it. Nothing else decides how a collective runs.
 
 A provider serves some operation kinds over some groups. It says so once, when a group is made:
-``select_providers`` asks each provider in ``_PROVIDERS`` (most specific first) whether it can
-serve the group and which kinds, logs at DEBUG why it chose what it chose, and returns the
-table; the table is chosen again only when the process's links change (a link added or lost).
+``select_providers`` takes the providers available to the group (``ProviderTable.select`` lists
+them, most specific first) with the kinds each serves, logs at DEBUG why it chose what it
+chose, and fills the table; the table is chosen again only when the process's links change (a
+link added or lost).
 Per call, a provider may still decline one operation (the arena runs only in-place
 all_reduces); the table then takes the next provider for that kind. The providers:
 
@@ -20,12 +20,14 @@ all_reduces); the table then takes the next provider for that kind. The provider
     among host leaders, then back (client/routing.py), with its intra-host parts on the arenas.
   - ``driver``: every kind, any group: the algorithms over the links, run by the message driver
     (aiocoll/algorithms/_driver.py) from message callbacks, without a task.
-  - ``staged`` wraps the table for device tensors: chunk by chunk through pinned host staging,
-    or device to device by CUDA IPC where the group can (aiocoll/device/_staged_ops.py,
-    aiocoll/device/_ipc.py); each staged chunk runs as a host operation over the links.
+  - ``ipc`` and ``staged``, for device tensors (chosen per call by where the tensors are):
+    device to device between the ranks of one host by CUDA IPC (aiocoll/device/_ipc.py) for the
+    all_reduces and broadcasts it can take, else chunk by chunk through pinned host staging
+    (aiocoll/device/_staged_ops.py); each wraps the group's route: every staged chunk runs as a
+    host operation by it.
 
 A new provider (UCX, a GPU-direct link) is a class with ``name``, ``eager``, ``kinds`` and
-``prepare`` (and ``close``) plus a line in ``_PROVIDERS``.
+``prepare`` (and ``close``, and ``why`` for the log) plus a line in ``ProviderTable.select``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag
 from aiocoll.algorithms._driver import start_collective
 from aiocoll.algorithms._plan import prepare
-from aiocoll.device._ipc import ipc_groups
+from aiocoll.device._ipc import IPC_KINDS, IPC_OPS, ipc_groups
 from aiocoll.device._staged_ops import StagedOp
 from aiocoll.device._staging import DeviceSpan
 
@@ -99,13 +101,14 @@ class DriverProvider:
 
 class StagedProvider:
     """Device tensors: wraps the group's route over the links (``inner``: each chunk's host
-    operation runs by it), chunk by chunk through pinned staging, or device to device (CUDA IPC)
-    where the group can; chosen per call by where the tensors are."""
+    operation runs by it), chunk by chunk through pinned staging; chosen per call by where the
+    tensors are."""
 
     name: ClassVar[str] = "staged"
     eager: ClassVar[bool] = False
     kinds: frozenset[str] = frozenset({"*"})
     why = "device tensors, whatever the kind"
+    _ipc = False  # whether its operations may go device to device (IpcProvider)
 
     def __init__(
         self,
@@ -133,8 +136,11 @@ class StagedProvider:
         result: Any,
         root: int,
         op: ReduceOp,
-    ) -> Callable[[Tag, OpTransport], Any]:
-        staged = StagedOp(kind, len(self._ranks), send, recv, rank=self._rank, group_key=self._key)
+    ) -> Callable[[Tag, OpTransport], Any] | None:
+        if self._ipc and (kind not in IPC_KINDS or op not in IPC_OPS):
+            return None
+        key = self._key if self._ipc else None  # (no IPC state: the operation is staged)
+        staged = StagedOp(kind, len(self._ranks), send, recv, rank=self._rank, group_key=key)
         ranks, me, gid, inner = self._ranks, self._me, self._gid, self._inner
 
         async def body(tag: Tag, transport: OpTransport) -> Any:
@@ -149,7 +155,20 @@ class StagedProvider:
         return body
 
     def close(self) -> None:
-        ipc_groups.forget(self._key)
+        if self._ipc:
+            ipc_groups.forget(self._key)
+
+
+class IpcProvider(StagedProvider):
+    """Device tensors of an all_reduce or a broadcast, device to device between the ranks of one
+    host (CUDA IPC, aiocoll/device/_ipc.py): the members open each other's mailbox and event once,
+    together, at the group's first such operation of several chunks, and agree whether every one
+    could; where not (or for one chunk, or AVG), the operation is staged as StagedProvider's are."""
+
+    name: ClassVar[str] = "ipc"
+    kinds: frozenset[str] = frozenset(IPC_KINDS)
+    why = "device tensors of all_reduce and broadcast, device to device where the group can"
+    _ipc = True
 
 
 class ProviderTable:
@@ -181,6 +200,7 @@ class ProviderTable:
         self.layout: HostLayout | None = host_layout(ranks, ranks[state.index], hosts)
         self._routed = RoutedProvider(links, ranks, self._me, self.layout, f"{state.gid}/host")
         self._staged = StagedProvider(ranks, self._me, links.rank, group_key, state.gid, self.run_within)
+        self._ipc = IpcProvider(ranks, self._me, links.rank, group_key, state.gid, self.run_within)
         self._driver = DriverProvider(ranks, self._me)
         self._by_kind: dict[str, tuple[Provider, ...]] = {}
         self._any: tuple[Provider, ...] = ()
@@ -257,7 +277,10 @@ class ProviderTable:
         timeout: float | None,
     ) -> Any:
         # signature None: staged chunks check each chunk's signature themselves
-        body = self._staged.prepare(kind, meta, send, recv, workings, result, root, op)
+        body = self._ipc.prepare(kind, meta, send, recv, workings, result, root, op)
+        if body is None:
+            body = self._staged.prepare(kind, meta, send, recv, workings, result, root, op)
+        assert body is not None  # staging takes every kind
         return self._engine.submit(self._state, kind, body, timeout=timeout)
 
     async def run_within(self, spec: CollectiveSpec, transport: Any, tag: Tag, meta: dict[str, Any]) -> None:
@@ -271,7 +294,7 @@ class ProviderTable:
         return Forming(self, members)
 
     def close(self) -> None:
-        for provider in (self._arena, self._routed, self._staged, self._driver):
+        for provider in (self._arena, self._routed, self._ipc, self._staged, self._driver):
             if provider is not None:
                 provider.close()
 
