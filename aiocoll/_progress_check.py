@@ -305,6 +305,7 @@ class JobProgress:
             out.append(
                 {
                     "group": op.group,
+                    "group_name": group_name(op.group),  # as messages name it: "world", not "w"
                     "seq": op.seq,
                     "op": describe_sig(op.sig),
                     "state": op.state,
@@ -317,6 +318,7 @@ class JobProgress:
             out.append(
                 {
                     "group": None,
+                    "group_name": None,
                     "seq": None,
                     "op": "event loop busy (not running: a long step on the loop thread)",
                     "state": "slow",

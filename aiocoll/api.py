@@ -1329,7 +1329,9 @@ def _on_verdict(engine: Engine, event: dict[str, Any]) -> None:
     if name == EV_MISMATCH:
         engine.remote_mismatch(gid, seq, ranks, msg)
     else:
-        log.warning("rank %d: group %r seq %d: %s", engine.rank, gid, seq, msg)
+        # The coordinator's log says it once for the job, and the operation's timeout raises it on
+        # every rank that waits: here it is a detail of this rank's log.
+        log.info("rank %d: %s", engine.rank, msg)
         engine.progress.note_behind(gid, seq, ranks, msg)
 
 

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from aiocoll._errors import group_name
 from aiocoll._progress_check import ProgressError, Verdict
 from aiocoll.protocol._coordinator import ERR_INVALID, EV_BEHIND, EV_MISMATCH
 
@@ -82,7 +83,7 @@ class Progress:
                 "job=%s event=%s group=%s seq=%d ranks=%s %s",
                 job.name,
                 v.kind,
-                v.group,
+                group_name(v.group),
                 v.seq,
                 list(v.ranks),
                 v.message,

@@ -195,6 +195,7 @@ async def query_status(
         writer = stream
 
         handshake = ClientHandshake(token, role=ROLE_ADMIN, job=job or "default")
+        handshake.name_server(where)  # its errors name the address and what answered there
         stream.write(handshake.start())
         while not handshake.done:
             data = await asyncio.wait_for(reader.read(65536), remaining())
@@ -239,11 +240,8 @@ async def query_status(
             f"authentication with the coordinator at {where} failed: {exc}. Check that --token-file "
             f"or AIOCOLL_TOKEN holds the same token the coordinator was started with"
         ) from exc
-    except ProtocolError as exc:
-        raise StatusError(
-            f"{where} does not speak the aiocoll protocol this client knows ({exc}); "
-            f"is it an aiocoll coordinator of the same release?"
-        ) from exc
+    except ProtocolError as exc:  # it says what answered at the address and what to do
+        raise StatusError(str(exc)) from exc
     except ConnectionError as exc:
         raise StatusError(f"the connection to the coordinator at {where} broke: {exc}") from exc
     finally:
@@ -354,7 +352,7 @@ def _progress_lines(job: dict[str, Any], members: list[dict[str, Any]], now: flo
             rows.append(
                 [
                     _cell(member.get("rank", "?")),
-                    _cell(entry.get("group")),
+                    _cell(entry.get("group_name") or entry.get("group")),
                     _cell(entry.get("seq")),
                     _cell(entry.get("op")),
                     _cell(entry.get("state")),

@@ -273,7 +273,7 @@
       }
       const lines = (pick) => progress.map((entry) => el("div", {}, pick(entry)));
       const waitsIn = progress.length
-        ? lines((e) => (e.group === null ? "" : "group " + e.group + " seq " + e.seq + ": ") + e.op)
+        ? lines((e) => (e.group === null ? "" : "group " + (e.group_name || e.group) + " seq " + e.seq + ": ") + e.op)
         : member.alive ? "running (nothing waits past the threshold)" : "\u2013";
       const waitingFor = progress.map((entry) => {
         const ranks = entry.waiting_for || [];

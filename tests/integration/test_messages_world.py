@@ -133,6 +133,11 @@ def test_each_failure_is_said_once_where_it_happened(tmp_path: Path) -> None:
             "rank(s) [2]; its last 2 operations, oldest first:" in text[rank]
         ), text[rank]
     assert not any("operation(s)" in t for t in text), everything
+    # The coordinator's verdict (logged by the coordinator, in rank 0) is said in a rank's log at
+    # most once, where its operation failed, not again when it arrives.
+    for t in text:
+        said = [line for line in t.splitlines() if "have not called" in line and "event=behind" not in line]
+        assert len(said) <= 1 and all(" failed: " in line for line in said), everything
 
     # Rank 2 heard that the others gave up, in one sentence that does not nest theirs.
     notice = [line for line in text[2].splitlines() if "gave up on it" in line]

@@ -243,10 +243,14 @@ def test_a_straggler_is_named_by_status_while_late_and_by_the_timeout(
         assert set(entry) >= {"group", "seq", "op", "state", "waiting_for", "since"}
         assert entry["op"].startswith("barrier") and entry["state"] == "waiting"
         assert isinstance(entry["seq"], int) and entry["since"] > 1e9
+        assert entry["group_name"] == entry["group"].replace("w", "world", 1), entry  # as said in messages
     assert any(2 in m["progress"][0]["waiting_for"] for r, m in members.items() if r < 2)
     assert members[2]["progress"] == []
     text = world_p_results[0]["status_text"]
     assert "WAITING FOR" in text and "held back by rank 2" in text
+    waits = text[text.index("WAITING FOR") :].splitlines()  # the per-rank table, below the members
+    rows = [line.split() for line in waits if line.split()[:1] in (["0"], ["1"])]
+    assert rows and all(row[1].startswith("world") for row in rows), text  # the GROUP column
     for r in (0, 1):
         res = world_p_results[r]["straggler"]
         assert res["error"] == "CollectiveTimeout" and res["missing"] == [2], res

@@ -327,6 +327,10 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
 
         rc, _, err = await _status("--coordinator", f"127.0.0.1:{port}", env={"AIOCOLL_TOKEN": "wrong"})
         assert rc == 1 and "AIOCOLL_TOKEN" in err
+        # The web port given for the coordinator's: said once, what answered and which port to use.
+        rc, _, err = await _status("--coordinator", f"127.0.0.1:{http_port}", env={"AIOCOLL_TOKEN": TOKEN})
+        assert rc == 1 and f"an HTTP server answered at 127.0.0.1:{http_port}" in err, err
+        assert err.count("answered") == 1 and "main port" in err, err
 
         status, _, body = await asyncio.to_thread(_http_get, http_port, "/healthz")
         assert status == 200 and body
