@@ -199,7 +199,11 @@ class _OutputPump:
     def _emit(self, lines: list[bytes]) -> None:
         if not lines:
             return
-        self._console.write(self._stream, b"".join(self._prefix + line + b"\n" for line in lines))
+        # torch prefixes a worker's traceback with the same "[rankN]:" once its default group is
+        # made: such a line is not prefixed twice.
+        prefix, own = self._prefix, self._prefix.rstrip()
+        out = b"".join((line if line.startswith(own) else prefix + line) + b"\n" for line in lines)
+        self._console.write(self._stream, out)
         if self._tail is not None:
             self._tail.extend(line.rstrip(b"\r") for line in lines[-STDERR_TAIL_LINES:])
 

@@ -73,6 +73,7 @@ for i in range(lines):
     # Far more than a pipe buffer on each stream: a launcher that reads one pipe at a time stalls.
     sys.stdout.write(f"out {rank} {i} {pad}\n")
     sys.stderr.write(f"err {rank} {i} {pad}\n")
+sys.stderr.write(f"[rank{rank}]: prefixed by the worker, as torch does\n")
 sys.stdout.write(f"partial-out-{rank}")
 sys.stderr.write(f"partial-err-{rank}")
 '''
@@ -185,6 +186,8 @@ def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(
             f"err {rank} {i} {'x' * 40}" for i in range(lines)
         ]
         assert out[-1] == f"partial-out-{rank}" and err[-1] == f"partial-err-{rank}"
+        # A line the worker prefixed itself (torch does, with the same "[rankN]:") is not prefixed twice.
+        assert f"[rank{rank}]: prefixed by the worker, as torch does" in proc.stderr.splitlines()
         # --log-dir keeps the raw output, unprefixed.
         raw = (tmp_path / "logs" / "restart_0" / f"rank{rank}.stdout").read_text()
         assert raw.startswith("ENV ") and raw.endswith(f"partial-out-{rank}")
