@@ -1356,17 +1356,22 @@ async def _connect_session(
             host, port, token=token, job=job, role=role, timeout=remaining if remaining is not None else 1e9
         )
     except (OSError, asyncio.TimeoutError, CoordinatorUnreachable) as exc:
+        # CoordinatorUnreachable names the address, the time and the last attempt's error itself
+        said = (
+            str(exc)
+            if isinstance(exc, CoordinatorUnreachable)
+            else f"no aiocoll coordinator answered at {host}:{port} within the rendezvous timeout ({exc})"
+        )
         if not start_one:
             raise RendezvousError(
-                f"the coordinator AIOCOLL_COORDINATOR names does not answer: {exc}. Rank 0 does not start "
-                f"one in its place: `aiocoll run --coordinator` needs one running there; leave "
-                f"--coordinator out to let the launcher run one"
-            ) from exc
+                f"{said} (AIOCOLL_COORDINATOR names it). Rank 0 does not start one in its place: `aiocoll "
+                f"run --coordinator` needs one running there; leave --coordinator out to let the launcher "
+                f"run one"
+            ) from None
         raise RendezvousError(
-            f"no aiocoll coordinator answered at {host}:{port} within the rendezvous timeout ({exc}); "
-            f"start one (aiocoll coordinator), or let the process with RANK=0 (rank=0) start one "
-            f"inside itself"
-        ) from exc
+            f"{said}. Start one (aiocoll coordinator), or let the process with RANK=0 (rank=0) start "
+            f"one inside itself"
+        ) from None
 
 
 async def _init_with_store(

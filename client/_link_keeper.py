@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -56,6 +57,9 @@ _ATTEMPT_TIMEOUT = 10.0
 # coordinator's own HTTP port answers bytes it cannot parse, so that port is named for what it is.
 SILENCE = 6.0
 SILENT_ATTEMPTS = 2
+# A first connection that has found no coordinator for this long says so once (the timeout of a
+# rendezvous may be half an hour, and a silent wait that long looks like a hang).
+STILL_TRYING_AFTER = 5.0
 
 
 class CoordinatorUnreachable(DistError):
@@ -76,13 +80,22 @@ class ConnectTries:
 
     Args:
         host, port: where the coordinator should be. first: no coordinator answered this client
-            at this address yet.
+            at this address yet. still_trying: on a first connection, called once (with the
+            failed attempts' last error) when no coordinator answered for STILL_TRYING_AFTER
+            seconds and trying goes on.
 
     Attributes:
         silence: the silence limit each attempt passes to the opener (None: none).
     """
 
-    def __init__(self, host: str, port: int, *, first: bool) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        first: bool,
+        still_trying: Callable[[str], None] | None = None,
+    ) -> None:
         self.address = host_port(host, port)
         self.port = port
         self.silence = SILENCE if first else None
@@ -90,6 +103,8 @@ class ConnectTries:
         self.silent = 0  # attempts in a row the server accepted and never answered
         self.last: BaseException | None = None
         self._delay = _BACKOFF_FIRST
+        self._still_trying = still_trying if first else None
+        self._began = time.monotonic()
 
     def attempt_time(self, deadline: Deadline) -> float:
         """Start an attempt: the seconds it may take."""
@@ -132,6 +147,15 @@ class ConnectTries:
                     f"raise the timeout"
                 ),
                 last,
+            )
+        if self._still_trying is not None and time.monotonic() - self._began >= STILL_TRYING_AFTER:
+            tell, self._still_trying = self._still_trying, None
+            until = "" if remaining is None else f" for {remaining:.0f}s more (the timeout)"
+            tell(
+                f"no aiocoll coordinator has answered at {self.address} for "
+                f"{time.monotonic() - self._began:.0f}s ({self.attempts} attempts; last: "
+                f"{str(exc) or type(exc).__name__}); trying{until}. Check that it runs there "
+                f"(aiocoll coordinator --port {self.port})"
             )
         pause = random.uniform(0, self._delay)
         self._delay = min(self._delay * 2, _BACKOFF_MAX)
@@ -193,7 +217,7 @@ class LinkKeeper:
             CoordinatorUnreachable: nothing answered in time. AuthenticationError, ProtocolError:
                 not retried (another token, not a coordinator).
         """
-        tries = ConnectTries(self.host, self.port, first=not self._answered)
+        tries = ConnectTries(self.host, self.port, first=not self._answered, still_trying=self._still_trying)
         while True:
             attempt_time = tries.attempt_time(deadline)
             try:
@@ -220,6 +244,9 @@ class LinkKeeper:
             if self.closed:
                 raise StoreError(f"session to the coordinator at {self.address} was closed while connecting")
             await asyncio.sleep(pause)
+
+    def _still_trying(self, why: str) -> None:
+        log.warning("job=%s rank=%s event=coordinator_not_answering %s", self.job, self._rank(), why)
 
     def _publish(self, link: CoordinatorLink | None) -> None:
         self.link = link

@@ -78,7 +78,7 @@ def test_an_explicit_coordinator_that_does_not_answer_fails_before_any_worker_st
 
 WORKER = r"""
 import aiocoll.sync as dist
-dist.init_process_group(timeout=3)
+dist.init_process_group(timeout=8)
 print("joined", flush=True)
 """
 
@@ -111,6 +111,10 @@ def test_a_worker_never_starts_a_coordinator_in_place_of_the_one_aiocoll_coordin
     assert not seen_listening, "rank 0 started a coordinator of its own at AIOCOLL_COORDINATOR's address"
     assert "RendezvousError" in err and f"127.0.0.1:{port}" in err
     assert "Rank 0 does not start one in its place" in err
+    # Not a silent wait: after a few seconds the rank says once that it is still trying, and the
+    # error says the cause once.
+    assert err.count("event=coordinator_not_answering") == 1, err
+    assert err.count(f"no aiocoll coordinator answered at 127.0.0.1:{port}") == 1, err
 
 
 def test_a_missing_script_fails_at_once_and_starts_nothing(tmp_path: Path) -> None:
