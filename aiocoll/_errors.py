@@ -64,11 +64,19 @@ Site = tuple[str, int, dict[str, Any]]
 CALLER_SITE: ContextVar[Site | None] = ContextVar("aiocoll_caller_site", default=None)
 
 
+# Packages whose frames lie between the user's line and aiocoll's: torch calls the "aiocoll"
+# backend from its own init_process_group.
+_NOT_THE_USER = ("aiocoll", "torch")
+
+
 def user_site(frame: FrameType | None) -> Site | None:
-    """The first frame from ``frame`` outwards whose module is not aiocoll's, as a Site."""
+    """The user's frame: the first from ``frame`` outwards outside aiocoll and torch, as a Site.
+
+    torch's frames are passed over too: its init_process_group calls aiocoll's backend.
+    """
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name != "aiocoll" and not name.startswith("aiocoll."):
+        if name.partition(".")[0] not in _NOT_THE_USER:
             return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
         frame = frame.f_back
     return None

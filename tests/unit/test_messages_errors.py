@@ -120,6 +120,23 @@ def test_the_no_token_warning_points_at_the_users_line_async_and_sync(
     assert sites == [(__file__, _line_of("# ASYNC")), (__file__, _line_of("# SYNC"))], sites
 
 
+@pytest.mark.timeout(60)
+def test_the_no_token_warning_points_at_the_users_line_under_the_torch_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    import aiocoll.torch  # noqa: F401  (registers the backend)
+
+    monkeypatch.delenv("AIOCOLL_TOKEN", raising=False)
+    url = f"tcp://127.0.0.1:{free_port()}"
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        dist.init_process_group("aiocoll", init_method=url, rank=0, world_size=1)  # TORCH
+        dist.destroy_process_group()
+    sites = [(w.filename, w.lineno) for w in seen if "no token" in str(w.message)]
+    assert sites == [(__file__, _line_of("# TORCH"))], sites
+
+
 def _exchange(client: ClientHandshake, server: ServerHandshake) -> None:
     client.receive_data(server.receive_data(client.start()))
 
