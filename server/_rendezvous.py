@@ -413,17 +413,21 @@ class Rendezvous:
 
     def _expire_join(self, request: JoinRequest) -> None:
         rnd = request.members[0].round
-        mine = set(map(id, request.members))
-        present = sum(1 for m in rnd.members.values() if id(m) not in mine)
-        absent = [r for r in range(rnd.world_size) if r not in rnd.members][:32]
+        earlier = sorted(rnd.gave_up.difference(rnd.members))  # timed out before this request
+        rnd.gave_up.update(m.rank for m in request.members)
+        joined = len(rnd.members) + len(earlier)
+        absent = [r for r in range(rnd.world_size) if r not in rnd.members and r not in rnd.gave_up][:32]
         self._drop_request(request, "rendezvous timed out")
+        had = f"{joined} of {rnd.world_size} ranks had joined"
+        if earlier:
+            had += f" (rank(s) {earlier[:32]} of them timed out already)"
         self.events.record(
             rnd.job.name,
             "join_timeout",
             rnd=rnd.number,
             ranks=[m.rank for m in request.members[:RANKS_PER_EVENT]],
             count=len(request.members),
-            detail=f"{present + len(request.members)} of {rnd.world_size} ranks had joined; missing {absent}",
+            detail=f"{had}; missing {absent}",
         )
         note = self.fx.capacity_note
         meanwhile = f"; meanwhile {note[1]}" if note is not None and note[0] >= request.started else ""
@@ -435,8 +439,8 @@ class Rendezvous:
             ERR_RENDEZVOUS,
             f"join: rendezvous of job {rnd.job.name!r} round {rnd.number} timed out "
             f"after {fmt_timeout(request.timeout)} for {request.ranks()}: "
-            f"{present + len(request.members)} of {rnd.world_size} ranks had joined; missing ranks "
-            f"{absent} (not all processes started, or they were given another world size or job)"
+            f"{had}; missing ranks {absent} (not all processes started, or they were given another "
+            f"world size or job)"
             f"{meanwhile}",
         )
 

@@ -109,13 +109,26 @@ class JoinRequest:
 
 
 class Round:
-    __slots__ = ("free_hint", "job", "members", "number", "state", "table", "table_digest", "world_size")
+    __slots__ = (
+        "free_hint",
+        "gave_up",
+        "job",
+        "members",
+        "number",
+        "state",
+        "table",
+        "table_digest",
+        "world_size",
+    )
 
     def __init__(self, job: Job, number: int, world_size: int) -> None:
         self.job = job
         self.number = number
         self.world_size = world_size
         self.members: dict[int, Member] = {}
+        # Ranks whose join timed out while the round formed: they had joined, so a later timeout's
+        # message counts them among the joined, not the missing.
+        self.gave_up: set[int] = set()
         self.state = RoundState.FORMING
         self.free_hint = 0  # lowest rank that may be free
         # The completed round's member table, msgpack-encoded once, and its digest; made when a

@@ -107,3 +107,18 @@ def test_an_event_lists_a_bounded_number_of_ranks_and_counts_them_all() -> None:
     (event,) = ring.of("j")
     assert event["ranks"] == list(range(RANKS_PER_EVENT)) and event["count"] == 100
     assert event["text"].startswith("100 ranks (0, 1, 2,") and event["text"].endswith("silent for 10s")
+
+
+def test_ranks_that_timed_out_together_are_counted_as_joined_not_missing() -> None:
+    """Two ranks of three joined and time out in the same instant: neither's error calls the other
+    missing, although the first to expire is gone when the second is answered."""
+    h = Harness()
+    a, b = h.connect(), h.connect()
+    join(h, a, 0, 3, timeout=2)
+    join(h, b, 1, 3, timeout=2)
+    h.tick(3.0)
+    first, second = refused(h.out(a)[0], ERR_RENDEZVOUS), refused(h.out(b)[0], ERR_RENDEZVOUS)
+    assert "2 of 3 ranks had joined; missing ranks [2]" in first["msg"], first
+    said = "2 of 3 ranks had joined (rank(s) [0] of them timed out already); missing ranks [2]"
+    assert said in second["msg"], second
+    assert [e["text"] for e in _events(h) if e["kind"] == "join_timeout"][-1].endswith("missing [2]")
