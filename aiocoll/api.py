@@ -1374,6 +1374,26 @@ async def _connect_session(
         ) from None
 
 
+async def _unpublished(store: Store, keys: list[str], rank: int, world_size: int) -> str:
+    """Why a rendezvous through a store timed out: which ranks never published their address."""
+    missing: list[int] = []
+    for r, key in enumerate(keys):
+        try:
+            if not await asyncio.wait_for(store.check([key]), 5):
+                missing.append(r)
+        except Exception:  # the store itself is gone: say what we know
+            return (
+                f"rank {rank}: not every rank of {world_size} published its address in the store within "
+                f"the rendezvous timeout, and the store no longer answers"
+            )
+    said = f"rank {rank}: rank(s) {missing[:32]} of {world_size} did not publish their address in the store"
+    said += f" within the rendezvous timeout ({world_size - len(missing)} did)"
+    launched = os.environ.get("WORLD_SIZE")
+    if launched is not None and launched != str(world_size):
+        return f"{said}: this process asked for world_size={world_size} but its WORLD_SIZE is {launched}"
+    return f"{said}: not all processes started, or they were given another world size or store"
+
+
 async def _init_with_store(
     store: Store,
     rank: int | None,
@@ -1402,11 +1422,8 @@ async def _init_with_store(
         try:
             await asyncio.wait_for(store.wait(keys, deadline.remaining()), deadline.remaining())
             values = await store.multi_get(keys)
-        except (TimeoutError, asyncio.TimeoutError) as exc:
-            raise RendezvousError(
-                f"rank {rank}: not every rank of {world_size} published its address in the store within "
-                f"the rendezvous timeout"
-            ) from exc
+        except (TimeoutError, asyncio.TimeoutError):
+            raise RendezvousError(await _unpublished(store, keys, rank, world_size)) from None
         table = [PeerRow(r, **msgpack.unpackb(v)) for r, v in enumerate(values)]
         await connect_links(transport, table, deadline)
         engine = Engine(transport, default_timeout=seconds)

@@ -184,3 +184,17 @@ def test_the_client_names_what_answered_instead_of_a_coordinator(reply: bytes, s
     with pytest.raises(ProtocolError) as err:
         client.receive_data(reply[5:])
     assert said in str(err.value) and "frame header" not in str(err.value)
+
+
+@pytest.mark.timeout(30)
+async def test_a_store_rendezvous_that_times_out_names_the_ranks_missing_and_a_world_size_at_odds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun (a store, no coordinator) a wrong world size names what is wrong."""
+    monkeypatch.setenv("AIOCOLL_TOKEN", "t")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(aiocoll.RendezvousError) as err:
+        await aiocoll.init_process_group(store=aiocoll.MemoryStore(), rank=0, world_size=3, timeout=1)
+    said = str(err.value)
+    assert said.startswith("rank 0: rank(s) [1, 2] of 3 did not publish their address in the store"), said
+    assert "(1 did)" in said and "asked for world_size=3 but its WORLD_SIZE is 2" in said, said
