@@ -205,6 +205,7 @@ class ProviderTable:
         self._by_kind: dict[str, tuple[Provider, ...]] = {}
         self._any: tuple[Provider, ...] = ()
         self._links_seen = -1
+        self._retired: list[Any] = []
         self.chosen: dict[str, list[str]] = {}
         self.select()
 
@@ -214,6 +215,7 @@ class ProviderTable:
         self._links_seen = self._links.links_version
         if self._arena is not None and not self._arena.usable(self._links):
             log.debug("group %r: arena dropped: a member's shared-memory link is gone", self._state.gid)
+            self._retired.append(self._arena)  # closed with the table (its operations failed)
             self._arena = None
         self._by_kind, self._any = select_providers(
             self._state.gid, (self._arena, self._routed, self._driver)
@@ -294,7 +296,7 @@ class ProviderTable:
         return Forming(self, members)
 
     def close(self) -> None:
-        for provider in (self._arena, self._routed, self._ipc, self._staged, self._driver):
+        for provider in (self._arena, *self._retired, self._routed, self._ipc, self._staged, self._driver):
             if provider is not None:
                 provider.close()
 
