@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from aiocoll._env import env_seconds
-from aiocoll.protocol._coordinator import HEARTBEAT_TIMEOUT, RESUME_GRACE
+from aiocoll.protocol._coordinator import HEARTBEAT_TIMEOUT, RESUME_GRACE, ROLE_BEAT
 
 from ._collector import CollectorPacing
 from ._connection import Connection, Frame
@@ -459,7 +459,12 @@ class Coordinator:
             for conn_id, reason in closes:
                 conn = self._conns.get(conn_id)
                 if conn is not None:
-                    conn.close(reason, abort=True)
+                    # A beat connection's close follows its member's own change (lost, left, beats
+                    # moved), logged where it happened; often a process that already left.
+                    beat = conn.role == ROLE_BEAT
+                    if beat:
+                        log.info("job=%s event=beat_closed peer=%s reason=%s", conn.job, conn.peer, reason)
+                    conn.close(reason, abort=True, log_it=not beat)
         self._arm_timer()
 
     def _deliver(self, out: list[Send]) -> None:

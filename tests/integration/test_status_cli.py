@@ -5,8 +5,10 @@ aiocoll.protocol (every failure mode, exact rendering), and against a real coord
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import signal
@@ -22,7 +24,7 @@ import pytest
 from aiocoll.server._page_access import page_proof
 
 from aiocoll.protocol import ClientHandshake, FrameDecoder, ServerHandshake, encode_frame
-from aiocoll.protocol._coordinator import ROLE_ADMIN, ROLE_WORKER
+from aiocoll.protocol._coordinator import ROLE_ADMIN, ROLE_BEAT, ROLE_WORKER
 from aiocoll.protocol._store import OK
 from aiocoll.testing.store_frames import request_frames
 
@@ -387,3 +389,33 @@ async def test_status_watch_refreshes_until_interrupted(fake: FakeCoordinator) -
     # the third header is printed before its query: at least two queries were answered
     assert len(fake.requests) >= 2 and all(r["op"] == "status" for r in fake.requests)
     assert any(line.startswith("train-a") for line in lines)
+
+
+@pytest.mark.timeout(30)
+async def test_a_beat_connection_of_a_member_already_gone_is_closed_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A quick process may leave before its beat thread's connection arrives: the coordinator
+    closes that connection, noting it, without a warning in the job's log."""
+    from aiocoll.server import Coordinator
+
+    caplog.set_level(logging.INFO, logger="aiocoll.server")
+    coordinator = Coordinator("127.0.0.1", 0, token=TOKEN)
+    await coordinator.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", coordinator.port)
+        hs = ClientHandshake(TOKEN, role=ROLE_BEAT, job="quick", extra={"session": "left-already"})
+        writer.write(hs.start())
+        while not hs.done:
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            assert data, "the coordinator closed the connection during the handshake"
+            writer.write(hs.receive_data(data))
+        with contextlib.suppress(ConnectionError):
+            while await asyncio.wait_for(reader.read(65536), 10):
+                pass  # until the coordinator closes it
+        writer.close()
+    finally:
+        await coordinator.stop()
+    about = [r for r in caplog.records if "job=quick" in r.getMessage()]
+    assert [r.levelno for r in about] == [logging.INFO], [r.getMessage() for r in about]
+    assert "event=beat_closed" in about[0].getMessage() and "alive member" in about[0].getMessage()
