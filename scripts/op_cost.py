@@ -7,11 +7,15 @@ Run it under the launcher, one world per invocation (under the bench lock on a s
     aiocoll run --nproc-per-node 2 scripts/op_cost.py                 # us/op wall and CPU per rank
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --count         # + opcodes and calls per op
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --profile tottime
+    aiocoll run --nproc-per-node 2 scripts/op_cost.py --events        # + yields, wake-ups, loop turns
 
 ``--count`` traces rank 0 (sys.settrace with opcode events, sys.setprofile for C calls) and
 leaves out the waits (ShmGroup's spin, sleep and naps: how long a peer takes is not work), so
 its numbers do not move with the load on the machine the way times do: they say how much Python
 one operation runs. ``--profile`` is cProfile of rank 0 (it slows that rank several times).
+``--events`` counts, per operation on every rank, the waits' system calls (sched_yield, the
+eventfd writes that wake a sleeping peer, naps on the eventfd) and the times the arena slept in
+the event loop and was woken there.
 """
 
 from __future__ import annotations
@@ -100,6 +104,42 @@ class Counter:
         return "\n".join(lines)
 
 
+class Events:
+    """Counts what the waits cost in system calls and loop turns while ``on`` (see --events)."""
+
+    def __init__(self) -> None:
+        self.counts = {"sched_yield": 0, "eventfd_write": 0, "select": 0}
+        self.on = False
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _wrap(self, owner: Any, name: str, key: str) -> None:
+        real = getattr(owner, name)
+        counts = self.counts
+
+        def counted(*a: Any, **k: Any) -> Any:
+            counts[key] += 1
+            return real(*a, **k)
+
+        self._saved.append((owner, name, real))
+        setattr(owner, name, counted)
+
+    def start(self) -> None:
+        import select
+
+        self._wrap(os, "sched_yield", "sched_yield")
+        self._wrap(os, "eventfd_write", "eventfd_write")
+        self._wrap(select, "select", "select")
+        self.on = True
+
+    def stop(self) -> None:
+        self.on = False
+        for owner, name, real in self._saved:
+            setattr(owner, name, real)
+
+    def report(self, ops: int) -> str:
+        return ", ".join(f"{v / ops:.2f} {k}" for k, v in self.counts.items()) + " per operation"
+
+
 async def main(args: argparse.Namespace) -> None:
     async with await aiocoll.init_process_group() as pg:
         x = np.zeros(args.count_elements, dtype=np.float32)
@@ -108,19 +148,25 @@ async def main(args: argparse.Namespace) -> None:
         await pg.barrier()
         shm = pg._providers.arena
         sleeps = shm.sleeps if shm is not None else 0
+        woken = shm._waker.wakeups if shm is not None else 0
         lead = pg.rank == 0
         profile = cProfile.Profile() if lead and args.profile else None
         counter = Counter() if lead and args.count else None
+        events = Events() if args.events else None
         ops = args.trace_ops if args.count else args.ops  # the same on every rank
         t0, c0 = time.perf_counter(), time.process_time()
         if profile is not None:
             profile.enable()
         if counter is not None:
             counter.start()
+        if events is not None:
+            events.start()
         for _ in range(ops):
             await pg.all_reduce(x)
         if counter is not None:
             counter.stop()
+        if events is not None:
+            events.stop()
         if profile is not None:
             profile.disable()
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -133,6 +179,9 @@ async def main(args: argparse.Namespace) -> None:
         )
         if counter is not None:
             print(counter.report(ops, args.top), flush=True)
+        if events is not None:
+            woke = (shm._waker.wakeups - woken) / ops if shm is not None else 0.0
+            print(f"rank {pg.rank}: {events.report(ops)}; {woke:.2f} loop wake-ups", flush=True)
         if profile is not None:
             pstats.Stats(profile).sort_stats(args.profile).print_stats(args.top)
         await pg.barrier()
@@ -146,6 +195,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--elements", dest="count_elements", type=int, default=1, help="float32 elements (default 1)")
     add("--count", action="store_true", help="count opcodes and calls per operation on rank 0")
     add("--trace-ops", type=int, default=300, help="operations timed and traced with --count (default 300)")
+    add("--events", action="store_true", help="count yields, wake-ups and loop turns per operation")
     add("--profile", metavar="SORT", help="cProfile rank 0, sorted by SORT (tottime, cumulative)")
     add("--top", type=int, default=40, help="lines of --count and --profile detail (default 40)")
     return parser.parse_args(argv)
