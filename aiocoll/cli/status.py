@@ -361,6 +361,8 @@ def _progress_lines(job: dict[str, Any], members: list[dict[str, Any]], now: flo
                 ]
             )
     if len(rows) == 1 or not any(m.get("progress") for m in members):
+        if not any(m.get("alive") for m in members):
+            return ["  progress: no rank is alive (every member left or was lost)"]
         return ["  progress: nothing has waited longer than the threshold (every rank is running)"]
     lines = ["", *_grid(rows, indent="  ")]
     summary = job.get("summary")

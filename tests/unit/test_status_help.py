@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +74,23 @@ def test_run_help_names_the_connect_timeout_the_status_command_and_the_script_ch
         "its last stderr line",
     ):
         assert fragment in text, fragment
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path: Path) -> None:
+    """`aiocoll status --json | head`: the writer stops with SIGPIPE's status, no traceback."""
+    script = tmp_path / "lots.py"
+    script.write_text(
+        "import sys\n"
+        "from aiocoll.cli import status\n"
+        "status.main = lambda args: [print('x' * 50) for _ in range(200_000)]\n"
+        "from aiocoll.cli.main import main\n"
+        "sys.exit(main(['status']))\n"
+    )
+    writer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert writer.stdout is not None and writer.stderr is not None
+    assert writer.stdout.readline() == b"x" * 50 + b"\n"
+    writer.stdout.close()  # as head does after its first line
+    err = writer.stderr.read().decode()
+    assert writer.wait(30) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
