@@ -293,6 +293,7 @@ class RoutedProvider:
         )
         self._arena: ShmGroup | None = None
         self._parts: HostParts | None = None
+        self._in_order = asyncio.Lock()  # FIFO: bodies start, and so queue here, in call order
         if applies and layout is not None and len(layout.local) > 1:
             self._parts = HostParts(links, host_gid, self._made)
 
@@ -317,8 +318,15 @@ class RoutedProvider:
         spec = spec_of(kind, meta, send, recv, root, op, self._ranks, self._me)
         layout, parts = self._layout, self._parts
 
+        in_order = self._in_order
+
         async def body(tag: Tag, transport: Any) -> Any:
-            await _hierarchical_all_reduce(spec, transport, tag, meta, layout, parts)
+            # One at a time, in call order: the host's arena group runs its parts in the order
+            # they reach it, which must be the same on every member. Two operations in flight
+            # would otherwise reach it in different orders (a leader still exchanging with the
+            # other hosts for the first while a member starts the second's part): a mismatch.
+            async with in_order:
+                await _hierarchical_all_reduce(spec, transport, tag, meta, layout, parts)
             for w in workings:
                 w.finish()
             return result

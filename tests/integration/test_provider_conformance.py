@@ -4,8 +4,9 @@ Each provider gets one spawned world in which it is the one chosen: the message 
 links), the shared-memory arena (shm links, one host), the hierarchical route (two hosts by
 host identity, two ranks on each), device staging and CUDA IPC (the CPU stand-in device,
 aiocoll.device._device_threads, with a 512-byte staging buffer so that operations run in many
-chunks). In that world every operation and every dtype is compared with numpy; a mismatched
-call raises MismatchError on every rank; a call whose wait is cancelled leaves its group usable
+chunks). In that world every operation and every dtype is compared with numpy; two operations
+in flight at once, with one rank late, both come out right; a mismatched call raises
+MismatchError on every rank; a call whose wait is cancelled leaves its group usable
 or closed with an error, never hung, and the rest of the job usable; and a rank killed with
 SIGKILL is named by a PeerLostError on every survivor within a bound.
 """
@@ -167,6 +168,16 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
     out["wrong"] = await _every_op_and_dtype(pg, t, paths)
     out["device_paths"] = sorted(paths)
 
+    # two operations in flight at once while rank 0 comes late: both right on every rank (a
+    # provider that starts the second before the first on some ranks would mix them up)
+    a = t.make(np.full(COUNT, r + 1, np.float32))
+    b = t.make(np.full(COUNT, 2 * (r + 1), np.float32))
+    if r == 0:
+        await asyncio.sleep(0.5)
+    await asyncio.gather(pg.all_reduce(a, timeout=30), pg.all_reduce(b, timeout=30))
+    total = n * (n + 1) / 2
+    out["in_flight"] = [t.read(a).tolist() == [total] * COUNT, t.read(b).tolist() == [2 * total] * COUNT]
+
     # a mismatched call, in a group of its own: MismatchError on every rank
     sub = await pg.new_group()
     x = t.make(np.ones(COUNT + (r == n - 1), np.float32))
@@ -225,6 +236,7 @@ def test_every_provider_conforms(provider: str) -> None:
         if provider in ("staged", "ipc"):
             assert provider in got["device_paths"], got["device_paths"]
         assert got["wrong"] == [], got["wrong"]
+        assert got["in_flight"] == [True, True]
         assert got["mismatch"]["error"] == "MismatchError", got["mismatch"]
         assert "count" in got["mismatch"]["message"], got["mismatch"]["message"]
         if rank != 0:
