@@ -83,7 +83,8 @@ def test_a_job_whose_members_all_left_is_held_back_by_nobody() -> None:
     assert {m["state"] for m in h.state.status("j")[0]["members"]} == {"left"}
     # ... and the table does not call the ranks that left running
     table = format_table(h.state.status("j"))
-    assert "no rank is alive (every member left or was lost)" in table and "every rank is running" not in table
+    assert "no rank is alive (every member left or was lost)" in table, table
+    assert "every rank is running" not in table, table
 
 
 def test_a_behind_verdict_ends_when_the_ranks_waiting_for_it_are_done() -> None:
