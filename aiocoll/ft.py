@@ -256,6 +256,78 @@ async def recv_state(pg: ProcessGroup, src: int, timeout: float) -> tuple[Any, i
     return state, int(head.size) + sum(_nbytes(a) for a in arrays)
 
 
+async def broadcast_state(
+    pg: ProcessGroup, packed: tuple[np.ndarray, list[Any]] | None, src: int, timeout: float
+) -> tuple[Any, int]:
+    """Send a state from one rank of a group to all the others at once (a broadcast per array).
+
+    For when every other rank heals from ``src``: the broadcast's algorithm spreads the sending
+    over the receivers instead of loading ``src`` with every copy. Device tensors (CUDA) are
+    sent from host copies, at most 256 MiB of them at a time.
+
+    Args:
+        pg: the group; every rank calls this.
+        packed: on ``src``, what ``pack_state`` returned; elsewhere None.
+        src: the sending rank in ``pg``.
+        timeout: seconds each broadcast may take.
+
+    Returns:
+        The state (on ``src``: None) and the number of bytes it holds.
+
+    Raises:
+        aiocoll.DistError: a broadcast failed (``PeerLostError``, ``CollectiveTimeout``, ...).
+    """
+    sending = pg.rank == src
+    if sending:
+        assert packed is not None
+        head, arrays = packed
+        head = head.copy()  # a broadcast writes its result into the root's array too
+        size = np.array([head.size], np.int64)
+    else:
+        size = np.zeros(1, np.int64)
+    await pg.broadcast(size, src, timeout=timeout)
+    if not sending:
+        head = np.empty(int(size[0]), np.uint8)
+    await pg.broadcast(head, src, timeout=timeout)
+    shapes, inner = pickle.loads(head.tobytes())
+    if not sending:
+        arrays = [_empty_like(*shape) for shape in shapes]
+    works, staged = [], 0
+    for a in arrays:
+        if not _numel(a):
+            continue
+        host = _on_host(a) if sending else a
+        if isinstance(host, np.ndarray) and not host.flags.writeable:
+            host = host.copy()
+        if host is not a:
+            staged += _nbytes(host)
+        works.append(pg.broadcast(host, src, timeout=timeout))  # posted now, in order
+        if staged >= _STAGED_BYTES:
+            await _all(works)
+            works, staged = [], 0
+    await _all(works)
+    nbytes = int(head.size) + sum(_nbytes(a) for a in arrays)
+    if sending:
+        return None, nbytes
+
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return arrays[pid]
+
+    return _Unpickler(io.BytesIO(inner)).load(), nbytes
+
+
+def _single_source(heal: Sequence[int]) -> int | None:
+    """The member every other member heals from, when there is one and they are three or more."""
+    sources = {s for s in heal if s >= 0}
+    if len(heal) < 3 or len(sources) != 1:
+        return None
+    src = next(iter(sources))
+    if heal[src] == -1 and all(s == src for i, s in enumerate(heal) if i != src):
+        return src
+    return None
+
+
 async def _all(works: Sequence[Any]) -> None:
     """Await every one (none left running unobserved); raise the first failure."""
     results = await asyncio.gather(*works, return_exceptions=True)
@@ -592,11 +664,22 @@ class Manager:
                 f"{self._where()}: quorum {self.quorum_id} needs a state transfer, but the Manager has no "
                 f"state_dict/load_state_dict: give them to Manager(...) (aiocoll.ft_torch's wrapper does)"
             )
-        if healers:
+        single = _single_source(heal)
+        if single is not None:
+            # Every other member heals from one: a broadcast spreads the sending over them.
+            started = time.perf_counter()
+            assert self.state_dict is not None
+            packed = pack_state(self.state_dict()) if single == self.index else None
+            state, nbytes = await broadcast_state(pg, packed, single, self.timeout)
+            if single != self.index:
+                self._healed(reply, state, nbytes, single, started)
+                return
+        elif healers:
             assert self.state_dict is not None
             packed = pack_state(self.state_dict())
             started = time.perf_counter()
             await _all([send_state(pg, packed, dst, self.timeout) for dst in healers])
+        if healers:
             log.info(
                 "%s: sent the state of step %d to %s in %.3fs",
                 self._where(),
@@ -604,23 +687,27 @@ class Manager:
                 [self.members[i] for i in healers],
                 time.perf_counter() - started,
             )
-        if source >= 0:
+        if source >= 0 and single is None:
             started = time.perf_counter()
             state, nbytes = await recv_state(pg, source, self.timeout)
-            assert self.load_state_dict is not None
-            self.load_state_dict(state)
-            seconds = time.perf_counter() - started
-            previous, self.step = self.step, int(reply["max_step"])
-            self.last_heal = {"source": self.members[source], "bytes": nbytes, "seconds": seconds}
-            log.info(
-                "%s: healed from %s: step %d -> %d, %d bytes in %.3fs",
-                self._where(),
-                self._who(source),
-                previous,
-                self.step,
-                nbytes,
-                seconds,
-            )
+            self._healed(reply, state, nbytes, source, started)
+
+    def _healed(self, reply: dict[str, Any], state: Any, nbytes: int, source: int, started: float) -> None:
+        """Load the state received from member ``source``: this replica is at the quorum's step."""
+        assert self.load_state_dict is not None
+        self.load_state_dict(state)
+        seconds = time.perf_counter() - started
+        previous, self.step = self.step, int(reply["max_step"])
+        self.last_heal = {"source": self.members[source], "bytes": nbytes, "seconds": seconds}
+        log.info(
+            "%s: healed from %s: step %d -> %d, %d bytes in %.3fs",
+            self._where(),
+            self._who(source),
+            previous,
+            self.step,
+            nbytes,
+            seconds,
+        )
 
     def _fail(self, what: str, exc: BaseException) -> None:
         """Record the step's failure, naming the replicas, ranks and hosts it involves."""

@@ -15,7 +15,8 @@ its rank and its host.
 
 A second world moves states between two processes with the Manager's state transfer: a pytree of
 numpy arrays and torch tensors of several dtypes and shapes (0-d, empty, bfloat16, non-contiguous)
-with the containers and attributes pickle keeps, compared exactly.
+with the containers and attributes pickle keeps, compared exactly; a third broadcasts one from
+one process to two (what a quorum does when every other member heals from one).
 """
 
 from __future__ import annotations
@@ -210,3 +211,30 @@ def test_state_transfer_moves_a_pytree_of_arrays_and_tensors_exactly() -> None:
     assert receiver["equal"] is True
     assert receiver["metadata"] == {"": {"version": 2}}
     assert receiver["bytes"] == sender["sent"] > 300_000 * 8
+
+
+async def _broadcast(pg: Any) -> dict[str, Any]:
+    from aiocoll.ft import _single_source, broadcast_state, pack_state
+
+    packed = pack_state(_state(0)) if pg.rank == 0 else None
+    state, nbytes = await broadcast_state(pg, packed, 0, 30.0)
+    if pg.rank == 0:
+        return {"bytes": nbytes, "state": state}
+    return {
+        "bytes": nbytes,
+        "equal": _same(_state(0), state),
+        "metadata": state["model"]._metadata,
+        # the Manager broadcasts only when every other member heals from one, and they are 3+
+        "plans": [_single_source(p) for p in ([-1, 0, 0], [1, -1, 1], [-1, 0], [-1, 0, 1], [-1, -1, 0])],
+    }
+
+
+@pytest.mark.timeout(120)
+def test_state_broadcast_moves_a_pytree_from_one_rank_to_all_others_exactly() -> None:
+    sender, *receivers = unwrap(run_world(_broadcast, 3, timeout=100))
+    assert sender["state"] is None
+    for receiver in receivers:
+        assert receiver["equal"] is True
+        assert receiver["metadata"] == {"": {"version": 2}}
+        assert receiver["bytes"] == sender["bytes"] > 300_000 * 8
+        assert receiver["plans"] == [0, 1, None, None, None]
