@@ -4,9 +4,13 @@ Public surface (an addition to the contract, docs/FAULT_TOLERANCE.md); imports t
 client's coordinator session and foundations; never torch (the torch wrapper is
 aiocoll/ft_torch.py).
 
-A *replica* holds one copy of the model (here: one process). At each step boundary it asks the
-coordinator for a quorum (server/_quorum.py); the step's collectives run over a process group of
-that quorum, made when the quorum changed (job ``JOB/qID``, the old one destroyed). A replica lost
+A *replica* holds one copy of the model: one process, or several ranks (``replica_size``; the
+model sharded or data-parallel inside it), each with its own Manager. At each step boundary every
+rank asks the coordinator for a quorum (server/_quorum.py), which counts a replica only when all
+its ranks asked. The step's collectives run over a process group of that quorum, made when the
+quorum changed (the old one destroyed): job ``JOB/qID`` of the replicas; for replicas of several
+ranks, job ``JOB/qID/sR`` of the ranks with one ``replica_rank`` R (one per replica), and the
+commit over job ``JOB/qID`` of every rank. A replica lost
 mid-step fails that step's operations on the others within seconds (PeerLostError, as always);
 they commit nothing, and their next quorum leaves it out: no restart, no rendezvous of everyone. A
 new or restarted replica joins at the next quorum and first receives the state (a torch
@@ -38,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from aiocoll._deadline import Deadline
+from aiocoll._env import env_int
 from aiocoll._errors import CollectiveTimeout, DistError, PeerLostError, StoreTimeout
 from aiocoll._types import ReduceOp
 from aiocoll.api import ProcessGroup, _host_port, _init_with_coordinator
@@ -373,7 +378,15 @@ class Manager:
         coordinator: "HOST:PORT" of the aiocoll coordinator (default: AIOCOLL_COORDINATOR, else
             MASTER_ADDR:MASTER_PORT). Start it with ``--state-dir`` to survive its own restart.
         replica: this replica's name, unique in the job and the same when it restarts (default:
-            AIOCOLL_REPLICA, else replica{RANK}, else HOSTNAME:PID).
+            AIOCOLL_REPLICA, else replica{RANK}, else HOSTNAME:PID). Every rank of a replica of
+            several ranks gives the same name.
+        replica_rank: this process's rank inside its replica, 0..replica_size-1 (default:
+            AIOCOLL_REPLICA_RANK, else 0). It runs the step's collectives with the ranks of the
+            same ``replica_rank`` in the other replicas (its shard's peers), and heals from one.
+        replica_size: the number of ranks (processes) of each replica (default:
+            AIOCOLL_REPLICA_SIZE, else 1). The same on every rank of a replica; the coordinator
+            counts a replica only when all of them asked, and leaves it out whole when one is
+            gone.
         state_dict: returns the state a replica that is behind needs (model and optimizer
             state_dicts, any pytree of numpy arrays or torch tensors); called on a live replica
             when another one heals from it. May be set later as an attribute (aiocoll.ft_torch
@@ -393,12 +406,18 @@ class Manager:
 
     Attributes:
         replica: this replica's name.
+        replica_rank: this process's rank inside its replica.
+        replica_size: the number of ranks of each replica.
         step: steps committed (the state's step).
         quorum_id: the current quorum's id (it changes when its membership changes).
         members: the current quorum's replicas, by name, in rank order.
         index: this replica's rank in ``group``.
         hosts: the members' hosts, in rank order.
-        group: the current quorum's ProcessGroup (for more collectives of the step).
+        group: the current quorum's ProcessGroup of this shard: one rank per replica, the ones
+            with this ``replica_rank`` (for more collectives of the step).
+        quorum_group: the ProcessGroup of every rank of the current quorum (rank
+            ``index * replica_size + replica_rank``), over which ``commit`` agrees; ``group``
+            itself when ``replica_size`` is 1.
         last_error: why the last failed step failed (a StepFailed), else None.
         last_heal: ``{"source", "bytes", "seconds"}`` of the last state received, else None.
 
@@ -411,6 +430,8 @@ class Manager:
         coordinator: str | None = None,
         *,
         replica: str | None = None,
+        replica_rank: int | None = None,
+        replica_size: int | None = None,
         state_dict: Callable[[], Any] | None = None,
         load_state_dict: Callable[[Any], None] | None = None,
         job: str | None = None,
@@ -434,6 +455,20 @@ class Manager:
         self.replica = replica or _default_replica()
         if not isinstance(self.replica, str) or not 0 < len(self.replica) <= 256:
             raise ValueError(f"Manager: replica must be a name of 1..256 characters, got {self.replica!r}")
+        if replica_size is None:
+            replica_size = env_int("AIOCOLL_REPLICA_SIZE") or 1
+        if replica_rank is None:
+            replica_rank = env_int("AIOCOLL_REPLICA_RANK") or 0
+        for name, value in (("replica_size", replica_size), ("replica_rank", replica_rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"Manager: {name} must be an int, got {value!r}")
+        if not 0 <= replica_rank < replica_size:
+            raise ValueError(
+                f"Manager: replica_rank must be in 0..replica_size-1, got replica_rank={replica_rank}, "
+                f"replica_size={replica_size}"
+            )
+        self.replica_rank = replica_rank
+        self.replica_size = replica_size
         self.job = job or os.environ.get("AIOCOLL_JOB") or "default"
         self._token = token if token is not None else (os.environ.get("AIOCOLL_TOKEN") or None)
         self.state_dict = state_dict
@@ -450,6 +485,8 @@ class Manager:
         self.hosts: list[str] = []
         self.index = -1
         self.group: ProcessGroup | None = None
+        self.quorum_group: ProcessGroup | None = None
+        self._rank_hosts: list[list[str]] = []  # each member's ranks' hosts
         self.last_error: StepFailed | None = None
         self.last_heal: dict[str, Any] | None = None
         self._session: CoordinatorSession | None = None
@@ -472,31 +509,55 @@ class Manager:
         return len(self.members)
 
     def _where(self) -> str:
-        return f"replica {self.replica!r} (rank {self.index} of quorum {self.quorum_id}, host {self.host})"
+        if self.replica_size == 1:
+            where = f"rank {self.index} of quorum {self.quorum_id}, host {self.host}"
+            return f"replica {self.replica!r} ({where})"
+        return (
+            f"replica {self.replica!r} rank {self.replica_rank} of {self.replica_size} (rank {self.index} "
+            f"of quorum {self.quorum_id}, host {self.host})"
+        )
 
-    def _who(self, rank: int) -> str:
-        if 0 <= rank < len(self.members):
-            return f"replica {self.members[rank]!r} (rank {rank}, host {self.hosts[rank]})"
-        return f"rank {rank}"
+    def _whose(self, rank: int, whole: bool) -> tuple[int, int]:
+        """(member index, replica_rank) of a rank of ``group`` (or of ``quorum_group``: ``whole``)."""
+        return divmod(rank, self.replica_size) if whole else (rank, self.replica_rank)
 
-    def _ranks_of(self, exc: BaseException) -> list[int]:
-        """The ranks of the current quorum that ``exc`` names (lost, or did not answer)."""
+    def _host_of(self, rank: int, whole: bool = False) -> str:
+        index, shard = self._whose(rank, whole)
+        if self.replica_size > 1 and index < len(self._rank_hosts) and shard < len(self._rank_hosts[index]):
+            return self._rank_hosts[index][shard]
+        return self.hosts[index]
+
+    def _who(self, rank: int, whole: bool = False) -> str:
+        index, shard = self._whose(rank, whole)
+        if not 0 <= index < len(self.members):
+            return f"rank {rank}"
+        if self.replica_size == 1:
+            return f"replica {self.members[index]!r} (rank {rank}, host {self.hosts[index]})"
+        where = "the quorum's group of every rank" if whole else f"the group of replica rank {shard}"
+        return (
+            f"replica {self.members[index]!r} rank {shard} of {self.replica_size} (rank {rank} of {where}, "
+            f"host {self._host_of(rank, whole)})"
+        )
+
+    def _ranks_of(self, exc: BaseException, whole: bool = False) -> list[int]:
+        """The ranks of the current quorum's group that ``exc`` names (lost, or did not answer)."""
         if isinstance(exc, PeerLostError):
             ranks = [exc.rank]
         elif isinstance(exc, CollectiveTimeout):
             ranks = list(exc.missing_ranks)
         else:
             ranks = list(getattr(exc, "ranks", []) or [])
-        return [r for r in ranks if 0 <= r < len(self.members)]
+        size = len(self.members) * (self.replica_size if whole else 1)
+        return [r for r in ranks if 0 <= r < size]
 
-    def _named(self, exc: BaseException) -> str:
+    def _named(self, exc: BaseException, whole: bool = False) -> str:
         """The replicas ``exc`` involves, each with its rank and host.
 
         When it names none (a group that did not form), the other members of the quorum.
         """
-        ranks = self._ranks_of(exc)
+        ranks = self._ranks_of(exc, whole)
         if ranks:
-            return ", ".join(self._who(r) for r in ranks)
+            return ", ".join(self._who(r, whole) for r in ranks)
         others = [self._who(r) for r in range(len(self.members)) if r != self.index]
         return f"one of {', '.join(others)}" if others else "no other replica"
 
@@ -587,6 +648,9 @@ class Manager:
             "join_timeout": self.join_timeout,
             "renew": self._renew,
         }
+        if self.replica_size > 1:
+            fields["replica_rank"] = self.replica_rank
+            fields["replica_size"] = self.replica_size
         try:
             session = await self._connected(deadline)
             reply, _ = await session._call("quorum", fields, deadline=deadline, waits=True)
@@ -620,27 +684,47 @@ class Manager:
                 host,
                 why,
             )
+        self._rank_hosts = [list(h) for h in reply.get("hosts", [[m[2]] for m in members])]
         if qid != self.quorum_id or self.group is None:
-            old, self.group = self.group, None
-            if old is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(old.destroy(), _DESTROY_TIMEOUT)
+            await self._destroy_groups()
             self.quorum_id, self.index = qid, index
             self.members = [m[0] for m in members]
             self.hosts = [m[2] for m in members]
             remaining = deadline.remaining()
             forming = self.join_timeout if remaining is None else max(min(self.join_timeout, remaining), 0.1)
-            self.group = await _init_with_coordinator(
-                self._host,
-                self._port,
-                index,
-                len(members),
-                Deadline(forming),
-                self.timeout,
-                self._token,
-                f"{self.job}/q{qid}",
-                start_one=False,  # the coordinator runs: never start one in its place
-            )
+            size = self.replica_size
+
+            def make(rank: int, world: int, job: str) -> Any:
+                return _init_with_coordinator(
+                    self._host,
+                    self._port,
+                    rank,
+                    world,
+                    Deadline(forming),
+                    self.timeout,
+                    self._token,
+                    job,
+                    start_one=False,  # the coordinator runs: never start one in its place
+                )
+
+            if size == 1:
+                self.group = self.quorum_group = await make(index, len(members), f"{self.job}/q{qid}")
+            else:
+                made = await asyncio.gather(
+                    make(index, len(members), f"{self.job}/q{qid}/s{self.replica_rank}"),
+                    make(index * size + self.replica_rank, len(members) * size, f"{self.job}/q{qid}"),
+                    return_exceptions=True,
+                )
+                failed = [g for g in made if isinstance(g, BaseException)]
+                if failed:
+                    for g in made:
+                        if isinstance(g, ProcessGroup):
+                            with contextlib.suppress(Exception):
+                                await asyncio.wait_for(g.destroy(), _DESTROY_TIMEOUT)
+                    raise failed[0]
+                shard, whole = made
+                assert isinstance(shard, ProcessGroup) and isinstance(whole, ProcessGroup)
+                self.group, self.quorum_group = shard, whole
             log.info(
                 "%s: step %d: quorum %d of %d replicas %s",
                 self._where(),
@@ -709,10 +793,22 @@ class Manager:
             seconds,
         )
 
-    def _fail(self, what: str, exc: BaseException) -> None:
-        """Record the step's failure, naming the replicas, ranks and hosts it involves."""
-        ranks = self._ranks_of(exc)
-        named = self._named(exc)
+    async def _destroy_groups(self) -> None:
+        """Destroy the quorum's groups (each within a bound; errors ignored: it is going)."""
+        groups = {id(g): g for g in (self.group, self.quorum_group) if g is not None}
+        self.group = self.quorum_group = None
+        for g in groups.values():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(g.destroy(), _DESTROY_TIMEOUT)
+
+    def _fail(self, what: str, exc: BaseException, whole: bool = False) -> None:
+        """Record the step's failure, naming the replicas, ranks and hosts it involves.
+
+        ``whole``: it failed on ``quorum_group`` (its ranks are of that group), not ``group``.
+        """
+        whole = whole and self.replica_size > 1
+        ranks = self._ranks_of(exc, whole)
+        named = self._named(exc, whole)
         failure = StepFailed(
             f"{self._where()}: step {self.step}: {what} failed ({named}): {type(exc).__name__}: "
             f"{str(exc).rstrip('.')}. "
@@ -720,9 +816,9 @@ class Manager:
             f"heals the ones that fell behind",
             step=self.step,
             quorum_id=self.quorum_id,
-            replicas=[self.members[r] for r in ranks],
+            replicas=[self.members[self._whose(r, whole)[0]] for r in ranks],
             ranks=ranks,
-            hosts=[self.hosts[r] for r in ranks],
+            hosts=[self._host_of(r, whole) for r in ranks],
             cause=exc,
         )
         if self._failed is None:
@@ -775,7 +871,8 @@ class Manager:
     async def commit(self, *, timeout: float | None = None) -> bool:
         """End the step: whether every replica of the quorum completed it.
 
-        A MIN all_reduce of the replicas' flags. When True, apply the step (``step`` has moved
+        A MIN all_reduce of the flags of every rank of the quorum (``quorum_group``), so the
+        ranks of a replica of several ranks commit together. When True, apply the step (``step`` has moved
         on); when False, do not: the next ``start_step`` asks for a new quorum, which leaves out
         the replicas that are gone and heals the ones that fell behind.
 
@@ -788,12 +885,14 @@ class Manager:
         Raises:
             RuntimeError: called outside a step (before ``start_step``).
         """
-        pg = self._group("commit")
+        self._group("commit")
+        pg = self.quorum_group
+        assert pg is not None
         flag = np.array([0 if self._failed is not None else 1], np.int32)
         try:
             await pg.all_reduce(flag, ReduceOp.MIN, timeout=timeout or self.timeout)
         except DistError as exc:
-            self._fail("commit", exc)
+            self._fail("commit", exc, whole=True)
             flag[0] = 0
         self._in_step = False
         if self._failed is not None:
@@ -822,10 +921,7 @@ class Manager:
         self._closed = True
         if self._beat is not None:
             self._beat.cancel()
-        group, self.group = self.group, None
-        if group is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(group.destroy(), _DESTROY_TIMEOUT)
+        await self._destroy_groups()
         session, self._session = self._session, None
         if session is not None:
             with contextlib.suppress(Exception):

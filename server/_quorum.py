@@ -13,6 +13,14 @@ A forming quorum (one per job) forms:
   (the previous quorum's replicas that did not ask are left out). A job's first quorum, and the
   first after a coordinator restart that lost the connections, always waits for this window.
 
+A replica may be several ranks (``replica_size``, each asking with its ``replica_rank``: one
+model copy sharded or data-parallel inside it). It counts as having asked only when all its ranks
+asked (the same ``replica_size``; a disagreement is refused), and as gone when any of them is:
+it is then left out whole, and the asks of its other ranks that were in the previous quorum with
+the lost one fail, naming it (they cannot train without it; the replica restarts whole). Every
+rank of a replica gets the same reply; the quorum's members are replicas, the reply's ``hosts``
+names each one's ranks' hosts.
+
 The quorum id changes only when the membership changes: another set of (replica, incarnation),
 or a replica asking for a fresh group (``renew``: its last step failed). Replicas keep their
 process group while it stays the same.
@@ -33,12 +41,14 @@ from typing import Any
 
 import msgpack
 
-from aiocoll.protocol._coordinator import ERR_INVALID, ERR_TIMEOUT
+from aiocoll.protocol._coordinator import ERR_INVALID, ERR_RENDEZVOUS, ERR_TIMEOUT
 
 from ._kv import KeyValue
 from ._model import Conn, Effects, Job, Refused, fmt_timeout, timeout_field
 
 __all__ = ["DEFAULT_JOIN_TIMEOUT", "MAX_REPLICAS", "QUORUM_KEY", "Quorum", "heal_plan"]
+
+Key = tuple[str, int]  # (replica, replica_rank): one rank of a replica
 
 log = logging.getLogger("aiocoll.server")
 
@@ -69,6 +79,17 @@ def heal_plan(steps: list[int]) -> list[int]:
     return plan
 
 
+def shards(member: list[Any]) -> list[list[Any]]:
+    """A previous quorum's member record's ranks, each ``[uid, step, host, ask]``.
+
+    A one-rank replica's record is ``[replica, uid, step, host, ask]``; a replica of several ranks
+    adds their list as a sixth field (the first five are its rank 0's).
+    """
+    if len(member) > 5:
+        return list(member[5])
+    return [[member[1], member[2], member[3], member[4]]]
+
+
 class Ask:
     """One replica's quorum request, waiting for its quorum to form."""
 
@@ -80,6 +101,8 @@ class Ask:
         "min_replicas",
         "renew",
         "replica",
+        "replica_rank",
+        "replica_size",
         "req_id",
         "started",
         "step",
@@ -100,6 +123,8 @@ class Ask:
             self.min_replicas,
             self.join_timeout,
             self.renew,
+            self.replica_rank,
+            self.replica_size,
         ) = fields
         self.waiting = True  # the timer protocol (_model.Effects.push_timer)
 
@@ -117,23 +142,28 @@ class _Tick:
 class JobQuorum:
     """One job's quorum state: the asks gathering, the previous quorum, who was seen where."""
 
-    __slots__ = ("asks", "first_at", "gone", "job", "last", "next_id", "seen", "tick")
+    __slots__ = ("asks", "first_at", "gone", "job", "last", "next_id", "ranks_of", "seen", "tick")
 
     def __init__(self, job: Job) -> None:
         self.job = job
-        self.asks: dict[str, Ask] = {}
+        self.asks: dict[str, dict[int, Ask]] = {}  # replica -> its ranks' asks, by replica_rank
         self.first_at = 0.0
         # The previous quorum: {"id", "members": [[replica, uid, step, host, ask], ...]}, or None.
         self.last: dict[str, Any] | None = None
         self.next_id = 1
-        self.seen: dict[str, Conn] = {}  # replica -> the connection it last asked on (still open)
-        self.gone: dict[str, str] = {}  # replica -> why it is gone (its connection closed)
+        self.seen: dict[Key, Conn] = {}  # a replica's rank -> the connection it last asked on (open)
+        self.gone: dict[Key, str] = {}  # a replica's rank -> why it is gone (its connection closed)
         self.tick: _Tick | None = None
+        # a replica of several ranks -> its ranks ([uid, step, host, ask]) in the last quorum it was in
+        self.ranks_of: dict[str, list[list[Any]]] = {}
         raw = job.kv.get(QUORUM_KEY)
         if raw is not None:
             record = msgpack.unpackb(bytes(raw), raw=False)
             self.last = {"id": record["id"], "members": record["members"]}
             self.next_id = record["next"]
+            for m in record["members"]:
+                if len(m) > 5:
+                    self.ranks_of[m[0]] = m[5]
 
 
 def _text(value: object, what: str, limit: int = MAX_NAME_CHARS) -> str:
@@ -164,7 +194,7 @@ class Quorum:
         self.kv = kv
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, JobQuorum] = {}
-        self._by_conn: dict[int, list[tuple[JobQuorum, str]]] = {}  # conn id -> (job, replica)
+        self._by_conn: dict[int, list[tuple[JobQuorum, Key]]] = {}  # conn id -> (job, replica's rank)
 
     def handlers(self) -> dict[str, Any]:
         return {"quorum": self.op_quorum}
@@ -186,6 +216,8 @@ class Quorum:
             _count(h.get("min_replicas", 1), "min_replicas", 1, MAX_REPLICAS),
             timeout_field(h.get("join_timeout", DEFAULT_JOIN_TIMEOUT)),
             h.get("renew") is True,
+            _count(h.get("replica_rank", 0), "replica_rank", 0, MAX_REPLICAS - 1),
+            _count(h.get("replica_size", 1), "replica_size", 1, MAX_REPLICAS),
         )
         timeout = timeout_field(h.get("timeout"))
         now = self.fx.started
@@ -193,18 +225,29 @@ class Quorum:
         a = Ask(conn, req_id, now, fields)
         if a.join_timeout is None:
             raise Refused(ERR_INVALID, "quorum: 'join_timeout' must be a number of seconds")
+        if a.replica_rank >= a.replica_size:
+            raise Refused(
+                ERR_INVALID,
+                f"quorum: replica {a.replica!r} asked with replica_rank={a.replica_rank}, not below its "
+                f"replica_size={a.replica_size}",
+            )
+        key = (a.replica, a.replica_rank)
         last = jq.last
         if last is not None and not a.renew:
             for m in last["members"]:
-                if m[0] == a.replica and m[1] == a.uid and m[4] == a.ask and m[2] == a.step:
+                ranks = shards(m)
+                if m[0] != a.replica or len(ranks) != a.replica_size:
+                    continue
+                uid, step, _, ask = ranks[a.replica_rank]
+                if uid == a.uid and ask == a.ask and step == a.step:
                     # This ask formed the previous quorum already: its reply was lost with a link
                     # (a coordinator restart); the same answer again.
-                    self._note(jq, a.replica, conn)
+                    self._note(jq, key, conn)
                     self.fx.reply(conn, req_id, "quorum", now, self._reply(req_id, last, a.replica, []))
                     return
         others = jq.asks
         if others:
-            first = next(iter(others.values()))
+            first = next(iter(next(iter(others.values())).values()))
             if (a.min_replicas, a.join_timeout) != (first.min_replicas, first.join_timeout):
                 raise Refused(
                     ERR_INVALID,
@@ -213,7 +256,17 @@ class Quorum:
                     f"min_replicas={first.min_replicas}, join_timeout={first.join_timeout:g}; give every "
                     f"replica's Manager the same settings",
                 )
-        old = others.pop(a.replica, None)
+        mine = others.get(a.replica, {})
+        for other in mine.values():
+            if other.replica_size != a.replica_size and other.replica_rank != a.replica_rank:
+                raise Refused(
+                    ERR_INVALID,
+                    f"quorum: rank {a.replica_rank} of replica {a.replica!r} (host {a.host}) asked with "
+                    f"replica_size={a.replica_size} but its rank {other.replica_rank} (host {other.host}) "
+                    f"with replica_size={other.replica_size}; give every rank of a replica the same "
+                    f"replica_size",
+                )
+        old = mine.pop(a.replica_rank, None)
         if old is not None:
             old.waiting = False  # its connection is open: a closed one's asks were dropped
             self.fx.fail(
@@ -222,34 +275,36 @@ class Quorum:
                 "quorum",
                 now,
                 ERR_INVALID,
-                f"quorum: replaced by a newer ask of replica {a.replica!r} (from {conn.peer})",
+                f"quorum: replaced by a newer ask of replica {a.replica!r} rank {a.replica_rank} "
+                f"(from {conn.peer})",
             )
-        elif len(others) >= MAX_REPLICAS:
+        elif a.replica not in others and len(others) >= MAX_REPLICAS:
             raise Refused(
                 ERR_INVALID, f"quorum: job {conn.job.name!r} already has {MAX_REPLICAS} replicas asking"
             )
         if not others:
             jq.first_at = now
-        others[a.replica] = a
-        self._note(jq, a.replica, conn)
+        others[a.replica] = mine
+        mine[a.replica_rank] = a
+        self._note(jq, key, conn)
         if timeout is not None:
             self.fx.push_timer(now + timeout, a, self._expire_ask)
         self._consider(jq, now)
 
-    def _note(self, jq: JobQuorum, replica: str, conn: Conn) -> None:
-        """``replica`` was heard on ``conn``: it is there, and gone when that connection closes."""
-        jq.gone.pop(replica, None)
-        if jq.seen.get(replica) is not conn:
-            jq.seen[replica] = conn
-            self._by_conn.setdefault(conn.id, []).append((jq, replica))
+    def _note(self, jq: JobQuorum, key: Key, conn: Conn) -> None:
+        """A replica's rank was heard on ``conn``: it is there, and gone when that connection closes."""
+        jq.gone.pop(key, None)
+        if jq.seen.get(key) is not conn:
+            jq.seen[key] = conn
+            self._by_conn.setdefault(conn.id, []).append((jq, key))
 
     # ------------------------------------------------------------------ deciding
-    def _absent(self, jq: JobQuorum, replica: str, now: float) -> str | None:
-        """Why ``replica`` (of the previous quorum, not asking) is not waited for; None: wait."""
-        why = jq.gone.get(replica)
+    def _absent(self, jq: JobQuorum, key: Key, now: float) -> str | None:
+        """Why a replica's rank (of the previous quorum, not asking) is not waited for; None: wait."""
+        why = jq.gone.get(key)
         if why is not None:
             return why
-        conn = jq.seen.get(replica)
+        conn = jq.seen.get(key)
         if conn is None:
             return None  # not seen since this coordinator started: maybe still coming
         silent = now - conn.last_seen
@@ -258,48 +313,113 @@ class Quorum:
             return f"its connection ({conn.peer}) was silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
         return None
 
+    @staticmethod
+    def _complete(ranks: dict[int, Ask]) -> bool:
+        """Whether every rank of a replica asked."""
+        return bool(ranks) and len(ranks) == next(iter(ranks.values())).replica_size
+
+    def _missing(self, jq: JobQuorum, m: list[Any], now: float) -> tuple[list[Key], list[str] | None]:
+        """A previous member's ranks that have not asked, and why it is left out (None: wait).
+
+        ``[replica, host, why]``: the first of its ranks that is gone, named.
+        """
+        asked = jq.asks.get(m[0], {})
+        ranks = shards(m)
+        missing = []
+        for rank, (_, _, host, _) in enumerate(ranks):
+            if rank in asked:
+                continue
+            missing.append((m[0], rank))
+            why = self._absent(jq, (m[0], rank), now)
+            if why is not None:
+                if len(ranks) > 1:
+                    why = f"its rank {rank} of {len(ranks)} (host {host}) is gone: {why}"
+                return missing, [m[0], host, why]
+        return missing, None
+
     def _consider(self, jq: JobQuorum, now: float) -> None:
         """Form the job's quorum if it may form now; otherwise arm the next decision time."""
         if jq.tick is not None:
             jq.tick.waiting = False
             jq.tick = None
+        last = jq.last
+        out: dict[str, list[str]] = {}  # previous members left out, by replica: [replica, host, why]
+        waited: dict[str, list[Key]] = {}  # previous members waited for: their ranks not asking
+        if last is not None:
+            for m in last["members"]:
+                if self._complete(jq.asks.get(m[0], {})):
+                    continue
+                missing, why = self._missing(jq, m, now)
+                if why is None:
+                    waited[m[0]] = missing
+                else:
+                    out[m[0]] = why
+        for name, ranks in list(jq.asks.items()):
+            if not self._complete(ranks):
+                self._fail_rest(jq, name, now)
         asks = jq.asks
         if not asks:
             return
-        first = next(iter(asks.values()))
-        if len(asks) < first.min_replicas:
+        first = next(iter(next(iter(asks.values())).values()))
+        if sum(self._complete(ranks) for ranks in asks.values()) < first.min_replicas:
             return  # only another ask can change that (or the asks' own timeouts)
-        waited: list[str] = []
-        left: list[list[str]] = []
-        last = jq.last
-        if last is not None:
-            for m in last["members"]:
-                if m[0] in asks:
-                    continue
-                why = self._absent(jq, m[0], now)
-                if why is None:
-                    waited.append(m[0])
-                else:
-                    left.append([m[0], m[3], why])
-            if not waited:
-                self._form(jq, left, now)
-                return
+        left = list(out.values())
+        if last is not None and not waited:
+            self._form(jq, left, now)
+            return
         window = jq.first_at + first.join_timeout
         if now >= window:
+            assert last is not None or not waited
             for r in waited:
-                assert last is not None
-                host = next(m[3] for m in last["members"] if m[0] == r)
+                host = next(m[3] for m in last["members"] if m[0] == r) if last is not None else "?"
                 left.append([r, host, f"did not ask within the join window ({first.join_timeout:g}s)"])
             self._form(jq, left, now)
             return
         due = window
         limit = self.heartbeat_timeout()
-        for r in waited:
-            conn = jq.seen.get(r)
-            if conn is not None:
-                due = min(due, conn.last_seen + limit + 0.001)
+        for keys in waited.values():
+            for key in keys:
+                conn = jq.seen.get(key)
+                if conn is not None:
+                    due = min(due, conn.last_seen + limit + 0.001)
         jq.tick = _Tick(jq)
         self.fx.push_timer(due, jq.tick, self._expire_tick)
+
+    def _fail_rest(self, jq: JobQuorum, name: str, now: float) -> None:
+        """Fail the asks of a replica's ranks whose fellow rank of its last quorum is gone.
+
+        They cannot train without it: the replica restarts whole. Ranks of a new incarnation
+        (not in a quorum with the lost one) are not failed: they wait for their other ranks.
+        """
+        ranks = jq.ranks_of.get(name)
+        asked = jq.asks[name]
+        if ranks is None or len(ranks) != next(iter(asked.values())).replica_size:
+            return
+        why = None
+        for rank, (_, _, host, _) in enumerate(ranks):
+            if rank not in asked:
+                gone = self._absent(jq, (name, rank), now)
+                if gone is not None:
+                    why = f"its rank {rank} of {len(ranks)} (host {host}) is gone: {gone}"
+                    break
+        if why is None:
+            return
+        for rank, a in list(asked.items()):
+            if a.uid == ranks[rank][0]:
+                del asked[rank]
+                a.waiting = False
+                self.fx.fail(
+                    a.conn.id,
+                    a.req_id,
+                    "quorum",
+                    a.started,
+                    ERR_RENDEZVOUS,
+                    f"quorum: replica {name!r} of job {jq.job.name!r} is left out of the next quorum: "
+                    f"{why}. Its rank {rank} (host {a.host}) cannot train without it: restart the "
+                    f"replica (all its ranks); it heals from a live one",
+                )
+        if not asked:
+            del jq.asks[name]
 
     def _expire_tick(self, tick: _Tick) -> None:
         tick.waiting = False
@@ -310,18 +430,30 @@ class Quorum:
     def _expire_ask(self, a: Ask) -> None:
         a.waiting = False
         jq = self._of(a.conn.job)
-        if jq.asks.get(a.replica) is not a:
+        mine = jq.asks.get(a.replica, {})
+        if mine.get(a.replica_rank) is not a:
             return
-        del jq.asks[a.replica]
+        del mine[a.replica_rank]
+        if not mine:
+            del jq.asks[a.replica]
         now = self.fx.clock()
-        asked = [a, *sorted(jq.asks.values(), key=lambda other: other.replica)]
-        named = ", ".join(f"{other.replica} (host {other.host})" for other in asked)
-        detail = f"{len(asked)} of at least {a.min_replicas} replicas asked ({named})"
+        asked = [a, *sorted((o for r in jq.asks.values() for o in r.values()), key=lambda o: o.replica)]
+        named = ", ".join(
+            f"{o.replica}{f' rank {o.replica_rank}' if o.replica_size > 1 else ''} (host {o.host})"
+            for o in asked
+        )
+        replicas = len({o.replica for o in asked})
+        detail = f"{replicas} of at least {a.min_replicas} replicas asked ({named})"
+        if a.replica_size > 1:
+            detail += (
+                f"; replica {a.replica!r} has {a.replica_size} ranks, of which "
+                f"{sorted({a.replica_rank, *mine})} asked"
+            )
         if jq.last is not None:
             waited = [
                 f"{m[0]} (host {m[3]})"
                 for m in jq.last["members"]
-                if m[0] not in jq.asks and m[0] != a.replica
+                if not self._complete(jq.asks.get(m[0], {})) and m[0] != a.replica
             ]
             if waited:
                 detail += f"; waited for replicas of quorum {jq.last['id']}: {', '.join(waited)}"
@@ -337,35 +469,46 @@ class Quorum:
         self._consider(jq, now)
 
     def _form(self, jq: JobQuorum, left: list[list[str]], now: float) -> None:
-        asks = sorted(jq.asks.values(), key=lambda a: a.replica)
-        jq.asks = {}
+        complete = sorted(name for name, ranks in jq.asks.items() if self._complete(ranks))
+        groups = [sorted(jq.asks.pop(name).values(), key=lambda a: a.replica_rank) for name in complete]
+        if jq.asks:
+            jq.first_at = now  # replicas not complete yet: they gather for the next quorum
         last = jq.last
-        ident = [[a.replica, a.uid] for a in asks]
-        same = last is not None and ident == [m[:2] for m in last["members"]]
-        if same and not any(a.renew for a in asks):
+        members = []
+        for g in groups:
+            head = g[0]
+            member: list[Any] = [head.replica, head.uid, min(a.step for a in g), head.host, head.ask]
+            if len(g) > 1:
+                member.append([[a.uid, a.step, a.host, a.ask] for a in g])
+                jq.ranks_of[head.replica] = member[5]
+            members.append(member)
+        ident = [[m[0], [r[0] for r in shards(m)]] for m in members]
+        same = last is not None and ident == [[m[0], [r[0] for r in shards(m)]] for m in last["members"]]
+        if same and not any(a.renew for g in groups for a in g):
             assert last is not None
             qid = last["id"]
         else:
             qid = jq.next_id
             jq.next_id += 1
-        record = {"id": qid, "members": [[a.replica, a.uid, a.step, a.host, a.ask] for a in asks]}
+        record = {"id": qid, "members": members}
         jq.last = record
         self._persist(jq)
-        steps = [a.step for a in asks]
+        steps = [m[2] for m in members]
         log.info(
             "job=%s event=quorum id=%d members=%s steps=%s left_out=%s heal=%s",
             jq.job.name,
             qid,
-            [a.replica for a in asks],
+            [m[0] for m in members],
             steps,
             [entry[0] for entry in left],
             heal_plan(steps),
         )
-        for a in asks:
-            a.waiting = False
-            self.fx.reply(
-                a.conn, a.req_id, "quorum", a.started, self._reply(a.req_id, record, a.replica, left)
-            )
+        for g in groups:
+            for a in g:
+                a.waiting = False
+                self.fx.reply(
+                    a.conn, a.req_id, "quorum", a.started, self._reply(a.req_id, record, a.replica, left)
+                )
 
     def _persist(self, jq: JobQuorum) -> None:
         assert jq.last is not None
@@ -381,6 +524,7 @@ class Quorum:
             "ok": True,
             "quorum_id": record["id"],
             "members": [[m[0], m[2], m[3]] for m in members],
+            "hosts": [[r[2] for r in shards(m)] for m in members],
             "index": next(i for i, m in enumerate(members) if m[0] == replica),
             "max_step": max(steps),
             "heal": heal_plan(steps),
@@ -389,21 +533,24 @@ class Quorum:
 
     # ------------------------------------------------------------------ connections
     def disconnect(self, conn: Conn, reason: str) -> None:
-        """A connection closed: its asks are dropped, and the replicas it spoke for are gone."""
+        """A connection closed: its asks are dropped, and the replicas' ranks it spoke for are gone."""
         entries = self._by_conn.pop(conn.id, None)
         if not entries:
             return
         now = self.fx.clock()
         touched: list[JobQuorum] = []
-        for jq, replica in entries:
-            if jq.seen.get(replica) is not conn:
+        for jq, key in entries:
+            if jq.seen.get(key) is not conn:
                 continue  # it asked again on another connection since
-            del jq.seen[replica]
-            jq.gone[replica] = f"its connection ({conn.peer}) closed: {reason}"
-            a = jq.asks.get(replica)
+            del jq.seen[key]
+            jq.gone[key] = f"its connection ({conn.peer}) closed: {reason}"
+            mine = jq.asks.get(key[0], {})
+            a = mine.get(key[1])
             if a is not None and a.conn is conn:
                 a.waiting = False
-                del jq.asks[replica]
+                del mine[key[1]]
+                if not mine:
+                    del jq.asks[key[0]]
             if jq not in touched:
                 touched.append(jq)
         for jq in touched:

@@ -17,6 +17,12 @@ A second world moves states between two processes with the Manager's state trans
 numpy arrays and torch tensors of several dtypes and shapes (0-d, empty, bfloat16, non-contiguous)
 with the containers and attributes pickle keeps, compared exactly; a third broadcasts one from
 one process to two (what a quorum does when every other member heals from one).
+
+A fourth world has replicas of two ranks each (tests/integration/ft_sharded_replica.py: a numpy
+model sharded over them, each replica's own aiocoll group for its loss): one rank of replica B is
+killed with kill -9; replica A commits a step without B within RECOVERY_BOUND, B's other rank
+stops with an error naming the lost rank, its replica and host; B restarted whole heals each
+shard from A's same shard and trains on, bit-identical to A per shard at every step.
 """
 
 from __future__ import annotations
@@ -238,3 +244,128 @@ def test_state_broadcast_moves_a_pytree_from_one_rank_to_all_others_exactly() ->
         assert receiver["metadata"] == {"": {"version": 2}}
         assert receiver["bytes"] == sender["bytes"] > 300_000 * 8
         assert receiver["plans"] == [0, 1, None, None, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# replicas of several ranks
+
+SHARDED = Path(__file__).resolve().parent / "ft_sharded_replica.py"
+SHARDED_KILL_AT, SHARDED_MARGIN = 8, 5
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.timeout(150)
+def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted_replica_per_shard(
+    tmp_path: Path,
+) -> None:
+    """Replicas A and B, two ranks each (a numpy model sharded over them, the replica's own group
+    for the loss); kill -9 of B's rank 1 mid-run: A completes a step without B within
+    RECOVERY_BOUND, B's rank 0 stops with an error naming the lost rank, its replica and host;
+    B restarted whole heals each shard from A's and trains on, bit-identical to A per shard."""
+    import os
+    import secrets
+    import signal
+    import time
+
+    from aiocoll.testing.coordinator import CoordinatorProcess
+
+    token = secrets.token_hex(16)
+    coordinator = CoordinatorProcess(tmp_path / "coordinator.log", "--heartbeat-timeout", "5", token=token)
+    until = tmp_path / "until"
+    env = {**os.environ, "AIOCOLL_TOKEN": token}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(replica: str, rank: int, incarnation: int) -> None:
+        name = f"{replica}{rank}"
+        command = [sys.executable, str(SHARDED), "--coordinator", f"127.0.0.1:{coordinator.port}"]
+        command += ["--replica", replica, "--rank", str(rank), "--incarnation", str(incarnation)]
+        command += ["--record", str(tmp_path / f"{name}.jsonl"), "--until-file", str(until)]
+        log = open(tmp_path / f"{name}.log", "ab")  # the child holds it
+        procs[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def steps(name: str) -> list[dict[str, Any]]:
+        return [e for e in _records(tmp_path / f"{name}.jsonl") if e["event"] == "step"]
+
+    def wait_for(what: str, check: Any, seconds: float = 60.0) -> None:
+        end = time.monotonic() + seconds
+        while not check():
+            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+            assert time.monotonic() < end, f"not within {seconds:g}s: {what}\n{logs}"
+            time.sleep(0.02)
+
+    try:
+        for replica in "AB":
+            for rank in (0, 1):
+                start(replica, rank, 0)
+        wait_for(
+            "both replicas train together",
+            lambda: any(e["step"] >= SHARDED_KILL_AT and e["members"] == ["A", "B"] for e in steps("A0")),
+        )
+        procs["B1"].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        procs["B1"].wait(10)
+        wait_for("B0 stops", lambda: procs["B0"].poll() is not None, 30.0)
+        assert procs["B0"].returncode == 3
+        wait_for(
+            "A trains without B",
+            lambda: any(e["t"] > killed_at and e["members"] == ["A"] for e in steps("A1")),
+        )
+        first = {name: procs[name].pid for name in ("B0", "B1")}
+        for rank in (0, 1):
+            start("B", rank, 1)
+        wait_for(
+            "the restarted B heals",
+            lambda: all(any(e["healed"] and e["pid"] != first[n] for e in steps(n)) for n in ("B0", "B1")),
+        )
+        last = max(e["step"] for e in steps("A0")) + SHARDED_MARGIN
+        (tmp_path / "until.tmp").write_text(str(last))
+        (tmp_path / "until.tmp").replace(until)
+        for name in ("A0", "A1", "B0", "B1"):
+            procs[name].wait(60)
+            assert procs[name].returncode == 0, (name, (tmp_path / f"{name}.log").read_text()[-3000:])
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        coordinator.stop()
+
+    host = socket.gethostname()
+    # A: one process per rank, every step committed once, in order, on both of its ranks
+    for name in ("A0", "A1"):
+        assert [e["step"] for e in steps(name)] == list(range(last)), name
+        assert len({e["pid"] for e in _records(tmp_path / f"{name}.jsonl")}) == 1
+    for a0, a1 in zip(steps("A0"), steps("A1"), strict=True):
+        assert a0["members"] == a1["members"] and a0["quorum_id"] == a1["quorum_id"]
+    # the survivors' next step without B, within the bound
+    first_without = next(e for e in steps("A0") if e["t"] > killed_at and e["members"] == ["A"])
+    recovery = first_without["t"] - killed_at
+    assert recovery < RECOVERY_BOUND, recovery
+    print(
+        f"sharded replicas: A committed step {first_without['step']} without B {recovery:.3f}s after the kill"
+    )
+    # B's rank 0: an error naming the lost rank, its replica and host
+    [error] = [e for e in _records(tmp_path / "B0.jsonl") if e["event"] == "error"]
+    assert "replica 'B'" in error["error"] and f"rank 1 of 2 (host {host})" in error["error"], error
+    assert "closed" in error["error"], error
+    # the restarted B: both ranks healed at one step from the same shard of A, then trained to the end
+    by_rank = {}
+    for rank in (0, 1):
+        pids = list(dict.fromkeys(e["pid"] for e in steps(f"B{rank}")))
+        second = [e for e in steps(f"B{rank}") if e["pid"] == pids[-1]]
+        assert second[0]["healed"]["source"] == "A" and second[0]["healed"]["bytes"] > 0, second[0]
+        assert [e["step"] for e in second] == list(range(second[0]["step"], last))
+        by_rank[rank] = second
+    assert by_rank[0][0]["step"] == by_rank[1][0]["step"]
+    # per shard, per step: bit-identical on every replica that committed it
+    for rank in (0, 1):
+        digests = {e["step"]: e["digest"] for e in steps(f"A{rank}")}
+        members = {e["step"]: e["members"] for e in steps(f"A{rank}")}
+        for e in steps(f"B{rank}"):
+            assert e["members"] == members[e["step"]] and "B" in e["members"], e
+            assert e["digest"] == digests[e["step"]], (rank, e["step"])
+        # the two shards are different parts of the model, not copies
+        assert digests[last - 1] != {e["step"]: e["digest"] for e in steps(f"A{1 - rank}")}[last - 1]
+    assert members[last - 1] == ["A", "B"]

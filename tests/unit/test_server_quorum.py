@@ -1,7 +1,9 @@
 """The coordinator's quorum part (issue 20) without sockets: replicas asking at step boundaries on
 a fake clock; when a quorum forms (the join window, the fast path, a replica whose connection
 closed or went silent), its id (kept while the membership stays), who heals from whom, refusals,
-timeouts, and a coordinator restart from the journal that loses nothing."""
+timeouts, and a coordinator restart from the journal that loses nothing; replicas of several
+ranks (counted when all their ranks asked, left out whole when one is gone, its other ranks told
+which; ranks that disagree on the replica's size refused)."""
 
 from __future__ import annotations
 
@@ -324,3 +326,143 @@ def test_after_a_restart_the_previous_members_not_yet_back_are_waited_for_until_
     again.tick(JOIN + 0.01)
     reply = again.replies()["a"]
     assert members(reply) == ["a"] and reply["quorum_id"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# replicas of several ranks: "a0", "a1" are ranks 0 and 1 of replica "a" (their own processes)
+
+
+def shard_ask(r: Replicas, rank_name: str, step: int, /, **fields: Any) -> None:
+    """Rank ``rank_name`` ("b1": rank 1 of replica "b", of 2) asks at ``step``."""
+    r.ask(rank_name, step, replica=rank_name[:-1], replica_rank=int(rank_name[-1]), replica_size=2, **fields)
+
+
+def sharded(names: list[str]) -> Replicas:
+    """Replicas of two ranks each (``names``: their ranks) past their first quorum and one more step."""
+    r = Replicas()
+    for name in names:
+        r.start(name)
+        shard_ask(r, name, 0)
+    r.tick(JOIN + 0.01)
+    assert sorted(r.replies()) == sorted(names)
+    for name in names:
+        shard_ask(r, name, 1)
+    assert sorted(r.replies()) == sorted(names)
+    return r
+
+
+def test_a_replica_of_several_ranks_counts_only_when_all_its_ranks_asked_and_all_get_one_reply() -> None:
+    r = Replicas()
+    for name in ("a0", "a1", "b0", "b1"):
+        r.start(name)
+    shard_ask(r, "a0", 0)
+    shard_ask(r, "a1", 0)
+    shard_ask(r, "b0", 0)
+    r.tick(JOIN + 0.01)
+    assert r.replies() == {}  # min_replicas=2: b is not complete without its rank 1
+    shard_ask(r, "b1", 0)
+    replies = r.replies()
+    assert sorted(replies) == ["a0", "a1", "b0", "b1"]
+    for name, reply in replies.items():
+        assert reply["ok"] is True and members(reply) == ["a", "b"]
+        assert reply["index"] == ("ab".index(name[0]))
+        assert reply["hosts"] == [["host-a0", "host-a1"], ["host-b0", "host-b1"]]
+        assert reply["heal"] == [-1, 0]  # both shards of b start from a's
+    # the next step: all four ask, the same quorum id; three of them are not enough
+    for name in ("a0", "a1", "b0"):
+        shard_ask(r, name, 1)
+    assert r.replies() == {}
+    shard_ask(r, "b1", 1)
+    assert {x["quorum_id"] for x in r.replies().values()} == {1}
+
+
+def test_a_replica_that_lost_one_rank_is_left_out_whole_and_its_other_rank_is_told_which() -> None:
+    r = sharded(["a0", "a1", "b0", "b1"])
+    shard_ask(r, "a0", 2, min_replicas=1)
+    shard_ask(r, "b0", 2, min_replicas=1)
+    assert r.replies() == {}
+    r.close("b1")  # kill -9 of b's rank 1
+    replies = r.replies()
+    # b0 may not train on alone: its ask fails, naming the lost rank, its replica and host
+    assert replies["b0"]["ok"] is False and replies["b0"]["err"] == "rendezvous"
+    msg = replies["b0"]["msg"]
+    assert "replica 'b'" in msg and "rank 1 of 2 (host host-b1)" in msg and "closed" in msg, msg
+    assert "a0" not in replies  # a1 is there and has not asked: waited for
+    shard_ask(r, "a1", 2, min_replicas=1)
+    replies = r.replies()
+    assert sorted(replies) == ["a0", "a1"] and members(replies["a1"]) == ["a"]
+    [(name, host, why)] = replies["a1"]["left"]
+    assert name == "b" and host == "host-b1" and "rank 1 of 2" in why and "closed" in why
+    # b restarts whole (new processes): it joins at the next boundary, each shard healing from a's
+    r.close("b0")
+    r.start("b0")
+    r.start("b1")
+    shard_ask(r, "b0", 0, min_replicas=1)
+    for name in ("a0", "a1"):
+        shard_ask(r, name, 3, min_replicas=1)
+    replies = r.replies()
+    assert sorted(replies) == ["a0", "a1"]  # b0 alone is not a replica yet: it waits for b1
+    shard_ask(r, "b1", 0, min_replicas=1)
+    for name in ("a0", "a1"):
+        shard_ask(r, name, 4, min_replicas=1)
+    replies = r.replies()
+    assert sorted(replies) == ["a0", "a1", "b0", "b1"]
+    assert all(x["heal"] == [-1, 0] and x["max_step"] == 4 for x in replies.values())
+
+
+def test_a_silent_rank_leaves_its_replica_out_after_the_heartbeat_timeout() -> None:
+    r = sharded(["a0", "a1", "b0", "b1"])
+    r.cut.add("b0")
+    for name in ("a0", "a1", "b1"):
+        shard_ask(r, name, 2, min_replicas=1)
+    r.tick(3.5)
+    assert r.replies() == {}
+    r.tick(0.6)
+    replies = r.replies()
+    assert sorted(replies) == ["a0", "a1", "b1"]
+    assert replies["b1"]["ok"] is False and "rank 0 of 2 (host host-b0)" in replies["b1"]["msg"]
+    assert members(replies["a0"]) == ["a"] and "silent" in replies["a0"]["left"][0][2]
+
+
+def test_ranks_of_one_replica_that_disagree_on_its_size_or_rank_are_refused() -> None:
+    r = Replicas()
+    for name in ("a0", "a1"):
+        r.start(name)
+    shard_ask(r, "a0", 0)
+    r.ask("a1", 0, replica="a", replica_rank=1, replica_size=3)
+    reply = r.replies()["a1"]
+    assert reply["ok"] is False and reply["err"] == ERR_INVALID
+    assert "replica_size=3" in reply["msg"] and "replica_size=2" in reply["msg"] and "'a'" in reply["msg"]
+    assert "host-a0" in reply["msg"] and "host-a1" in reply["msg"]
+    for bad in ({"replica_rank": 2}, {"replica_size": 0}, {"replica_rank": -1}):
+        r.ask("a1", 0, **{"replica": "a", "replica_rank": 1, "replica_size": 2, **bad})
+        reply = r.replies()["a1"]
+        assert reply["ok"] is False and reply["err"] == ERR_INVALID, (bad, reply)
+
+
+def test_a_coordinator_restart_replays_the_reply_to_each_rank_of_a_replica_of_several() -> None:
+    r = Replicas(durable=True)
+    for name in ("a0", "a1", "b0", "b1"):
+        r.start(name)
+        shard_ask(r, name, 0)
+    r.tick(JOIN + 0.01)
+    answered = r.replies()
+    again = Replicas(durable=True)
+    again.state.restore(None, r.state.take_journal())
+    for name in ("a1", "b0"):
+        again.start(name)
+        again.uids[name], again.asks[name] = r.uids[name], r.asks[name]
+        shard_ask(again, name, 0, again=True)
+    replies = again.replies()
+    assert replies == {name: {**answered[name], "id": replies[name]["id"]} for name in ("a1", "b0")}
+
+
+def test_a_rank_that_asks_after_its_replica_was_left_out_is_told_too() -> None:
+    r = sharded(["a0", "a1", "b0", "b1"])
+    r.close("b1")
+    for name in ("a0", "a1"):
+        shard_ask(r, name, 2, min_replicas=1)
+    assert members(r.replies()["a0"]) == ["a"]
+    shard_ask(r, "b0", 2, min_replicas=1)  # it was slower: the quorum without b formed already
+    reply = r.replies()["b0"]
+    assert reply["ok"] is False and "rank 1 of 2 (host host-b1)" in reply["msg"] and "restart" in reply["msg"]
