@@ -369,7 +369,8 @@ def _default_replica() -> str:
 class Manager:
     """One replica's side of per-step fault tolerance.
 
-    A replica holds one copy of the model (here: one process). Each step is ``start_step``
+    A replica holds one copy of the model: one process, or ``replica_size`` ranks each with its
+    own Manager (all must ask before the replica counts). Each step is ``start_step``
     (the quorum; a heal when behind), the step's collectives over the quorum's ``group``
     (``all_reduce_mean``), then ``commit``; a step that failed anywhere commits nowhere, and the
     next quorum leaves out the replicas that are gone. See docs/FAULT_TOLERANCE.md.

@@ -246,16 +246,6 @@ class Quorum:
                     self.fx.reply(conn, req_id, "quorum", now, self._reply(req_id, last, a.replica, []))
                     return
         others = jq.asks
-        if others:
-            first = next(iter(next(iter(others.values())).values()))
-            if (a.min_replicas, a.join_timeout) != (first.min_replicas, first.join_timeout):
-                raise Refused(
-                    ERR_INVALID,
-                    f"quorum: replica {a.replica!r} asked with min_replicas={a.min_replicas}, "
-                    f"join_timeout={a.join_timeout:g} but replica {first.replica!r} with "
-                    f"min_replicas={first.min_replicas}, join_timeout={first.join_timeout:g}; give every "
-                    f"replica's Manager the same settings",
-                )
         mine = others.get(a.replica, {})
         for other in mine.values():
             if other.replica_size != a.replica_size and other.replica_rank != a.replica_rank:
@@ -265,6 +255,18 @@ class Quorum:
                     f"replica_size={a.replica_size} but its rank {other.replica_rank} (host {other.host}) "
                     f"with replica_size={other.replica_size}; give every rank of a replica the same "
                     f"replica_size",
+                )
+        if others:
+            first = next(iter(next(iter(others.values())).values()))
+            settings = (a.min_replicas, a.join_timeout, a.replica_size)
+            if settings != (first.min_replicas, first.join_timeout, first.replica_size):
+                raise Refused(
+                    ERR_INVALID,
+                    f"quorum: replica {a.replica!r} asked with min_replicas={a.min_replicas}, "
+                    f"join_timeout={a.join_timeout:g}, replica_size={a.replica_size} but replica "
+                    f"{first.replica!r} with min_replicas={first.min_replicas}, join_timeout="
+                    f"{first.join_timeout:g}, replica_size={first.replica_size}; give every replica's "
+                    f"Manager the same settings",
                 )
         old = mine.pop(a.replica_rank, None)
         if old is not None:

@@ -28,11 +28,13 @@ Requests (client -> coordinator), header ``{"op": OP, "id": int, ...}``:
                                                                               progress_reports}]
     progress  ops, seqs, busy (see "Progress" below)        -                  -
     quorum    replica, uid, step, ask, host, min_replicas,  -                  quorum_id, members:
-              join_timeout, renew, timeout: a replica at                      [[replica, step, host]]
-              a step boundary (server/_quorum.py,                             (by replica), index,
-              docs/FAULT_TOLERANCE.md)                                        max_step, heal: [source
-                                                                              index or -1], left:
-                                                                              [[replica, host, why]]
+              join_timeout, renew, timeout, replica_rank,                     [[replica, step, host]]
+              replica_size (default 0, 1): a replica's                        (by replica), hosts:
+              rank at a step boundary (server/_quorum.py,                     [[host of each rank]],
+              docs/FAULT_TOLERANCE.md)                                        index, max_step, heal:
+                                                                              [source index or -1],
+                                                                              left: [[replica, host,
+                                                                              why]]
 
 join may carry ``table_in_payload: True``: the reply then has no "members" field; its payload is
 the msgpack encoding of that same list (a 10,000-member table is ~0.5 MB, so a client may decode it

@@ -434,6 +434,10 @@ def test_ranks_of_one_replica_that_disagree_on_its_size_or_rank_are_refused() ->
     assert reply["ok"] is False and reply["err"] == ERR_INVALID
     assert "replica_size=3" in reply["msg"] and "replica_size=2" in reply["msg"] and "'a'" in reply["msg"]
     assert "host-a0" in reply["msg"] and "host-a1" in reply["msg"]
+    r.start("b0")
+    r.ask("b0", 0, replica="b", replica_rank=0, replica_size=3)  # replicas of other sizes: refused
+    reply = r.replies()["b0"]
+    assert reply["ok"] is False and "replica_size=3" in reply["msg"] and "replica_size=2" in reply["msg"]
     for bad in ({"replica_rank": 2}, {"replica_size": 0}, {"replica_rank": -1}):
         r.ask("a1", 0, **{"replica": "a", "replica_rank": 1, "replica_size": 2, **bad})
         reply = r.replies()["a1"]
