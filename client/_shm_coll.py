@@ -1054,10 +1054,12 @@ class ArenaProvider:
         return None if group is None else cls(group)
 
     def usable(self, links: LinkTransport) -> bool:
-        """Every other member is still linked to us by shared memory."""
+        """No other member is linked to us by anything but shared memory now. A member whose link
+        is gone leaves the arena as it is: the arena fails the group's operations with that
+        member's loss itself (ShmGroup.peer_lost), and the group is then over."""
         kinds = links.link_kinds()
         me = links.rank
-        return all(kinds.get(r) == "shm" for r in self.group.ranks if r != me)
+        return all(kinds.get(r, "shm") == "shm" for r in self.group.ranks if r != me)
 
     def prepare(
         self,

@@ -214,7 +214,7 @@ class ProviderTable:
         """Choose the providers for every kind (once per group, and again when links change)."""
         self._links_seen = self._links.links_version
         if self._arena is not None and not self._arena.usable(self._links):
-            log.debug("group %r: arena dropped: a member's shared-memory link is gone", self._state.gid)
+            log.debug("group %r: arena dropped: a member is now linked by another kind", self._state.gid)
             self._retired.append(self._arena)  # closed with the table (its operations failed)
             self._arena = None
         self._by_kind, self._any = select_providers(
