@@ -43,7 +43,7 @@ import numpy as np
 
 from aiocoll._deadline import Deadline
 from aiocoll._env import env_int
-from aiocoll._errors import CollectiveTimeout, DistError, PeerLostError, StoreTimeout
+from aiocoll._errors import CollectiveTimeout, DistError, PeerLostError, RendezvousError, StoreTimeout
 from aiocoll._types import ReduceOp
 from aiocoll.api import ProcessGroup, _host_port, _init_with_coordinator
 from aiocoll.client.session import CoordinatorSession
@@ -62,7 +62,9 @@ _STAGED_BYTES = 256 << 20  # host copies of device tensors a heal's sender keeps
 class QuorumError(DistError):
     """No quorum could be formed (or joined) within the Manager's ``quorum_timeout``.
 
-    Raised by ``Manager.start_step``. The message names this replica, its rank in the last quorum
+    Raised by ``Manager.start_step``; also at once on a rank of a replica of several ranks that
+    lost one of them (the coordinator leaves the replica out whole; the message names the lost
+    rank, its replica and host). The message names this replica, its rank in the last quorum
     and its host, and what the coordinator said: how many replicas asked (by name) and which ones
     of the previous quorum it waited for, or why it could not be reached.
 
@@ -518,29 +520,40 @@ class Manager:
             f"of quorum {self.quorum_id}, host {self.host})"
         )
 
-    def _whose(self, rank: int, whole: bool) -> tuple[int, int]:
-        """(member index, replica_rank) of a rank of ``group`` (or of ``quorum_group``: ``whole``)."""
-        return divmod(rank, self.replica_size) if whole else (rank, self.replica_rank)
+    def _whose(self, rank: int, kind: str) -> tuple[int, int]:
+        """(member index, replica_rank) of a rank of a group.
 
-    def _host_of(self, rank: int, whole: bool = False) -> str:
-        index, shard = self._whose(rank, whole)
+        ``kind``: "shard" (``group``), "whole" (``quorum_group``), or "inside" (the group of this
+        replica's own ranks, whose ranks are replica ranks).
+        """
+        if kind == "whole":
+            return divmod(rank, self.replica_size)
+        if kind == "inside":
+            return self.index, rank
+        return rank, self.replica_rank
+
+    def _host_of(self, rank: int, kind: str = "shard") -> str:
+        index, shard = self._whose(rank, kind)
         if self.replica_size > 1 and index < len(self._rank_hosts) and shard < len(self._rank_hosts[index]):
             return self._rank_hosts[index][shard]
         return self.hosts[index]
 
-    def _who(self, rank: int, whole: bool = False) -> str:
-        index, shard = self._whose(rank, whole)
+    def _who(self, rank: int, kind: str = "shard") -> str:
+        index, shard = self._whose(rank, kind)
         if not 0 <= index < len(self.members):
             return f"rank {rank}"
         if self.replica_size == 1:
             return f"replica {self.members[index]!r} (rank {rank}, host {self.hosts[index]})"
-        where = "the quorum's group of every rank" if whole else f"the group of replica rank {shard}"
+        where = {
+            "whole": "the quorum's group of every rank",
+            "inside": "the replica's own group",
+        }.get(kind, f"the group of replica rank {shard}")
         return (
             f"replica {self.members[index]!r} rank {shard} of {self.replica_size} (rank {rank} of {where}, "
-            f"host {self._host_of(rank, whole)})"
+            f"host {self._host_of(rank, kind)})"
         )
 
-    def _ranks_of(self, exc: BaseException, whole: bool = False) -> list[int]:
+    def _ranks_of(self, exc: BaseException, kind: str = "shard") -> list[int]:
         """The ranks of the current quorum's group that ``exc`` names (lost, or did not answer)."""
         if isinstance(exc, PeerLostError):
             ranks = [exc.rank]
@@ -548,17 +561,19 @@ class Manager:
             ranks = list(exc.missing_ranks)
         else:
             ranks = list(getattr(exc, "ranks", []) or [])
-        size = len(self.members) * (self.replica_size if whole else 1)
+        size = {"whole": len(self.members) * self.replica_size, "inside": self.replica_size}.get(
+            kind, len(self.members)
+        )
         return [r for r in ranks if 0 <= r < size]
 
-    def _named(self, exc: BaseException, whole: bool = False) -> str:
+    def _named(self, exc: BaseException, kind: str = "shard") -> str:
         """The replicas ``exc`` involves, each with its rank and host.
 
         When it names none (a group that did not form), the other members of the quorum.
         """
-        ranks = self._ranks_of(exc, whole)
+        ranks = self._ranks_of(exc, kind)
         if ranks:
-            return ", ".join(self._who(r, whole) for r in ranks)
+            return ", ".join(self._who(r, kind) for r in ranks)
         others = [self._who(r) for r in range(len(self.members)) if r != self.index]
         return f"one of {', '.join(others)}" if others else "no other replica"
 
@@ -604,7 +619,7 @@ class Manager:
 
         Raises:
             QuorumError: no quorum within ``quorum_timeout`` (too few replicas, the coordinator
-                not reachable).
+                not reachable), or this rank's replica lost another of its ranks.
             RuntimeError: a heal is needed but ``state_dict``/``load_state_dict`` are not set.
         """
         deadline = Deadline(self.quorum_timeout)
@@ -663,8 +678,12 @@ class Manager:
                 step=self.step,
             ) from exc
         except DistError as exc:
+            # RendezvousError: a replica of several ranks lost one, and the coordinator says which
+            at = f"the coordinator at {self.coordinator}"
+            refused = isinstance(exc, RendezvousError)
+            what = f"{at} refused this rank" if refused else f"asking {at} for a quorum failed"
             raise QuorumError(
-                f"{self._where()}: asking the coordinator at {self.coordinator} for a quorum failed: {exc}",
+                f"{self._where()}: {what}: {exc}",
                 replica=self.replica,
                 step=self.step,
             ) from exc
@@ -802,14 +821,15 @@ class Manager:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(g.destroy(), _DESTROY_TIMEOUT)
 
-    def _fail(self, what: str, exc: BaseException, whole: bool = False) -> None:
+    def _fail(self, what: str, exc: BaseException, kind: str = "shard") -> None:
         """Record the step's failure, naming the replicas, ranks and hosts it involves.
 
-        ``whole``: it failed on ``quorum_group`` (its ranks are of that group), not ``group``.
+        ``kind``: the group it failed on, whose ranks it names (see ``_whose``).
         """
-        whole = whole and self.replica_size > 1
-        ranks = self._ranks_of(exc, whole)
-        named = self._named(exc, whole)
+        if self.replica_size == 1:
+            kind = "shard"  # one group: ``group`` is ``quorum_group``, and there is no inside
+        ranks = self._ranks_of(exc, kind)
+        named = self._named(exc, kind)
         failure = StepFailed(
             f"{self._where()}: step {self.step}: {what} failed ({named}): {type(exc).__name__}: "
             f"{str(exc).rstrip('.')}. "
@@ -817,9 +837,9 @@ class Manager:
             f"heals the ones that fell behind",
             step=self.step,
             quorum_id=self.quorum_id,
-            replicas=[self.members[self._whose(r, whole)[0]] for r in ranks],
+            replicas=[self.members[self._whose(r, kind)[0]] for r in ranks],
             ranks=ranks,
-            hosts=[self._host_of(r, whole) for r in ranks],
+            hosts=[self._host_of(r, kind) for r in ranks],
             cause=exc,
         )
         if self._failed is None:
@@ -827,23 +847,28 @@ class Manager:
             self.last_error = failure
             log.warning("%s", failure)
 
-    def report_error(self, exc: BaseException) -> None:
+    def report_error(self, exc: BaseException, *, inside_replica: bool = False) -> None:
         """Mark the current step failed: it will not commit, and the next quorum makes a fresh group.
 
-        Call it when an operation of your own on ``group`` failed.
+        Call it when an operation of your own on ``group`` failed, or (``inside_replica``) on the
+        group of this replica's own ranks.
 
         Args:
             exc: the error; its ranks (``PeerLostError.rank``, ``CollectiveTimeout.missing_ranks``)
                 are named in ``last_error`` with their replicas and hosts.
+            inside_replica: the operation ran on a group of this replica's ranks, in
+                ``replica_rank`` order (a replica of several ranks): its ranks are replica ranks.
         """
-        self._fail("an operation of the step", exc)
+        self._fail("an operation of the step", exc, "inside" if inside_replica else "shard")
 
     async def all_reduce_mean(self, arrays: Sequence[Any], *, timeout: float | None = None) -> bool:
         """Average arrays over the quorum's replicas, in place.
 
         The sum over the replicas that are in this step's quorum, divided by their number. A
         failure does not raise: it is logged and kept in ``last_error``, and ``commit`` returns
-        False.
+        False. For a replica of several ranks this runs over ``group``, this rank's shard; when
+        the step has already failed on this rank (``report_error``) it still runs, so that the
+        other replicas' ranks of the shard are not held up until its timeout, and returns False.
 
         Args:
             arrays: numpy arrays or torch tensors (floating point; CUDA tensors too), the same
@@ -856,14 +881,17 @@ class Manager:
         Raises:
             RuntimeError: called outside a step (before ``start_step``).
         """
-        if self._failed is not None:
+        if self._failed is not None and self.replica_size == 1:
             return False
         pg = self._group("all_reduce_mean")
+        failed = self._failed is not None
         n = pg.size
         try:
             await _all([pg.all_reduce(a, ReduceOp.SUM, timeout=timeout or self.timeout) for a in arrays])
         except DistError as exc:
             self._fail("all_reduce_mean", exc)
+            return False
+        if failed:
             return False
         for a in arrays:
             a /= n
@@ -893,7 +921,7 @@ class Manager:
         try:
             await pg.all_reduce(flag, ReduceOp.MIN, timeout=timeout or self.timeout)
         except DistError as exc:
-            self._fail("commit", exc, whole=True)
+            self._fail("commit", exc, "whole")
             flag[0] = 0
         self._in_step = False
         if self._failed is not None:

@@ -3,9 +3,11 @@ started by the test (not a test module). Imports numpy and aiocoll only.
 
 Each rank holds its shard of a tiny numpy model (a vector of float64). A step: the quorum
 (``Manager.start_step``, which heals the shard from the same shard of a live replica when behind);
-the replica's loss, summed over its two ranks on the replica's own group (the intra-replica group
-of a sharded model: an ordinary aiocoll job per replica and incarnation); the shard's gradient,
-averaged over the replicas of the quorum on the shard's group (``all_reduce_mean``); ``commit``.
+a pause (the forward and backward pass); the replica's loss, summed over its two ranks on the
+replica's own group (the intra-replica group of a sharded model: an ordinary aiocoll job per
+replica and incarnation; a failure there is reported with ``report_error(inside_replica=True)``);
+the shard's gradient, averaged over the replicas of the quorum on the shard's group
+(``all_reduce_mean``); ``commit``.
 Every committed step appends a line to ``--record`` (JSON: the step, the quorum's members, the
 shard's digest after the step, the heal); a ``QuorumError`` is recorded and the process exits 3.
 It stops after the step named in ``--until-file`` once that file exists.
@@ -82,11 +84,12 @@ async def main(args: argparse.Namespace, record: Any) -> int:
                 return 3
             healed = manager.last_heal
             manager.last_heal = None
+            await asyncio.sleep(args.step_time)  # the forward and backward pass: a kill lands here
             loss = np.array([float(w @ w)])
             try:
                 await intra.all_reduce(loss, timeout=10.0)  # the replica's loss, over its ranks
             except aiocoll.DistError as exc:
-                manager.report_error(exc)
+                manager.report_error(exc, inside_replica=True)
             g = gradient(w, float(loss[0]), args.replica, args.rank, step)
             await manager.all_reduce_mean([g])
             if await manager.commit():
@@ -101,7 +104,6 @@ async def main(args: argparse.Namespace, record: Any) -> int:
                 )
             else:
                 write(event="failed", step=step, error=str(manager.last_error))
-            await asyncio.sleep(args.step_time)
         return 0
     finally:
         await manager.close()

@@ -350,6 +350,12 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
     [error] = [e for e in _records(tmp_path / "B0.jsonl") if e["event"] == "error"]
     assert "replica 'B'" in error["error"] and f"rank 1 of 2 (host {host})" in error["error"], error
     assert "closed" in error["error"], error
+    # a step the kill interrupted failed on every survivor, naming the lost rank (whichever group
+    # it failed on: the shard's, the replica's own, the quorum's of every rank)
+    for name in ("A0", "A1", "B0"):
+        for e in (e for e in _records(tmp_path / f"{name}.jsonl") if e["event"] == "failed"):
+            assert "replica 'B' rank 1 of 2 (rank " in e["error"] and f"host {host})" in e["error"], e
+            assert "not committed" in e["error"], e
     # the restarted B: both ranks healed at one step from the same shard of A, then trained to the end
     by_rank = {}
     for rank in (0, 1):
