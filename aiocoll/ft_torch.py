@@ -11,6 +11,11 @@ which tensors are the state, and the gradients as one flat buffer.
         loss_fn(model(*batch(manager.step))).backward()
         opt.step()                             # averaged over the quorum; applied if committed
 
+For a replica of several ranks, each rank wraps its own part of the model with its own Manager
+(``replica_rank``, ``replica_size``): its gradients are averaged with the same rank of the other
+replicas, and the state it sends or receives when a replica heals is that rank's model and
+optimizer ``state_dict``.
+
 The Manager's coroutines run on aiocoll's loop thread (the one aiocoll.sync uses); these
 methods block until they finish.
 """

@@ -375,3 +375,25 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
         # the two shards are different parts of the model, not copies
         assert digests[last - 1] != {e["step"]: e["digest"] for e in steps(f"A{1 - rank}")}[last - 1]
     assert members[last - 1] == ["A", "B"]
+
+
+@pytest.mark.timeout(10)
+def test_a_managers_replica_rank_and_size_come_from_the_environment_and_are_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aiocoll.ft import Manager
+
+    monkeypatch.setenv("AIOCOLL_REPLICA_SIZE", "3")
+    monkeypatch.setenv("AIOCOLL_REPLICA_RANK", "2")
+    manager = Manager("127.0.0.1:1", replica="r")  # connects nowhere until start_step
+    assert (manager.replica_rank, manager.replica_size) == (2, 3)
+    assert (Manager("127.0.0.1:1", replica="r", replica_rank=0, replica_size=1).replica_size) == 1
+    monkeypatch.delenv("AIOCOLL_REPLICA_SIZE")
+    monkeypatch.delenv("AIOCOLL_REPLICA_RANK")
+    assert (Manager("127.0.0.1:1", replica="r").replica_rank, Manager("127.0.0.1:1").replica_size) == (0, 1)
+    for rank, size in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match=rf"replica_rank={rank}, replica_size={size}"):
+            Manager("127.0.0.1:1", replica="r", replica_rank=rank, replica_size=size)
+    monkeypatch.setenv("AIOCOLL_REPLICA_SIZE", "two")
+    with pytest.raises(ValueError, match="AIOCOLL_REPLICA_SIZE"):
+        Manager("127.0.0.1:1", replica="r")
