@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from aiocoll._deadline import Deadline
-from aiocoll._env import env_int
+from aiocoll._env import env_int, env_text
 from aiocoll._errors import CollectiveTimeout, DistError, PeerLostError, RendezvousError, StoreTimeout
 from aiocoll._types import ReduceOp
 from aiocoll.api import ProcessGroup, _host_port, _init_with_coordinator
@@ -348,7 +348,7 @@ async def _all(works: Sequence[Any]) -> None:
 
 
 def _default_coordinator() -> str:
-    named = os.environ.get("AIOCOLL_COORDINATOR")
+    named = env_text("AIOCOLL_COORDINATOR")
     if named:
         return named
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
@@ -361,7 +361,7 @@ def _default_coordinator() -> str:
 
 
 def _default_replica() -> str:
-    named = os.environ.get("AIOCOLL_REPLICA")
+    named = env_text("AIOCOLL_REPLICA")
     if named:
         return named
     rank = os.environ.get("RANK")
@@ -472,8 +472,8 @@ class Manager:
             )
         self.replica_rank = replica_rank
         self.replica_size = replica_size
-        self.job = job or os.environ.get("AIOCOLL_JOB") or "default"
-        self._token = token if token is not None else (os.environ.get("AIOCOLL_TOKEN") or None)
+        self.job = job or env_text("AIOCOLL_JOB") or "default"
+        self._token = token if token is not None else (env_text("AIOCOLL_TOKEN", strip=False) or None)
         self.state_dict = state_dict
         self.load_state_dict = load_state_dict
         self.min_replicas = min_replicas
