@@ -13,7 +13,9 @@ memory files (``/dev/shm``, created exclusively with mode 0600, so no other user
 that another process on this host opens from the handle: the stand-in for CUDA IPC, so the IPC
 path's cross-process ordering (events recorded in one process, waited for in another) is tested
 for real. An interprocess event is two counters in such a file: how often it was recorded (by
-the host, when ``record`` is called) and how far its stream got (by the stream thread).
+the host, when ``record`` is called) and how far its stream got (by the stream thread). A process
+that dies before closing its device (kill -9) leaves its files behind; as the CUDA driver frees a
+dead process's memory, the next IPC ThreadDevice made on the host removes them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from aiocoll._reduce import finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 from aiocoll.device._device import Device, DeviceError, DeviceTensor, Event, HostBuffer, Stream, host_identity
 
-__all__ = ["ThreadDevice", "ThreadDeviceTensor"]
+__all__ = ["ThreadDevice", "ThreadDeviceTensor", "remove_dead_ipc_files"]
+
+_SHM_DIR = "/dev/shm"
+_IPC_PREFIX = "aiocoll-ipc-"  # then the owner's pid, "-", a random name
 
 _STOP = object()
 
@@ -140,7 +145,7 @@ class _ThreadEvent(Event):
 
 def _shm_file(nbytes: int) -> tuple[str, mmap.mmap]:
     """A new shared memory file only this user can open, mapped; its path is the IPC handle."""
-    path = f"/dev/shm/aiocoll-ipc-{os.getpid()}-{secrets.token_hex(8)}"
+    path = f"{_SHM_DIR}/{_IPC_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, max(1, nbytes))
@@ -149,8 +154,34 @@ def _shm_file(nbytes: int) -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_dead_ipc_files() -> list[str]:
+    """Remove this user's IPC files whose owner process is gone; returns their names."""
+    removed = []
+    me = os.getuid()
+    for name in os.listdir(_SHM_DIR):
+        pid = name[len(_IPC_PREFIX) :].partition("-")[0] if name.startswith(_IPC_PREFIX) else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        path = f"{_SHM_DIR}/{name}"
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_uid == me:
+                os.unlink(path)
+                removed.append(name)
+    return removed
+
+
 def _open_shm(path: str, nbytes: int) -> mmap.mmap:
-    if not path.startswith("/dev/shm/aiocoll-ipc-") or "/" in path[len("/dev/shm/") :]:
+    if not path.startswith(f"{_SHM_DIR}/{_IPC_PREFIX}") or "/" in path[len(_SHM_DIR) + 1 :]:
         raise DeviceError(f"not an aiocoll IPC handle: {path!r}")
     try:
         fd = os.open(path, os.O_RDWR)
@@ -248,6 +279,8 @@ class ThreadDevice(Device):
     ) -> None:
         self.name = f"threads:{next(self._ids)}"
         self.ipc = ipc
+        if ipc:
+            remove_dead_ipc_files()
         self._identity = identity or f"{host_identity()}/threads-{os.getpid()}-{self.name}"
         self._files: list[str] = []
         self.copy_delay = copy_delay
