@@ -1377,15 +1377,19 @@ async def _connect_session(
 async def _unpublished(store: Store, keys: list[str], rank: int, world_size: int) -> str:
     """Why a rendezvous through a store timed out: which ranks never published their address."""
     missing: list[int] = []
-    for r, key in enumerate(keys):
-        try:
-            if not await asyncio.wait_for(store.check([key]), 5):
+
+    async def look() -> None:
+        for r, key in enumerate(keys):
+            if not await store.check([key]):
                 missing.append(r)
-        except Exception:  # the store itself is gone: say what we know
-            return (
-                f"rank {rank}: not every rank of {world_size} published its address in the store within "
-                f"the rendezvous timeout, and the store no longer answers"
-            )
+
+    try:
+        await asyncio.wait_for(look(), 5)  # an error path: a bounded look, not a second timeout
+    except Exception:  # the store itself is gone or too slow: say what we know
+        return (
+            f"rank {rank}: not every rank of {world_size} published its address in the store within "
+            f"the rendezvous timeout, and the store no longer answers"
+        )
     said = f"rank {rank}: rank(s) {missing[:32]} of {world_size} did not publish their address in the store"
     said += f" within the rendezvous timeout ({world_size - len(missing)} did)"
     launched = os.environ.get("WORLD_SIZE")

@@ -163,6 +163,9 @@ class _OutputPump:
         self._pipe = pipe
         self._fd = pipe.fileno()
         self._prefix = prefix
+        # torch prefixes a worker's traceback with the same "[rankN]:" once its default group is
+        # made: such a line is not prefixed twice.
+        self._own_prefix = prefix.rstrip()
         self._console = console
         self._stream = stream
         self._tail = tail
@@ -199,9 +202,7 @@ class _OutputPump:
     def _emit(self, lines: list[bytes]) -> None:
         if not lines:
             return
-        # torch prefixes a worker's traceback with the same "[rankN]:" once its default group is
-        # made: such a line is not prefixed twice.
-        prefix, own = self._prefix, self._prefix.rstrip()
+        prefix, own = self._prefix, self._own_prefix
         out = b"".join((line if line.startswith(own) else prefix + line) + b"\n" for line in lines)
         self._console.write(self._stream, out)
         if self._tail is not None:
