@@ -26,10 +26,10 @@ each with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, AIOCOLL_CO
 MASTER_ADDR, MASTER_PORT, AIOCOLL_JOB and AIOCOLL_RESTART_COUNT set (AIOCOLL_TOKEN passes through).
 
 AIOCOLL_COORDINATOR names the aiocoll coordinator the workers join: --coordinator, which must
-answer within --connect-timeout or nothing starts, or without it one the launcher runs itself on
-127.0.0.1, on a free port, with a random token unless one is given. When the job starts, the
-launcher prints the 'aiocoll status' command that shows what each rank is doing (its token is
-kept in a file only you can read, never on the command line).
+answer with the job's token within --connect-timeout or nothing starts, or without it one the
+launcher runs itself on 127.0.0.1, on a free port, with a random token unless one is given.
+When the job starts, the launcher prints the 'aiocoll status' command that shows what each rank
+is doing (its token is kept in a file only you can read, never on the command line).
 
 MASTER_ADDR:MASTER_PORT is left free for the store that rank 0 of a torch.distributed script
 binds (gloo via env://, or "aiocoll" after 'import aiocoll.torch'): on one node 127.0.0.1 and
@@ -170,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="the address of a running aiocoll coordinator ('aiocoll coordinator', or the container); "
         "required with --nnodes > 1 and with --nnodes MIN:MAX, where the launchers also rendezvous "
-        "through it. If it does not accept a connection within --connect-timeout, "
+        "through it. If it does not complete aiocoll's handshake with the job's token within "
+        "--connect-timeout (nothing answers, another token, not a coordinator), "
         "the launcher exits 2 and starts no worker. Default: run one inside the launcher, on "
         "127.0.0.1 (one node only)",
     )
@@ -181,7 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_seconds(True),
         default=None,
         metavar="SECONDS",
-        help="how long --coordinator has to accept a connection before the launcher gives up (default: 30)",
+        help="how long --coordinator has to answer before the launcher gives up (default: 30)",
     )
     parser.add_argument(
         "--master-addr",
