@@ -212,9 +212,11 @@ class ShmLink(TcpLink):
                 self._turn = self._loop.call_soon(self._pump_later)
                 return
             out = queue[0]
-            if not self._push(out):
+            if not self._push(out, began + _INLINE_S):
                 if self.closed:
                     return
+                if clock() - began > _INLINE_S:
+                    continue  # out of this turn's time, not of room: the loop gets its turn above
                 need = min(self._chunk, len(out.body) - out.sent)
                 if self._spin_until_room(writer, need):
                     continue
@@ -236,8 +238,10 @@ class ShmLink(TcpLink):
         if not self.closed and not self._asleep:
             self._pump()
 
-    def _push(self, out: _Outgoing) -> bool:
-        """Put as much of ``out`` into the ring as fits; True once all of it is there."""
+    def _push(self, out: _Outgoing, until: float) -> bool:
+        """Put as much of ``out`` into the ring as fits, until the clock (perf_counter) passes
+        ``until``; True once all of it is there. A receiver that keeps pace frees room as fast as
+        this fills it, so without ``until`` one long message would never give the loop a turn."""
         body = out.body
         n = len(body)
         if n <= _FRAME_BYTES:  # a plain message frame, in order behind the ring ones
@@ -260,7 +264,7 @@ class ShmLink(TcpLink):
             out.sent += c
             self.ring_bytes_out += c
             self._frame(head)
-            if self.closed:
+            if self.closed or (out.sent < n and time.perf_counter() > until):
                 return False
         return True
 
