@@ -210,6 +210,7 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
 
     # kill -9 of the last rank: every survivor's next operation names it
     out["pids"] = await pg.all_gather_object(os.getpid(), timeout=30)
+    await pg.barrier(timeout=30)  # every rank is done with the gather before the last one dies
     if r == n - 1:
         os.kill(os.getpid(), signal.SIGKILL)
     started = time.monotonic()
