@@ -121,7 +121,7 @@ FACADE_ONLY: dict[str, str] = {
     "is_available": "always True",
     "get_rank": "ProcessGroup.rank",
     "get_world_size": "ProcessGroup.size",
-    "get_backend": "always 'aiocoll'",
+    "get_backend": "the backend name init_process_group or new_group was given",
     "batch_isend_irecv": "isend/irecv in list order",
     "monitored_barrier": "send/recv with rank 0, as torch composes it",
 }
@@ -137,7 +137,10 @@ def is_available() -> bool:
 
 
 class Backend(str):
-    """The backend name get_backend returns; accepts torch's spellings (torch's Backend)."""
+    """The backend name get_backend returns: torch's spellings (torch's Backend).
+
+    ``Backend.AIOCOLL`` is the backend that runs every group, whatever it was called.
+    """
 
     AIOCOLL = "aiocoll"
     GLOO = "gloo"
@@ -154,8 +157,9 @@ class ProcessGroup:
         core: the async aiocoll.ProcessGroup (use it only on the aiocoll loop thread).
     """
 
-    def __init__(self, core: Any, timeout: float | None, name: str) -> None:
+    def __init__(self, core: Any, timeout: float | None, name: str, backend: str = "aiocoll") -> None:
         self.core = core
+        self.backend = backend
         self.ranks: list[int] = list(core.ranks)
         self.timeout = timeout
         self._name = name
@@ -170,8 +174,8 @@ class ProcessGroup:
         return int(self.core.size)
 
     def name(self) -> str:
-        """The backend's name, "aiocoll"."""
-        return "aiocoll"
+        """The name of the backend that runs the group: "aiocoll", whatever get_backend says."""
+        return Backend.AIOCOLL
 
     @property
     def group_name(self) -> str:
@@ -386,13 +390,22 @@ def init_process_group(
                 store=async_store,
             )
         )
-        world = _World(ProcessGroup(core, seconds, group_name or "default_pg"))
+        world = _World(ProcessGroup(core, seconds, group_name or "default_pg", _backend_name(backend)))
         try:
             world.torch_store = _make_torch_default_group(core, torch_store, seconds)
         except BaseException:
             get_loop_thread().run(core.destroy())
             raise
         _world = world
+
+
+def _backend_name(backend: str | None) -> str:
+    """What get_backend answers for a group made with ``backend``.
+
+    The name the script asked for, so that a script that branches on "gloo" or "nccl" takes the
+    branch it took under torch; "aiocoll" when it named none.
+    """
+    return Backend(str(backend).lower() if backend is not None else Backend.AIOCOLL)
 
 
 def _under_torchrun() -> bool:
@@ -481,14 +494,19 @@ def get_world_size(group: Any = None) -> int:
 
 
 def get_backend(group: Any = None) -> str:
-    """Always "aiocoll" (whatever name init_process_group was given).
+    """The backend name ``group`` was made with, as torch answers it.
+
+    ``init_process_group("gloo")`` gives "gloo" here, as it does under torch.distributed, although
+    aiocoll runs the group; ``group.name()`` and ``Backend.AIOCOLL`` name what runs it, "aiocoll".
+    A group from new_group without a backend has the default group's.
 
     Raises:
         ValueError: before init_process_group, or for a group this process is not in.
     """
-    if _group(group) is None:
+    pg = _group(group)
+    if pg is None:
         raise ValueError("Invalid process group specified: this process is not a member")
-    return Backend(Backend.AIOCOLL)
+    return Backend(pg.backend)
 
 
 def new_group(
@@ -506,7 +524,8 @@ def new_group(
     Args:
         ranks: global ranks of the members (None: all).
         timeout: accepted; the world's applies.
-        backend: accepted for compatibility.
+        backend: what get_backend answers for the group (default: the default group's); aiocoll
+            runs it whatever its name.
         pg_options: accepted for compatibility.
         use_local_synchronization: accepted for compatibility.
         group_desc: a name for messages.
@@ -529,7 +548,9 @@ def new_group(
     core = get_loop_thread().run(world.group.core.new_group(members))
     if core is None:
         return GroupMember.NON_GROUP_MEMBER
-    handle = ProcessGroup(core, world.group.timeout, name)
+    handle = ProcessGroup(
+        core, world.group.timeout, name, world.group.backend if backend is None else _backend_name(backend)
+    )
     world.subgroups.append(handle)
     return handle
 

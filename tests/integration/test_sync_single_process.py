@@ -24,9 +24,12 @@ import aiocoll.sync as dist
 
 out = {}
 rdv = sys.argv[1]
-for backend in ("nccl", "mpi", None):
+for backend in ("nccl", "mpi", "GLOO", None):
     dist.init_process_group(backend, init_method=f"file://{rdv}.{backend}", rank=0, world_size=1)
-    out[f"backend/{backend}"] = dist.get_backend()
+    out[f"backend/{backend}"] = [dist.get_backend(), dist.group.WORLD.name()]
+    out[f"backend/{backend}/new_group"] = [
+        dist.get_backend(dist.new_group([0])), dist.get_backend(dist.new_group([0], backend="mpi"))
+    ]
     dist.destroy_process_group()
 
 dist.init_process_group("gloo", init_method=f"file://{rdv}", rank=0, world_size=1)
@@ -110,8 +113,17 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_torch_backend_names_are_accepted_and_mean_aiocoll(report: dict[str, Any]) -> None:
-    assert report["backend/nccl"] == report["backend/mpi"] == report["backend/None"] == "aiocoll"
+def test_get_backend_answers_the_name_the_script_asked_for_and_name_says_aiocoll(
+    report: dict[str, Any],
+) -> None:
+    # A script that branches on get_backend() == "nccl" takes the branch it takes under torch.
+    assert report["backend/nccl"] == ["nccl", "aiocoll"]
+    assert report["backend/mpi"] == ["mpi", "aiocoll"]
+    assert report["backend/GLOO"] == ["gloo", "aiocoll"]
+    assert report["backend/None"] == ["aiocoll", "aiocoll"]
+    # new_group without a backend has the default group's, as in torch.
+    assert report["backend/nccl/new_group"] == ["nccl", "mpi"]
+    assert report["backend/None/new_group"] == ["aiocoll", "mpi"]
     assert report["world"] == [0, 1, True]
     assert report["group_world_is_default"]
 
@@ -143,3 +155,4 @@ def test_groups_objects_and_store_rendezvous(report: dict[str, Any]) -> None:
     assert report["subgroup"] == [0, 1, [1.0, 1.0]]
     assert report["broadcast_object_list"] == ["kept"]
     assert report["store_init"] == [1, [{"via": "store"}], True]
+
