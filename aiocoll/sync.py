@@ -431,14 +431,34 @@ def _torchrun_rendezvous(rank: int, world_size: int, seconds: float | None) -> t
     except ImportError as exc:
         raise RuntimeError(
             "aiocoll.sync.init_process_group: this process was started by torchrun, whose rendezvous "
-            "store is torch's, but torch cannot be imported here; install torch, or start the script "
-            "with `aiocoll run`"
+            f"store is torch's, but torch cannot be imported here: {_why_not_importable('torch', exc)}"
         ) from exc
     wait = datetime.timedelta(seconds=seconds if seconds else 1800.0)
     torch_store, rank, world_size = next(
         td.rendezvous("env://", rank=rank, world_size=world_size, timeout=wait)
     )
     return torch_store, int(rank), int(world_size)
+
+
+def _why_not_importable(module: str, exc: ImportError) -> str:
+    """Why ``import module`` failed, in words: not installed, or installed but broken.
+
+    A module of the script's own folder that shadows one that torch imports (a ``cuda.py``,
+    say) breaks an installed torch; saying "install torch" then sends the user the wrong way.
+    """
+    if isinstance(exc, ModuleNotFoundError) and exc.name == module:
+        return f"{module} is not installed; install it, or start the script with `aiocoll run`"
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    where = f" (installed at {spec.origin})" if spec is not None and spec.origin else ""
+    return (
+        f"{module}{where} is installed but importing it failed with {type(exc).__name__}: {exc} "
+        "(a file of the script's folder named like a module it imports shadows that module?)"
+    )
 
 
 def _make_torch_default_group(core: Any, torch_store: Any, seconds: float | None) -> Any:

@@ -156,3 +156,26 @@ def test_groups_objects_and_store_rendezvous(report: dict[str, Any]) -> None:
     assert report["broadcast_object_list"] == ["kept"]
     assert report["store_init"] == [1, [{"via": "store"}], True]
 
+
+def test_broken_torch_import_under_torchrun_shows_the_real_error(tmp_path: Path) -> None:
+    # A module of the script's folder shadows one that torch imports: torch is installed, so
+    # "install torch" would mislead; the message carries the import error that happened.
+    (tmp_path / "typing_extensions.py").write_text("# the user's own module, shadowing the package\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import aiocoll.sync as dist\n"
+        "try:\n"
+        "    dist.init_process_group('gloo')\n"
+        "except RuntimeError as exc:\n"
+        "    print('ERROR', exc)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("AIOCOLL_COORDINATOR",)}
+    env.update(TORCHELASTIC_RUN_ID="shadow", RANK="0", WORLD_SIZE="1")
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=80
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    message = proc.stdout.split("ERROR", 1)[1]
+    assert "is installed but importing it failed with ImportError" in message
+    assert str(tmp_path / "typing_extensions.py") in message
+    assert "install it" not in message
