@@ -25,6 +25,7 @@ from typing import Any
 
 from aiocoll._env import env_text
 
+from ._bench_api import API_CONTENDERS
 from ._bench_common import (
     BUSBW_FACTORS,
     DTYPE_SIZES,
@@ -63,8 +64,13 @@ def _columns(contenders: Sequence[str]) -> list[tuple[str, int]]:
     for c in contenders:
         cols += [(f"{c}(us)", 9), (f"{c}_avg", 9), (f"{c}_min", 9), (f"{c}_busbw", max(10, len(c) + 7))]
     for what in ("time", "avg", "busbw"):
-        cols += [(f"{what}/{c}", max(9, len(what) + len(c) + 2)) for c in contenders]
+        cols += [(_ratio_name(what, c), max(9, len(_ratio_name(what, c)))) for c in contenders]
     return cols
+
+
+def _ratio_name(what: str, contender: str) -> str:
+    # a blocking API (--api) is compared the other way round: its X over the async API's
+    return f"{what}:{contender}/async" if contender in API_CONTENDERS else f"{what}/{contender}"
 
 
 def _fmt(value: object) -> str:
@@ -140,6 +146,11 @@ def _print_header(op: str, n: int, args: argparse.Namespace, contenders: Sequenc
             else ""
         )
     )
+    if set(API_CONTENDERS) & set(contenders):
+        print(
+            '# sync = aiocoll.sync, torch = torch.distributed on the "aiocoll" backend: blocking calls '
+            "from the rank's main thread, as a script makes them; X:c/async = c's X over the async API's"
+        )
     if "mpi" in contenders:
         print("# mpi = mpi4py over the MPI its mpiexec belongs to, run as its own job in the same invocation")
     if op == "sendrecv":
@@ -181,11 +192,13 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
         raise BenchError("numpy has no bfloat16: add --tensor torch to measure bfloat16")
     if "mpi" in args.contenders and args.dtype not in MPI_DTYPES:
         raise BenchError(f"--vs mpi: MPI has no {args.dtype} reduction; use one of {', '.join(MPI_DTYPES)}")
-    needs_torch = bool({"gloo", "nccl"} & set(args.contenders)) or args.tensor != "numpy"
+    needs_torch = (
+        bool({"gloo", "nccl"} & set(args.contenders)) or args.tensor != "numpy" or "torch" in args.apis
+    )
     if needs_torch and importlib.util.find_spec("torch") is None:
         raise BenchError(
             "torch is not installed, so there is nothing to compare with: install it "
-            "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch"
+            "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch / --api torch"
         )
     if args.transport is not None:
         from aiocoll.client.transports import transport_choice
@@ -266,7 +279,10 @@ def run_collectives(args: argparse.Namespace) -> int:
         raise BenchError(str(exc)) from None
     n = args.world_size
     contenders: list[str] = list(args.contenders)
-    with_torch = bool({"gloo", "nccl"} & set(contenders))  # torch.distributed in the workers
+    apis: list[str] = [a for a in args.apis if a != "async"]  # the async API is always measured
+    columns = [*apis, *contenders]
+    # torch.distributed in the workers; its TCPStore also serves the torch backend's rendezvous
+    with_torch = bool({"gloo", "nccl"} & set(contenders)) or "torch" in apis
     args.loop = resolve_loop(args.loop)
     cfg = {
         "world_size": n,
@@ -276,6 +292,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         "job": f"bench-{secrets.token_hex(4)}",
         "timeout": args.timeout,
         "vs": contenders,
+        "apis": apis,
         "transport": args.transport,
         "ops": ops,
         "sizes": sizes,
@@ -288,7 +305,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         "loop": args.loop,
         "verbose": args.verbose,
     }
-    impls = ["aiocoll", *contenders]
+    impls = ["aiocoll", *columns]
     total_steps = sum(1 if op == "barrier" else len(sizes) for op in ops) * len(impls)
     progress = Progress(total_steps, f"bench {args.op} n={n}", enabled=not args.quiet)
     pending: dict[tuple[str, int, str], dict[int, tuple[list[float], dict[str, float]]]] = defaultdict(dict)
@@ -319,13 +336,16 @@ def run_collectives(args: argparse.Namespace) -> int:
         progress.step(f"{impl} {op} {format_bytes(size)}")
         if not all(i in row for i in impls):
             return
-        row["ratios"] = {c: _ratios(row["aiocoll"], row[c]) for c in contenders}
+        row["ratios"] = {
+            c: _ratios(row[c], row["aiocoll"]) if c in API_CONTENDERS else _ratios(row["aiocoll"], row[c])
+            for c in columns
+        }
         if op not in printed_header:
             if printed_header:
                 print()
-            _print_header(op, n, args, contenders)
+            _print_header(op, n, args, columns)
             printed_header.add(op)
-        _print_row(row, contenders)
+        _print_row(row, columns)
         all_rows.append(row)
 
     if "mpi" in contenders:
@@ -411,6 +431,7 @@ def run_collectives(args: argparse.Namespace) -> int:
         algorithm=args.algorithm or "auto",
         loop=args.loop,
         vs=contenders,
+        api=["async", *apis],
         transport=args.transport or env_text("AIOCOLL_TRANSPORT") or "auto",
         hog=args.hog,
         hog_pids=args.hog_pids,

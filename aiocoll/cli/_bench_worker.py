@@ -327,7 +327,8 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
         from aiocoll.device._cuda import device_count, set_device
 
         device = set_device(rank % device_count())
-    if theirs or cfg["tensor"] != "numpy":
+    apis = cfg.get("apis", [])
+    if theirs or cfg["tensor"] != "numpy" or "torch" in apis:
         # Import torch before joining: an import of seconds inside the running group would stall
         # the event loop past the coordinator's heartbeat timeout.
         warnings.simplefilter("ignore", FutureWarning)  # torch's renames of *_tensor ops
@@ -352,10 +353,13 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
         await asyncio.to_thread(
             dist.init_process_group, theirs, store=store, rank=rank, world_size=n, timeout=timeout
         )
+    from ._bench_api import join_apis, leave_apis
+
+    blocking = await join_apis(apis, rank, cfg, dist)  # --api: aiocoll.sync, the torch backend
     put(("ready", rank))
     use_torch = cfg["tensor"] != "numpy"
     hook = _AlgorithmHook(cfg["algorithm"])
-    impls = ["aiocoll", theirs] if theirs else ["aiocoll"]
+    impls = ["aiocoll", *apis, theirs] if theirs else ["aiocoll", *apis]
     step = 0
     for op in cfg["ops"]:
         sizes = [0] if op == "barrier" else cfg["sizes"]
@@ -383,8 +387,8 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                 elif contender_gap(impl, op, cfg["tensor"]) is not None:
                     times, usage = [], {}  # the row shows "-" for it (the header says why)
                 else:
-                    bufs = Buffers(sized, cfg["dtype"], True, rank, n, device)
-                    runner = OpRunner(impl, op, bufs, dist)
+                    bufs = Buffers(sized, cfg["dtype"], use_torch or impl != "sync", rank, n, device)
+                    runner = OpRunner(impl, op, bufs, blocking.get(impl, dist))
                     on_device = device is not None
                     times, usage = await time_blocking(
                         runner, cfg["warmup"], cfg["iters"], on_device=on_device
@@ -404,6 +408,7 @@ async def _worker(rank: int, cfg: dict[str, Any], put: Callable[[Msg], None]) ->
                         usage,
                     )
                 )
+    await leave_apis(blocking, dist)
     await pg.destroy()
     if dist is not None:
         await asyncio.to_thread(dist.destroy_process_group)

@@ -21,6 +21,7 @@ _EPILOG = """\
 examples:
   aiocoll bench --op all_reduce --sizes 4:64M --world-size 4 --vs gloo --plot allreduce.png
   aiocoll bench --op all_reduce --sizes 4,1M,16M --world-size 2 --vs gloo,mpi --hog 4
+  aiocoll bench --op all_reduce --sizes 4,1M,16M --api async,sync,torch --vs gloo --tensor torch
   aiocoll bench --op all --sizes 4,64K,16M --world-size 2 --json out.json
   aiocoll bench --op all_reduce --sizes 4K:256M --tensor torch-cuda --vs nccl
   aiocoll bench --op store --clients 1,8 --vs tcpstore
@@ -52,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "mpi (mpi4py + the MPI its mpiexec belongs to: pip install 'aiocoll[mpi]') for collectives, "
         "or nccl (torch, with --tensor torch-cuda) instead of gloo; tcpstore (torch) for --op "
         "store/rendezvous",
+    )
+    parser.add_argument(
+        "--api",
+        default="async",
+        metavar="async,sync,torch",
+        help="which of aiocoll's APIs to measure, side by side: async (the async API, always measured: "
+        "the other APIs' ratios are to it), sync (aiocoll.sync, the blocking drop-in) and torch "
+        '(torch.distributed on the "aiocoll" backend); collectives only (default async)',
     )
     parser.add_argument(
         "--transport",
@@ -170,6 +179,14 @@ def main(args: argparse.Namespace) -> int:
     if not collective and contenders not in ([], ["tcpstore"]):
         print(f"aiocoll bench: --op {args.op} compares with --vs tcpstore only", file=sys.stderr)
         return 2
+    apis = [a.strip() for a in args.api.split(",") if a.strip()]
+    if not apis or any(a not in ("async", "sync", "torch") for a in apis) or len(set(apis)) != len(apis):
+        print(f"aiocoll bench: --api {args.api!r}: name async, sync and/or torch, each once", file=sys.stderr)
+        return 2
+    if not collective and apis != ["async"]:
+        print(f"aiocoll bench: --api goes with the collectives, not --op {args.op}", file=sys.stderr)
+        return 2
+    args.apis = apis
     if args.hog < 0:
         print("aiocoll bench: --hog must be 0 or more", file=sys.stderr)
         return 2

@@ -158,6 +158,43 @@ def test_bench_against_gloo_and_mpi_at_once_under_cpu_hogs(tmp_path: Path) -> No
         assert not Path(f"/proc/{pid}").exists() or "1000003" not in Path(f"/proc/{pid}/cmdline").read_text()
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="--api torch and --vs gloo need torch")
+def test_bench_api_measures_sync_and_the_torch_backend_beside_async_and_gloo(tmp_path: Path) -> None:
+    """One invocation: the async API, aiocoll.sync, the torch backend and gloo in one table; each
+    API's result was checked by the bench before timing, and its ratios are to the async API."""
+    json_path = tmp_path / "bench.json"
+    result = _bench(
+        *("--op", "all_reduce", "--sizes", "4,64K", "--world-size", "2", "--iters", "2", "--warmup", "1"),
+        *("--api", "async,sync,torch", "--vs", "gloo", "--tensor", "torch", "--timeout", "60", "--quiet"),
+        *("--json", str(json_path)),
+        timeout=140,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    header = next(line for line in result.stdout.splitlines() if "size(B)" in line).split()
+    for column in ("sync(us)", "torch(us)", "gloo(us)", "time:sync/async", "time:torch/async", "time/gloo"):
+        assert column in header
+    report = json.loads(json_path.read_text())
+    assert report["meta"]["api"] == ["async", "sync", "torch"] and report["meta"]["vs"] == ["gloo"]
+    assert [r["size"] for r in report["results"]] == [4, 65536]
+    for row in report["results"]:
+        for api in ("sync", "torch"):
+            assert row[api]["iters"] == 2
+            ratio = row[api]["time_us"] / row["aiocoll"]["time_us"]
+            assert math.isclose(row["ratios"][api]["time"], ratio, rel_tol=1e-9)
+        assert math.isclose(
+            row["ratios"]["gloo"]["time"], row["aiocoll"]["time_us"] / row["gloo"]["time_us"], rel_tol=1e-9
+        )
+
+
+@pytest.mark.timeout(30)
+def test_bench_rejects_an_unknown_api_or_one_beside_the_store() -> None:
+    unknown = _bench("--api", "async,bogus", timeout=25)
+    assert unknown.returncode == 2 and "--api 'async,bogus'" in unknown.stderr
+    misplaced = _bench("--op", "store", "--api", "sync", timeout=25)
+    assert misplaced.returncode == 2 and "--api goes with the collectives" in misplaced.stderr
+
+
 @pytest.mark.timeout(30)
 def test_bench_rejects_an_unknown_or_misplaced_contender() -> None:
     unknown = _bench("--vs", "gloo,bogus", timeout=25)
