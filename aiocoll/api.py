@@ -1143,8 +1143,8 @@ async def init_process_group(
         rank: this process's rank (default: RANK); may be left to the coordinator.
         world_size: the number of ranks (default: WORLD_SIZE).
         timeout: seconds (or a timedelta) for the rendezvous, and every operation's default.
-        token: the shared secret (default: env AIOCOLL_TOKEN). Without one, a warning says that
-            anyone who can reach the ports can join.
+        token: the shared secret (default: env AIOCOLL_TOKEN). Without one, a warning from rank 0
+            says that anyone who can reach the ports can join.
         job: the job id, one coordinator's key space (default: env AIOCOLL_JOB, else "default").
         store: rendezvous through this aiocoll Store instead (``rank`` and ``world_size``
             required).
@@ -1167,11 +1167,6 @@ async def init_process_group(
     deadline = Deadline(seconds)
     if token is None:
         token = env_text("AIOCOLL_TOKEN", strip=False)
-    if not token:
-        warn(
-            "aiocoll: no token (AIOCOLL_TOKEN unset): anyone who can reach the coordinator and peer "
-            "ports can join this job; set AIOCOLL_TOKEN to a shared secret"
-        )
     job = job or env_text("AIOCOLL_JOB", strip=False) or "default"
     if rank is None:
         rank = env_int("RANK")
@@ -1181,6 +1176,13 @@ async def init_process_group(
         world_size = None  # torch's "-1 means from the environment"
     if isinstance(rank, int) and not isinstance(rank, bool) and rank < 0:
         rank = None
+    if not token and not rank:
+        # Once per job: every rank of a launch is equally open, and torchrun shows all their
+        # output in one terminal. A rank still to be told its number says it too.
+        warn(
+            "aiocoll: no token (AIOCOLL_TOKEN unset): anyone who can reach the coordinator and peer "
+            "ports can join this job; set AIOCOLL_TOKEN to a shared secret"
+        )
 
     if store is not None:
         return await _init_with_store(store, rank, world_size, deadline, seconds, token, job, owns=False)

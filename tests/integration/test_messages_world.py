@@ -111,9 +111,9 @@ def test_each_failure_is_said_once_where_it_happened(tmp_path: Path) -> None:
     assert [p.returncode for p in procs] == [0, 3, 0], everything
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(_WORLD)]
 
-    # The no-token warning names the script's line, on every rank.
+    # The no-token warning names the script's line, once per job: from rank 0.
     site = f"{os.path.abspath(__file__)}:{_marker_line('# INIT')}: UserWarning: aiocoll: no token"
-    assert all(site in t for t in text), everything
+    assert site in text[0] and not any("no token" in t for t in text[1:]), everything
 
     # Ranks 0 and 1 timed out naming rank 2, and the record says what came before, once.
     for rank in (0, 1):
