@@ -31,3 +31,12 @@ def test_demo_script_named_by_the_readme_exists() -> None:
     demo, _ = _fresh_machine_commands()
     script = re.search(r"(examples/\S+\.py)", demo)
     assert script and (ROOT / script.group(1)).is_file()
+
+
+def test_the_container_example_publishes_every_port_the_readme_then_opens() -> None:
+    readme = (ROOT / "README.md").read_text()
+    runs = re.findall(r"`(docker run [^`]*)`", readme)
+    assert runs, "the README shows how to run the coordinator's image"
+    published = {int(p) for run in runs for p in re.findall(r"-p (\d+):\d+", run)}
+    opened = {int(p) for p in re.findall(r"http://HOST:(\d+)", readme)}
+    assert opened and opened <= published, f"the README opens {opened}; its docker run publishes {published}"
