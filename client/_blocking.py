@@ -6,6 +6,7 @@ May import foundations only (protocol, _errors).
 
 from __future__ import annotations
 
+import contextlib
 import socket
 
 from aiocoll._net import host_port
@@ -65,6 +66,9 @@ def connect_blocking(
             if out:
                 sock.sendall(out)
     except BaseException:
+        if handshake.farewell:  # the server's proof failed: say so before hanging up
+            with contextlib.suppress(OSError):
+                sock.sendall(handshake.farewell)
         sock.close()
         raise
     return sock

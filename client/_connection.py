@@ -179,6 +179,9 @@ class CoordinatorLink(asyncio.Protocol):
                     fut.set_result((header, payload))
                 # An unknown id is the late answer to a request whose caller gave up: nothing to do.
         except (ProtocolError, AuthenticationError) as exc:
+            farewell = self._handshake.farewell
+            if farewell and self._transport is not None:  # the server's proof failed: say so
+                self._transport.write(farewell)
             self._fail(exc)
 
     def _handshake_data(self, data: bytes) -> bytes:

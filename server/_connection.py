@@ -223,24 +223,16 @@ class Connection(asyncio.BufferedProtocol):
         coord._handshaking.pop(self, None)
         coord.metrics.connection_closed()
         if not self.authenticated:
-            if self.hs is not None and self.hs.state == "auth" and not self.closing:
-                # The client verifies our proof first: one that holds another token hangs up here.
-                coord.metrics.auth_failure()
-                # We cannot tell "another token" from "none" here: the client's proof never came.
-                differs = (
-                    "it holds another token than ours, or none"
-                    if self.hs.has_token
-                    else "it holds a token and this coordinator has none"
-                )
-                log.warning(
-                    "event=auth_failed peer=%s job=%s reason=the client closed after our challenge "
-                    "(%s, most likely)",
+            if self.hs is not None and self.hs.state != "magic" and not self.closing:
+                # Gone in the middle of its handshake without a verdict: a client whose tokens
+                # differ says so first (MISMATCH), so this one exited or gave up (a rank that
+                # ends right after it started, its beat thread still connecting).
+                log.info(
+                    "event=handshake_abandoned peer=%s job=%s reason=the client closed the connection "
+                    "in the middle of its handshake (%s)",
                     self.peer,
                     self.hs.hello.get("job"),
-                    differs,
-                )
-                self._tell_refused(
-                    self.hs, f"it hung up after the coordinator's challenge: {differs} (most likely)"
+                    "after our challenge" if self.hs.state == "auth" else "after its first bytes",
                 )
             return
         reason = "closed by the client" if exc is None else f"connection error: {exc}"
@@ -285,10 +277,25 @@ class Connection(asyncio.BufferedProtocol):
             out = hs.receive_data(bytes(buf[:nbytes]))
         except AuthenticationError as exc:
             self.coord.metrics.auth_failure()
-            log.warning("event=auth_failed peer=%s reason=%s", self.peer, exc)
-            transport.write(ServerHandshake.reject_bytes("authentication failed: wrong token"))
+            if hs.mismatch:  # the client checked our proof first, and it failed
+                differs = (
+                    "it holds another token than ours, or none"
+                    if hs.has_token
+                    else "it holds a token and this coordinator has none"
+                )
+                log.warning(
+                    "event=auth_failed peer=%s job=%s reason=the client found our proof wrong (%s)",
+                    self.peer,
+                    hs.hello.get("job"),
+                    differs,
+                )
+                why = f"it found the coordinator's proof wrong: {differs}"
+            else:
+                log.warning("event=auth_failed peer=%s reason=%s", self.peer, exc)
+                why = "it failed authentication (a wrong token)"
+                transport.write(ServerHandshake.reject_bytes("authentication failed: wrong token"))
             self.close("authentication failed", log_it=False)
-            self._tell_refused(hs, "it failed authentication (a wrong token)")
+            self._tell_refused(hs, why)
             return
         except ProtocolError as exc:
             self._protocol_error(exc, reject=True)

@@ -204,7 +204,11 @@ async def query_status(
                     f"the coordinator at {where} closed the connection during the handshake; "
                     f"its log says why (often a wrong token or a different aiocoll version)"
                 )
-            reply = handshake.receive_data(data)
+            try:
+                reply = handshake.receive_data(data)
+            except AuthenticationError:
+                stream.write(handshake.farewell)  # the coordinator's proof failed: say so
+                raise
             if reply:
                 stream.write(reply)
 

@@ -3,8 +3,12 @@ Imports only _errors and _framing; no sockets, no asyncio.
 
     client -> server   MAGIC, HELLO {t, v, role, job, nonce, ...extra}
     server -> client   CHALLENGE {t, v, nonce, proof=HMAC(token, "server" | hello | snonce), ...info}
-    client -> server   AUTH {t, proof=HMAC(token, "client" | hello | snonce)}
+    client -> server   AUTH {t, proof=HMAC(token, "client" | hello | snonce)} | MISMATCH {t}
     server -> client   WELCOME {t} | REJECT {t, reason, busy?}
+
+A client whose check of the server's proof fails sends MISMATCH (``ClientHandshake.farewell``)
+before it hangs up, never its own proof: the server then knows the tokens differ, and tells that
+apart from a client that closed in the middle (it exited, or gave up), which is no auth failure.
 
 The token never crosses the wire; both sides prove they hold it, and the proofs cover the exact
 hello bytes, so the job, role and rank a client announced cannot be altered in flight. Before the
@@ -137,6 +141,8 @@ class ClientHandshake:
         self._first: bytes | None = b""  # the server's first bytes, until there are enough to check them
         self.server_info: dict[str, Any] = {}
         self.done = False
+        # Bytes to send before hanging up once the server's proof failed (MISMATCH), else b"".
+        self.farewell = b""
         # What the errors call the other end (see ``name_server``).
         self.address = "the server"
         self.server = "the server"
@@ -189,6 +195,7 @@ class ClientHandshake:
                 raise ProtocolError(f"malformed challenge from {self.server}: {_OTHER_RELEASE}")
             expected = _proof(self._key, b"server", self._hello_raw, nonce)
             if not hmac.compare_digest(expected, proof):
+                self.farewell = _frame_bytes({"t": "mismatch"})
                 raise AuthenticationError(self._tokens_differ(proof, nonce))
             self.server_info = {k: v for k, v in header.items() if k not in ("t", "nonce", "proof")}
             self._state = "welcome"
@@ -256,6 +263,7 @@ class ServerHandshake:
         self._nonce = os.urandom(_NONCE_BYTES)
         self.hello: dict[str, Any] = {}
         self.done = False
+        self.mismatch = False  # the client said our proof failed its check (MISMATCH)
 
     @property
     def has_token(self) -> bool:
@@ -322,6 +330,12 @@ class ServerHandshake:
         )
 
     def _on_auth(self, header: dict[str, Any]) -> bytes:
+        if header.get("t") == "mismatch":
+            self.mismatch = True
+            raise AuthenticationError(
+                f"client (role {self.hello.get('role')!r}, job {self.hello.get('job')!r}) found our "
+                f"proof wrong: the tokens differ, or one side holds none"
+            )
         proof = header.get("proof")
         if header.get("t") != "auth" or not isinstance(proof, bytes):
             raise ProtocolError("expected an auth frame")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import threading
 import time
@@ -170,6 +171,53 @@ async def test_a_missing_token_is_named_on_the_side_that_lacks_it(
     assert len(refusals) == 6, refusals
     assert sum("it holds another token than ours, or none" in m for m in refusals) == 4, refusals
     assert sum("it holds a token and this coordinator has none" in m for m in refusals) == 2, refusals
+
+
+@pytest.mark.timeout(60)
+async def test_a_client_gone_in_the_middle_of_its_handshake_is_no_auth_failure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A rank that exits right after it started (its beat thread still connecting) closes after
+    the coordinator's challenge without a verdict: logged as an abandoned handshake, not as a
+    wrong token, and no member hears of a refusal. A wrong token still is one."""
+    from aiocoll.protocol import MAGIC, ClientHandshake
+
+    caplog.set_level(logging.INFO, logger="aiocoll.server")
+    coordinator = Coordinator("127.0.0.1", 0, token="secret")
+    await coordinator.start()
+    try:
+        for cut in ("after_challenge", "mid_hello"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", coordinator.port)
+            hello = ClientHandshake("secret", role="worker", job="quick").start()
+            if cut == "after_challenge":
+                writer.write(hello)
+                assert await asyncio.wait_for(reader.read(4096), 10)  # the challenge
+            else:
+                writer.write(hello[: len(MAGIC) + 6])
+                await writer.drain()
+            writer.close()  # as the kernel does for a process that exited
+        for _ in range(200):
+            if sum("event=handshake_abandoned" in r.getMessage() for r in caplog.records) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        # A real mismatch afterwards, for contrast: the client says so before hanging up.
+        with pytest.raises(AuthenticationError):
+            await aiocoll.connect_store(f"tcp://127.0.0.1:{coordinator.port}", token="other", timeout=10)
+        for _ in range(200):
+            if any("event=auth_failed" in r.getMessage() for r in caplog.records):
+                break
+            await asyncio.sleep(0.05)
+        metrics = coordinator.metrics.render()[0].decode()
+    finally:
+        await coordinator.stop()
+    messages = [r.getMessage() for r in caplog.records]
+    abandoned = [m for m in messages if "event=handshake_abandoned" in m]
+    assert len(abandoned) == 2, messages
+    assert "job=quick" in abandoned[0] and "after our challenge" in abandoned[0], abandoned
+    failed = [m for m in messages if "event=auth_failed" in m]
+    assert len(failed) == 1 and "the client found our proof wrong" in failed[0], messages
+    assert not any("most likely" in m for m in messages), messages
+    assert re.search(r"aiocoll_coordinator_auth_failures_total 1\.0", metrics), metrics
 
 
 @pytest.mark.timeout(90)

@@ -171,6 +171,24 @@ def test_client_refuses_a_server_with_another_token() -> None:
         client.receive_data(server.receive_data(client.start()))
 
 
+def test_a_client_that_rejects_the_servers_proof_tells_it_before_hanging_up() -> None:
+    client = ClientHandshake("right", role="worker", job="j")
+    server = ServerHandshake("wrong", roles={"worker"})
+    assert client.farewell == b""
+    with pytest.raises(AuthenticationError):
+        client.receive_data(server.receive_data(client.start()))
+    # MISMATCH, never the client's own proof (a false server could relay that one).
+    assert client.farewell and b"proof" not in client.farewell
+    assert not server.mismatch
+    with pytest.raises(AuthenticationError, match="found our proof wrong"):
+        server.receive_data(client.farewell)
+    assert server.mismatch and not server.done
+    # A client that accepts the proof says nothing of the kind.
+    honest, same = ClientHandshake("t", role="worker", job="j"), ServerHandshake("t", roles={"worker"})
+    auth = honest.receive_data(same.receive_data(honest.start()))
+    assert honest.farewell == b"" and honest.receive_data(same.receive_data(auth)) == b"" and honest.done
+
+
 def test_server_refuses_a_client_that_cannot_prove_the_token() -> None:
     honest = ClientHandshake("right", role="worker", job="j")
     server = ServerHandshake("right", roles={"worker"})
