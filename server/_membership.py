@@ -173,7 +173,7 @@ class Membership:
         self.live.discard(member)
         self.sessions.pop(member.session, None)
         if rnd.complete:
-            rnd.state = RoundState.BROKEN
+            rnd.breaks()
         if self.fx.durable:
             self.fx.journal.append(["gone", rnd.job.name, rnd.number, member.rank, state.value, reason])
 
@@ -290,14 +290,16 @@ class Membership:
         self, job: Job, number: int, world_size: int, members: list[list[Any]], broken: bool
     ) -> None:
         rnd = Round(job, number, world_size)
-        rnd.state = RoundState.BROKEN if broken else RoundState.COMPLETE
+        rnd.move(RoundState.COMPLETE)  # a snapshot or journal holds only rounds that completed
+        if broken:
+            rnd.move(RoundState.BROKEN)
         job.round = rnd
         job.next_round = max(job.next_round, number + 1)
         for entry in members:
             rank, addrs, host, session = entry[:4]
             m = Member(rank, addrs, host, rnd)
             m.session = session
-            m.state = MemberState(entry[4]) if len(entry) > 4 else ALIVE
+            m.restore(MemberState(entry[4]) if len(entry) > 4 else ALIVE)
             m.reason = entry[5] if len(entry) > 5 else ""
             rnd.members[rank] = m
             if m.state is ALIVE:
@@ -315,9 +317,12 @@ class Membership:
             rnd = job.round
             if rnd is not None and rnd.number == rec[2] and rec[3] in rnd.members:
                 m = rnd.members[rec[3]]
-                m.state, m.reason = MemberState(rec[4]), rec[5]
+                state = MemberState(rec[4])
+                if m.state is not state:
+                    m.move(state)
+                m.reason = rec[5]
                 self.sessions.pop(m.session, None)
-                rnd.state = RoundState.BROKEN
+                rnd.breaks()
         else:
             return False
         return True
@@ -325,6 +330,6 @@ class Membership:
     def restored(self, now: float) -> None:
         """After a restore: every member with a session may re-attach within the grace."""
         for m in self.sessions.values():
-            m.state = RESUMING
+            m.move(RESUMING)
             m.last_seen = now
             self.live.add(m)

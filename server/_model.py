@@ -87,7 +87,8 @@ class MemberState(enum.Enum):
 # by identity: an Enum's hash is a Python call, and a round of 100,000 members makes every move.
 _MOVES: dict[str, tuple[MemberState, ...]] = {
     MemberState.JOINING.value: (MemberState.ALIVE, MemberState.LOST),
-    MemberState.ALIVE.value: (MemberState.LEFT, MemberState.LOST),
+    # RESUMING only by a restore: a coordinator restart.
+    MemberState.ALIVE.value: (MemberState.LEFT, MemberState.LOST, MemberState.RESUMING),
     MemberState.RESUMING.value: (MemberState.ALIVE, MemberState.LOST),
     MemberState.LEFT.value: (),
     MemberState.LOST.value: (),

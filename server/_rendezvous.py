@@ -259,7 +259,7 @@ class Rendezvous:
         return rnd
 
     def _complete(self, rnd: Round) -> None:
-        rnd.state = RoundState.COMPLETE
+        rnd.move(RoundState.COMPLETE)
         rnd.job.progress.reset()
         members = list(rnd.members.values())
         # One draw from the OS for every session of the round (a call per member was a fifth of

@@ -12,7 +12,18 @@ from typing import Any
 from ._model import Conn, Job, MemberState, can_move
 from ._tables import encode_rows, table_digest
 
-__all__ = ["ALIVE", "JOINING", "LEFT", "LOST", "RESUMING", "JoinRequest", "Member", "Round", "RoundState"]
+__all__ = [
+    "ALIVE",
+    "JOINING",
+    "LEFT",
+    "LOST",
+    "RESUMING",
+    "JoinRequest",
+    "Member",
+    "Round",
+    "RoundState",
+    "round_can_move",
+]
 
 JOINING, ALIVE, RESUMING, LEFT, LOST = (
     MemberState.JOINING,
@@ -27,6 +38,20 @@ class RoundState(enum.Enum):
     FORMING = "forming"  # members are joining
     COMPLETE = "complete"  # full; every member has its rank
     BROKEN = "broken"  # complete, and a member has since left or been lost: the next join opens a new one
+
+
+# The only moves a round makes, as MemberState's (_model._MOVES): live and on restore alike (a
+# restored round is made FORMING and moved on, so a snapshot cannot hold a round no run could).
+_ROUND_MOVES: dict[RoundState, tuple[RoundState, ...]] = {
+    RoundState.FORMING: (RoundState.COMPLETE,),
+    RoundState.COMPLETE: (RoundState.BROKEN,),
+    RoundState.BROKEN: (),
+}
+
+
+def round_can_move(old: RoundState, new: RoundState) -> bool:
+    """Whether a round in state ``old`` may move to ``new``."""
+    return new in _ROUND_MOVES[old]
 
 
 class Member:
@@ -68,6 +93,13 @@ class Member:
     def move(self, new: MemberState) -> None:
         assert can_move(self.state, new), f"member {self.rank}: {self.state} -> {new}"
         self.state = new
+
+    def restore(self, state: MemberState) -> None:
+        """Move a member restored into a completed round (made JOINING) to the ``state`` the
+        snapshot or journal gives it: every such member was alive once."""
+        self.move(ALIVE)
+        if state is not ALIVE:
+            self.move(state)
 
 
 class JoinRequest:
@@ -135,6 +167,15 @@ class Round:
         # join or a ``table`` request first needs it.
         self.table: bytes | None = None
         self.table_digest = b""
+
+    def move(self, new: RoundState) -> None:
+        assert round_can_move(self.state, new), f"round {self.number}: {self.state.value} -> {new.value}"
+        self.state = new
+
+    def breaks(self) -> None:
+        """A member of a complete round left or was lost: the round is broken (once)."""
+        if self.state is RoundState.COMPLETE:
+            self.move(RoundState.BROKEN)
 
     @property
     def complete(self) -> bool:

@@ -523,6 +523,38 @@ def test_journal_replay_rebuilds_keys_rounds_and_resumable_sessions() -> None:
     assert "reconnect" in frames[0][0]["reason"]
 
 
+def test_rounds_move_only_as_their_table_allows_live_and_on_restore() -> None:
+    from aiocoll.server._rounds import Round, RoundState, round_can_move
+
+    forming, complete, broken = RoundState.FORMING, RoundState.COMPLETE, RoundState.BROKEN
+    allowed = {(a, b) for a in RoundState for b in RoundState if round_can_move(a, b)}
+    assert allowed == {(forming, complete), (complete, broken)}
+    h = Harness(durable=True)
+    rnd = Round(h.state.job("x", 0.0), 0, 1)
+    with pytest.raises(AssertionError, match="forming -> "):
+        rnd.move(broken)  # a round that never completed cannot break
+    rnd.move(complete)
+    with pytest.raises(AssertionError):
+        rnd.move(forming)
+
+    # Live: completed, then broken by a leave; a restore (snapshot or journal) gets there by
+    # the same moves, its lost member too.
+    conns, _ = complete_round(h, 2)
+    assert h.state.jobs["j"].round.state is complete
+    h.state.disconnect(conns[1], "crash")
+    h.out()
+    assert h.state.jobs["j"].round.state is broken
+    records = h.state.take_journal()
+    from_journal = Harness(durable=True)
+    from_journal.state.restore(None, records)
+    from_snapshot = Harness(durable=True)
+    from_snapshot.state.restore(from_journal.state.snapshot(), [])
+    for restored in (from_journal, from_snapshot):
+        rnd = restored.state.jobs["j"].round
+        assert rnd is not None and rnd.state is broken
+        assert {m.rank: m.state.value for m in rnd.members.values()} == {0: "resuming", 1: "lost"}
+
+
 def test_refused_requests_write_nothing_to_the_journal() -> None:
     h = Harness(durable=True, max_value_bytes=4)
     c = h.connect(role="store")
