@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ._launch_config import ElasticSpec, LaunchConfig, NodeCount, NodePlacement
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "check_module", "main"]
 
 _DESCRIPTION = """\
 Launch a multi-process job, as torchrun does: start --nproc-per-node workers running SCRIPT,
@@ -311,7 +311,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-m",
         "--module",
         action="store_true",
-        help="SCRIPT is a module name, run as 'python -m SCRIPT' (found on the workers' sys.path)",
+        help="SCRIPT is a module name, run as 'python -m SCRIPT' (checked on the workers' sys.path before "
+        "any worker starts)",
     )
     parser.add_argument(
         "--no-python",
@@ -445,6 +446,76 @@ def _elastic_or_fixed(
     return spec, NodePlacement(nnodes=count.max_nodes, node_rank=0, sources=sources, warnings=warnings)
 
 
+# Run by the workers' interpreter, in their folder and environment, so that it sees their
+# sys.path. It finds NAME the way `python -m NAME` does, asking the import system's finders for
+# each part without running any package's __init__ (which may import torch, or need RANK); only
+# when that walk finds nothing does it import the parents to be sure. Exit 3 and a line of
+# words: NAME does not run.
+_FIND_MODULE = """
+import importlib.util, sys
+name = sys.argv[1]
+parts = name.split(".")
+def walk(full):
+    spec, path = None, None
+    for i in range(len(parts)):
+        part = ".".join(parts[: i + 1])
+        if i == 0:
+            spec = importlib.util.find_spec(part)
+        else:
+            if path is None:
+                return None
+            spec = next(filter(None, (f.find_spec(part, path) for f in sys.meta_path
+                                      if hasattr(f, "find_spec"))), None)
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+    return spec
+spec = walk(name)
+if spec is None and len(parts) > 1:
+    try:
+        spec = importlib.util.find_spec(name)
+    except Exception:
+        sys.exit(0)  # a parent failed to import: the workers will say why, with the traceback
+if spec is None:
+    print(f"no module named {name!r}")
+    sys.exit(3)
+if spec.submodule_search_locations is not None:
+    parts.append("__main__")
+    if walk(name + ".__main__") is None:
+        print(f"{name!r} is a package without a __main__ module, so it cannot be run with -m")
+        sys.exit(3)
+"""
+
+
+def check_module(name: str, python: str) -> None:
+    """Refuse ``-m NAME`` when the workers' Python would not find NAME, before any worker starts.
+
+    Asked of ``python`` in this folder and environment, which the workers inherit, so that a
+    typo fails once here instead of once per worker and again at each restart.
+
+    Raises:
+        LaunchConfigError: naming the module, where it was looked for and what to do.
+    """
+    import subprocess
+
+    from ._launch_config import LaunchConfigError
+
+    try:
+        found = subprocess.run(
+            [python, "-c", _FIND_MODULE, name], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return  # the workers' own start says what is wrong with the interpreter
+    if found.returncode != 3:
+        return
+    path = os.environ.get("PYTHONPATH")
+    where = os.getcwd() + (f", PYTHONPATH={path}" if path else "")
+    raise LaunchConfigError(
+        f"-m {name}: {found.stdout.strip()} (as the workers would look: {python} in {where}); check "
+        "the name, run from the folder that holds it, or install the package that provides it"
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `aiocoll run` with parsed ``args``; returns the launcher's exit status."""
     import asyncio
@@ -461,6 +532,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = build_config(args, os.environ)
         check_script(args.script, module=args.module, no_python=args.no_python)
+        if args.module:
+            check_module(args.script, config.command[0])
     except LaunchConfigError as exc:
         console.log(f"error: {exc}")
         return 2

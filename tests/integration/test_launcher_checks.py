@@ -136,6 +136,32 @@ def test_a_missing_script_fails_at_once_and_starts_nothing(tmp_path: Path) -> No
     assert "aiocoll status" not in proc.stderr
 
 
+def test_a_module_the_workers_would_not_find_fails_once_and_starts_nothing(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    marker = tmp_path / "imported"
+    (tmp_path / "pkg" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (tmp_path / "pkg" / "train.py").write_text("")
+    for name, says in (
+        ("nosuchmodule", "no module named 'nosuchmodule'"),
+        ("pkg", "'pkg' is a package without a __main__ module"),
+        ("pkg.nosuch", "no module named 'pkg.nosuch'"),
+    ):
+        proc = subprocess.run(
+            [*LAUNCHER, "--nproc-per-node", "2", "--max-restarts", "2", "-m", name],
+            cwd=tmp_path,
+            env=_clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith(f"[aiocoll run] error: -m {name}: {says}"), proc.stderr
+        assert str(tmp_path) in proc.stderr and proc.stderr.count("error:") == 1, proc.stderr
+        assert "coordinator listening" not in proc.stderr and "[rank" not in proc.stdout + proc.stderr
+        if name == "pkg":  # found without running the package's __init__ (it may import torch)
+            assert not marker.exists()
+
+
 def test_a_coordinator_that_refuses_the_token_or_is_not_one_fails_once_before_any_worker_starts(
     tmp_path: Path,
 ) -> None:
