@@ -268,7 +268,7 @@
         rankCell.append(" ", el("span", { class: "tag held" }, "holds the job back"));
       }
       const stateCell = el("td", { class: "state" }, el("span", { class: "dot state-" + state }, state));
-      if (member.reason && state !== "alive") {
+      if (member.reason && state !== "alive" && member.reason !== state) { // no "left left"
         stateCell.append(el("div", { class: "reason" }, member.reason));
       }
       const lines = (pick) => progress.map((entry) => el("div", {}, pick(entry)));

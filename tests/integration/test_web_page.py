@@ -301,6 +301,10 @@ async def test_the_page_shows_the_rank_holding_a_job_back_then_lost_live(
             assert all(TOKEN not in json.dumps(w) for w in wire), wire
         finally:
             results = await asyncio.to_thread(world.join, 60)
+        # Ranks 0 and 1 returned and left: their State cell says "left" once, not "left left".
+        states = f"""Array.from(document.querySelectorAll('section[data-job="{JOB}"] tr[data-rank] td.state'))
+            .map(td => td.innerText.trim())"""
+        await browser.until(states, lambda v: v[:2] == ["left", "left"], 30, "ranks 0 and 1 left, once each")
     for rank in (0, 1):
         assert results[rank].value == {"error": "PeerLostError"}, results[rank]
     for name in ("coordinator-page-healthy.png", "coordinator-page-stuck.png"):
