@@ -80,6 +80,8 @@ class RawClient:
                 if out:
                     writer.write(out)
         except BaseException:
+            if hs.farewell:  # the coordinator's proof failed: say so, as every client does
+                writer.write(hs.farewell)
             writer.close()
             raise
         return cls(reader, writer)
