@@ -2,18 +2,20 @@
 from the socket's buffer into the state machine, replies written back with backpressure, and every
 way a connection is refused or closed (bad bytes, a failed handshake, a client that does not read,
 no file descriptor to spare) with a logged reason. May import aiocoll foundations and the server's
-_model, _state and _metrics; the Coordinator (_coordinator.py) owns the connections.
+_model, _state, _turns and _metrics; the Coordinator (_coordinator.py) owns the connections and
+is handed to each as its ``Host`` (never imported here).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
 import socket
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import msgpack
 
@@ -21,12 +23,12 @@ from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll.protocol import PREFIX, FrameDecoder, ServerHandshake
 from aiocoll.protocol._coordinator import ROLE_ADMIN, ROLE_BEAT, ROLE_STORE, ROLE_WORKER
 
+from ._metrics import CoordinatorMetrics
 from ._model import EncodedHeader
+from ._state import CoordinatorState
+from ._turns import Turns
 
-if TYPE_CHECKING:
-    from ._coordinator import Coordinator
-
-__all__ = ["MAX_HEADER", "WRITE_STALL_TIMEOUT", "Connection", "Frame", "Header"]
+__all__ = ["MAX_HEADER", "WRITE_STALL_TIMEOUT", "Connection", "Frame", "Header", "Host"]
 
 log = logging.getLogger("aiocoll.server")
 
@@ -69,10 +71,38 @@ def _error_category(exc: BaseException) -> str:
     return "other"
 
 
+class Host(Protocol):
+    """What a connection needs of the coordinator that owns it (the Coordinator is one): its
+    settings, the state machine and its shares of the loop, the connections it counts, and the
+    calls that hand a connection's work back to it."""
+
+    _token: str | bytes | None
+    _loop: asyncio.AbstractEventLoop
+    _handshaking: collections.OrderedDict[Connection, None]
+    _conns: dict[int, Connection]
+    _draining: bool
+    _stopping: bool
+    _all_closed: asyncio.Event | None
+    sockets: int
+    state: CoordinatorState
+    metrics: CoordinatorMetrics
+    turns: Turns
+    handshake_timeout: float
+    max_pending_handshakes: int
+    max_payload: int
+    max_output_bytes: int
+
+    def capacity_refusal(self) -> str | None: ...
+
+    def forget_connection(self, conn_id: int, reason: str) -> None: ...
+
+    def _after_batch(self) -> None: ...
+
+
 class Connection(asyncio.BufferedProtocol):
     """One client connection: handshake first, then frames into the state machine."""
 
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Host) -> None:
         self.coord = coord
         self.id = next(_conn_ids)
         self.transport: asyncio.Transport | None = None

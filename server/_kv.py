@@ -149,6 +149,15 @@ class KeyValue:
         if key in job.waiters:
             self._wake(job, key)
 
+    # -- persistence (its section of a snapshot, and its journal records)
+    @staticmethod
+    def snapshot(job: Job) -> dict[str, bytes | bytearray]:
+        return job.kv
+
+    @staticmethod
+    def restore(job: Job, kv: dict[str, bytes | bytearray]) -> None:
+        job.kv.update(kv)
+
     def apply(self, job: Job, rec: Record) -> bool:
         """Replay a key-value record (set, del, append); False when ``rec`` is not one."""
         kind = rec[0]

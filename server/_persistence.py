@@ -1,54 +1,73 @@
 """The coordinator's snapshot-and-replay part: the whole durable state as plain msgpack-able data,
 and rebuilding it from a snapshot plus the journal records written after it. Each part writes and
 reads its own section (keys, the completed round, client memories); this module only puts them
-together and routes each journal record to the part that wrote it. Sans-IO; imports the parts.
+together and routes each journal record to the part that wrote it. Sans-IO; imports the parts
+(_kv, _membership, _dedupe) and _model.
 
 The record format is the journal's (server/_journal.py holds the files): ``set``, ``del``,
 ``append`` (key-value), ``round``, ``gone`` (rendezvous), ``req`` (a numbered mutation with its
 reply and its own records), ``drop`` (a job expired).
+
+It is handed the state as a ``Durable`` (what snapshot and replay read and call), so it never
+imports the dispatcher (_state) that calls it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from ._dedupe import Dedupe
+from ._kv import KeyValue
 from ._membership import Membership
-from ._model import Record
+from ._model import Job, Record
 
-if TYPE_CHECKING:
-    from ._state import CoordinatorState
-
-__all__ = ["apply_record", "restore", "snapshot"]
+__all__ = ["Durable", "apply_record", "restore", "snapshot"]
 
 SNAPSHOT_FORMAT = 1
 
 
-def snapshot(state: CoordinatorState) -> dict[str, Any]:
+class Durable(Protocol):
+    """What snapshot and replay need of the coordinator's state (CoordinatorState is one): its
+    clock and jobs, the parts that own a section, and making and dropping a job."""
+
+    clock: Callable[[], float]
+    durable: bool
+    jobs: dict[str, Job]
+    kv: KeyValue
+    membership: Membership
+
+    def job(self, name: str, now: float) -> Job: ...
+
+    def drop_job(self, job: Job) -> None: ...
+
+
+def snapshot(jobs: dict[str, Job]) -> dict[str, Any]:
     """The whole durable state: each job's keys, next round number, completed round and the
-    replies kept for its clients."""
-    jobs = []
-    for j in state.jobs.values():
-        jobs.append(
+    replies kept for its clients, each section written by the part that owns it."""
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "jobs": [
             {
                 "name": j.name,
-                "kv": j.kv,
+                "kv": KeyValue.snapshot(j),
                 "next_round": j.next_round,
                 "round": Membership.snapshot(j),
                 "clients": Dedupe.snapshot(j),
             }
-        )
-    return {"format": SNAPSHOT_FORMAT, "jobs": jobs}
+            for j in jobs.values()
+        ],
+    }
 
 
-def restore(state: CoordinatorState, snap: dict[str, Any] | None, records: list[Record]) -> None:
+def restore(state: Durable, snap: dict[str, Any] | None, records: list[Record]) -> None:
     """Rebuild from a snapshot plus the journal records after it; members start ``resuming``."""
     now = state.clock()
     durable, state.durable = state.durable, False  # replay must not re-journal
     try:
         for jd in (snap or {}).get("jobs", []):
             job = state.job(jd["name"], now)
-            job.kv.update(jd["kv"])
+            KeyValue.restore(job, jd["kv"])
             job.next_round = jd["next_round"]
             rd = jd["round"]
             if rd is not None:
@@ -63,7 +82,7 @@ def restore(state: CoordinatorState, snap: dict[str, Any] | None, records: list[
     state.membership.restored(now)
 
 
-def apply_record(state: CoordinatorState, rec: Record) -> None:
+def apply_record(state: Durable, rec: Record) -> None:
     """Replay one journal record, as a live mutation wrote it.
 
     Raises:

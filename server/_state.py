@@ -356,7 +356,7 @@ class CoordinatorState(Effects):
         if job is not None and type(job) is not str:
             raise Refused(ERR_INVALID, f"'job' must be a string or None, got {type(job).__name__}")
         if job is not None and job not in self.jobs:
-            raise Refused(ERR_INVALID, _views.no_such_job(self, job))
+            raise Refused(ERR_INVALID, _views.no_such_job(self.jobs, job))
         self.reply(conn, req_id, "status", self.started, {"id": req_id, "ok": True, "jobs": self.status(job)})
 
     # ------------------------------------------------------------------ time
@@ -407,7 +407,9 @@ class CoordinatorState(Effects):
     def status(self, job: str | None = None) -> list[dict[str, Any]]:
         """What the ``status`` op, /jobs and `aiocoll status` show: one entry per job (see
         _views.status)."""
-        return _views.status(self, job)
+        return _views.status(
+            self.jobs, self.membership, self.progress, self.events, self.clock(), self.wall_clock(), job
+        )
 
     def member_count(self) -> int:
         return len(self.membership.live)
@@ -419,7 +421,7 @@ class CoordinatorState(Effects):
 
     def snapshot(self) -> dict[str, Any]:
         """The whole durable state as plain msgpack-able data (keys, rounds, members)."""
-        return _persistence.snapshot(self)
+        return _persistence.snapshot(self.jobs)
 
     def restore(self, snap: dict[str, Any] | None, records: list[Record]) -> None:
         """Rebuild from a snapshot plus the journal records after it; members start ``resuming``.

@@ -2,8 +2,9 @@
 job its round, keys, connections, the progress cross-check's verdict, its recent events
 (_events), and its members, at most STATUS_MEMBERS of them (a job of 100,000 ranks must not make
 a status request take seconds or megabytes): the ones that matter first (not alive, holding the
-job back, reporting progress), then the lowest ranks. Reads the state's parts; decides nothing.
-Imports server modules and aiocoll._host (the hostname of a host identity) only.
+job back, reporting progress), then the lowest ranks. Reads the parts it is handed (the jobs,
+the membership and progress parts, the events); decides nothing. Imports the server modules of
+those parts and aiocoll._host (the hostname of a host identity); never the dispatcher (_state).
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiocoll._host import host_label
 
+from ._events import JobEvents
 from ._liveness import heard
-from ._model import MemberState
+from ._membership import Membership
+from ._model import Job, MemberState
+from ._progress_part import Progress
 
 if TYPE_CHECKING:
     from ._rounds import Member
-    from ._state import CoordinatorState
 
 __all__ = ["STATUS_MEMBERS", "no_such_job", "status"]
 
@@ -26,20 +29,26 @@ NAMED_JOBS = 20  # jobs a "no such job" answer names
 _ALIVE = MemberState.ALIVE
 
 
-def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, Any]]:
-    """One entry per job (``job``: only that one). ``last_seen`` is seconds since the member
-    was last heard from; ``members_total``/``members_alive`` count them all, ``members`` lists
-    at most STATUS_MEMBERS."""
-    now = state.clock()
-    wall = state.wall_clock()
+def status(
+    jobs: dict[str, Job],
+    membership: Membership,
+    progress: Progress,
+    events: JobEvents,
+    now: float,
+    wall: float,
+    job: str | None = None,
+) -> list[dict[str, Any]]:
+    """One entry per job of ``jobs`` (``job``: only that one), at monotonic time ``now`` and
+    wall-clock time ``wall``. ``last_seen`` is seconds since the member was last heard from;
+    ``members_total``/``members_alive`` count them all, ``members`` lists at most
+    STATUS_MEMBERS."""
     out = []
-    events = state.events
-    names = sorted(state.jobs) if job is None else ([job] if job in state.jobs else [])
+    names = sorted(jobs) if job is None else ([job] if job in jobs else [])
     for name in names:
-        j = state.jobs[name]
+        j = jobs[name]
         rnd = j.round
-        alive = state.membership.alive_ranks(j)
-        held, summary = state.progress.held_back_by(j, alive)
+        alive = membership.alive_ranks(j)
+        held, summary = progress.held_back_by(j, alive)
         shown = _members_to_show(rnd.members if rnd else {}, set(held), j.progress.reporting())
         members = []
         for m in shown:
@@ -76,10 +85,10 @@ def status(state: CoordinatorState, job: str | None = None) -> list[dict[str, An
     return out
 
 
-def no_such_job(state: CoordinatorState, job: str) -> str:
-    """What a status request for ``job``, which this coordinator does not hold, is told: the
-    name, and the jobs it does hold (the first NAMED_JOBS of them, by name)."""
-    names = sorted(state.jobs)
+def no_such_job(jobs: dict[str, Job], job: str) -> str:
+    """What a status request for ``job``, which this coordinator does not hold (``jobs``), is
+    told: the name, and the jobs it does hold (the first NAMED_JOBS of them, by name)."""
+    names = sorted(jobs)
     if not names:
         return f"no such job {job[:200]!r} (this coordinator holds no job)"
     listed = ", ".join(repr(n[:200]) for n in names[:NAMED_JOBS])

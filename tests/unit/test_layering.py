@@ -63,25 +63,13 @@ ALLOWED = {
 }
 
 
-def _is_type_checking(node: ast.AST) -> bool:
-    test = node.test if isinstance(node, ast.If) else None
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
-def _imports(path: Path, *, runtime_only: bool = False) -> list[str]:
-    """What ``path`` imports of aiocoll (``runtime_only``: not what only type checkers read)."""
+def _imports(path: Path) -> list[str]:
+    """What ``path`` imports of aiocoll, wherever it does (at the top, inside a function, or only
+    for type checkers under ``if TYPE_CHECKING``)."""
     module, is_package = _module_name(path)
     package = module if is_package else module.rpartition(".")[0]
     found = []
     tree = ast.parse(path.read_text(), str(path))
-    if runtime_only:
-        for parent in ast.walk(tree):
-            for field in ("body", "orelse"):
-                block = getattr(parent, field, None)
-                if isinstance(block, list):
-                    setattr(parent, field, [n for n in block if not _is_type_checking(n)])
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
@@ -222,22 +210,23 @@ def test_the_planner_and_step_driver_reach_memory_only_through_buffers() -> None
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """Module -> the modules it imports at run time (at the top or inside a function; not under
-    ``if TYPE_CHECKING``), resolved; a module's imports of its own enclosing packages are left
-    out (the package is already being loaded)."""
+    """Module -> the modules it imports (at the top, inside a function, or under ``if
+    TYPE_CHECKING``: a circle of types is a circle all the same), resolved; a module's imports of
+    its own enclosing packages are left out (the package is already being loaded)."""
     graph: dict[str, set[str]] = {}
     for folder in SOURCE_DIRS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             module, _ = _module_name(path)
-            targets = {_resolve(name) for name in _imports(path, runtime_only=True)}
+            targets = {_resolve(name) for name in _imports(path)}
             graph[module] = {t for t in targets if t != module and not _within(module, t)}
     return graph
 
 
 def test_no_two_modules_import_each_other_in_a_circle() -> None:
-    """A circle, even closed by an import inside a function or at the bottom of a file, means
-    neither module can be read, loaded or replaced alone: hand the other side what it needs as a
-    parameter, or move what both need into a module below them."""
+    """A circle, even closed by an import inside a function, at the bottom of a file or only for
+    type checkers, means neither module can be read, loaded or replaced alone: hand the other
+    side what it needs as a parameter (typed by a Protocol of what it uses), or move what both
+    need into a module below them."""
     graph = _import_graph()
     index: dict[str, int] = {}
     low: dict[str, int] = {}
