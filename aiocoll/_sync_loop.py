@@ -219,7 +219,13 @@ class LoopThread:
         """
         self._check_caller()
         outcome = Outcome()
-        self.loop.call_soon_threadsafe(_start_on_loop, start, outcome)
+        # The call runs in a copy of this thread's context, which names the user's line for the
+        # flight recorder and warnings (aiocoll._errors.CALLER_SITE), as ``run`` does.
+        site = CALLER_SITE.set(user_site(sys._getframe(1)))
+        try:
+            self.loop.call_soon_threadsafe(_start_on_loop, start, outcome)
+        finally:
+            CALLER_SITE.reset(site)
         return outcome
 
 

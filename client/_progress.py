@@ -1,6 +1,7 @@
 """What this rank is doing, for the coordinator's progress view, and a record of its last operations.
 
-May import foundations only (aiocoll._errors, aiocoll.protocol) and client/_timeline; never the
+May import foundations only (aiocoll._errors, aiocoll.protocol), client/_timeline and
+client/_recorder; never the
 engine (the engine owns a tracker and hands it its groups) nor the public surface.
 
 Two consumers, two costs:
@@ -13,6 +14,11 @@ Two consumers, two costs:
   event loop itself has not run for that long, when such a report must be withdrawn, or when the
   coordinator asked for a full one. While operations complete quickly it returns None and nothing
   is sent (``reports_sent`` stays 0).
+
+The record of finished operations is the flight recorder's ring: AIOCOLL_FLIGHT_RECORDER
+operations (default 2000), each with the call site the engine took (client/_recorder.py, which
+also writes the dump: when an operation fails with a timeout, a lost peer or a mismatch, and on
+SIGUSR1, when AIOCOLL_DUMP_DIR is set).
 
 Reading the engine's state from another thread is safe under the GIL because every container is
 copied by a single C call (``list(set)``, ``dict.copy``) before it is walked; a report may be a
@@ -28,10 +34,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from aiocoll._env import env_seconds
+from aiocoll._env import env_int, env_seconds, env_text
 from aiocoll._errors import group_name
-from aiocoll._signature import REPORTED
+from aiocoll._signature import REPORTED, describe
 
+from . import _recorder
 from ._timeline import Timeline, timeline_for_process
 
 __all__ = ["DEFAULT_PROGRESS_AFTER", "HISTORY", "LOOP_STAMP_EVERY", "ProgressTracker", "signature"]
@@ -39,7 +46,11 @@ __all__ = ["DEFAULT_PROGRESS_AFTER", "HISTORY", "LOOP_STAMP_EVERY", "ProgressTra
 log = logging.getLogger("aiocoll.client.progress")
 
 DEFAULT_PROGRESS_AFTER = 1.0
-HISTORY = 64  # operations kept for the record logged on a failure (and `done` in reports)
+HISTORY = 64  # operations in the record logged on a timeout (and `done` in reports)
+# Failures within this long of a dump are written by one dump, a moment later (a lost peer fails
+# every pending operation of its groups at once).
+_DUMP_EVERY = 0.2
+_DUMPED_OUTCOMES = frozenset({"CollectiveTimeout", "PeerLostError", "MismatchError"})
 LOOP_STAMP_EVERY = 0.25
 _MAX_OPS = 64  # the coordinator's limit (server/_progress.MAX_OPS)
 _SIG_KEYS = REPORTED  # aiocoll._signature: the fields every rank must agree on
@@ -92,10 +103,18 @@ class ProgressTracker:
         if threshold is None:
             threshold = env_seconds("AIOCOLL_PROGRESS_AFTER", DEFAULT_PROGRESS_AFTER)
         self.threshold = threshold
-        # (kind, group, seq, meta, start, end, outcome); start and end are time.monotonic().
-        self.history: collections.deque[tuple[str, str, int, dict[str, Any] | None, float, float, str]] = (
-            collections.deque(maxlen=history)
-        )
+        # The flight recorder (client/_recorder.py): ``capacity`` operations, their call sites.
+        capacity = self.capacity = _recorder.capacity()
+        self.sites = capacity > 0
+        # (kind, group, seq, meta, start, end, outcome, site); start and end are time.monotonic().
+        self.history: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=max(history, capacity))
+        self.job = env_text("AIOCOLL_JOB") or "default"
+        self.dump_dir = _recorder.dump_dir() if capacity else None
+        self.dumps = 0  # dumps written
+        self._dumped_at = -_DUMP_EVERY
+        self._dump_due: asyncio.TimerHandle | None = None
+        self._failure: str | None = None  # the first failure not yet in a dump
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.loop_stamp = time.monotonic()
         self._stamper: asyncio.TimerHandle | None = None
         self._last_sent: Any = None  # what the last report said (None: nothing reported)
@@ -111,6 +130,9 @@ class ProgressTracker:
     # -- on the event loop ----------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Stamp ``loop_stamp`` every LOOP_STAMP_EVERY seconds while the loop runs."""
+        self._loop = loop
+        if self.dump_dir is not None:
+            _recorder.register(self)
 
         def stamp() -> None:
             self.loop_stamp = time.monotonic()
@@ -124,17 +146,92 @@ class ProgressTracker:
             self._stamper = None
         if self.timeline is not None:
             self.timeline.flush()
+        if self._dump_due is not None:
+            self._dump_due.cancel()
+            self._dump_due = None
+        if self._failure is not None:  # failures since the last dump: the final state goes in one
+            self._dump_now(self._failure)
 
     def record(
-        self, kind: str, group: _Group, seq: int, sig: dict[str, Any] | None, start: float, outcome: str
+        self,
+        kind: str,
+        group: _Group,
+        seq: int,
+        sig: dict[str, Any] | None,
+        start: float,
+        outcome: str,
+        site: Any = None,
     ) -> None:
         """An operation of ``group`` finished (``outcome``: "ok", "cancelled" or the error's class
         name). ``sig`` is the operation's message meta as given (made wire-safe only when
-        reported). With a timeline (AIOCOLL_TIMELINE), it is written there too."""
+        reported); ``site`` where it was called (client/_recorder.take_site). With a timeline
+        (AIOCOLL_TIMELINE), it is written there too; a timeout, lost peer or mismatch writes the
+        dump (AIOCOLL_DUMP_DIR)."""
         end = time.monotonic()
-        self.history.append((kind, group.gid, seq, sig, start, end, outcome))
+        self.history.append((kind, group.gid, seq, sig, start, end, outcome, site))
         if self.timeline is not None:
             self.timeline.add(kind, group.gid, group.label, seq, sig, start, end, outcome, group.index)
+        if outcome != "ok" and outcome in _DUMPED_OUTCOMES and self.dump_dir is not None:
+            self.failed(
+                f"{describe(sig or {'kind': kind})} (group {group.label!r}, seq {seq}) failed: {outcome}"
+            )
+
+    def lost_peer(self, rank: int, reason: str) -> None:
+        """A peer is lost: one line saying so and what follows; the record goes to the dump."""
+        line = f"rank {self.rank}: lost rank {rank}" + (f" ({reason})" if reason else "")
+        line += "; the operations of its groups fail with PeerLostError"
+        restarts, most = env_int("AIOCOLL_RESTART_COUNT"), env_int("AIOCOLL_MAX_RESTARTS")
+        if restarts is not None and most is not None and restarts < most:
+            line += f", and the launcher restarts the job (restart {restarts + 1} of {most})"
+        if self.dump_dir is not None:
+            self.failed(f"lost rank {rank}" + (f" ({reason})" if reason else ""))
+            line += f"; this rank's record: {_recorder.dump_path(self.dump_dir, self.job, self.rank)}"
+        log.warning(line)
+
+    # -- the dump ---------------------------------------------------------------------------
+    def failed(self, why: str) -> None:
+        """An operation failed: dump now, or with the failures that follow within _DUMP_EVERY."""
+        if self.dump_dir is None:
+            return
+        if self._failure is None:
+            self._failure = why
+        if self._dump_due is not None:
+            return
+        wait = self._dumped_at + _DUMP_EVERY - time.monotonic()
+        if wait <= 0 or self._loop is None or self._loop.is_closed():
+            self._dump_now(self._failure)
+        else:
+            self._dump_due = self._loop.call_later(wait, self._dump_later)
+
+    def _dump_later(self) -> None:
+        self._dump_due = None
+        if self._failure is not None:
+            self._dump_now(self._failure)
+
+    def _dump_now(self, reason: str) -> None:
+        self._failure = None
+        self._dumped_at = time.monotonic()
+        try:
+            self.dump(reason)
+        except OSError as exc:
+            log.warning("rank %d: could not write the flight recorder's dump: %s", self.rank, exc)
+
+    def dump(self, reason: str) -> str | None:
+        """Write the dump (AIOCOLL_DUMP_DIR) now; its path, or None when there is no directory.
+        Safe from any thread (every container is copied in one call before it is read)."""
+        if self.dump_dir is None:
+            return None
+        path = _recorder.write_dump(
+            self.dump_dir,
+            job=self.job,
+            rank=self.rank,
+            reason=reason,
+            history=list(self.history)[-self.capacity :],
+            groups=self._groups(),
+            describe=describe,
+        )
+        self.dumps += 1
+        return path
 
     def note_behind(self, gid: str, seq: int, ranks: Sequence[int], message: str) -> None:
         """The coordinator found ``ranks`` behind at (gid, seq) while others wait there."""
@@ -153,7 +250,7 @@ class ProgressTracker:
             stamp = now_wall - (now_mono - t)
             return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int(stamp * 1000) % 1000:03d}"
 
-        done = list(self.history)
+        done = list(self.history)[-HISTORY:]
         pending = [(group, op) for group in list(self._groups()) for op in list(group.pending)]
         head = f"rank {self.rank}: {why}"
         if len(done) > 1:
@@ -163,7 +260,7 @@ class ProgressTracker:
         elif pending:
             head += "; no operation had finished yet:"
         lines = [head]
-        for kind, gid, seq, sig, start, end, outcome in done:
+        for kind, gid, seq, sig, start, end, outcome, _ in done:
             size = ""
             if sig and sig.get("count") is not None:
                 size = f" count={sig['count']}" + (f" dtype={sig['dtype']}" if sig.get("dtype") else "")
@@ -229,7 +326,7 @@ class ProgressTracker:
         if not full and said == (self._last_sent or ((), False)):
             return None  # nothing new: nothing stalled (the fast path), or the same stall as before
         self._last_sent = said
-        history = list(self.history)
-        done = [[gid, seq, signature(kind, sig)] for kind, gid, seq, sig, _, _, _ in history if seq >= 0]
+        history = list(self.history)[-HISTORY:]
+        done = [[item[1], item[2], signature(item[0], item[3])] for item in history if item[2] >= 0]
         self.reports_sent += 1
         return {"ops": ops, "seqs": seqs, "done": done, "busy": busy}

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
@@ -45,6 +46,7 @@ from aiocoll.algorithms._transport import (
 )
 
 from ._progress import ProgressTracker
+from ._recorder import caller_site as _caller_site
 
 __all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
@@ -127,6 +129,7 @@ class _Op:
         "peers_hint",
         "seq",
         "sig",
+        "site",
         "started",
         "tag",
         "task",
@@ -161,6 +164,7 @@ class _Op:
         # cyclic garbage collector instead of being freed when it finishes).
         self.work = Work(future, functools.partial(_describe, kind, group, seq))
         self.sig = sig  # what every rank must agree on (progress reports)
+        self.site: Any = None  # where it was called (the flight recorder, client/_recorder.py)
         self.started = _monotonic()
 
     def describe(self) -> str:
@@ -287,6 +291,7 @@ class Engine:
         # record logged on a failure (client/_progress.py).
         self.progress = ProgressTracker(self.rank, self._groups.values)
         self.progress.start(self._loop)
+        self._sites = self.progress.sites
         self._recorded_losses: set[int] = set()
         self._mismatch_at = -_MISMATCH_LINGER  # when this rank last failed an op with a mismatch
 
@@ -419,6 +424,15 @@ class Engine:
             tag = ("p", group.gid, p2p_tag)
         fut: asyncio.Future[Any] = self._loop.create_future()
         op = _Op(group, kind, seq, tag, fut, signature)
+        if self._sites:
+            # Where it was called, for the flight recorder: the public method and the frame above
+            # it (one of them is the user's; client/_recorder.site_of decides, when it dumps).
+            try:
+                f = _getframe(4)
+                b: Any = f.f_back
+                op.site = (f.f_code, f.f_lasti, b.f_code, b.f_lasti, _caller_site())
+            except (ValueError, AttributeError):  # a stack this shallow has no user frame to name
+                pass
         if peers:
             op.peers_hint = tuple(peers)
         if group.notices and seq >= 0:
@@ -541,7 +555,7 @@ class Engine:
                 if failure is not None:
                     outcome = type(failure).__name__
         # issue 10 hook: the record of the last operations (logged on a failure)
-        self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome)
+        self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome, op.site)
         if op.seq < 0:
             return
         if outcome != "ok":
@@ -695,7 +709,7 @@ class Engine:
         self.transport.mark_lost(rank, err.reason)  # re-enters here through the transport's handler; harmless
         if rank not in self._recorded_losses and not self._closed:
             self._recorded_losses.add(rank)
-            self.progress.log_record(f"lost rank {rank} ({err.reason})")
+            self.progress.lost_peer(rank, err.reason)
         # A turn of the loop later: a control notice that arrived just before the peer's goodbye
         # (a mismatch it found, say) has woken the control loop already, and is handled first.
         self._loop.call_soon(self._break_groups_of, rank, err)
@@ -907,6 +921,7 @@ class Engine:
             return
         if seq >= group.next_seq:
             group.notices[seq] = err
+            self.progress.failed(f"before calling seq {seq} of group {group.label!r}: {err}")
         self._break(group, err, from_seq=seq)
 
     # -- closing ---------------------------------------------------------------------------
@@ -987,6 +1002,7 @@ async def _counting(pending: dict[Any, int], key: Any, transfer: Awaitable[_T]) 
 
 
 _monotonic = time.monotonic
+_getframe = sys._getframe
 
 
 def _ignore_outcome(task: asyncio.Task[Any]) -> None:

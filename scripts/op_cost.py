@@ -8,6 +8,7 @@ Run it under the launcher, one world per invocation (under the bench lock on a s
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --count         # + opcodes and calls per op
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --profile tottime
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --events        # + yields, wake-ups, loop turns
+    aiocoll run --nproc-per-node 2 scripts/op_cost.py --recorder      # the flight recorder, on vs off
 
 ``--count`` traces rank 0 (sys.settrace with opcode events, sys.setprofile for C calls) and
 leaves out the waits (ShmGroup's spin, sleep and naps: how long a peer takes is not work), so
@@ -140,12 +141,43 @@ class Events:
         return ", ".join(f"{v / ops:.2f} {k}" for k, v in self.counts.items()) + " per operation"
 
 
+async def recorder_ab(pg: Any, x: np.ndarray, blocks: int, ops: int) -> None:
+    """Alternate blocks of ``ops`` operations with the recorder's call sites on and off."""
+    engine = pg._rt.engine
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for block in range(2 * blocks):
+        on = block % 2 == 0
+        engine._sites = on
+        await pg.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(ops):
+            await pg.all_reduce(x)
+        times[on].append(((time.perf_counter() - t0) / ops * 1e6, (time.process_time() - c0) / ops * 1e6))
+    engine._sites = True
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
+    on_wall, off_wall = median([w for w, _ in times[True]]), median([w for w, _ in times[False]])
+    on_cpu, off_cpu = median([c for _, c in times[True]]), median([c for _, c in times[False]])
+    print(
+        f"rank {pg.rank}: recorder on {on_wall:.2f} us/op wall, {on_cpu:.2f} CPU; off {off_wall:.2f} wall, "
+        f"{off_cpu:.2f} CPU; on/off {on_wall / off_wall:.4f} wall, {on_cpu / off_cpu:.4f} CPU "
+        f"(medians of {blocks} blocks of {ops} each way)",
+        flush=True,
+    )
+
+
 async def main(args: argparse.Namespace) -> None:
     async with await aiocoll.init_process_group() as pg:
         x = np.zeros(args.count_elements, dtype=np.float32)
         for _ in range(args.warmup):
             await pg.all_reduce(x)
         await pg.barrier()
+        if args.recorder:
+            await recorder_ab(pg, x, args.blocks, args.ops // (2 * args.blocks))
+            await pg.barrier()
+            return
         shm = pg._providers.arena
         sleeps = shm.sleeps if shm is not None else 0
         woken = shm._waker.wakeups if shm is not None else 0
@@ -197,6 +229,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--trace-ops", type=int, default=300, help="operations timed and traced with --count (default 300)")
     add("--events", action="store_true", help="count yields, wake-ups and loop turns per operation")
     add("--profile", metavar="SORT", help="cProfile rank 0, sorted by SORT (tottime, cumulative)")
+    add("--recorder", action="store_true", help="time the flight recorder on vs off, alternately")
+    add("--blocks", type=int, default=20, help="blocks each way with --recorder (default 20)")
     add("--top", type=int, default=40, help="lines of --count and --profile detail (default 40)")
     return parser.parse_args(argv)
 

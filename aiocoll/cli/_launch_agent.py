@@ -18,6 +18,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import glob
 import io
 import logging
 import os
@@ -38,6 +39,7 @@ from ._launch_config import (
     LaunchConfig,
     LaunchConfigError,
     RankLayout,
+    dump_directory,
     format_host_port,
     resolve_torch_store_address,
     worker_environment,
@@ -493,6 +495,18 @@ class _Generation:
         return f"rank {worker.rank}'s last stderr line: {text} ({where})"
 
 
+def dumps_line(job: str) -> str:
+    """Where the ranks' flight-recorder dumps are, and how to read them (said when a job fails)."""
+    directory = dump_directory(job)
+    written = sorted(glob.glob(os.path.join(directory, "*.json"))) if os.path.isdir(directory) else []
+    if not written:
+        return f"no rank wrote a flight-recorder dump (AIOCOLL_DUMP_DIR={directory})"
+    return (
+        f"{len(written)} rank(s) wrote a flight-recorder dump in {directory}: read them with "
+        f"aiocoll analyze {directory}"
+    )
+
+
 def last_stderr_line(worker: _Worker) -> str | None:
     """A worker's last non-blank stderr line (a traceback's exception), shortened; None if none."""
     last = next((line for line in reversed(worker.stderr_tail) if line.strip()), None)
@@ -748,6 +762,7 @@ class _Agent:
             budget = f"after {restart_count} restart(s)" if config.max_restarts else "no restarts allowed"
             self._console.log(f"job failed ({budget}): {reason}")
             self._console.log(f"final status: {self._summarise(result.returncodes)}")
+            self._console.log(dumps_line(config.job))
             return exit_code_of(failed.returncode)
 
     @staticmethod

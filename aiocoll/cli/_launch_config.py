@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ __all__ = [
     "resolve_node_placement",
     "resolve_torch_store_address",
     "elastic_torch_store_address",
+    "dump_directory",
     "worker_environment",
 ]
 
@@ -582,11 +584,25 @@ def worker_environment(
     env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     if config.token is not None:
         env["AIOCOLL_TOKEN"] = config.token
+    # The flight recorder's dumps (a rank writes one when an operation fails): a directory of
+    # this launch's, unless the user named one.
+    if not env_text("AIOCOLL_DUMP_DIR", env):
+        env["AIOCOLL_DUMP_DIR"] = dump_directory(config.job)
     # Several multi-threaded math libraries per core oversubscribe the machine; torchrun makes the
     # same choice. A value the user set is kept.
     if config.nproc_per_node > 1 and "OMP_NUM_THREADS" not in base:
         env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def dump_directory(job: str, environ: Mapping[str, str] | None = None) -> str:
+    """Where this launch's workers write their flight-recorder dumps: AIOCOLL_DUMP_DIR, else a
+    directory of this launcher's own under the temporary directory (made by the first dump)."""
+    named = env_text("AIOCOLL_DUMP_DIR", environ)
+    if named:
+        return named
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job) or "default"
+    return os.path.join(tempfile.gettempdir(), f"aiocoll-dumps-{safe}-{os.getpid()}")
 
 
 def default_job(environ: Mapping[str, str]) -> str:

@@ -32,6 +32,7 @@ from ._launch_agent import (
     _Generation,
     _Worker,
     describe_returncode,
+    dumps_line,
     exit_code_of,
     last_stderr_line,
 )
@@ -591,4 +592,5 @@ class ElasticNode:
         budget = f"after {state.restarts} restart(s)" if state.max_restarts else "no restarts allowed"
         self._console.log(f"job {self._config.job!r} failed ({budget}): {why}")
         self._log_cause(state)
+        self._console.log(dumps_line(self._config.job))
         return state.exit_code if state.exit_code is not None else 1

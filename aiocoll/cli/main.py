@@ -1,6 +1,7 @@
 """The `aiocoll` command: parses the sub-command and hands over to its module.
 
-Each sub-command lives in its own module (coordinator, run, bench, status, timeline) exposing
+Each sub-command lives in its own module (coordinator, run, bench, status, timeline,
+analyze) exposing
 ``add_arguments(parser)`` and ``main(args) -> int``; modules are imported only when their
 sub-command runs, so `aiocoll status` never imports torch or numpy-heavy code.
 """
@@ -22,6 +23,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("aiocoll.cli.bench", "measure collectives, side by side with torch gloo"),
     "status": ("aiocoll.cli.status", "show a coordinator's jobs, members and liveness"),
     "timeline": ("aiocoll.cli.timeline", "merge the ranks' AIOCOLL_TIMELINE records into one Chrome trace"),
+    "analyze": ("aiocoll.cli.analyze", "read flight-recorder dumps; name the rank holding a job back"),
 }
 
 

@@ -1,0 +1,308 @@
+"""The flight recorder's other half: where an operation was called from, and the dump.
+
+The ring itself is the progress tracker's record of finished operations (client/_progress.py,
+``ProgressTracker.history``), sized by AIOCOLL_FLIGHT_RECORDER (default 2000; 0 keeps only the
+HISTORY operations progress reports need, and takes no call sites). This module holds what the
+hot path stores for a call site (``take_site``: two code objects and offsets, read into file:line
+only when a dump is written), the dump itself (``write_dump``: ``DIR/<job>-rank<R>.json`` when
+AIOCOLL_DUMP_DIR is set), and the SIGUSR1 handler that dumps every live tracker of the process.
+
+May import the standard library, aiocoll._env and aiocoll._errors only; never the engine (it
+hands its trackers here) nor the public surface.
+
+Dump format (JSON, one object): ``{"version": 1, "job", "rank", "pid", "host", "time", "reason",
+"groups": [{"group", "label", "ranks", "next_seq", "group_rank"}], "ops": [{"group", "label",
+"seq", "op", "sig", "state", "outcome", "enter", "end", "site"}]}``: ``state`` is queued, started,
+completed or failed; ``enter`` and ``end`` are seconds of wall time (time.time); ``site`` is
+``{"file", "line", "function"}`` or null; ``ops`` is oldest first (finished ones, then pending).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from types import CodeType
+from typing import Any
+
+from aiocoll._env import env_int, env_text
+from aiocoll._errors import CALLER_SITE
+
+__all__ = [
+    "DEFAULT_CAPACITY",
+    "DUMP_VERSION",
+    "Site",
+    "caller_site",
+    "capacity",
+    "dump_dir",
+    "dump_path",
+    "register",
+    "site_of",
+    "take_site",
+    "write_dump",
+]
+
+log = logging.getLogger("aiocoll.client.recorder")
+
+DEFAULT_CAPACITY = 2000
+DUMP_VERSION = 1
+# (code, offset) of the two frames above the engine's entry, and the site the blocking facade
+# passed along (aiocoll._errors.CALLER_SITE) when the call came through its loop thread.
+Site = tuple[CodeType, int, "CodeType | None", int, Any]
+
+_getframe = sys._getframe
+# The site the blocking facade passed along with a call (the engine stores it with the frames).
+caller_site = CALLER_SITE.get
+
+
+def capacity() -> int:
+    """Operations each rank keeps (AIOCOLL_FLIGHT_RECORDER; 0: the recorder is off)."""
+    value = env_int("AIOCOLL_FLIGHT_RECORDER")
+    if value is None:
+        return DEFAULT_CAPACITY
+    if value < 0:
+        raise ValueError(f"environment variable AIOCOLL_FLIGHT_RECORDER={value} must be 0 (off) or more")
+    return value
+
+
+def dump_dir() -> str | None:
+    """Where dumps go (AIOCOLL_DUMP_DIR), or None: no dumps."""
+    return env_text("AIOCOLL_DUMP_DIR") or None
+
+
+def take_site(depth: int) -> Site | None:
+    """The frame ``depth`` levels above the caller and the one above it, as code and offset.
+
+    Two frames because the public method that reached the engine lies one or two frames above
+    its entry; which of them is the user's is decided when a dump is written (``site_of``), not
+    here: this runs once per operation and must stay a few attribute reads.
+    """
+    try:
+        f = _getframe(depth + 1)
+    except ValueError:
+        return None
+    b = f.f_back
+    if b is None:
+        return (f.f_code, f.f_lasti, None, -1, caller_site())
+    return (f.f_code, f.f_lasti, b.f_code, b.f_lasti, caller_site())
+
+
+def _package_dirs() -> tuple[str, ...]:
+    here = os.path.dirname(os.path.abspath(__file__))  # aiocoll.client
+    dirs = [here + os.sep]
+    for name in ("aiocoll", "aiocoll.server", "torch", "asyncio"):
+        module = sys.modules.get(name)
+        path = getattr(module, "__file__", None)
+        if path:
+            dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
+def _line_of(code: CodeType, offset: int) -> int:
+    for start, end, line in code.co_lines():
+        if start <= offset < end and line is not None:
+            return line
+    return code.co_firstlineno
+
+
+def site_of(site: Site | None, not_user: tuple[str, ...] | None = None) -> dict[str, Any] | None:
+    """The user's frame of a stored site, as ``{"file", "line", "function"}`` (None: unknown)."""
+    if site is None:
+        return None
+    skip = not_user if not_user is not None else _package_dirs()
+    code, offset, back, back_offset, passed = site
+    for c, off in ((code, offset), (back, back_offset)):
+        if c is None:
+            break
+        if not os.path.abspath(c.co_filename).startswith(skip):
+            return {"file": c.co_filename, "line": _line_of(c, off), "function": c.co_name}
+    if passed is not None:  # through the blocking facade: the line that called it
+        filename, line, module_globals = passed
+        return {"file": filename, "line": int(line), "function": str(module_globals.get("__name__", "?"))}
+    return None
+
+
+# -- the dump -----------------------------------------------------------------------------------
+def dump_path(directory: str, job: str, rank: int) -> str:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in job) or "default"
+    return os.path.join(directory, f"{safe}-rank{rank}.json")
+
+
+def _task_started(op: Any) -> bool:
+    task = getattr(op, "task", None)
+    if task is None:
+        return True  # driven by message callbacks from its call on (an eager operation)
+    try:
+        return inspect.getcoroutinestate(task.get_coro()) != inspect.CORO_CREATED
+    except (TypeError, AttributeError):
+        return True
+
+
+def write_dump(
+    directory: str,
+    *,
+    job: str,
+    rank: int,
+    reason: str,
+    history: Iterable[tuple[Any, ...]],
+    groups: Iterable[Any],
+    describe: Callable[[Mapping[str, Any]], str],
+) -> str:
+    """Write this rank's records to ``DIR/<job>-rank<R>.json`` (replacing an earlier dump) and
+    return the path. ``history``: the tracker's finished operations; ``groups``: the engine's
+    groups, whose pending operations are written after them."""
+    now_mono, now_wall = time.monotonic(), time.time()
+    offset = now_wall - now_mono
+    skip = _package_dirs()
+    labels: dict[str, str] = {}
+    group_rows = []
+    pending_rows = []
+    for group in list(groups):
+        labels[group.gid] = group.label
+        group_rows.append(
+            {
+                "group": group.gid,
+                "label": group.label,
+                "ranks": list(group.ranks),
+                "next_seq": group.next_seq,
+                "group_rank": group.index,
+            }
+        )
+        for op in sorted(list(group.pending), key=lambda o: (o.seq, o.started)):
+            sig = op.sig or {"kind": op.kind}
+            pending_rows.append(
+                {
+                    "group": group.gid,
+                    "label": group.label,
+                    "seq": op.seq,
+                    "op": describe(sig),
+                    "sig": _plain(sig),
+                    "state": "started" if _task_started(op) else "queued",
+                    "outcome": None,
+                    "enter": round(op.started + offset, 6),
+                    "end": None,
+                    "site": site_of(getattr(op, "site", None), skip),
+                }
+            )
+    rows = []
+    for item in list(history):
+        kind, gid, seq, sig, start, end, outcome = item[:7]
+        site = item[7] if len(item) > 7 else None
+        sig = sig or {"kind": kind}
+        rows.append(
+            {
+                "group": gid,
+                "label": labels.get(gid, gid),
+                "seq": seq,
+                "op": describe(sig),
+                "sig": _plain(sig),
+                "state": "completed" if outcome == "ok" else "failed",
+                "outcome": outcome,
+                "enter": round(start + offset, 6),
+                "end": round(end + offset, 6),
+                "site": site_of(site, skip),
+            }
+        )
+    body = {
+        "version": DUMP_VERSION,
+        "job": job,
+        "rank": rank,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "time": round(now_wall, 6),
+        "reason": reason,
+        "groups": group_rows,
+        "ops": rows + pending_rows,
+    }
+    os.makedirs(directory, exist_ok=True)
+    path = dump_path(directory, job, rank)
+    part = f"{path}.{os.getpid()}.part"
+    with open(part, "w") as f:
+        json.dump(body, f, default=str)
+    os.replace(part, path)  # a reader never sees half a dump
+    return path
+
+
+def _plain(sig: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in sig.items():
+        if isinstance(value, (list, tuple)):
+            value = [v if isinstance(v, (int, float, str, bool)) or v is None else str(v) for v in value]
+        elif value is not None and not isinstance(value, (int, float, str, bool)):
+            value = str(value)
+        out[str(key)] = value
+    return out
+
+
+# -- SIGUSR1 ------------------------------------------------------------------------------------
+# The trackers of this process that can dump (one per engine); weak, so a closed engine goes.
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_installed = False
+_install_lock = threading.Lock()
+
+
+def register(tracker: Any) -> None:
+    """``tracker.dump(reason)`` runs on SIGUSR1 from now on (when AIOCOLL_DUMP_DIR is set)."""
+    _live.add(tracker)
+    _install()
+
+
+def _install() -> None:
+    """Install the SIGUSR1 handler once, from the main thread, and only where nothing else
+    handles the signal (its default action would end the process: with a dump directory the
+    user asked for dumps instead)."""
+    global _installed
+    if _installed or dump_dir() is None:
+        return
+    with _install_lock:
+        if _installed:
+            return
+        try:
+            if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, None):
+                _installed = True  # the program handles it itself
+                return
+            signal.signal(signal.SIGUSR1, _on_sigusr1)
+            _installed = True
+        except (ValueError, AttributeError, OSError):
+            # Not the main thread (the blocking facade makes its engine on the loop thread): the
+            # import of aiocoll, which runs on the main thread, installs it (see install_at_import).
+            return
+
+
+def install_at_import() -> None:
+    """Install the SIGUSR1 handler now if this is the main thread and dumps are asked for."""
+    if threading.current_thread() is threading.main_thread():
+        _install()
+
+
+def _on_sigusr1(signum: int, frame: Any) -> None:
+    # Written from a thread of its own: a signal handler runs between two bytecodes of the main
+    # thread, which may hold the engine's state half-changed (the writer copies each container
+    # in one C call, as the beat thread does).
+    threading.Thread(target=_dump_all, args=("SIGUSR1",), name="aiocoll-dump", daemon=True).start()
+
+
+def _dump_all(reason: str) -> None:
+    for tracker in list(_live):
+        try:
+            path = tracker.dump(reason)
+        except Exception:
+            log.exception("writing the flight recorder's dump failed")
+            continue
+        if path:
+            print(
+                f"aiocoll: rank {tracker.rank}: wrote its flight record to {path}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+install_at_import()
