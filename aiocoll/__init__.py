@@ -8,7 +8,28 @@ layer can be imported on its own.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the public names where tools that read the source (mypy, the docs) see them
+    from ._connect import connect_store as connect_store
+    from ._errors import AuthenticationError as AuthenticationError
+    from ._errors import CollectiveTimeout as CollectiveTimeout
+    from ._errors import DistError as DistError
+    from ._errors import MismatchError as MismatchError
+    from ._errors import PeerLostError as PeerLostError
+    from ._errors import ProtocolError as ProtocolError
+    from ._errors import RendezvousError as RendezvousError
+    from ._errors import StoreError as StoreError
+    from ._errors import StoreTimeout as StoreTimeout
+    from ._run import run as run
+    from ._types import ReduceOp as ReduceOp
+    from ._work import Work as Work
+    from .api import ProcessGroup as ProcessGroup
+    from .api import init_process_group as init_process_group
+    from .stores import FileStore as FileStore
+    from .stores import MemoryStore as MemoryStore
+    from .stores import PrefixStore as PrefixStore
+    from .stores import Store as Store
 
 __version__ = "0.1.0"
 

@@ -26,12 +26,6 @@ class Work:
 
     Awaiting it gives the operation's result: the (in-place) tensor or list, the source rank for
     ``recv``, the object for the object operations.
-
-    Args:
-        future: the future the engine completes (on its loop).
-        description: what the operation is, for ``repr`` and errors ("all_reduce seq 3 of group '0'"),
-            or a function that says it (called once, when first needed: most operations never
-            need it, and formatting it costs more than the rest of a small operation's start).
     """
 
     __slots__ = ("_description", "_future", "_hooked", "_loop", "_waiters")
@@ -39,6 +33,15 @@ class Work:
     def __init__(
         self, future: asyncio.Future[Any], description: str | Callable[[], str] = "operation"
     ) -> None:
+        """Made by the engine, never by users.
+
+        Args:
+            future: the future the engine completes (on its loop).
+            description: what the operation is, for ``repr`` and errors ("all_reduce seq 3 of
+                group '0'"), or a function that says it (called once, when first needed: most
+                operations never need it, and formatting it costs more than the rest of a small
+                operation's start).
+        """
         self._future = future
         self._loop = future.get_loop()
         self._description = description

@@ -1,4 +1,4 @@
-"""aiocoll.sync: a blocking drop-in for ``torch.distributed`` in scripts (contract §3).
+"""aiocoll.sync: a blocking drop-in for ``torch.distributed`` in scripts.
 
 ``import aiocoll.sync as dist`` and a script written for torch.distributed runs unchanged: the
 same function names, signatures and in-place semantics, ``group=None`` and ``async_op=False``,
@@ -9,17 +9,18 @@ None are accepted and all mean aiocoll.
 This module is public surface: it imports the async API (aiocoll.api), the stores and the
 loop-thread bridge, never torch at import time. It holds no collective logic: every function
 converts torch's arguments (global ranks to group ranks, timedelta to seconds, torch's ReduceOp
-to aiocoll's) and forwards to ``aiocoll.ProcessGroup`` on one background loop thread
-(aiocoll._sync_loop). Functions that torch itself composes from others (batch_isend_irecv,
+to aiocoll's) and forwards to ``aiocoll.ProcessGroup`` on one background loop thread.
+Functions that torch itself composes from others (batch_isend_irecv,
 monitored_barrier) are composed here the same way.
 
 Ranks: ``src``/``dst``/``peer`` arguments are global ranks, as in torch; ``group_src``,
 ``group_dst`` and ``group_peer`` are ranks within ``group``.
 
-``ASYNC_COUNTERPART`` maps each operation of ``aiocoll.ProcessGroup`` to the function here that
-forwards to it; ``FACADE_ONLY`` lists the functions with no single async counterpart. A unit test
-checks both against the async API.
 """
+
+# ASYNC_COUNTERPART maps each operation of aiocoll.ProcessGroup to the function here that forwards
+# to it; FACADE_ONLY lists the functions with no single async counterpart. A unit test checks both
+# against the async API. Neither is in __all__: they describe this module, they are not its API.
 
 from __future__ import annotations
 
@@ -41,8 +42,6 @@ from ._sync_work import Work
 from ._types import ReduceOp
 
 __all__ = [
-    "ASYNC_COUNTERPART",
-    "FACADE_ONLY",
     "Backend",
     "DistError",
     "FileStore",

@@ -7,6 +7,8 @@ link or anchor, a docstring griffe cannot parse, or a page left out of the navig
 
 from __future__ import annotations
 
+import html
+import re
 import shutil
 import subprocess
 import sys
@@ -39,3 +41,16 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
         assert f"usage: aiocoll {command}" in cli, f"the CLI page lacks `aiocoll {command} --help`"
     api = (tmp_path / "site" / "reference" / "aiocoll" / "index.html").read_text()
     assert "all_reduce" in api and "init_process_group" in api
+
+    # The reference presents public names and the public surface only: no anchor, heading or
+    # text names a private module or member, a constructor users never call, or a dunder.
+    for page in sorted((tmp_path / "site" / "reference").glob("*/index.html")):
+        source = page.read_text()
+        anchors = re.findall(r'id="(aiocoll[^"]*)"', source)
+        private = [a for a in anchors if re.search(r"\._", a)]
+        assert not private, f"{page.parent.name}: private names in the reference: {private[:10]}"
+        shown = html.unescape(re.sub(r"<[^>]+>", " ", re.sub(r"<script.*?</script>", "", source, flags=re.S)))
+        for leak in ("aiocoll._", "ASYNC_COUNTERPART", "FACADE_ONLY", "_Runtime", "GroupState"):
+            assert leak not in shown, f"{page.parent.name}: the reference shows {leak!r}"
+    api = (tmp_path / "site" / "reference" / "aiocoll" / "index.html").read_text()
+    assert 'id="aiocoll.Work"' in api and 'id="aiocoll.ProcessGroup.all_reduce"' in api
