@@ -31,6 +31,7 @@ from .stores import FileStore as AsyncFileStore
 from .stores import MemoryStore as AsyncMemoryStore
 from .stores import PrefixStore as AsyncPrefixStore
 from .stores import Store as AsyncStore
+from .stores._base import check_keys
 
 __all__ = [
     "BlockingStoreAdapter",
@@ -439,6 +440,8 @@ class BlockingStoreAdapter(AsyncStore):
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self._pool, fn, *args)
+        except StoreTimeout:
+            raise  # aiocoll's own (the sync TCPStore's): it names the keys still missing
         except Exception as exc:
             if _is_store_timeout(exc):
                 raise StoreTimeout(list(keys), self.timeout, f"{exc} (store keys {list(keys)!r})") from exc
@@ -457,14 +460,15 @@ class BlockingStoreAdapter(AsyncStore):
         return bytes(await self._call([key], self._blocking.compare_set, key, expected, desired))
 
     async def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
-        keys = list(keys)
+        keys = check_keys(keys)  # a lone str is refused, not waited for letter by letter
         if timeout is None:
             await self._call(keys, self._blocking.wait, keys)
         else:
             await self._call(keys, self._blocking.wait, keys, _timedelta(self._check_timeout(timeout)))
 
     async def check(self, keys: Sequence[str]) -> bool:
-        return bool(await self._call(keys, self._blocking.check, list(keys)))
+        keys = check_keys(keys)
+        return bool(await self._call(keys, self._blocking.check, keys))
 
     async def delete_key(self, key: str) -> bool:
         return bool(await self._call([key], self._blocking.delete_key, key))
@@ -473,7 +477,8 @@ class BlockingStoreAdapter(AsyncStore):
         return int(await self._call([], self._blocking.num_keys))
 
     async def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        values = await self._call(keys, self._blocking.multi_get, list(keys))
+        keys = check_keys(keys)
+        values = await self._call(keys, self._blocking.multi_get, keys)
         return [bytes(v) for v in values]
 
     async def multi_set(self, keys: Sequence[str], values: Sequence[Any]) -> None:

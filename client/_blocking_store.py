@@ -42,30 +42,16 @@ from aiocoll._deadline import Deadline, to_seconds
 from aiocoll._errors import AuthenticationError, ProtocolError, StoreError, StoreTimeout
 from aiocoll._net import host_port
 from aiocoll.protocol import ClientHandshake, FrameDecoder
-from aiocoll.protocol._coordinator import CID_BYTES, ROLE_STORE, join_values, split_values
+from aiocoll.protocol._coordinator import CID_BYTES, ROLE_STORE
 from aiocoll.protocol._store import (
-    ADD,
-    APPEND,
-    CAS,
-    CHECK,
-    DEL,
-    GET,
-    MGET,
-    MSET,
     MUTATIONS,
-    NKEYS,
-    OK,
-    OP_NAMES,
-    SET,
-    SYNC,
-    WAIT,
 )
 from aiocoll.stores import DEFAULT_TIMEOUT
-from aiocoll.stores._base import Value, check_amount, check_key, check_keys, pair_values, to_value
+from aiocoll.stores._base import Value
 
 from ._blocking import connect_blocking
 from ._link_keeper import ConnectTries
-from ._store_core import SYNC_AFTER, StoreCore
+from ._store_core import SYNC_AFTER, Request, StoreCore, requests
 
 __all__ = ["BlockingStoreClient"]
 
@@ -82,8 +68,6 @@ def _send_held_at_exit() -> None:
                 client._send_held()
 
 
-_REPLY_GRACE = 5.0  # as the async session: the coordinator's own timeout answer comes first
-_MIN_REPLY_TIME = 1.0
 _READ_SIZE = 256 * 1024
 # A set within this long of the last send is held back, to go out with the rest of its burst.
 _BATCH_WINDOW = 100e-6
@@ -184,7 +168,7 @@ class BlockingStoreClient:
         self._cv.notify_all()
 
     # -- requests
-    def _mutate(self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str]) -> None:
+    def _mutate(self, req: Request) -> None:
         """SET, APPEND, MSET: not answered (see the module's docstring). Sent at once when this
         client sent nothing for _BATCH_WINDOW; else held back with the others of a burst, to go
         out together within _BATCH_WINDOW (the flusher thread), or before this client's next
@@ -195,8 +179,8 @@ class BlockingStoreClient:
                 core.raise_deferred()
             if not core.window_open():
                 self._send_held()
-                self._make_room(Deadline(self.timeout), OP_NAMES[code], keys)
-            _, frame = core.mutation(code, fields, payload, keys, self.timeout, False)
+                self._make_room(Deadline(self.timeout), req.op, req.keys)
+            _, frame = core.mutation(req.code, req.fields, req.payload, req.keys, self.timeout, False)
             if core.no_reply_unsettled >= SYNC_AFTER and not core.sync_in_flight:
                 core.sync_in_flight, sync = core.sync_frame()
                 frame += sync  # it settles everything before it
@@ -299,33 +283,20 @@ class BlockingStoreClient:
                 self._cv.notify_all()
 
     def _window_timeout(self, deadline: Deadline, op: str, keys: Sequence[str]) -> StoreTimeout:
-        return StoreTimeout(
-            list(keys),
-            deadline.timeout,
-            f"{self._core.describe(op, keys)} timed out after {deadline.timeout:.3g}s: earlier mutations of "
-            f"this client were still not acknowledged by the coordinator at {self.address}",
-        )
+        return self._core.window_timeout(op, keys, deadline.timeout)
 
-    def _request(
-        self,
-        code: int,
-        fields: list[Any],
-        payload: bytes = b"",
-        *,
-        timeout: float | None = None,
-        keys: Sequence[str] = (),
-        waits: bool = False,
-    ) -> tuple[list[Any], bytes]:
-        """One request that has a reply; returns it (sent again on a new connection if needed)."""
+    def _request(self, req: Request, timeout: float | None = None) -> Any:
+        """One request that has a reply; returns what its reply means (sent again on a new
+        connection if needed)."""
         core = self._core
         seconds = self.timeout if timeout is None else timeout
         until = time.monotonic() + seconds
-        mutation = code in MUTATIONS
+        mutation = req.code in MUTATIONS
         with self._lock:
             if core.deferred is not None:
                 core.raise_deferred()
             if mutation and not core.window_open():
-                self._make_room(Deadline(seconds), OP_NAMES[code], keys)
+                self._make_room(Deadline(seconds), req.op, req.keys)
             req_id = 0
             try:
                 while True:
@@ -334,37 +305,27 @@ class BlockingStoreClient:
                         self._reconnect(Deadline(max(0.0, until - time.monotonic())))
                         continue
                     # Numbered as it goes out, the link's order being what settles (_store_core).
-                    if mutation:
-                        if req_id:  # sent again on a new connection, with its number
-                            core.resent(req_id)
-                        else:
-                            req_id, frame = core.mutation(code, fields, payload, keys, seconds, True)
-                    elif waits:
-                        left = max(0.0, until - time.monotonic())
-                        req_id, frame = core.request([code, *fields, left], payload)
-                    else:
-                        req_id, frame = core.request([code, *fields], payload)
+                    now = time.monotonic()
+                    left = max(0.0, until - now)
+                    req_id, frame, bound = core.encode(req, req_id if mutation else 0, seconds, left)
                     try:
                         sock.sendall(self._send_held(frame) if self._held else frame)
                     except OSError:
                         self._reconnect(Deadline(max(0.0, until - time.monotonic())))
                         continue
                     try:
-                        reply = self._await(req_id, until + (_REPLY_GRACE if waits else _MIN_REPLY_TIME))
+                        reply = self._await(req_id, now + bound)
                     except TimeoutError:
-                        raise core.timed_out(OP_NAMES[code], seconds, waits, keys, False) from None
+                        raise core.timed_out(req.op, seconds, req.waits, req.keys, False) from None
                     if reply is not None:
                         break
                     if self._closed:
-                        raise StoreError(f"{OP_NAMES[code]}: the store client of {self.address} was closed")
+                        raise StoreError(f"{req.op}: the store client of {self.address} was closed")
             except BaseException:
                 if mutation and req_id in core.unsettled:
                     self._abandon(req_id)
                 raise
-        header, body = reply
-        if header[1] == OK:
-            return header, body
-        raise core.error(OP_NAMES[code], header, keys, seconds)
+        return core.outcome(req, reply[0], reply[1], seconds)
 
     def _abandon(self, req_id: int) -> None:
         """Holding the lock: nobody awaits mutation ``req_id`` any more (see StoreCore.forget);
@@ -460,17 +421,13 @@ class BlockingStoreClient:
 
     # -- the store's operations (torch's names; the sync facade's TCPStore forwards here)
     def set(self, key: str, value: Value) -> None:
-        key = check_key(key)
-        self._mutate(SET, [key], to_value(key, value), (key,))
+        self._mutate(requests.set(key, value))
 
     def append(self, key: str, value: Value) -> None:
-        key = check_key(key)
-        self._mutate(APPEND, [key], to_value(key, value), (key,))
+        self._mutate(requests.append(key, value))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[Value]) -> None:
-        names, raw = pair_values(keys, values)
-        payload, sizes = join_values(raw)
-        self._mutate(MSET, [names, sizes], payload, names)
+        self._mutate(requests.multi_set(keys, values))
 
     def set_timeout(self, timeout: float | datetime.timedelta) -> None:
         """The default wait of every call (torch's ``set_timeout``)."""
@@ -480,46 +437,37 @@ class BlockingStoreClient:
         self.timeout = seconds
 
     def get(self, key: str, timeout: float | datetime.timedelta | None = None) -> bytes:
-        key = check_key(key)
-        return self._request(GET, [key], timeout=to_seconds(timeout), keys=(key,), waits=True)[1]
+        result: bytes = self._request(requests.get(key), to_seconds(timeout))
+        return result
 
     def add(self, key: str, amount: int) -> int:
-        key = check_key(key)
-        amount = check_amount(key, amount)
-        return int(self._request(ADD, [key, amount], keys=(key,))[0][2])
+        result: int = self._request(requests.add(key, amount))
+        return result
 
     def compare_set(self, key: str, expected: Value, desired: Value) -> bytes:
-        key = check_key(key)
-        old = to_value(key, expected, "expected value")
-        new = to_value(key, desired, "desired value")
-        return self._request(CAS, [key, len(old)], old + new, keys=(key,))[1]
+        result: bytes = self._request(requests.compare_set(key, expected, desired))
+        return result
 
     def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
-        names = check_keys(keys)
-        self._request(WAIT, [names], timeout=to_seconds(timeout), keys=names, waits=True)
+        self._request(requests.wait(keys), to_seconds(timeout))
 
     def check(self, keys: Sequence[str]) -> bool:
-        names = check_keys(keys)
-        return bool(self._request(CHECK, [names], keys=names)[0][2])
+        result: bool = self._request(requests.check(keys))
+        return result
 
     def delete_key(self, key: str) -> bool:
-        key = check_key(key)
-        return bool(self._request(DEL, [key], keys=(key,))[0][2])
+        result: bool = self._request(requests.delete_key(key))
+        return result
 
     def num_keys(self) -> int:
-        return int(self._request(NKEYS, [])[0][2])
+        result: int = self._request(requests.num_keys())
+        return result
 
     def multi_get(
         self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None
     ) -> list[bytes]:
-        names = check_keys(keys)
-        header, body = self._request(MGET, [names], timeout=to_seconds(timeout), keys=names, waits=True)
-        values = split_values(body, header[2] if len(header) > 2 else None)
-        if len(values) != len(names):
-            raise ProtocolError(
-                f"the coordinator answered mget of {len(names)} keys with {len(values)} values"
-            )
-        return values
+        result: list[bytes] = self._request(requests.multi_get(keys), to_seconds(timeout))
+        return result
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every set of this client is acknowledged (with --state-dir: on disk).
@@ -531,15 +479,9 @@ class BlockingStoreClient:
         if core.no_reply_unsettled:
             seconds = self.timeout if timeout is None else timeout
             try:
-                self._request(SYNC, [], timeout=seconds)
+                self._request(requests.sync(), seconds)
             except StoreTimeout:
-                keys = core.unsettled_keys()
-                raise StoreTimeout(
-                    keys,
-                    seconds,
-                    f"flush (job {self.job!r}): {core.no_reply_unsettled} set(s) of key(s) {keys!r} still "
-                    f"not acknowledged by the coordinator at {self.address} after {seconds:.3g}s",
-                ) from None
+                raise core.flush_timeout(seconds) from None
         with self._lock:
             exc = core.take_deferred()
         if exc is not None:

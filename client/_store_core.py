@@ -1,6 +1,9 @@
-"""The store client's bookkeeping, without I/O: request ids, the mutations not yet settled, the
-window of exactly-once numbers, and the first failure of a mutation that nobody waits for. The
-async session (session.py) and the blocking client (_blocking_store.py) each drive one.
+"""The store client without I/O (as h11 is an HTTP client without sockets): each operation's
+request (its checks, its compact frame) and what its reply means, and the bookkeeping: request
+ids, the mutations not yet settled, the window of exactly-once numbers, and the first failure of
+a mutation that nobody waits for. Bytes and replies in, frames and results out. The async
+session (session.py) and the blocking client (_blocking_store.py) are its two drivers: they own
+the socket, the waiting and the reconnecting, and nothing of what a store operation means.
 
 May import foundations only (protocol, stores, _errors).
 
@@ -33,10 +36,31 @@ from aiocoll.protocol._coordinator import (
     ERR_RENDEZVOUS,
     ERR_TIMEOUT,
     ERR_TOO_LARGE,
+    join_values,
+    split_values,
 )
-from aiocoll.protocol._store import ERROR, OK, OP_NAMES, SYNC, encode_request
+from aiocoll.protocol._store import (
+    ADD,
+    APPEND,
+    CAS,
+    CHECK,
+    DEL,
+    ERROR,
+    GET,
+    MGET,
+    MSET,
+    MUTATIONS,
+    NKEYS,
+    OK,
+    OP_NAMES,
+    SET,
+    SYNC,
+    WAIT,
+    encode_request,
+)
+from aiocoll.stores._base import Value, check_amount, check_key, check_keys, pair_values, to_value
 
-__all__ = ["SYNC_AFTER", "StoreCore", "Unsettled"]
+__all__ = ["MIN_REPLY_TIME", "REPLY_GRACE", "SYNC_AFTER", "Request", "StoreCore", "Unsettled", "requests"]
 
 log = logging.getLogger("aiocoll.client")
 _pack_prefix = PREFIX.pack
@@ -44,6 +68,134 @@ _pack_prefix = PREFIX.pack
 # Unanswered SET/APPEND/MSET this many, a SYNC goes out to settle them: the window (DEDUPE_WINDOW)
 # never fills while a client streams sets, and a reconnect has little to send again.
 SYNC_AFTER = DEDUPE_WINDOW // 2
+
+
+# A waiting request is answered by the coordinator when its timeout runs out; the client's own
+# bound comes this much later, so that normally the coordinator's answer (naming keys) wins.
+REPLY_GRACE = 5.0
+# Requests that do not wait still get at least this long for their answer.
+MIN_REPLY_TIME = 1.0
+
+
+def _body(header: list[Any], body: bytes) -> bytes:
+    return body
+
+
+def _number(header: list[Any], body: bytes) -> int:
+    return int(header[2])
+
+
+def _truth(header: list[Any], body: bytes) -> bool:
+    return bool(header[2])
+
+
+def _nothing(header: list[Any], body: bytes) -> None:
+    return None
+
+
+class Request:
+    """One store operation, checked and ready to number: its compact code, the header fields
+    that follow its id (and ``ack``, for a mutation), its payload, the keys an error about it
+    names, whether the coordinator holds it until keys exist (``waits``: its remaining time is
+    appended), and ``result``, what a successful reply means."""
+
+    __slots__ = ("code", "fields", "keys", "payload", "result", "waits")
+
+    def __init__(
+        self,
+        code: int,
+        fields: list[Any],
+        payload: bytes,
+        keys: Sequence[str],
+        result: Any = _nothing,
+        waits: bool = False,
+    ) -> None:
+        self.code = code
+        self.fields = fields
+        self.payload = payload
+        self.keys = keys
+        self.result = result
+        self.waits = waits
+
+    @property
+    def op(self) -> str:
+        return OP_NAMES[self.code]
+
+
+def _multi_get_result(count: int) -> Any:
+    def result(header: list[Any], body: bytes) -> list[bytes]:
+        values = split_values(body, header[2] if len(header) > 2 else None)
+        if len(values) != count:
+            raise ProtocolError(f"the coordinator answered mget of {count} keys with {len(values)} values")
+        return values
+
+    return result
+
+
+class requests:
+    """Each store operation's request, its arguments checked (ValueError, TypeError name the
+    key): what both drivers send. SET, APPEND and MSET expect no reply (protocol._store)."""
+
+    @staticmethod
+    def set(key: str, value: Value) -> Request:
+        key = check_key(key)
+        return Request(SET, [key], value if type(value) is bytes else to_value(key, value), (key,))
+
+    @staticmethod
+    def append(key: str, value: Value) -> Request:
+        key = check_key(key)
+        return Request(APPEND, [key], to_value(key, value), (key,))
+
+    @staticmethod
+    def multi_set(keys: Sequence[str], values: Sequence[Value]) -> Request:
+        names, raw = pair_values(keys, values)
+        payload, sizes = join_values(raw)
+        return Request(MSET, [names, sizes], payload, names)
+
+    @staticmethod
+    def get(key: str) -> Request:
+        key = check_key(key)
+        return Request(GET, [key], b"", (key,), _body, True)
+
+    @staticmethod
+    def add(key: str, amount: int) -> Request:
+        key = check_key(key)
+        return Request(ADD, [key, check_amount(key, amount)], b"", (key,), _number)
+
+    @staticmethod
+    def compare_set(key: str, expected: Value, desired: Value) -> Request:
+        key = check_key(key)
+        old = to_value(key, expected, "expected value")
+        new = to_value(key, desired, "desired value")
+        return Request(CAS, [key, len(old)], old + new, (key,), _body)
+
+    @staticmethod
+    def wait(keys: Sequence[str]) -> Request:
+        names = check_keys(keys)
+        return Request(WAIT, [names], b"", names, _nothing, True)
+
+    @staticmethod
+    def check(keys: Sequence[str]) -> Request:
+        names = check_keys(keys)
+        return Request(CHECK, [names], b"", names, _truth)
+
+    @staticmethod
+    def delete_key(key: str) -> Request:
+        key = check_key(key)
+        return Request(DEL, [key], b"", (key,), _truth)
+
+    @staticmethod
+    def num_keys() -> Request:
+        return Request(NKEYS, [], b"", (), _number)
+
+    @staticmethod
+    def multi_get(keys: Sequence[str]) -> Request:
+        names = check_keys(keys)
+        return Request(MGET, [names], b"", names, _multi_get_result(len(names)), True)
+
+    @staticmethod
+    def sync() -> Request:
+        return Request(SYNC, [], b"", ())
 
 
 # A mutation sent and not yet settled, as a plain tuple (one is made per set):
@@ -123,6 +275,31 @@ class StoreCore:
         self._sent += 1
         self._place[req_id] = self._sent
         return req_id, encode_request(self.pack, header, payload)
+
+    def encode(self, req: Request, req_id: int, seconds: float, remaining: float) -> tuple[int, bytes, float]:
+        """Number ``req`` (a request that has a reply), sent next on the current link: returns
+        (its id, its frame, how long to wait for its reply). ``req_id``: the number of a
+        mutation sent before on a link that dropped (it keeps it), else 0. ``seconds``: the
+        whole timeout it was given; ``remaining``: what is left of it."""
+        code = req.code
+        if code in MUTATIONS:
+            if req_id:
+                self.resent(req_id)
+                frame = self.unsettled[req_id][1]
+            else:
+                req_id, frame = self.mutation(code, req.fields, req.payload, req.keys, seconds, True)
+            return req_id, frame, max(remaining, MIN_REPLY_TIME)
+        if req.waits:
+            req_id, frame = self.request([code, *req.fields, remaining], req.payload)
+            return req_id, frame, remaining + REPLY_GRACE
+        req_id, frame = self.request([code, *req.fields], req.payload)
+        return req_id, frame, max(remaining, MIN_REPLY_TIME)
+
+    def outcome(self, req: Request, header: list[Any], body: bytes, seconds: float) -> Any:
+        """What ``req``'s reply means: its result, or (raised) the refusal it carries."""
+        if header[1] == OK:
+            return req.result(header, body)
+        raise self.error(req.op, header, req.keys, seconds)
 
     def resent(self, req_id: int) -> None:
         """An awaited mutation is sent again (on a new link) by its caller, next."""
@@ -229,6 +406,26 @@ class StoreCore:
         return exc
 
     # -- errors
+    def window_timeout(self, op: str, keys: Sequence[str], timeout: float | None) -> StoreTimeout:
+        """A mutation that found no room in the window (DEDUPE_WINDOW unsettled) in time."""
+        waited = "" if timeout is None else f" after {timeout:.3g}s"
+        return StoreTimeout(
+            list(keys),
+            timeout,
+            f"{self.describe(op, keys)} timed out{waited}: earlier mutations of this client were still "
+            f"not acknowledged by the coordinator at {self.address}",
+        )
+
+    def flush_timeout(self, seconds: float) -> StoreTimeout:
+        """``flush`` got no acknowledgement of the sets in time."""
+        keys = self.unsettled_keys()
+        return StoreTimeout(
+            keys,
+            seconds,
+            f"flush (job {self.job!r}): {self.no_reply_unsettled} set(s) of key(s) {keys!r} still "
+            f"not acknowledged by the coordinator at {self.address} after {seconds:.3g}s",
+        )
+
     def describe(self, op: str, keys: Sequence[str]) -> str:
         if not keys:
             return f"{op} (job {self.job!r})"

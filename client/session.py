@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiocoll._deadline import Deadline
-from aiocoll._errors import ProtocolError, StoreTimeout
+from aiocoll._errors import StoreTimeout
 from aiocoll._net import host_port
 from aiocoll.protocol import ClientHandshake
 from aiocoll.protocol._coordinator import (
@@ -58,35 +58,19 @@ from aiocoll.protocol._coordinator import (
     ROLE_ADMIN,
     ROLE_STORE,
     ROLE_WORKER,
-    join_values,
-    split_values,
 )
 from aiocoll.protocol._store import (
-    ADD,
-    APPEND,
-    CAS,
-    CHECK,
-    DEL,
-    GET,
-    MGET,
-    MSET,
     MUTATIONS,
-    NKEYS,
-    OK,
-    OP_NAMES,
-    SET,
-    SYNC,
-    WAIT,
 )
 from aiocoll.stores import DEFAULT_TIMEOUT, Store
-from aiocoll.stores._base import Value, check_amount, check_key, check_keys, to_value
+from aiocoll.stores._base import Value
 
 from ._beat import BeatThread
 from ._connection import CoordinatorLink, LinkLost
 from ._join import Joining
 from ._link_keeper import EV_COORDINATOR_LOST, EV_RECONNECTED, CoordinatorUnreachable, LinkKeeper
 from ._members import HostMembership, Member, Membership, MemberTable
-from ._store_core import SYNC_AFTER, StoreCore
+from ._store_core import MIN_REPLY_TIME, REPLY_GRACE, SYNC_AFTER, Request, StoreCore, requests
 
 __all__ = [
     "EV_COORDINATOR_LOST",
@@ -101,11 +85,6 @@ __all__ = [
 
 log = logging.getLogger("aiocoll.client")
 
-# A waiting request is answered by the coordinator when its timeout runs out; the client's own
-# bound comes this much later, so that normally the coordinator's answer (naming keys) wins.
-_REPLY_GRACE = 5.0
-# Requests that do not wait still get at least this long for their answer.
-_MIN_REPLY_TIME = 1.0
 _LEAVE_TIMEOUT = 2.0
 # A caller that sets in a tight loop gives the event loop a turn once in this many sets, so that
 # other tasks run and refusals are read as they come.
@@ -327,12 +306,7 @@ class CoordinatorSession(Joining, Store):
             try:
                 await asyncio.wait_for(asyncio.shield(waiter), deadline.remaining())
             except asyncio.TimeoutError:
-                raise StoreTimeout(
-                    list(keys),
-                    deadline.timeout,
-                    f"{core.describe(op, keys)} timed out after {deadline.timeout:.3g}s: earlier mutations "
-                    f"of this session were still not acknowledged by the coordinator at {self.address}",
-                ) from None
+                raise core.window_timeout(op, keys, deadline.timeout) from None
 
     async def _usable(self, deadline: Deadline, op: str, keys: Sequence[str], waits: bool) -> CoordinatorLink:
         core = self._core
@@ -341,26 +315,16 @@ class CoordinatorSession(Joining, Store):
         )
 
     # -- requests ------------------------------------------------------------------------
-    async def _store(
-        self,
-        code: int,
-        fields: list[Any],
-        payload: bytes = b"",
-        *,
-        timeout: float,
-        keys: Sequence[str] = (),
-        waits: bool = False,
-    ) -> tuple[list[Any], bytes]:
-        """Send one store request that has a reply (again after a reconnect) and return the
-        reply. ``fields`` follow the id (and ``ack``, for a mutation) in its header; a waiting
-        request has its remaining time appended. ``timeout``: seconds for all of it."""
+    async def _store(self, req: Request, timeout: float) -> Any:
+        """Send one store request that has a reply (again after a reconnect) and return what
+        the reply means. ``timeout``: seconds for all of it."""
         core = self._core
         if core.deferred is not None:
             core.raise_deferred()
+        code = req.code
         mutation = code in MUTATIONS
         deadline: Deadline | None = None  # made when the first try does not do
         req_id = 0
-        frame = b""
         remaining = timeout
         try:
             while True:
@@ -370,24 +334,13 @@ class CoordinatorSession(Joining, Store):
                     deadline = deadline or Deadline(timeout)
                     while True:  # until a link takes it and (for a new mutation) the window has room
                         if numbering:
-                            await self._room(deadline, OP_NAMES[code], keys)
-                        link = await self._usable(deadline, OP_NAMES[code], keys, waits)
+                            await self._room(deadline, req.op, req.keys)
+                        link = await self._usable(deadline, req.op, req.keys, req.waits)
                         if not numbering or core.window_open():
                             break
                 if deadline is not None:
                     remaining = deadline.remaining()  # type: ignore[assignment]
-                if mutation:
-                    if req_id:  # a mutation sent again keeps its number
-                        core.resent(req_id)
-                    else:
-                        req_id, frame = core.mutation(code, fields, payload, keys, timeout, True)
-                    bound = max(remaining, _MIN_REPLY_TIME)
-                elif waits:
-                    req_id, frame = core.request([code, *fields, remaining], payload)
-                    bound = remaining + _REPLY_GRACE
-                else:
-                    req_id, frame = core.request([code, *fields], payload)
-                    bound = max(remaining, _MIN_REPLY_TIME)
+                req_id, frame, bound = core.encode(req, req_id if mutation else 0, timeout, remaining)
                 self._last_request = link.loop.time()
                 fut = link.start(req_id, frame, bound)
                 try:
@@ -397,13 +350,11 @@ class CoordinatorSession(Joining, Store):
                     continue  # sent again on the next link, after the sets that went before it
                 except TimeoutError:
                     link.forget(req_id)
-                    raise core.timed_out(OP_NAMES[code], timeout, waits, keys, False) from None
+                    raise core.timed_out(req.op, timeout, req.waits, req.keys, False) from None
                 except BaseException:
                     link.forget(req_id)
                     raise
-                if reply[1] == OK:
-                    return reply, body
-                raise core.error(OP_NAMES[code], reply, keys, timeout)
+                return core.outcome(req, reply, body, timeout)
         except BaseException:
             if mutation and req_id and req_id in core.unsettled:
                 self._abandon(req_id)
@@ -439,9 +390,9 @@ class CoordinatorSession(Joining, Store):
             remaining = deadline.remaining()
             if waits:
                 fields["timeout"] = remaining
-                bound = None if remaining is None else remaining + _REPLY_GRACE
+                bound = None if remaining is None else remaining + REPLY_GRACE
             else:
-                bound = None if remaining is None else max(remaining, _MIN_REPLY_TIME)
+                bound = None if remaining is None else max(remaining, MIN_REPLY_TIME)
             self._last_request = link.loop.time()
             try:
                 reply, body = await link.request(fields, payload, bound)
@@ -453,37 +404,33 @@ class CoordinatorSession(Joining, Store):
                 return reply, body
             raise core.error(op, reply, (), deadline.timeout)
 
-    def _queue(
-        self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str], seconds: float
-    ) -> bool:
+    def _queue(self, req: Request, seconds: float) -> bool:
         """Queue SET, APPEND or MSET on the link when that needs no waiting (the link takes it,
         the window has room, no refusal is waiting to be raised); False otherwise."""
         core = self._core
         link = self._keeper.link
         if link is None or not link.can_send or core.deferred is not None or not core.window_open():
             return False
-        link.send(core.mutation(code, fields, payload, keys, seconds, False)[1])
+        link.send(core.mutation(req.code, req.fields, req.payload, req.keys, seconds, False)[1])
         if core.no_reply_unsettled >= SYNC_AFTER and not core.sync_in_flight:
             core.sync_in_flight, sync = core.sync_frame()
             link.send(sync)
         return True
 
-    async def _mutate(
-        self, code: int, fields: list[Any], payload: bytes, keys: Sequence[str], timeout: float | None
-    ) -> None:
+    async def _mutate(self, req: Request, timeout: float | None) -> None:
         """SET, APPEND or MSET: queued (see the module's docstring), or acknowledged when the
         session was made with ``pipeline_sets=False``."""
         core = self._core
         seconds = self._timeout if timeout is None else self._check_timeout(timeout)
-        if not self._queue(code, fields, payload, keys, seconds):
+        if not self._queue(req, seconds):
             if core.deferred is not None:
                 core.raise_deferred()
             # Reconnecting, paused by backpressure, or the window is full: wait (as long as the
             # deadline allows) until a link takes it.
             deadline = Deadline(seconds)
-            while not self._queue(code, fields, payload, keys, seconds):
-                await self._room(deadline, OP_NAMES[code], keys)
-                await self._usable(deadline, OP_NAMES[code], keys, False)
+            while not self._queue(req, seconds):
+                await self._room(deadline, req.op, req.keys)
+                await self._usable(deadline, req.op, req.keys, False)
                 if core.deferred is not None:
                     core.raise_deferred()
         if not self.pipeline_sets:
@@ -506,15 +453,9 @@ class CoordinatorSession(Joining, Store):
         if core.no_reply_unsettled:
             seconds = self._seconds(timeout)
             try:
-                await self._store(SYNC, [], timeout=seconds)
+                await self._store(requests.sync(), seconds)
             except StoreTimeout:
-                keys = core.unsettled_keys()
-                raise StoreTimeout(
-                    keys,
-                    seconds,
-                    f"flush (job {self.job!r}): {core.no_reply_unsettled} set(s) of key(s) {keys!r} "
-                    f"still not acknowledged by the coordinator at {self.address} after {seconds:.3g}s",
-                ) from None
+                raise core.flush_timeout(seconds) from None
         if core.deferred is not None:
             core.raise_deferred()
 
@@ -530,77 +471,57 @@ class CoordinatorSession(Joining, Store):
             StoreError: the coordinator refused this or an earlier set (too large, too many keys).
             StoreTimeout: the coordinator could not be reached in time.
         """
-        key = check_key(key)
-        value = value if type(value) is bytes else to_value(key, value)
+        req = requests.set(key, value)
         if timeout is None and self.pipeline_sets and self._sets_since_yield < _YIELD_EVERY - 1:
             # The common case, without a coroutine of its own: queued now, or waits in _mutate.
-            if self._queue(SET, [key], value, (key,), self._timeout):
+            if self._queue(req, self._timeout):
                 self._sets_since_yield += 1
                 return
-        await self._mutate(SET, [key], value, (key,), timeout)
+        await self._mutate(req, timeout)
 
     async def append(self, key: str, value: Value, *, timeout: float | None = None) -> None:
         """Append ``value`` to the bytes at ``key`` (created when missing); queued like ``set``."""
-        key = check_key(key)
-        await self._mutate(APPEND, [key], to_value(key, value), (key,), timeout)
+        await self._mutate(requests.append(key, value), timeout)
 
     async def multi_set(
         self, keys: Sequence[str], values: Sequence[Value], *, timeout: float | None = None
     ) -> None:
         """Set several keys at once; queued like ``set``."""
-        names, raw = self._pair(keys, values)
-        payload, sizes = join_values(raw)
-        await self._mutate(MSET, [names, sizes], payload, names, timeout)
+        await self._mutate(requests.multi_set(keys, values), timeout)
 
     async def get(self, key: str, *, timeout: float | None = None) -> bytes:
-        key = check_key(key)
-        _, body = await self._store(GET, [key], timeout=self._seconds(timeout), keys=(key,), waits=True)
-        return body
+        result: bytes = await self._store(requests.get(key), self._seconds(timeout))
+        return result
 
     async def add(self, key: str, amount: int, *, timeout: float | None = None) -> int:
-        key = check_key(key)
-        amount = check_amount(key, amount)
-        reply, _ = await self._store(ADD, [key, amount], timeout=self._seconds(timeout), keys=(key,))
-        return int(reply[2])
+        result: int = await self._store(requests.add(key, amount), self._seconds(timeout))
+        return result
 
     async def compare_set(
         self, key: str, expected: Value, desired: Value, *, timeout: float | None = None
     ) -> bytes:
-        key = check_key(key)
-        old = to_value(key, expected, "expected value")
-        new = to_value(key, desired, "desired value")
-        _, body = await self._store(
-            CAS, [key, len(old)], old + new, timeout=self._seconds(timeout), keys=(key,)
-        )
-        return body
+        req = requests.compare_set(key, expected, desired)
+        result: bytes = await self._store(req, self._seconds(timeout))
+        return result
 
     async def wait(self, keys: Sequence[str], timeout: float | datetime.timedelta | None = None) -> None:
-        names = check_keys(keys)
-        await self._store(WAIT, [names], timeout=self._seconds(timeout), keys=names, waits=True)
+        await self._store(requests.wait(keys), self._seconds(timeout))
 
     async def check(self, keys: Sequence[str], *, timeout: float | None = None) -> bool:
-        names = check_keys(keys)
-        reply, _ = await self._store(CHECK, [names], timeout=self._seconds(timeout), keys=names)
-        return bool(reply[2])
+        result: bool = await self._store(requests.check(keys), self._seconds(timeout))
+        return result
 
     async def delete_key(self, key: str, *, timeout: float | None = None) -> bool:
-        key = check_key(key)
-        reply, _ = await self._store(DEL, [key], timeout=self._seconds(timeout), keys=(key,))
-        return bool(reply[2])
+        result: bool = await self._store(requests.delete_key(key), self._seconds(timeout))
+        return result
 
     async def num_keys(self, *, timeout: float | None = None) -> int:
-        reply, _ = await self._store(NKEYS, [], timeout=self._seconds(timeout))
-        return int(reply[2])
+        result: int = await self._store(requests.num_keys(), self._seconds(timeout))
+        return result
 
     async def multi_get(self, keys: Sequence[str], *, timeout: float | None = None) -> list[bytes]:
-        names = check_keys(keys)
-        reply, body = await self._store(MGET, [names], timeout=self._seconds(timeout), keys=names, waits=True)
-        values = split_values(body, reply[2] if len(reply) > 2 else None)
-        if len(values) != len(names):
-            raise ProtocolError(
-                f"the coordinator answered mget of {len(names)} keys with {len(values)} values"
-            )
-        return values
+        result: list[bytes] = await self._store(requests.multi_get(keys), self._seconds(timeout))
+        return result
 
     async def status(self, job: str | None = None, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """The coordinator's view of ``job`` (None: every job), as the ``status`` reply lists it."""

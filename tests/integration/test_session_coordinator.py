@@ -17,6 +17,7 @@ import pytest
 from aiocoll.client.session import CoordinatorSession, CoordinatorUnreachable
 
 import aiocoll
+import aiocoll.sync
 from aiocoll import AuthenticationError, RendezvousError, Store, StoreTimeout
 from aiocoll.protocol._coordinator import EV_RESTARTED, EV_SESSION_LOST, ROLE_STORE, ROLE_WORKER
 from aiocoll.testing.coordinator import CoordinatorProcess
@@ -84,6 +85,30 @@ class TestCoordinatorStore(StoreConformance):
         yield make
         for store in made:
             await store.aclose()
+
+
+class TestBlockingCoordinatorStore(StoreConformance):
+    """The same suite against the blocking driver of the store client core
+    (client/_blocking_store.py, what aiocoll.sync.TCPStore uses), through the sync store's
+    async view; each test gets its own job."""
+
+    @pytest.fixture
+    async def store_factory(self, coordinator: CoordinatorProcess) -> AsyncIterator[StoreFactory]:
+        job = f"conformance-blocking-{uuid.uuid4().hex}"
+        made: list[aiocoll.sync.TCPStore] = []
+
+        async def make() -> Store:
+            made.append(
+                await asyncio.to_thread(
+                    aiocoll.sync.TCPStore, "127.0.0.1", coordinator.port, timeout=20, token=TOKEN, job=job
+                )
+            )
+            return made[-1].async_store
+
+        yield make
+        for store in made:
+            await store.async_store.aclose()
+            await asyncio.to_thread(store.close)
 
 
 @pytest.mark.timeout(60)
