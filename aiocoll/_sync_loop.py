@@ -2,8 +2,16 @@
 
 Holds the loop thread (daemon, started lazily, uvloop when installed), the bridge that issues an
 async-core operation from any thread and hands its outcome back, and the small completion pool
-on which user-visible futures are completed. Imports only the standard library and aiocoll
-foundations: aiocoll.sync and aiocoll.torch sit on top of it and hold the argument conversions.
+on which user-visible futures are completed.
+
+A blocking call costs two wake-ups, one each way: the caller hands the call to the loop
+(``call_soon_threadsafe``: one eventfd write when the loop sleeps) and parks on its own thread's
+preallocated lock; the loop thread starts the operation and, when it completes (at once when the
+operation finished inside its call), releases that lock. No concurrent.futures future, no Task for
+the core's operations, and no pool thread unless someone asked for a future.
+
+Imports only the standard library and aiocoll foundations: aiocoll.sync and aiocoll.torch sit on
+top of it and hold the argument conversions.
 
 It exists because the async core is single-threaded asyncio while torch.distributed scripts,
 DDP's autograd thread and comm-hook callbacks call from arbitrary threads. Two rules keep that
@@ -46,33 +54,121 @@ T = TypeVar("T")
 _COMPLETION_THREADS = 4
 
 
+_PENDING, _LAUNCHED, _DONE = 0, 1, 2
+
+# Guards every Outcome's lists of waiters and callbacks: held only to read or change them, never
+# while a callback runs or a thread blocks.
+_guard = threading.Lock()
+_local = threading.local()
+
+
+def _thread_waiter() -> threading.Lock:
+    """This thread's waiter: a lock held by default, released once by whoever wakes the thread.
+
+    One per thread, made once: a blocked call costs one lock release (one wake-up) and nothing
+    allocated, where a ``concurrent.futures.Future`` makes a Condition and a lock per wait.
+    """
+    try:
+        lock: threading.Lock = _local.waiter
+    except AttributeError:
+        lock = _local.waiter = threading.Lock()
+        lock.acquire()
+    return lock
+
+
 class Outcome:
     """The result of one operation issued onto the loop, readable from any thread.
 
-    A thin wrapper over ``concurrent.futures.Future`` that records whether the operation was
-    accepted by the core (``launched``): the core raises ValueError/TypeError for bad arguments
-    at call time, and callers that must raise at call time wait for that instead of completion.
+    It records whether the core accepted the call (``launched``: the core raises ValueError /
+    TypeError for bad arguments at call time, and callers that must raise at call time wait for
+    that instead of completion) and then its result or error. A thread that waits parks on its
+    own preallocated lock, which the loop thread releases when it settles the operation: one
+    wake-up, no future, no pool.
     """
 
-    __slots__ = ("_future", "_launched")
+    __slots__ = ("_error", "_inline", "_later", "_state", "_value", "_waiters")
 
     def __init__(self) -> None:
-        self._future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._launched = threading.Event()
+        self._state = _PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._waiters: list[tuple[threading.Lock, int]] | None = None
+        self._later: list[Callable[[Outcome], None]] | None = None  # run on the completion pool
+        self._inline: list[Callable[[Outcome], None]] | None = None  # run by the settling thread
 
-    # Called on the loop thread.
+    # -- settled on the loop thread ------------------------------------------------------------
     def _set_launched(self) -> None:
-        self._launched.set()
+        with _guard:
+            if self._state != _PENDING:
+                return
+            self._state = _LAUNCHED
+            waiters = self._waiters
+            if not waiters:
+                return
+            woken = [w for w in waiters if w[1] == _LAUNCHED]
+            self._waiters = [w for w in waiters if w[1] != _LAUNCHED]
+        for lock, _ in woken:
+            lock.release()
 
     def _set_result(self, value: Any) -> None:
-        if not self._future.done():
-            self._future.set_result(value)
-        self._launched.set()
+        self._settle(value, None)
 
     def _set_exception(self, exc: BaseException) -> None:
-        if not self._future.done():
-            self._future.set_exception(exc)
-        self._launched.set()
+        self._settle(None, exc)
+
+    def _settle(self, value: Any, error: BaseException | None) -> None:
+        with _guard:
+            if self._state == _DONE:
+                return
+            self._value = value
+            self._error = error
+            self._state = _DONE
+            waiters, self._waiters = self._waiters, None
+            later, self._later = self._later, None
+            inline, self._inline = self._inline, None
+        if waiters:
+            for lock, _ in waiters:
+                lock.release()
+        if inline:
+            for fn in inline:
+                fn(self)
+        if later:
+            pool = completion_pool()
+            for fn in later:
+                pool.submit(fn, self)
+
+    # -- read from any thread ------------------------------------------------------------------
+    def _block(self, target: int, timeout: float | None) -> bool:
+        """Park this thread until the state reaches ``target``; False when ``timeout`` ran out."""
+        while self._state < target:
+            lock = _thread_waiter()
+            entry = (lock, target)
+            with _guard:
+                if self._state >= target:
+                    return True
+                if self._waiters is None:
+                    self._waiters = [entry]
+                else:
+                    self._waiters.append(entry)
+            try:
+                woken = lock.acquire(True, -1 if timeout is None else max(timeout, 0.0))
+            except BaseException:  # KeyboardInterrupt while parked: leave nothing behind
+                if not self._withdraw(entry):
+                    del _local.waiter  # its wake-up is on its way: the next wait takes a new one
+                raise
+            if not woken:
+                if self._withdraw(entry):
+                    return False
+                lock.acquire()  # being released right now: take it back, so it is held again
+        return True
+
+    def _withdraw(self, entry: tuple[threading.Lock, int]) -> bool:
+        """Take ``entry`` off the waiters; False when it is already being woken."""
+        with _guard:
+            if self._waiters is not None and entry in self._waiters:
+                self._waiters.remove(entry)
+                return True
+        return False
 
     def wait_launched(self, timeout: float | None = None) -> None:
         """Block until the core accepted the call; re-raise the call-time error if it refused it.
@@ -81,35 +177,58 @@ class Outcome:
             ValueError / TypeError: the core's argument checks. DistError: when the loop thread
             did not take the call within ``timeout`` seconds.
         """
-        if not self._launched.wait(timeout):
+        if not self._block(_LAUNCHED, timeout):
             raise DistError(f"the aiocoll loop thread did not accept the call within {timeout}s")
-        if self._future.done() and not self._future.cancelled():
-            exc = self._future.exception()
-            if isinstance(exc, (ValueError, TypeError)):
-                raise exc
+        if self._state == _DONE and isinstance(self._error, (ValueError, TypeError)):
+            raise self._error
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._state == _DONE
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the operation finished (None: as long as it runs); False on timeout."""
+        return self._state == _DONE or self._block(_DONE, timeout)
 
     def result(self, timeout: float | None = None) -> Any:
         """The operation's result, blocking up to ``timeout`` seconds (None: until it completes).
 
         Raises:
-            Whatever the operation raised; concurrent.futures.TimeoutError (a TimeoutError) when
-            ``timeout`` runs out first.
+            Whatever the operation raised; TimeoutError when ``timeout`` runs out first (tell
+            the two apart with ``done()``).
         """
-        return self._future.result(timeout)
+        if self._state != _DONE and not self._block(_DONE, timeout):
+            raise TimeoutError(f"the aiocoll operation did not complete within {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._value
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
+        """The operation's error (None after success), blocking like ``result``."""
+        if self._state != _DONE and not self._block(_DONE, timeout):
+            raise TimeoutError(f"the aiocoll operation did not complete within {timeout}s")
+        return self._error
 
     def add_done_callback(self, fn: Callable[[Outcome], None]) -> None:
         """Call ``fn(self)`` once done — on the completion pool, never on the loop thread."""
-
-        def forward(_: concurrent.futures.Future[Any]) -> None:
+        if not self._register(fn, inline=False):
             completion_pool().submit(fn, self)
 
-        self._future.add_done_callback(forward)
+    def _add_inline_callback(self, fn: Callable[[Outcome], None]) -> None:
+        # For aiocoll's own bookkeeping that only settles other Outcomes: runs on the settling
+        # thread (the loop's), or here when already done.
+        if not self._register(fn, inline=True):
+            fn(self)
+
+    def _register(self, fn: Callable[[Outcome], None], *, inline: bool) -> bool:
+        """Keep ``fn`` for the settling; False when already settled (the caller runs it)."""
+        with _guard:
+            if self._state == _DONE:
+                return False
+            if inline:
+                self._inline = [*(self._inline or ()), fn]
+            else:
+                self._later = [*(self._later or ()), fn]
+            return True
 
     @classmethod
     def all_of(cls, outcomes: list[Outcome]) -> Outcome:
@@ -119,21 +238,18 @@ class Outcome:
         left = [len(outcomes)]
         lock = threading.Lock()
 
-        def one_done(_: concurrent.futures.Future[Any]) -> None:
+        def one_done(_: Outcome) -> None:
             with lock:
                 left[0] -= 1
                 if left[0]:
                     return
-            errors = [o._future.exception() for o in outcomes if o._future.exception() is not None]
-            if errors:
-                combined._set_exception(errors[0])  # type: ignore[arg-type]
-            else:
-                combined._set_result(None)
+            errors = [o._error for o in outcomes if o._error is not None]
+            combined._settle(None, errors[0] if errors else None)
 
         if not outcomes:
             combined._set_result(None)
         for outcome in outcomes:
-            outcome._future.add_done_callback(one_done)
+            outcome._add_inline_callback(one_done)
         return combined
 
 
@@ -143,29 +259,36 @@ class LoopThread:
     def __init__(self, name: str = "aiocoll-loop") -> None:
         self.loop = new_event_loop()
         self._started = threading.Event()
+        # Read on every call (cheaper than Thread.is_alive, which takes a lock): the loop
+        # thread's id, and whether its loop still runs.
+        self._ident = -1
+        self.running = False
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
         self._started.wait()
 
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
+        self._ident = threading.get_ident()
+        self.running = True
         self.loop.call_soon(self._started.set)
         try:
             self.loop.run_forever()
         finally:
+            self.running = False
             with contextlib.suppress(Exception):
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
 
     def on_loop_thread(self) -> bool:
-        return threading.current_thread() is self.thread
+        return threading.get_ident() == self._ident
 
     def _check_caller(self) -> None:
-        if self.on_loop_thread():
+        if threading.get_ident() == self._ident:
             raise RuntimeError(
                 "a blocking aiocoll call was made on the aiocoll loop thread itself (from a callback "
                 "run by the async core?); it would deadlock. Use the async API there instead."
             )
-        if not self.thread.is_alive():
+        if not self.running:
             raise DistError("the aiocoll loop thread has stopped (interpreter shutting down?)")
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -242,7 +365,10 @@ def issue_on_caller_streams(
     else it leaves completion events in the returned context for the caller's stream to wait on
     (aiocoll.torch's Work). The context is None when no device is involved.
     """
-    devices: list[Device] = [t.device for t in tensors if isinstance(t, DeviceTensor)]
+    devices: list[Device] = []
+    for t in tensors:
+        if isinstance(t, DeviceTensor):
+            devices.append(t.device)
     if "aiocoll.device._cuda" in sys.modules or any(getattr(t, "is_cuda", False) for t in tensors):
         from .device._cuda import cuda_devices_of
 
@@ -262,32 +388,33 @@ def _start_on_loop(start: Callable[[], Awaitable[Any]], outcome: Outcome) -> Non
     try:
         work = start()
     except BaseException as exc:
-        outcome._set_exception(exc)
+        outcome._settle(None, exc)
         return
-    outcome._set_launched()
     if isinstance(work, _CoreWork):
-        # The core's Work: read its outcome directly, no Task needed (cheaper per operation).
+        # The core's Work: read its outcome directly, no Task needed (cheaper per operation);
+        # one that finished inside its call (born complete) wakes the caller at once.
+        if work.is_completed():
+            _finish_core(work, outcome)
+            return
+        outcome._set_launched()
         work.add_done_callback(lambda w: _finish_core(w, outcome))
         return
+    outcome._set_launched()
     task = asyncio.ensure_future(work)
 
     def finished(task: asyncio.Future[Any]) -> None:
         if task.cancelled():
-            outcome._set_exception(DistError("the aiocoll operation was cancelled"))
-        elif task.exception() is not None:
-            outcome._set_exception(task.exception())  # type: ignore[arg-type]
+            outcome._settle(None, DistError("the aiocoll operation was cancelled"))
         else:
-            outcome._set_result(task.result())
+            exc = task.exception()
+            outcome._settle(None if exc is not None else task.result(), exc)
 
     task.add_done_callback(finished)
 
 
 def _finish_core(work: _CoreWork, outcome: Outcome) -> None:
     exc = work.exception()
-    if exc is not None:
-        outcome._set_exception(exc)
-    else:
-        outcome._set_result(work.result())
+    outcome._settle(None if exc is not None else work.result(), exc)
 
 
 _lock = threading.Lock()
@@ -298,6 +425,9 @@ _pool: concurrent.futures.ThreadPoolExecutor | None = None
 def get_loop_thread() -> LoopThread:
     """The process-wide loop thread, started on first use."""
     global _loop_thread
+    thread = _loop_thread
+    if thread is not None and thread.running:
+        return thread
     if _loop_thread is None or not _loop_thread.thread.is_alive():
         with _lock:
             if _loop_thread is None or not _loop_thread.thread.is_alive():

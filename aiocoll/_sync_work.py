@@ -109,15 +109,12 @@ class Work(OutcomeQueries):
         seconds = to_seconds(timeout)
         if seconds == 0:
             seconds = None
-        try:
-            self._outcome.result(seconds)
-        except concurrent.futures.TimeoutError:
-            if self._outcome.done():  # the operation's own TimeoutError (CollectiveTimeout)
-                raise
+        if not self._outcome.wait(seconds):
             raise TimeoutError(
                 f"{self._op} did not complete within the {seconds:.3g}s given to Work.wait(); it is "
                 f"still running (its own deadline is the group timeout)"
-            ) from None
+            )
+        self._outcome.result()  # raises the operation's own error
         return True
 
     def source_rank(self) -> int:

@@ -30,6 +30,9 @@ from .device._staging import CallerStreamContext
 
 __all__ = ["AiocollWork"]
 
+# Guards the making and the completing of every Work's torch future (short sections only).
+_futures_lock = threading.Lock()
+
 
 class _Failed:
     """Marks a failed operation inside the raw future; the chained callback raises ``error``."""
@@ -75,20 +78,23 @@ class AiocollWork(OutcomeQueries, td.Work):
         self._op = op
         self._tensors = tensors
         self._source_rank_of = source_rank
-        self._completing = threading.Lock()
+        # The torch future is made on the first get_future() (DDP's reducer and comm hooks ask for
+        # it; a plain torch.distributed call only waits): a future, its .then chain and a turn of
+        # the completion pool cost more than the rest of a small operation's call.
+        self._raw: torch.futures.Future[Any] | None = None
+        self._future: torch.futures.Future[Any] | None = None
         self._completed = False
-        self._raw: torch.futures.Future[Any] = torch.futures.Future()
-        self._future = self._raw.then(_unwrap)
-        outcome.add_done_callback(self._complete)
 
     def _complete(self, outcome: Outcome) -> None:
-        # Runs on the completion pool, or on a thread returning from wait(); set_result runs the
-        # .then chain (and DDP's or a comm hook's callbacks) inline on that thread. Whichever
-        # comes first completes the future, so value() right after wait() never sees it pending.
-        with self._completing:
-            if self._completed:
+        # Runs on the completion pool, or on a thread returning from wait() or asking for the
+        # future of a finished operation; set_result runs the .then chain (and DDP's or a comm
+        # hook's callbacks) inline on that thread. Whichever comes first completes the future,
+        # so value() right after wait() never sees it pending.
+        with _futures_lock:
+            if self._completed or self._raw is None:
                 return
             self._completed = True
+            raw = self._raw
         exc = outcome.exception()
         if exc is None and self._streams is not None:
             # On the completion pool: the future's users (DDP's reducer, comm hooks) read the
@@ -98,7 +104,7 @@ class AiocollWork(OutcomeQueries, td.Work):
                     event.wait(None)
             except DeviceError as failed:
                 exc = failed
-        self._raw.set_result(_Failed(exc) if exc is not None else self._tensors)
+        raw.set_result(_Failed(exc) if exc is not None else self._tensors)
 
     def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
         """Block until the operation completes; a timeout of 0 or None waits without limit.
@@ -114,28 +120,26 @@ class AiocollWork(OutcomeQueries, td.Work):
         seconds = to_seconds(timeout) if timeout is not None else None
         if not seconds:
             seconds = None
-        try:
-            self._outcome.result(seconds)
-        except TimeoutError:
-            if self._outcome.done():
-                raise
-            raise TimeoutError(
-                f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()"
-            ) from None
-        finally:
-            if self._outcome.done() and not self._on_device():
-                self._complete(self._outcome)
-                # Another thread may have won the race to complete it and still be inside
-                # set_result: wait until the future is marked done (that precedes its callbacks).
-                with contextlib.suppress(Exception):
-                    self._future.wait()
+        outcome = self._outcome
+        if not outcome.wait(seconds):
+            raise TimeoutError(f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()")
         if self._on_device():
             assert self._streams is not None
             # CUDA tensors: the network part was waited for on the host; the caller's current
             # stream waits for the copies back (as torch's collectives do), not the host. The
             # future completes on the completion pool once they were reached.
+            outcome.result()  # raises the operation's own error
             for device, event in self._streams.completion:
                 device.current_stream().wait_event(event)
+            return True
+        if self._raw is not None:
+            self._complete(outcome)
+            # Another thread may have won the race to complete it and still be inside
+            # set_result: wait until the future is marked done (that precedes its callbacks).
+            assert self._future is not None
+            with contextlib.suppress(Exception):
+                self._future.wait()
+        outcome.result()  # raises the operation's own error
         return True
 
     def _on_device(self) -> bool:
@@ -154,7 +158,17 @@ class AiocollWork(OutcomeQueries, td.Work):
 
     def get_future(self) -> torch.futures.Future[Any]:
         """A torch Future whose value is the list of output tensors (or that fails with the error)."""
-        return self._future
+        with _futures_lock:
+            future = self._future
+            if future is not None:
+                return future
+            self._raw = torch.futures.Future()
+            future = self._future = self._raw.then(_unwrap)
+        if self._outcome.done() and not self._on_device():
+            self._complete(self._outcome)  # finished: complete it here, so value() works at once
+        else:
+            self._outcome.add_done_callback(self._complete)
+        return future
 
     def _source_rank(self) -> int:
         return self._sender("_source_rank")

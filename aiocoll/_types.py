@@ -6,6 +6,7 @@ it without numpy-heavy code paths.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 __all__ = ["BITWISE_OPS", "ReduceOp"]
@@ -32,11 +33,20 @@ class ReduceOp(enum.Enum):
         """
         if isinstance(op, ReduceOp):
             return op
+        try:
+            known = _COERCED.get((type(op), op))  # (by type too: torch's SUM equals 0)
+        except TypeError:  # unhashable: parsed below each time
+            known = None
+        if known is not None:
+            return known
         name = getattr(op, "name", None)  # torch's ReduceOp / RedOpType expose .name
         text = name if isinstance(name, str) else str(op)
         text = text.rsplit(".", 1)[-1].strip()
         for member in cls:
             if text.upper() == member.name or text.lower() == member.value:
+                if len(_COERCED) < 64:
+                    with contextlib.suppress(TypeError):
+                        _COERCED[type(op), op] = member
                 return member
         if text.upper() == "PREMUL_SUM":
             raise ValueError("ReduceOp.PREMUL_SUM is not supported by aiocoll; scale the tensor and use SUM")
@@ -45,5 +55,9 @@ class ReduceOp(enum.Enum):
     def __repr__(self) -> str:
         return f"ReduceOp.{self.name}"
 
+
+# What coerce found for the spellings met so far (torch's RedOpType members, names): a torch
+# training loop passes the same one at every call, and parsing it costs a few microseconds.
+_COERCED: dict[tuple[type, object], ReduceOp] = {}
 
 BITWISE_OPS = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})

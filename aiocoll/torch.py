@@ -80,17 +80,20 @@ def _root(opts: Any) -> int:
 
 
 def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    # (its device is checked once, by _launch, with every other tensor of the call)
     if len(tensors) != 1:
         raise ValueError(
             f"aiocoll {op}: expected a list of exactly one tensor per process, got {len(tensors)}"
         )
-    _check_devices(op, tensors)
     return tensors[0]
 
 
 def _check_devices(op: str, tensors: Sequence[Any]) -> None:
     for t in tensors:
-        _check_device(op, getattr(t, "device", None))
+        device = getattr(t, "device", None)
+        # a tensor's device is a torch.device already; anything else (a string) is parsed
+        if device is not None and getattr(device, "type", None) not in DEVICES:
+            _check_device(op, device)
 
 
 def _check_device(op: str, device: Any) -> None:
@@ -286,6 +289,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         """Gather every member's tensor into each output list."""
         outs = list(_one(output_tensors, "allgather"))  # type: ignore[arg-type]
         t = _one(input_tensors, "allgather")
+        _check_devices("allgather", input_tensors)  # (_launch checks the outputs)
         return self._launch("allgather", lambda: self._core.all_gather(outs, t), outs)
 
     def allgather_coalesced(
@@ -366,6 +370,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         """Gather every member's tensor onto ``opts.rootRank``."""
         root = _root(opts)
         t = _one(input_tensors, "gather")
+        _check_devices("gather", input_tensors)  # (_launch checks the outputs)
         outs = list(output_tensors[0]) if len(output_tensors) > 0 else None
         return self._launch("gather", lambda: self._core.gather(t, outs, dst=root), outs or [])
 

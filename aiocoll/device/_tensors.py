@@ -96,6 +96,9 @@ def dtype_name(obj: Any) -> str:
             return known
         name = obj.dtype.name
     elif is_torch_tensor(obj):
+        known = _TORCH_NAMES.get(obj.dtype)
+        if known is not None:
+            return known
         name = str(obj.dtype).removeprefix("torch.")
     elif isinstance(obj, DeviceTensor):
         name = obj.dtype_name
@@ -107,12 +110,16 @@ def dtype_name(obj: Any) -> str:
         )
     if isinstance(obj, np.ndarray):
         _NUMPY_NAMES[obj.dtype] = name
+    elif is_torch_tensor(obj):
+        _TORCH_NAMES[obj.dtype] = name
     return name
 
 
-# Supported numpy dtypes seen so far -> name: numpy computes ``dtype.name`` in Python, which
-# costs more than the rest of a small collective's bookkeeping. At most one entry per dtype.
+# Supported numpy (torch) dtypes seen so far -> name: numpy computes ``dtype.name`` in Python
+# (torch formats its dtype as a string), which costs more than the rest of a small collective's
+# bookkeeping. At most one entry per dtype.
 _NUMPY_NAMES: dict[np.dtype[Any], str] = {}
+_TORCH_NAMES: dict[Any, str] = {}
 
 
 def numel(obj: Any) -> int:
@@ -176,7 +183,18 @@ def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
 def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
     import torch  # already imported by whoever made the tensor; this binds the name only
 
-    name = dtype_name(tensor)
+    name = _TORCH_NAMES.get(tensor.dtype) or dtype_name(tensor)
+    if (
+        tensor.is_cpu
+        and tensor.layout is torch.strided
+        and tensor.is_contiguous()
+        and not tensor.is_conj()
+        and not tensor.is_neg()
+    ):
+        # The common case (a dense CPU tensor): its memory as numpy, with the fewest torch calls
+        # (each costs a dispatch: detach and view cost more than the rest of a small operation).
+        source = tensor.detach() if tensor.requires_grad else tensor
+        return Working(_torch_flat_to_numpy(source, name).reshape(-1), name, tuple(tensor.shape))
     shape = tuple(tensor.shape)
     if tensor.layout != torch.strided:
         raise TypeError(

@@ -1,0 +1,146 @@
+"""What a 4-byte all_reduce costs per call through torch.distributed: an empty Python backend (a
+ProcessGroup subclass whose every call completes at once), gloo, and aiocoll's backend "aiocoll",
+beside aiocoll.sync and the async API on the same ranks. A developer's tool that separates what
+torch's dispatch to a Python backend costs (the empty backend) from what is aiocoll's;
+docs/PERFORMANCE.md quotes it.
+
+Run it under the launcher (under the bench lock on a shared machine):
+
+    aiocoll run --nproc-per-node 1 scripts/backend_overhead.py    # per-call cost, no peer
+    aiocoll run --nproc-per-node 2 scripts/backend_overhead.py --iters 2000 --rounds 5
+    aiocoll run --nproc-per-node 2 scripts/backend_overhead.py --profile aiocoll   # cProfile, rank 0
+
+aiocoll.sync.init_process_group makes torch's default group on "aiocoll" over its own world (the
+torch path measured here is that group); gloo and the empty backend are torch new_groups. The
+paths run in interleaved rounds; rank 0 prints, per path, the median over rounds of the wall
+time per call and the CPU time per call (this process, every thread), and the ratios to the
+async API's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as td
+
+import aiocoll.sync as dist
+from aiocoll._sync_loop import get_loop_thread
+
+
+class _DoneWork(td.Work):
+    """A Work that completed at its creation (what the least a Python backend returns costs)."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._tensors = tensors
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        future: torch.futures.Future[Any] = torch.futures.Future()
+        future.set_result(self._tensors)
+        return future
+
+
+class EmptyBackend(td.ProcessGroup):
+    """Completes every all_reduce and barrier at once, moving nothing."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+        super().__init__(rank, size)
+
+    def getBackendName(self) -> str:
+        return "empty"
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> td.Work:
+        return _DoneWork(tensors)
+
+    def barrier(self, opts: Any = None) -> td.Work:
+        return _DoneWork([])
+
+
+def _timed(call: Callable[[], Any], iters: int) -> tuple[float, float]:
+    """(wall µs, CPU µs of the whole process) per call over ``iters`` calls."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - wall) * 1e6 / iters, (time.process_time() - cpu) * 1e6 / iters
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=1000, help="calls per path per round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are kept")
+    parser.add_argument(
+        "--profile", choices=["empty", "gloo", "aiocoll", "sync"], help="cProfile this path on rank 0"
+    )
+    args = parser.parse_args()
+
+    td.Backend.register_backend("empty", EmptyBackend, devices=["cpu"])
+    dist.init_process_group("gloo")  # aiocoll; torch's default group runs on "aiocoll" over it
+    rank = dist.get_rank()
+    gloo = td.new_group(backend="gloo")
+    empty = td.new_group(backend="empty")
+    core = dist.group.WORLD.core  # type: ignore[union-attr]
+    loop = get_loop_thread()
+    t = torch.zeros(1, dtype=torch.float32)
+
+    async def async_round(iters: int) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        for _ in range(iters):
+            await core.all_reduce(t)
+        return (time.perf_counter() - wall) * 1e6 / iters, (time.process_time() - cpu) * 1e6 / iters
+
+    paths: dict[str, Callable[[int], tuple[float, float]]] = {
+        "empty": lambda n: _timed(lambda: td.all_reduce(t, group=empty), n),
+        "gloo": lambda n: _timed(lambda: td.all_reduce(t, group=gloo), n),
+        "aiocoll": lambda n: _timed(lambda: td.all_reduce(t), n),
+        "sync": lambda n: _timed(lambda: dist.all_reduce(t), n),
+        # the whole round runs on the loop thread: what the async API costs a coroutine
+        "async": lambda n: loop.run(async_round(n)),
+    }
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in paths}
+    for run in paths.values():  # warm up every path
+        td.barrier(group=gloo)
+        run(max(1, args.iters // 10))
+    for r in range(args.rounds):
+        order = list(paths) if r % 2 == 0 else list(paths)[::-1]
+        for name in order:
+            td.barrier(group=gloo)
+            results[name].append(paths[name](args.iters))
+    if args.profile and rank == 0:
+        td.barrier(group=gloo)
+        profiler, on_loop = cProfile.Profile(), cProfile.Profile()
+        loop.call(on_loop.enable)  # the loop thread's part, profiled apart
+        profiler.enable()
+        paths[args.profile](args.iters)
+        profiler.disable()
+        loop.call(on_loop.disable)
+        print("## the calling thread")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        print("## the loop thread")
+        pstats.Stats(on_loop).sort_stats("tottime").print_stats(30)
+    elif args.profile:
+        td.barrier(group=gloo)
+        paths[args.profile](args.iters)
+    if rank == 0:
+        base = statistics.median(w for w, _ in results["async"])
+        print(f"# 4-byte all_reduce, {dist.get_world_size()} rank(s), {args.rounds} rounds of {args.iters}")
+        print(f"{'path':>8} {'wall us/call':>13} {'cpu us/call':>12} {'wall/async':>11}")
+        for name, rows in results.items():
+            wall = statistics.median(w for w, _ in rows)
+            cpu = statistics.median(c for _, c in rows)
+            print(f"{name:>8} {wall:13.1f} {cpu:12.1f} {wall / base:11.2f}")
+    td.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
