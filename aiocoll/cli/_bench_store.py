@@ -1,7 +1,8 @@
 """`aiocoll bench --op store`: the coordinator's key-value store against torch's TCPStore.
 
 Store throughput: C client processes per implementation (each holding one connection) run
-``--store-ops`` sequential set, get or add operations from a common start instant; throughput is
+``--store-ops`` sequential operations of one kind (set, get, add, check, wait, multi_get of two
+keys, compare_set) from a common start instant; throughput is
 the total number of operations over the time from that instant until the last client finished.
 Implementations alternate which goes first, round after round, so slow drift in the machine's
 load falls on both; the median round is reported.
@@ -41,7 +42,7 @@ from ._bench_servers import quiet_logs, start_coordinator, start_tcpstore
 
 __all__ = ["StoreBenchError", "need_torch", "run_store"]
 
-STORE_OPS = ("set", "get", "add")
+STORE_OPS = ("set", "get", "add", "check", "wait", "multi_get", "compare_set")
 _KEYS_PER_CLIENT = 64
 
 
@@ -103,9 +104,21 @@ def _aiocoll_store_client(
             elif op == "get":
                 for i in range(count):
                     await store.get(keys[i % _KEYS_PER_CLIENT])
-            else:
+            elif op == "add":
                 for _ in range(count):
                     await store.add(counter, 1)
+            elif op == "check":
+                for i in range(count):
+                    await store.check([keys[i % _KEYS_PER_CLIENT]])
+            elif op == "wait":
+                for i in range(count):
+                    await store.wait([keys[i % _KEYS_PER_CLIENT]])
+            elif op == "multi_get":
+                for i in range(count):
+                    await store.multi_get([keys[i % _KEYS_PER_CLIENT], keys[(i + 1) % _KEYS_PER_CLIENT]])
+            else:
+                for i in range(count):
+                    await store.compare_set(keys[i % _KEYS_PER_CLIENT], value, value)
             conn.send((begin, time.monotonic()))
         await store.aclose()
 
@@ -177,9 +190,21 @@ def _tcpstore_client(
             elif op == "get":
                 for i in range(count):
                     store.get(keys[i % _KEYS_PER_CLIENT])
-            else:
+            elif op == "add":
                 for _ in range(count):
                     store.add(counter, 1)
+            elif op == "check":
+                for i in range(count):
+                    store.check([keys[i % _KEYS_PER_CLIENT]])
+            elif op == "wait":
+                for i in range(count):
+                    store.wait([keys[i % _KEYS_PER_CLIENT]])
+            elif op == "multi_get":
+                for i in range(count):
+                    store.multi_get([keys[i % _KEYS_PER_CLIENT], keys[(i + 1) % _KEYS_PER_CLIENT]])
+            else:
+                for i in range(count):
+                    store.compare_set(keys[i % _KEYS_PER_CLIENT], value, value)
             conn.send((begin, time.monotonic()))
     except BaseException as exc:
         with contextlib.suppress(OSError):

@@ -256,7 +256,8 @@ def test_bench_store_measures_async_and_sync_clients_and_records_the_mode(tmp_pa
         )
         assert result.returncode == 0, result.stderr[-3000:]
         rows = _table_rows(result.stdout)
-        assert [row[:2] for row in rows] == [["1", "set"], ["1", "get"], ["1", "add"]]
+        ops = ["set", "get", "add", "check", "wait", "multi_get", "compare_set"]
+        assert [row[:2] for row in rows] == [["1", op] for op in ops]
         assert all(float(row[2]) > 0 and float(row[3]) > 0 for row in rows), "async and sync clients"
         data = json.loads(json_path.read_text())
         assert data["meta"]["pipeline_sets"] is not acked and data["meta"]["state_dir"] is acked
@@ -265,4 +266,4 @@ def test_bench_store_measures_async_and_sync_clients_and_records_the_mode(tmp_pa
             assert "runs with --state-dir" in result.stdout
         else:
             assert "sets are not answered" in result.stdout
-    assert [r["op"] for r in data["results"]] == ["set", "get", "add"]
+    assert [r["op"] for r in data["results"]] == ops
