@@ -8,13 +8,17 @@ is busy for longer than the heartbeat timeout (a long CPU step on the loop threa
 must stay a member; a frozen (SIGSTOP) or dead process falls silent on both of its connections and
 is still declared lost within the timeout. The thread authenticates with the job's token like any
 connection (hello role ROLE_BEAT, with the member's session id, covered by the proofs), and may
-only send ``hb`` and ``progress``. The CPython thread switch interval (5 ms) lets it run while the
-loop thread computes in Python; C code that holds the GIL for seconds would starve it too.
+only send ``hb``, ``progress`` and ``stack``: when the coordinator pushes EV_STACK (`aiocoll
+status --stacks`, the web page), it answers with this process's Python stack
+(client/_stacks.py) at once, between two looks at the report, whatever the event loop does.
+The CPython thread switch interval (5 ms) lets it run while the loop thread computes in
+Python; C code that holds the GIL for seconds would starve it too.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import threading
 import time
@@ -23,9 +27,10 @@ from typing import Any
 
 from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll.protocol import ClientHandshake, FrameDecoder, encode_frame
-from aiocoll.protocol._coordinator import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ROLE_BEAT
+from aiocoll.protocol._coordinator import EV_STACK, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ROLE_BEAT
 
 from ._blocking import connect_blocking
+from ._stacks import current_stack
 
 __all__ = ["BeatThread"]
 
@@ -61,6 +66,7 @@ class BeatThread:
         report: Report,
         interval: float = HEARTBEAT_INTERVAL,
         check_every: float = 0.5,
+        stack: Callable[[], list[dict[str, Any]]] = current_stack,
     ) -> None:
         self._address = (host, port)
         self._token = token
@@ -68,6 +74,8 @@ class BeatThread:
         self._session = session
         self._rank = rank
         self._report = report
+        self._stack = stack
+        self._asked: list[Any] = []  # stack requests pushed by the coordinator, not yet answered
         self._interval = interval
         self._check_every = min(check_every, interval)
         self._stopping = threading.Event()
@@ -126,7 +134,16 @@ class BeatThread:
     def _beat(self, sock: socket.socket, decoder: FrameDecoder) -> None:
         last_beat = 0.0
         want = False
-        while not self._stopping.wait(self._check_every if last_beat and not want else 0.0):
+        while not self._stopping.is_set():
+            wait = self._check_every if last_beat and not want and not self._asked else 0.0
+            # Sleep until the next look, or until the coordinator pushes a stack request.
+            if wait > 0 and select.select([sock], [], [], wait)[0]:
+                self._take_events(sock, decoder)
+            if self._stopping.is_set():
+                return
+            while self._asked:  # answered without waiting for the reply (read and dropped later)
+                query = self._asked.pop(0)
+                self._send(sock, {"op": "stack", "q": query, "frames": self._stack()})
             report = self._report(want)
             now = time.monotonic()
             if report is not None:
@@ -142,10 +159,14 @@ class BeatThread:
             last_beat = now
             self.beats += 1
 
-    def _request(self, sock: socket.socket, decoder: FrameDecoder, header: dict[str, Any]) -> dict[str, Any]:
+    def _send(self, sock: socket.socket, header: dict[str, Any]) -> int:
         self._next_id += 1
         req_id = header["id"] = self._next_id
         sock.sendall(b"".join(bytes(p) for p in encode_frame(header)))
+        return req_id
+
+    def _request(self, sock: socket.socket, decoder: FrameDecoder, header: dict[str, Any]) -> dict[str, Any]:
+        req_id = self._send(sock, header)
         while True:
             data = sock.recv(65536)
             if not data:
@@ -153,3 +174,16 @@ class BeatThread:
             for frame in decoder.feed(data):
                 if frame.header.get("id") == req_id:
                     return frame.header
+                self._on_event(frame.header)
+
+    def _take_events(self, sock: socket.socket, decoder: FrameDecoder) -> None:
+        """Read what the coordinator pushed (the socket is readable: this does not block)."""
+        data = sock.recv(65536)
+        if not data:
+            raise ConnectionResetError("the coordinator closed the beat connection")
+        for frame in decoder.feed(data):
+            self._on_event(frame.header)
+
+    def _on_event(self, header: dict[str, Any]) -> None:
+        if header.get("ev") == EV_STACK and len(self._asked) < 16:
+            self._asked.append(header.get("q"))

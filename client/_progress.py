@@ -1,7 +1,7 @@
 """What this rank is doing, for the coordinator's progress view, and a record of its last operations.
 
-May import foundations only (aiocoll._errors, aiocoll.protocol), client/_timeline and
-client/_recorder; never the
+May import foundations only (aiocoll._errors, aiocoll.protocol), client/_timeline,
+client/_recorder and client/_stacks; never the
 engine (the engine owns a tracker and hands it its groups) nor the public surface.
 
 Two consumers, two costs:
@@ -38,7 +38,7 @@ from aiocoll._env import env_int, env_seconds, env_text
 from aiocoll._errors import group_name
 from aiocoll._signature import REPORTED, describe
 
-from . import _recorder
+from . import _recorder, _stacks
 from ._timeline import Timeline, timeline_for_process
 
 __all__ = ["DEFAULT_PROGRESS_AFTER", "HISTORY", "LOOP_STAMP_EVERY", "ProgressTracker", "signature"]
@@ -131,6 +131,7 @@ class ProgressTracker:
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         """Stamp ``loop_stamp`` every LOOP_STAMP_EVERY seconds while the loop runs."""
         self._loop = loop
+        _stacks.watch_loop(loop)
         if self.dump_dir is not None:
             _recorder.register(self)
 

@@ -655,4 +655,5 @@ class Coordinator:
             }
             return *_json(401, body), {"WWW-Authenticate": 'Bearer realm="aiocoll coordinator"'}
         payload = {"jobs": self.state.status(), "time": round(time.time(), 3), "token": not access.open}
+        self._after_batch()  # the view asks the ranks holding a job back for their stacks
         return 200, "application/json", json.dumps(payload, indent=1).encode()

@@ -63,12 +63,12 @@ Send = tuple[int, "dict[str, Any] | list[Any] | EncodedHeader", "bytes | bytearr
 Record = list[Any]
 
 # What each role may ask: admin connections (`aiocoll status`) only read.
-READ_OPS = frozenset({"get", "wait", "check", "nkeys", "mget", "hb", "status", "table", "sync"})
+READ_OPS = frozenset({"get", "wait", "check", "nkeys", "mget", "hb", "status", "table", "sync", "stacks"})
 ROLE_OPS: dict[str, frozenset[str]] = {
     ROLE_WORKER: OPS,
     ROLE_STORE: OPS - {"join", "leave"},
     ROLE_ADMIN: READ_OPS,
-    ROLE_BEAT: frozenset({"hb", "progress"}),
+    ROLE_BEAT: frozenset({"hb", "progress", "stack"}),
 }
 
 

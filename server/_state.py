@@ -58,6 +58,7 @@ from ._model import (
 from ._progress_part import Progress
 from ._quorum import Quorum
 from ._rendezvous import Rendezvous
+from ._stacks import Stacks
 
 __all__ = [
     "CLIENT_SWEEP_INTERVAL",
@@ -127,6 +128,7 @@ class CoordinatorState(Effects):
         )
         self.dedupe = Dedupe(self, client_ttl=job_ttl if client_ttl is None else client_ttl)
         self.progress = Progress(self)
+        self.stacks = Stacks(self, self.jobs)
         self.quorum = Quorum(self, self.kv, heartbeat_timeout=lambda: self.liveness.heartbeat_timeout)
         # The command tables: every operation to the part that answers it; store operations by
         # their compact code, the others by name.
@@ -136,6 +138,7 @@ class CoordinatorState(Effects):
             **self.liveness.handlers(),
             **self.progress.handlers(),
             **self.quorum.handlers(),
+            **self.stacks.handlers(),
             "status": self._op_status,
         }
         names = set(self._handlers) | {name for name, _ in self._store.values()}
@@ -384,6 +387,7 @@ class CoordinatorState(Effects):
 
     def drop_job(self, job: Job) -> None:
         del self.jobs[job.name]
+        self.stacks.forget_job(job.name)
         self.membership.forget_job(job)
         if self.durable:
             self.journal.append(["drop", job.name])
@@ -407,9 +411,11 @@ class CoordinatorState(Effects):
     def status(self, job: str | None = None) -> list[dict[str, Any]]:
         """What the ``status`` op, /jobs and `aiocoll status` show: one entry per job (see
         _views.status)."""
-        return _views.status(
+        views = _views.status(
             self.jobs, self.membership, self.progress, self.events, self.clock(), self.wall_clock(), job
         )
+        self.stacks.annotate(views)  # the stacks of the ranks holding a job back
+        return views
 
     def member_count(self) -> int:
         return len(self.membership.live)

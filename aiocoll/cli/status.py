@@ -130,6 +130,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="show the status again every SECONDS (default 2) until Ctrl-C",
     )
     parser.add_argument(
+        "--stacks",
+        action="store_true",
+        help="also show each rank's Python stack as it is now (the user's frames first, file:line "
+        "and function), fetched from the rank even while its event loop is blocked; a rank that "
+        "does not answer within 1 s is named. --json gives each member a 'stack' list",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=10.0,
@@ -150,7 +157,7 @@ def _read_token(token_file: str | None) -> str | None:
 
 
 async def query_status(
-    host: str, port: int, *, token: str | None, job: str | None, timeout: float
+    host: str, port: int, *, token: str | None, job: str | None, timeout: float, stacks: bool = False
 ) -> list[dict[str, Any]]:
     """Ask the coordinator at ``host:port`` for its jobs (one job when ``job`` is given).
 
@@ -158,6 +165,8 @@ async def query_status(
         host: coordinator address (an IP literal or a name); port: its port.
         token: shared secret (None: the empty secret); job: a job id, or None for every job.
         timeout: seconds for the whole exchange.
+        stacks: also ask every member for its Python stack now (``stack`` of each member; a rank
+            that does not answer within the coordinator's limit gets ``stack_note`` instead).
 
     Returns:
         The ``jobs`` list of the coordinator's status reply.
@@ -213,27 +222,40 @@ async def query_status(
                 stream.write(reply)
 
         decoder = FrameDecoder(max_header=_MAX_REPLY_HEADER, max_payload=_MAX_REPLY_HEADER)
-        stream.writelines(encode_frame({"op": "status", "id": 1, "job": job}))
-        while True:
-            data = await asyncio.wait_for(reader.read(256 * 1024), remaining())
-            if not data:
-                raise StatusError(f"the coordinator at {where} closed the connection before answering")
-            for frame in decoder.feed(data):
-                header = frame.header
-                if header.get("id") != 1:
-                    continue  # an unsolicited event; not for an admin view
-                if not header.get("ok"):
-                    reason = str(header.get("msg") or header.get("err") or "no reason given")
-                    if job is not None and "no such job" in reason:
-                        raise StatusError(
-                            f"the coordinator at {where} answers: {reason.removeprefix('status: ')}; "
-                            "check --job, or leave it out to list every job"
-                        )
-                    raise StatusError(f"the coordinator at {where} refused the status request: {reason}")
-                jobs = header.get("jobs")
-                if not isinstance(jobs, list):
-                    raise StatusError(f"the coordinator at {where} sent a status reply without a job list")
-                return jobs
+
+        async def ask(request: dict[str, Any]) -> dict[str, Any]:
+            stream.writelines(encode_frame(request))
+            while True:
+                data = await asyncio.wait_for(reader.read(256 * 1024), remaining())
+                if not data:
+                    raise StatusError(f"the coordinator at {where} closed the connection before answering")
+                for frame in decoder.feed(data):
+                    if frame.header.get("id") == request["id"]:
+                        return frame.header  # (anything else is an unsolicited event)
+
+        header = await ask({"op": "status", "id": 1, "job": job})
+        if not header.get("ok"):
+            reason = str(header.get("msg") or header.get("err") or "no reason given")
+            if job is not None and "no such job" in reason:
+                raise StatusError(
+                    f"the coordinator at {where} answers: {reason.removeprefix('status: ')}; "
+                    "check --job, or leave it out to list every job"
+                )
+            raise StatusError(f"the coordinator at {where} refused the status request: {reason}")
+        jobs = header.get("jobs")
+        if not isinstance(jobs, list):
+            raise StatusError(f"the coordinator at {where} sent a status reply without a job list")
+        for number, entry in enumerate(jobs if stacks else [], 2):
+            members = entry.get("members") or []
+            if not members:
+                continue
+            ranks = [m.get("rank") for m in members]
+            answer = await ask({"op": "stacks", "id": number, "job": entry.get("job"), "ranks": ranks})
+            if not answer.get("ok"):
+                reason = str(answer.get("msg") or answer.get("err") or "no reason given")
+                raise StatusError(f"the coordinator at {where} refused the stacks request: {reason}")
+            _add_stacks(members, answer)
+        return jobs
     except asyncio.TimeoutError:
         raise StatusError(
             f"the coordinator at {where} did not answer within {timeout:g}s; "
@@ -251,6 +273,46 @@ async def query_status(
     finally:
         if writer is not None:
             writer.close()
+
+
+def _add_stacks(members: list[dict[str, Any]], reply: dict[str, Any]) -> None:
+    """Each member's ``stack`` from a ``stacks`` reply; ``stack_note`` for one that was silent."""
+    got = reply.get("stacks") or {}
+    missing = set(reply.get("missing") or [])
+    wait = reply.get("wait", 1.0)
+    for member in members:
+        frames = got.get(str(member.get("rank")))
+        if isinstance(frames, list):
+            member["stack"] = frames
+            member["stack_age"] = 0.0
+        elif member.get("rank") in missing:
+            member["stack"] = []
+            member.pop("stack_age", None)
+            member["stack_note"] = (
+                f"did not answer within {wait:g} s"
+                if member.get("alive")
+                else f"not asked: it is {member.get('state') or 'gone'}"
+            )
+
+
+def _stack_lines(members: list[dict[str, Any]]) -> list[str]:
+    """Each rank's Python stack (the user's frames first, innermost first), when the view has it."""
+    shown = [m for m in members if "stack" in m or "stack_note" in m]
+    if not shown:
+        return []
+    lines = ["", "  STACKS (the user's frames first, innermost first)"]
+    for member in sorted(shown, key=lambda m: (m.get("rank") is None, m.get("rank") or 0)):
+        note = member.get("stack_note")
+        if note:
+            lines.append(f"  rank {_cell(member.get('rank'))}: {note}")
+            continue
+        age = member.get("stack_age")
+        when = f" ({age:.1f}s ago)" if isinstance(age, (int, float)) and age >= 0.5 else ""
+        frames = member.get("stack") or []
+        lines.append(f"  rank {_cell(member.get('rank'))}{when}:" + ("" if frames else " (no frames)"))
+        for frame in frames:
+            lines.append(f"    {frame.get('file')}:{frame.get('line')} in {frame.get('function')}")
+    return lines
 
 
 def _age(last_seen: object, now: float) -> str:
@@ -340,6 +402,7 @@ def format_table(jobs: list[dict[str, Any]], *, now: float | None = None) -> str
                 f"{total} alive); listed first are those not alive, holding the job back or reporting"
             )
         lines.extend(_progress_lines(job, members, now))
+        lines.extend(_stack_lines(members))
     return "\n".join(lines)
 
 
@@ -436,7 +499,7 @@ async def _watch(
                 print(f"aiocoll status {host}:{port}  {stamp}  (every {watch:g}s; Ctrl-C stops)", file=out)
                 out.flush()
             query = asyncio.ensure_future(
-                query_status(host, port, token=token, job=args.job, timeout=args.timeout)
+                query_status(host, port, token=token, job=args.job, timeout=args.timeout, stacks=args.stacks)
             )
             await asyncio.wait({query, stopped}, return_when=asyncio.FIRST_COMPLETED)
             if stop.is_set():
@@ -464,7 +527,9 @@ def _show_once(
     import asyncio
 
     try:
-        jobs = asyncio.run(query_status(host, port, token=token, job=args.job, timeout=args.timeout))
+        jobs = asyncio.run(
+            query_status(host, port, token=token, job=args.job, timeout=args.timeout, stacks=args.stacks)
+        )
     except StatusError as exc:
         print(f"aiocoll status: {exc}", file=err)
         return 1

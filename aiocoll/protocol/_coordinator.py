@@ -136,6 +136,7 @@ __all__ = [
     "EV_MISMATCH",
     "EV_BEHIND",
     "EV_REFUSED",
+    "EV_STACK",
     "HEARTBEAT_INTERVAL",
     "HEARTBEAT_TIMEOUT",
     "LOST_RANKS_PER_EVENT",
@@ -162,7 +163,7 @@ ROLE_BEAT = "beat"  # a joined worker's second connection: heartbeats and progre
 STORE_OPS = frozenset(
     {"set", "get", "add", "cas", "wait", "check", "del", "nkeys", "mget", "mset", "append", "sync"}
 )
-CONTROL_OPS = frozenset({"join", "hb", "leave", "status", "table", "progress", "quorum"})
+CONTROL_OPS = frozenset({"join", "hb", "leave", "status", "table", "progress", "quorum", "stacks", "stack"})
 OPS = STORE_OPS | CONTROL_OPS
 
 ERR_TIMEOUT = "timeout"  # a waiting get/wait/mget ran out; "keys" names the missing keys
@@ -181,6 +182,8 @@ EV_SESSION_LOST = "session_lost"
 EV_MISMATCH = "mismatch"
 EV_BEHIND = "behind"
 EV_REFUSED = "refused"
+# Pushed on a member's beat connection: answer with ``stack`` (its Python stack now) naming "q".
+EV_STACK = "stack"
 
 HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TIMEOUT = 10.0

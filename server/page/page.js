@@ -286,19 +286,39 @@
         }
         return line;
       });
+      const opCell = el("td", { class: "op" }, waitsIn);
+      if (holds && member.stack) { // where in the user's code the rank holding the job back is now
+        opCell.append(renderStack(member));
+      }
       return el("tr", { "data-rank": member.rank, "data-state": state, "data-held": holds ? "true" : "false",
         class: holds ? "held" : null }, [
         rankCell,
         el("td", { class: "host", title: member.host || "" }, member.hostname || member.host || "\u2013"),
         stateCell,
         el("td", { class: "num" }, age(member.last_seen) + " ago"),
-        el("td", { class: "op" }, waitsIn),
+        opCell,
         el("td", {}, progress.length ? lines((e) => e.state) : "\u2013"),
         el("td", { class: "num" }, progress.length ? lines((e) => age(e.age)) : "\u2013"),
         el("td", {}, progress.length ? waitingFor : "\u2013"),
       ]);
     });
     return el("table", { class: "members" }, [el("thead", {}, head), el("tbody", {}, rows)]);
+  }
+
+  function renderStack(member) {
+    const frames = member.stack || [];
+    const when = member.stack_age >= 0.5 ? " (" + age(member.stack_age) + " ago)" : "";
+    const box = el("details", { class: "stack", open: "" },
+      el("summary", {}, "its Python stack now" + when + ", the user's frames first"));
+    const list = el("ol", {});
+    frames.slice(0, 12).forEach((f) => {
+      list.append(el("li", {}, [el("code", {}, f.file + ":" + f.line), " in " + f.function]));
+    });
+    if (!frames.length) {
+      list.append(el("li", {}, "no frames"));
+    }
+    box.append(list);
+    return box;
   }
 
   function renderEvents(events, now) {

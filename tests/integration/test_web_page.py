@@ -143,8 +143,11 @@ class DevTools:
     async def screenshot(self, path: Path) -> None:
         height = await self.evaluate("document.documentElement.scrollHeight")
         await self.call(
-            "Emulation.setDeviceMetricsOverride", width=1180, height=max(400, int(height)),
-            deviceScaleFactor=1, mobile=False,
+            "Emulation.setDeviceMetricsOverride",
+            width=1180,
+            height=max(400, int(height)),
+            deviceScaleFactor=1,
+            mobile=False,
         )
         shot = await self.call("Page.captureScreenshot", format="png")
         await asyncio.to_thread(path.write_bytes, base64.b64decode(shot["data"]))
@@ -159,8 +162,13 @@ async def browser(tmp_path: Path) -> AsyncIterator[DevTools]:
     assert CHROMIUM is not None
     profile = tmp_path / "profile"
     proc = await asyncio.create_subprocess_exec(
-        CHROMIUM, *_FLAGS, "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        CHROMIUM,
+        *_FLAGS,
+        "--remote-debugging-port=0",
+        f"--user-data-dir={profile}",
+        "about:blank",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
     )
     tools: DevTools | None = None
     try:
@@ -209,7 +217,7 @@ async def healthy_then_stuck(pg: Any, flag: str) -> dict[str, Any]:
         await pg.all_reduce(x)
         await asyncio.sleep(0.1)
     if pg.rank == 2:
-        await asyncio.sleep(300)  # alive, its loop running, elsewhere: the others wait for it
+        await asyncio.sleep(300)  # alive, its loop running, elsewhere: the others wait for it  # SLEEPS
         return {}
     try:
         await pg.all_reduce(x, timeout=120)
@@ -217,6 +225,8 @@ async def healthy_then_stuck(pg: Any, flag: str) -> dict[str, Any]:
         return {"error": type(exc).__name__}
     return {"error": None}
 
+
+_SLEEPS = next(n for n, t in enumerate(Path(__file__).read_text().splitlines(), 1) if t.endswith("# SLEEPS"))
 
 _ROW = """(() => {{
   const row = document.querySelector('section[data-job="{job}"] tr[data-rank="{rank}"]');
@@ -238,8 +248,12 @@ async def test_the_page_shows_the_rank_holding_a_job_back_then_lost_live(
     flag = tmp_path / "stuck-now"
     async with Coordinator("127.0.0.1", 0, token=TOKEN, http_port=0) as coord:
         world = World(
-            healthy_then_stuck, 3, args=(str(flag),), init_method=f"tcp://127.0.0.1:{coord.port}",
-            token=TOKEN, job=JOB,
+            healthy_then_stuck,
+            3,
+            args=(str(flag),),
+            init_method=f"tcp://127.0.0.1:{coord.port}",
+            token=TOKEN,
+            job=JOB,
         )
         try:
             page = f"http://127.0.0.1:{coord.http_port}/"
@@ -259,11 +273,23 @@ async def test_the_page_shows_the_rank_holding_a_job_back_then_lost_live(
             # Stuck: ranks 0 and 1 wait for rank 2, which the page tags as holding the job back.
             flag.write_text("now")
             await browser.until(
-                _ROW.format(job=JOB, rank=2), lambda v: v == {"held": "true", "state": "alive"}, 40,
+                _ROW.format(job=JOB, rank=2),
+                lambda v: v == {"held": "true", "state": "alive"},
+                40,
                 "rank 2 held back",
             )
             text = await browser.evaluate("document.body.innerText")
             assert "holds the job back" in text and "all_reduce(" in text
+            # Beside rank 2's row, its Python stack as it is now: the line it sleeps at, first.
+            sleeps = _SLEEPS
+            section = f'section[data-job="{JOB}"]'
+            held = f'{section} tr[data-rank="2"] details.stack li'
+            first = f"document.querySelector('{held}')?.innerText || ''"
+            await browser.until(
+                first, lambda v: f"test_web_page.py:{sleeps} in healthy_then_stuck" in v, 20, "rank 2's stack"
+            )
+            others = f"document.querySelectorAll('{section} tr[data-held=\"false\"] details.stack').length"
+            assert not await browser.evaluate(others)
             assert (await browser.evaluate(_ROW.format(job=JOB, rank=0)))["held"] == "false"
             await browser.screenshot(tmp_path / "coordinator-page-stuck.png")
             _keep(tmp_path / "coordinator-page-stuck.png")
@@ -283,7 +309,9 @@ async def test_the_page_shows_the_rank_holding_a_job_back_then_lost_live(
             await browser.until(
                 f"""Array.from(document.querySelectorAll('section[data-job="{JOB}"] li[data-kind="lost"]'))
                     .map(li => li.textContent).join(' | ')""",
-                lambda v: "rank 2 lost from round 0" in v, 10, "the loss among the recent events",
+                lambda v: "rank 2 lost from round 0" in v,
+                10,
+                "the loss among the recent events",
             )
 
             # The token was never sent: not in a URL, a header or a body (DevTools reports the
