@@ -21,7 +21,7 @@ import secrets
 import signal
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .._errors import AuthenticationError, DistError, StoreTimeout
 from .._net import free_port
@@ -64,9 +64,10 @@ from ._launch_nodes import (
 if TYPE_CHECKING:
     from aiocoll.client.session import CoordinatorSession
 
-    from ._launch_agent import _Agent
+    from ._launch_agent import Console, _Agent
+    from ._launch_config import LaunchConfig
 
-__all__ = ["EXIT_RENDEZVOUS_FAILED", "KEY_PREFIX", "ElasticNode"]
+__all__ = ["EXIT_RENDEZVOUS_FAILED", "KEY_PREFIX", "LINK_ERRORS", "ElasticNode", "NodeHost", "NodeRendezvous"]
 
 # The node state's keys live in the job's own key space, apart from the workers' keys.
 KEY_PREFIX = "aiocoll.run/"
@@ -81,6 +82,7 @@ LEAVE_SECONDS = 5.0
 # What a lost link to the coordinator looks like from a store call: the session's own errors
 # (CoordinatorUnreachable, StoreTimeout, a closed session) and the socket's.
 _LINK_ERRORS = (DistError, OSError, asyncio.TimeoutError)
+LINK_ERRORS = _LINK_ERRORS
 
 
 def beat_key(node_id: str) -> str:
@@ -120,22 +122,44 @@ class _Claim:
     baseline: dict[str, int] | None = None
 
 
-class ElasticNode:
-    """Runs this node's part of an elastic job until the job is over or the launcher is stopped.
+class NodeHost(Protocol):
+    """What the node rendezvous needs of the program it runs in: `aiocoll run`'s supervisor, or
+    the torchrun rendezvous handler (aiocoll.torchrun)."""
+
+    @property
+    def config(self) -> LaunchConfig: ...
+
+    @property
+    def console(self) -> Console: ...
+
+    @property
+    def received(self) -> int | None:
+        """The signal that asks this node to stop, or None."""
+
+    @property
+    def signalled(self) -> asyncio.Event:
+        """Set when a signal arrives (cuts a wait short)."""
+
+
+class NodeRendezvous:
+    """One node agent's part of the node rendezvous: its session with the coordinator, its
+    beats, and joining a generation (what _launch_nodes decides, carried out).
 
     Args:
-        agent: the launcher's supervisor (its config, console, signals and current generation).
+        host: the program it runs in (its config, console and signals).
         coordinator: (host, port) of the coordinator (--coordinator).
         token: the shared secret, or None.
     """
 
-    def __init__(self, agent: _Agent, coordinator: tuple[str, int], token: str | None) -> None:
-        config = agent.config
+    LABEL = "aiocoll run"  # what starts its log lines, before the node's name
+
+    def __init__(self, host: NodeHost, coordinator: tuple[str, int], token: str | None) -> None:
+        config = host.config
         assert config.elastic is not None
-        self._agent = agent
+        self._host = host
         self._config = config
         self._spec = config.elastic
-        self._console = agent.console
+        self._console = host.console
         self._coordinator = coordinator
         self._token = token
         self._tick = min(0.5, max(0.05, self._spec.node_timeout / 4))
@@ -154,15 +178,17 @@ class ElasticNode:
         self._last_gen = -1
         self._warned_rules = False
         self._link_note: str | None = None
+        self._beating: asyncio.Future[None] | None = None
 
-    # -- the whole life ---------------------------------------------------------------------------
+    # -- the session --------------------------------------------------------------------------------
 
-    async def run(self) -> int:
+    async def open(self, what: str) -> int | None:
+        """Open the session, beat, and say so (``what`` this node agent is); None when it is
+        open, else the exit status of a node that could not (the reason is logged)."""
         from aiocoll.client.session import CoordinatorSession
         from aiocoll.protocol._coordinator import ROLE_STORE
 
-        config, spec = self._config, self._spec
-        self._console.prefix = f"[aiocoll run {self._name}] ".encode()
+        config = self._config
         where = format_host_port(*self._coordinator)
         try:
             self._session = await CoordinatorSession.connect(
@@ -183,37 +209,48 @@ class ElasticNode:
             self._console.log(f"error: cannot open a session with the coordinator at {where}: {exc}")
             return EXIT_SETUP_FAILED
         self._console.log(
-            f"node agent of job {config.job!r} (--nnodes {spec.min_nodes}:{spec.max_nodes}, "
-            f"{config.nproc_per_node} worker(s) here, --max-restarts {config.max_restarts}): rendezvous "
-            f"through the coordinator at {where}, under the job's keys {KEY_PREFIX}*"
+            f"{what}: rendezvous through the coordinator at {where}, under the job's keys {KEY_PREFIX}*"
         )
-        beating = asyncio.ensure_future(self._beat_forever())
+        self._beating = asyncio.ensure_future(self._beat_forever())
         try:
-            try:
-                # A node beats before it appears in the state, so that its counter can be read.
-                await self._session.add(beat_key(self._id), 1, timeout=self._op_timeout)
-                await self._session.add(VERSION_KEY, 0, timeout=self._op_timeout)
-            except _LINK_ERRORS as exc:
-                self._console.log(f"error: the coordinator at {where} does not answer store requests: {exc}")
-                return EXIT_SETUP_FAILED
-            while True:
-                admitted = await self._join()
-                if isinstance(admitted, int):
-                    return admitted
-                code = await self._run_generation(admitted)
-                if code is not None:
-                    return code
-        except NodeStateError as exc:
-            self._console.log(
-                f"error: key {STATE_KEY!r} of job {config.job!r} holds something this launcher cannot read "
-                f"({exc}); was it written by another program or aiocoll version? Use another --job"
-            )
-            return EXIT_RENDEZVOUS_FAILED
-        finally:
+            # A node beats before it appears in the state, so that its counter can be read.
+            await self._session.add(beat_key(self._id), 1, timeout=self._op_timeout)
+            await self._session.add(VERSION_KEY, 0, timeout=self._op_timeout)
+        except _LINK_ERRORS as exc:
+            self._console.log(f"error: the coordinator at {where} does not answer store requests: {exc}")
+            await self.close()
+            return EXIT_SETUP_FAILED
+        return None
+
+    async def close(self) -> None:
+        """Stop beating and close the session (bounded); twice is fine."""
+        beating, self._beating = self._beating, None
+        if beating is not None:
             beating.cancel()
             await asyncio.gather(beating, return_exceptions=True)
+        session, self._session = self._session, None
+        if session is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._session.aclose(), LEAVE_SECONDS)
+                await asyncio.wait_for(session.aclose(), LEAVE_SECONDS)
+
+    @property
+    def node(self) -> Node:
+        """This node as the node state lists it (its port is found again at each join)."""
+        return self._node
+
+    @property
+    def session(self) -> CoordinatorSession:
+        """The open session with the coordinator (the job's key space)."""
+        assert self._session is not None
+        return self._session
+
+    def unreadable(self, exc: NodeStateError) -> int:
+        """Say that the job's node state cannot be read; the exit status."""
+        self._console.log(
+            f"error: key {STATE_KEY!r} of job {self._config.job!r} holds something this node agent cannot "
+            f"read ({exc}); was it written by another program or aiocoll version? Use another job id"
+        )
+        return EXIT_RENDEZVOUS_FAILED
 
     async def _beat_forever(self) -> None:
         assert self._session is not None
@@ -322,7 +359,7 @@ class ElasticNode:
     async def _pause(self) -> None:
         """One tick, cut short by a signal to the launcher."""
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._agent.signalled.wait(), self._tick)
+            await asyncio.wait_for(self._host.signalled.wait(), self._tick)
 
     # -- joining ----------------------------------------------------------------------------------
 
@@ -331,7 +368,7 @@ class ElasticNode:
         node, or the launcher's exit status (the job finished, --rdzv-timeout, a signal)."""
         spec, config = self._spec, self._config
         loop = asyncio.get_running_loop()
-        self._console.prefix = f"[aiocoll run {self._name}] ".encode()
+        self._console.prefix = f"[{self.LABEL} {self._name}] ".encode()
         me = self._node = Node(
             self._id, self._name, config.nproc_per_node, self._addr, _free_port_at(self._addr)
         )
@@ -340,7 +377,7 @@ class ElasticNode:
         min_since: float | None = None
         last_note: str | None = None
         while True:
-            received = self._agent.received
+            received = self._host.received
             if received is not None:
                 await self._leave(f"node {self._name} left: its launcher got {signal.Signals(received).name}")
                 return 128 + received
@@ -396,6 +433,10 @@ class ElasticNode:
                 return self._give_up(step.note)
             await self._pause()
 
+    def _finish(self, state: NodeState) -> int:
+        """The job is over (``state`` says how): the exit status (a subclass says more)."""
+        return state.exit_code if state.exit_code is not None else 1
+
     def _give_up(self, why: str) -> int:
         spec = self._spec
         self._console.log(
@@ -404,6 +445,43 @@ class ElasticNode:
             f"{spec.min_nodes}:{spec.max_nodes} needs {spec.min_nodes} to start), or raise --rdzv-timeout"
         )
         return EXIT_RENDEZVOUS_FAILED
+
+
+
+class ElasticNode(NodeRendezvous):
+    """Runs this node's part of an elastic job until the job is over or the launcher is stopped.
+
+    Args:
+        agent: the launcher's supervisor (its config, console, signals and current generation).
+        coordinator: (host, port) of the coordinator (--coordinator).
+        token: the shared secret, or None.
+    """
+
+    def __init__(self, agent: _Agent, coordinator: tuple[str, int], token: str | None) -> None:
+        super().__init__(agent, coordinator, token)
+        self._agent = agent
+
+    async def run(self) -> int:
+        config, spec = self._config, self._spec
+        self._console.prefix = f"[aiocoll run {self._name}] ".encode()
+        failed = await self.open(
+            f"node agent of job {config.job!r} (--nnodes {spec.min_nodes}:{spec.max_nodes}, "
+            f"{config.nproc_per_node} worker(s) here, --max-restarts {config.max_restarts})"
+        )
+        if failed is not None:
+            return failed
+        try:
+            while True:
+                admitted = await self._join()
+                if isinstance(admitted, int):
+                    return admitted
+                code = await self._run_generation(admitted)
+                if code is not None:
+                    return code
+        except NodeStateError as exc:
+            return self.unreadable(exc)
+        finally:
+            await self.close()
 
     # -- one generation ---------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any
 from ._launch_config import RankLayout
 
 __all__ = [
+    "CLOSED",
     "FAILED",
     "FINISHED",
     "FORMING",
@@ -45,6 +46,7 @@ __all__ = [
     "Write",
     "assign_node_ranks",
     "close_formation",
+    "close_run",
     "decode_state",
     "encode_state",
     "end_failed",
@@ -62,9 +64,11 @@ __all__ = [
 
 # Phases of the node state.
 FORMING, RUNNING, FINISHED = "forming", "running", "finished"
-# Why a generation ended (Ending.kind). Only FAILED uses up --max-restarts.
+# Why a generation ended (Ending.kind). Only FAILED uses up --max-restarts. CLOSED: a node agent
+# closed the job (torchrun's agents close the rendezvous when they are done, failed or not).
 JOINED, LOST, LEFT, REJOINED, FAILED, SUCCEEDED = "joined", "lost", "left", "rejoined", "failed", "succeeded"
-_KINDS = frozenset({JOINED, LOST, LEFT, REJOINED, FAILED, SUCCEEDED})
+CLOSED = "closed"
+_KINDS = frozenset({JOINED, LOST, LEFT, REJOINED, FAILED, SUCCEEDED, CLOSED})
 _FORMAT = 1
 
 
@@ -503,6 +507,16 @@ def mark_done(state: NodeState, node_id: str) -> NodeState:
         ending = Ending(state.gen, SUCCEEDED, reason)
         return _bump(state, phase=FINISHED, done=done, waiting=(), exit_code=0, ended=ending)
     return _bump(state, done=done)
+
+
+def close_run(state: NodeState | None, reason: str, node: str) -> NodeState | None:
+    """The job, closed by node agent ``node``: FINISHED, so that no generation forms again in
+    this run and an agent that asks to join it learns that it is over; None when it already is
+    (or there is no job)."""
+    if state is None or state.phase == FINISHED:
+        return None
+    ending = Ending(state.gen, CLOSED, reason, node=node)
+    return _bump(state, phase=FINISHED, waiting=(), exit_code=0, ended=ending)
 
 
 def end_reason(state: NodeState, view: View) -> Write | None:

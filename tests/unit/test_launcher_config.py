@@ -32,6 +32,7 @@ from aiocoll.cli._launch_config import (
     worker_environment,
 )
 from aiocoll.cli._launch_nodes import (
+    CLOSED,
     FAILED,
     FINISHED,
     FORMING,
@@ -53,6 +54,7 @@ from aiocoll.cli._launch_nodes import (
     Write,
     assign_node_ranks,
     close_formation,
+    close_run,
     decode_state,
     encode_state,
     end_generation,
@@ -659,6 +661,21 @@ def test_the_job_completes_when_every_node_of_a_generation_exited_0() -> None:
     done = running_step(half.state, B, View(), run="r1", gen=2, succeeded=True, failure=None)
     assert isinstance(done, Write) and done.state.phase == FINISHED and done.state.exit_code == 0
     assert mark_done(running, A.id).phase == RUNNING
+
+
+def test_a_closed_job_is_over_for_every_node_and_a_newcomer_starts_it_again() -> None:
+    # torchrun's agents close the job when they are done (torch's c10d backend does the same).
+    running = _running(A, B, gen=2)
+    closed = close_run(running, "node a's agent is done", A.id)
+    assert closed is not None and closed.phase == FINISHED and closed.ended is not None
+    assert (closed.ended.kind, closed.ended.node, closed.ended.gen) == (CLOSED, A.id, 2)
+    assert decode_state(encode_state(closed)) == closed
+    assert close_run(closed, "again", B.id) is None and close_run(None, "no job", A.id) is None
+    # The other node of that run learns that the job is over, wherever it is.
+    assert running_step(closed, B, View(), run="r1", gen=2, succeeded=False, failure=None) == Finished(closed)
+    assert _step(closed, B, run="r1") == Finished(closed)
+    again = _step(closed, C, run=None)
+    assert isinstance(again, Write) and again.state.nodes == (C,) and again.state.phase == FORMING
 
 
 def test_node_state_round_trips_and_foreign_bytes_are_refused() -> None:

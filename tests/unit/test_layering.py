@@ -15,6 +15,7 @@ SURFACE = (
     "aiocoll.api",
     "aiocoll.sync",
     "aiocoll.torch",
+    "aiocoll.torchrun",
     "aiocoll.cli",
     "aiocoll.testing",
     "aiocoll._connect",
