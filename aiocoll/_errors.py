@@ -1,4 +1,4 @@
-"""The error hierarchy every layer raises; it imports nothing from aiocoll.
+"""The error hierarchy every layer raises; it imports nothing from aiocoll but aiocoll._env.
 
 All errors derive from DistError (torch.distributed's name for its base error). Where a builtin
 describes the failure too, we inherit it as well, so ``except TimeoutError`` keeps working.
@@ -12,16 +12,28 @@ message and attributes (``DistError.__reduce__``), so one can cross a process bo
 Warnings go through ``warn``, which points them at the user's line: the first frame outside
 aiocoll, or, on the blocking facade's loop thread (where no user frame is), the line that called
 the facade (``CALLER_SITE``, set by aiocoll/_sync_loop.py).
+
+Tracebacks end at the public call: ``trim`` drops aiocoll's internal frames from an error's
+traceback and from those of its causes (the user's frames stay, and the first aiocoll frame the
+user called when it is a public function), and a ``sys.excepthook`` installed at import, when the
+program has none of its own, trims what an uncaught aiocoll error prints (other exceptions, which
+may be bugs of aiocoll's, keep every frame). ``AIOCOLL_DEBUG=1`` keeps
+every frame.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
+import sysconfig
 import warnings
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any, TypeVar
+
+from ._env import env_text
 
 __all__ = [
     "AuthenticationError",
@@ -36,6 +48,7 @@ __all__ = [
     "CALLER_SITE",
     "chain",
     "group_name",
+    "trim",
     "user_site",
     "warn",
 ]
@@ -97,6 +110,77 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
         module=module_globals.get("__name__"),
         registry=module_globals.setdefault("__warningregistry__", {}),
     )
+
+
+def _internal_dirs() -> tuple[str, ...]:
+    here = os.path.dirname(os.path.abspath(__file__))  # aiocoll/
+    dirs = {here + os.sep}
+    for name in ("aiocoll.client", "aiocoll.server"):  # installed from folders of their own
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            dirs.add(os.path.dirname(os.path.abspath(path)) + os.sep)
+    return tuple(dirs)
+
+
+_STDLIB = tuple(
+    os.path.abspath(p) + os.sep for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib")} if p
+)
+
+
+def _trim_tb(tb: TracebackType | None, internal: tuple[str, ...]) -> TracebackType | None:
+    """``tb`` without aiocoll's frames but the public function the user called.
+
+    Also without the standard library's frames that aiocoll called (a concurrent future's
+    ``result``); the user's frames below aiocoll's (a callback it ran) stay.
+    """
+    kept: list[TracebackType] = []
+    inside = False  # below a frame of aiocoll's: the library's own frames are aiocoll's business
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        filename = os.path.abspath(code.co_filename)
+        ours = filename.startswith(internal)
+        if ours:
+            if not inside and not code.co_name.startswith("_"):
+                kept.append(tb)  # the public call the user made
+            inside = True
+        elif not (inside and (filename.startswith(_STDLIB) or code.co_filename.startswith("<"))):
+            kept.append(tb)  # the user's frame (above aiocoll, or a callback it ran)
+            inside = False
+        tb = tb.tb_next
+    for upper, lower in itertools.pairwise(kept):
+        upper.tb_next = lower
+    if kept:
+        kept[-1].tb_next = None
+    return kept[0] if kept else None
+
+
+def trim(exc: _E) -> _E:
+    """``exc``, its traceback and its causes' trimmed to the user's frames.
+
+    See the module's docstring; unchanged with ``AIOCOLL_DEBUG=1``.
+    """
+    if env_text("AIOCOLL_DEBUG") not in (None, "0"):
+        return exc
+    internal = _internal_dirs()
+    seen: set[int] = set()
+    err: BaseException | None = exc
+    while err is not None and id(err) not in seen and len(seen) < 32:
+        seen.add(id(err))
+        err.__traceback__ = _trim_tb(err.__traceback__, internal)
+        err = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+    return exc
+
+
+def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    if isinstance(value, DistError):  # aiocoll's own errors: anything else may be a bug to see
+        value.__traceback__ = tb
+        tb = trim(value).__traceback__
+    sys.__excepthook__(kind, value, tb)
+
+
+def _install_excepthook() -> None:
+    if sys.excepthook is sys.__excepthook__:  # the program's own hook (IPython's, say) stays
+        sys.excepthook = _excepthook
 
 
 def chain(err: _E, cause: BaseException) -> _E:
@@ -266,3 +350,6 @@ class MismatchError(DistError):
         self.seq = seq
         self.ranks = list(ranks)
         super().__init__(message)
+
+
+_install_excepthook()

@@ -34,7 +34,15 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError, chain, group_name
+from aiocoll._errors import (
+    CollectiveTimeout,
+    DistError,
+    MismatchError,
+    PeerLostError,
+    chain,
+    group_name,
+    trim,
+)
 from aiocoll._work import Work
 from aiocoll.algorithms._transport import (
     LandedCallback,
@@ -540,7 +548,7 @@ class Engine:
             self._break(op.group, exc, from_seq=0, except_op=op)
             return
         if not fut.done():
-            fut.set_exception(exc)
+            fut.set_exception(trim(exc) if isinstance(exc, DistError) else exc)
 
     def _finish(self, op: _Op) -> None:
         op.work.wake()  # the awaiting task resumes in the next iteration, not the one after

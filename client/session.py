@@ -221,7 +221,8 @@ class CoordinatorSession(Joining, Store):
             for rank in lost:
                 if not isinstance(rank, int):
                     continue
-                log.warning(
+                # INFO: the engine says it in one line, with what follows (client/_progress.py)
+                log.info(
                     "job=%s rank=%s event=member_lost lost_rank=%d reason=%s",
                     self.job,
                     self._rank,

@@ -82,6 +82,12 @@ def _wait_for(path: Path, seconds: float) -> None:
 _JOBS = {"behind": 3, "mismatch": 2, "killed": 2, "healthy": 2}
 
 
+def aiocoll_file(name: str) -> str:
+    import importlib
+
+    return os.path.abspath(str(importlib.import_module(name).__file__))
+
+
 def _launch(tmp: Path, scenario: str) -> tuple[subprocess.Popen[str], Path]:
     dumps = tmp / scenario
     env = dict(os.environ, AIOCOLL_DUMP_DIR=str(dumps), AIOCOLL_TOKEN="recorder-test")
@@ -180,6 +186,13 @@ def test_dumps_of_failing_jobs_name_the_rank_behind_the_mismatch_and_the_lost_ra
     # One line per lost peer on the survivor, not a record of its operations.
     survivor = [line for line in outputs["killed"].splitlines() if line.startswith("[rank0]")]
     assert not any("oldest first" in line for line in survivor), outputs["killed"]
+    assert sum("lost rank 1" in line for line in survivor) == 2, survivor  # the one line, the error
+    # Its traceback shows the user's frames and ends at the public call: no frame of aiocoll's.
+    packages = [
+        os.path.dirname(aiocoll_file(name)) for name in ("aiocoll", "aiocoll.client", "aiocoll.server")
+    ]
+    assert not any(f'File "{p}/' in line for line in survivor for p in packages), survivor
+    assert any(f'File "{_HERE}", line {_line("# SURVIVOR")}' in line for line in survivor), survivor
 
     # A healthy job dumped on SIGUSR1: every rank, the ring bounded at 16, analyze exits 0.
     dumps = launched["healthy"][1]
