@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
+import os
 import resource
 import subprocess
 import sys
@@ -46,8 +47,15 @@ def raise_fd_limit() -> int:
 
 
 # A hog is plain Python arithmetic in a loop: CPU work like a data-loader worker's, no I/O, no
-# sleeping, so the scheduler must share the cores between it and the ranks.
-_HOG_PROGRAM = "x = 0\nwhile True:\n    x = (x + 1) % 1000003\n"
+# sleeping, so the scheduler must share the cores between it and the ranks. Once per wrap of the
+# counter (a few times a second) it checks that the bench that started it still lives: a bench
+# killed with SIGKILL (a test's timeout, say) cannot end its hogs, and they must not spin on.
+# The bench's pid comes as an argument: a hog that asked for its parent only once started could
+# already be an orphan.
+_HOG_PROGRAM = (
+    "import os, sys\nparent = int(sys.argv[1])\nx = 0\nwhile True:\n    x = (x + 1) % 1000003\n"
+    "    if x == 0 and os.getppid() != parent:\n        break\n"
+)
 
 
 @contextlib.contextmanager
@@ -56,8 +64,9 @@ def cpu_hogs(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
     them, even when the block fails."""
     hogs: list[subprocess.Popen[bytes]] = []
     try:
+        command = [sys.executable, "-c", _HOG_PROGRAM, str(os.getpid())]
         for _ in range(count):
-            hogs.append(subprocess.Popen([sys.executable, "-c", _HOG_PROGRAM], stdin=subprocess.DEVNULL))
+            hogs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL))
         yield hogs
     finally:
         for hog in hogs:
