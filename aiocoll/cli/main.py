@@ -22,7 +22,7 @@ _SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("aiocoll.cli.run", "launch a multi-process job, as torchrun does"),
     "bench": ("aiocoll.cli.bench", "measure collectives, side by side with torch gloo"),
     "status": ("aiocoll.cli.status", "show a coordinator's jobs, members and liveness"),
-    "timeline": ("aiocoll.cli.timeline", "merge the ranks' AIOCOLL_TIMELINE records into one Chrome trace"),
+    "timeline": ("aiocoll.cli.timeline", "merge the ranks' timeline records or dumps into one Chrome trace"),
     "analyze": ("aiocoll.cli.analyze", "read flight-recorder dumps; name the rank holding a job back"),
 }
 

@@ -83,6 +83,16 @@ def test_a_timeline_has_a_track_per_rank_every_operation_once_and_the_waits(tmp_
     for rank in (0, 1, 2):
         assert last[rank]["dur"] >= 400_000, f"rank {rank} waited 0.6 s for rank 3: {last[rank]['dur']} us"
     assert last[3]["dur"] < 300_000, "the late rank itself did not wait"
+    # Arrival: when each rank entered the operation after the first, how long it waited for the
+    # last one (rank 3), also as a "waiting for rank 3" slice on each waiting rank's second track.
+    for rank in (0, 1, 2):
+        args = last[rank]["args"]
+        assert args["last_rank"] == 3 and args["waited_for_last_us"] >= 400_000, args
+        assert args["entered_after_first_us"] < 300_000, args
+    assert last[3]["args"]["waited_for_last_us"] == 0 and last[3]["args"]["entered_after_first_us"] >= 400_000
+    waits = [e for e in events if e["ph"] in "BE" and e["name"] == "waiting for rank 3"]
+    assert {e["pid"] for e in waits} >= {0, 1, 2} and 3 not in {e["pid"] for e in waits}, waits
+    assert "for rank 3 to enter it" in merged.stdout, merged.stdout
 
     # Without the variable nothing is written; a directory without records is refused clearly.
     empty = tmp_path / "empty"
