@@ -24,12 +24,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 pytest.importorskip("torch.distributed.run")
 
 ALL_REDUCE = """
+import os
 import numpy as np
 import aiocoll.sync as dist
 dist.init_process_group("gloo")
 t = np.ones(2)
 dist.all_reduce(t)
-print("SUM", int(t[0]), flush=True)
+os.write(1, f"SUM {int(t[0])}\\n".encode())  # one write: the ranks share torchrun's stdout
 dist.destroy_process_group()
 """
 
@@ -67,7 +68,7 @@ import aiocoll.sync as dist
 dist.init_process_group("gloo")
 t = np.ones(1)
 dist.all_reduce(t)
-print(f"RESULT job={os.environ['AIOCOLL_JOB']} world={dist.get_world_size()} sum={t[0]:g}", flush=True)
+os.write(1, f"RESULT job={os.environ['AIOCOLL_JOB']} world={dist.get_world_size()} sum={t[0]:g}\\n".encode())
 while not Path(sys.argv[1]).exists():
     dist.all_reduce(t)
     time.sleep(0.1)
