@@ -14,7 +14,7 @@ from aiocoll.client._store_core import SYNC_AFTER, StoreCore
 from aiocoll.client.session import CoordinatorSession
 from coordinator_link_fakes import handshaken_link
 
-from aiocoll import StoreError, StoreTimeout
+from aiocoll import ProtocolError, StoreError, StoreTimeout
 from aiocoll._deadline import Deadline
 from aiocoll.protocol import FrameDecoder
 from aiocoll.protocol._coordinator import CID_BYTES, DEDUPE_WINDOW, ERR_TOO_LARGE, ROLE_STORE
@@ -108,3 +108,34 @@ def test_after_a_reconnect_a_reply_settles_only_what_the_new_link_carried_before
     core.resent(add)
     core.settle([add, OK, 1], b"")
     assert not core.unsettled and core.ack() == core.last_id
+
+
+def test_the_core_encodes_each_operation_and_reads_its_reply_without_any_io() -> None:
+    """What both drivers send and what a reply means live in the core: a waiting request carries
+    its remaining time and is given the coordinator's answer first; a mutation sent again keeps
+    its number and frame; a refusal becomes the error naming its keys."""
+    from aiocoll.client._store_core import MIN_REPLY_TIME, REPLY_GRACE, requests
+
+    core = StoreCore("j", "127.0.0.1:1")
+    decode = FrameDecoder(lists=True)
+    with pytest.raises(TypeError, match="b'raw'"):
+        requests.get(b"raw")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        requests.wait("abc")  # a lone str is not three keys
+    get = requests.get("k")
+    rid, frame, bound = core.encode(get, 0, 30.0, 12.5)
+    assert decode.feed(frame)[0].header == [GET, rid, "k", 12.5] and bound == 12.5 + REPLY_GRACE
+    add = requests.add("n", 2)
+    first, frame, bound = core.encode(add, 0, 30.0, 0.2)
+    assert bound == MIN_REPLY_TIME and decode.feed(frame)[0].header == [ADD, first, rid, "n", 2]
+    core.reconnected()  # the link dropped before the reply: the add is sent again, same number
+    again, frame_again, _ = core.encode(add, first, 30.0, 20.0)
+    assert (again, frame_again) == (first, frame)
+    assert core.outcome(add, [first, OK, 7], b"", 30.0) == 7
+    mget = requests.multi_get(["a", "b"])
+    assert core.outcome(mget, [9, OK, [1, 2]], b"xyz", 30.0) == [b"x", b"yz"]
+    with pytest.raises(ProtocolError, match="mget of 2 keys with 1 values"):
+        core.outcome(mget, [9, OK, [3]], b"xyz", 30.0)
+    with pytest.raises(StoreTimeout) as missing:
+        core.outcome(mget, [9, ERROR, "timeout", "timed out", ["b"]], b"", 30.0)
+    assert missing.value.keys == ["b"]
