@@ -7,7 +7,7 @@ a member still waits). Sans-IO; imports _model, _rendezvous and aiocoll foundati
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from aiocoll._errors import group_name
@@ -25,6 +25,9 @@ class Progress:
     def __init__(self, fx: Effects) -> None:
         self.fx = fx
         self.events = fx.events
+        # Told of each "behind" verdict once announced (the stacks part asks those ranks where
+        # they are, and the group hears it).
+        self.on_behind: Callable[[Job, Verdict], None] | None = None
 
     def handlers(self) -> dict[str, Any]:
         return {"progress": self.op_progress}
@@ -100,3 +103,5 @@ class Progress:
                 m = rnd.members.get(rank)
                 if m is not None and m.state is MemberState.ALIVE and m.conn is not None:
                     self.fx.outbox.append((m.conn.id, event, b""))
+            if v.kind == "behind" and self.on_behind is not None:
+                self.on_behind(job, v)

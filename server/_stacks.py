@@ -5,9 +5,11 @@ the beat connection of every alive member asked for, whose thread (client/_beat.
 ``stack`` even while the rank's event loop is blocked. The ``stacks`` request is answered once
 every member answered, or after STACK_WAIT seconds with the silent ranks named in ``missing``.
 The status view (`/jobs`, the web page) shows the last stack of each rank holding a job back,
-and asks those ranks again when what it has is older than FRESH seconds.
+and asks those ranks again when what it has is older than FRESH seconds. When the progress
+cross-check finds ranks behind, they are asked too, and the group hears the verdict again with
+where they are (``ask_behind``): the waiting ranks' CollectiveTimeout then names those lines.
 
-Sans-IO; imports _model and the protocol constants only.
+Sans-IO; imports _model, the protocol constants and aiocoll._progress_check (Verdict) only.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
-from aiocoll.protocol._coordinator import ERR_INVALID, EV_STACK
+from aiocoll._progress_check import Verdict
+from aiocoll.protocol._coordinator import ERR_INVALID, EV_BEHIND, EV_STACK
 
 from ._model import Conn, Effects, Job, MemberState, Refused
 
-__all__ = ["FRESH", "MAX_FRAMES", "STACK_WAIT", "Stacks"]
+__all__ = ["BEHIND_WAIT", "FRESH", "MAX_FRAMES", "STACK_WAIT", "Stacks"]
 
 STACK_WAIT = 1.0  # seconds a rank has to answer
+BEHIND_WAIT = 3.0  # ... when the cross-check asks where the ranks behind are (nobody waits on it)
 FRESH = 3.0  # seconds a stack shown beside a rank holding a job back stays current
 MAX_FRAMES = 64
 _MAX_TEXT = 300
@@ -32,11 +36,12 @@ _MAX_QUERIES = 64  # queries in flight at once (each waits at most STACK_WAIT)
 class _Query:
     """One ``stacks`` request (or a refresh for the status view, with no one to answer)."""
 
-    __slots__ = ("answers", "asker", "job", "qid", "ranks", "req_id", "started", "waiting")
+    __slots__ = ("answers", "asker", "job", "qid", "ranks", "req_id", "started", "verdict", "waiting")
 
     def __init__(
         self, qid: int, job: str, ranks: list[int], asker: Conn | None, req_id: int, now: float
     ) -> None:
+        self.verdict: Verdict | None = None  # a "behind" verdict to tell again, with where they are
         self.qid = qid
         self.job = job
         self.ranks = ranks
@@ -44,6 +49,17 @@ class _Query:
         self.req_id = req_id
         self.started = now
         self.answers: dict[int, list[dict[str, Any]]] = {}
+        self.waiting = True
+
+
+class _Later:
+    """A "behind" verdict whose ranks are asked where they are at the next tick."""
+
+    __slots__ = ("job", "verdict", "waiting")
+
+    def __init__(self, job: Job, verdict: Verdict) -> None:
+        self.job = job
+        self.verdict = verdict
         self.waiting = True
 
 
@@ -91,7 +107,27 @@ class Stacks:
             raise Refused(ERR_INVALID, "stacks: too many stack requests in flight; ask again in a second")
         self._ask(self.jobs[name], ranks, conn, req_id)
 
-    def _ask(self, job: Job, ranks: Iterable[int] | None, asker: Conn | None, req_id: int) -> None:
+    def ask_behind(self, job: Job, verdict: Verdict) -> None:
+        """The cross-check found ``verdict.ranks`` behind: ask them where they are, and tell the
+        group the verdict again with their call sites (a CollectiveTimeout then names them)."""
+        if verdict.kind == "behind":
+            # Asked at the next tick, not inside the request that completed the verdict: that
+            # request's answer comes first on its connection.
+            self.fx.push_timer(self.fx.clock(), _Later(job, verdict), self._ask_later)
+
+    def _ask_later(self, later: _Later) -> None:
+        later.waiting = False
+        if len(self.queries) < _MAX_QUERIES and self.jobs.get(later.job.name) is later.job:
+            self._ask(later.job, later.verdict.ranks, None, 0, BEHIND_WAIT).verdict = later.verdict
+
+    def _ask(
+        self,
+        job: Job,
+        ranks: Iterable[int] | None,
+        asker: Conn | None,
+        req_id: int,
+        wait: float = STACK_WAIT,
+    ) -> _Query:
         now = self.fx.clock()
         rnd = job.round
         members = rnd.members if rnd is not None else {}
@@ -103,7 +139,8 @@ class Stacks:
                 self.fx.outbox.append((member.beat.id, {"ev": EV_STACK, "q": query.qid}, b""))
                 self._asked[(job.name, rank)] = now
         self.queries[query.qid] = query
-        self.fx.push_timer(now + STACK_WAIT, query, self._expire)
+        self.fx.push_timer(now + wait, query, self._expire)
+        return query
 
     def _expire(self, query: _Query) -> None:
         self._answer(query)
@@ -111,6 +148,8 @@ class Stacks:
     def _answer(self, query: _Query) -> None:
         query.waiting = False
         self.queries.pop(query.qid, None)
+        if query.verdict is not None:
+            self._tell_where(query, query.verdict)
         if query.asker is None:
             return
         missing = [r for r in query.ranks if r not in query.answers]
@@ -122,6 +161,28 @@ class Stacks:
             "wait": STACK_WAIT,
         }
         self.fx.reply(query.asker, query.req_id, "stacks", query.started, header)
+
+    def _tell_where(self, query: _Query, verdict: Verdict) -> None:
+        sites = [
+            f"rank {rank} at {frames[0]['file']}:{frames[0]['line']} in {frames[0]['function']}"
+            for rank, frames in sorted(query.answers.items())
+            if frames
+        ]
+        job = self.jobs.get(query.job)
+        rnd = job.round if job is not None else None
+        if not sites or rnd is None:
+            return
+        event = {
+            "ev": EV_BEHIND,
+            "group": verdict.group,
+            "seq": verdict.seq,
+            "ranks": list(verdict.ranks),
+            "msg": f"{verdict.message}; where they are now: {', '.join(sites)}",
+        }
+        for rank in verdict.members:
+            member = rnd.members.get(rank)
+            if member is not None and member.state is MemberState.ALIVE and member.conn is not None:
+                self.fx.outbox.append((member.conn.id, event, b""))
 
     # -- answers -----------------------------------------------------------------------------
     def op_stack(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:

@@ -129,6 +129,7 @@ class CoordinatorState(Effects):
         self.dedupe = Dedupe(self, client_ttl=job_ttl if client_ttl is None else client_ttl)
         self.progress = Progress(self)
         self.stacks = Stacks(self, self.jobs)
+        self.progress.on_behind = self.stacks.ask_behind
         self.quorum = Quorum(self, self.kv, heartbeat_timeout=lambda: self.liveness.heartbeat_timeout)
         # The command tables: every operation to the part that answers it; store operations by
         # their compact code, the others by name.
