@@ -8,25 +8,46 @@
 # The token comes from AIOCOLL_TOKEN, or from a mounted file named by AIOCOLL_TOKEN_FILE (or
 # mounted at /run/secrets/aiocoll_token); without one the container refuses to start (see
 # scripts/container-entrypoint.sh). Only the coordinator's dependencies are installed: no torch.
-# docs/CONTAINER.md says how this image is checked without a Docker engine
-# (scripts/check_container.sh, which swaps the base for a local Debian bookworm).
-FROM python:3.11-slim
+#
+# Reproducible: the base is pinned by digest, and every package comes from a lock with hashes
+# (container/requirements.txt for the image, container/build-requirements.txt for the build
+# stage; container/*.in say how to make them again). The final image holds the Python of the
+# base and one virtual environment, without pip, setuptools or wheel: nothing is installed at
+# run time. docs/CONTAINER.md says how this image is checked without a Docker engine
+# (scripts/check_container.sh, which builds it on a local Debian bookworm in place of BASE).
 
+# python:3.11-slim-bookworm (Python 3.11.16), its multi-platform index as docker-library/repo-info
+# records it. To move on: docker buildx imagetools inspect python:3.11-slim-bookworm.
+ARG BASE=python:3.11-slim-bookworm@sha256:0bee7276f83efd4a1ee05bbbf4281d95ed28e079220a9457f25a93e3f1e3c31b
+
+FROM ${BASE} AS build
 ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
-
-# A virtual environment at a fixed path: the same layout whether the base keeps python in
-# /usr/local/bin (python:3.11-slim) or /usr/bin (a plain Debian with python3 and python3-venv).
+COPY container/requirements.txt container/build-requirements.txt /tmp/lock/
 COPY pyproject.toml README.md /tmp/aiocoll-src/
 COPY aiocoll /tmp/aiocoll-src/aiocoll
 COPY server /tmp/aiocoll-src/server
 COPY client /tmp/aiocoll-src/client
+# A build environment with the locked build backend makes aiocoll's wheel (no build isolation:
+# nothing unpinned is fetched); the image's environment, made without pip, receives the locked
+# wheels, each checked against its hashes, then aiocoll's own wheel without dependencies.
+RUN python3 -m venv /opt/build \
+    && /opt/build/bin/pip install --require-hashes --only-binary :all: -r /tmp/lock/build-requirements.txt \
+    && /opt/build/bin/pip wheel --no-deps --no-build-isolation --wheel-dir /tmp/wheels /tmp/aiocoll-src \
+    && python3 -m venv --without-pip /opt/aiocoll \
+    && /opt/build/bin/pip --python /opt/aiocoll/bin/python install --no-compile --require-hashes \
+        --only-binary :all: --no-deps -r /tmp/lock/requirements.txt \
+    && /opt/build/bin/pip --python /opt/aiocoll/bin/python install --no-compile --no-deps /tmp/wheels/aiocoll-*.whl \
+    && /opt/aiocoll/bin/python -c "import aiocoll.server, aiocoll.cli.main"
+
+FROM ${BASE}
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+COPY --from=build /opt/aiocoll /opt/aiocoll
 COPY scripts/container-entrypoint.sh /usr/local/bin/aiocoll-entrypoint
-RUN python3 -m venv /opt/aiocoll \
-    && /opt/aiocoll/bin/python -m pip install --no-compile /tmp/aiocoll-src \
-    && rm -rf /tmp/aiocoll-src \
+# The base's own pip, setuptools and wheel go too (a plain Debian base has none).
+RUN if python3 -m pip --version >/dev/null 2>&1; then python3 -m pip uninstall -y -q pip setuptools wheel; fi \
     && /opt/aiocoll/bin/python -c "import aiocoll.server, aiocoll.cli.main" \
     && chmod 0755 /usr/local/bin/aiocoll-entrypoint \
     && groupadd --system --gid 10001 aiocoll \

@@ -4,9 +4,11 @@ Run by scripts/check_container.sh *inside* the image (with the image's own Pytho
 installed aiocoll), in the network namespace where the image's default command is serving.
 Checks: the handshake with the right token and a set/get/add round trip; a wrong token refused
 (by the client's check of the coordinator's proof, and by the coordinator for a forged proof);
-/healthz, /metrics and /jobs over HTTP (/jobs after proving the token as the web page does:
-docs/COORDINATOR.md); `aiocoll status` from the image. Prints one PASS/FAIL
-line per check and exits 1 if any failed. Standard library plus aiocoll.protocol only.
+a job of two ranks (two processes of the image's own aiocoll) rendezvousing through the
+coordinator and all-reducing; /healthz, /metrics and /jobs over HTTP (/jobs after proving the
+token as the web page does: docs/COORDINATOR.md); `aiocoll status` from the image. Prints one
+PASS/FAIL line per check and exits 1 if any failed. Standard library and aiocoll only (the ranks
+use numpy, which the image installs).
 
     python _container_probe.py --port 29500 --http-port 29501 --token SECRET
 """
@@ -201,6 +203,45 @@ def check_http(port: int, token: str) -> None:
             report(ok, f"GET /jobs is JSON naming job {JOB!r}", detail)
 
 
+# One rank of the job: joins the coordinator at tcp://HOST:PORT (it answers there, so no rank
+# starts one of its own), all-reduces its rank + 1 and prints the sum.
+RANK_SCRIPT = """
+import asyncio, sys
+import numpy as np
+import aiocoll
+
+async def main():
+    pg = await aiocoll.init_process_group(sys.argv[1], rank=int(sys.argv[2]), world_size=2, timeout=60)
+    x = np.full(3, pg.rank + 1.0)
+    await pg.all_reduce(x)
+    print("SUM", x.tolist(), pg.size, flush=True)
+    await pg.destroy()
+
+asyncio.run(main())
+"""
+
+
+def check_job(port: int, token: str) -> None:
+    env = {**os.environ, "AIOCOLL_TOKEN": token, "AIOCOLL_JOB": "container-job"}
+    url = f"tcp://{HOST}:{port}"
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, url, str(rank)], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for rank in (0, 1)
+    ]
+    outputs = []
+    for proc in ranks:
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        outputs.append(out)
+    ok = all(p.returncode == 0 for p in ranks) and all("SUM [3.0, 3.0, 3.0] 2" in o for o in outputs)
+    report(ok, "a job of two ranks rendezvouses through the coordinator and all-reduces",
+           " | ".join(o.strip().replace("\n", " / ")[-160:] for o in outputs))
+
+
 def check_status_cli(port: int, token: str) -> None:
     env = {**os.environ, "AIOCOLL_TOKEN": token}
     cmd = ["aiocoll", "status", "--coordinator", f"{HOST}:{port}", "--job", JOB]
@@ -222,6 +263,7 @@ def main() -> int:
     asyncio.run(check_store(args.port, args.token))
     asyncio.run(check_wrong_token(args.port))
     asyncio.run(check_server_refuses_a_forged_proof(args.port))
+    check_job(args.port, args.token)
     check_http(args.http_port, args.token)
     check_status_cli(args.port, args.token)
     print(f"probe: {len(failures)} check(s) failed" if failures else "probe: every check passed", flush=True)

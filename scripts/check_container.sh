@@ -6,18 +6,21 @@
 #
 # What it does (docs/CONTAINER.md has the details and the last recorded run):
 #   1. a Debian bookworm root file system with python3 (debootstrap) is imported as the base image
-#      and cached under .container/ (gitignored); bookworm's python3 is 3.11, like python:3.11-slim;
-#   2. `podman build --isolation chroot --storage-driver vfs --from <that base>` builds the
-#      Dockerfile unchanged except for its FROM line (the Dockerfile still names python:3.11-slim);
+#      and cached under .container/ (gitignored); bookworm's python3 is 3.11, like the pinned python:3.11-slim-bookworm;
+#   2. `podman build --isolation chroot --storage-driver vfs --build-arg BASE=<that base>` builds
+#      the Dockerfile unchanged (its own BASE stays python:3.11-slim-bookworm pinned by digest,
+#      which is checked), both stages, every package from the locks in container/ with hashes;
 #   3. the image's configuration is checked: non-root user, port 29500 exposed, a health check,
-#      no torch installed;
+#      no torch, and no pip, setuptools or wheel anywhere in the final image;
 #   4. `podman run` cannot work here (it fails on setrlimit), so a container is created and
 #      mounted, and the image's own ENTRYPOINT + CMD run under chroot, as the image's user, with
 #      the image's environment plus AIOCOLL_TOKEN, in a private network namespace (so ports 29500
 #      and 29501 are the image's defaults and nothing on the host is disturbed);
 #   5. scripts/_container_probe.py runs inside the image against it: handshake + set/get/add with
-#      the token, a wrong token refused, /healthz, /metrics, /jobs, `aiocoll status`; then the
-#      image's HEALTHCHECK command runs; then SIGTERM must stop the coordinator cleanly;
+#      the token, a wrong token refused, a job of two ranks (the image's own aiocoll, two
+#      processes) rendezvousing through it and all-reducing, /healthz, /metrics, /jobs,
+#      `aiocoll status`; then the image's HEALTHCHECK command runs; then SIGTERM must stop the
+#      coordinator cleanly;
 #   6. the same token delivered as a mounted file (AIOCOLL_TOKEN_FILE) is checked the same way,
 #      and a start without any token must be refused.
 #
@@ -173,7 +176,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step "base image: Debian $SUITE with python3 (stands in for python:3.11-slim, which cannot be pulled here)"
+step "base image: Debian $SUITE with python3 (stands in for the pinned python:3.11-slim-bookworm, which cannot be pulled here)"
 if [ "$REBUILD_BASE" = 1 ]; then
     rm -f "$BASE_TAR"
     "${PODMAN[@]}" rmi -f "$BASE_IMAGE" >/dev/null 2>&1 || true
@@ -194,9 +197,23 @@ if ! "${PODMAN[@]}" image exists "$BASE_IMAGE"; then
 fi
 echo "base: $BASE_IMAGE ($("${PODMAN[@]}" image inspect --format '{{.Size}}' "$BASE_IMAGE") bytes)"
 
-step "build the Dockerfile with its base swapped by --from"
-from_line=$(grep -m1 -E '^FROM ' "$ROOT/Dockerfile")
-if [ "$from_line" = "FROM python:3.11-slim" ]; then pass "the Dockerfile names python:3.11-slim"; else fail "the Dockerfile's base is '$from_line'"; fi
+step "build the Dockerfile with the stand-in as its BASE (--build-arg)"
+base_line=$(grep -m1 -E '^ARG BASE=' "$ROOT/Dockerfile" || true)
+if [[ "$base_line" =~ ^ARG\ BASE=python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}$ ]]; then
+    pass "the Dockerfile's base is pinned by digest: ${base_line#ARG BASE=}"
+else
+    fail "the Dockerfile's base is not python:3.11-slim-bookworm pinned by digest: '$base_line'"
+fi
+if [ "$(grep -cE '^FROM \$\{BASE\}' "$ROOT/Dockerfile")" = 2 ] && [ "$(grep -cE '^FROM ' "$ROOT/Dockerfile")" = 2 ]; then
+    pass "both stages start from BASE"
+else
+    fail "the Dockerfile's stages do not both start from BASE"
+fi
+for lock in requirements.txt build-requirements.txt; do
+    pins=$(grep -cE '^[A-Za-z0-9_.-]+==' "$ROOT/container/$lock")
+    unhashed=$(awk '/^[A-Za-z0-9_.-]+==/ {if (pin && !hashed) n++; pin=1; hashed=0} /--hash=sha256:/ {hashed=1} END {if (pin && !hashed) n++; print n+0}' "$ROOT/container/$lock")
+    if [ "$pins" -gt 0 ] && [ "$unhashed" = 0 ]; then pass "container/$lock pins $pins packages, each with hashes"; else fail "container/$lock: $pins pins, $unhashed without a hash"; fi
+done
 # pip inside the build must trust what this machine trusts (here TLS to PyPI passes through a
 # proxy with its own CA): this machine's CA bundle and a pip.conf naming it are mounted for the
 # build's RUN steps only (-v), so nothing of it ends up in the image.
@@ -211,12 +228,12 @@ if [ -s "$host_ca" ]; then
     echo "pip in the build trusts $host_ca (mounted for the build only)"
 fi
 build_started=$(date +%s)
-if ! "${PODMAN[@]}" build --isolation chroot --format docker --from "$BASE_IMAGE" "${build_mounts[@]}" \
+if ! "${PODMAN[@]}" build --isolation chroot --format docker --build-arg "BASE=$BASE_IMAGE" "${build_mounts[@]}" \
         -t "$IMAGE" -f "$ROOT/Dockerfile" "$ROOT" > "$WORK/build.log" 2>&1; then
     tail -n 30 "$WORK/build.log"
     die "podman build failed (log: $WORK/build.log)"
 fi
-pass "podman build --isolation chroot --from $BASE_IMAGE ($(( $(date +%s) - build_started )) s, log: .container/build.log)"
+pass "podman build --isolation chroot --build-arg BASE=$BASE_IMAGE ($(( $(date +%s) - build_started )) s, log: .container/build.log)"
 
 step "image configuration"
 inspect() { "${PODMAN[@]}" image inspect --format "$1" "$IMAGE"; }
@@ -250,6 +267,9 @@ rootfs=$("${PODMAN[@]}" mount "$CONTAINER")
 echo "rootfs: $rootfs"
 site=$(ls -d "$rootfs"/opt/aiocoll/lib/python3*/site-packages)
 if ls "$site" | grep -qi '^torch'; then fail "torch is installed in the image"; else pass "torch is not installed"; fi
+tools=$(find "$rootfs/opt" "$rootfs/usr" -maxdepth 6 -type d \( -name 'pip' -o -name 'setuptools' -o -name 'wheel' \) -path '*-packages/*' 2>/dev/null | sed "s|^$rootfs||" | tr '\n' ' ')
+if [ -z "$tools" ]; then pass "no pip, setuptools or wheel in the final image"; else fail "packaging tools left in the image: $tools"; fi
+if [ -e "$rootfs/opt/build" ] || [ -n "$(ls "$rootfs/tmp" 2>/dev/null)" ]; then fail "the build stage's files reached the final image"; else pass "nothing of the build stage but /opt/aiocoll reached the final image"; fi
 echo "installed: $(ls "$site" | grep -i 'dist-info$' | sed 's/-[0-9].*//' | sort | tr '\n' ' ')"
 echo "image size: $(inspect '{{.Size}}') bytes (Debian $SUITE base: $("${PODMAN[@]}" image inspect --format '{{.Size}}' "$BASE_IMAGE") bytes)"
 
