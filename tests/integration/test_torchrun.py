@@ -84,7 +84,7 @@ class _Agents:
         self.procs: list[subprocess.Popen[str]] = []
 
     def start(self, name: str, endpoint: str, job: str, nnodes: str, token: Path) -> subprocess.Popen[str]:
-        conf = f"token_file={token},last_call_timeout=2,heartbeat_timeout=3,join_timeout=60"
+        conf = f"token_file={token},last_call_timeout=2,heartbeat_timeout=5,join_timeout=90"
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
             "--max-restarts", "2", "--monitor-interval", "0.2", "--rdzv-backend", "aiocoll",
