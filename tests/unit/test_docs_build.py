@@ -54,5 +54,8 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
             assert leak not in shown, f"{page.parent.name}: the reference shows {leak!r}"
         sentinel = re.search(r"=\s*(_DEFAULT\w*)", shown)  # a private default (scripts/griffe_public.py)
         assert sentinel is None, f"{page.parent.name}: a parameter defaults to {sentinel.group(1)!r}"
+        # Groups and Works are made by aiocoll, not by users: no constructor signature.
+        made = re.search(r"(ProcessGroup|Work)\s*\(\s*(runtime|core|outcome|future|store)\b", shown)
+        assert made is None, f"{page.parent.name}: the reference shows a constructor: {made.group(0)!r}"
     api = (tmp_path / "site" / "reference" / "aiocoll" / "index.html").read_text()
     assert 'id="aiocoll.Work"' in api and 'id="aiocoll.ProcessGroup.all_reduce"' in api
