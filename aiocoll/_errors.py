@@ -48,6 +48,7 @@ __all__ = [
     "CALLER_SITE",
     "chain",
     "group_name",
+    "peer_gone",
     "trim",
     "user_site",
     "warn",
@@ -322,18 +323,36 @@ class PeerLostError(DistError):
 
     Attributes:
         rank: the (global) rank that was lost; reason: what we observed.
+        left: True when the peer went in order (it destroyed the group or its process group),
+            False when it was lost (killed, crashed, silent past the heartbeat timeout, a link
+            broken).
     """
 
     __module__ = "aiocoll"
 
-    def __init__(self, rank: int, reason: str = "", message: str | None = None) -> None:
+    def __init__(
+        self, rank: int, reason: str = "", message: str | None = None, *, left: bool = False
+    ) -> None:
         self.rank = rank
+        self.left = left
         # A reason that is itself a PeerLostError's message ("lost rank 1: closed the connection")
         # loses its repeated prefix: the message says "lost rank 1" once.
         self.reason = reason = str(reason).removeprefix(f"lost rank {rank}: ")
         if message is None:
-            message = f"lost rank {rank}" + (f": {reason}" if reason else "")
+            message = peer_gone(rank, reason, left)
         super().__init__(message)
+
+
+def peer_gone(rank: int, reason: str, left: bool) -> str:
+    """How a message says that ``rank`` is gone.
+
+    "rank 1 left (...)" for a peer that went in order, "lost rank 1: ..." for one that was lost.
+    """
+    if left:
+        return reason if reason.startswith(f"rank {rank} left") else f"rank {rank} left" + (
+            f" ({reason})" if reason else ""
+        )
+    return f"lost rank {rank}" + (f": {reason}" if reason else "")
 
 
 class MismatchError(DistError):

@@ -188,6 +188,7 @@ class Matcher:
         self._finished_fifo: deque[Tag] = deque()
         self._stray_handlers: list[StrayHandler] = []
         self.lost: dict[int, str] = {}
+        self.left: set[int] = set()  # of ``lost``, the ranks that went in order (said goodbye)
         self.closed_reason: str | None = None
         # Diagnostics: payloads received straight into their receive's buffer vs. through the inbox.
         self.received_direct = 0
@@ -259,7 +260,7 @@ class Matcher:
             raise DistError(f"{self.closed_reason}; no more messages can be received")
         if src is not None:
             if src in self.lost:
-                raise PeerLostError(src, self.lost[src])
+                raise PeerLostError(src, self.lost[src], left=src in self.left)
         elif self.lost and self._no_live_source():
             last = next(reversed(self.lost))
             raise PeerLostError(last, f"every other rank is gone ({self.lost[last]})")
@@ -472,13 +473,15 @@ class Matcher:
                 log.exception("stray-message handler failed")
 
     # -- loss and closing -------------------------------------------------------------------
-    def peer_lost(self, peer: int, reason: str) -> bool:
-        """``peer``'s link is gone: fail the receives bound to it (and receives from any source
-        once no other rank is left). Its delivered messages stay receivable. False when it was
-        already known lost."""
+    def peer_lost(self, peer: int, reason: str, *, left: bool = False) -> bool:
+        """``peer``'s link is gone (``left``: in order): fail the receives bound to it (and
+        receives from any source once no other rank is left). Its delivered messages stay
+        receivable. False when it was already known lost."""
         if peer in self.lost or peer == self.rank:
             return False
         self.lost[peer] = reason
+        if left:
+            self.left.add(peer)
         self._flows.pop(peer, None)
         # Take every receive out first, then fail them: failing one may call back into its
         # operation and on into ``discard`` of other prefixes.
@@ -495,7 +498,7 @@ class Matcher:
             waiting += _take_matching(self._posted_any, lambda tag: True)
         for posted in waiting:
             if not posted.done.done():
-                posted.done.set_exception(PeerLostError(peer, reason))
+                posted.done.set_exception(PeerLostError(peer, reason, left=left))
         return True
 
     def close(self, reason: str) -> None:

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from aiocoll._env import env_int, env_seconds, env_text
-from aiocoll._errors import group_name
+from aiocoll._errors import group_name, peer_gone
 from aiocoll._signature import REPORTED, describe
 
 from . import _recorder, _stacks
@@ -177,15 +177,19 @@ class ProgressTracker:
                 f"{describe(sig or {'kind': kind})} (group {group.label!r}, seq {seq}) failed: {outcome}"
             )
 
-    def lost_peer(self, rank: int, reason: str) -> None:
-        """A peer is lost: one line saying so and what follows; the record goes to the dump."""
-        line = f"rank {self.rank}: lost rank {rank}" + (f" ({reason})" if reason else "")
-        line += "; the operations of its groups fail with PeerLostError"
+    def lost_peer(self, rank: int, reason: str, *, left: bool = False) -> None:
+        """A peer is lost (or ``left`` while operations here wait for it): one line saying so and
+        what follows; the record goes to the dump."""
+        if left:
+            gone = peer_gone(rank, reason, True)
+        else:
+            gone = f"lost rank {rank}" + (f" ({reason})" if reason else "")
+        line = f"rank {self.rank}: {gone}; the operations of its groups fail with PeerLostError"
         restarts, most = env_int("AIOCOLL_RESTART_COUNT"), env_int("AIOCOLL_MAX_RESTARTS")
         if restarts is not None and most is not None and restarts < most:
             line += f", and the launcher restarts the job (restart {restarts + 1} of {most})"
         if self.dump_dir is not None:
-            self.failed(f"lost rank {rank}" + (f" ({reason})" if reason else ""))
+            self.failed(gone)
             line += f"; this rank's record: {_recorder.dump_path(self.dump_dir, self.job, self.rank)}"
         log.warning(line)
 

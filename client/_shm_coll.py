@@ -153,7 +153,7 @@ def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray
 
 
 class _ShmOp:
-    __slots__ = ("finish", "gen", "group", "on_wait", "wait")
+    __slots__ = ("finish", "gen", "group", "mark", "on_wait", "wait")
 
     def __init__(self, group: ShmGroup, gen: OpGen, finish: Finish, on_wait: OnWait | None) -> None:
         self.group = group
@@ -161,6 +161,8 @@ class _ShmOp:
         self.finish = finish
         self.on_wait = on_wait  # told whom the operation waits for when it goes to sleep
         self.wait: Wait | None = None
+        # my counters (inp, red, done) when it began: what stopping it midway puts back
+        self.mark: tuple[int, int, int] | None = None
 
     def stop(self) -> None:
         """The engine failed this operation (deadline, closing): the group is out of step."""
@@ -711,6 +713,9 @@ class ShmGroup:
         """Run ``op`` until it waits for something not there yet (False) or ends (True)."""
         wait = op.wait
         gen = op.gen
+        if op.mark is None:
+            row = self._ctl[self.me]
+            op.mark = (row[_INP], row[_RED], row[_DONE])
         while True:
             if wait is not None and not self._ready(wait):
                 op.wait = wait
@@ -903,20 +908,36 @@ class ShmGroup:
 
     def _stop(self, op: _ShmOp) -> None:
         if op in self.queue:
+            self._complete_ready(until=op)
+        if op in self.queue:
+            head = self.queue[0]  # the one started (only the first runs): it and all after fail
             self.queue.remove(op)
             op.gen.close()
             if self.broken is None:
                 self.broken = DistError(
                     "an operation of this group was stopped midway; the group is out of step"
                 )
-            self._abandon()
+            self._abandon(head)
             self._fail_queued(self.broken)
 
-    def _abandon(self) -> None:
-        """Take our mark off the region: what we published for an operation we gave up on
-        (a deadline) must not complete it for a late peer, which then times out as we did."""
-        if self._ctl:
-            self._ctl[self.me][_OWNER] = 0
+    def _complete_ready(self, until: _ShmOp | None = None) -> None:
+        """Run the queued operations (those ahead of ``until``) that what the peers published
+        lets complete now, before the queue is failed: what a peer that left or was lost
+        published stays readable (our mapping keeps its memory), so an operation it finished
+        its part of completes here too, as a message it sent before going is still received."""
+        queue = self.queue
+        while queue and queue[0] is not until and self.broken is None and self._ctl:
+            if not self._advance(queue[0]):
+                return
+
+    def _abandon(self, op: _ShmOp) -> None:
+        """Take back what we published for an operation we gave up on (a deadline, a peer gone):
+        it must not complete it for a late peer, which then fails as we did. What we published
+        for the operations before it stays: a peer still finishing one of those completes it."""
+        mark = op.mark
+        if self._ctl and mark is not None:
+            row = self._ctl[self.me]
+            row[_INP], row[_RED], row[_DONE] = mark
 
     def fail(self, exc: BaseException) -> None:
         """Fail every queued operation (a member was lost); the group stays failed."""
@@ -925,7 +946,7 @@ class ShmGroup:
         self._waker.sleeping.discard(self)
         self._fail_queued(exc)
 
-    def peer_lost(self, rank: int, reason: str) -> None:
+    def peer_lost(self, rank: int, reason: str, *, left: bool = False) -> None:
         """Fail the group naming the rank that was lost first. A survivor that failed on a
         loss and then closed is seen closing too, and possibly before the dead rank (the
         kernel gives no order between two sockets, and a loaded machine delays one reader more
@@ -933,15 +954,23 @@ class ShmGroup:
         member that sees a peer go reads that record and names the rank the peer lost."""
         if rank not in self.ranks:
             return
+        self._complete_ready()
         if self._ctl:
             row = self._ctl[self.ranks.index(rank)]
             first = row[_LOST] - 1 if row[_OWNER] == self._owner else -1
             if first in self.ranks and first != self.ranks[self.me]:
                 reason = f"rank {rank} lost it first, then left too ({reason})"
-                rank = first
+                rank, left = first, False
             if self.broken is None:
                 self._ctl[self.me][_LOST] = rank + 1
-        self.fail(PeerLostError(rank, reason))
+        self.fail(PeerLostError(rank, reason, left=left))
+
+    def peer_lost_handler(self, rank: int, exc: BaseException) -> None:
+        """The transport's lost-peer handler (a peer lost, or gone in order)."""
+        if isinstance(exc, PeerLostError):
+            self.peer_lost(rank, exc.reason, left=exc.left)
+        else:
+            self.peer_lost(rank, str(exc))
 
     def close(self) -> None:
         """Fail what is queued and give the region back (the next group to take it marks it as
@@ -1021,7 +1050,7 @@ def intra_host_group(
         ranks_on_host=len(host.peers) + 1,
         gid=gid,
     )
-    transport.on_peer_lost(lambda rank, exc: group.peer_lost(rank, str(exc)))
+    transport.on_peer_lost(group.peer_lost_handler)
     return group
 
 

@@ -16,6 +16,13 @@ What it guarantees:
   with CollectiveTimeout naming the ranks whose messages were still outstanding.
 - A lost peer (a link closed, or the coordinator's notice) fails at once every pending operation of
   every group containing it, and those groups fail fast afterwards.
+- A peer that leaves in order says so first: destroying a group (or closing the process group,
+  which destroys every group) sends each other member a control message naming the groups it
+  leaves and, for each, the first sequence number it did not complete (``{"k": "left"}``). The
+  members fail that group's operations from there on, as PeerLostError with ``left`` set, and
+  nothing else: operations the leaver completed complete here too, other groups go on, and so
+  does point-to-point with the other members. Its links' goodbye that follows (or a link's
+  orderly close without such a message) fails what is still waiting for it.
 - A MismatchError detected on one rank is sent to the group's other ranks as a control message
   (tag ``("x",)``), so every rank involved raises it rather than hanging; ranks that completed that
   sequence number already mark the group broken, and their next call names the earlier seq.
@@ -41,6 +48,7 @@ from aiocoll._errors import (
     PeerLostError,
     chain,
     group_name,
+    peer_gone,
     trim,
 )
 from aiocoll._work import Work
@@ -290,6 +298,7 @@ class Engine:
         self._orphan_notices: dict[str, dict[int, DistError]] = {}
         self._loop = asyncio.get_running_loop()
         self._closed = False
+        self._leaving = False
         transport.on_peer_lost(self.peer_lost)
         transport.on_stray(self._on_stray)
         self._control = self._loop.create_task(self._control_loop())
@@ -319,13 +328,57 @@ class Engine:
         notices = self._orphan_notices.pop(gid, None)
         if notices:
             group.notices.update(notices)
+            for seq, notice in sorted(notices.items()):
+                if group.broken is None and isinstance(notice, PeerLostError):
+                    group.broken, group.broken_seq = notice, seq  # a member left it already
         self._groups[gid] = group
         return group
 
     def forget_group(self, gid: str) -> None:
-        group = self._groups.pop(gid, None)
-        if group is not None:
-            self._fail_pending(group, DistError(f"group {group.label!r} was destroyed"), from_seq=0)
+        """This rank destroys the group ``gid``: tell its other members, then fail what is pending."""
+        group = self._groups.get(gid)
+        if group is None:
+            return
+        for task in self._farewell([group], closing=False):
+            task.add_done_callback(_ignore_outcome)
+        del self._groups[gid]
+        self._fail_pending(group, DistError(f"group {group.label!r} was destroyed"), from_seq=0)
+
+    def _farewell(self, groups: Iterable[GroupState], *, closing: bool) -> list[asyncio.Task[None]]:
+        """Tell every other member of ``groups`` that this rank leaves them, and from which
+        sequence number of each (its first operation there not completed): one control message
+        per peer, ahead of anything it sends later (its links' goodbye)."""
+        by_peer: dict[int, dict[str, int]] = {}
+        for group in groups:
+            reached = min((op.seq for op in group.pending if op.seq >= 0), default=group.next_seq)
+            for peer in group.ranks:
+                if peer != self.rank:
+                    by_peer.setdefault(peer, {})[group.gid] = reached
+        lost = self.transport.lost_peers
+        return [
+            self._loop.create_task(
+                self.transport.send(
+                    peer, CONTROL_TAG, _EMPTY, {"k": "left", "g": "", "s": -1, "gs": seqs, "all": closing}
+                )
+            )
+            for peer, seqs in by_peer.items()
+            if peer not in lost
+        ]
+
+    def _peer_left(self, src: int, seqs: dict[str, int], closing: bool) -> None:
+        """Rank ``src`` left the groups of ``seqs`` (gid -> the first seq it did not complete)."""
+        for gid, seq in seqs.items():
+            gid, seq = str(gid), int(seq)
+            group = self._groups.get(gid)
+            label = group.label if group is not None else group_name(gid)
+            why = "closed its process group" if closing else f"destroyed group {label!r}"
+            err = PeerLostError(src, why, left=True)
+            if group is None:
+                # not formed here yet (it formed on the leaver first): failed when it forms
+                self._fail_at(gid, seq, err)
+                continue
+            if src in group.members:
+                self._break(group, err, from_seq=seq)
 
     def _lost_ranks(self) -> set[int]:
         return set(self.transport.lost_peers)
@@ -428,7 +481,7 @@ class Engine:
         else:
             seq = -1
             if group.broken is not None:
-                self._check_usable(group, kind, seq)
+                self._check_usable(group, kind, seq, peers)
             tag = ("p", group.gid, p2p_tag)
         fut: asyncio.Future[Any] = self._loop.create_future()
         op = _Op(group, kind, seq, tag, fut, signature)
@@ -456,18 +509,21 @@ class Engine:
                 self._arm(deadline)
         return op
 
-    def _check_usable(self, group: GroupState, kind: str, seq: int) -> None:
+    def _check_usable(self, group: GroupState, kind: str, seq: int, peers: Iterable[int] = ()) -> None:
         cause = group.broken
         if cause is None or (seq >= 0 and seq < group.broken_seq):
             return
+        if seq < 0 and isinstance(cause, PeerLostError) and cause.left and cause.rank not in peers:
+            return  # point-to-point with the remaining members goes on (see _fail_pending)
         where = f"{kind} (group {group.label!r}" + (f", seq {seq})" if seq >= 0 else ")")
         if isinstance(cause, PeerLostError):
             raise chain(
                 PeerLostError(
                     cause.rank,
                     cause.reason,
-                    message=f"{where} cannot run: rank {cause.rank} of this group is lost ({cause.reason}); "
-                    f"the group is unusable, create a new one from the surviving ranks",
+                    message=f"{where} cannot run: {_gone(cause)}; the group is unusable, create a new "
+                    f"one from the remaining ranks",
+                    left=cause.left,
                 ),
                 cause,
             )
@@ -715,16 +771,22 @@ class Engine:
         else:
             err = PeerLostError(rank, str(exc) or "lost")
         self.transport.mark_lost(rank, err.reason)  # re-enters here through the transport's handler; harmless
-        if rank not in self._recorded_losses and not self._closed:
+        if rank not in self._recorded_losses and not self._closed and not self._leaving:
             self._recorded_losses.add(rank)
-            self.progress.lost_peer(rank, err.reason)
+            if not err.left or any(rank in g.members and g.pending for g in self._groups.values()):
+                # (a peer that left while nothing here waits for it is the usual end of a job)
+                self.progress.lost_peer(rank, err.reason, left=err.left)
         # A turn of the loop later: a control notice that arrived just before the peer's goodbye
         # (a mismatch it found, say) has woken the control loop already, and is handled first.
         self._loop.call_soon(self._break_groups_of, rank, err)
 
     def _break_groups_of(self, rank: int, err: PeerLostError) -> None:
         for group in list(self._groups.values()):
-            if rank in group.members and not isinstance(group.broken, PeerLostError):
+            if rank not in group.members:
+                continue
+            broken = group.broken
+            # (a leave told with its farewell says from which seq; the goodbye after it adds nothing)
+            if not isinstance(broken, PeerLostError) or (broken.left and not err.left):
                 self._break(group, err, from_seq=0)
 
     def _break(
@@ -732,10 +794,19 @@ class Engine:
     ) -> None:
         if isinstance(err, MismatchError):
             self._mismatch_at = _monotonic()
-        if group.broken is None or from_seq < group.broken_seq or isinstance(err, PeerLostError):
-            if not isinstance(group.broken, PeerLostError):
+        broken = group.broken
+        if broken is None:
+            group.broken, group.broken_seq = err, from_seq
+        else:
+            # What the group's later calls are told: a lost peer outranks every other cause, and
+            # a peer that left outranks what is not a loss; an earlier failure, a later one.
+            if isinstance(err, PeerLostError):
+                replace = not isinstance(broken, PeerLostError) or (broken.left and not err.left)
+            else:
+                replace = from_seq < group.broken_seq and not isinstance(broken, PeerLostError)
+            if replace:
                 group.broken = err
-                group.broken_seq = from_seq
+            group.broken_seq = min(group.broken_seq, from_seq)
         self._fail_pending(group, err, from_seq=from_seq, except_op=except_op)
 
     def _fail_pending(
@@ -752,8 +823,12 @@ class Engine:
         try:
             while failing:
                 err, from_seq, except_op = failing[0]
+                # A peer that left in order fails the group's collectives (they need every
+                # member); point-to-point with the other members goes on, and with the rank that
+                # left its link fails it.
+                left = err.rank if isinstance(err, PeerLostError) and err.left else None
                 for op in list(group.pending):
-                    if op is except_op:
+                    if op is except_op or (left is not None and op.seq < 0 and left not in op.peers_hint):
                         continue
                     if op.seq < 0 or op.seq >= from_seq:
                         self._abort(op, _for_op(err, op))
@@ -848,6 +923,9 @@ class Engine:
         if meta.get("k") == "want":  # a stalled rank asks for a full progress report (store mode)
             self.progress.wanted = True
             return
+        if meta.get("k") == "left":
+            self._peer_left(src, dict(meta.get("gs") or {}), bool(meta.get("all")))
+            return
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))
         group = self._groups.get(gid)
@@ -940,6 +1018,11 @@ class Engine:
         linger = self._mismatch_at + _MISMATCH_LINGER - _monotonic()
         if linger > 0:
             await asyncio.sleep(linger)
+        self._leaving = True  # a peer that closed meanwhile may refuse the farewell: not a loss to log
+        farewell = self._farewell(list(self._groups.values()), closing=True)
+        if farewell:  # on the wire before the links' goodbye (bounded: a peer may be gone)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*farewell, return_exceptions=True), 1.0)
         self._closed = True
         self.progress.stop()
         for group in list(self._groups.values()):
@@ -965,14 +1048,19 @@ _FINISHED = _Finished()
 _STARTING = _Finished()  # an eager operation whose starter has not returned yet
 
 
+def _gone(err: PeerLostError) -> str:
+    """'lost rank 1 (why)', or 'rank 1 left (why)' for a peer that went in order."""
+    if err.left:
+        return peer_gone(err.rank, err.reason, True)
+    return f"lost rank {err.rank}" + (f" ({err.reason})" if err.reason else "")
+
+
 def _for_op(err: BaseException, op: _Op) -> BaseException:
     """The error as it should read for ``op`` (a group-wide failure names each operation)."""
     where = op.describe()
     if isinstance(err, PeerLostError):
         out: BaseException = PeerLostError(
-            err.rank,
-            err.reason,
-            message=f"{where} failed: lost rank {err.rank}" + (f" ({err.reason})" if err.reason else ""),
+            err.rank, err.reason, message=f"{where} failed: {_gone(err)}", left=err.left
         )
     elif isinstance(err, MismatchError):
         if err.seq == op.seq:

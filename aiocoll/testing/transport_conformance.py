@@ -360,6 +360,30 @@ class TransportConformance:
             await asyncio.wait_for(pending, _LIMIT)
         assert info.value.rank == 1
 
+    @pytest.mark.timeout(60)
+    async def test_a_peer_that_closes_in_order_is_told_to_the_lost_peer_handlers_as_left(
+        self, make_world: MakeWorld
+    ) -> None:
+        # Whoever waits on a peer without a receive of its own (a shared-memory arena, an
+        # operation waiting on a rank that waits on the one gone) hears of it from the handlers.
+        world = await make_world(3)
+        seen: list[tuple[int, Any]] = []
+        world[0].on_peer_lost(lambda rank, exc: seen.append((rank, getattr(exc, "left", None))))
+        pending = asyncio.ensure_future(_recv(world[0], 2, ("leaving",), 1))
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(world[2].aclose(), _LIMIT)
+        with pytest.raises(PeerLostError) as info:
+            await asyncio.wait_for(pending, _LIMIT)
+        assert info.value.rank == 2 and info.value.left is True
+        await _eventually(lambda: seen == [(2, True)], "rank 0's handlers hear that rank 2 left")
+        with pytest.raises(PeerLostError) as later:
+            await _recv(world[0], 2, ("later",), 1)
+        assert later.value.left is True
+        # the rank that is still there is untouched
+        await world[1].send(0, ("alive",), memoryview(b"ok"), _META)
+        assert (await _recv(world[0], 1, ("alive",), 2))[2] == b"ok"
+        assert seen == [(2, True)]
+
     # -- every link kind is a Link, and declares what the transport calls ------------------------
     @pytest.mark.timeout(60)
     async def test_every_peer_has_one_link_that_implements_the_link_interface(

@@ -56,7 +56,7 @@ __all__ = [
     "unwrap",
 ]
 
-_ATTRS = ("rank", "ranks", "missing_ranks", "seq", "group", "op", "reason", "keys")
+_ATTRS = ("rank", "ranks", "missing_ranks", "seq", "group", "op", "reason", "keys", "left")
 
 
 @dataclass
@@ -329,6 +329,7 @@ async def outcome(call: Callable[[], Any]) -> dict[str, Any]:
             "ranks": getattr(exc, "ranks", None),
             "missing": getattr(exc, "missing_ranks", None),
             "seq": getattr(exc, "seq", None),
+            "left": getattr(exc, "left", None),
             "elapsed": time.monotonic() - t0,
         }
 

@@ -240,7 +240,7 @@ class LinkTransport(Transport):
             if peer in self._links:
                 fut.set_result(None)
             elif peer in self.matcher.lost:
-                fut.set_exception(PeerLostError(peer, self.matcher.lost[peer]))
+                fut.set_exception(self._lost_error(peer))
                 fut.exception()
         return fut
 
@@ -311,13 +311,15 @@ class LinkTransport(Transport):
         if self._links.get(peer) is link:
             del self._links[peer]
             self.links_version += 1
-        if not self.matcher.peer_lost(peer, reason):
+        if not self.matcher.peer_lost(peer, reason, left=not lost):
             return
         self._fail_ready(peer, reason)
-        if lost and not self._closed:
-            exc = PeerLostError(peer, reason)
+        if not self._closed:
+            # A peer that left in order is gone as surely as a lost one: whoever waits for it
+            # without a message (a shared-memory arena) hears it from the same handlers.
+            exc = PeerLostError(peer, reason, left=not lost)
             # INFO: the engine logs the loss once, with this rank's last operations (its record).
-            log.info("rank %d lost its link to rank %d: %s", self.rank, peer, reason)
+            log.info("rank %d: the link to rank %d is gone: %s", self.rank, peer, reason)
             for handler in list(self._handlers):
                 try:
                     handler(peer, exc)
@@ -327,7 +329,7 @@ class LinkTransport(Transport):
     def _fail_ready(self, peer: int, reason: str) -> None:
         fut = self._link_ready.get(peer)
         if fut is not None and not fut.done():
-            fut.set_exception(PeerLostError(peer, reason))
+            fut.set_exception(self._lost_error(peer))
             fut.exception()
 
     # -- Transport: sending -----------------------------------------------------------------
@@ -372,7 +374,9 @@ class LinkTransport(Transport):
         return link
 
     def _lost_error(self, rank: int) -> PeerLostError:
-        return PeerLostError(rank, self.matcher.lost.get(rank, "the link is closed"))
+        return PeerLostError(
+            rank, self.matcher.lost.get(rank, "the link is closed"), left=rank in self.matcher.left
+        )
 
     # -- Transport: receiving ---------------------------------------------------------------
     async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:

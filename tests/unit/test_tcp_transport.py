@@ -134,16 +134,20 @@ async def test_closed_link_fails_pending_and_later_operations_with_peer_lost() -
     await close_all([a, b])
 
 
-async def test_orderly_close_fails_receives_without_raising_peer_lost_handlers() -> None:
+async def test_orderly_close_fails_receives_and_tells_peer_lost_handlers_that_the_peer_left() -> None:
+    # A peer that left is gone for whoever waits on it without a receive (a shared-memory arena,
+    # an operation waiting on another rank that waits on it): the handlers hear it, as left.
     a, b = await make_world(2)
-    lost: list[int] = []
-    b.on_peer_lost(lambda rank, exc: lost.append(rank))
+    lost: list[tuple[int, bool]] = []
+    b.on_peer_lost(lambda rank, exc: lost.append((rank, getattr(exc, "left", None))))
     pending = asyncio.ensure_future(b.recv(0, ("c",), memoryview(bytearray(4))))
     await a.aclose()
-    with pytest.raises(PeerLostError):
+    with pytest.raises(PeerLostError) as info:
         await asyncio.wait_for(pending, 5)
-    assert lost == []
+    assert info.value.left is True and "rank 0 left" in str(info.value)
+    assert lost == [(0, True)]
     await b.aclose()
+    assert lost == [(0, True)]  # closing ourselves afterwards tells nobody
 
 
 async def test_discard_drops_buffered_and_late_messages() -> None:

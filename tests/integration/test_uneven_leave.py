@@ -1,0 +1,92 @@
+"""A rank that runs out of data leaves in order while the others still wait for it, under the
+launcher, through aiocoll.sync, on the links a plain ``aiocoll run`` picks on one host (shared
+memory: the arena runs the collectives); and torch's new_subgroups shape, whose groups are closed
+while other groups still work.
+
+The uneven script: rank 0 runs three all_reduces, rank 1 one, then destroys its process group and
+exits 0. Rank 0's second all_reduce must fail within a second with a PeerLostError that says rank
+1 left (not a timeout after the group's whole deadline).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+UNEVEN = """
+import time, numpy as np
+import aiocoll.sync as dist
+dist.init_process_group(timeout=60)
+rank = dist.get_rank()
+x = np.ones(4, np.float32)
+started = time.monotonic()
+for i in range(3 if rank == 0 else 1):
+    try:
+        dist.all_reduce(x)
+    except Exception as exc:
+        print(f"uneven: rank {rank} call {i}: {type(exc).__name__} left={getattr(exc, 'left', None)} "
+              f"rank={getattr(exc, 'rank', None)} after {time.monotonic() - started:.2f}s: {exc}", flush=True)
+        break
+else:
+    print(f"uneven: rank {rank} finished its {i + 1} call(s)", flush=True)
+dist.destroy_process_group()
+"""
+
+SUBGROUPS = """
+import torch, torch.distributed as dist
+import aiocoll.torch  # registers the backend
+dist.init_process_group("aiocoll")
+cur, subgroups = dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=[[0, 2], [1, 3]])
+cur_sub, sub_subgroups = dist.new_subgroups(group_size=1, group=cur)
+assert len(sub_subgroups) == 2 and cur_sub.size() == 1
+for g in sub_subgroups:
+    dist.destroy_process_group(g)
+for g in subgroups:
+    dist.destroy_process_group(g)
+t = torch.ones(2)
+dist.all_reduce(t)
+assert t.tolist() == [4.0, 4.0], t
+print(f"subgroups: rank {dist.get_rank()} ok", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _launch(script: str, nproc: int, tmp_path: Path) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AIOCOLL_", "MASTER_", "RANK", "WORLD_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", str(nproc), str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    return log
+
+
+def test_a_rank_that_leaves_in_order_is_told_to_the_one_waiting_within_a_second(tmp_path: Path) -> None:
+    log = _launch(UNEVEN, 2, tmp_path)
+    assert "uneven: rank 1 finished its 1 call(s)" in log, log[-4000:]
+    found = re.search(r"uneven: rank 0 call 1: (\w+) left=(\w+) rank=(\w+) after ([\d.]+)s: (.*)", log)
+    assert found, log[-4000:]
+    kind, left, rank, _elapsed, message = found.groups()
+    assert (kind, left, rank) == ("PeerLostError", "True", "1"), found.group(0)
+    assert "rank 1 left" in message, message
+    # (how soon is the conformance suite's to bound; here, a timeout would have said so above)
+
+
+def test_torch_new_subgroups_closed_in_turn_leave_the_world_usable(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    log = _launch(SUBGROUPS, 4, tmp_path)
+    for rank in range(4):
+        assert f"subgroups: rank {rank} ok" in log, log[-4000:]
