@@ -7,8 +7,15 @@ aiocoll.device._device_threads, with a 512-byte staging buffer so that operation
 chunks). In that world every operation and every dtype is compared with numpy; two operations
 in flight at once, with one rank late, both come out right; a mismatched call raises
 MismatchError on every rank; a call whose wait is cancelled leaves its group usable
-or closed with an error, never hung, and the rest of the job usable; and a rank killed with
-SIGKILL is named by a PeerLostError on every survivor within a bound.
+or closed with an error, never hung, and the rest of the job usable; a call one rank never
+makes fails on the others with CollectiveTimeout naming it; closing groups is scoped to them
+(torch's new_subgroups shape: halves, groups of one inside, destroyed while the other half
+still works), and a member that destroys a group while another waits in it is named as left.
+Then three ranks go, each seen in a group (formed while all were there) served by the same
+provider: a rank killed with SIGKILL, a rank that leaves in order (its last operation
+completes everywhere, the next fails as left within a second), and a rank that stops
+(SIGSTOP) and is reported by the coordinator's liveness check: each is named by a
+PeerLostError on every observer within a bound.
 """
 
 from __future__ import annotations
@@ -27,17 +34,24 @@ from aiocoll.testing.world import outcome, run_world
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 STAGING = {"AIOCOLL_STAGING_CHUNK_BYTES": "512", "AIOCOLL_STAGING_BUFFERS": "2"}
-# provider -> (world size, environment, whether ranks claim two hosts)
+# provider -> (world size, environment, whether ranks claim two hosts); the routed world's
+# hosts are the even and the odd ranks, so that each group the losses are seen in (the world
+# less the ranks gone before) still spans both hosts with several ranks on one
 WORLDS: dict[str, tuple[int, dict[str, str], bool]] = {
-    "driver": (3, {"AIOCOLL_TRANSPORT": "tcp"}, False),
-    "arena": (3, {"AIOCOLL_TRANSPORT": "shm"}, False),
-    "routed": (4, {"AIOCOLL_TRANSPORT": "auto"}, True),
-    "staged": (3, {"AIOCOLL_TRANSPORT": "tcp", **STAGING}, False),
-    "ipc": (3, {"AIOCOLL_TRANSPORT": "tcp", **STAGING}, False),
+    "driver": (4, {"AIOCOLL_TRANSPORT": "tcp"}, False),
+    "arena": (4, {"AIOCOLL_TRANSPORT": "shm"}, False),
+    "routed": (5, {"AIOCOLL_TRANSPORT": "auto"}, True),
+    "staged": (4, {"AIOCOLL_TRANSPORT": "tcp", **STAGING}, False),
+    "ipc": (4, {"AIOCOLL_TRANSPORT": "tcp", **STAGING}, False),
 }
+LIVENESS = "3"  # AIOCOLL_HEARTBEAT_TIMEOUT (seconds) of every world: the silent rank's loss
+SILENT = 1  # the rank that goes silent (rank 0 holds the coordinator); n - 1 is killed, n - 2 leaves
 DTYPES = ("float32", "float64", "float16", "int8", "uint8", "int32", "int64")
 COUNT = 300  # elements: several staging chunks of every dtype but int8/uint8
 KILL_BOUND = 20.0  # seconds from a SIGKILL to the survivors' PeerLostError
+LEAVE_BOUND = 10.0  # seconds from a clean leave to the others' PeerLostError (promised: 1)
+SILENT_BOUND = 30.0  # seconds from a SIGSTOP to the others' PeerLostError (liveness: 3)
+TIMEOUT_S = 1.0  # the operation timeout of the call the last rank never makes
 SETTLE_BOUND = 15.0  # seconds within which an operation after a cancelled one must end
 
 
@@ -208,6 +222,60 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
     await pg.all_reduce(w, timeout=30)
     out["world_after_cancel"] = t.read(w).tolist()
 
+    # an operation timeout: the last rank never calls; every other rank's call names it
+    slow = await pg.new_group()
+    if r != n - 1:
+        timed = t.make(np.ones(COUNT, np.float32))
+        out["timeout"] = await outcome(lambda: slow.all_reduce(timed, timeout=TIMEOUT_S))
+
+    # a leave is scoped to the group that was closed (torch's new_subgroups shape): sub-groups of
+    # the even and of the odd ranks, groups of one inside each, all destroyed while the other
+    # half still runs operations on its sub-group and then forms a new group with everyone
+    halves = [await pg.new_group([k for k in range(n) if k % 2 == side]) for side in (0, 1)]
+    mine = halves[r % 2]
+    ones = [await mine.new_group([k]) for k in range(mine.size)]
+    for g in ones:
+        if g is not None:
+            await g.destroy()
+    if r % 2:
+        for g in halves:
+            if g is not None:
+                await g.destroy()
+    else:
+        half = t.make(np.ones(COUNT, np.float32))
+        await mine.all_reduce(half, timeout=30)
+        await asyncio.sleep(0.2)  # the odd ranks have closed theirs meanwhile
+        await mine.all_reduce(half, timeout=30)
+        out["scoped_half"] = bool(t.read(half)[0] == len(mine.ranks) ** 2)
+    # a member that destroys a group while another waits in it: told within a second, as a
+    # PeerLostError that says it left, in that group only
+    pair = await pg.new_group([0, 1])
+    if r == 1:
+        await asyncio.sleep(0.3)
+        await pair.destroy()
+    elif r == 0:
+        p = t.make(np.ones(COUNT, np.float32))
+        started = time.monotonic()
+        out["pair_left"] = await outcome(lambda: pair.all_reduce(p, timeout=60))
+        out["pair_left"]["elapsed"] = time.monotonic() - started
+    after = await pg.new_group()
+    u = t.make(np.full(COUNT, r + 1, np.float32))
+    await after.all_reduce(u, timeout=30)
+    out["scoped_new_group"] = bool(t.read(u)[0] == n * (n + 1) / 2)
+
+    # Groups for the two losses after the kill, formed while every rank is there: the rank that
+    # leaves (n - 2) and the one that goes silent (VICTIMS[provider]) are each in their own
+    # group with observers that survive the losses before it.
+    left_victim, silent_victim = n - 2, SILENT
+    gone_first = {n - 1}
+    g_left = await pg.new_group([k for k in range(n) if k not in gone_first])
+    g_silent = await pg.new_group([k for k in range(n) if k not in gone_first | {left_victim}])
+    out["loss_groups_served_by"] = [
+        g._providers.chosen.get("all_reduce", g._providers.chosen["*"])[0]
+        for g in (g_left, g_silent)
+        if g is not None
+    ]
+
     # kill -9 of the last rank: every survivor's next operation names it
     out["pids"] = await pg.all_gather_object(os.getpid(), timeout=30)
     await pg.barrier(timeout=30)  # every rank is done with the gather before the last one dies
@@ -218,10 +286,46 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
     lost = await outcome(lambda: pg.all_reduce(v, timeout=60))
     lost["elapsed"] = time.monotonic() - started
     out["lost"] = lost
+
+    # a clean leave: the rank does its last operation, destroys its process group and exits 0,
+    # while the others hold their loop (so its goodbye reaches them with its last operation's
+    # data): that operation completes on every rank, and the next one, which they called
+    # already, fails within a second as a PeerLostError that says it left
+    if r == left_victim:
+        last = t.make(np.full(COUNT, r + 1, np.float32))
+        await asyncio.sleep(0.3)
+        await g_left.all_reduce(last, timeout=60)
+        await pg.destroy()
+        if t.device is not None:
+            t.device.close()
+        return out
+    last = t.make(np.full(COUNT, r + 1, np.float32))
+    left = t.make(np.ones(COUNT, np.float32))
+    final = g_left.all_reduce(last, timeout=60)
+    nxt = g_left.all_reduce(left, timeout=60)
+    time.sleep(1.5)  # noqa: ASYNC251 (the loop is held: the leaving rank finishes and leaves meanwhile)
+    out["left_last"] = await outcome(lambda: final)
+    total = sum(k + 1 for k in g_left.ranks)
+    out["left_last"]["right"] = bool(np.array_equal(t.read(last), np.full(COUNT, total, np.float32)))
+    started = time.monotonic()
+    out["left"] = await outcome(lambda: nxt)
+    out["left"]["elapsed"] = time.monotonic() - started
+
+    # silent past the heartbeat timeout: the rank stops (SIGSTOP: its sockets stay open); the
+    # coordinator's liveness check reports it, and every observer names it
+    if r == silent_victim:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return out
+    quiet = t.make(np.ones(COUNT, np.float32))
+    started = time.monotonic()
+    out["silent"] = await outcome(lambda: g_silent.all_reduce(quiet, timeout=60))
+    out["silent"]["elapsed"] = time.monotonic() - started
+    if r == 0:
+        os.kill(out["pids"][silent_victim], signal.SIGKILL)
     if t.device is not None:  # the device's shared memory goes with it
         t.device.close()
-        mine = f"aiocoll-ipc-{os.getpid()}-"
-        out["files_left"] = [name for name in os.listdir("/dev/shm") if name.startswith(mine)]
+        mine_files = f"aiocoll-ipc-{os.getpid()}-"
+        out["files_left"] = [name for name in os.listdir("/dev/shm") if name.startswith(mine_files)]
     return out
 
 
@@ -229,15 +333,21 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
 def test_every_provider_conforms(provider: str) -> None:
     n, env, two_hosts = WORLDS[provider]
     prefix = (lambda rank: ["env", f"AIOCOLL_HOST_ID=conformance-host-{rank % 2}"]) if two_hosts else None
+    env = {**env, "AIOCOLL_HEARTBEAT_TIMEOUT": LIVENESS}
     results = run_world(conformance, n, args=(provider,), timeout=200, env=env, prefix=prefix)
-    killed = n - 1
+    killed, left, silent = n - 1, n - 2, SILENT
     assert results[killed].exitcode == -signal.SIGKILL, results[killed]
+    assert results[silent].exitcode == -signal.SIGKILL, results[silent]
+    assert results[left].exitcode == 0 and results[left].ok, results[left]
     expected = {"driver": "driver", "arena": "arena", "routed": "routed", "staged": "driver", "ipc": "driver"}
     for rank in range(killed):
         res = results[rank]
+        if rank == silent:
+            continue
         assert res.ok, res.error and res.error.traceback
         got = res.value
         assert got["served_by"] == expected[provider], got["served_by"]
+        assert got["loss_groups_served_by"] == [expected[provider]] * (1 if rank == left else 2), got
         if provider in ("staged", "ipc"):
             assert provider in got["device_paths"], got["device_paths"]
         assert got["wrong"] == [], got["wrong"]
@@ -250,9 +360,28 @@ def test_every_provider_conforms(provider: str) -> None:
         assert after["elapsed"] < SETTLE_BOUND + 5, after
         assert after["error"] is not None or after["right"], after
         assert got["world_after_cancel"] == [n * (n + 1) / 2] * 4
+        timed = got["timeout"]
+        assert timed["error"] == "CollectiveTimeout" and timed["missing"] == [killed], timed
+        if rank % 2 == 0:
+            assert got["scoped_half"] is True
+        if rank == 0:
+            pair = got["pair_left"]
+            assert pair["error"] == "PeerLostError" and pair["rank"] == 1 and pair["left"] is True, pair
+            assert "destroyed group" in pair["message"] and pair["elapsed"] < LEAVE_BOUND, pair
+        assert got["scoped_new_group"] is True
         lost = got["lost"]
-        assert lost["error"] == "PeerLostError" and lost["rank"] == killed, lost
+        assert lost["error"] == "PeerLostError" and lost["rank"] == killed and lost["left"] is False, lost
         assert lost["elapsed"] < KILL_BOUND, lost
+        if rank == left:
+            continue  # it left
+        assert got["left_last"]["error"] is None and got["left_last"]["right"], got["left_last"]
+        gone = got["left"]
+        assert gone["error"] == "PeerLostError" and gone["rank"] == left and gone["left"] is True, gone
+        assert f"rank {left} left" in gone["message"], gone
+        assert gone["elapsed"] < LEAVE_BOUND, gone
+        quiet = got["silent"]
+        assert quiet["error"] == "PeerLostError" and quiet["rank"] == silent and quiet["left"] is False, quiet
+        assert quiet["elapsed"] < SILENT_BOUND, quiet
         assert got.get("files_left", []) == [], got["files_left"]
     if provider == "ipc":
         # the killed rank could not close its device: its files go when an IPC device is next made
