@@ -199,6 +199,8 @@ class Membership:
         lost since the last call: one event (EV_MEMBER_LOST) per connection, naming up to
         LOST_RANKS_PER_EVENT of them, so that losing many members costs the size of the round
         once, not once per member."""
+        if not self._lost:  # the common call: after every read of requests
+            return
         lost, self._lost = self._lost, {}
         outbox = self.fx.outbox
         for rnd, members in lost.values():

@@ -253,7 +253,7 @@ class CoordinatorState(Effects):
 
     def _count_answered(self) -> None:
         """Hand the counts of requests answered at once to the metrics (per read, not per request)."""
-        answered, self._answered = self._answered, {}
+        answered = self._answered
         if self.observe_at_once is not None:
             for op, n in answered.items():
                 self.observe_at_once(op, n)
@@ -261,6 +261,7 @@ class CoordinatorState(Effects):
             for op, n in answered.items():
                 for _ in range(n):
                     self.observe(op, 0.0, True)
+        answered.clear()  # kept, not replaced: one dict for every read
 
     def _store_request(self, conn: Conn, h: list[Any], payload: bytes | bytearray, now: float) -> None:
         """A compact store request (protocol._store): [code, id, ...]. The store's hot path: a
