@@ -134,7 +134,7 @@ class AiocollRendezvousHandler(RendezvousHandler):
             connect_timeout=_seconds(params, "connect_timeout", DEFAULT_CONNECT_TIMEOUT),
             elastic=spec,
         )
-        console = Console.from_sys()
+        console = _TorchrunConsole.from_sys()
         console.prefix = f"[{_TorchrunNode.LABEL} {socket.gethostname()}:{os.getpid()}] ".encode()
         self._node = _TorchrunNode(_Host(self._config, console), coordinator, token or None)
         self._opened = False
@@ -233,6 +233,27 @@ class AiocollRendezvousHandler(RendezvousHandler):
             self._opened = False
             _loop_run(self._node.finish(f"node {self._node.node.name}'s agent is done"))
         return True
+
+
+class _TorchrunConsole(Console):
+    """The node rendezvous's lines in torchrun's words: its notes name `aiocoll run`'s options,
+    which a torchrun user sets under other names."""
+
+    WORDS = (
+        ("--rdzv-join-window", "--rdzv-conf last_call_timeout"),
+        ("--rdzv-timeout", "--rdzv-conf join_timeout"),
+        ("--heartbeat-timeout", "--rdzv-conf heartbeat_timeout"),
+        ("--token-file", "--rdzv-conf token_file"),
+        ("--job", "--rdzv-id"),
+        ("--coordinator", "--rdzv-endpoint"),
+        ("launchers", "torchrun agents"),
+        ("launcher", "torchrun agent"),
+    )
+
+    def log(self, message: str) -> None:
+        for theirs, ours in self.WORDS:
+            message = message.replace(theirs, ours)
+        super().log(message)
 
 
 @dataclass(frozen=True)

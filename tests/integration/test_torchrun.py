@@ -167,6 +167,9 @@ def test_torchrun_agents_rendezvous_through_a_coordinator_and_go_on_without_a_ki
         intruder = agents.start("intruder", endpoint, "elastic", "1:2", tmp_path / "wrong")
         for name in ("a0", "a1"):
             agents.wait_for(name, "RESULT job=elastic world=2 sum=2")
+        # The node rendezvous speaks torchrun's option names (the join window is last_call_timeout).
+        notes = agents.log("a0") + agents.log("a1")
+        assert "--rdzv-join-window" not in notes and "aiocoll run" not in notes, notes
         agents.wait_for("solo", "RESULT job=solo world=1 sum=1")
 
         # A wrong token is refused before anything is parsed; the job never saw that agent.
@@ -200,3 +203,16 @@ def test_torchrun_agents_rendezvous_through_a_coordinator_and_go_on_without_a_ki
     finally:
         again.send_signal(signal.SIGTERM)
         again.wait(30)
+
+
+def test_the_rendezvous_lines_name_torchruns_options() -> None:
+    import io
+
+    from aiocoll.torchrun import _TorchrunConsole
+
+    err = io.BytesIO()
+    console = _TorchrunConsole(io.BytesIO(), err)
+    console.log("waiting up to 5s (--rdzv-join-window) for more; raise --rdzv-timeout, same --job")
+    said = err.getvalue().decode()
+    assert "(--rdzv-conf last_call_timeout)" in said and "raise --rdzv-conf join_timeout" in said, said
+    assert "same --rdzv-id" in said, said
