@@ -34,6 +34,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -62,18 +63,29 @@ _guard = threading.Lock()
 _local = threading.local()
 
 
-def _thread_waiter() -> threading.Lock:
-    """This thread's waiter: a lock held by default, released once by whoever wakes the thread.
+def _take_waiter() -> threading.Lock:
+    """A lock for one wait of this thread: held, released once by whoever wakes the thread.
 
-    One per thread, made once: a blocked call costs one lock release (one wake-up) and nothing
-    allocated, where a ``concurrent.futures.Future`` makes a Condition and a lock per wait.
+    Each thread keeps its spare waiters, so a blocked call costs one lock release (one wake-up)
+    and nothing allocated, where a ``concurrent.futures.Future`` makes a Condition and a lock per
+    wait. A wait nested in another on the same thread (a signal handler that calls
+    ``dist.barrier()`` while the main thread is parked in an all_reduce) takes a second lock:
+    sharing one would hand one wait the other's wake-up.
     """
     try:
-        lock: threading.Lock = _local.waiter
+        spare: list[threading.Lock] = _local.spare
     except AttributeError:
-        lock = _local.waiter = threading.Lock()
-        lock.acquire()
+        spare = _local.spare = []
+    if spare:
+        return spare.pop()
+    lock = threading.Lock()
+    lock.acquire()
     return lock
+
+
+def _keep_waiter(lock: threading.Lock) -> None:
+    """Give back a waiter that is held again and has no release on its way."""
+    _local.spare.append(lock)
 
 
 class Outcome:
@@ -140,26 +152,32 @@ class Outcome:
     # -- read from any thread ------------------------------------------------------------------
     def _block(self, target: int, timeout: float | None) -> bool:
         """Park this thread until the state reaches ``target``; False when ``timeout`` ran out."""
-        while self._state < target:
-            lock = _thread_waiter()
-            entry = (lock, target)
+        if self._state >= target:
+            return True
+        lock = _take_waiter()
+        entry = (lock, target)
+        try:
             with _guard:
                 if self._state >= target:
+                    _keep_waiter(lock)
                     return True
                 if self._waiters is None:
                     self._waiters = [entry]
                 else:
                     self._waiters.append(entry)
-            try:
-                woken = lock.acquire(True, -1 if timeout is None else max(timeout, 0.0))
-            except BaseException:  # KeyboardInterrupt while parked: leave nothing behind
-                if not self._withdraw(entry):
-                    del _local.waiter  # its wake-up is on its way: the next wait takes a new one
-                raise
-            if not woken:
+            # The entry is released only once the state reached its target (_set_launched wakes
+            # the entries waiting for launch, _settle every entry), and only this wait uses it.
+            if not lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
                 if self._withdraw(entry):
+                    _keep_waiter(lock)
                     return False
-                lock.acquire()  # being released right now: take it back, so it is held again
+                lock.acquire()  # its release is under way: take it back, so it is held again
+        except BaseException:  # KeyboardInterrupt while parked, say: leave nothing behind
+            if self._withdraw(entry):
+                _keep_waiter(lock)
+            # else a release may be on its way to this lock: drop it, the next wait takes another
+            raise
+        _keep_waiter(lock)
         return True
 
     def _withdraw(self, entry: tuple[threading.Lock, int]) -> bool:
@@ -420,6 +438,20 @@ def _finish_core(work: _CoreWork, outcome: Outcome) -> None:
 _lock = threading.Lock()
 _loop_thread: LoopThread | None = None
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _forget_parent_threads() -> None:
+    # A forked child has none of its parent's threads: the loop thread it inherited never runs,
+    # and a lock another thread held at the fork stays held. It starts afresh on first use.
+    global _guard, _local, _lock, _loop_thread, _pool
+    _guard = threading.Lock()
+    _local = threading.local()
+    _lock = threading.Lock()
+    _loop_thread = None
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_parent_threads)
 
 
 def get_loop_thread() -> LoopThread:

@@ -5,6 +5,8 @@ callbacks off the loop thread. Real threads and the real loop thread; no network
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import threading
 import time
 from typing import Any
@@ -64,9 +66,10 @@ def test_a_wait_that_times_out_leaves_the_thread_able_to_wait_again() -> None:
     assert outcome.wait(0.05) is False and not outcome.done()
     with pytest.raises(TimeoutError):
         outcome.result(0.01)
+    assert Outcome().wait(0.01) is False  # no wake-up of the timed-out waits was left behind
     gate.set()
     assert outcome.wait(10) is True and outcome.result() == "done"
-    # the thread's waiter is ready for the next call (not left released by a stale wake-up)
+    assert Outcome().wait(0.01) is False  # nor of the wait that was woken
     again = loop_thread.issue(slow)
     assert again.result(10) == "done"
 
@@ -141,3 +144,84 @@ def test_done_callbacks_run_off_the_loop_thread_and_all_of_waits_for_every_outco
     assert combined.wait(10) and all(p.done() for p in parts)
     assert isinstance(combined.exception(), KeyError)
     assert Outcome.all_of([]).result(1) is None
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_nested_in_a_signal_handler_does_not_take_the_outer_waits_wake_up() -> None:
+    """A handler that calls a blocking operation (a SIGTERM handler that checkpoints and calls
+    dist.barrier()) while the main thread is parked in another: each wait gets its own wake-up,
+    the settling thread never fails, and the outer wait returns when its operation completes."""
+    outer, inner = Outcome(), Outcome()
+    settling_errors: list[BaseException] = []
+
+    def settle_both() -> None:
+        try:
+            time.sleep(0.3)
+            outer._set_result("outer")
+            time.sleep(0.3)
+            inner._set_result("inner")
+        except BaseException as exc:  # a lock released twice would land here
+            settling_errors.append(exc)
+
+    seen_in_handler: list[object] = []
+
+    def handler(*_: object) -> None:
+        seen_in_handler.append(inner.result(10))
+
+    previous = signal.signal(signal.SIGUSR2, handler)  # SIGALRM is pytest-timeout's
+    try:
+        threading.Thread(target=settle_both, daemon=True).start()
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        assert outer.result(5) == "outer"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert seen_in_handler == ["inner"] and not settling_errors
+    assert Outcome().wait(0.01) is False  # and no wake-up is left for the thread's next wait
+
+
+@pytest.mark.timeout(30)
+def test_a_wait_interrupted_by_keyboardinterrupt_leaves_the_next_wait_blocking() -> None:
+    interrupted = Outcome()
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR2, interrupt)
+    try:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        with pytest.raises(KeyboardInterrupt):
+            interrupted.wait(5)
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    interrupted._set_result("late")  # the interrupted wait's entry is gone: nothing is released
+    assert Outcome().wait(0.01) is False
+    later = Outcome()
+    threading.Timer(0.05, later._set_result, ("next",)).start()
+    assert later.result(5) == "next"
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_starts_its_own_loop_thread() -> None:
+    """The child of a process whose loop thread runs gets a loop thread of its own (the inherited
+    one never runs there), so a blocking call in the child completes instead of hanging."""
+    parent_thread = get_loop_thread()
+    assert parent_thread.call(lambda: 1, timeout=10) == 1
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        code = 1
+        try:
+            child_thread = get_loop_thread()
+            outcome = child_thread.issue(lambda: asyncio.sleep(0, "child"))
+            if child_thread is not parent_thread and outcome.result(10) == "child":
+                code = 0
+        finally:
+            os.write(write_end, bytes([code]))
+            os._exit(code)
+    os.close(write_end)
+    try:
+        answer = os.read(read_end, 1)
+    finally:
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    assert answer == bytes([0]), "the forked child's blocking call did not complete"
