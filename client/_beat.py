@@ -167,14 +167,19 @@ class BeatThread:
 
     def _request(self, sock: socket.socket, decoder: FrameDecoder, header: dict[str, Any]) -> dict[str, Any]:
         req_id = self._send(sock, header)
-        while True:
+        reply: dict[str, Any] | None = None
+        while reply is None:
             data = sock.recv(65536)
             if not data:
                 raise ConnectionResetError("the coordinator closed the beat connection")
+            # Every frame of the read is handled: a stack request pushed right after the reply
+            # can arrive in the same read, and the decoder does not hand it out again.
             for frame in decoder.feed(data):
-                if frame.header.get("id") == req_id:
-                    return frame.header
-                self._on_event(frame.header)
+                if reply is None and frame.header.get("id") == req_id:
+                    reply = frame.header
+                else:
+                    self._on_event(frame.header)
+        return reply
 
     def _take_events(self, sock: socket.socket, decoder: FrameDecoder) -> None:
         """Read what the coordinator pushed (the socket is readable: this does not block)."""
