@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import socket
+import time
 from time import perf_counter
 from typing import Any, Protocol, cast
 
@@ -71,6 +72,29 @@ def _error_category(exc: BaseException) -> str:
     return "other"
 
 
+# Handshakes abandoned after the challenge: this many within the window are said as a warning.
+ABANDON_WINDOW = 10.0
+ABANDON_BURST = 20
+
+
+class AbandonedHandshakes:
+    """Counts handshakes abandoned after the coordinator's challenge, to tell a burst of them."""
+
+    def __init__(self) -> None:
+        self._times: collections.deque[float] = collections.deque()  # at most ABANDON_BURST
+
+    def note(self, now: float) -> int:
+        """Count one at ``now``; the count when the window holds a burst (then start over), else 0."""
+        times = self._times
+        times.append(now)
+        while now - times[0] > ABANDON_WINDOW:
+            times.popleft()
+        if len(times) < ABANDON_BURST:
+            return 0
+        times.clear()
+        return ABANDON_BURST
+
+
 class Host(Protocol):
     """What a connection needs of the coordinator that owns it (the Coordinator is one): its
     settings, the state machine and its shares of the loop, the connections it counts, and the
@@ -84,6 +108,7 @@ class Host(Protocol):
     _stopping: bool
     _all_closed: asyncio.Event | None
     sockets: int
+    abandons: AbandonedHandshakes
     state: CoordinatorState
     metrics: CoordinatorMetrics
     turns: Turns
@@ -256,13 +281,22 @@ class Connection(asyncio.BufferedProtocol):
             if self.hs is not None and self.hs.state != "magic" and not self.closing:
                 # Gone in the middle of its handshake without a verdict: a client whose tokens
                 # differ says so first (MISMATCH), so this one exited or gave up (a rank that
-                # ends right after it started, its beat thread still connecting).
-                log.info(
+                # ends right after it started, its beat thread still connecting). Counted apart
+                # from auth failures; a burst of them after our challenge is said loudly, since
+                # collecting proofs and hanging up is how an offline guess at a weak token starts.
+                stage = "after_challenge" if self.hs.state == "auth" else "after_first_bytes"
+                coord.metrics.handshake_abandoned(stage)
+                burst = stage == "after_challenge" and coord.abandons.note(time.monotonic())
+                (log.warning if burst else log.info)(
                     "event=handshake_abandoned peer=%s job=%s reason=the client closed the connection "
-                    "in the middle of its handshake (%s)",
+                    "in the middle of its handshake (%s)%s",
                     self.peer,
                     self.hs.hello.get("job"),
-                    "after our challenge" if self.hs.state == "auth" else "after its first bytes",
+                    "after our challenge" if stage == "after_challenge" else "after its first bytes",
+                    f"; {burst} such connections within {ABANDON_WINDOW:g} s: a client collecting the "
+                    "coordinator's proofs? check who reaches this port"
+                    if burst
+                    else "",
                 )
             return
         reason = "closed by the client" if exc is None else f"connection error: {exc}"

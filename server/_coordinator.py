@@ -25,7 +25,7 @@ from aiocoll._env import env_seconds
 from aiocoll.protocol._coordinator import HEARTBEAT_TIMEOUT, RESUME_GRACE, ROLE_BEAT
 
 from ._collector import CollectorPacing
-from ._connection import Connection, Frame
+from ._connection import AbandonedHandshakes, Connection, Frame
 from ._journal import Journal
 from ._limits import open_descriptors, raise_descriptor_limit
 from ._listener import Listener
@@ -151,6 +151,7 @@ class Coordinator:
         self._http: Any = None
         self._conns: dict[int, Connection] = {}
         self._handshaking: collections.OrderedDict[Connection, None] = collections.OrderedDict()
+        self.abandons = AbandonedHandshakes()
         self._journal: Journal | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._held: list[Send] = []

@@ -155,6 +155,13 @@ class CoordinatorMetrics:
             "Connections refused because the peer did not prove it holds the token.",
             registry=reg,
         )
+        self._abandoned = Counter(
+            PREFIX + "handshakes_abandoned",
+            "Connections closed by the client in the middle of their handshake, without a verdict, by "
+            "the stage they reached (after_challenge: the client had the coordinator's proof).",
+            ["stage"],
+            registry=reg,
+        )
         self._refused = Counter(
             PREFIX + "refused_connections",
             "Connections refused before their handshake because the coordinator could not take "
@@ -210,6 +217,10 @@ class CoordinatorMetrics:
     def auth_failure(self) -> None:
         """A handshake failed authentication (wrong or missing token)."""
         self._auth_failures.inc()
+
+    def handshake_abandoned(self, stage: str) -> None:
+        """A client closed its connection in the middle of its handshake (``stage``)."""
+        self._abandoned.labels(stage).inc()
 
     def protocol_error(self, reason: str) -> None:
         """A connection was closed for breaking the protocol.

@@ -218,6 +218,8 @@ async def test_a_client_gone_in_the_middle_of_its_handshake_is_no_auth_failure(
     assert len(failed) == 1 and "the client found our proof wrong" in failed[0], messages
     assert not any("most likely" in m for m in messages), messages
     assert re.search(r"aiocoll_coordinator_auth_failures_total 1\.0", metrics), metrics
+    for stage in ("after_challenge", "after_first_bytes"):  # counted apart from auth failures
+        assert f'aiocoll_coordinator_handshakes_abandoned_total{{stage="{stage}"}} 1.0' in metrics, metrics
 
 
 @pytest.mark.timeout(90)

@@ -595,3 +595,16 @@ def test_ten_thousand_members_rendezvous_without_quadratic_work() -> None:
     # One shared encoding of the table, not one per member.
     assert len({id(p) for _, _, p in replies}) == 1
     assert sorted(hd.decode()["rank"] for _, hd, _ in replies) == list(range(n))  # type: ignore[union-attr]
+
+
+def test_a_burst_of_handshakes_abandoned_after_the_challenge_is_told_once_per_burst() -> None:
+    """Collecting the coordinator's proofs and hanging up is how an offline guess at a weak token
+    starts: ABANDON_BURST of them within ABANDON_WINDOW seconds are said (once), a slow trickle
+    never is."""
+    from aiocoll.server._connection import ABANDON_BURST, ABANDON_WINDOW, AbandonedHandshakes
+
+    trickle = AbandonedHandshakes()
+    assert not any(trickle.note(i * ABANDON_WINDOW / 2) for i in range(5 * ABANDON_BURST))
+    burst = AbandonedHandshakes()
+    told = [burst.note(100.0 + i * 0.01) for i in range(2 * ABANDON_BURST)]
+    assert told == ([0] * (ABANDON_BURST - 1) + [ABANDON_BURST]) * 2
