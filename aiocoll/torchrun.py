@@ -212,19 +212,28 @@ class AiocollRendezvousHandler(RendezvousHandler):
         """
         if self._admitted is None:
             return 0
-        return int(_loop_run(self._node.changes(self._admitted)))
+        try:
+            return int(_loop_run(self._node.changes(self._admitted)))
+        except NodeStateError as exc:
+            raise RendezvousStateError(f"job {self._run_id!r}: unreadable node state: {exc}") from exc
 
     def is_closed(self) -> bool:
-        """Whether the job is over (a node agent closed it, or it finished)."""
+        """Whether the job is over (a node agent closed it, or it finished). A coordinator that
+        does not answer now says no: the next question asks again, as num_nodes_waiting does."""
         if not self._opened:
             return False
-        return bool(_loop_run(self._node.is_over()))
+        try:
+            return bool(_loop_run(self._node.is_over()))
+        except NodeStateError as exc:
+            raise RendezvousStateError(f"job {self._run_id!r}: unreadable node state: {exc}") from exc
+        except LINK_ERRORS:
+            return False
 
     def set_closed(self) -> None:
         """Close the job: no generation forms again; the other agents learn it when they next
-        ask to join."""
+        ask to join. Bounded by the operation timeout."""
         if self._opened:
-            _loop_run(self._node.close_job(f"node {self._node.node.name} closed the job"))
+            _loop_run(self._node.close_job_bounded(f"node {self._node.node.name} closed the job"))
 
     def shutdown(self) -> bool:
         """Close the job (as torch's c10d backend does when its agent is done, failed or not) and
@@ -335,12 +344,17 @@ class _TorchrunNode(NodeRendezvous):
                     self._console.log(f"job {self._config.job!r} closed: {reason}")
                 return
 
-    async def finish(self, reason: str) -> None:
+    async def close_job_bounded(self, reason: str) -> None:
+        """``close_job`` within the operation timeout; a coordinator that does not answer (or a
+        state it cannot read) is logged, and the other agents then find this node gone."""
         try:
             await asyncio.wait_for(self.close_job(reason), self._op_timeout)
-        except (*LINK_ERRORS, NodeStateError) as exc:  # the session is closed below either way
+        except (*LINK_ERRORS, NodeStateError) as exc:
             self._console.log(f"could not close job {self._config.job!r} ({exc!r})")
-        await self.close()
+
+    async def finish(self, reason: str) -> None:
+        await self.close_job_bounded(reason)
+        await self.close()  # the session is closed whether the job could be closed or not
 
 
 def _seconds(params: RendezvousParameters, key: str, default: float) -> float:
