@@ -162,8 +162,10 @@ class AiocollWork(OutcomeQueries, td.Work):
             future = self._future
             if future is not None:
                 return future
-            self._raw = torch.futures.Future()
-            future = self._future = self._raw.then(_unwrap)
+            raw: torch.futures.Future[Any] = torch.futures.Future()
+            future = self._future = raw.then(_unwrap)
+            # (after the future: wait() reads _raw without the lock, then the future)
+            self._raw = raw
         if self._outcome.done() and not self._on_device():
             self._complete(self._outcome)  # finished: complete it here, so value() works at once
         else:
