@@ -3,7 +3,9 @@
 Imports only the standard library and aiocoll._errors (a foundation, so the engine in
 aiocoll.client can create it).
 
-A Work wraps the asyncio future the engine completes. It is awaitable on the loop (awaiting is
+A Work wraps the asyncio future the engine completes, or, for an operation that completed
+inside its call (the commonest small operation), is born complete with its result and has no
+future at all. It is awaitable on the loop (awaiting is
 shielded: cancelling the awaiting task does not cancel the operation, which keeps the group's
 sequence consistent on every rank), and ``wait`` blocks a thread outside the loop, as torch's
 ``Work.wait`` does for scripts.
@@ -28,7 +30,7 @@ class Work:
     ``recv``, the object for the object operations.
     """
 
-    __slots__ = ("_description", "_future", "_hooked", "_loop", "_waiters")
+    __slots__ = ("_description", "_future", "_hooked", "_loop", "_result", "_waiters")
 
     def __init__(
         self, future: asyncio.Future[Any], description: str | Callable[[], str] = "operation"
@@ -42,8 +44,9 @@ class Work:
                 operations never need it, and formatting it costs more than the rest of a small
                 operation's start).
         """
-        self._future = future
+        self._future: asyncio.Future[Any] | None = future
         self._loop = future.get_loop()
+        self._result: Any = None
         self._description = description
         # One future per pending ``await``: cancelling an awaiting task cancels only its own
         # waiter, never the operation (what asyncio.shield does, minus a loop iteration: the
@@ -62,12 +65,29 @@ class Work:
     @classmethod
     def completed(cls, result: Any, description: str = "operation") -> Work:
         """A Work that is already done with ``result`` (needs a running loop)."""
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(result)
-        return cls(fut, description)
+        return cls.born(result, asyncio.get_running_loop(), description)
+
+    @classmethod
+    def born(
+        cls, result: Any, loop: asyncio.AbstractEventLoop, description: str | Callable[[], str] = "operation"
+    ) -> Work:
+        """A Work born complete with ``result``, without a future.
+
+        Engine use: an operation that completed inside its call needs nothing more.
+        """
+        work = cls.__new__(cls)
+        work._future = None
+        work._result = result
+        work._loop = loop
+        work._description = description
+        work._waiters = []
+        work._hooked = False
+        return work
 
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._future
+        if fut is None:
+            return _ready(self._result)
         if fut.done():
             # the future's own iterator (C) ends at once with its result or error: no generator
             # frame for the usual small operation, finished inside its call
@@ -90,7 +110,7 @@ class Work:
     def wake(self) -> None:
         """Hand the finished operation's outcome to every pending ``await`` now (engine use)."""
         fut = self._future
-        if not fut.done() or not self._waiters:
+        if fut is None or not fut.done() or not self._waiters:
             return
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:
@@ -108,17 +128,20 @@ class Work:
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not."""
-        return self._future.done()
+        fut = self._future
+        return fut is None or fut.done()
 
     def is_success(self) -> bool:
         """True once the operation finished without an error."""
         fut = self._future
+        if fut is None:
+            return True
         return fut.done() and not fut.cancelled() and fut.exception() is None
 
     def exception(self) -> BaseException | None:
         """The operation's error once it failed; None while running or after success."""
         fut = self._future
-        if not fut.done():
+        if fut is None or not fut.done():
             return None
         if fut.cancelled():
             return asyncio.CancelledError(f"{self.description} was cancelled")
@@ -131,11 +154,18 @@ class Work:
             DistError: the operation's own error (CollectiveTimeout, PeerLostError, ...).
             asyncio.InvalidStateError: while the operation is still running.
         """
-        return self._future.result()
+        fut = self._future
+        if fut is None:
+            return self._result
+        return fut.result()
 
     def add_done_callback(self, fn: Callable[[Work], Any]) -> None:
         """Run ``fn(work)`` on the loop once the operation finished (at once if it has)."""
-        self._future.add_done_callback(lambda _fut: fn(self))
+        fut = self._future
+        if fut is None:
+            self._loop.call_soon(fn, self)
+            return
+        fut.add_done_callback(lambda _fut: fn(self))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block this thread until the operation finished; returns True (as torch's Work.wait).
@@ -153,8 +183,11 @@ class Work:
             TimeoutError: ``timeout`` passed first (the operation keeps running).
             RuntimeError: when called on the event loop's own thread.
         """
-        if self._future.done():
-            self._future.result()
+        fut = self._future
+        if fut is None:
+            return True
+        if fut.done():
+            fut.result()
             return True
         if self._loop.is_running() and _on_loop_thread(self._loop):
             raise RuntimeError(
@@ -166,15 +199,19 @@ class Work:
         def _set(_: asyncio.Future[Any]) -> None:
             done.set()
 
-        self._loop.call_soon_threadsafe(self._future.add_done_callback, _set)
+        self._loop.call_soon_threadsafe(fut.add_done_callback, _set)
         if not done.wait(timeout):
             raise TimeoutError(f"{self.description} did not finish within {timeout}s")
-        self._future.result()
+        fut.result()
         return True
 
     def get_future(self) -> concurrent.futures.Future[Any]:
         """A thread-safe concurrent.futures.Future completed with the result (or error)."""
         out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        fut = self._future
+        if fut is None:
+            out.set_result(self._result)
+            return out
 
         def _copy(fut: asyncio.Future[Any]) -> None:
             if fut.cancelled():
@@ -184,11 +221,11 @@ class Work:
             else:
                 out.set_result(fut.result())
 
-        self._loop.call_soon_threadsafe(self._future.add_done_callback, _copy)
+        self._loop.call_soon_threadsafe(fut.add_done_callback, _copy)
         return out
 
     def __repr__(self) -> str:
-        state = "done" if self._future.done() else "pending"
+        state = "done" if self.is_completed() else "pending"
         return f"<Work {self.description} {state}>"
 
 
@@ -197,3 +234,9 @@ def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def _ready(result: Any) -> Generator[Any, None, Any]:
+    """What awaiting a Work born complete runs: it ends at once with ``result``."""
+    return result
+    yield  # (a generator: ``await`` needs an iterator)

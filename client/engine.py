@@ -143,6 +143,7 @@ class _Op:
         "outstanding_recv",
         "outstanding_send",
         "peers_hint",
+        "result",
         "seq",
         "sig",
         "site",
@@ -159,32 +160,39 @@ class _Op:
         kind: str,
         seq: int,
         tag: Tag,
-        future: asyncio.Future[Any],
+        future: asyncio.Future[Any] | None,
         sig: dict[str, Any] | None = None,
     ):
         self.group = group
         self.kind = kind
         self.seq = seq
         self.tag = tag
-        self.future = future
+        # None only while an eager operation's starter runs on the straight path (Engine
+        # submit_eager): one that completes inside it never gets a future, any other gets one
+        # (``Engine._promote``) before anything else sees the operation.
+        self.future: asyncio.Future[Any] = future  # type: ignore[assignment]
         self.task: asyncio.Task[None] | None = None
         self.lane: Stoppable | None = None  # an eager operation's runner (it has no task)
         self.deadline: float | None = None
         self.timeout: float | None = None
         self.abort_exc: BaseException | None = None
+        self.result: Any = None  # (the straight path's, while its starter runs)
         self.outstanding_recv: dict[int | None, int] = {}
         self.outstanding_send: dict[int, int] = {}
         self.peers_hint: tuple[int, ...] = ()
         # Described only when something reads it, by a function that does not hold this op
         # (op -> work -> op would be a reference cycle: every operation would wait for the
         # cyclic garbage collector instead of being freed when it finishes).
-        self.work = Work(future, functools.partial(_describe, kind, group, seq))
+        self.work: Work = None if future is None else Work(future, self.describer())  # type: ignore[assignment]
         self.sig = sig  # what every rank must agree on (progress reports)
         self.site: Any = None  # where it was called (the flight recorder, client/_recorder.py)
         self.started = _monotonic()
 
     def describe(self) -> str:
         return _describe(self.kind, self.group, self.seq)
+
+    def describer(self) -> Callable[[], str]:
+        return functools.partial(_describe, self.kind, self.group, self.seq)
 
 
 def _describe(kind: str, group: GroupState, seq: int) -> str:
@@ -431,8 +439,9 @@ class Engine:
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
-        op = self._open(group, kind, timeout, None, peers, signature)
-        if op.future.done():
+        op = self._open(group, kind, timeout, None, peers, signature, straight=True)
+        registered = op.future is not None  # (a group with notices pending takes the usual path)
+        if registered and op.future.done():  # a notice failed it already
             return op.work
         transport = OpTransport(self.transport, op)
 
@@ -440,6 +449,10 @@ class Engine:
             if op.lane is _FINISHED:
                 return
             op.lane = _FINISHED
+            if op.future is None:  # inside ``start``: kept for the straight path below
+                op.result = result
+                op.abort_exc = exc
+                return
             self._settle(op, result, exc)
             self._finish(op)
 
@@ -447,17 +460,53 @@ class Engine:
         try:
             lane = start(op.tag, transport, finish)
         except BaseException as exc:
+            if op.future is None:
+                self._promote(op, None)
+            op.lane = _STARTING
             finish(None, exc)
             if not isinstance(exc, Exception):
                 raise
             return op.work
-        if op.lane is _STARTING:
-            op.lane = lane
-        elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
-            lane.stop()
-        # else it finished by itself inside the call (a small shared-memory operation): a runner
-        # that called ``finish`` is over and has nothing left to stop
+        if registered:
+            if op.lane is _STARTING:
+                op.lane = lane
+            elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
+                lane.stop()
+            # else it finished by itself inside the call: its runner is over, nothing to stop
+            return op.work
+        if op.lane is _FINISHED:
+            failure, op.abort_exc = op.abort_exc, None
+            if failure is None:
+                # The straight path: known at once, so no future, no deadline, no pending entry.
+                self.progress.record(op.kind, group, op.seq, op.sig, op.started, "ok", op.site)
+                self.transport.retire(op.tag)
+                return Work.born(op.result, self._loop, op.describer())
+            self._promote(op, None)
+            self._settle(op, None, failure)
+            self._finish(op)
+            return op.work
+        self._promote(op, lane)
         return op.work
+
+    def _promote(self, op: _Op, lane: Stoppable | None) -> None:
+        """Give an operation of the straight path what every other has (a future, its Work; a
+        deadline and a pending entry when it is still running, ``lane`` its runner)."""
+        op.future = fut = self._loop.create_future()
+        op.work = Work(fut, op.describer())
+        if lane is None:
+            return
+        op.lane = lane
+        group = op.group
+        group.pending.add(op)
+        timeout = op.timeout
+        if timeout is not None:
+            op.deadline = deadline = self._loop.time() + timeout
+            if self._timer is None or deadline < self._timer_at:
+                self._arm(deadline)
+        broken = group.broken
+        if broken is not None and op.seq >= group.broken_seq:
+            # the group broke while it started (nothing could fail it then): fail it now
+            self._abort(op, _for_op(broken, op))
 
     def _open(
         self,
@@ -467,9 +516,13 @@ class Engine:
         p2p_tag: Any,
         peers: Iterable[int],
         signature: dict[str, Any] | None = None,
+        *,
+        straight: bool = False,
     ) -> _Op:
         """Sequence and register a new operation. Its future is already failed when a notice
-        said its seq is mismatched (then it is not registered and must not be started)."""
+        said its seq is mismatched (then it is not registered and must not be started).
+        ``straight``: an eager operation that may complete inside its starter: it gets no
+        future, pending entry or deadline here (see submit_eager), unless a notice failed it."""
         if self._closed:
             raise DistError(f"{kind}: the process group is destroyed")
         if p2p_tag is None:
@@ -483,8 +536,13 @@ class Engine:
             if group.broken is not None:
                 self._check_usable(group, kind, seq, peers)
             tag = ("p", group.gid, p2p_tag)
-        fut: asyncio.Future[Any] = self._loop.create_future()
-        op = _Op(group, kind, seq, tag, fut, signature)
+        if straight and not group.notices:
+            op = _Op(group, kind, seq, tag, None, signature)
+            op.timeout = timeout
+        else:
+            straight = False
+            op = _Op(group, kind, seq, tag, self._loop.create_future(), signature)
+            fut = op.future
         if self._sites:
             # Where it was called, for the flight recorder: the public method and the frame above
             # it (one of them is the user's; client/_recorder.site_of decides, when it dumps).
@@ -496,6 +554,8 @@ class Engine:
                 pass
         if peers:
             op.peers_hint = tuple(peers)
+        if straight:
+            return op
         if group.notices and seq >= 0:
             notice = group.notices.pop(seq, None)
             if notice is not None:

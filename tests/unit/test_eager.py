@@ -454,6 +454,30 @@ async def test_submit_eager_of_a_single_rank_group_completes_inside_the_call() -
         await eng.aclose()
 
 
+async def test_an_operation_complete_inside_its_call_is_born_complete_with_no_future_or_deadline() -> None:
+    world = MemoryWorld(1)
+    eng = Engine(world[0], default_timeout=10)
+    try:
+        group = eng.group("solo", (0,))
+        x = np.arange(3)
+        work = eng.submit_eager(group, "all_reduce", eager_all_reduce(x, (0,), 0), timeout=5)
+        # the straight path: nothing to wait for, so no future, no pending entry, no deadline timer
+        assert work._future is None and not group.pending and eng._timer is None
+        assert work.is_completed() and work.is_success() and work.exception() is None
+        assert await work is x and work.result() is x and work.wait() is True
+        assert work.get_future().result(timeout=1) is x
+        seen: list[Any] = []
+        work.add_done_callback(seen.append)
+        await asyncio.sleep(0)
+        assert seen == [work] and "all_reduce" in repr(work) and "seq 0" in work.description
+        # the sequence still advances, and the operation is in the progress record
+        second = eng.submit_eager(group, "all_reduce", eager_all_reduce(x, (0,), 0), timeout=5)
+        assert "seq 1" in second.description
+        assert [entry[2] for entry in eng.progress.history][-2:] == [0, 1]
+    finally:
+        await eng.aclose()
+
+
 # ------------------------------------------------------ failures that re-enter the transport
 
 
