@@ -228,11 +228,6 @@ class ProviderTable:
         """The group's shared-memory collectives (client._shm_coll.ShmGroup), or None."""
         return None if self._arena is None else self._arena.group
 
-    @property
-    def host_parts(self) -> Any:
-        """The routed provider's intra-host parts (client/routing.HostParts), or None."""
-        return self._routed._parts
-
     # -- running -----------------------------------------------------------------------------
     def submit(
         self,
