@@ -4,6 +4,8 @@ Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._types) and clien
 the public surface. The arenas and their exchange are client._shm's; this module holds what
 runs over them: one region per group in every member's arena, the operations as generators
 that yield what they wait for, and the driver that waits (spin, then sleep on the eventfd).
+Which region a group takes, and the arena as a provider of the group's table, are
+client._shm_arena's.
 
 A group's region in each member's arena (cache lines apart, so writers do not share them):
 
@@ -60,7 +62,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -70,25 +72,12 @@ from aiocoll._errors import DistError, MismatchError, PeerLostError
 from aiocoll._reduce import combine, finish_avg, reduce_into
 from aiocoll._types import ReduceOp
 
-from ._operation import Finish, finish_with_copy_back
+from ._operation import Finish
 from ._shm import ARENA_HEADER, REGION_CONTROL, ShmHost, current_cpu, fence, region_bytes
 from ._vm_read import vm_read, vm_read_available
 from ._waiting import LATE_YIELD_S, SpinBudget, host_contended, nap, oversubscribed, spin
-from .engine import OpTransport
-from .transports._link import LinkTransport
-from .transports.shm import shm_host
 
-__all__ = [
-    "ALL_REGIONS",
-    "ArenaForming",
-    "ArenaProvider",
-    "ShmGroup",
-    "ShmWaker",
-    "intra_host_group",
-    "region_bytes",
-    "region_offer",
-    "world_group",
-]
+__all__ = ["ShmGroup", "ShmWaker", "region_bytes"]
 
 log = logging.getLogger("aiocoll.client.shm")
 
@@ -988,164 +977,3 @@ class ShmGroup:
         for v in self._raw:
             v.release()
         self._raw.clear()
-
-
-# -- wiring: the world group, and the one dispatch point's starter --------------------------
-
-_SERVED = frozenset({"all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"})
-
-
-ALL_REGIONS = (1 << 64) - 1  # what a rank that is not a member offers (see region_offer)
-
-
-def region_offer(transport: LinkTransport, members: Sequence[int]) -> int:
-    """What this rank offers when a group of ``members`` (global ranks) forms: the regions of
-    its arena free for it (a bit mask), 0 when the group cannot use shared memory from here
-    (a member without an shm link to us), all ones when we are not a member. The AND over the
-    parent group's ranks (ReduceOp.BAND) is the set every member can use; its lowest bit is
-    the group's region (``intra_host_group``). The regions offered are held back from other
-    groups until ``release_offer``."""
-    me = transport.rank
-    if me not in members:
-        return ALL_REGIONS
-    host = shm_host(transport)
-    kinds = transport.link_kinds()
-    if host is None or len(members) < 2 or any(kinds.get(r) != "shm" for r in members if r != me):
-        return 0
-    offered = host.free_regions()
-    host.regions_offered |= offered  # until release_offer: no second group forming gets them
-    return offered
-
-
-def release_offer(transport: LinkTransport, members: Sequence[int], offered: int) -> None:
-    """The group of ``members`` that ``offered`` (our ``region_offer``) was for has agreed (and
-    taken its region with ``intra_host_group``) or failed: the rest is free for other groups.
-    A rank that is not a member held nothing back (its offer of all ones says "no objection",
-    and a member's offer of every region looks the same)."""
-    host = shm_host(transport)
-    if host is not None and transport.rank in members:
-        host.regions_offered &= ~offered
-
-
-def intra_host_group(
-    transport: LinkTransport, members: Sequence[int], offers: int, gid: str
-) -> ShmGroup | None:
-    """The shared-memory side of a new group of ``members`` (global ranks, in group order), in
-    the lowest region of ``offers`` (the AND of every rank's ``region_offer``); None when there
-    is none or we are not a member."""
-    host = shm_host(transport)
-    me = transport.rank
-    if host is None or offers == 0 or me not in members:  # all ones from members: every region free
-        return None
-    region = (offers & -offers).bit_length() - 1
-    if host.waker is None:
-        host.waker = ShmWaker(host)
-    group = ShmGroup(
-        host,
-        host.waker,
-        region,
-        members,
-        list(members).index(me),
-        chunk=host.chunk,
-        ranks_on_host=len(host.peers) + 1,
-        gid=gid,
-    )
-    transport.on_peer_lost(group.peer_lost_handler)
-    return group
-
-
-def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
-    """The world group's shared-memory collectives (region 0, free on every rank at start),
-    when every other rank has an shm link (every member on this host, the memory confirmed
-    shared); else None."""
-    n = transport.world_size
-    kinds = transport.link_kinds()
-    if n < 2 or len(kinds) != n - 1 or any(k != "shm" for k in kinds.values()):
-        return None
-    return intra_host_group(transport, range(n), 1, gid)
-
-
-class ArenaProvider:
-    """The arena collectives as a provider (client/providers.py): the kinds ``ShmGroup`` serves,
-    over a group whose members all share this host, in the region they agreed on."""
-
-    name: ClassVar[str] = "arena"
-    eager: ClassVar[bool] = True
-    kinds: frozenset[str] = frozenset(_SERVED)
-
-    def __init__(self, group: ShmGroup) -> None:
-        self.group = group
-        self.why = f"every member on this host, linked by shared memory (region {group.region})"
-
-    @classmethod
-    def for_world(cls, links: LinkTransport, gid: str) -> ArenaProvider | None:
-        group = world_group(links, gid)
-        return None if group is None else cls(group)
-
-    def usable(self, links: LinkTransport) -> bool:
-        """No other member is linked to us by anything but shared memory now. A member whose link
-        is gone leaves the arena as it is: the arena fails the group's operations with that
-        member's loss itself (ShmGroup.peer_lost), and the group is then over."""
-        kinds = links.link_kinds()
-        me = links.rank
-        return all(kinds.get(r, "shm") == "shm" for r in self.group.ranks if r != me)
-
-    def prepare(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int,
-        op: ReduceOp,
-    ) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
-        """An engine starter for the operation (see client/_operation.Provider), or None for one
-        the arenas do not take (an out-of-place all_reduce)."""
-        if kind == "all_reduce" and send[0] is not recv[0]:
-            return None
-        group = self.group
-
-        def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
-            sig = _signature.pack(tag[2], meta)
-            fin = finish_with_copy_back(workings, result, finish)
-            on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
-            if kind == "all_reduce":
-                return group.all_reduce(recv[0], op, _dtype_name(recv, meta), sig, fin, on_wait)
-            if kind == "broadcast":
-                return group.broadcast(recv[0], root, sig, fin, on_wait)
-            if kind == "all_gather":
-                return group.all_gather(recv, send[0], sig, fin, on_wait)
-            if kind == "reduce_scatter":
-                return group.reduce_scatter(recv[0], send, op, _dtype_name(recv, meta), sig, fin, on_wait)
-            return group.barrier(sig, fin, on_wait)
-
-        return start
-
-    def close(self) -> None:
-        self.group.close()
-
-
-class ArenaForming:
-    """A sub-group forming: the arena regions this rank offers it (``offered``, ANDed over the
-    parent group's ranks by the formation's all_reduce), the group's arena once agreed
-    (``formed``), and the offer's end (``release``, whatever happened)."""
-
-    def __init__(self, links: LinkTransport, members: Sequence[int]) -> None:
-        self._links = links
-        self._members = members
-        self.offered = region_offer(links, members)
-
-    def formed(self, agreed: int, gid: str) -> ArenaProvider | None:
-        group = intra_host_group(self._links, self._members, agreed, gid)
-        return None if group is None else ArenaProvider(group)
-
-    def release(self) -> None:
-        release_offer(self._links, self._members, self.offered)
-
-
-def _dtype_name(recv: Sequence[np.ndarray], meta: dict[str, Any]) -> str:
-    """The canonical dtype of a reducing operation (bfloat16 travels as uint16 bits)."""
-    name = meta.get("dtype")
-    return str(name) if name else recv[0].dtype.name

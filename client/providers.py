@@ -47,7 +47,7 @@ from aiocoll.device._staged_ops import StagedOp
 from aiocoll.device._staging import DeviceSpan
 
 from ._operation import Finish, Provider, finish_with_copy_back, spec_of
-from ._shm_coll import ArenaForming, ArenaProvider
+from ._shm_arena import ArenaForming, ArenaProvider
 from .engine import Engine, GroupState, OpTransport
 from .routing import HostLayout, RoutedProvider, host_layout, run_routed
 from .transports._link import LinkTransport

@@ -46,7 +46,8 @@ from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport, run_collective
 
 from ._operation import spec_of
-from ._shm_coll import ShmGroup, intra_host_group, region_offer, release_offer
+from ._shm_arena import intra_host_group, region_offer, release_offer
+from ._shm_coll import ShmGroup
 from .transports._link import LinkTransport
 
 __all__ = [
