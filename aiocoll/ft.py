@@ -133,11 +133,32 @@ def _torch_tensor(obj: object) -> Any:
     return obj.detach()
 
 
+def _walk(state: Any) -> dict[int, tuple[Any, ...]]:
+    """Where each array of a state sits: ``id(array) -> path`` (the keys and indices leading to it).
+
+    Only through dicts, lists and tuples (a state_dict, a pytree); an array held elsewhere (an
+    attribute of an object) has no path, and is received into new memory.
+    """
+    found: dict[int, tuple[Any, ...]] = {}
+    todo: list[tuple[Any, tuple[Any, ...]]] = [(state, ())]
+    while todo:
+        obj, path = todo.pop()
+        if isinstance(obj, dict):
+            todo.extend((v, (*path, k)) for k, v in obj.items())
+        elif isinstance(obj, (list, tuple)):
+            todo.extend((v, (*path, i)) for i, v in enumerate(obj))
+        elif type(obj) is np.ndarray or _torch_tensor(obj) is not None:
+            found.setdefault(id(obj), path)
+    return found
+
+
 def pack_state(state: Any) -> tuple[np.ndarray, list[Any]]:
     """Split a state into a small pickle and the arrays it holds, for ``send_state``.
 
     Numpy arrays and dense torch tensors are kept apart and sent as they are, without a copy into
-    the pickle; everything else (containers, numbers, strings) is pickled.
+    the pickle; everything else (containers, numbers, strings) is pickled. Each array's path in
+    the state (its keys) goes with it, so that a receiver can receive it into its own array at
+    the same place.
 
     Args:
         state: any picklable object: a state_dict, a pytree of arrays.
@@ -146,17 +167,19 @@ def pack_state(state: Any) -> tuple[np.ndarray, list[Any]]:
         The pickle as a uint8 array, and the arrays in the order the pickle refers to them.
     """
     arrays: list[Any] = []
-    shapes: list[tuple[str, str, tuple[int, ...]]] = []
+    shapes: list[tuple[str, str, tuple[int, ...], tuple[Any, ...] | None]] = []
+    paths = _walk(state)
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
+            path = paths.get(id(obj))
             if type(obj) is np.ndarray and not obj.dtype.hasobject:
-                shapes.append(("np", obj.dtype.str, obj.shape))
+                shapes.append(("np", obj.dtype.str, obj.shape, path))
             else:
                 tensor = _torch_tensor(obj)
                 if tensor is None:
                     return None
-                shapes.append(("torch", str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape)))
+                shapes.append(("torch", str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), path))
                 obj = tensor
             arrays.append(obj)
             return len(arrays) - 1
@@ -165,6 +188,55 @@ def pack_state(state: Any) -> tuple[np.ndarray, list[Any]]:
     _Pickler(inner, protocol=pickle.HIGHEST_PROTOCOL).dump(state)
     outer = pickle.dumps((shapes, inner.getvalue()), protocol=pickle.HIGHEST_PROTOCOL)
     return np.frombuffer(outer, np.uint8), arrays
+
+
+def _receivable(obj: Any) -> tuple[str, str, tuple[int, ...], int] | None:
+    """(kind, dtype, shape, address) of an array a state may be received straight into, else None.
+
+    It must be in host memory, contiguous and writeable: a receive fills its memory as it is.
+    """
+    if type(obj) is np.ndarray:
+        if obj.dtype.hasobject or not obj.flags.c_contiguous or not obj.flags.writeable:
+            return None
+        return "np", obj.dtype.str, obj.shape, int(obj.__array_interface__["data"][0])
+    tensor = _torch_tensor(obj)
+    if tensor is None or tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.is_conj():
+        return None
+    return "torch", str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), int(tensor.data_ptr())
+
+
+def _buffers(shapes: Sequence[tuple[Any, ...]], into: Any) -> tuple[list[Any], int]:
+    """The arrays to receive a state's arrays into, and how many of them are ``into``'s own.
+
+    An array of the sender's state is received straight into the receiver's own array at the
+    same path (``into``: the receiver's own state) when it has the same kind, dtype and shape,
+    so that the heal writes no memory twice and touches no new memory; any other into a new
+    array. Each own array (each memory) is used once.
+    """
+    own: dict[tuple[Any, ...], Any] = {}
+    if into is not None:
+        paths = _walk(into)
+        todo: list[Any] = [into]
+        while todo:
+            obj = todo.pop()
+            if isinstance(obj, dict):
+                todo.extend(obj.values())
+            elif isinstance(obj, (list, tuple)):
+                todo.extend(obj)
+            elif id(obj) in paths:
+                own.setdefault(paths[id(obj)], obj)
+    buffers, mine, used = [], 0, set()
+    for kind, dtype, shape, *rest in shapes:
+        path = rest[0] if rest else None
+        target = own.get(path) if path is not None else None
+        fit = _receivable(target) if target is not None else None
+        if fit is not None and fit[:3] == (kind, dtype, tuple(shape)) and fit[3] not in used:
+            used.add(fit[3])
+            buffers.append(target if kind == "np" else _torch_tensor(target))
+            mine += 1
+        else:
+            buffers.append(_empty_like(kind, dtype, shape))
+    return buffers, mine
 
 
 def _empty_like(kind: str, dtype: str, shape: tuple[int, ...]) -> Any:
@@ -181,6 +253,14 @@ def _numel(array: Any) -> int:
 
 def _nbytes(array: Any) -> int:
     return int(array.nbytes) if isinstance(array, np.ndarray) else int(array.numel() * array.element_size())
+
+
+def _unpickle(inner: bytes, arrays: list[Any]) -> Any:
+    class _Unpickler(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            return arrays[pid]
+
+    return _Unpickler(io.BytesIO(inner)).load()
 
 
 async def send_state(pg: ProcessGroup, packed: tuple[np.ndarray, list[Any]], dst: int, timeout: float) -> int:
@@ -230,7 +310,14 @@ def _on_host(array: Any) -> Any:
     return array.cpu()
 
 
-async def recv_state(pg: ProcessGroup, src: int, timeout: float) -> tuple[Any, int]:
+async def recv_state(
+    pg: ProcessGroup,
+    src: int,
+    timeout: float,
+    *,
+    into: Any = None,
+    on_overwrite: Callable[[], None] | None = None,
+) -> tuple[Any, int]:
     """Receive what ``send_state`` sent from one rank of a group.
 
     The pickle comes from an authenticated peer of this job (every peer link proves the job's
@@ -240,6 +327,11 @@ async def recv_state(pg: ProcessGroup, src: int, timeout: float) -> tuple[Any, i
         pg: the group.
         src: the sending rank in ``pg``.
         timeout: seconds each receive may take.
+        into: the receiver's own state (its ``state_dict()``): arrays at the same paths with the
+            same dtype and shape (contiguous, in host memory) are received into in place, and
+            the state returned holds them; the others arrive in new arrays.
+        on_overwrite: called before the first receive into one of ``into``'s arrays (from then
+            on, a failure leaves the receiver's state partly overwritten).
 
     Returns:
         The state (arrays as numpy arrays or CPU torch tensors) and the number of bytes received.
@@ -252,19 +344,21 @@ async def recv_state(pg: ProcessGroup, src: int, timeout: float) -> tuple[Any, i
     head = np.empty(int(size[0]), np.uint8)
     await pg.recv(head, src, _HEAL_TAG, timeout=timeout)
     shapes, inner = pickle.loads(head.tobytes())
-    arrays = [_empty_like(*s) for s in shapes]
+    arrays, mine = _buffers(shapes, into)
+    if mine and on_overwrite is not None:
+        on_overwrite()
     await _all([pg.recv(a, src, _HEAL_TAG, timeout=timeout) for a in arrays if _numel(a)])
-
-    class _Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
-            return arrays[pid]
-
-    state = _Unpickler(io.BytesIO(inner)).load()
-    return state, int(head.size) + sum(_nbytes(a) for a in arrays)
+    return _unpickle(inner, arrays), int(head.size) + sum(_nbytes(a) for a in arrays)
 
 
 async def broadcast_state(
-    pg: ProcessGroup, packed: tuple[np.ndarray, list[Any]] | None, src: int, timeout: float
+    pg: ProcessGroup,
+    packed: tuple[np.ndarray, list[Any]] | None,
+    src: int,
+    timeout: float,
+    *,
+    into: Any = None,
+    on_overwrite: Callable[[], None] | None = None,
 ) -> tuple[Any, int]:
     """Send a state from one rank of a group to all the others at once (a broadcast per array).
 
@@ -277,6 +371,8 @@ async def broadcast_state(
         packed: on ``src``, what ``pack_state`` returned; elsewhere None.
         src: the sending rank in ``pg``.
         timeout: seconds each broadcast may take.
+        into: on a receiver, its own state to receive into in place (as ``recv_state``).
+        on_overwrite: as ``recv_state``'s.
 
     Returns:
         The state (on ``src``: None) and the number of bytes it holds.
@@ -298,7 +394,9 @@ async def broadcast_state(
     await pg.broadcast(head, src, timeout=timeout)
     shapes, inner = pickle.loads(head.tobytes())
     if not sending:
-        arrays = [_empty_like(*shape) for shape in shapes]
+        arrays, mine = _buffers(shapes, into)
+        if mine and on_overwrite is not None:
+            on_overwrite()
     works, staged = [], 0
     for a in arrays:
         if not _numel(a):
@@ -316,12 +414,7 @@ async def broadcast_state(
     nbytes = int(head.size) + sum(_nbytes(a) for a in arrays)
     if sending:
         return None, nbytes
-
-    class _Unpickler(pickle.Unpickler):
-        def persistent_load(self, pid: Any) -> Any:
-            return arrays[pid]
-
-    return _Unpickler(io.BytesIO(inner)).load(), nbytes
+    return _unpickle(inner, arrays), nbytes
 
 
 def _single_source(heal: Sequence[int]) -> int | None:
@@ -499,6 +592,7 @@ class Manager:
         self._failed: StepFailed | None = None  # the current step's failure
         self._in_step = False
         self._closed = False
+        self._torn = False  # a heal failed after it began to overwrite this replica's own arrays
 
     def __repr__(self) -> str:
         return (
@@ -631,6 +725,8 @@ class Manager:
                 await self._adopt(reply, deadline)
                 return self.step
             except (DistError, OSError, asyncio.TimeoutError) as exc:
+                if isinstance(exc, QuorumError):
+                    raise  # no replica to heal a torn state from: asking again cannot help
                 # A replica lost while the group formed or during a heal: ask again, for a
                 # fresh group (the lost one will be left out).
                 self._renew = True
@@ -664,6 +760,8 @@ class Manager:
             "join_timeout": self.join_timeout,
             "renew": self._renew,
         }
+        if self._torn:
+            fields["torn"] = True
         if self.replica_size > 1:
             fields["replica_rank"] = self.replica_rank
             fields["replica_size"] = self.replica_size
@@ -762,6 +860,15 @@ class Manager:
         pg = self.group
         assert pg is not None
         source = heal[self.index]
+        if self._torn and source < 0:
+            raise QuorumError(
+                f"{self._where()}: this replica's state was partly overwritten by a heal whose source "
+                f"was lost, and no replica of quorum {self.quorum_id} holds a whole state to heal from: "
+                f"start it again from a checkpoint, or start a replica that has one",
+                replica=self.replica,
+                step=self.step,
+            )
+        source = heal[self.index]
         healers = [i for i, s in enumerate(heal) if s == self.index]
         if (healers or source >= 0) and (self.state_dict is None or self.load_state_dict is None):
             raise RuntimeError(
@@ -773,8 +880,11 @@ class Manager:
             # Every other member heals from one: a broadcast spreads the sending over them.
             started = time.perf_counter()
             assert self.state_dict is not None
-            packed = pack_state(self.state_dict()) if single == self.index else None
-            state, nbytes = await broadcast_state(pg, packed, single, self.timeout)
+            own = self.state_dict()
+            packed = pack_state(own) if single == self.index else None
+            state, nbytes = await broadcast_state(
+                pg, packed, single, self.timeout, into=own, on_overwrite=self._overwriting
+            )
             if single != self.index:
                 self._healed(reply, state, nbytes, single, started)
                 return
@@ -793,13 +903,25 @@ class Manager:
             )
         if source >= 0 and single is None:
             started = time.perf_counter()
-            state, nbytes = await recv_state(pg, source, self.timeout)
+            assert self.state_dict is not None
+            state, nbytes = await recv_state(
+                pg, source, self.timeout, into=self.state_dict(), on_overwrite=self._overwriting
+            )
             self._healed(reply, state, nbytes, source, started)
+
+    def _overwriting(self) -> None:
+        """A heal starts receiving into this replica's own arrays: until it is loaded, the state is torn.
+
+        A torn replica (its heal failed: the source was lost) tells the coordinator, which never
+        takes it as a source and has it heal from any replica with a whole state.
+        """
+        self._torn = True
 
     def _healed(self, reply: dict[str, Any], state: Any, nbytes: int, source: int, started: float) -> None:
         """Load the state received from member ``source``: this replica is at the quorum's step."""
         assert self.load_state_dict is not None
         self.load_state_dict(state)
+        self._torn = False
         seconds = time.perf_counter() - started
         previous, self.step = self.step, int(reply["max_step"])
         self.last_heal = {"source": self.members[source], "bytes": nbytes, "seconds": seconds}

@@ -64,9 +64,13 @@ def heal_plan(steps: list[int]) -> list[int]:
     Members behind the most advanced step heal from the up-to-date ones, spread round-robin so
     that several healing at once do not all load one source. When no member has committed a step
     (all at 0: a job starting), every member but the first takes the first one's state, so the
-    replicas start from one initial model.
+    replicas start from one initial model. A step of -1 is a torn state (a heal into the
+    replica's own arrays failed midway): never a source; when every member is torn, nobody can
+    heal (all -1).
     """
     top = max(steps)
+    if top < 0:
+        return [-1] * len(steps)
     fresh = [i for i, s in enumerate(steps) if s == top]
     if top == 0:
         fresh = fresh[:1]
@@ -125,7 +129,9 @@ class Ask:
             self.renew,
             self.replica_rank,
             self.replica_size,
-        ) = fields
+        ) = fields[:8] + fields[9:]
+        if fields[8]:
+            self.step = -1  # a torn state: behind everyone, a source for no one
         self.waiting = True  # the timer protocol (_model.Effects.push_timer)
 
 
@@ -216,6 +222,7 @@ class Quorum:
             _count(h.get("min_replicas", 1), "min_replicas", 1, MAX_REPLICAS),
             timeout_field(h.get("join_timeout", DEFAULT_JOIN_TIMEOUT)),
             h.get("renew") is True,
+            h.get("torn") is True,
             _count(h.get("replica_rank", 0), "replica_rank", 0, MAX_REPLICAS - 1),
             _count(h.get("replica_size", 1), "replica_size", 1, MAX_REPLICAS),
         )

@@ -201,13 +201,30 @@ async def _transfer(pg: Any) -> dict[str, Any]:
 
     if pg.rank == 0:
         sent = await send_state(pg, pack_state(_state(0)), 1, 30.0)
+        await send_state(pg, pack_state(_state(0)), 1, 30.0)
         return {"sent": sent}
     state, nbytes = await recv_state(pg, 0, 30.0)
+    # Again, into the receiver's own state: the arrays at the same path with the same dtype and
+    # shape are received in place; the others (another shape, not contiguous) into new ones.
+    own = _state(1)
+    own["big"] = own["big"][:1000].copy()
+    overwrites: list[int] = []
+    into, _ = await recv_state(pg, 0, 30.0, into=own, on_overwrite=lambda: overwrites.append(1))
     return {
         "bytes": nbytes,
         "equal": _same(_state(0), state),
         "metadata": state["model"]._metadata,
         "contiguous": state["strided"].is_contiguous(),
+        "into_equal": _same(_state(0), into),
+        "in_place": {
+            "w": into["model"]["w"].data_ptr() == own["model"]["w"].data_ptr(),
+            "bf16": into["bf16"].data_ptr() == own["bf16"].data_ptr(),
+            "complex": into["nested"][0] is own["nested"][0],
+            "zero_d": into["zero_d"] is own["zero_d"],
+            "big": into["big"] is own["big"],
+            "strided": into["strided"].data_ptr() == own["strided"].data_ptr(),
+        },
+        "overwrites": len(overwrites),
     }
 
 
@@ -217,6 +234,16 @@ def test_state_transfer_moves_a_pytree_of_arrays_and_tensors_exactly() -> None:
     assert receiver["equal"] is True
     assert receiver["metadata"] == {"": {"version": 2}}
     assert receiver["bytes"] == sender["sent"] > 300_000 * 8
+    assert receiver["into_equal"] is True
+    assert receiver["in_place"] == {
+        "w": True,
+        "bf16": True,
+        "complex": True,
+        "zero_d": True,
+        "big": False,
+        "strided": False,
+    }
+    assert receiver["overwrites"] == 1
 
 
 async def _broadcast(pg: Any) -> dict[str, Any]:

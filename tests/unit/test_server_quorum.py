@@ -214,6 +214,32 @@ def test_healing_replicas_are_spread_round_robin_over_the_up_to_date_ones() -> N
     assert heal_plan([7, 7]) == [-1, -1]
     assert heal_plan([0, 0, 0]) == [-1, 0, 0]
     assert heal_plan([0, 2]) == [1, -1]
+    # -1: a torn state (a heal into the replica's own arrays failed midway), a source for no one
+    assert heal_plan([0, -1, 0]) == [-1, 0, -1]
+    assert heal_plan([-1, 0]) == [1, -1]
+    assert heal_plan([-1, -1]) == [-1, -1]
+
+
+def test_a_torn_replica_heals_even_from_a_replica_at_step_0_and_is_never_a_source() -> None:
+    r = Replicas()
+    first_quorum(r, ["a", "b"])
+    r.close("a")  # a died while b healed from it: b's arrays hold part of a's state
+    r.start("a")
+    r.ask("a", 0)
+    r.ask("b", 0, torn=True)
+    r.tick(JOIN + 0.01)
+    replies = r.replies()
+    assert sorted(replies) == ["a", "b"]
+    assert replies["b"]["members"] == [["a", 0, "host-a"], ["b", -1, "host-b"]]
+    assert replies["b"]["heal"] == [-1, 0] and replies["b"]["max_step"] == 0
+    r.close("a")  # alone and torn: no one to heal from (the Manager raises QuorumError)
+    r.ask("b", 0, torn=True)
+    r.tick(JOIN + 0.01)
+    assert r.replies() == {}  # min_replicas=2
+    r.start("c")
+    r.ask("c", 0, torn=True)
+    replies = r.replies()
+    assert replies["c"]["heal"] == [-1, -1] and replies["c"]["max_step"] == -1
 
 
 def test_a_silent_replica_is_not_waited_for_after_the_heartbeat_timeout() -> None:

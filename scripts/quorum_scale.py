@@ -1,0 +1,174 @@
+"""The coordinator's quorum with many replicas: time per quorum and the coordinator's CPU for it.
+
+A developer's tool (docs/FAULT_TOLERANCE.md, "What it costs", quotes it); run it under the bench
+lock on a shared machine:
+
+    flock /tmp/aiocoll-bench.lock python scripts/quorum_scale.py --replicas 1000 --steps 30
+
+Simulated replicas, as ``aiocoll bench --op rendezvous --simulated`` simulates hosts: a few
+processes (``--procs``, forked from one that imported only aiocoll's client, at nice +10 below
+the coordinator) each run their share of the replicas as coroutines, each replica on its own
+coordinator connection, asking for a quorum at each step exactly as ``aiocoll.ft.Manager`` does
+(the same request), with no training between two steps: each step is only its quorum. After the
+first quorum (which waits for its join window) it reports, over ``--steps`` steps:
+
+- ``latency``: per step, from the last replica's ask to the last replica's reply (the quorum's
+  own time: what the slowest replica's ``start_step`` waits beyond the others), median and worst;
+- ``period``: the wall time per step of the whole loop, the simulated replicas' own work included;
+- ``coordinator CPU``: the coordinator process's CPU time (user + system) per quorum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import secrets
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+NICE = 10
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _simulate(
+    names: list[str], port: int, token: str, steps: int, total: int, join: float, out: Any, barrier: Any
+) -> None:
+    os.nice(NICE)
+    from aiocoll.client.session import CoordinatorSession
+
+    from aiocoll._deadline import Deadline
+
+    async def replica(
+        name: str, marks: list[list[float]], first: asyncio.Future[None], counted: list[int]
+    ) -> None:
+        session = await CoordinatorSession.connect(
+            "127.0.0.1", port, token=token, job="quorum-scale", role="store", timeout=120.0
+        )
+        uid = secrets.token_hex(8)
+        try:
+            for step in range(steps + 1):
+                fields = {
+                    "replica": name,
+                    "uid": uid,
+                    "step": step,
+                    "ask": step + 1,
+                    "host": f"sim-{name}",
+                    "min_replicas": total,
+                    "join_timeout": join,
+                    "renew": False,
+                }
+                asked = time.monotonic()
+                reply, _ = await session._call("quorum", fields, deadline=Deadline(120.0), waits=True)
+                got = time.monotonic()
+                assert reply["max_step"] == step and len(reply["members"]) == total, reply
+                marks[step][0] = max(marks[step][0], asked)
+                marks[step][1] = max(marks[step][1], got)
+                if step == 0:
+                    counted[0] += 1
+                    if counted[0] == len(names):
+                        first.set_result(None)
+                    await first  # every process's replicas start step 1 together, after the parent's look
+        finally:
+            await session.aclose()
+
+    async def main() -> None:
+        marks = [[0.0, 0.0] for _ in range(steps + 1)]
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[None] = loop.create_future()
+        counted = [0]
+        every = asyncio.gather(*(replica(n, marks, first, counted) for n in names))
+        try:
+            await asyncio.wait_for(asyncio.shield(first), 300)
+        except asyncio.TimeoutError:
+            pass
+        # (a failure before the first quorum shows in ``every``)
+        if first.done():
+            await loop.run_in_executor(None, barrier.wait, 300)  # the parent reads the CPU
+            await loop.run_in_executor(None, barrier.wait, 300)
+        await every
+        out.put(("marks", marks))
+
+    try:
+        asyncio.run(main())
+    except BaseException as exc:
+        out.put(("error", f"{type(exc).__name__}: {exc}"))
+        barrier.abort()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=1000)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--procs", type=int, default=4, help="simulating processes (default 4)")
+    parser.add_argument("--join", type=float, default=2.0, help="the join window of the first quorum")
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from aiocoll.cli._bench_servers import quiet_logs, raise_fd_limit, start_coordinator
+
+    raise_fd_limit()
+    quiet_logs(False)
+    import aiocoll.client.session  # noqa: F401  (imported once, shared by every fork)
+
+    token = secrets.token_hex(16)
+    coordinator = start_coordinator(token)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        out = ctx.Queue()
+        barrier = ctx.Barrier(args.procs + 1)
+        names = [f"r{i:05d}" for i in range(args.replicas)]
+        share = [names[p :: args.procs] for p in range(args.procs)]
+        procs = [
+            ctx.Process(
+                target=_simulate,
+                args=(mine, coordinator.port, token, args.steps, args.replicas, args.join, out, barrier),
+                daemon=True,
+            )
+            for mine in share
+        ]
+        for p in procs:
+            p.start()
+        # the coordinator's CPU from the end of the first quorum to the end of the last
+        barrier.wait(600)
+        cpu_start = _cpu_seconds(int(coordinator.process.pid or 0))
+        barrier.wait(60)
+        results: list[Any] = []
+        while len(results) < len(procs):
+            kind, value = out.get(timeout=600)
+            if kind == "error":
+                raise SystemExit(f"quorum_scale: a simulating process failed: {value}")
+            results.append(value)
+        cpu_end = _cpu_seconds(int(coordinator.process.pid or 0))
+        for p in procs:
+            p.join(30)
+    finally:
+        coordinator.stop()
+    marks = [[max(r[s][0] for r in results), max(r[s][1] for r in results)] for s in range(args.steps + 1)]
+    latency = [marks[s][1] - marks[s][0] for s in range(1, args.steps + 1)]
+    period = (marks[-1][1] - marks[0][1]) / args.steps
+    load = os.getloadavg()[0]
+    print(
+        f"quorum_scale: {args.replicas} simulated replicas over {args.procs} processes (nice +{NICE}), "
+        f"{args.steps} steps after the first quorum; load {load:.1f} on {os.cpu_count()} CPUs"
+    )
+    print(
+        f"  latency (last ask -> last reply): median {statistics.median(latency) * 1e3:.1f} ms, "
+        f"worst {max(latency) * 1e3:.1f} ms"
+    )
+    print(f"  period per step (simulated replicas' work included): {period * 1e3:.1f} ms")
+    per = (cpu_end - cpu_start) / args.steps
+    print(f"  coordinator CPU per quorum: {per * 1e3:.1f} ms (user + system)")
+
+
+if __name__ == "__main__":
+    main()
