@@ -762,6 +762,8 @@ class Manager:
         }
         if self._torn:
             fields["torn"] = True
+        if self.group is not None:
+            fields["known"] = self.quorum_id  # the same quorum again: the reply leaves out its members
         if self.replica_size > 1:
             fields["replica_rank"] = self.replica_rank
             fields["replica_size"] = self.replica_size
@@ -789,7 +791,12 @@ class Manager:
         return reply
 
     async def _adopt(self, reply: dict[str, Any], deadline: Deadline) -> None:
-        qid, members, index = int(reply["quorum_id"]), reply["members"], int(reply["index"])
+        qid, index = int(reply["quorum_id"]), int(reply["index"])
+        if "members" not in reply:
+            # The quorum whose group this replica holds, formed again with the same members.
+            await self._heal(reply)
+            return
+        members = reply["members"]
         for name, host, why in reply.get("left", []):
             rank = self.members.index(name) if name in self.members else -1
             log.warning(

@@ -44,7 +44,7 @@ import msgpack
 from aiocoll.protocol._coordinator import ERR_INVALID, ERR_RENDEZVOUS, ERR_TIMEOUT
 
 from ._kv import KeyValue
-from ._model import Conn, Effects, Job, Refused, fmt_timeout, timeout_field
+from ._model import Conn, Effects, EncodedHeader, Job, Refused, fmt_timeout, timeout_field
 
 __all__ = ["DEFAULT_JOIN_TIMEOUT", "MAX_REPLICAS", "QUORUM_KEY", "Quorum", "heal_plan"]
 
@@ -74,10 +74,11 @@ def heal_plan(steps: list[int]) -> list[int]:
     fresh = [i for i, s in enumerate(steps) if s == top]
     if top == 0:
         fresh = fresh[:1]
+    sources = set(fresh)
     plan = [-1] * len(steps)
     k = 0
     for i in range(len(steps)):
-        if i not in fresh:
+        if i not in sources:
             plan[i] = fresh[k % len(fresh)]
             k += 1
     return plan
@@ -102,6 +103,7 @@ class Ask:
         "conn",
         "host",
         "join_timeout",
+        "known",
         "min_replicas",
         "renew",
         "replica",
@@ -129,6 +131,7 @@ class Ask:
             self.renew,
             self.replica_rank,
             self.replica_size,
+            self.known,
         ) = fields[:8] + fields[9:]
         if fields[8]:
             self.step = -1  # a torn state: behind everyone, a source for no one
@@ -148,7 +151,20 @@ class _Tick:
 class JobQuorum:
     """One job's quorum state: the asks gathering, the previous quorum, who was seen where."""
 
-    __slots__ = ("asks", "first_at", "gone", "job", "last", "next_id", "ranks_of", "seen", "tick")
+    __slots__ = (
+        "asks",
+        "by_name",
+        "first_at",
+        "gone",
+        "incomplete",
+        "job",
+        "last",
+        "next_id",
+        "pending",
+        "ranks_of",
+        "seen",
+        "tick",
+    )
 
     def __init__(self, job: Job) -> None:
         self.job = job
@@ -162,14 +178,48 @@ class JobQuorum:
         self.tick: _Tick | None = None
         # a replica of several ranks -> its ranks ([uid, step, host, ask]) in the last quorum it was in
         self.ranks_of: dict[str, list[list[Any]]] = {}
+        # Kept as asks come and go, so that an ask costs the same with 10 replicas or 4,000:
+        self.incomplete: set[str] = set()  # replicas some but not all of whose ranks asked
+        self.by_name: dict[str, list[Any]] = {}  # the previous quorum's members by replica
+        self.pending: dict[str, list[Any]] = {}  # ... of them, those not (all ranks) asking now
         raw = job.kv.get(QUORUM_KEY)
         if raw is not None:
             record = msgpack.unpackb(bytes(raw), raw=False)
-            self.last = {"id": record["id"], "members": record["members"]}
+            self.set_last({"id": record["id"], "members": record["members"]})
             self.next_id = record["next"]
             for m in record["members"]:
                 if len(m) > 5:
                     self.ranks_of[m[0]] = m[5]
+
+    def set_last(self, record: dict[str, Any]) -> None:
+        """The quorum just formed (or read back) becomes the previous one, which the next waits for."""
+        self.last = record
+        self.by_name = {m[0]: m for m in record["members"]}
+        self.pending = {name: m for name, m in self.by_name.items() if not _complete(self.asks.get(name, {}))}
+
+    def recount(self, name: str) -> None:
+        """Replica ``name``'s asks changed: whether it is complete, and still waited for."""
+        ranks = self.asks.get(name)
+        done = _complete(ranks or {})
+        if ranks and not done:
+            self.incomplete.add(name)
+        else:
+            self.incomplete.discard(name)
+        member = self.by_name.get(name)
+        if member is None:
+            return
+        if done:
+            self.pending.pop(name, None)
+        elif name not in self.pending:
+            self.pending[name] = member
+            if self.tick is not None:  # waited for again: the next decision time is recomputed
+                self.tick.waiting = False
+                self.tick = None
+
+
+def _complete(ranks: dict[int, Ask]) -> bool:
+    """Whether every rank of a replica asked."""
+    return bool(ranks) and len(ranks) == next(iter(ranks.values())).replica_size
 
 
 def _text(value: object, what: str, limit: int = MAX_NAME_CHARS) -> str:
@@ -184,6 +234,53 @@ def _count(value: object, what: str, low: int, high: int) -> int:
     if type(value) is not int or not low <= value <= high:
         raise Refused(ERR_INVALID, f"quorum: {what!r} must be an integer in {low}..{high}, got {value!r}")
     return value
+
+
+class _Replies:
+    """The replies to one quorum's asks: what they share is encoded once, not once per replica.
+
+    A replica that says it holds the group of this very quorum (``known``), formed again with
+    the same members, gets the reply without the member list (it has it): with many replicas
+    that list is most of the bytes the coordinator would write.
+    """
+
+    def __init__(self, record: dict[str, Any], left: list[list[str]], *, same: bool = False) -> None:
+        members = record["members"]
+        steps = [m[2] for m in members]
+        self.qid = record["id"]
+        self.same = same
+        self.max_step = max(steps)
+        self.heal = heal_plan(steps)
+        self.index = {m[0]: i for i, m in enumerate(members)}
+        self._record = record
+        self._left = left
+        self._full: bytes | None = None
+        self._compact: bytes | None = None
+
+    def _shared(self, full: bool) -> bytes:
+        fields: dict[str, Any] = {"ok": True, "quorum_id": self.qid}
+        if full:
+            members = self._record["members"]
+            fields["members"] = [[m[0], m[2], m[3]] for m in members]
+            fields["hosts"] = [[r[2] for r in shards(m)] for m in members]
+        fields.update(max_step=self.max_step, heal=self.heal, left=self._left)
+        packed: bytes = msgpack.packb(fields)
+        return packed
+
+    def reply(self, req_id: int, replica: str, known: int) -> EncodedHeader:
+        """The reply to ask ``req_id`` of ``replica``, which holds the group of quorum ``known``."""
+        if self.same and known == self.qid:
+            if self._compact is None:
+                self._compact = self._shared(False)
+            shared = self._compact
+        else:
+            if self._full is None:
+                self._full = self._shared(True)
+            shared = self._full
+        head = msgpack.packb({"id": req_id, "index": self.index[replica]})
+        # two maps of at most 15 entries in all, joined: one fixmap of their entries
+        entries = (head[0] & 0x0F) + (shared[0] & 0x0F)
+        return EncodedHeader((bytes([0x80 | entries]) + head[1:], shared[1:]))
 
 
 class Quorum:
@@ -225,6 +322,7 @@ class Quorum:
             h.get("torn") is True,
             _count(h.get("replica_rank", 0), "replica_rank", 0, MAX_REPLICAS - 1),
             _count(h.get("replica_size", 1), "replica_size", 1, MAX_REPLICAS),
+            _count(h.get("known", 0), "known", 0, 1 << 62),
         )
         timeout = timeout_field(h.get("timeout"))
         now = self.fx.started
@@ -240,18 +338,15 @@ class Quorum:
             )
         key = (a.replica, a.replica_rank)
         last = jq.last
-        if last is not None and not a.renew:
-            for m in last["members"]:
-                ranks = shards(m)
-                if m[0] != a.replica or len(ranks) != a.replica_size:
-                    continue
-                uid, step, _, ask = ranks[a.replica_rank]
-                if uid == a.uid and ask == a.ask and step == a.step:
-                    # This ask formed the previous quorum already: its reply was lost with a link
-                    # (a coordinator restart); the same answer again.
-                    self._note(jq, key, conn)
-                    self.fx.reply(conn, req_id, "quorum", now, self._reply(req_id, last, a.replica, []))
-                    return
+        m = jq.by_name.get(a.replica) if not a.renew else None
+        if last is not None and m is not None and len(shards(m)) == a.replica_size:
+            uid, step, _, ask = shards(m)[a.replica_rank]
+            if uid == a.uid and ask == a.ask and step == a.step:
+                # This ask formed the previous quorum already: its reply was lost with a link
+                # (a coordinator restart); the same answer again.
+                self._note(jq, key, conn)
+                self.fx.reply(conn, req_id, "quorum", now, _Replies(last, []).reply(req_id, a.replica, 0))
+                return
         others = jq.asks
         mine = others.get(a.replica, {})
         for other in mine.values():
@@ -295,6 +390,7 @@ class Quorum:
             jq.first_at = now
         others[a.replica] = mine
         mine[a.replica_rank] = a
+        jq.recount(a.replica)
         self._note(jq, key, conn)
         if timeout is not None:
             self.fx.push_timer(now + timeout, a, self._expire_ask)
@@ -322,11 +418,6 @@ class Quorum:
             return f"its connection ({conn.peer}) was silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
         return None
 
-    @staticmethod
-    def _complete(ranks: dict[int, Ask]) -> bool:
-        """Whether every rank of a replica asked."""
-        return bool(ranks) and len(ranks) == next(iter(ranks.values())).replica_size
-
     def _missing(self, jq: JobQuorum, m: list[Any], now: float) -> tuple[list[Key], list[str] | None]:
         """A previous member's ranks that have not asked, and why it is left out (None: wait).
 
@@ -346,48 +437,50 @@ class Quorum:
                 return missing, [m[0], host, why]
         return missing, None
 
-    def _consider(self, jq: JobQuorum, now: float) -> None:
-        """Form the job's quorum if it may form now; otherwise arm the next decision time."""
+    def _waited(self, jq: JobQuorum, now: float) -> bool:
+        """Whether a replica of the previous quorum that has not asked is still waited for.
+
+        Stops at the first one: while replicas ask, that is almost always the first looked at.
+        """
+        return any(self._missing(jq, m, now)[1] is None for m in jq.pending.values())
+
+    def _untick(self, jq: JobQuorum) -> None:
         if jq.tick is not None:
             jq.tick.waiting = False
             jq.tick = None
-        last = jq.last
-        out: dict[str, list[str]] = {}  # previous members left out, by replica: [replica, host, why]
-        waited: dict[str, list[Key]] = {}  # previous members waited for: their ranks not asking
-        if last is not None:
-            for m in last["members"]:
-                if self._complete(jq.asks.get(m[0], {})):
-                    continue
-                missing, why = self._missing(jq, m, now)
-                if why is None:
-                    waited[m[0]] = missing
-                else:
-                    out[m[0]] = why
-        for name, ranks in list(jq.asks.items()):
-            if not self._complete(ranks):
-                self._fail_rest(jq, name, now)
+
+    def _consider(self, jq: JobQuorum, now: float) -> None:
+        """Form the job's quorum if it may form now; otherwise arm the next decision time.
+
+        Costs the same for each ask however many replicas there are (counts and the set of
+        previous members not asking are kept as asks come and go), except when a quorum forms.
+        """
+        for name in [n for n in jq.incomplete if n in jq.ranks_of]:
+            self._fail_rest(jq, name, now)
         asks = jq.asks
         if not asks:
+            self._untick(jq)
             return
         first = next(iter(next(iter(asks.values())).values()))
-        if sum(self._complete(ranks) for ranks in asks.values()) < first.min_replicas:
+        if len(asks) - len(jq.incomplete) < first.min_replicas:
+            self._untick(jq)
             return  # only another ask can change that (or the asks' own timeouts)
-        left = list(out.values())
-        if last is not None and not waited:
-            self._form(jq, left, now)
+        if jq.last is not None and not self._waited(jq, now):
+            self._form(jq, now)
             return
         window = jq.first_at + first.join_timeout
         if now >= window:
-            assert last is not None or not waited
-            for r in waited:
-                host = next(m[3] for m in last["members"] if m[0] == r) if last is not None else "?"
-                left.append([r, host, f"did not ask within the join window ({first.join_timeout:g}s)"])
-            self._form(jq, left, now)
+            self._form(jq, now)
             return
+        if jq.tick is not None:
+            return  # armed no later than needed: asks and heartbeats only move the time on
         due = window
         limit = self.heartbeat_timeout()
-        for keys in waited.values():
-            for key in keys:
+        for m in jq.pending.values():
+            missing, why = self._missing(jq, m, now)
+            if why is not None:
+                continue
+            for key in missing:
                 conn = jq.seen.get(key)
                 if conn is not None:
                     due = min(due, conn.last_seen + limit + 0.001)
@@ -429,6 +522,7 @@ class Quorum:
                 )
         if not asked:
             del jq.asks[name]
+        jq.recount(name)
 
     def _expire_tick(self, tick: _Tick) -> None:
         tick.waiting = False
@@ -445,6 +539,7 @@ class Quorum:
         del mine[a.replica_rank]
         if not mine:
             del jq.asks[a.replica]
+        jq.recount(a.replica)
         now = self.fx.clock()
         asked = [a, *sorted((o for r in jq.asks.values() for o in r.values()), key=lambda o: o.replica)]
         named = ", ".join(
@@ -462,7 +557,7 @@ class Quorum:
             waited = [
                 f"{m[0]} (host {m[3]})"
                 for m in jq.last["members"]
-                if not self._complete(jq.asks.get(m[0], {})) and m[0] != a.replica
+                if not _complete(jq.asks.get(m[0], {})) and m[0] != a.replica
             ]
             if waited:
                 detail += f"; waited for replicas of quorum {jq.last['id']}: {', '.join(waited)}"
@@ -477,8 +572,19 @@ class Quorum:
         )
         self._consider(jq, now)
 
-    def _form(self, jq: JobQuorum, left: list[list[str]], now: float) -> None:
-        complete = sorted(name for name, ranks in jq.asks.items() if self._complete(ranks))
+    def _form(self, jq: JobQuorum, now: float) -> None:
+        self._untick(jq)
+        left: list[list[str]] = []  # previous members left out: [replica, host, why]
+        late: list[list[str]] = []
+        for m in jq.pending.values():
+            why = self._missing(jq, m, now)[1]
+            if why is not None:
+                left.append(why)
+            else:
+                join = next(iter(next(iter(jq.asks.values())).values())).join_timeout
+                late.append([m[0], m[3], f"did not ask within the join window ({join:g}s)"])
+        left += late
+        complete = sorted(name for name in jq.asks if name not in jq.incomplete)
         groups = [sorted(jq.asks.pop(name).values(), key=lambda a: a.replica_rank) for name in complete]
         if jq.asks:
             jq.first_at = now  # replicas not complete yet: they gather for the next quorum
@@ -493,52 +599,37 @@ class Quorum:
             members.append(member)
         ident = [[m[0], [r[0] for r in shards(m)]] for m in members]
         same = last is not None and ident == [[m[0], [r[0] for r in shards(m)]] for m in last["members"]]
-        if same and not any(a.renew for g in groups for a in g):
+        same = same and not any(a.renew for g in groups for a in g)
+        if same:
             assert last is not None
             qid = last["id"]
         else:
             qid = jq.next_id
             jq.next_id += 1
         record = {"id": qid, "members": members}
-        jq.last = record
+        jq.set_last(record)
         self._persist(jq)
-        steps = [m[2] for m in members]
+        replies = _Replies(record, left, same=same)
         log.info(
-            "job=%s event=quorum id=%d members=%s steps=%s left_out=%s heal=%s",
+            "job=%s event=quorum id=%d members=%d left_out=%s max_step=%d heal=%s",
             jq.job.name,
             qid,
-            [m[0] for m in members],
-            steps,
+            len(members),
             [entry[0] for entry in left],
-            heal_plan(steps),
+            replies.max_step,
+            {i: s for i, s in enumerate(replies.heal) if s >= 0},
         )
         for g in groups:
             for a in g:
                 a.waiting = False
                 self.fx.reply(
-                    a.conn, a.req_id, "quorum", a.started, self._reply(a.req_id, record, a.replica, left)
+                    a.conn, a.req_id, "quorum", a.started, replies.reply(a.req_id, a.replica, a.known)
                 )
 
     def _persist(self, jq: JobQuorum) -> None:
         assert jq.last is not None
         value = msgpack.packb({"id": jq.last["id"], "next": jq.next_id, "members": jq.last["members"]})
         self.kv._put(jq.job, QUORUM_KEY, value)
-
-    @staticmethod
-    def _reply(req_id: int, record: dict[str, Any], replica: str, left: list[list[str]]) -> dict[str, Any]:
-        members = record["members"]
-        steps = [m[2] for m in members]
-        return {
-            "id": req_id,
-            "ok": True,
-            "quorum_id": record["id"],
-            "members": [[m[0], m[2], m[3]] for m in members],
-            "hosts": [[r[2] for r in shards(m)] for m in members],
-            "index": next(i for i, m in enumerate(members) if m[0] == replica),
-            "max_step": max(steps),
-            "heal": heal_plan(steps),
-            "left": left,
-        }
 
     # ------------------------------------------------------------------ connections
     def disconnect(self, conn: Conn, reason: str) -> None:
@@ -560,6 +651,7 @@ class Quorum:
                 del mine[key[1]]
                 if not mine:
                     del jq.asks[key[0]]
+                jq.recount(key[0])
             if jq not in touched:
                 touched.append(jq)
         for jq in touched:

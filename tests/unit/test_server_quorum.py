@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from aiocoll.server import CoordinatorState
+from aiocoll.server._model import EncodedHeader
 from aiocoll.server._quorum import QUORUM_KEY, heal_plan
 from store_frames import StateDriver
 
@@ -78,6 +79,8 @@ class Replicas:
         by_conn = {c: r for r, c in self.conns.items()}
         out = {}
         for conn, header, _ in self.state.outbox:
+            if isinstance(header, EncodedHeader):
+                header = header.decode()
             if conn in by_conn and isinstance(header, dict) and header.get("id") in self.quorum_ids:
                 out[by_conn[conn]] = header
         self.state.outbox.clear()
@@ -215,7 +218,8 @@ def test_healing_replicas_are_spread_round_robin_over_the_up_to_date_ones() -> N
     assert heal_plan([0, 0, 0]) == [-1, 0, 0]
     assert heal_plan([0, 2]) == [1, -1]
     # -1: a torn state (a heal into the replica's own arrays failed midway), a source for no one
-    assert heal_plan([0, -1, 0]) == [-1, 0, -1]
+    assert heal_plan([0, -1, 0]) == [-1, 0, 0]  # all at 0: everyone takes the first one's state
+    assert heal_plan([3, -1, 3]) == [-1, 0, -1]
     assert heal_plan([-1, 0]) == [1, -1]
     assert heal_plan([-1, -1]) == [-1, -1]
 
