@@ -133,7 +133,16 @@ async def _serve(args: argparse.Namespace, token: str | None) -> int:
     await coord.serve_forever()
     for task in stopping:
         await task
+    # Drained. A signal from here until the process is gone still exits at once with its code:
+    # the loop's handlers go with the loop, and the default action would kill the process.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(signum)
+        signal.signal(signum, _exit_at_once)
     return 0
+
+
+def _exit_at_once(signum: int, _frame: object) -> None:
+    os._exit(128 + signum)
 
 
 def main(args: argparse.Namespace) -> int:

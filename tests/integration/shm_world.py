@@ -174,18 +174,26 @@ def dev_shm_in_use() -> list[str]:
     return mapped + [h for h in held if h.startswith("/dev/shm")]
 
 
-async def polled_ping_pongs(pg: Any, seconds: float = 0.2) -> int:
+async def polled_ping_pongs(pg: Any, seconds: float = 0.2, *, until_one_polled: bool = False) -> int:
     """After a barrier, 4-byte round trips between ranks 0 and 1 of ``pg`` for ``seconds``
     (longer than a pause of the polling after waits that outlasted it; other ranks only take
     part in the barrier); returns how many receives of this rank completed while its event
-    loop was kept polling for them."""
+    loop was kept polling for them. ``until_one_polled``: rank 0 goes on past ``seconds``
+    until one of its receives did (for links that poll)."""
     await pg.barrier()
-    before = pg._rt.transport.polled_arrivals
+    transport = pg._rt.transport
+    before = transport.polled_arrivals
     buf = np.ones(1, np.float32)  # rank 0 sends 1 to go on, 0 for the last round trip
     end = time.monotonic() + seconds
+    # On a loaded machine a peer descheduled past the polling window makes every wait of a short
+    # run a miss: with until_one_polled, rank 0 goes on (up to 30 s) until one of its receives
+    # came while polling.
+    latest = end + (30.0 if until_one_polled else 0.0)
     while pg.rank in (0, 1):
         if pg.rank == 0:
-            buf[0] = 1.0 if time.monotonic() < end else 0.0
+            now = time.monotonic()
+            go_on = now < end or (transport.polled_arrivals == before and now < latest)
+            buf[0] = 1.0 if go_on else 0.0
             last = buf[0] == 0.0
             await pg.send(buf, dst=1)
             await pg.recv(buf, src=1)

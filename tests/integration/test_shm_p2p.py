@@ -88,7 +88,7 @@ async def ring_checks(pg: Any) -> dict[str, Any]:
             ok.append(bool(np.array_equal(y, np.arange(1 << 20, dtype=np.float32))))
     out["p2p"] = ok
     # a waiting receive keeps the loop polling for a moment over shm links (no sleep, no wake-up)
-    out["polled"] = await polled_ping_pongs(pg)
+    out["polled"] = await polled_ping_pongs(pg, until_one_polled=True)
     # the collectives the driver runs over links, 3 MiB per rank (several chunks each)
     m = 3 << 18
     v = np.arange(m, dtype=np.float32) * (r + 1)
