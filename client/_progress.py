@@ -113,7 +113,8 @@ class ProgressTracker:
         self.dumps = 0  # dumps written
         self._dumped_at = -_DUMP_EVERY
         self._dump_due: asyncio.TimerHandle | None = None
-        self._failure: str | None = None  # the first failure not yet in a dump
+        self._failure: str | None = None  # what the next dump says (None: no failure since the last)
+        self._reasons: list[str] = []  # every failure so far (the first few): a dump names them all
         self._loop: asyncio.AbstractEventLoop | None = None
         self.loop_stamp = time.monotonic()
         self._stamper: asyncio.TimerHandle | None = None
@@ -162,10 +163,12 @@ class ProgressTracker:
         start: float,
         outcome: str,
         site: Any = None,
+        future: Any = None,
     ) -> None:
         """An operation of ``group`` finished (``outcome``: "ok", "cancelled" or the error's class
         name). ``sig`` is the operation's message meta as given (made wire-safe only when
-        reported); ``site`` where it was called (client/_recorder.take_site). With a timeline
+        reported); ``site`` where it was called (the engine takes it, client/_recorder.site_of
+        reads it); ``future`` its future (read only when it failed). With a timeline
         (AIOCOLL_TIMELINE), it is written there too; a timeout, lost peer or mismatch writes the
         dump (AIOCOLL_DUMP_DIR)."""
         end = time.monotonic()
@@ -173,8 +176,10 @@ class ProgressTracker:
         if self.timeline is not None:
             self.timeline.add(kind, group.gid, group.label, seq, sig, start, end, outcome, group.index)
         if outcome != "ok" and outcome in _DUMPED_OUTCOMES and self.dump_dir is not None:
+            error = future.exception() if future is not None else None
+            said = f"{outcome}: {error}" if error is not None else outcome
             self.failed(
-                f"{describe(sig or {'kind': kind})} (group {group.label!r}, seq {seq}) failed: {outcome}"
+                f"{describe(sig or {'kind': kind})} (group {group.label!r}, seq {seq}) failed: {said}"
             )
 
     def lost_peer(self, rank: int, reason: str, *, left: bool = False) -> None:
@@ -198,8 +203,9 @@ class ProgressTracker:
         """An operation failed: dump now, or with the failures that follow within _DUMP_EVERY."""
         if self.dump_dir is None:
             return
-        if self._failure is None:
-            self._failure = why
+        if why not in self._reasons and len(self._reasons) < 8:
+            self._reasons.append(why)
+        self._failure = "; ".join(self._reasons)
         if self._dump_due is not None:
             return
         wait = self._dumped_at + _DUMP_EVERY - time.monotonic()

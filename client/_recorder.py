@@ -2,10 +2,12 @@
 
 The ring itself is the progress tracker's record of finished operations (client/_progress.py,
 ``ProgressTracker.history``), sized by AIOCOLL_FLIGHT_RECORDER (default 2000; 0 keeps only the
-HISTORY operations progress reports need, and takes no call sites). This module holds what the
-hot path stores for a call site (``take_site``: two code objects and offsets, read into file:line
-only when a dump is written), the dump itself (``write_dump``: ``DIR/<job>-rank<R>.json`` when
-AIOCOLL_DUMP_DIR is set), and the SIGUSR1 handler that dumps every live tracker of the process.
+HISTORY operations progress reports need, and takes no call sites). This module reads what the
+hot path stores for a call site (the engine takes the user's frame's code object and offset at
+the call, at a depth ``user_depth`` found once per kind of call; ``site_of`` turns them into
+file:line only when a dump is written), writes the dump
+(``write_dump``: ``DIR/<job>-rank<R>.json`` when AIOCOLL_DUMP_DIR is set), and holds the SIGUSR1
+handler that dumps every live tracker of the process.
 
 May import the standard library, aiocoll._env and aiocoll._errors only; never the engine (it
 hands its trackers here) nor the public surface.
@@ -30,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from types import CodeType
+from types import CodeType, FrameType
 from typing import Any
 
 from aiocoll._env import env_int, env_text
@@ -46,7 +48,7 @@ __all__ = [
     "dump_path",
     "register",
     "site_of",
-    "take_site",
+    "user_depth",
     "write_dump",
 ]
 
@@ -54,11 +56,10 @@ log = logging.getLogger("aiocoll.client.recorder")
 
 DEFAULT_CAPACITY = 2000
 DUMP_VERSION = 1
-# (code, offset) of the two frames above the engine's entry, and the site the blocking facade
-# passed along (aiocoll._errors.CALLER_SITE) when the call came through its loop thread.
-Site = tuple[CodeType, int, "CodeType | None", int, Any]
+# (code, offset) of the user's frame, and the site the blocking facade passed along
+# (aiocoll._errors.CALLER_SITE) when the call came through its loop thread.
+Site = tuple[CodeType, int, Any]
 
-_getframe = sys._getframe
 # The site the blocking facade passed along with a call (the engine stores it with the frames).
 caller_site = CALLER_SITE.get
 
@@ -78,21 +79,14 @@ def dump_dir() -> str | None:
     return env_text("AIOCOLL_DUMP_DIR") or None
 
 
-def take_site(depth: int) -> Site | None:
-    """The frame ``depth`` levels above the caller and the one above it, as code and offset.
-
-    Two frames because the public method that reached the engine lies one or two frames above
-    its entry; which of them is the user's is decided when a dump is written (``site_of``), not
-    here: this runs once per operation and must stay a few attribute reads.
-    """
-    try:
-        f = _getframe(depth + 1)
-    except ValueError:
-        return None
-    b = f.f_back
-    if b is None:
-        return (f.f_code, f.f_lasti, None, -1, caller_site())
-    return (f.f_code, f.f_lasti, b.f_code, b.f_lasti, caller_site())
+def user_depth(frame: FrameType | None) -> int:
+    """How many frames above ``frame`` the first one outside aiocoll (and asyncio) is."""
+    skip = _package_dirs()
+    depth = 0
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame = frame.f_back
+        depth += 1
+    return depth
 
 
 def _package_dirs() -> tuple[str, ...]:
@@ -118,12 +112,9 @@ def site_of(site: Site | None, not_user: tuple[str, ...] | None = None) -> dict[
     if site is None:
         return None
     skip = not_user if not_user is not None else _package_dirs()
-    code, offset, back, back_offset, passed = site
-    for c, off in ((code, offset), (back, back_offset)):
-        if c is None:
-            break
-        if not os.path.abspath(c.co_filename).startswith(skip):
-            return {"file": c.co_filename, "line": _line_of(c, off), "function": c.co_name}
+    code, offset, passed = site
+    if not os.path.abspath(code.co_filename).startswith(skip):
+        return {"file": code.co_filename, "line": _line_of(code, offset), "function": code.co_name}
     if passed is not None:  # through the blocking facade: the line that called it
         filename, line, module_globals = passed
         return {"file": filename, "line": int(line), "function": str(module_globals.get("__name__", "?"))}

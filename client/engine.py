@@ -63,6 +63,7 @@ from aiocoll.algorithms._transport import (
 
 from ._progress import ProgressTracker
 from ._recorder import caller_site as _caller_site
+from ._recorder import user_depth as _user_depth
 
 __all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
@@ -133,6 +134,9 @@ class GroupState:
 
 
 class _Op:
+    # Where it was called (the flight recorder, client/_recorder.py): set by Engine._open.
+    site: Any
+
     __slots__ = (
         "abort_exc",
         "deadline",
@@ -185,7 +189,6 @@ class _Op:
         # cyclic garbage collector instead of being freed when it finishes).
         self.work: Work = None if future is None else Work(future, self.describer())  # type: ignore[assignment]
         self.sig = sig  # what every rank must agree on (progress reports)
-        self.site: Any = None  # where it was called (the flight recorder, client/_recorder.py)
         self.started = _monotonic()
 
     def describe(self) -> str:
@@ -544,14 +547,23 @@ class Engine:
             op = _Op(group, kind, seq, tag, self._loop.create_future(), signature)
             fut = op.future
         if self._sites:
-            # Where it was called, for the flight recorder: the public method and the frame above
-            # it (one of them is the user's; client/_recorder.site_of decides, when it dumps).
+            # Where it was called, for the flight recorder: the user's frame, found by a walk the
+            # first time a kind of call comes this way, then taken at its depth (a frame the user
+            # holds is read without being made; a walk would make every frame of aiocoll's).
+            passed = _caller_site()  # the blocking facade's caller (its call runs on this thread)
+            depths = _site_depths if passed is None else _facade_depths
+            depth = depths.get(kind) if signature is not None else None  # (unsigned: staged, rare)
+            if depth is None:
+                depth = _user_depth(_getframe(0))
+                if signature is not None:
+                    depths[kind] = depth
             try:
-                f = _getframe(4)
-                b: Any = f.f_back
-                op.site = (f.f_code, f.f_lasti, b.f_code, b.f_lasti, _caller_site())
-            except (ValueError, AttributeError):  # a stack this shallow has no user frame to name
-                pass
+                f = _getframe(depth)
+                op.site = (f.f_code, f.f_lasti, passed)
+            except ValueError:  # a stack this shallow has no user frame to name
+                op.site = None
+        else:
+            op.site = None
         if peers:
             op.peers_hint = tuple(peers)
         if straight:
@@ -679,7 +691,7 @@ class Engine:
                 if failure is not None:
                     outcome = type(failure).__name__
         # issue 10 hook: the record of the last operations (logged on a failure)
-        self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome, op.site)
+        self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome, op.site, fut)
         if op.seq < 0:
             return
         if outcome != "ok":
@@ -1159,6 +1171,10 @@ async def _counting(pending: dict[Any, int], key: Any, transfer: Awaitable[_T]) 
 
 _monotonic = time.monotonic
 _getframe = sys._getframe
+# kind -> how many frames above Engine._open the user's frame is, called directly and through
+# the blocking facade (whose calls run on its loop thread: their user is aiocoll.sync's lambda)
+_site_depths: dict[str, int] = {}
+_facade_depths: dict[str, int] = {}
 
 
 def _ignore_outcome(task: asyncio.Task[Any]) -> None:
