@@ -30,7 +30,7 @@ import torch
 from aiocoll._sync_loop import get_loop_thread, issue_on_caller_streams
 from aiocoll.ft import Manager
 
-__all__ = ["FaultTolerantOptimizer", "Manager"]
+__all__ = ["DiLoCo", "FaultTolerantOptimizer", "Manager"]
 
 
 class FaultTolerantOptimizer:
@@ -182,3 +182,114 @@ def _unflatten(grads: list[torch.Tensor], flats: list[torch.Tensor]) -> None:
         start = offsets[key]
         g.copy_(by_key[key][start : start + g.numel()].view_as(g))
         offsets[key] = start + g.numel()
+
+
+class DiLoCo:
+    """DiLoCo over the Manager: local inner steps, and a fault-tolerant outer step every ``sync_every``.
+
+    Every ``sync_every`` inner steps the replicas of the quorum average their pseudo-gradients
+    (the parameters at the last sync minus the parameters now) and an outer optimizer applies
+    them. A cycle starts with a quorum (``zero_grad`` of its first inner step: a replica that is
+    behind heals there, receiving the parameters of the last sync and the outer optimizer's
+    state); it ends, at the ``sync_every``-th ``step``, with the average over the quorum, the
+    commit, and the outer step, applied only if committed. A replica lost during a cycle fails
+    its end on the others: nobody applies it, every replica goes back to the parameters of the
+    last sync, and the next cycle's quorum leaves the lost one out. Communication: one average
+    of the parameters' size and one quorum per ``sync_every`` inner steps, against one of each
+    per step for ``FaultTolerantOptimizer``. ``manager.step`` counts the syncs committed.
+
+    Args:
+        manager: this replica's Manager; its ``state_dict``/``load_state_dict``, when unset,
+            become the parameters of the last sync and the outer optimizer's state.
+        model: the module whose parameters are trained.
+        inner_optimizer: the optimizer of the local steps (over ``model``'s parameters).
+        outer_optimizer: the optimizer of the syncs, over the same parameters (DiLoCo's: SGD
+            with Nesterov momentum); the pseudo-gradient is its gradient.
+        sync_every: inner steps per sync (H).
+
+    Attributes:
+        local_step: inner steps done since the last sync (0..sync_every-1).
+        committed: whether the last sync was applied (None before the first).
+    """
+
+    def __init__(
+        self,
+        manager: Manager,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        outer_optimizer: torch.optim.Optimizer,
+        sync_every: int,
+    ) -> None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"DiLoCo: sync_every must be a positive int, got {sync_every!r}")
+        self.manager = manager
+        self.model = model
+        self.inner = inner_optimizer
+        self.outer = outer_optimizer
+        self.sync_every = sync_every
+        self.local_step = 0
+        self.committed: bool | None = None
+        self._params = [p for p in model.parameters()]
+        with torch.no_grad():
+            self._synced = [p.detach().clone() for p in self._params]
+        if manager.state_dict is None:
+            manager.state_dict = self._state
+        if manager.load_state_dict is None:
+            manager.load_state_dict = self._load
+
+    def _state(self) -> dict[str, Any]:
+        return {"synced": self._synced, "outer": self.outer.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for mine, value, p in zip(self._synced, state["synced"], self._params, strict=True):
+                mine.copy_(value)  # nothing to copy when it was received in place
+                p.copy_(mine)
+        self.outer.load_state_dict(state["outer"])
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients; at a cycle's first inner step, its quorum first (and a heal).
+
+        Raises:
+            aiocoll.ft.QuorumError: no quorum within the Manager's quorum_timeout.
+        """
+        if self.local_step == 0:
+            get_loop_thread().run(self.manager.start_step())
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> bool | None:
+        """An inner step; at the ``sync_every``-th, the sync.
+
+        Returns:
+            None after an inner step; after a sync, whether it was committed and applied (when
+            not, the parameters are back at the last sync's; ``manager.last_error`` says why).
+        """
+        self.inner.step()
+        self.local_step += 1
+        if self.local_step < self.sync_every:
+            return None
+        self.local_step = 0
+        with torch.no_grad():
+            deltas = [s - p.detach() for s, p in zip(self._synced, self._params, strict=True)]
+        flats = list(_flatten(deltas).values())
+        averaging, _ = issue_on_caller_streams(
+            lambda: self.manager.all_reduce_mean(flats), flats, wait_on_host=True
+        )
+        averaged = averaging.result()
+        self.committed = get_loop_thread().run(self.manager.commit())
+        with torch.no_grad():
+            for p, s in zip(self._params, self._synced, strict=True):
+                p.copy_(s)
+        if self.committed and averaged:
+            _unflatten(deltas, flats)
+            for p, d in zip(self._params, deltas, strict=True):
+                p.grad = d
+            self.outer.step()
+            with torch.no_grad():
+                for s, p in zip(self._synced, self._params, strict=True):
+                    s.copy_(p)
+        return self.committed
+
+    def close(self) -> None:
+        """Leave the quorum (the Manager's ``close``)."""
+        get_loop_thread().run(self.manager.close())

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
 import re
 import socket
 import subprocess
@@ -445,3 +446,77 @@ def test_a_short_chaos_soak_kills_and_restarts_replicas_with_no_inconsistent_com
     kills = int(re.search(r"\((\d+) kills\)", run.stdout).group(1))  # type: ignore[union-attr]
     heals = int(re.search(r"heals: (\d+)", run.stdout).group(1))  # type: ignore[union-attr]
     assert kills >= 3 and heals >= 1, run.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# DiLoCo
+
+DILOCO = Path(__file__).resolve().parent / "ft_diloco_replica.py"
+
+
+def _diloco_reference(replica: Any, names: list[str], syncs: int, every: int) -> list[str]:
+    """The parameters after each sync of one process doing what the replicas do together."""
+    torch.set_num_threads(1)
+    model = replica.make_model()
+    inner, outer = replica.optimizers(model)
+    params = list(model.parameters())
+    synced = [p.detach().clone() for p in params]
+    out = []
+    for sync in range(syncs):
+        total = None
+        for name in names:  # each replica's inner steps from the last sync's parameters
+            with torch.no_grad():
+                for p, s in zip(params, synced, strict=True):
+                    p.copy_(s)
+            for j in range(every):
+                inner.zero_grad()
+                replica.loss_of(model, name, sync * every + j).backward()
+                inner.step()
+            delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(synced, params, strict=True)])
+            total = delta if total is None else total + delta
+        assert total is not None
+        mean = total / len(names)
+        offset = 0
+        with torch.no_grad():
+            for p, s in zip(params, synced, strict=True):
+                p.copy_(s)
+                p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        outer.step()
+        with torch.no_grad():
+            for s, p in zip(synced, params, strict=True):
+                s.copy_(p)
+        out.append(replica.params_hex(model))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_diloco_replicas_sync_every_h_steps_bit_identical_to_a_single_process_reference(
+    tmp_path: Path,
+) -> None:
+    from aiocoll.testing.coordinator import CoordinatorProcess
+
+    spec = importlib.util.spec_from_file_location("ft_diloco_replica", DILOCO)
+    assert spec is not None and spec.loader is not None
+    replica = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replica)
+    syncs, every, token = 4, 5, "diloco-test-token"
+    coordinator = CoordinatorProcess(tmp_path / "coordinator.log", token=token)
+    try:
+        env = {**os.environ, "AIOCOLL_TOKEN": token}
+        procs = {}
+        for name in ("a", "b"):
+            command = [sys.executable, str(DILOCO), f"127.0.0.1:{coordinator.port}", name]
+            command += [str(tmp_path / f"{name}.jsonl"), str(syncs), str(every)]
+            procs[name] = subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        outs = {name: p.communicate(timeout=150)[0] for name, p in procs.items()}
+    finally:
+        coordinator.stop()
+    assert all(p.returncode == 0 for p in procs.values()), outs
+    records = {name: _records(tmp_path / f"{name}.jsonl") for name in ("a", "b")}
+    assert [r["sync"] for r in records["a"]] == list(range(syncs)), records["a"]
+    assert all(r["committed"] for r in records["a"] + records["b"])
+    assert [r["params"] for r in records["a"]] == [r["params"] for r in records["b"]]
+    assert [r["params"] for r in records["a"]] == _diloco_reference(replica, ["a", "b"], syncs, every)

@@ -1,0 +1,65 @@
+"""One replica of a DiLoCo job (aiocoll.ft_torch.DiLoCo), for tests/integration/test_fault_tolerance.py.
+
+    python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY
+
+A linear model, plain SGD inside, SGD with Nesterov momentum outside; the data of inner step k
+of replica NAME is ``batch(NAME, k)``. After each sync it writes one JSON line: the sync's
+number, whether it committed, and the parameters' bytes (hex), so that the test can compare
+replicas with each other and with its own reference, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+
+import torch
+
+import aiocoll.ft
+import aiocoll.ft_torch
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 1)
+
+
+def optimizers(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    return inner, outer
+
+
+def loss_of(model: torch.nn.Module, name: str, k: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(zlib.crc32(f"{name}:{k}".encode()))
+    x = torch.randn(8, 4, generator=g)
+    return torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+
+
+def params_hex(model: torch.nn.Module) -> str:
+    return b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex()
+
+
+def main() -> None:
+    coordinator, name, out, syncs, every = sys.argv[1:6]
+    torch.set_num_threads(1)
+    model = make_model()
+    inner, outer = optimizers(model)
+    manager = aiocoll.ft.Manager(coordinator, replica=name, job="diloco", min_replicas=2, join_timeout=5)
+    diloco = aiocoll.ft_torch.DiLoCo(manager, model, inner, outer, sync_every=int(every))
+    with open(out, "w") as fh:
+        while manager.step < int(syncs):
+            diloco.zero_grad()
+            sync = manager.step
+            loss_of(model, name, sync * diloco.sync_every + diloco.local_step).backward()
+            committed = diloco.step()
+            if committed is not None:
+                fh.write(
+                    json.dumps({"sync": sync, "committed": committed, "params": params_hex(model)}) + "\n"
+                )
+    diloco.close()
+
+
+if __name__ == "__main__":
+    main()
