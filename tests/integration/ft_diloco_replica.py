@@ -1,6 +1,6 @@
 """One replica of a DiLoCo job (aiocoll.ft_torch.DiLoCo), for tests/integration/test_fault_tolerance.py.
 
-    python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY
+    python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY [MIN_REPLICAS [STEP_SECONDS]]
 
 A linear model, plain SGD inside, SGD with Nesterov momentum outside; the data of inner step k
 of replica NAME is ``batch(NAME, k)``. After each sync it writes one JSON line: the sync's
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import zlib
 
 import torch
@@ -43,21 +44,24 @@ def params_hex(model: torch.nn.Module) -> str:
 
 def main() -> None:
     coordinator, name, out, syncs, every = sys.argv[1:6]
+    least = int(sys.argv[6]) if len(sys.argv) > 6 else 2
+    pause = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0  # pretend compute per inner step
     torch.set_num_threads(1)
     model = make_model()
     inner, outer = optimizers(model)
-    manager = aiocoll.ft.Manager(coordinator, replica=name, job="diloco", min_replicas=2, join_timeout=5)
+    manager = aiocoll.ft.Manager(coordinator, replica=name, job="diloco", min_replicas=least, join_timeout=5)
     diloco = aiocoll.ft_torch.DiLoCo(manager, model, inner, outer, sync_every=int(every))
-    with open(out, "w") as fh:
+    with open(out, "a", buffering=1) as fh:
         while manager.step < int(syncs):
             diloco.zero_grad()
             sync = manager.step
             loss_of(model, name, sync * diloco.sync_every + diloco.local_step).backward()
+            time.sleep(pause)
             committed = diloco.step()
             if committed is not None:
-                fh.write(
-                    json.dumps({"sync": sync, "committed": committed, "params": params_hex(model)}) + "\n"
-                )
+                record = {"sync": sync, "committed": committed, "params": params_hex(model)}
+                record.update(t=time.monotonic(), healed=manager.last_heal is not None)
+                fh.write(json.dumps(record) + "\n")
     diloco.close()
 
 

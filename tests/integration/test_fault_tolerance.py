@@ -520,3 +520,55 @@ def test_diloco_replicas_sync_every_h_steps_bit_identical_to_a_single_process_re
     assert all(r["committed"] for r in records["a"] + records["b"])
     assert [r["params"] for r in records["a"]] == [r["params"] for r in records["b"]]
     assert [r["params"] for r in records["a"]] == _diloco_reference(replica, ["a", "b"], syncs, every)
+
+
+@pytest.mark.timeout(240)
+def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals(tmp_path: Path) -> None:
+    """Three replicas; c is killed (kill -9) during a cycle after its third sync and started
+    again: a and b commit every sync once, in order, c's second process heals and syncs with
+    them to the end, and every sync committed anywhere holds the same parameters everywhere."""
+    import signal
+    import time
+
+    from aiocoll.testing.coordinator import CoordinatorProcess
+
+    syncs, every, token = 14, 4, "diloco-test-token"
+    coordinator = CoordinatorProcess(tmp_path / "coordinator.log", "--heartbeat-timeout", "5", token=token)
+    env = {**os.environ, "AIOCOLL_TOKEN": token}
+
+    def start(name: str) -> subprocess.Popen[str]:
+        command = [sys.executable, str(DILOCO), f"127.0.0.1:{coordinator.port}", name]
+        command += [str(tmp_path / f"{name}.jsonl"), str(syncs), str(every), "2", "0.15"]
+        log = open(tmp_path / f"{name}.log", "a")  # the child holds it
+        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    try:
+        procs = {name: start(name) for name in ("a", "b", "c")}
+        deadline = time.monotonic() + 150
+        while len(_records(tmp_path / "c.jsonl")) < 3:
+            assert time.monotonic() < deadline, "c did not sync three times"
+            time.sleep(0.05)
+        time.sleep(0.3)  # into the next cycle's inner steps
+        procs["c"].send_signal(signal.SIGKILL)
+        procs["c"].wait(30)
+        killed_at = time.monotonic()
+        procs["c"] = start("c")
+        for p in procs.values():
+            p.wait(180)
+    finally:
+        coordinator.stop()
+    logs = {n: (tmp_path / f"{n}.log").read_text()[-2000:] for n in ("a", "b", "c")}
+    assert all(p.returncode == 0 for p in procs.values()), logs
+    records = {n: _records(tmp_path / f"{n}.jsonl") for n in ("a", "b", "c")}
+    committed: dict[int, set[str]] = {}
+    for entries in records.values():
+        for r in entries:
+            if r["committed"]:
+                committed.setdefault(r["sync"], set()).add(r["params"])
+    assert sorted(committed) == list(range(syncs)), sorted(committed)
+    assert all(len(v) == 1 for v in committed.values()), {k: len(v) for k, v in committed.items()}
+    for name in ("a", "b"):  # the survivors: every sync committed once, in order
+        assert [r["sync"] for r in records[name] if r["committed"]] == list(range(syncs)), records[name]
+    # c's second process healed (from a live replica) and synced on with them to the end
+    second = [r for r in records["c"] if r["t"] > killed_at]
+    assert second and second[0]["healed"] and second[-1]["sync"] == syncs - 1, second
