@@ -77,9 +77,14 @@ async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
     return out
 
 
+def _host_parts(pg: Any) -> Any:
+    """The routed provider's intra-host parts of the group (client/routing.HostParts), or None."""
+    return pg._providers._routed._parts
+
+
 def _arena_ops(pg: Any) -> int | None:
     """Operations the group's intra-host arena group completed here (None: it has none)."""
-    parts = pg._providers.host_parts
+    parts = _host_parts(pg)
     return None if parts is None or parts.group is None else int(parts.group.completed)
 
 
@@ -138,7 +143,7 @@ async def _tcp_checks(pg: Any) -> dict[str, Any]:
         "route": choose_route("all_reduce", ReduceOp.SUM, pg._providers.layout),
         "kinds": sorted(set(pg._rt.transport.link_kinds().values())),
         "arena_ops": _arena_ops(pg),
-        "decided": pg._providers.host_parts is not None and pg._providers.host_parts.decided,
+        "decided": _host_parts(pg) is not None and _host_parts(pg).decided,
     }
 
 
