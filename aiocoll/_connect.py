@@ -1,4 +1,4 @@
-"""``aiocoll.connect_store``: a Store backed by a running coordinator (contract §4).
+"""``aiocoll.connect_store``: a Store backed by a running coordinator.
 
 Part of the public surface (it may import aiocoll.client); it exists so that users get a
 coordinator-backed store from a URL without knowing about sessions.

@@ -1,4 +1,4 @@
-"""The async API (contract §2): init_process_group and ProcessGroup.
+"""The async API: init_process_group and ProcessGroup.
 
 This is the public surface: it may import everything below it (client, server, algorithms,
 stores, foundations) and nothing imports it except the facade, the torch backend and the CLI.
@@ -1292,7 +1292,7 @@ async def _init_with_coordinator(
         await connect_links(transport, membership.members, deadline)
         engine = Engine(transport, default_timeout=seconds)
         session.on_member_lost(lambda r, reason: engine.peer_lost(int(r), str(reason)))
-        # issue 10 hooks: progress reports and heartbeats from a thread; the coordinator's verdicts
+        # Hooks for progress reports and heartbeats from a thread; the coordinator's verdicts
         session.on_event(functools.partial(_on_verdict, engine))
         session.start_beats(engine.progress.report)
         runtime = _Runtime(
@@ -1433,7 +1433,7 @@ async def _init_with_store(
         table = [PeerRow(r, **msgpack.unpackb(v)) for r, v in enumerate(values)]
         await connect_links(transport, table, deadline)
         engine = Engine(transport, default_timeout=seconds)
-        # issue 10 hook: no coordinator here, so stalls are cross-checked through the store
+        # Progress hook: no coordinator here, so stalls are cross-checked through the store
         progress = StoreProgress(engine, store, f"aiocoll/{job}/round{rnd}/progress/")
         progress.start()
     except BaseException:

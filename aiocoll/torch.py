@@ -1,4 +1,4 @@
-"""aiocoll.torch: importing it registers the torch.distributed backend "aiocoll" (contract §1).
+"""aiocoll.torch: importing it registers the torch.distributed backend "aiocoll".
 
     import aiocoll.torch  # noqa: F401
     torch.distributed.init_process_group("aiocoll")   # then new_group, collectives, DDP, hooks

@@ -105,7 +105,7 @@ class Engine:
         self._control = self._loop.create_task(self._control_loop())
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
-        # issue 10 hook: what this rank is doing, for the beat thread's progress reports and the
+        # Progress hook: what this rank is doing, for the beat thread's progress reports and the
         # record logged on a failure (client/_progress.py).
         self.progress = ProgressTracker(self.rank, self._groups.values)
         self.progress.start(self._loop)
@@ -480,7 +480,7 @@ class Engine:
                 failure = fut.exception()
                 if failure is not None:
                     outcome = type(failure).__name__
-        # issue 10 hook: the record of the last operations (logged on a failure)
+        # Progress hook: the record of the last operations (logged on a failure)
         self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome, op.site, fut)
         if op.seq < 0:
             return
@@ -567,7 +567,7 @@ class Engine:
         # Ranks someone waits for that are not themselves stuck at this seq are the culprits.
         ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
         missing = ends or direct
-        # issue 10 hook: the members' progress reports, compared, named the ranks behind.
+        # Progress hook: the members' progress reports, compared, named the ranks behind.
         behind = self.progress.behind_at(op.group.gid, op.seq) if op.seq >= 0 else None
         if behind is not None:
             missing = behind[0]
@@ -818,7 +818,7 @@ class Engine:
         self.remote_mismatch(gid, seq, ranks, why)
 
     def remote_mismatch(self, gid: str, seq: int, ranks: Sequence[int], why: str) -> None:
-        """issue 10 hook: the members' progress reports, compared (by the coordinator, or by a
+        """Progress hook: the members' progress reports, compared (by the coordinator, or by a
         rank in store mode), show that they called different operations at (gid, seq): fail it
         here too, as a MismatchError."""
         if self._closed:

@@ -1,4 +1,4 @@
-"""The coordinator's quorum part (issue 20): the lighthouse of per-step fault tolerance. At each
+"""The coordinator's quorum part: the lighthouse of per-step fault tolerance. At each
 step boundary every replica of a job asks for a quorum; this part gathers the asks, decides when
 the quorum forms and who is in it, who must first receive the state from whom, and tells each
 replica. Sans-IO; imports _model, _kv and aiocoll foundations only.

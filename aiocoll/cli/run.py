@@ -524,7 +524,7 @@ def main(args: argparse.Namespace) -> int:
     from ._launch_config import LaunchConfigError, check_script
 
     console = Console.from_sys()
-    # Read by the embedded coordinator and inherited by every worker (issue 10).
+    # Read by the embedded coordinator and inherited by every worker.
     if getattr(args, "heartbeat_timeout", None) is not None:
         os.environ["AIOCOLL_HEARTBEAT_TIMEOUT"] = f"{args.heartbeat_timeout:g}"
     if getattr(args, "progress_after", None) is not None:

@@ -86,7 +86,7 @@ job at once. After a coordinator restart (state restored from --state-dir) membe
 RESUME_GRACE seconds to reconnect: a client that reconnects sends the hello extra field
 ``session`` (the id it got in the join reply as ``session``) and the coordinator re-attaches it.
 
-Beats (role ROLE_BEAT, added for issue 10): a joined worker opens a second connection whose hello
+Beats (role ROLE_BEAT): a joined worker opens a second connection whose hello
 carries its membership ``session`` and the role "beat". It may send only ``hb`` and ``progress``.
 A worker process beats on it from a thread of its own, so a member whose event loop is busy (a long
 CPU step) stays alive; a frozen or dead process falls silent on both connections and is declared

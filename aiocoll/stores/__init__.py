@@ -1,4 +1,4 @@
-"""Key-value stores (contract §4): the async Store interface and its local implementations.
+"""Key-value stores: the async Store interface and its local implementations.
 
 Imports only foundations (_errors, _deadline, protocol constants), never client/ or the public
 surface. The coordinator-backed store lives in aiocoll.client (it needs a session) and is

@@ -1,4 +1,4 @@
-"""The async Store interface (contract §4) and the argument checks every store shares.
+"""The async Store interface and the argument checks every store shares.
 
 Imports only foundations (_errors, _deadline, protocol constants): stores sit beside the protocol
 layer so that the client, the public API and the tests can all use them. This module exists so

@@ -1,4 +1,4 @@
-"""One conformance suite for every aiocoll Store (contract §4): memory, file, prefix, coordinator.
+"""One conformance suite for every aiocoll Store: memory, file, prefix, coordinator.
 
 Part of the public testing surface; imports pytest and aiocoll's foundations (errors, stores)
 only. Write a test class that inherits ``StoreConformance`` and defines a ``store_factory``
