@@ -27,6 +27,7 @@ import itertools
 import os
 import sys
 import sysconfig
+import traceback
 import warnings
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
@@ -173,10 +174,25 @@ def trim(exc: _E) -> _E:
 
 
 def _excepthook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+    if isinstance(value, PeerLostError) and _under_a_launcher() and env_text("AIOCOLL_DEBUG") in (None, "0"):
+        # An expected failure: a peer lost or gone in a job whose launcher (aiocoll run, torchrun)
+        # now restarts it, starts its next generation or ends it, and says which. The rank has
+        # said what it lost and where its record is; the error's line is enough here.
+        line = "".join(traceback.format_exception_only(kind, value)).rstrip()
+        print(
+            f"{line} (the launcher says what comes next; AIOCOLL_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return
     if isinstance(value, DistError):  # aiocoll's own errors: anything else may be a bug to see
         value.__traceback__ = tb
         tb = trim(value).__traceback__
     sys.__excepthook__(kind, value, tb)
+
+
+def _under_a_launcher() -> bool:
+    # Both launchers tell their workers how many restarts the job may use.
+    return env_text("AIOCOLL_MAX_RESTARTS") is not None or env_text("TORCHELASTIC_MAX_RESTARTS") is not None
 
 
 def _install_excepthook() -> None:

@@ -65,3 +65,44 @@ def test_trim_keeps_the_user_s_frame_and_the_public_function_of_a_caught_error()
     assert len(_aiocoll_frames("".join(full))) > 1
     assert [line.split(", in ")[-1] for line in _aiocoll_frames(short)] == ["all_reduce"], short
     assert __file__ in short
+
+
+_LOST = """
+import aiocoll
+
+def step():
+    raise aiocoll.PeerLostError(0, "closed the connection")  # USER LINE
+
+step()
+"""
+
+
+@pytest.mark.parametrize("launcher", ["AIOCOLL_MAX_RESTARTS", "TORCHELASTIC_MAX_RESTARTS", None])
+def test_a_lost_peer_under_a_launcher_ends_the_rank_with_one_line(
+    tmp_path: Path, launcher: str | None
+) -> None:
+    """An expected failure (a peer lost in a job whose launcher restarts it, starts its next
+    generation or ends it, and says which) ends the rank with the error's one line; elsewhere,
+    or with AIOCOLL_DEBUG=1, the traceback is printed as usual."""
+    script = tmp_path / "lost.py"
+    script.write_text(_LOST)
+    env = {k: v for k, v in os.environ.items() if not k.endswith("MAX_RESTARTS") and k != "AIOCOLL_DEBUG"}
+    if launcher is not None:
+        env[launcher] = "0"
+    outputs = []
+    for debug in (False, True):
+        run_env = env | ({"AIOCOLL_DEBUG": "1"} if debug else {})
+        done = subprocess.run(
+            [sys.executable, str(script)], env=run_env, capture_output=True, text=True, timeout=50
+        )
+        assert done.returncode == 1, done.stderr
+        outputs.append(done.stderr.strip().splitlines())
+    quiet, debug_output = outputs
+    if launcher is None:
+        assert quiet[0] == "Traceback (most recent call last):" and any("# USER LINE" in x for x in quiet)
+    else:
+        assert quiet == [
+            "aiocoll.PeerLostError: lost rank 0: closed the connection (the launcher says what comes "
+            "next; AIOCOLL_DEBUG=1 shows the traceback)"
+        ], quiet
+    assert debug_output[0] == "Traceback (most recent call last):", debug_output
