@@ -57,6 +57,12 @@ _COMPLETION_THREADS = 4
 
 _PENDING, _LAUNCHED, _DONE = 0, 1, 2
 
+# A thread parked without a timeout looks this often whether the loop thread that would wake it
+# still runs: a loop thread that died (SystemExit in a callback, the interpreter's exit) settles
+# nothing, and its waiters would otherwise sleep for ever. Waking costs nothing on a normal wait,
+# which is released long before.
+_BACKSTOP_S = 2.0
+
 # Guards every Outcome's lists of waiters and callbacks: held only to read or change them, never
 # while a callback runs or a thread blocks.
 _guard = threading.Lock()
@@ -98,9 +104,10 @@ class Outcome:
     wake-up, no future, no pool.
     """
 
-    __slots__ = ("_error", "_inline", "_later", "_state", "_value", "_waiters")
+    __slots__ = ("_error", "_inline", "_later", "_source", "_state", "_value", "_waiters")
 
-    def __init__(self) -> None:
+    def __init__(self, source: LoopThread | None = None) -> None:
+        self._source = source  # the loop thread that settles it (None: the process's)
         self._state = _PENDING
         self._value: Any = None
         self._error: BaseException | None = None
@@ -167,7 +174,20 @@ class Outcome:
                     self._waiters.append(entry)
             # The entry is released only once the state reached its target (_set_launched wakes
             # the entries waiting for launch, _settle every entry), and only this wait uses it.
-            if not lock.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            if timeout is None:
+                while not lock.acquire(True, _BACKSTOP_S):
+                    if self._settler_alive():
+                        continue
+                    if self._withdraw(entry):
+                        _keep_waiter(lock)
+                        raise DistError(
+                            "the aiocoll loop thread stopped while this call waited for it (the "
+                            "interpreter is exiting, or the loop thread died: see the log above); "
+                            "the operation's outcome is unknown"
+                        )
+                    lock.acquire()  # settled as the thread ended: its release is under way
+                    break
+            elif not lock.acquire(True, max(timeout, 0.0)):
                 if self._withdraw(entry):
                     _keep_waiter(lock)
                     return False
@@ -179,6 +199,11 @@ class Outcome:
             raise
         _keep_waiter(lock)
         return True
+
+    def _settler_alive(self) -> bool:
+        """Whether the loop thread that settles this outcome still runs its loop."""
+        source = self._source if self._source is not None else _loop_thread
+        return source is not None and source.running and source.thread.is_alive()
 
     def _withdraw(self, entry: tuple[threading.Lock, int]) -> bool:
         """Take ``entry`` off the waiters; False when it is already being woken."""
@@ -359,7 +384,7 @@ class LoopThread:
             DistError: when the loop thread is gone.
         """
         self._check_caller()
-        outcome = Outcome()
+        outcome = Outcome(self)
         # The call runs in a copy of this thread's context, which names the user's line for the
         # flight recorder and warnings (aiocoll._errors.CALLER_SITE), as ``run`` does.
         site = CALLER_SITE.set(user_site(sys._getframe(1)))

@@ -225,3 +225,37 @@ def test_a_forked_child_starts_its_own_loop_thread() -> None:
         os.close(read_end)
         os.waitpid(pid, 0)
     assert answer == bytes([0]), "the forked child's blocking call did not complete"
+
+
+@pytest.mark.timeout(30)
+def test_a_caller_parked_when_its_loop_thread_dies_gets_an_error_not_a_hang(monkeypatch: Any) -> None:
+    from aiocoll import _sync_loop
+    from aiocoll._errors import DistError
+
+    monkeypatch.setattr(_sync_loop, "_BACKSTOP_S", 0.05)
+    doomed = _sync_loop.LoopThread(name="aiocoll-loop-doomed")  # not the process's loop thread
+    never = doomed.issue(lambda: Work(asyncio.get_running_loop().create_future()))
+    never.wait_launched(timeout=10)
+    settled = doomed.issue(lambda: Work(asyncio.get_running_loop().create_future()))
+    settled.wait_launched(timeout=10)
+
+    def die() -> None:
+        settled._set_result("settled as the loop ended")  # its release races the thread's end
+        doomed.loop.stop()  # run_forever returns: the thread ends and settles nothing more
+
+    doomed.loop.call_soon_threadsafe(die)
+    started = time.monotonic()
+    with pytest.raises(DistError, match="loop thread stopped while this call waited"):
+        never.result()
+    assert time.monotonic() - started < 10
+    assert not doomed.thread.is_alive()
+    assert settled.result() == "settled as the loop ended"  # what was settled is not lost
+    # the process's own loop thread is untouched
+    ok = get_loop_thread().issue(lambda: Work(_done_future("fine")))
+    assert ok.result(timeout=10) == "fine"
+
+
+def _done_future(value: Any) -> asyncio.Future[Any]:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_result(value)
+    return fut
