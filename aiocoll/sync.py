@@ -933,8 +933,9 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
     )
 
 
-async def _await(work: Any) -> Any:
-    return await work
+async def _on_loop(start: Callable[[], Any]) -> Any:
+    # The core is called on the loop thread (the engine is not thread-safe), where this runs.
+    return await start()
 
 
 # -------------------------------------------------------------------------- object collectives
@@ -956,7 +957,7 @@ def broadcast_object_list(
         return
     root = _rank_in(pg, src, group_src, "src", default=0)
     sent = list(object_list)
-    received = get_loop_thread().run(_await(pg.core.broadcast_object(sent, src=root)))
+    received = get_loop_thread().run(_on_loop(lambda: pg.core.broadcast_object(sent, src=root)))
     if pg.rank() != root:
         object_list[: len(received)] = received
 
@@ -966,7 +967,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Any = None) -> No
     pg = _member(group, "all_gather_object")
     if pg is None:
         return
-    gathered = get_loop_thread().run(_await(pg.core.all_gather_object(obj)))
+    gathered = get_loop_thread().run(_on_loop(lambda: pg.core.all_gather_object(obj)))
     for i, value in enumerate(gathered):
         object_list[i] = value
 
@@ -985,7 +986,7 @@ def gather_object(
     root = _rank_in(pg, dst, group_dst, "dst", default=0)
     if pg.rank() == root and object_gather_list is None:
         raise ValueError("gather_object: the destination rank must pass object_gather_list")
-    gathered = get_loop_thread().run(_await(pg.core.gather_object(obj, dst=root)))
+    gathered = get_loop_thread().run(_on_loop(lambda: pg.core.gather_object(obj, dst=root)))
     if pg.rank() == root and object_gather_list is not None:
         for i, value in enumerate(gathered):
             object_gather_list[i] = value
@@ -1010,5 +1011,5 @@ def scatter_object_list(
         if pg.rank() == root and scatter_object_input_list is not None
         else None
     )
-    received = get_loop_thread().run(_await(pg.core.scatter_object(objs, src=root)))
+    received = get_loop_thread().run(_on_loop(lambda: pg.core.scatter_object(objs, src=root)))
     scatter_object_output_list[0] = received
