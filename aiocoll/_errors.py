@@ -74,8 +74,9 @@ def group_name(gid: str) -> str:
     return gid
 
 
-# (filename, line, module globals) of the user's call that a coroutine on the loop thread serves.
-Site = tuple[str, int, dict[str, Any]]
+# (filename, line, module globals, function) of the user's call that a coroutine on the loop
+# thread serves.
+Site = tuple[str, int, dict[str, Any], str]
 CALLER_SITE: ContextVar[Site | None] = ContextVar("aiocoll_caller_site", default=None)
 
 
@@ -92,7 +93,7 @@ def user_site(frame: FrameType | None) -> Site | None:
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if name.partition(".")[0] not in _NOT_THE_USER:
-            return frame.f_code.co_filename, frame.f_lineno, frame.f_globals
+            return frame.f_code.co_filename, frame.f_lineno, frame.f_globals, frame.f_code.co_name
         frame = frame.f_back
     return None
 
@@ -103,7 +104,7 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     if site is None:
         warnings.warn(message, category, stacklevel=2)
         return
-    filename, line, module_globals = site
+    filename, line, module_globals, _ = site
     warnings.warn_explicit(
         message,
         category,
@@ -365,8 +366,10 @@ def peer_gone(rank: int, reason: str, left: bool) -> str:
     "rank 1 left (...)" for a peer that went in order, "lost rank 1: ..." for one that was lost.
     """
     if left:
-        return reason if reason.startswith(f"rank {rank} left") else f"rank {rank} left" + (
-            f" ({reason})" if reason else ""
+        return (
+            reason
+            if reason.startswith(f"rank {rank} left")
+            else f"rank {rank} left" + (f" ({reason})" if reason else "")
         )
     return f"lost rank {rank}" + (f": {reason}" if reason else "")
 

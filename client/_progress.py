@@ -17,8 +17,8 @@ Two consumers, two costs:
 
 The record of finished operations is the flight recorder's ring: AIOCOLL_FLIGHT_RECORDER
 operations (default 2000), each with the call site the engine took (client/_recorder.py, which
-also writes the dump: when an operation fails with a timeout, a lost peer or a mismatch, and on
-SIGUSR1, when AIOCOLL_DUMP_DIR is set).
+also writes the dump, from a thread: when an operation fails with a timeout, a lost peer or a
+mismatch, and on SIGUSR1, when AIOCOLL_DUMP_DIR is set).
 
 Reading the engine's state from another thread is safe under the GIL because every container is
 copied by a single C call (``list(set)``, ``dict.copy``) before it is walked; a report may be a
@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -105,13 +106,13 @@ class ProgressTracker:
         self.threshold = threshold
         # The flight recorder (client/_recorder.py): ``capacity`` operations, their call sites.
         capacity = self.capacity = _recorder.capacity()
-        self.sites = capacity > 0
         # (kind, group, seq, meta, start, end, outcome, site); start and end are time.monotonic().
         self.history: collections.deque[tuple[Any, ...]] = collections.deque(maxlen=max(history, capacity))
         self.job = env_text("AIOCOLL_JOB") or "default"
         self.dump_dir = _recorder.dump_dir() if capacity else None
         self.dumps = 0  # dumps written
         self._dumped_at = -_DUMP_EVERY
+        self._dump_lock = threading.Lock()
         self._dump_due: asyncio.TimerHandle | None = None
         self._failure: str | None = None  # what the next dump says (None: no failure since the last)
         self._reasons: list[str] = []  # every failure so far (the first few): a dump names them all
@@ -222,6 +223,15 @@ class ProgressTracker:
     def _dump_now(self, reason: str) -> None:
         self._failure = None
         self._dumped_at = time.monotonic()
+        # Written from a thread: a dump of 2,000 operations takes tens of milliseconds, which the
+        # event loop (the other groups' operations) does not wait for. Not a daemon: a process
+        # that ends now still finishes the dump first.
+        try:
+            threading.Thread(target=self._write, args=(reason,), name="aiocoll-dump").start()
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            self._write(reason)
+
+    def _write(self, reason: str) -> None:
         try:
             self.dump(reason)
         except OSError as exc:
@@ -229,19 +239,21 @@ class ProgressTracker:
 
     def dump(self, reason: str) -> str | None:
         """Write the dump (AIOCOLL_DUMP_DIR) now; its path, or None when there is no directory.
-        Safe from any thread (every container is copied in one call before it is read)."""
+        Safe from any thread (every container is copied in one call before it is read; one dump
+        at a time)."""
         if self.dump_dir is None:
             return None
-        path = _recorder.write_dump(
-            self.dump_dir,
-            job=self.job,
-            rank=self.rank,
-            reason=reason,
-            history=list(self.history)[-self.capacity :],
-            groups=self._groups(),
-            describe=describe,
-        )
-        self.dumps += 1
+        with self._dump_lock:
+            path = _recorder.write_dump(
+                self.dump_dir,
+                job=self.job,
+                rank=self.rank,
+                reason=reason,
+                history=list(self.history)[-self.capacity :],
+                groups=self._groups(),
+                describe=describe,
+            )
+            self.dumps += 1
         return path
 
     def note_behind(self, gid: str, seq: int, ranks: Sequence[int], message: str) -> None:

@@ -2,10 +2,10 @@
 
 The ring itself is the progress tracker's record of finished operations (client/_progress.py,
 ``ProgressTracker.history``), sized by AIOCOLL_FLIGHT_RECORDER (default 2000; 0 keeps only the
-HISTORY operations progress reports need, and takes no call sites). This module reads what the
-hot path stores for a call site (the engine takes the user's frame's code object and offset at
-the call, at a depth ``user_depth`` found once per kind of call; ``site_of`` turns them into
-file:line only when a dump is written), writes the dump
+HISTORY operations progress reports need, and takes no call sites). This module says where an
+operation was called (``CallSites``: the engine takes the user's frame's code object and offset
+at the call, at a depth found once per kind of call; the blocking facade passes its caller's
+site instead; ``site_of`` turns either into file:line only when a dump is written), writes the dump
 (``write_dump``: ``DIR/<job>-rank<R>.json`` when AIOCOLL_DUMP_DIR is set), and holds the SIGUSR1
 handler that dumps every live tracker of the process.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import operator
 import os
 import signal
 import socket
@@ -41,9 +42,12 @@ from aiocoll._errors import CALLER_SITE
 __all__ = [
     "DEFAULT_CAPACITY",
     "DUMP_VERSION",
+    "CallSites",
     "Site",
+    "call_sites",
     "caller_site",
     "capacity",
+    "code_at",
     "dump_dir",
     "dump_path",
     "register",
@@ -56,11 +60,13 @@ log = logging.getLogger("aiocoll.client.recorder")
 
 DEFAULT_CAPACITY = 2000
 DUMP_VERSION = 1
-# (code, offset) of the user's frame, and the site the blocking facade passed along
-# (aiocoll._errors.CALLER_SITE) when the call came through its loop thread.
-Site = tuple[CodeType, int, Any]
-
-# The site the blocking facade passed along with a call (the engine stores it with the frames).
+# A call site as the engine stores it: (code, offset) of the user's frame (``code_at``), or what
+# the blocking facade passed along with the call (aiocoll._errors.Site: filename, line, module
+# globals, function) when it came through the facade's loop thread.
+Site = tuple[Any, ...]
+# One C call that reads a frame's code and offset: the frame itself is not kept.
+code_at = operator.attrgetter("f_code", "f_lasti")
+# The site the blocking facade passed along with a call.
 caller_site = CALLER_SITE.get
 
 
@@ -77,6 +83,46 @@ def capacity() -> int:
 def dump_dir() -> str | None:
     """Where dumps go (AIOCOLL_DUMP_DIR), or None: no dumps."""
     return env_text("AIOCOLL_DUMP_DIR") or None
+
+
+class CallSites:
+    """Where one engine's operations are called from: how many frames above ``Engine._open`` the
+    user's frame is, per kind of call (``signed``: collectives; ``unsigned``: point-to-point and
+    staged operations, which reach the engine by another path).
+
+    The engine takes ``code_at(sys._getframe(depth))`` per operation (the user's frame is read,
+    never made, and not kept) and calls ``first`` when a kind has no depth yet, which finds it by
+    walking the stack once.
+    """
+
+    __slots__ = ("signed", "unsigned")
+
+    def __init__(self) -> None:
+        self.signed: dict[str, int] = {}
+        self.unsigned: dict[str, int] = {}
+
+    def first(self, kind: str, signed: bool) -> Site | None:
+        """The site of the operation being opened (called from ``Engine._open``); its kind's depth
+        is kept for the next ones."""
+        opening = sys._getframe(1)
+        depth = user_depth(opening)
+        try:
+            site = code_at(sys._getframe(depth + 1))
+        except ValueError:  # no frame of the user's on this stack: the engine's own frame
+            depth, site = 0, code_at(opening)  # (site_of reads it as unknown)
+        (self.signed if signed else self.unsigned)[kind] = depth
+        return site
+
+
+def call_sites(capacity: int) -> tuple[CallSites | None, bool]:
+    """What an engine made now takes per operation: its CallSites; or, when it is made by the
+    blocking facade (on the facade's loop thread, where no user frame is), True: the site the
+    facade passes along with each call. (None, False) when the recorder is off."""
+    if capacity <= 0:
+        return None, False
+    if caller_site() is not None:
+        return None, True
+    return CallSites(), False
 
 
 def user_depth(frame: FrameType | None) -> int:
@@ -111,14 +157,14 @@ def site_of(site: Site | None, not_user: tuple[str, ...] | None = None) -> dict[
     """The user's frame of a stored site, as ``{"file", "line", "function"}`` (None: unknown)."""
     if site is None:
         return None
-    skip = not_user if not_user is not None else _package_dirs()
-    code, offset, passed = site
-    if not os.path.abspath(code.co_filename).startswith(skip):
-        return {"file": code.co_filename, "line": _line_of(code, offset), "function": code.co_name}
-    if passed is not None:  # through the blocking facade: the line that called it
-        filename, line, module_globals = passed
-        return {"file": filename, "line": int(line), "function": str(module_globals.get("__name__", "?"))}
-    return None
+    code = site[0]
+    if type(code) is CodeType:
+        skip = not_user if not_user is not None else _package_dirs()
+        if os.path.abspath(code.co_filename).startswith(skip):
+            return None  # aiocoll's own frame: no user's frame was on the stack
+        return {"file": code.co_filename, "line": _line_of(code, site[1]), "function": code.co_name}
+    filename, line, _, function = site  # passed by the blocking facade
+    return {"file": filename, "line": int(line), "function": str(function)}
 
 
 # -- the dump -----------------------------------------------------------------------------------
@@ -153,6 +199,15 @@ def write_dump(
     now_mono, now_wall = time.monotonic(), time.time()
     offset = now_wall - now_mono
     skip = _package_dirs()
+    said: dict[Any, dict[str, Any] | None] = {}  # site -> its file:line (a loop calls from a few)
+
+    def where(site: Site | None) -> dict[str, Any] | None:
+        if site is None or type(site[0]) is not CodeType:  # (the facade's: nothing to look up)
+            return site_of(site, skip)
+        if site not in said:
+            said[site] = site_of(site, skip)
+        return said[site]
+
     labels: dict[str, str] = {}
     group_rows = []
     pending_rows = []
@@ -180,7 +235,7 @@ def write_dump(
                     "outcome": None,
                     "enter": round(op.started + offset, 6),
                     "end": None,
-                    "site": site_of(getattr(op, "site", None), skip),
+                    "site": where(getattr(op, "site", None)),
                 }
             )
     rows = []
@@ -199,7 +254,7 @@ def write_dump(
                 "outcome": outcome,
                 "enter": round(start + offset, 6),
                 "end": round(end + offset, 6),
-                "site": site_of(site, skip),
+                "site": where(site),
             }
         )
     body = {
@@ -217,7 +272,7 @@ def write_dump(
     path = dump_path(directory, job, rank)
     part = f"{path}.{os.getpid()}.part"
     with open(part, "w") as f:
-        json.dump(body, f, default=str)
+        f.write(json.dumps(body, default=str))  # (one C call; json.dump encodes in Python)
     os.replace(part, path)  # a reader never sees half a dump
     return path
 

@@ -59,8 +59,9 @@ from aiocoll.algorithms._transport import (
 
 from ._op_record import GroupState, OpTransport, Stoppable, _Op
 from ._progress import ProgressTracker
+from ._recorder import call_sites as _call_sites
 from ._recorder import caller_site as _caller_site
-from ._recorder import user_depth as _user_depth
+from ._recorder import code_at as _code_at
 
 __all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
@@ -109,7 +110,9 @@ class Engine:
         # record logged on a failure (client/_progress.py).
         self.progress = ProgressTracker(self.rank, self._groups.values)
         self.progress.start(self._loop)
-        self._sites = self.progress.sites
+        # Where operations are called from, for the flight recorder (client/_recorder.py): the
+        # depths of the user's frames, or (made by the blocking facade) the site it passes along.
+        self._sites, self._passed_sites = _call_sites(self.progress.capacity)
         self._recorded_losses: set[int] = set()
         self._mismatch_at = -_MISMATCH_LINGER  # when this rank last failed an op with a mismatch
 
@@ -336,22 +339,19 @@ class Engine:
             straight = False
             op = _Op(group, kind, seq, tag, self._loop.create_future(), signature)
             fut = op.future
-        if self._sites:
-            # Where it was called, for the flight recorder: the user's frame, found by a walk the
-            # first time a kind of call comes this way, then taken at its depth (a frame the user
-            # holds is read without being made; a walk would make every frame of aiocoll's).
-            passed = _caller_site()  # the blocking facade's caller (its call runs on this thread)
-            depths = _site_depths if passed is None else _facade_depths
-            depth = depths.get(kind) if signature is not None else None  # (unsigned: staged, rare)
-            if depth is None:
-                depth = _user_depth(_getframe(0))
-                if signature is not None:
-                    depths[kind] = depth
+        # Where it was called, for the flight recorder (client/_recorder.CallSites): the user's
+        # frame at the depth its kind's first call found, read (not made) and not kept; through
+        # the blocking facade, the line that called the facade.
+        sites = self._sites
+        if sites is not None:
             try:
-                f = _getframe(depth)
-                op.site = (f.f_code, f.f_lasti, passed)
-            except ValueError:  # a stack this shallow has no user frame to name
-                op.site = None
+                op.site = _code_at(
+                    _getframe((sites.signed if signature is not None else sites.unsigned)[kind])
+                )
+            except (KeyError, ValueError):  # its kind's first call (or a shallower stack): a walk
+                op.site = sites.first(kind, signature is not None)
+        elif self._passed_sites:
+            op.site = _caller_site()
         else:
             op.site = None
         if peers:
@@ -952,10 +952,6 @@ def _for_op(err: BaseException, op: _Op) -> BaseException:
 
 _monotonic = time.monotonic
 _getframe = sys._getframe
-# kind -> how many frames above Engine._open the user's frame is, called directly and through
-# the blocking facade (whose calls run on its loop thread: their user is aiocoll.sync's lambda)
-_site_depths: dict[str, int] = {}
-_facade_depths: dict[str, int] = {}
 
 
 def _ignore_outcome(task: asyncio.Task[Any]) -> None:

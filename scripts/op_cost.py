@@ -9,6 +9,7 @@ Run it under the launcher, one world per invocation (under the bench lock on a s
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --profile tottime
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --events        # + yields, wake-ups, loop turns
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --recorder      # the flight recorder, on vs off
+                                                                      # (whole operations, and its own lines)
 
 ``--count`` traces rank 0 (sys.settrace with opcode events, sys.setprofile for C calls) and
 leaves out the waits (ShmGroup's spin, sleep and naps: how long a peer takes is not work), so
@@ -144,16 +145,19 @@ class Events:
 async def recorder_ab(pg: Any, x: np.ndarray, blocks: int, ops: int) -> None:
     """Alternate blocks of ``ops`` operations with the recorder's call sites on and off."""
     engine = pg._rt.engine
+    sites = engine._sites  # the call sites the recorder takes (None: it is off)
+    if sites is None:
+        raise SystemExit("op_cost.py --recorder: the recorder is off (AIOCOLL_FLIGHT_RECORDER=0)")
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for block in range(2 * blocks):
         on = block % 4 in (0, 3)  # on, off, off, on: neither goes first more often
-        engine._sites = on
+        engine._sites = sites if on else None
         await pg.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(ops):
             await pg.all_reduce(x)
         times[on].append(((time.perf_counter() - t0) / ops * 1e6, (time.process_time() - c0) / ops * 1e6))
-    engine._sites = True
+    engine._sites = sites
 
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
@@ -168,6 +172,29 @@ async def recorder_ab(pg: Any, x: np.ndarray, blocks: int, ops: int) -> None:
             f"({name} of {blocks} blocks of {ops} each way)",
             flush=True,
         )
+    # The recorder's own lines, timed without the rest of the operation (whose waits for the other
+    # rank vary by more than the recorder costs): Engine._open of an all_reduce that never runs,
+    # on a group of this rank alone, with the call sites taken and not, in alternating blocks.
+    group = engine.group(f"op-cost-{pg.rank}", (engine.rank,))
+    signature = {"kind": "all_reduce", "dtype": "float32", "count": 1, "op": "sum"}
+    calls = 20000
+    opens: dict[bool, list[float]] = {True: [], False: []}
+    for block in range(2 * blocks):
+        on = block % 4 in (0, 3)
+        engine._sites = sites if on else None
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            engine._open(group, "all_reduce", None, None, (), signature, straight=True)
+        opens[on].append((time.perf_counter() - t0) / calls * 1e9)
+    engine._sites = sites
+    on_ns, off_ns = min(opens[True]), min(opens[False])
+    op_ns = min(w for w, _ in times[False]) * 1e3
+    print(
+        f"rank {pg.rank}: Engine._open {on_ns:.0f} ns with call sites, {off_ns:.0f} ns without: "
+        f"{on_ns - off_ns:.0f} ns, {(on_ns - off_ns) / op_ns:.2%} of this run's 4-byte all_reduce "
+        f"({op_ns / 1e3:.2f} us, minima of {blocks} blocks each way)",
+        flush=True,
+    )
 
 
 async def main(args: argparse.Namespace) -> None:

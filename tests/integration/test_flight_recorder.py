@@ -1,10 +1,11 @@
 """The flight recorder and `aiocoll analyze` on dumps of real failing jobs.
 
-Five jobs run at once under `aiocoll run`, each a world of real processes with its own dump
+Six jobs run at once under `aiocoll run`, each a world of real processes with its own dump
 directory: a rank that never reaches an operation (the others time out), ranks that call
 different operations at one sequence number, a rank killed with SIGKILL mid-loop (its peer loses
 it), a rank that leaves while its peer waits in one more operation, and a healthy job dumped on
-SIGUSR1 with a small ring (AIOCOLL_FLIGHT_RECORDER). Each job's dumps are then read by
+SIGUSR1 with a small ring (AIOCOLL_FLIGHT_RECORDER), and one through the blocking facade, dumped
+on SIGUSR1 too. Each job's dumps are then read by
 `aiocoll analyze`, whose exit status and words are checked; so are the dumps themselves
 (states, call sites at this file's lines, the ring's bound).
 
@@ -72,15 +73,44 @@ async def _rank(scenario: str) -> None:
             await pg.all_reduce(x)  # SURVIVOR
         elif scenario == "healthy":
             for _ in range(40):
-                await pg.all_reduce(x)
-            pids = await pg.all_gather_object(os.getpid())
+                await pg.all_reduce(x)  # HEALTHY
+            if pg.rank == 0:
+                await pg.send(x, 1)  # SEND
+            else:
+                await pg.recv(x, 0)  # RECV
+            pids = await pg.all_gather_object(os.getpid())  # OBJECT
             await pg.barrier()
             if pg.rank == 0:
                 for pid in pids:
                     os.kill(pid, signal.SIGUSR1)
-            mine = Path(os.environ["AIOCOLL_DUMP_DIR"]) / f"{os.environ['AIOCOLL_JOB']}-rank{pg.rank}.json"
-            await asyncio.to_thread(_wait_for, mine, 20.0)  # a thread of the rank's writes it
+            await asyncio.to_thread(_wait_for, _own_dump(pg.rank), 20.0)  # a thread of the rank's writes it
             await pg.barrier()
+
+
+def _sync_rank() -> None:
+    """A rank of the blocking facade (its operations run on a loop thread, where no user frame is:
+    the facade passes the call site along)."""
+    import numpy as np
+
+    import aiocoll.sync as dist
+
+    dist.init_process_group(timeout=60)
+    x = np.ones(4, np.float32)
+    for _ in range(3):
+        dist.all_reduce(x)  # SYNC
+    pids: list[Any] = [None, None]
+    dist.all_gather_object(pids, os.getpid())  # SYNC_OBJECT
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for pid in pids:
+            os.kill(pid, signal.SIGUSR1)
+    _wait_for(_own_dump(dist.get_rank()), 20.0)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _own_dump(rank: int) -> Path:
+    return Path(os.environ["AIOCOLL_DUMP_DIR"]) / f"{os.environ['AIOCOLL_JOB']}-rank{rank}.json"
 
 
 def _wait_for(path: Path, seconds: float) -> None:
@@ -89,7 +119,7 @@ def _wait_for(path: Path, seconds: float) -> None:
         time.sleep(0.05)
 
 
-_JOBS = {"behind": 3, "mismatch": 2, "killed": 2, "left": 2, "healthy": 2}
+_JOBS = {"behind": 3, "mismatch": 2, "killed": 2, "left": 2, "healthy": 2, "sync": 2}
 
 
 def aiocoll_file(name: str) -> str:
@@ -150,7 +180,9 @@ def test_dumps_of_failing_jobs_name_the_rank_behind_the_mismatch_and_the_lost_ra
             out, _ = proc.communicate()
         outputs[name], codes[name] = out, proc.returncode
     everything = "\n".join(f"=== {n} exit {codes[n]}\n{outputs[n]}" for n in _JOBS)
-    assert codes["healthy"] == 0 and all(codes[n] != 0 for n in ("behind", "mismatch", "killed")), everything
+    assert codes["healthy"] == codes["sync"] == 0 and all(
+        codes[n] != 0 for n in ("behind", "mismatch", "killed")
+    ), everything
     loop = (_HERE, _line("# LOOP"))
 
     # A rank behind: ranks 0 and 1 time out in seq 3; rank 2 never called it.
@@ -236,15 +268,31 @@ def test_dumps_of_failing_jobs_name_the_rank_behind_the_mismatch_and_the_lost_ra
         result.stdout
     )
 
-    # A healthy job dumped on SIGUSR1: every rank, the ring bounded at 16, analyze exits 0.
+    # A healthy job dumped on SIGUSR1: every rank, the ring bounded at 16, analyze exits 0. Each
+    # kind of call names its line: collectives, point-to-point, object collectives.
     dumps = launched["healthy"][1]
     for rank in (0, 1):
         dump = _dump(dumps, "healthy", rank)
         assert dump["reason"] == "SIGUSR1" and len(dump["ops"]) <= 17, dump  # 16 finished + the barrier
         assert all(op["state"] in ("completed", "started", "queued") for op in dump["ops"])
+        called = {op["op"].partition("(")[0]: op["site"] for op in dump["ops"]}
+        p2p = ("send", "# SEND") if rank == 0 else ("recv", "# RECV")
+        for kind, marker in (("all_reduce", "# HEALTHY"), p2p, ("all_gather_object", "# OBJECT")):
+            assert called[kind] == {"file": _HERE, "line": _line(marker), "function": "_rank"}, (kind, dump)
     result = _analyze(str(dumps))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "the dumps agree" in result.stdout
+
+    # Through the blocking facade: the line that called it.
+    dumps = launched["sync"][1]
+    for rank in (0, 1):
+        dump = _dump(dumps, "sync", rank)
+        called = {op["op"].partition("(")[0]: op["site"] for op in dump["ops"]}
+        for kind, marker in (("all_reduce", "# SYNC"), ("all_gather_object", "# SYNC_OBJECT")):
+            assert called[kind] == {"file": _HERE, "line": _line(marker), "function": "_sync_rank"}, (
+                kind,
+                dump,
+            )
 
     # Unreadable: no dumps, or a file that is not one.
     empty = tmp_path / "empty"
@@ -256,4 +304,7 @@ def test_dumps_of_failing_jobs_name_the_rank_behind_the_mismatch_and_the_lost_ra
 
 
 if __name__ == "__main__":
-    asyncio.run(_rank(sys.argv[1]))
+    if sys.argv[1] == "sync":
+        _sync_rank()
+    else:
+        asyncio.run(_rank(sys.argv[1]))
