@@ -4,10 +4,11 @@ World P (3 ranks, heartbeat timeout 3 s, the default progress threshold of 1 s) 
 that must send no progress report at all; mismatches that never exchange a message (all_reduce vs
 broadcast, gather vs scatter in a sub-group, reduces with different roots), which must raise
 MismatchError on every rank within seconds; a straggler that `aiocoll status --json` names while
-it is late (and the CollectiveTimeout names when it comes); a per-op timeout on one rank that
-fails the others at once; a rank whose event loop blocks for 8 s (beyond the 3 s liveness limit)
-yet stays a member while the job goes on; and last a SIGSTOPped rank, reported lost within
-seconds. The refused-join checks start their own small groups of processes against a coordinator.
+it is late (and the CollectiveTimeout names, with the line it is at, when it comes); a per-op
+timeout on one rank that fails the others at once; a rank whose event loop blocks for 8 s
+(beyond the 3 s liveness limit) yet stays a member while the job goes on; and last a SIGSTOPped
+rank, reported lost within seconds. The refused-join checks start their own small groups of
+processes against a coordinator.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ LONG = 60.0  # the operations' own timeout where another mechanism must act firs
 LIVENESS = 3.0  # AIOCOLL_HEARTBEAT_TIMEOUT for world P
 BLOCK = 8.0  # how long rank 1's event loop is blocked: well past LIVENESS
 TOKEN = "aiocoll-test-token"
+_HERE = os.path.abspath(__file__)
+
+
+def _line(marker: str) -> int:
+    return next(
+        n for n, t in enumerate(Path(_HERE).read_text().splitlines(), 1) if marker in t and "_line(" not in t
+    )
 
 
 async def _status_cli(pg: Any, *extra: str) -> str:
@@ -69,6 +77,10 @@ def _compute(seconds: float) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         sum(range(10_000))
+
+
+async def _elsewhere(seconds: float) -> None:
+    await asyncio.sleep(seconds)  # ELSEWHERE: late, but its loop runs; the timeout names this line
 
 
 async def world_p(pg: Any) -> dict[str, Any]:
@@ -121,7 +133,7 @@ async def world_p(pg: Any) -> dict[str, Any]:
     # -- a straggler, named while it is late ---------------------------------------------------
     g = await pg.new_group([0, 1, 2])
     if r == 2:
-        await asyncio.sleep(6.0)  # late, but its loop runs: it is merely elsewhere
+        await _elsewhere(6.0)
         out["straggler"] = await outcome(lambda: g.barrier(timeout=BOUND))
     else:
 
@@ -255,6 +267,9 @@ def test_a_straggler_is_named_by_status_while_late_and_by_the_timeout(
         res = world_p_results[r]["straggler"]
         assert res["error"] == "CollectiveTimeout" and res["missing"] == [2], res
         assert "progress reports show that rank(s) [2] have not called" in res["message"], res
+        # ... and where rank 2 is: its stack, asked by the coordinator when it found rank 2 behind.
+        where = f"where they are now: rank 2 at {_HERE}:{_line('# ELSEWHERE')} in _elsewhere"
+        assert where in res["message"], res
 
 
 @pytest.mark.timeout(200)
@@ -381,8 +396,20 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
 @pytest.mark.timeout(60)
 def test_aiocoll_run_passes_the_liveness_and_progress_limits_to_its_coordinator_and_workers() -> None:
     shown = subprocess.run(
-        [sys.executable, "-m", "aiocoll", "run", "--heartbeat-timeout", "4", "--progress-after", "2",
-         "--no-python", "sh", "-c", "echo HB=$AIOCOLL_HEARTBEAT_TIMEOUT PA=$AIOCOLL_PROGRESS_AFTER"],
+        [
+            sys.executable,
+            "-m",
+            "aiocoll",
+            "run",
+            "--heartbeat-timeout",
+            "4",
+            "--progress-after",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            "echo HB=$AIOCOLL_HEARTBEAT_TIMEOUT PA=$AIOCOLL_PROGRESS_AFTER",
+        ],
         capture_output=True,
         text=True,
         timeout=50,
