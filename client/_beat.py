@@ -11,6 +11,8 @@ connection (hello role ROLE_BEAT, with the member's session id, covered by the p
 only send ``hb``, ``progress`` and ``stack``: when the coordinator pushes EV_STACK (`aiocoll
 status --stacks`, the web page), it answers with this process's Python stack
 (client/_stacks.py) at once, between two looks at the report, whatever the event loop does.
+Each heartbeat's reply carries the coordinator's wall clock, a sample for this process's estimate
+of its clock offset (client/_clock.py).
 The CPython thread switch interval (5 ms) lets it run while the loop thread computes in
 Python; C code that holds the GIL for seconds would starve it too.
 """
@@ -30,6 +32,7 @@ from aiocoll.protocol import ClientHandshake, FrameDecoder, encode_frame
 from aiocoll.protocol._coordinator import EV_STACK, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ROLE_BEAT
 
 from ._blocking import connect_blocking
+from ._clock import ClockEstimate, estimate
 from ._stacks import current_stack
 
 __all__ = ["BeatThread"]
@@ -52,6 +55,8 @@ class BeatThread:
         session: the member's session id (from the join reply). rank: for log lines.
         report: ``report(full)`` returns a progress report's fields, or None (ProgressTracker.report).
         interval: seconds between heartbeats. check_every: seconds between looks at ``report``.
+        stack: this process's stack (client/_stacks.py). clock: where the heartbeats' samples
+            of the coordinator's clock go (client/_clock.py; default: this process's estimate).
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class BeatThread:
         interval: float = HEARTBEAT_INTERVAL,
         check_every: float = 0.5,
         stack: Callable[[], list[dict[str, Any]]] = current_stack,
+        clock: ClockEstimate | None = None,
     ) -> None:
         self._address = (host, port)
         self._token = token
@@ -75,6 +81,7 @@ class BeatThread:
         self._rank = rank
         self._report = report
         self._stack = stack
+        self._clock = clock if clock is not None else estimate()
         self._asked: list[Any] = []  # stack requests pushed by the coordinator, not yet answered
         self._interval = interval
         self._check_every = min(check_every, interval)
@@ -152,12 +159,23 @@ class BeatThread:
                 if not reply.get("ok", False):
                     log.debug("rank %d: progress report refused: %s", self._rank, reply.get("msg"))
             elif now - last_beat >= self._interval:
-                reply = self._request(sock, decoder, {"op": "hb"})
+                reply = self._heartbeat(sock, decoder)
                 want = reply.get("want") is True
             else:
                 continue
             last_beat = now
             self.beats += 1
+
+    def _heartbeat(self, sock: socket.socket, decoder: FrameDecoder) -> dict[str, Any]:
+        """One heartbeat. Its reply carries the coordinator's wall clock: a sample of this host's
+        clock offset (client/_clock.py)."""
+        sent = time.time()
+        reply = self._request(sock, decoder, {"op": "hb"})
+        received = time.time()
+        coordinator = reply.get("t")
+        if isinstance(coordinator, (int, float)) and not isinstance(coordinator, bool):
+            self._clock.sample(sent, float(coordinator), received)
+        return reply
 
     def _send(self, sock: socket.socket, header: dict[str, Any]) -> int:
         self._next_id += 1

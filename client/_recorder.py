@@ -9,14 +9,16 @@ site instead; ``site_of`` turns either into file:line only when a dump is writte
 (``write_dump``: ``DIR/<job>-rank<R>.json`` when AIOCOLL_DUMP_DIR is set), and holds the SIGUSR1
 handler that dumps every live tracker of the process.
 
-May import the standard library, aiocoll._env and aiocoll._errors only; never the engine (it
-hands its trackers here) nor the public surface.
+May import the standard library, aiocoll._env, aiocoll._errors and client/_clock only; never the
+engine (it hands its trackers here) nor the public surface.
 
 Dump format (JSON, one object): ``{"version": 1, "job", "rank", "pid", "host", "time", "reason",
-"groups": [{"group", "label", "ranks", "next_seq", "group_rank"}], "ops": [{"group", "label",
+"clock", "groups": [{"group", "label", "ranks", "next_seq", "group_rank"}], "ops": [{"group", "label",
 "seq", "op", "sig", "state", "outcome", "enter", "end", "site"}]}``: ``state`` is queued, started,
-completed or failed; ``enter`` and ``end`` are seconds of wall time (time.time); ``site`` is
-``{"file", "line", "function"}`` or null; ``ops`` is oldest first (finished ones, then pending).
+completed or failed; ``enter`` and ``end`` are seconds of this host's wall time (time.time); ``site`` is
+``{"file", "line", "function"}`` or null; ``ops`` is oldest first (finished ones, then pending);
+``clock`` is ``{"offset", "error"}``: this host's time plus ``offset`` seconds is the
+coordinator's, to within ``error`` (client/_clock.py), or null without a coordinator.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from typing import Any
 
 from aiocoll._env import env_int, env_text
 from aiocoll._errors import CALLER_SITE
+
+from ._clock import estimate
 
 __all__ = [
     "DEFAULT_CAPACITY",
@@ -198,6 +202,7 @@ def write_dump(
     groups, whose pending operations are written after them."""
     now_mono, now_wall = time.monotonic(), time.time()
     offset = now_wall - now_mono
+    clock = estimate().current
     skip = _package_dirs()
     said: dict[Any, dict[str, Any] | None] = {}  # site -> its file:line (a loop calls from a few)
 
@@ -265,6 +270,7 @@ def write_dump(
         "host": socket.gethostname(),
         "time": round(now_wall, 6),
         "reason": reason,
+        "clock": None if clock is None else {"offset": round(clock[0], 6), "error": round(clock[1], 6)},
         "groups": group_rows,
         "ops": rows + pending_rows,
     }

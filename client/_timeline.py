@@ -3,14 +3,18 @@
 ``aiocoll timeline DIR -o FILE`` merges into one Chrome trace. Off, it costs one ``is None`` test
 per operation (in client/_progress.py).
 
-May import only the standard library and aiocoll._env. One Timeline per process, shared by every
+May import only the standard library, aiocoll._env and client/_clock. One Timeline per process,
+shared by every
 engine of the process (the torch backend runs an engine per torch group): its track is the
 process's rank in the job (RANK, else the first engine's rank).
 
 File format: JSON lines. The first line describes the process ``{"rank", "host", "pid",
 "job"}``; each next line is one operation ``{"kind", "group", "label", "seq", "start", "end",
 "outcome", "bytes", "algo", "group_rank"}`` with ``start`` and ``end`` in microseconds of wall
-time (time.time), so that the files of several hosts line up as well as their clocks do.
+time (time.time) of this host. A line ``{"clock": OFFSET, "error": E}`` (seconds) says that from
+there on this host's time plus OFFSET is the coordinator's, to within E (client/_clock.py, from
+the heartbeats; operations before the first such line take the first), so that the files of
+several hosts line up; a file without one (no coordinator) has only its host's clock.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import time
 from typing import Any
 
 from aiocoll._env import env_int, env_text
+
+from ._clock import estimate
 
 __all__ = ["FLUSH_EVERY", "Timeline", "timeline_for_process"]
 
@@ -48,6 +54,7 @@ class Timeline:
         self._offset = time.time() - time.monotonic()
         self._pending: list[tuple[Any, ...]] = []
         self._last_flush = time.monotonic()
+        self._clock: tuple[float, float] | None = None  # the clock offset last written
         header = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "job": job}
         with open(self.path, "w") as f:
             f.write(json.dumps(header) + "\n")
@@ -95,9 +102,16 @@ class Timeline:
         with _lock:
             ops, self._pending = self._pending, []
             self._last_flush = time.monotonic()
-            if ops:
-                with open(self.path, "a") as f:
-                    f.write("".join(self._line(op) + "\n" for op in ops))
+            if not ops:
+                return
+            lines = [self._line(op) + "\n" for op in ops]
+            clock = estimate().current
+            if clock is not None and clock != self._clock:
+                self._clock = clock
+                offset, error = clock
+                lines.insert(0, json.dumps({"clock": round(offset, 6), "error": round(error, 6)}) + "\n")
+            with open(self.path, "a") as f:
+                f.write("".join(lines))
 
 
 def timeline_for_process(engine_rank: int) -> Timeline | None:

@@ -60,14 +60,17 @@ class Liveness:
 
     def op_hb(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
         # The connection was heard (request() noted it); a beat connection's member may be asked
-        # for a full progress report.
+        # for a full progress report, and learns the coordinator's wall clock (``t``), from which
+        # it estimates its own clock's offset (client/_clock.py).
         member = conn.beat_of
-        if member is not None:
-            member.last_seen = conn.last_seen
-            if member.rank in conn.job.progress.wanted:
-                self.fx.reply(conn, req_id, "hb", self.fx.started, {"id": req_id, "ok": True, "want": True})
-                return
-        self.fx.reply(conn, req_id, "hb", self.fx.started)
+        if member is None:
+            self.fx.reply(conn, req_id, "hb", self.fx.started)
+            return
+        member.last_seen = conn.last_seen
+        header: dict[str, Any] = {"id": req_id, "ok": True, "t": self.fx.wall_clock()}
+        if member.rank in conn.job.progress.wanted:
+            header["want"] = True
+        self.fx.reply(conn, req_id, "hb", self.fx.started, header)
 
     def due(self, now: float) -> bool:
         """Whether a housekeeping round is due; if so, starts it (credits a stall of our own)."""

@@ -98,9 +98,15 @@ def _site(op: dict[str, Any] | None) -> str:
     return f" at {site.get('file')}:{site.get('line')} ({site.get('function')})"
 
 
-def _when(stamp: Any) -> str:
+def _when(stamp: Any, dump: dict[str, Any]) -> str:
+    """A time of ``dump``'s host, on the coordinator's clock when the dump says how (its
+    ``clock``), so that the times of ranks on different hosts compare."""
     if not isinstance(stamp, (int, float)):
         return "?"
+    clock = dump.get("clock")
+    offset = clock.get("offset") if isinstance(clock, dict) else None
+    if isinstance(offset, (int, float)):
+        stamp += offset
     return time.strftime("%H:%M:%S", time.localtime(stamp)) + f".{int(stamp * 1000) % 1000:03d}"
 
 
@@ -109,8 +115,8 @@ def analyze(dumps: dict[int, dict[str, Any]]) -> Finding:
     out = Finding()
     say = out.lines.append
     for rank, dump in sorted(dumps.items()):
-        say(f"rank {rank} (pid {dump.get('pid')}, {dump.get('host')}) dumped at {_when(dump.get('time'))}: "
-            f"{dump.get('reason')}")  # fmt: skip
+        when = _when(dump.get("time"), dump)
+        say(f"rank {rank} (pid {dump.get('pid')}, {dump.get('host')}) dumped at {when}: {dump.get('reason')}")
     groups: dict[str, dict[str, Any]] = {}
     for dump in dumps.values():
         for g in dump["groups"]:
@@ -155,7 +161,9 @@ def _group(out: Finding, gid: str, info: dict[str, Any], dumps: dict[int, dict[s
         if rank in stuck:
             op = stuck[rank]
             state = "waits in" if op.get("state") in _WAITING else f"failed ({op.get('outcome')}) in"
-            line += f"; {state} seq {op['seq']} {op.get('op')} since {_when(op.get('enter'))}{_site(op)}"
+            line += (
+                f"; {state} seq {op['seq']} {op.get('op')} since {_when(op.get('enter'), dump)}{_site(op)}"
+            )
         elif rank in last_call:
             line += f"; its last call{_site(last_call[rank])}"
         say(line)

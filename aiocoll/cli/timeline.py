@@ -6,8 +6,10 @@ One track per rank (a trace "process" named "rank R (host)"), one event per oper
 after its kind (``all_reduce``), lasting from the call to its completion on that rank, with the
 group, sequence number, bytes, algorithm and outcome as its arguments. For each collective it
 also shows arrival: when each rank entered it after the first, and how long it waited for the
-last one (a slice "waiting for rank R" on the rank's second track). Imports only the standard
-library.
+last one (a slice "waiting for rank R" on the rank's second track). Times are on the
+coordinator's clock, so that ranks on different hosts compare: each rank's files say its
+clock's offset to the coordinator's, as its heartbeats measured it (client/_clock.py); without
+a coordinator, each host's own clock. Imports only the standard library.
 """
 
 from __future__ import annotations
@@ -42,17 +44,55 @@ class TimelineError(ValueError):
 
 
 def _read(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A rank's timeline file: its header (with ``clock``: the last clock line, or None) and its
+    operations, their times on the coordinator's clock where the file says how (its clock lines;
+    operations before the first take the first)."""
     lines = path.read_text().splitlines()
     if not lines:
         raise TimelineError(f"{path} is empty: not a timeline file (is the job still starting?)")
     try:
         header = json.loads(lines[0])
-        events = [json.loads(line) for line in lines[1:] if line.strip()]
+        records = [json.loads(line) for line in lines[1:] if line.strip()]
     except json.JSONDecodeError as exc:
         raise TimelineError(f"{path}: not a timeline file ({exc})") from None
     if not isinstance(header, dict) or "rank" not in header:
         raise TimelineError(f"{path}: its first line does not describe a rank")
+    events: list[dict[str, Any]] = []
+    unaligned: list[dict[str, Any]] = []  # before the first clock line
+    header["clock"] = None
+    for record in records:
+        clock = _clock(record)
+        if clock is not None:
+            header["clock"] = clock
+            _shift(unaligned, clock["offset"])
+            unaligned = []
+        elif header["clock"] is None:
+            unaligned.append(record)
+            events.append(record)
+        else:
+            _shift([record], header["clock"]["offset"])
+            events.append(record)
     return header, events
+
+
+def _clock(record: Any) -> dict[str, float] | None:
+    """``{"offset", "error"}`` (seconds) of a clock line (``{"clock", "error"}``) or a dump's
+    ``clock``; None for anything else."""
+    if not isinstance(record, dict):
+        return None
+    offset = record.get("clock", record.get("offset"))
+    if not isinstance(offset, (int, float)) or isinstance(offset, bool) or "kind" in record:
+        return None
+    error = record.get("error")
+    return {"offset": float(offset), "error": float(error) if isinstance(error, (int, float)) else 0.0}
+
+
+def _shift(events: list[dict[str, Any]], offset: float) -> None:
+    """Move the events' times (microseconds) by ``offset`` seconds."""
+    for event in events:
+        for key in ("start", "end"):
+            if type(event.get(key)) in (int, float):
+                event[key] += offset * 1e6
 
 
 def _read_dump(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
@@ -64,8 +104,15 @@ def _read_dump(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None
         raise TimelineError(f"{path}: not a flight-recorder dump ({exc})") from None
     if not isinstance(dump, dict) or not isinstance(dump.get("ops"), list) or "rank" not in dump:
         return None
-    header = {"rank": dump["rank"], "host": dump.get("host"), "pid": dump.get("pid"), "job": dump.get("job")}
-    events = []
+    clock = _clock(dump.get("clock"))
+    header = {
+        "rank": dump["rank"],
+        "host": dump.get("host"),
+        "pid": dump.get("pid"),
+        "job": dump.get("job"),
+        "clock": clock,
+    }
+    events: list[dict[str, Any]] = []
     for op in dump["ops"]:
         enter = op.get("enter")
         if not isinstance(enter, (int, float)):
@@ -85,6 +132,8 @@ def _read_dump(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None
                 "site": "{file}:{line}".format(**op["site"]) if isinstance(op.get("site"), dict) else None,
             }
         )
+    if clock is not None:
+        _shift(events, clock["offset"])
     return header, events
 
 
@@ -147,6 +196,9 @@ def merge(directory: Path) -> dict[str, Any]:
             }
         )
         trace.append({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": rank}})
+        trace.append(
+            {"name": "process_labels", "ph": "M", "pid": pid, "args": {"labels": _clock_label(header)}}
+        )
         trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": "operations"}})
         trace.append(
             {
@@ -187,6 +239,16 @@ def merge(directory: Path) -> dict[str, Any]:
                 }
             )
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+
+def _clock_label(header: dict[str, Any]) -> str:
+    clock = header.get("clock")
+    if clock is None:
+        return "times on this host's clock (no coordinator's clock to align them to)"
+    return (
+        f"times on the coordinator's clock: this host's {clock['offset'] * 1e3:+.3f} ms "
+        f"(to within {clock['error'] * 1e3:.3f} ms)"
+    )
 
 
 def longest_wait(trace: dict[str, Any]) -> str | None:

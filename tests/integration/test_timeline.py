@@ -1,7 +1,7 @@
 """The timeline: a 4-rank job run by ``aiocoll run`` with ``AIOCOLL_TIMELINE=DIR`` leaves one
 record per rank, and ``aiocoll timeline DIR -o FILE`` merges them into one Chrome trace with a
 track per rank, every operation once per rank, and the wait of the ranks that waited for a late
-one visible as a longer event."""
+one visible as a longer event. Each record says its rank's clock offset to the coordinator's."""
 
 from __future__ import annotations
 
@@ -54,6 +54,11 @@ def test_a_timeline_has_a_track_per_rank_every_operation_once_and_the_waits(tmp_
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert len(list(records.glob("rank*.jsonl"))) == 4
+    # Each rank says its clock's offset to the coordinator's, as its heartbeats measured it: on
+    # one host the clocks are one, so the offset is within the bound it gives (half a round trip).
+    for path in records.glob("rank*.jsonl"):
+        clocks = [line for line in map(json.loads, path.read_text().splitlines()[1:]) if "clock" in line]
+        assert clocks and all(abs(c["clock"]) <= c["error"] + 2e-6 for c in clocks), (path, clocks)
 
     out = tmp_path / "trace.json"
     merged = subprocess.run(
