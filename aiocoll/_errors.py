@@ -49,6 +49,7 @@ __all__ = [
     "CALLER_SITE",
     "chain",
     "group_name",
+    "internal_dirs",
     "peer_gone",
     "trim",
     "user_site",
@@ -115,7 +116,8 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     )
 
 
-def _internal_dirs() -> tuple[str, ...]:
+def internal_dirs() -> tuple[str, ...]:
+    """The folders of aiocoll's own code (the package, its client and its server)."""
     here = os.path.dirname(os.path.abspath(__file__))  # aiocoll/
     dirs = {here + os.sep}
     for name in ("aiocoll.client", "aiocoll.server"):  # installed from folders of their own
@@ -164,7 +166,7 @@ def trim(exc: _E) -> _E:
     """
     if env_text("AIOCOLL_DEBUG") not in (None, "0"):
         return exc
-    internal = _internal_dirs()
+    internal = internal_dirs()
     seen: set[int] = set()
     err: BaseException | None = exc
     while err is not None and id(err) not in seen and len(seen) < 32:

@@ -39,7 +39,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from aiocoll._env import env_int, env_text
-from aiocoll._errors import CALLER_SITE
+from aiocoll._errors import CALLER_SITE, internal_dirs
 
 from ._clock import estimate
 
@@ -140,11 +140,11 @@ def user_depth(frame: FrameType | None) -> int:
 
 
 def _package_dirs() -> tuple[str, ...]:
-    here = os.path.dirname(os.path.abspath(__file__))  # aiocoll.client
-    dirs = [here + os.sep]
-    for name in ("aiocoll", "aiocoll.server", "torch", "asyncio"):
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
+    """Where frames are not the user's: aiocoll's, and those of torch and asyncio between the
+    user's call and aiocoll's."""
+    dirs = list(internal_dirs())
+    for name in ("torch", "asyncio"):
+        path = getattr(sys.modules.get(name), "__file__", None)
         if path:
             dirs.append(os.path.dirname(os.path.abspath(path)) + os.sep)
     return tuple(dirs)

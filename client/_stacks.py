@@ -33,8 +33,8 @@ def watch_loop(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _library_dirs() -> tuple[str, ...]:
-    dirs = {os.path.dirname(os.path.abspath(__file__)) + os.sep}  # aiocoll.client
-    for name in ("aiocoll", "aiocoll.server", "torch", "numpy"):
+    dirs = set()
+    for name in ("aiocoll", "aiocoll.client", "aiocoll.server", "torch", "numpy"):
         path = getattr(sys.modules.get(name), "__file__", None)
         if path:
             dirs.add(os.path.dirname(os.path.abspath(path)) + os.sep)
