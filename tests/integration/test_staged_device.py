@@ -5,13 +5,17 @@ they are queued): the same staging pipeline and the same public code paths as CU
 over real TCP links, with a pool buffer of 256 bytes so that every operation runs in many
 chunks. Before each operation a slow "kernel" on the caller's stream writes the values to send,
 so an operation that does not wait for the caller's stream sends stale values. Results are
-compared with numpy.
+compared with numpy; the flight recorder's dumps name the line of each call, staged or not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +25,7 @@ from aiocoll.testing.world import run_world, unwrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
+_HERE = os.path.abspath(__file__)
 N = 3
 CHUNK = 256  # bytes per pooled pinned buffer: a 1,000-element float32 all_reduce is 16 chunks
 
@@ -161,12 +166,28 @@ async def worker(pg: Any) -> dict[str, Any]:
 
     pool = staging_for(d.dev).pool
     out["pool"] = (pool.allocated, pool.capacity, pool.in_use, d.dev.pinned_allocations)
+
+    # The flight recorder names the line of each call, on the host or staged (the two reach the
+    # engine by different paths): the rank's dump on SIGUSR1.
+    await pg.all_reduce(np.ones(4, np.float32))  # HOST CALL
+    await pg.all_reduce(d.tensor(np.ones(4, np.float32)))  # STAGED CALL
+    dump = Path(os.environ["AIOCOLL_DUMP_DIR"]) / f"{os.environ.get('AIOCOLL_JOB') or 'default'}-rank{r}.json"
+    os.kill(os.getpid(), signal.SIGUSR1)
+    await asyncio.to_thread(_wait_for, dump, 30.0)  # a thread of this rank writes it
+    ops = json.loads(dump.read_text())["ops"]
+    out["sites"] = [op["site"] for op in ops if op["op"].startswith("all_reduce")][-2:]
     d.dev.close()
     return out
 
 
+def _wait_for(path: Path, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     # Over TCP links, as the module header says: the "mixed" check (a host tensor on one rank,
     # device tensors on the others) interoperates over links only; in a group of one host whose
     # collectives read each other's shared memory, host tensors take that path (README).
@@ -174,6 +195,7 @@ def results() -> list[dict[str, Any]]:
         "AIOCOLL_STAGING_CHUNK_BYTES": str(CHUNK),
         "AIOCOLL_STAGING_BUFFERS": "3",
         "AIOCOLL_TRANSPORT": "tcp",
+        "AIOCOLL_DUMP_DIR": str(tmp_path_factory.mktemp("dumps")),
     }
     return unwrap(run_world(worker, N, timeout=150, env=env))
 
@@ -211,6 +233,18 @@ def test_gathers_scatters_and_all_to_all(results: list[dict[str, Any]]) -> None:
         np.testing.assert_array_equal(res["scatter"], np.full(80, r * 3))
         expect = np.concatenate([np.full((r + 1, 40), 100 * i + r) for i in range(N)])
         np.testing.assert_array_equal(res["all_to_all_single"], expect)
+
+
+def test_the_flight_recorder_names_the_line_of_host_and_staged_calls(results: list[dict[str, Any]]) -> None:
+    lines = Path(_HERE).read_text().splitlines()
+    host, staged = (
+        next(n for n, t in enumerate(lines, 1) if t.endswith(m)) for m in ("# HOST CALL", "# STAGED CALL")
+    )
+    for res in results:
+        assert res["sites"] == [
+            {"file": _HERE, "line": host, "function": "worker"},
+            {"file": _HERE, "line": staged, "function": "worker"},
+        ], res["sites"]
 
 
 def test_point_to_point_in_chunks_keeps_message_order(results: list[dict[str, Any]]) -> None:
