@@ -5,20 +5,21 @@ The ring itself is the progress tracker's record of finished operations (client/
 HISTORY operations progress reports need, and takes no call sites). This module says where an
 operation was called (``CallSites``: the engine takes the user's frame's code object and offset
 at the call, at a depth found once per kind of call; the blocking facade passes its caller's
-site instead; ``site_of`` turns either into file:line only when a dump is written), writes the dump
-(``write_dump``: ``DIR/<job>-rank<R>.json`` when AIOCOLL_DUMP_DIR is set), and holds the SIGUSR1
-handler that dumps every live tracker of the process.
+site instead; ``site_of`` turns either into file:line only when a dump is written), writes the
+dump (``write_dump``: ``DIR/<job>-rank<R>.json`` when AIOCOLL_DUMP_DIR is set), and holds the
+SIGUSR1 handler that dumps every live tracker of the process.
 
 May import the standard library, aiocoll._env, aiocoll._errors and client/_clock only; never the
 engine (it hands its trackers here) nor the public surface.
 
-Dump format (JSON, one object): ``{"version": 1, "job", "rank", "pid", "host", "time", "reason",
-"clock", "groups": [{"group", "label", "ranks", "next_seq", "group_rank"}], "ops": [{"group", "label",
-"seq", "op", "sig", "state", "outcome", "enter", "end", "site"}]}``: ``state`` is queued, started,
-completed or failed; ``enter`` and ``end`` are seconds of this host's wall time (time.time); ``site`` is
-``{"file", "line", "function"}`` or null; ``ops`` is oldest first (finished ones, then pending);
-``clock`` is ``{"offset", "error"}``: this host's time plus ``offset`` seconds is the
-coordinator's, to within ``error`` (client/_clock.py), or null without a coordinator.
+Dump format (JSON, one object): ``{"version": 1, "job", "rank", "pid", "host", "time",
+"reason", "clock", "groups": [{"group", "label", "ranks", "next_seq", "group_rank"}], "ops":
+[{"group", "label", "seq", "op", "sig", "state", "outcome", "enter", "end", "site"}]}``:
+``state`` is queued, started, completed or failed; ``enter`` and ``end`` are seconds of this
+host's wall time (time.time); ``site`` is ``{"file", "line", "function"}`` or null; ``ops`` is
+oldest first (finished ones, then pending); ``clock`` is ``{"offset", "error"}``: this host's
+time plus ``offset`` seconds is the coordinator's, to within ``error`` (client/_clock.py), or
+null when no coordinator's clock was heard.
 """
 
 from __future__ import annotations
