@@ -499,11 +499,20 @@ class Manager:
             quorum's group may take to form. Every replica must give the same value.
         timeout: seconds each collective of a step, and a heal, may take.
         quorum_timeout: seconds ``start_step`` may take in all (asking again after failures).
+        replace_timeout: for a replica of several ranks: seconds a rank whose replica lost
+            another rank waits in ``start_step`` for a new process of that rank (the same
+            replica name and ``replica_rank``); then the replica counts again, in a new
+            ``replica_generation``, and its ranks heal. 0: ``QuorumError`` at once (the replica
+            restarts whole).
 
     Attributes:
         replica: this replica's name.
         replica_rank: this process's rank inside its replica.
         replica_size: the number of ranks of each replica.
+        replica_generation: for a replica of several ranks, the generation of its ranks' own
+            group (the same on all of them): it changes when that group must be made again (the
+            replica's first quorum, a rank replaced, the replica back after being left out, a
+            failure inside it). 0 before the first quorum, and for a replica of one rank.
         step: steps committed (the state's step).
         quorum_id: the current quorum's id (it changes when its membership changes).
         members: the current quorum's replicas, by name, in rank order.
@@ -536,6 +545,7 @@ class Manager:
         join_timeout: float = 10.0,
         timeout: float = 60.0,
         quorum_timeout: float = 600.0,
+        replace_timeout: float = 0.0,
     ) -> None:
         if isinstance(min_replicas, bool) or not isinstance(min_replicas, int) or min_replicas < 1:
             raise ValueError(f"Manager: min_replicas must be a positive int, got {min_replicas!r}")
@@ -546,6 +556,14 @@ class Manager:
         ):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"Manager: {name} must be a positive number of seconds, got {value!r}")
+        if (
+            isinstance(replace_timeout, bool)
+            or not isinstance(replace_timeout, (int, float))
+            or not replace_timeout >= 0
+        ):
+            raise ValueError(
+                f"Manager: replace_timeout must be a number of seconds >= 0, got {replace_timeout!r}"
+            )
         self.coordinator = coordinator or _default_coordinator()
         self._host, self._port = _host_port(self.coordinator, "coordinator")
         self.replica = replica or _default_replica()
@@ -573,6 +591,7 @@ class Manager:
         self.join_timeout = float(join_timeout)
         self.timeout = float(timeout)
         self.quorum_timeout = float(quorum_timeout)
+        self.replace_timeout = float(replace_timeout)
         self.host = socket.gethostname()
         self._uid = os.urandom(8).hex()  # this incarnation: a restart under the same name is new
         self.step = 0
@@ -593,6 +612,9 @@ class Manager:
         self._in_step = False
         self._closed = False
         self._torn = False  # a heal failed after it began to overwrite this replica's own arrays
+        self.replica_generation = 0
+        self._inside_failed = False  # an operation on the replica's own group failed this step
+        self._whole = True  # the replica's ranks hold one step's state (the coordinator's view)
 
     def __repr__(self) -> str:
         return (
@@ -713,7 +735,8 @@ class Manager:
 
         Raises:
             QuorumError: no quorum within ``quorum_timeout`` (too few replicas, the coordinator
-                not reachable), or this rank's replica lost another of its ranks.
+                not reachable), or this rank's replica lost another of its ranks (at once, or
+                when no new process of it asked within ``replace_timeout``).
             RuntimeError: a heal is needed but ``state_dict``/``load_state_dict`` are not set.
         """
         deadline = Deadline(self.quorum_timeout)
@@ -767,6 +790,10 @@ class Manager:
         if self.replica_size > 1:
             fields["replica_rank"] = self.replica_rank
             fields["replica_size"] = self.replica_size
+            fields["replace_timeout"] = self.replace_timeout
+            fields["generation"] = self.replica_generation
+            if self._inside_failed:
+                fields["inside"] = True
         try:
             session = await self._connected(deadline)
             reply, _ = await session._call("quorum", fields, deadline=deadline, waits=True)
@@ -788,15 +815,20 @@ class Manager:
                 step=self.step,
             ) from exc
         self._renew = False
+        self._inside_failed = False
         return reply
 
     async def _adopt(self, reply: dict[str, Any], deadline: Deadline) -> None:
         qid, index = int(reply["quorum_id"]), int(reply["index"])
+        self.replica_generation = int(reply.get("generation", self.replica_generation))
         if "members" not in reply:
-            # The quorum whose group this replica holds, formed again with the same members.
+            # The quorum whose group this replica holds, formed again with the same members (whose
+            # ranks agreed on their step then, and did nothing but commit together since).
+            self._whole = True
             await self._heal(reply)
             return
         members = reply["members"]
+        self._whole = members[index][1] >= 0
         for name, host, why in reply.get("left", []):
             rank = self.members.index(name) if name in self.members else -1
             log.warning(
@@ -867,15 +899,19 @@ class Manager:
         pg = self.group
         assert pg is not None
         source = heal[self.index]
-        if self._torn and source < 0:
+        if source < 0 and (self._torn or not self._whole):
+            why = (
+                "this replica's state was partly overwritten by a heal whose source was lost"
+                if self._torn
+                else "this replica's ranks hold the states of different steps (a rank was replaced, "
+                "or a heal failed on some of them)"
+            )
             raise QuorumError(
-                f"{self._where()}: this replica's state was partly overwritten by a heal whose source "
-                f"was lost, and no replica of quorum {self.quorum_id} holds a whole state to heal from: "
-                f"start it again from a checkpoint, or start a replica that has one",
+                f"{self._where()}: {why}, and no replica of quorum {self.quorum_id} holds a whole state "
+                f"to heal from: start it again from a checkpoint, or start a replica that has one",
                 replica=self.replica,
                 step=self.step,
             )
-        source = heal[self.index]
         healers = [i for i, s in enumerate(heal) if s == self.index]
         if (healers or source >= 0) and (self.state_dict is None or self.load_state_dict is None):
             raise RuntimeError(
@@ -988,6 +1024,8 @@ class Manager:
             inside_replica: the operation ran on a group of this replica's ranks, in
                 ``replica_rank`` order (a replica of several ranks): its ranks are replica ranks.
         """
+        if inside_replica:
+            self._inside_failed = True  # the next quorum gives the replica a new generation
         self._fail("an operation of the step", exc, "inside" if inside_replica else "shard")
 
     async def all_reduce_mean(self, arrays: Sequence[Any], *, timeout: float | None = None) -> bool:

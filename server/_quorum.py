@@ -16,17 +16,24 @@ A forming quorum (one per job) forms:
 A replica may be several ranks (``replica_size``, each asking with its ``replica_rank``: one
 model copy sharded or data-parallel inside it). It counts as having asked only when all its ranks
 asked (the same ``replica_size``; a disagreement is refused), and as gone when any of them is:
-it is then left out whole, and the asks of its other ranks that were in the previous quorum with
-the lost one fail, naming it (they cannot train without it; the replica restarts whole). Every
-rank of a replica gets the same reply; the quorum's members are replicas, the reply's ``hosts``
-names each one's ranks' hosts.
+it is then left out whole. The asks of its other ranks that were in a quorum with the lost one
+fail, naming it, once they waited their ``replace_timeout`` (0: at once; the replica restarts
+whole) for a new process of the lost rank (same replica name and rank, a new incarnation); when
+one asks in time, the replica counts again. A replica whose ranks hold different steps (one
+replaced, or a heal that failed on some) counts as torn: it heals, and is a source for no one.
+Every rank of a replica gets the same reply; the quorum's members are replicas, the reply's
+``hosts`` names each one's ranks' hosts, and each rank's reply carries its replica's
+*generation*: a number that changes whenever the set of processes that train together as that
+replica may have changed (a rank replaced, the replica back after it was left out, or a failure
+inside it), so that its ranks make their own group (one job per generation) again.
 
 The quorum id changes only when the membership changes: another set of (replica, incarnation),
 or a replica asking for a fresh group (``renew``: its last step failed). Replicas keep their
 process group while it stays the same.
 
-The previous quorum (id, members, their steps and the number of the ask that formed it) is the
-part's only durable data, kept in the job's key space under ``QUORUM_KEY`` through the key-value
+The previous quorum (id, members, their steps and the number of the ask that formed it), and each
+replica of several ranks' generation and ranks of the last quorum it was in, are the part's only
+durable data, kept in the job's key space under ``QUORUM_KEY`` through the key-value
 part, so the journal and snapshots carry it unchanged: after a coordinator restart a replica
 that sends its ask again (the session re-sends it on the new link) gets the reply of the quorum
 that ask already formed, and the replicas still gathering form the next one with the same id
@@ -36,6 +43,7 @@ when nothing changed.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -101,11 +109,15 @@ class Ask:
     __slots__ = (
         "ask",
         "conn",
+        "generation",
         "host",
+        "inside",
         "join_timeout",
         "known",
         "min_replicas",
         "renew",
+        "replace_armed",
+        "replace_timeout",
         "replica",
         "replica_rank",
         "replica_size",
@@ -132,10 +144,24 @@ class Ask:
             self.replica_rank,
             self.replica_size,
             self.known,
+            self.replace_timeout,
+            self.inside,
+            self.generation,
         ) = fields[:8] + fields[9:]
         if fields[8]:
             self.step = -1  # a torn state: behind everyone, a source for no one
+        self.replace_armed = False  # a wake-up is set for the end of its wait for a replaced rank
         self.waiting = True  # the timer protocol (_model.Effects.push_timer)
+
+
+class _Wake:
+    """A timer item that only makes the job's quorum be considered again."""
+
+    __slots__ = ("jq", "waiting")
+
+    def __init__(self, jq: JobQuorum) -> None:
+        self.jq = jq
+        self.waiting = True
 
 
 class _Tick:
@@ -155,6 +181,7 @@ class JobQuorum:
         "asks",
         "by_name",
         "first_at",
+        "generation",
         "gone",
         "incomplete",
         "job",
@@ -178,6 +205,7 @@ class JobQuorum:
         self.tick: _Tick | None = None
         # a replica of several ranks -> its ranks ([uid, step, host, ask]) in the last quorum it was in
         self.ranks_of: dict[str, list[list[Any]]] = {}
+        self.generation: dict[str, int] = {}  # a replica of several ranks -> its generation
         # Kept as asks come and go, so that an ask costs the same with 10 replicas or 4,000:
         self.incomplete: set[str] = set()  # replicas some but not all of whose ranks asked
         self.by_name: dict[str, list[Any]] = {}  # the previous quorum's members by replica
@@ -190,6 +218,9 @@ class JobQuorum:
             for m in record["members"]:
                 if len(m) > 5:
                     self.ranks_of[m[0]] = m[5]
+            for name, (generation, ranks) in record.get("replicas", {}).items():
+                self.generation[name] = generation
+                self.ranks_of[name] = ranks
 
     def set_last(self, record: dict[str, Any]) -> None:
         """The quorum just formed (or read back) becomes the previous one, which the next waits for."""
@@ -236,6 +267,12 @@ def _count(value: object, what: str, low: int, high: int) -> int:
     return value
 
 
+def _replace_timeout(value: object) -> float:
+    """An ask's ``replace_timeout``: seconds (None: no limit but the ask's own timeout)."""
+    seconds = timeout_field(value)
+    return math.inf if seconds is None else seconds
+
+
 class _Replies:
     """The replies to one quorum's asks: what they share is encoded once, not once per replica.
 
@@ -244,8 +281,16 @@ class _Replies:
     that list is most of the bytes the coordinator would write.
     """
 
-    def __init__(self, record: dict[str, Any], left: list[list[str]], *, same: bool = False) -> None:
+    def __init__(
+        self,
+        record: dict[str, Any],
+        left: list[list[str]],
+        generation: dict[str, int],
+        *,
+        same: bool = False,
+    ) -> None:
         members = record["members"]
+        self.generation = generation
         steps = [m[2] for m in members]
         self.qid = record["id"]
         self.same = same
@@ -277,7 +322,10 @@ class _Replies:
             if self._full is None:
                 self._full = self._shared(True)
             shared = self._full
-        head = msgpack.packb({"id": req_id, "index": self.index[replica]})
+        own: dict[str, int] = {"id": req_id, "index": self.index[replica]}
+        if replica in self.generation:  # a replica of several ranks: its ranks' own group
+            own["generation"] = self.generation[replica]
+        head = msgpack.packb(own)
         # two maps of at most 15 entries in all, joined: one fixmap of their entries
         entries = (head[0] & 0x0F) + (shared[0] & 0x0F)
         return EncodedHeader((bytes([0x80 | entries]) + head[1:], shared[1:]))
@@ -323,6 +371,9 @@ class Quorum:
             _count(h.get("replica_rank", 0), "replica_rank", 0, MAX_REPLICAS - 1),
             _count(h.get("replica_size", 1), "replica_size", 1, MAX_REPLICAS),
             _count(h.get("known", 0), "known", 0, 1 << 62),
+            _replace_timeout(h.get("replace_timeout", 0.0)),
+            h.get("inside") is True,
+            _count(h.get("generation", 0), "generation", 0, 1 << 62),
         )
         timeout = timeout_field(h.get("timeout"))
         now = self.fx.started
@@ -345,7 +396,9 @@ class Quorum:
                 # This ask formed the previous quorum already: its reply was lost with a link
                 # (a coordinator restart); the same answer again.
                 self._note(jq, key, conn)
-                self.fx.reply(conn, req_id, "quorum", now, _Replies(last, []).reply(req_id, a.replica, 0))
+                self.fx.reply(
+                    conn, req_id, "quorum", now, _Replies(last, [], jq.generation).reply(req_id, a.replica, 0)
+                )
                 return
         others = jq.asks
         mine = others.get(a.replica, {})
@@ -370,6 +423,7 @@ class Quorum:
                     f"{first.join_timeout:g}, replica_size={first.replica_size}; give every replica's "
                     f"Manager the same settings",
                 )
+        complete_before = len(others) - len(jq.incomplete)
         old = mine.pop(a.replica_rank, None)
         if old is not None:
             old.waiting = False  # its connection is open: a closed one's asks were dropped
@@ -386,11 +440,13 @@ class Quorum:
             raise Refused(
                 ERR_INVALID, f"quorum: job {conn.job.name!r} already has {MAX_REPLICAS} replicas asking"
             )
-        if not others:
-            jq.first_at = now
         others[a.replica] = mine
         mine[a.replica_rank] = a
         jq.recount(a.replica)
+        if complete_before == 0 and len(others) > len(jq.incomplete):
+            # The join window runs from the first replica whose ranks all asked: ranks that wait
+            # for a fellow rank (starting, or replaced) do not start it.
+            jq.first_at = now
         self._note(jq, key, conn)
         if timeout is not None:
             self.fx.push_timer(now + timeout, a, self._expire_ask)
@@ -490,8 +546,10 @@ class Quorum:
     def _fail_rest(self, jq: JobQuorum, name: str, now: float) -> None:
         """Fail the asks of a replica's ranks whose fellow rank of its last quorum is gone.
 
-        They cannot train without it: the replica restarts whole. Ranks of a new incarnation
-        (not in a quorum with the lost one) are not failed: they wait for their other ranks.
+        They cannot train without it. Each waits first for a new process of the lost rank, up to
+        its ``replace_timeout`` from when it asked (0: none; the replica restarts whole).
+        Ranks of a new incarnation (not in a quorum with the lost one) are not failed: they wait
+        for their other ranks.
         """
         ranks = jq.ranks_of.get(name)
         asked = jq.asks[name]
@@ -507,22 +565,38 @@ class Quorum:
         if why is None:
             return
         for rank, a in list(asked.items()):
-            if a.uid == ranks[rank][0]:
-                del asked[rank]
-                a.waiting = False
-                self.fx.fail(
-                    a.conn.id,
-                    a.req_id,
-                    "quorum",
-                    a.started,
-                    ERR_RENDEZVOUS,
-                    f"quorum: replica {name!r} of job {jq.job.name!r} is left out of the next quorum: "
-                    f"{why}. Its rank {rank} (host {a.host}) cannot train without it: restart the "
-                    f"replica (all its ranks); it heals from a live one",
-                )
+            if a.uid != ranks[rank][0]:
+                continue
+            due = a.started + a.replace_timeout
+            if now < due:
+                if not a.replace_armed and due < math.inf:
+                    a.replace_armed = True
+                    self.fx.push_timer(due, _Wake(jq), self._wake)
+                continue
+            del asked[rank]
+            a.waiting = False
+            if a.replace_timeout > 0:
+                waited = f"; no new process of it asked within its replace_timeout ({a.replace_timeout:g}s)"
+            else:
+                waited = " (replace_timeout 0: the replica restarts whole)"
+            self.fx.fail(
+                a.conn.id,
+                a.req_id,
+                "quorum",
+                a.started,
+                ERR_RENDEZVOUS,
+                f"quorum: replica {name!r} of job {jq.job.name!r} is left out of the next quorum: "
+                f"{why}{waited}. Its rank {rank} (host {a.host}) cannot train without it: restart the "
+                f"lost rank (the same replica name and replica_rank) within replace_timeout, or the "
+                f"replica (all its ranks); it heals from a live one",
+            )
         if not asked:
             del jq.asks[name]
         jq.recount(name)
+
+    def _wake(self, wake: _Wake) -> None:
+        wake.waiting = False
+        self._consider(wake.jq, self.fx.clock())
 
     def _expire_tick(self, tick: _Tick) -> None:
         tick.waiting = False
@@ -586,15 +660,17 @@ class Quorum:
         left += late
         complete = sorted(name for name in jq.asks if name not in jq.incomplete)
         groups = [sorted(jq.asks.pop(name).values(), key=lambda a: a.replica_rank) for name in complete]
-        if jq.asks:
-            jq.first_at = now  # replicas not complete yet: they gather for the next quorum
         last = jq.last
         members = []
         for g in groups:
             head = g[0]
-            member: list[Any] = [head.replica, head.uid, min(a.step for a in g), head.host, head.ask]
+            steps = {a.step for a in g}
+            # ranks at different steps (one replaced, a heal that failed on some): not one model
+            step = steps.pop() if len(steps) == 1 else -1
+            member: list[Any] = [head.replica, head.uid, step, head.host, head.ask]
             if len(g) > 1:
                 member.append([[a.uid, a.step, a.host, a.ask] for a in g])
+                self._generation(jq, g)
                 jq.ranks_of[head.replica] = member[5]
             members.append(member)
         ident = [[m[0], [r[0] for r in shards(m)]] for m in members]
@@ -609,7 +685,7 @@ class Quorum:
         record = {"id": qid, "members": members}
         jq.set_last(record)
         self._persist(jq)
-        replies = _Replies(record, left, same=same)
+        replies = _Replies(record, left, jq.generation, same=same)
         log.info(
             "job=%s event=quorum id=%d members=%d left_out=%s max_step=%d heal=%s",
             jq.job.name,
@@ -626,9 +702,32 @@ class Quorum:
                     a.conn, a.req_id, "quorum", a.started, replies.reply(a.req_id, a.replica, a.known)
                 )
 
+    def _generation(self, jq: JobQuorum, ranks: list[Ask]) -> None:
+        """A replica of several ranks enters a quorum: a new generation when its processes may
+        not share a working group of their own any more.
+
+        That is: another set of processes (a rank replaced, or the replica restarted), the
+        replica not in the previous quorum (left out meanwhile), or a rank that saw its
+        replica's own group fail. Never lower than a generation any of its ranks knows, so that
+        a coordinator that lost its state does not hand out one used before.
+        """
+        name = ranks[0].replica
+        known = max(jq.generation.get(name, 0), *(a.generation for a in ranks))
+        before = jq.ranks_of.get(name)
+        changed = (
+            before is None
+            or [r[0] for r in before] != [a.uid for a in ranks]
+            or name not in jq.by_name
+            or any(a.inside for a in ranks)
+        )
+        jq.generation[name] = known + 1 if changed else known
+
     def _persist(self, jq: JobQuorum) -> None:
         assert jq.last is not None
-        value = msgpack.packb({"id": jq.last["id"], "next": jq.next_id, "members": jq.last["members"]})
+        replicas = {name: [jq.generation.get(name, 0), ranks] for name, ranks in jq.ranks_of.items()}
+        value = msgpack.packb(
+            {"id": jq.last["id"], "next": jq.next_id, "members": jq.last["members"], "replicas": replicas}
+        )
         self.kv._put(jq.job, QUORUM_KEY, value)
 
     # ------------------------------------------------------------------ connections

@@ -287,6 +287,56 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _stop_after(until: Path, step: int) -> None:
+    """Tell the ranks that read ``until`` to stop after ``step`` (written whole, at once)."""
+    (until.parent / f"{until.name}.tmp").write_text(str(step))
+    (until.parent / f"{until.name}.tmp").replace(until)
+
+
+class _Ranks:
+    """The processes a test starts as ranks of replicas: each ``NAME`` logs to ``NAME.log`` and
+    records its events in ``NAME.jsonl`` in ``tmp``; every wait is bounded and shows the logs."""
+
+    def __init__(self, tmp: Path, script: Path, token: str) -> None:
+        self.tmp, self.script, self.token = tmp, script, token
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, args: list[str], job: str = "default") -> None:
+        command = [sys.executable, str(self.script), *args, "--record", str(self.tmp / f"{name}.jsonl")]
+        env = {**os.environ, "AIOCOLL_TOKEN": self.token, "AIOCOLL_JOB": job}
+        log = open(self.tmp / f"{name}.log", "ab")  # the child holds it
+        self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def all(self, name: str) -> list[dict[str, Any]]:
+        return _records(self.tmp / f"{name}.jsonl")
+
+    def records(self, name: str, event: str = "step") -> list[dict[str, Any]]:
+        return [e for e in self.all(name) if e["event"] == event]
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text()[-3000:]
+
+    def wait_for(self, what: str, check: Any, seconds: float = 60.0) -> None:
+        import time
+
+        end = time.monotonic() + seconds
+        while not check():
+            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.tmp.glob("*.log")))
+            assert time.monotonic() < end, f"not within {seconds:g}s: {what}\n{logs}"
+            time.sleep(0.02)
+
+    def finish(self, names: list[str], seconds: float = 60.0) -> None:
+        """Wait for ``names`` to exit; each must exit 0."""
+        for name in names:
+            self.procs[name].wait(seconds)
+            assert self.procs[name].returncode == 0, (name, self.log(name))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+
+
 @pytest.mark.timeout(150)
 def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted_replica_per_shard(
     tmp_path: Path,
@@ -295,7 +345,6 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
     for the loss); kill -9 of B's rank 1 mid-run: A completes a step without B within
     RECOVERY_BOUND, B's rank 0 stops with an error naming the lost rank, its replica and host;
     B restarted whole heals each shard from A's and trains on, bit-identical to A per shard."""
-    import os
     import secrets
     import signal
     import time
@@ -305,31 +354,17 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
     token = secrets.token_hex(16)
     coordinator = CoordinatorProcess(tmp_path / "coordinator.log", "--heartbeat-timeout", "5", token=token)
     until = tmp_path / "until"
-    env = {**os.environ, "AIOCOLL_TOKEN": token}
-    procs: dict[str, subprocess.Popen[bytes]] = {}
+    ranks = _Ranks(tmp_path, SHARDED, token)
+    procs, steps, wait_for = ranks.procs, ranks.records, ranks.wait_for
 
-    def start(replica: str, rank: int, incarnation: int) -> None:
-        name = f"{replica}{rank}"
-        command = [sys.executable, str(SHARDED), "--coordinator", f"127.0.0.1:{coordinator.port}"]
-        command += ["--replica", replica, "--rank", str(rank), "--incarnation", str(incarnation)]
-        command += ["--record", str(tmp_path / f"{name}.jsonl"), "--until-file", str(until)]
-        log = open(tmp_path / f"{name}.log", "ab")  # the child holds it
-        procs[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-
-    def steps(name: str) -> list[dict[str, Any]]:
-        return [e for e in _records(tmp_path / f"{name}.jsonl") if e["event"] == "step"]
-
-    def wait_for(what: str, check: Any, seconds: float = 60.0) -> None:
-        end = time.monotonic() + seconds
-        while not check():
-            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
-            assert time.monotonic() < end, f"not within {seconds:g}s: {what}\n{logs}"
-            time.sleep(0.02)
+    def start(replica: str, rank: int) -> None:
+        args = ["--coordinator", f"127.0.0.1:{coordinator.port}", "--until-file", str(until)]
+        ranks.start(f"{replica}{rank}", [*args, "--replica", replica, "--rank", str(rank)])
 
     try:
         for replica in "AB":
             for rank in (0, 1):
-                start(replica, rank, 0)
+                start(replica, rank)
         wait_for(
             "both replicas train together",
             lambda: any(e["step"] >= SHARDED_KILL_AT and e["members"] == ["A", "B"] for e in steps("A0")),
@@ -345,28 +380,23 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
         )
         first = {name: procs[name].pid for name in ("B0", "B1")}
         for rank in (0, 1):
-            start("B", rank, 1)
+            start("B", rank)
         wait_for(
             "the restarted B heals",
             lambda: all(any(e["healed"] and e["pid"] != first[n] for e in steps(n)) for n in ("B0", "B1")),
         )
         last = max(e["step"] for e in steps("A0")) + SHARDED_MARGIN
-        (tmp_path / "until.tmp").write_text(str(last))
-        (tmp_path / "until.tmp").replace(until)
-        for name in ("A0", "A1", "B0", "B1"):
-            procs[name].wait(60)
-            assert procs[name].returncode == 0, (name, (tmp_path / f"{name}.log").read_text()[-3000:])
+        _stop_after(until, last)
+        ranks.finish(["A0", "A1", "B0", "B1"])
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
+        ranks.stop()
         coordinator.stop()
 
     host = socket.gethostname()
     # A: one process per rank, every step committed once, in order, on both of its ranks
     for name in ("A0", "A1"):
         assert [e["step"] for e in steps(name)] == list(range(last)), name
-        assert len({e["pid"] for e in _records(tmp_path / f"{name}.jsonl")}) == 1
+        assert len({e["pid"] for e in ranks.all(name)}) == 1
     for a0, a1 in zip(steps("A0"), steps("A1"), strict=True):
         assert a0["members"] == a1["members"] and a0["quorum_id"] == a1["quorum_id"]
     # the survivors' next step without B, within the bound
@@ -377,13 +407,13 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
         f"sharded replicas: A committed step {first_without['step']} without B {recovery:.3f}s after the kill"
     )
     # B's rank 0: an error naming the lost rank, its replica and host
-    [error] = [e for e in _records(tmp_path / "B0.jsonl") if e["event"] == "error"]
+    [error] = ranks.records("B0", "error")
     assert "replica 'B'" in error["error"] and f"rank 1 of 2 (host {host})" in error["error"], error
     assert "closed" in error["error"], error
     # a step the kill interrupted failed on every survivor, naming the lost rank (whichever group
     # it failed on: the shard's, the replica's own, the quorum's of every rank)
     for name in ("A0", "A1", "B0"):
-        for e in (e for e in _records(tmp_path / f"{name}.jsonl") if e["event"] == "failed"):
+        for e in ranks.records(name, "failed"):
             assert "replica 'B' rank 1 of 2 (rank " in e["error"] and f"host {host})" in e["error"], e
             assert "not committed" in e["error"], e
     # the restarted B: both ranks healed at one step from the same shard of A, then trained to the end
@@ -407,6 +437,253 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
     assert members[last - 1] == ["A", "B"]
 
 
+def _sharded_script() -> Any:
+    spec = importlib.util.spec_from_file_location("ft_sharded_replica", SHARDED)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sharded_reference(steps: int) -> dict[int, list[str]]:
+    """Per shard, the digest after each step of a run without faults, in this process.
+
+    The replicas' data is the same (``--shared-data``), so the mean over a quorum of one or two
+    replicas is each one's gradient exactly: the model does not depend on who was in a quorum.
+    The first quorum gives every replica replica A's initial shards (seeds 0 and 1).
+    """
+    script = _sharded_script()
+    import hashlib
+
+    w = [script.initial(rank) for rank in (0, 1)]
+    out: dict[int, list[str]] = {0: [], 1: []}
+    for step in range(steps):
+        parts = [np.array([float(x @ x)]) for x in w]
+        loss = float((parts[0] + parts[1])[0])  # the all_reduce of two ranks: one sum
+        for rank in (0, 1):
+            w[rank] -= 0.1 * script.gradient(w[rank], loss, "", rank, step)
+            out[rank].append(hashlib.sha256(w[rank].tobytes()).hexdigest())
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_one_lost_rank_of_a_replica_is_replaced_and_its_replica_rejoins_bit_identical_to_a_run_without_faults(
+    tmp_path: Path,
+) -> None:
+    """Replicas A and B, two ranks each (--replace-timeout 60): kill -9 of B's rank 1 mid-step. A
+    commits on without B; B's rank 0 keeps its process and waits; the coordinator is killed and
+    restarted (--state-dir) while it waits; a new process of B's rank 1 starts; B rejoins with a
+    new generation (its ranks make their own group again), both its ranks heal their shards
+    from A's, and every rank's shard at every step it committed is bit-identical to a run
+    without faults."""
+    import secrets
+    import signal
+    import time
+
+    from aiocoll.testing.coordinator import CoordinatorProcess
+
+    token = secrets.token_hex(16)
+    state = tmp_path / "state"
+    args = ("--heartbeat-timeout", "5", "--state-dir", str(state))
+    coordinator = CoordinatorProcess(tmp_path / "coordinator.log", *args, token=token)
+    port = coordinator.port
+    until = tmp_path / "until"
+    ranks = _Ranks(tmp_path, SHARDED, token)
+    procs, records, wait_for = ranks.procs, ranks.records, ranks.wait_for
+
+    def start(replica: str, rank: int, seed: int) -> None:
+        args = ["--coordinator", f"127.0.0.1:{port}", "--until-file", str(until), "--seed", str(seed)]
+        args += ["--replica", replica, "--rank", str(rank), "--replace-timeout", "60", "--shared-data"]
+        ranks.start(f"{replica}{rank}", args)
+
+    try:
+        for rank in (0, 1):
+            start("A", rank, rank)
+            start("B", rank, 100 + rank)  # B's own initial shards: the first quorum replaces them
+        wait_for(
+            "both replicas train together",
+            lambda: any(e["step"] >= SHARDED_KILL_AT and e["members"] == ["A", "B"] for e in records("A0")),
+        )
+        procs["B1"].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        procs["B1"].wait(10)
+        wait_for(
+            "A trains without B",
+            lambda: any(e["t"] > killed_at and e["members"] == ["A"] for e in records("A1")),
+        )
+        # the coordinator dies and comes back from its state while B's rank 0 waits
+        coordinator.stop(signal.SIGKILL)
+        coordinator = CoordinatorProcess(tmp_path / "coordinator2.log", *args, token=token, port=port)
+        restarted_at = time.time()
+        wait_for("A trains on after the coordinator's restart", lambda: records("A0")[-1]["t"] > restarted_at)
+        assert procs["B0"].poll() is None, ranks.log("B0")
+        first = procs["B0"].pid
+        start("B", 1, 1001)  # the new process of B's rank 1, with shards of its own
+        wait_for(
+            "B's ranks heal",
+            lambda: all(any(e["healed"] and e["t"] > restarted_at for e in records(n)) for n in ("B0", "B1")),
+        )
+        last = max(e["step"] for e in records("A0")) + SHARDED_MARGIN
+        _stop_after(until, last)
+        ranks.finish(["A0", "A1", "B0", "B1"])
+    finally:
+        ranks.stop()
+        coordinator.stop()
+
+    host = socket.gethostname()
+    reference = _sharded_reference(last)
+    # A: the same processes, every step committed once and in order, also while B was away
+    for name in ("A0", "A1"):
+        assert [e["step"] for e in records(name)] == list(range(last)), name
+        assert len({e["pid"] for e in ranks.all(name)}) == 1
+        assert [e["generation"] for e in records(name, "generation")] == [1], name  # its own group kept
+    alone = [e["step"] for e in records("A0") if e["members"] == ["A"]]
+    assert alone and min(alone) >= SHARDED_KILL_AT, alone
+    recovery = next(e["t"] for e in records("A0") if e["t"] > killed_at and e["members"] == ["A"]) - killed_at
+    assert recovery < RECOVERY_BOUND, recovery
+    print(f"replaced rank: A committed without B {recovery:.3f}s after the kill, {len(alone)} steps alone")
+    # only the step in flight failed on A, naming B's lost rank
+    for name in ("A0", "A1", "B0"):
+        failed = records(name, "failed")
+        assert len({e["step"] for e in failed}) <= 1, failed
+        for e in failed:
+            assert "replica 'B' rank 1 of 2 (rank " in e["error"] and f"host {host})" in e["error"], e
+    # B's rank 0: one process throughout, never an error; after the replacement it healed and
+    # made the replica's group anew, at the same step and generation as the new rank 1
+    assert {e["pid"] for e in ranks.all("B0")} == {first}
+    assert records("B0", "error") == []
+    pids = list(dict.fromkeys(e["pid"] for e in records("B1")))
+    assert len(pids) == 2, pids
+    back = {}
+    for name in ("B0", "B1"):
+        after = [e for e in records(name) if e["t"] > restarted_at]
+        assert after[0]["healed"]["source"] == "A" and after[0]["healed"]["bytes"] > 0, after[0]
+        assert after[0]["members"] == ["A", "B"] and after[0]["pid"] == (first if name == "B0" else pids[1])
+        assert [e["step"] for e in after] == list(range(after[0]["step"], last)), name
+        back[name] = after[0]
+    assert back["B0"]["step"] == back["B1"]["step"] > max(alone)
+    assert back["B0"]["generation"] == back["B1"]["generation"] > records("B0")[0]["generation"]
+    # every rank's shard at every step it committed: a run without faults, bit for bit
+    for name in ("A0", "A1", "B0", "B1"):
+        for e in records(name):
+            assert e["digest"] == reference[int(name[1])][e["step"]], (name, e["step"])
+
+
+FSDP = Path(__file__).resolve().parent / "ft_fsdp_replica.py"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_fsdp2_replica_replaces_a_lost_rank_and_its_sharded_state_is_bit_identical_to_a_run_without_faults(
+    tmp_path: Path,
+) -> None:
+    """Replicas A and B of two ranks each, the model sharded inside each replica with torch FSDP2
+    (``fully_shard`` on the CPU over the "aiocoll" backend; tests/integration/ft_fsdp_replica.py).
+    kill -9 of B's rank 1 mid-step; A commits on; a new process of B's rank 1 (its own initial
+    model) starts; B's two ranks rebuild their group and FSDP model for the new generation and
+    heal their sharded state (each parameter's and momentum's local shard) from A's same rank.
+    Every rank's sharded state at every step it committed is bit-identical to the same rank's in
+    a second run of the same job without the fault."""
+    import secrets
+    import signal
+    import time
+
+    from aiocoll.testing.coordinator import CoordinatorProcess
+
+    token = secrets.token_hex(16)
+    coordinator = CoordinatorProcess(tmp_path / "coordinator.log", "--heartbeat-timeout", "5", token=token)
+    ranks = _Ranks(tmp_path, FSDP, token)
+    procs, records, wait_for = ranks.procs, ranks.records, ranks.wait_for
+
+    def start(run: str, replica: str, rank: int, seed: int) -> None:
+        args = [
+            "--coordinator",
+            f"127.0.0.1:{coordinator.port}",
+            "--until-file",
+            str(tmp_path / f"{run}.until"),
+        ]
+        args += ["--replica", replica, "--rank", str(rank), "--seed", str(seed)]
+        ranks.start(f"{run}-{replica}{rank}", args, job=run)
+
+    def finish(run: str) -> None:
+        ranks.finish([n for n in procs if n.startswith(f"{run}-")], 90.0)
+
+    try:
+        for replica in "AB":
+            for rank in (0, 1):
+                start("faulty", replica, rank, 0)
+        wait_for(
+            "both replicas train together",
+            lambda: any(
+                e["step"] >= SHARDED_KILL_AT and e["members"] == ["A", "B"] for e in records("faulty-A0")
+            ),
+        )
+        procs["faulty-B1"].send_signal(signal.SIGKILL)
+        killed_at = time.time()
+        procs["faulty-B1"].wait(10)
+        wait_for(
+            "A trains without B",
+            lambda: any(e["t"] > killed_at and e["members"] == ["A"] for e in records("faulty-A1")),
+        )
+        assert procs["faulty-B0"].poll() is None, ranks.log("faulty-B0")
+        replaced_at = time.time()
+        start("faulty", "B", 1, 7)  # the new process of B's rank 1: another initial model
+        # the same job without the fault (its own job name), started now: its processes' start
+        # overlaps the new rank's; it stops at the same step as the faulty run, which is ahead
+        for replica in "AB":
+            for rank in (0, 1):
+                start("clean", replica, rank, 0)
+        wait_for(
+            "B's ranks heal",
+            lambda: all(
+                any(e["healed"] and e["t"] > replaced_at for e in records(f"faulty-{n}"))
+                for n in ("B0", "B1")
+            ),
+        )
+        last = max(e["step"] for e in records("faulty-A0")) + SHARDED_MARGIN
+        _stop_after(tmp_path / "faulty.until", last)
+        _stop_after(tmp_path / "clean.until", last)
+        finish("faulty")
+        finish("clean")
+    finally:
+        ranks.stop()
+        coordinator.stop()
+
+    host = socket.gethostname()
+    clean = {rank: {e["step"]: e["digest"] for e in records(f"clean-A{rank}")} for rank in (0, 1)}
+    for rank in (0, 1):
+        assert sorted(clean[rank]) == list(range(len(clean[rank]))) and len(clean[rank]) >= last
+        assert [e["digest"] for e in records(f"clean-B{rank}")] == [
+            clean[rank][s] for s in range(len(clean[rank]))
+        ]
+    # A: the same processes, every step committed once, also while B was away
+    for name in ("A0", "A1"):
+        assert [e["step"] for e in records(f"faulty-{name}")] == list(range(last)), name
+        assert len({e["pid"] for e in ranks.all(f"faulty-{name}")}) == 1
+    alone = [e["step"] for e in records("faulty-A0") if e["members"] == ["A"]]
+    assert alone, "A never committed without B"
+    for name in ("A0", "A1", "B0"):
+        for e in records(f"faulty-{name}", "failed"):
+            assert "replica 'B' rank 1 of 2 (rank " in e["error"] and f"host {host})" in e["error"], e
+    # B's rank 0 kept its process; both B ranks healed from A at one step, in a new generation
+    assert len({e["pid"] for e in ranks.all("faulty-B0")}) == 1
+    assert records("faulty-B0", "error") == []
+    back = {}
+    for name in ("B0", "B1"):
+        after = [e for e in records(f"faulty-{name}") if e["t"] > replaced_at]
+        assert after[0]["healed"]["source"] == "A" and after[0]["healed"]["bytes"] > 0, after[0]
+        assert [e["step"] for e in after] == list(range(after[0]["step"], last)), name
+        back[name] = after[0]
+    assert back["B0"]["step"] == back["B1"]["step"] > max(alone)
+    assert back["B0"]["generation"] == back["B1"]["generation"] > records("faulty-B0")[0]["generation"]
+    # every rank's sharded parameters and momentum at every step it committed: the run without faults
+    for name in ("A0", "A1", "B0", "B1"):
+        for e in records(f"faulty-{name}"):
+            assert e["digest"] == clean[int(name[1])][e["step"]], (name, e["step"])
+    # the two ranks hold different shards, and the model trained
+    assert clean[0][last - 1] != clean[1][last - 1] and clean[0][0] != clean[0][last - 1]
+
+
 @pytest.mark.timeout(10)
 def test_a_managers_replica_rank_and_size_come_from_the_environment_and_are_checked(
     monkeypatch: pytest.MonkeyPatch,
@@ -427,6 +704,11 @@ def test_a_managers_replica_rank_and_size_come_from_the_environment_and_are_chec
     monkeypatch.setenv("AIOCOLL_REPLICA_SIZE", "two")
     with pytest.raises(ValueError, match="AIOCOLL_REPLICA_SIZE"):
         Manager("127.0.0.1:1", replica="r")
+    assert Manager("127.0.0.1:1", replica="r", replica_size=1).replace_timeout == 0.0
+    assert Manager("127.0.0.1:1", replica="r", replica_size=1, replace_timeout=30).replica_generation == 0
+    for bad in (-1, "5", True):
+        with pytest.raises(ValueError, match="replace_timeout"):
+            Manager("127.0.0.1:1", replica="r", replica_size=1, replace_timeout=bad)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,3 +858,17 @@ def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals
     # c's second process healed (from a live replica) and synced on with them to the end
     second = [r for r in records["c"] if r["t"] > killed_at]
     assert second and second[0]["healed"] and second[-1]["sync"] == syncs - 1, second
+
+
+@pytest.mark.timeout(150)
+def test_the_diloco_example_communicates_one_hth_of_per_step_fault_tolerance_and_both_train() -> None:
+    """examples/diloco_training.py --demo at a small size: two replicas with each method; the
+    example itself requires DiLoCo's bytes all-reduced and quorums per inner step to be exactly
+    1/H of per-step FT's, every replica to end with the same parameters, and both to train."""
+    command = [sys.executable, str(ROOT / "examples" / "diloco_training.py"), "--demo"]
+    command += ["--steps", "20", "--sync-every", "5", "--width", "32", "--join-timeout", "1"]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert run.returncode == 0, run.stdout + run.stderr[-4000:]
+    assert "DiLoCo moved 5.0x fewer bytes and made 5.0x fewer quorums per inner step" in run.stdout, (
+        run.stdout
+    )

@@ -500,3 +500,120 @@ def test_a_rank_that_asks_after_its_replica_was_left_out_is_told_too() -> None:
     shard_ask(r, "b0", 2, min_replicas=1)  # it was slower: the quorum without b formed already
     reply = r.replies()["b0"]
     assert reply["ok"] is False and "rank 1 of 2 (host host-b1)" in reply["msg"] and "restart" in reply["msg"]
+
+
+# ---------------------------------------------------------------------------------------------
+# one rank of a replica replaced: its other ranks wait (replace_timeout) and the replica rejoins
+
+
+def test_a_lost_rank_replaced_in_time_brings_its_replica_back_with_a_new_generation_healing_per_shard() -> (
+    None
+):
+    r = sharded(["a0", "a1", "b0", "b1"])
+    for name in ("a0", "a1", "b0", "b1"):
+        shard_ask(r, name, 2, replace_timeout=30.0, generation=1)
+    first = r.replies()
+    assert {x["generation"] for x in first.values()} == {1}  # the same processes: the same generation
+    # b1 is killed mid-step: b0 waits for a new process of its rank 1 instead of failing
+    r.close("b1")
+    for name in ("a0", "a1", "b0"):
+        shard_ask(r, name, 3, min_replicas=1, replace_timeout=30.0, generation=1, renew=True)
+    replies = r.replies()
+    assert sorted(replies) == ["a0", "a1"] and members(replies["a0"]) == ["a"]
+    assert "rank 1 of 2 (host host-b1)" in replies["a0"]["left"][0][2]
+    for name in ("a0", "a1"):  # a trains on; b0 still waits, across quorums
+        shard_ask(r, name, 4, min_replicas=1, replace_timeout=30.0, generation=1)
+    assert sorted(r.replies()) == ["a0", "a1"]
+    r.tick(10.0)
+    assert r.replies() == {}
+    # the new process of b's rank 1 asks (step 0, a new incarnation): b counts again at a's next ask
+    r.start("b1")
+    shard_ask(r, "b1", 0, min_replicas=1, replace_timeout=30.0)
+    assert r.replies() == {}  # a is there and has not asked: waited for
+    for name in ("a0", "a1"):
+        shard_ask(r, name, 5, min_replicas=1, replace_timeout=30.0, generation=1)
+    replies = r.replies()
+    assert sorted(replies) == ["a0", "a1", "b0", "b1"]
+    for reply in replies.values():
+        assert members(reply) == ["a", "b"] and reply["max_step"] == 5
+        assert reply["members"][1][1] == -1  # b's ranks hold steps 3 and 0: torn, never a source
+        assert reply["heal"] == [-1, 0]  # each of b's ranks heals its shard from a's
+    assert replies["a0"]["generation"] == replies["a1"]["generation"] == 1
+    assert replies["b0"]["generation"] == replies["b1"]["generation"] == 2  # b's own group anew
+    # the next step: the same processes, the same quorum and generation
+    for name in ("a0", "a1", "b0", "b1"):
+        shard_ask(r, name, 6, min_replicas=1, replace_timeout=30.0, generation=2 if name[0] == "b" else 1)
+    replies = r.replies()
+    assert {x["quorum_id"] for x in replies.values()} == {first["a0"]["quorum_id"] + 2}
+    assert {replies[n]["generation"] for n in ("b0", "b1")} == {2}
+    assert all(x["heal"] == [-1, -1] for x in replies.values())
+
+
+def test_a_rank_not_replaced_within_replace_timeout_fails_naming_the_lost_rank_and_the_wait() -> None:
+    r = sharded(["a0", "a1", "b0", "b1"])
+    r.close("b1")
+    shard_ask(r, "b0", 2, min_replicas=1, replace_timeout=8.0)
+    r.tick(7.5)
+    assert "b0" not in r.replies()
+    r.tick(1.0)
+    reply = r.replies()["b0"]
+    assert reply["ok"] is False and reply["err"] == "rendezvous"
+    msg = reply["msg"]
+    assert "rank 1 of 2 (host host-b1) is gone" in msg and "replace_timeout (8s)" in msg, msg
+
+
+def test_a_failure_inside_a_replica_gives_it_a_new_generation_and_the_others_keep_theirs() -> None:
+    r = sharded(["a0", "a1", "b0", "b1"])
+    for name in ("a0", "a1", "b0", "b1"):
+        shard_ask(r, name, 2, generation=1)
+    assert {x["generation"] for x in r.replies().values()} == {1}
+    for name in ("a0", "a1", "b0"):
+        shard_ask(r, name, 2, generation=1, renew=True)
+    shard_ask(r, "b1", 2, generation=1, renew=True, inside=True)  # b's own group failed on b1
+    replies = r.replies()
+    assert {replies[n]["generation"] for n in ("a0", "a1")} == {1}
+    assert {replies[n]["generation"] for n in ("b0", "b1")} == {2}
+    assert replies["b0"]["members"][1][1] == 2  # the same step on both: a whole state
+
+
+def test_a_coordinator_restart_in_the_middle_of_a_replacement_loses_nothing() -> None:
+    r = Replicas(durable=True)
+    names = ["a0", "a1", "b0", "b1"]
+    for name in names:
+        r.start(name)
+        shard_ask(r, name, 0, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    assert {x["generation"] for x in r.replies().values()} == {1}
+    r.close("b1")
+    for name in ("a0", "a1", "b0"):
+        shard_ask(r, name, 1, min_replicas=1, replace_timeout=60.0, generation=1, renew=True)
+    assert sorted(r.replies()) == ["a0", "a1"]  # a without b; b0 waits for b's rank 1
+    again = Replicas(durable=True)
+    again.state.restore(None, r.state.take_journal())
+    for name in ("a0", "a1", "b0"):  # the live ranks reconnect; b0 sends its waiting ask again
+        again.start(name)
+        again.uids[name], again.asks[name] = r.uids[name], r.asks[name]
+    shard_ask(again, "b0", 1, again=True, min_replicas=1, replace_timeout=60.0, generation=1, renew=True)
+    again.start("b1")  # the new process of b's rank 1
+    shard_ask(again, "b1", 0, min_replicas=1, replace_timeout=60.0)
+    for name in ("a0", "a1"):
+        shard_ask(again, name, 2, min_replicas=1, replace_timeout=60.0, generation=1)
+    replies = again.replies()
+    assert sorted(replies) == names
+    assert all(members(x) == ["a", "b"] and x["heal"] == [-1, 0] for x in replies.values())
+    assert {replies[n]["generation"] for n in ("a0", "a1")} == {1}  # a kept its processes and group
+    # b's generation moves past the one its ranks' group had, though b0 alone said which that was
+    assert {replies[n]["generation"] for n in ("b0", "b1")} == {2}
+    # and a restart of everything b was: its ranks of the last quorum are known (persisted), so a
+    # whole new b gets a generation no process of it used before
+    records = again.state.take_journal()
+    third = Replicas(durable=True)
+    third.state.restore(None, records)
+    for name in names:
+        third.start(name, uid=f"{name}-third")
+        shard_ask(
+            third, name, 0 if name[0] == "b" else 3, min_replicas=1, generation=1 if name[0] == "a" else 0
+        )
+    third.tick(JOIN + 0.01)
+    replies = third.replies()
+    assert {replies[n]["generation"] for n in ("b0", "b1")} == {3}
