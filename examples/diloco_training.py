@@ -8,8 +8,8 @@ and inner optimizer):
 
 It prints, per inner step and per replica: the bytes handed to the all-reduce across replicas
 (the replicas' average; with a ring over R replicas each sends 2(R-1)/R of it), the quorums
-(coordinator round trips, each with a commit), the inner steps per second (from the end of the
-first quorum, which waits for the join window, to the last step), and the loss each method
+(coordinator round trips, each with a commit), the inner steps per second (from inner step H to
+the last: the first H hold the first quorum's join window and torch's warm-up), and the loss each method
 reached on held-out data. It checks that DiLoCo moved exactly 1/H of the bytes and did 1/H of the
 quorums, that every replica ended with the same parameters, and that both methods trained.
 
@@ -102,7 +102,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         syncs = args.steps // args.sync_every
         while manager.step < syncs:
             method.zero_grad()  # at a cycle's first inner step: the quorum
-            if not started:
+            if not started and manager.step == 1:
                 started = time.perf_counter()
             x, y = batch(args.replica, manager.step * args.sync_every + method.local_step)
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -111,7 +111,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         method = aiocoll.ft_torch.FaultTolerantOptimizer(manager, inner, model)
         while manager.step < args.steps:
             method.zero_grad()  # the quorum
-            if not started:
+            if not started and manager.step == args.sync_every:
                 started = time.perf_counter()
             x, y = batch(args.replica, manager.step)
             torch.nn.functional.mse_loss(model(x), y).backward()
@@ -123,6 +123,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "replica": args.replica,
         "method": args.method,
         "inner_steps": args.steps,
+        "timed_steps": args.steps - args.sync_every,
         "params": sum(p.numel() for p in model.parameters()),
         "reduced_bytes": manager.reduced_bytes,
         "quorums": manager.quorums,
@@ -189,7 +190,7 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, o
         rows[method] = {
             "bytes": replicas[0]["reduced_bytes"] / steps,
             "quorums": replicas[0]["quorums"] / steps,
-            "rate": min(steps / r["seconds"] for r in replicas),
+            "rate": min(r["timed_steps"] / r["seconds"] for r in replicas),
             "loss": replicas[0]["loss"],
             "first": replicas[0]["first_loss"],
         }
@@ -236,8 +237,8 @@ def main() -> None:
     parser.add_argument("--join-timeout", type=float, default=2.0)
     parser.add_argument("--out", help="write this replica's counts here (JSON)")
     args = parser.parse_args()
-    if args.steps % args.sync_every:
-        parser.error("--steps must be a multiple of --sync-every")
+    if args.steps % args.sync_every or args.steps < 2 * args.sync_every:
+        parser.error("--steps must be a multiple of --sync-every, at least two of them")
     if args.demo:
         demo(args)
         return
