@@ -10,7 +10,9 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -144,15 +146,18 @@ def test_training_stacks_end_with_the_parameters_of_the_gloo_run(tmp_path: Path)
     """
     import torch
 
-    saved = {}
-    for backend in ("gloo", "aiocoll"):
+    def train(backend: str) -> Any:
         out = tmp_path / f"{backend}.pt"
         command = [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "2"]
         script = [str(EXAMPLES / "torch_training_stacks.py"), "--backend", backend, "--out", str(out)]
         run = _run_ok if backend == "aiocoll" else _run_gloo_reference
         log = run([*command, *script])
         assert f"training stacks on {backend}: 9 scenarios checked on 2 ranks" in log, log[-4000:]
-        saved[backend] = torch.load(out)
+        return torch.load(out)
+
+    # The two jobs are independent (each launcher picks its own ports): they run at once.
+    with ThreadPoolExecutor(2) as jobs:
+        saved = dict(zip(("gloo", "aiocoll"), jobs.map(train, ("gloo", "aiocoll")), strict=True))
     gloo, ours = saved["gloo"], saved["aiocoll"]
     assert sorted(ours) == sorted(gloo)
     for scenario, tensors in gloo.items():

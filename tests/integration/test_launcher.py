@@ -140,6 +140,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _wait_exited(pid: int, timeout: float = 20.0) -> None:
+    """Until process ``pid`` has exited: gone, or a zombie its parent has not reaped yet (its
+    exit status is settled then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} still runs (state {state}) after {timeout}s")
+        time.sleep(0.02)
+
+
 def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(
     tmp_path: Path, coordinator: str
 ) -> None:
@@ -381,6 +398,8 @@ def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(
         _wait_for(tmp_path / "ready1")
         launcher.send_signal(signal.SIGTERM)
         _wait_for(tmp_path / "rank1-got")
+        # rank 0 exits on the first signal: its exit code is settled before the second one comes
+        _wait_exited(int((tmp_path / "ready0").read_text()))
         assert launcher.poll() is None, "rank 1 ignores SIGTERM, so the launcher must still be waiting"
         started = time.monotonic()
         launcher.send_signal(signal.SIGTERM)

@@ -5,7 +5,7 @@ torch's default process group exists on the "aiocoll" backend over the same grou
 same script with ``import torch.distributed as dist`` on gloo under torchrun is the reference:
 every rank must end with the same numbers and the same DDP and FSDP2 parameters.
 
-Three worlds of 2 processes: torchrun + gloo, torchrun + aiocoll.sync, aiocoll run +
+Three worlds of 2 processes, run at once: torchrun + gloo, torchrun + aiocoll.sync, aiocoll run +
 aiocoll.sync.
 """
 
@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -143,18 +144,28 @@ def test_an_aiocoll_sync_script_runs_unchanged_under_torchrun_and_under_aiocoll_
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     gloo_port, aiocoll_port = free_ports(2)
-    reference = _torchrun(script, "gloo", gloo_port, tmp_path / "gloo")
-    under_torchrun = _torchrun(script, "aiocoll", aiocoll_port, tmp_path / "torchrun")
     (tmp_path / "run").mkdir()
-    launched = subprocess.run(
-        [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "2", str(script), "aiocoll", "run"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=tmp_path,
-    )
-    under_aiocoll_run = _results(launched, "aiocoll run with aiocoll.sync", tmp_path / "run")
+
+    def aiocoll_run() -> list[dict[str, Any]]:
+        command = [sys.executable, "-m", "aiocoll", "run", "--nproc-per-node", "2", str(script)]
+        launched = subprocess.run(
+            [*command, "aiocoll", "run"],
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=tmp_path,
+        )
+        return _results(launched, "aiocoll run with aiocoll.sync", tmp_path / "run")
+
+    # The three jobs are independent (own ports, own output folders): they run at once, so that
+    # one job's start (interpreters importing torch) overlaps the others' rendezvous and waits.
+    with ThreadPoolExecutor(3) as jobs:
+        gloo_job = jobs.submit(_torchrun, script, "gloo", gloo_port, tmp_path / "gloo")
+        torchrun_job = jobs.submit(_torchrun, script, "aiocoll", aiocoll_port, tmp_path / "torchrun")
+        run_job = jobs.submit(aiocoll_run)
+        reference, under_torchrun = gloo_job.result(), torchrun_job.result()
+        under_aiocoll_run = run_job.result()
 
     for ref in reference:
         assert ref["summed"] == [3.0] * 4 and ref["sent"] == [0.0, 1.0, 2.0]
