@@ -16,6 +16,7 @@ sees.
     python scripts/torch_suite.py --world-size 2 3 8            # both backends, whole suite
     python scripts/torch_suite.py -k test_all_gather -k barrier  # a subset (substring match)
     python scripts/torch_suite.py --backend aiocoll --world-size 3 --json out.json
+    python scripts/torch_suite.py --parallel -k test_all_reduce  # gloo and aiocoll at once
 
 Tests that can pass only for a backend named gloo (NAME_CHECKS: ``dist.get_backend() ==
 "gloo"``, and ``dist.monitored_barrier``, which torch refuses for other names) are reported apart.
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 import unittest
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         default="fork",
         help="how rank processes start: fork (default, fast on CPU) or spawn (as torch's CI)",
     )
+    parser.add_argument(
+        "--parallel",
+        action="store_true",
+        help="run the backends at once, each in its own worker (their tests wait on timeouts and "
+        "rendezvous much of the time)",
+    )
     parser.add_argument("--json", help="write the per-test results and comparison here")
     parser.add_argument("--keep-logs", metavar="DIR", help="keep each worker's full log in DIR")
     parser.add_argument("--list", action="store_true", help="list the selected tests and exit")
@@ -340,7 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     ok = True
     for ws in args.world_size:
-        by_backend = {b: _run_one(b, ws, args) for b in args.backend}
+        if args.parallel:
+            with ThreadPoolExecutor(len(args.backend)) as runs:
+                started = {b: runs.submit(_run_one, b, ws, args) for b in args.backend}
+                by_backend = {b: run.result() for b, run in started.items()}
+        else:
+            by_backend = {b: _run_one(b, ws, args) for b in args.backend}
         summary = _compare(ws, by_backend)
         summary["results"] = by_backend
         record["runs"].append(summary)

@@ -48,6 +48,7 @@ def test_aiocoll_passes_every_test_of_the_subset_that_gloo_passes(tmp_path: Path
         "2",
         "--timeout",
         "60",
+        "--parallel",  # gloo's run and aiocoll's at once: many of the subset's tests wait on timeouts
     ]
     run = subprocess.run(
         [*command, *selection, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=140
