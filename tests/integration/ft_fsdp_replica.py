@@ -154,7 +154,7 @@ def main(args: argparse.Namespace, record: Any) -> int:
         min_replicas=1,
         join_timeout=args.join_timeout,
         timeout=10.0,
-        quorum_timeout=90.0,
+        quorum_timeout=max(90.0, args.replace_timeout + 30.0),
         replace_timeout=args.replace_timeout,
     )
     until = Path(args.until_file)
@@ -219,7 +219,7 @@ if __name__ == "__main__":
     parser.add_argument("--until-file", required=True)
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--join-timeout", type=float, default=5.0)
-    parser.add_argument("--replace-timeout", type=float, default=60.0)
+    parser.add_argument("--replace-timeout", type=float, default=200.0)
     parsed = parser.parse_args()
     with open(parsed.record, "a", buffering=1) as out:
         raise SystemExit(main(parsed, out))

@@ -76,7 +76,7 @@ async def main(args: argparse.Namespace, record: Any) -> int:
         min_replicas=1,
         join_timeout=args.join_timeout,
         timeout=10.0,
-        quorum_timeout=60.0,
+        quorum_timeout=max(60.0, args.replace_timeout + 30.0),
         replace_timeout=args.replace_timeout,
     )
     until = Path(args.until_file)

@@ -470,7 +470,7 @@ def _sharded_reference(steps: int) -> dict[int, list[str]]:
 def test_one_lost_rank_of_a_replica_is_replaced_and_its_replica_rejoins_bit_identical_to_a_run_without_faults(
     tmp_path: Path,
 ) -> None:
-    """Replicas A and B, two ranks each (--replace-timeout 60): kill -9 of B's rank 1 mid-step. A
+    """Replicas A and B, two ranks each (--replace-timeout 120): kill -9 of B's rank 1 mid-step. A
     commits on without B; B's rank 0 keeps its process and waits; the coordinator is killed and
     restarted (--state-dir) while it waits; a new process of B's rank 1 starts; B rejoins with a
     new generation (its ranks make their own group again), both its ranks heal their shards
@@ -493,7 +493,7 @@ def test_one_lost_rank_of_a_replica_is_replaced_and_its_replica_rejoins_bit_iden
 
     def start(replica: str, rank: int, seed: int) -> None:
         args = ["--coordinator", f"127.0.0.1:{port}", "--until-file", str(until), "--seed", str(seed)]
-        args += ["--replica", replica, "--rank", str(rank), "--replace-timeout", "60", "--shared-data"]
+        args += ["--replica", replica, "--rank", str(rank), "--replace-timeout", "120", "--shared-data"]
         ranks.start(f"{replica}{rank}", args)
 
     try:
@@ -573,7 +573,7 @@ FSDP = Path(__file__).resolve().parent / "ft_fsdp_replica.py"
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_an_fsdp2_replica_replaces_a_lost_rank_and_its_sharded_state_is_bit_identical_to_a_run_without_faults(
     tmp_path: Path,
 ) -> None:
@@ -606,7 +606,7 @@ def test_an_fsdp2_replica_replaces_a_lost_rank_and_its_sharded_state_is_bit_iden
         ranks.start(f"{run}-{replica}{rank}", args, job=run)
 
     def finish(run: str) -> None:
-        ranks.finish([n for n in procs if n.startswith(f"{run}-")], 90.0)
+        ranks.finish([n for n in procs if n.startswith(f"{run}-")], 180.0)
 
     try:
         for replica in "AB":
@@ -639,6 +639,7 @@ def test_an_fsdp2_replica_replaces_a_lost_rank_and_its_sharded_state_is_bit_iden
                 any(e["healed"] and e["t"] > replaced_at for e in records(f"faulty-{n}"))
                 for n in ("B0", "B1")
             ),
+            240.0,  # a new process of torch, four more starting beside it, on a loaded machine
         )
         last = max(e["step"] for e in records("faulty-A0")) + SHARDED_MARGIN
         _stop_after(tmp_path / "faulty.until", last)
