@@ -20,7 +20,7 @@ import functools
 import logging
 import os
 import pickle
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -29,13 +29,13 @@ import numpy as np
 
 from aiocoll._deadline import Deadline, to_seconds
 from aiocoll._env import LAUNCH_VARIABLES, env_int, env_text, launch_variables_missing
-from aiocoll._errors import DistError, MismatchError, RendezvousError, warn
+from aiocoll._errors import DistError, RendezvousError, warn
 from aiocoll._reduce import check_reduce_op
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
-from aiocoll.algorithms import CollectiveSpec
+from aiocoll.client._operation import Operation
 from aiocoll.client._store_progress import StoreProgress
-from aiocoll.client.engine import Engine, GroupState, OpTransport
+from aiocoll.client.engine import Engine, GroupState
 from aiocoll.client.providers import ProviderTable, world_table
 from aiocoll.client.transports import (
     LinkTransport,
@@ -46,7 +46,6 @@ from aiocoll.client.transports import (
     open_transport,
 )
 from aiocoll.client.transports.tcp import route_interface
-from aiocoll.device._staged_ops import StagedOp, has_device_arrays
 from aiocoll.device._tensors import Working, as_working, dtype_name, numel
 from aiocoll.stores import FileStore, Store
 
@@ -56,7 +55,6 @@ log = logging.getLogger("aiocoll")
 
 WORLD_GID = "w"
 _DEFAULT = object()  # "use the group's default timeout"
-_EMPTY = memoryview(b"")
 _META_CACHE = 256  # distinct operation signatures a group keeps made (see ProcessGroup._meta)
 
 
@@ -124,10 +122,6 @@ def _timeout(value: Any, default: float | None) -> float | None:
     if value is _DEFAULT:
         return default
     return to_seconds(value)
-
-
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    return arr.reshape(-1).view(np.uint8).data
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,50 +274,24 @@ class ProcessGroup:
     def _submit(
         self,
         kind: str,
-        body: Callable[[tuple[Any, ...], OpTransport], Any],
-        timeout: Any,
-        *,
-        p2p_tag: Any = None,
-        peers: Sequence[int] = (),
-        signature: dict[str, Any] | None = None,
-    ) -> Work:
-        if self._destroyed:
-            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
-        return self._rt.engine.submit(
-            self._state,
-            kind,
-            body,
-            timeout=_timeout(timeout, self._rt.default_timeout),
-            p2p_tag=p2p_tag,
-            peers=peers,
-            signature=signature,
-        )
-
-    def _collective(
-        self,
-        kind: str,
         meta: dict[str, Any],
-        send: Sequence[np.ndarray],
-        recv: Sequence[np.ndarray],
+        send: Sequence[Any],
+        recv: Sequence[Any],
         workings: Sequence[Working],
         result: Any,
         timeout: Any,
         *,
         root: int = 0,
         op: ReduceOp = ReduceOp.SUM,
+        tag: int | None = None,
+        peers: tuple[int, ...] = (),
     ) -> Work:
+        """Build the operation's record and hand it to the group's providers (its table)."""
         if self._destroyed:
             raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
+        seconds = self._rt.default_timeout if timeout is _DEFAULT else to_seconds(timeout)
         return self._providers.submit(
-            kind,
-            meta,
-            send,
-            recv,
-            workings,
-            result,
-            root,
-            op,
-            self._rt.default_timeout if timeout is _DEFAULT else to_seconds(timeout),
+            Operation(kind, meta, send, recv, workings, result, seconds, root, op, tag, peers)
         )
 
     def _meta(
@@ -383,23 +351,7 @@ class ProcessGroup:
         utag = _check_tag(tag)
         w = as_working(tensor, read=True, write=False)
         meta = {"dtype": w.dtype_name, "count": w.numel}
-        peer = self.ranks[d]
-        if has_device_arrays((w.array,)):
-            staged = StagedOp("send", self.size, (w.array,), (), rank=self._rt.transport.rank)
-            what = f"send (group {self.group_id!r}, tag {utag}) to rank {d}"
-
-            async def staged_body(t: tuple[Any, ...], transport: OpTransport) -> None:
-                await staged.send_to(transport, t, peer, meta, what)
-
-            work = self._submit("send", staged_body, timeout, p2p_tag=utag, peers=(peer,))
-            staged.chain(("send", id(self._rt), self.group_id, utag, peer), work)
-            return work
-        payload = _bytes_of(w.array)
-
-        async def body(t: tuple[Any, ...], transport: OpTransport) -> None:
-            await transport.send(peer, t, payload, meta)
-
-        return self._submit("send", body, timeout, p2p_tag=utag, peers=(peer,))
+        return self._submit("send", meta, (w.array,), (), (), None, timeout, tag=utag, peers=(self.ranks[d],))
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Receive into ``tensor`` from group rank ``src``, or from any rank.
@@ -426,36 +378,9 @@ class ProcessGroup:
             raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
         utag = _check_tag(tag)
         w = as_working(tensor, read=False, write=True)
-        name = w.dtype_name
-        peer = None if s is None else self.ranks[s]
-        index = {g: i for i, g in enumerate(self.ranks)}
-        gid = self.group_id
-        staged: StagedOp | None = None
-        if has_device_arrays((w.array,)):
-            staged = StagedOp("recv", self.size, (), (w.array,), rank=self._rt.transport.rank)
-            what = f"recv (group {gid!r}, tag {utag})"
-        else:
-            into = _bytes_of(w.array)
-
-        async def body(t: tuple[Any, ...], transport: OpTransport) -> int:
-            if staged is not None:
-                got, meta = await staged.recv_from(transport, t, peer, what)
-            else:
-                got, meta = await transport.recv(peer, t, into)
-            if meta.get("dtype") != name:
-                raise MismatchError(
-                    f"recv (group {gid!r}, tag {utag}): rank {index.get(got, got)} sent {meta.get('dtype')} "
-                    f"but the receiving tensor is {name}",
-                    group=gid,
-                    ranks=[got],
-                )
-            w.finish()
-            return index[got]
-
-        work = self._submit("recv", body, timeout, p2p_tag=utag, peers=() if peer is None else (peer,))
-        if staged is not None:
-            staged.chain(("recv", id(self._rt), gid, utag), work)
-        return work
+        meta = {"dtype": w.dtype_name, "count": w.numel}
+        peers = () if s is None else (self.ranks[s],)
+        return self._submit("recv", meta, (), (w.array,), (w,), None, timeout, tag=utag, peers=peers)
 
     isend = send
     irecv = recv
@@ -480,7 +405,7 @@ class ProcessGroup:
         root = _check_rank("src", src, self.size)
         w = as_working(tensor, read=root == self.rank, write=True)
         meta = self._meta("broadcast", w.dtype_name, w.numel, root=root)
-        return self._collective("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
+        return self._submit("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
 
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank; the result is written into ``tensor`` everywhere.
@@ -512,7 +437,7 @@ class ProcessGroup:
         rop = _coerce_op(op, name, "all_reduce")
         meta = self._meta("all_reduce", name, w.numel, op=rop._value_)
         arrays = (w.array,)  # in place: one tuple for what it reads and writes
-        return self._collective("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, op=rop)
+        return self._submit("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, op=rop)
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``.
@@ -536,7 +461,7 @@ class ProcessGroup:
         rop = _coerce_op(op, name, "reduce")
         w = as_working(tensor, write=root == self.rank)
         meta = self._meta("reduce", name, w.numel, root=root, op=rop._value_)
-        return self._collective(
+        return self._submit(
             "reduce",
             meta,
             (w.array,),
@@ -571,9 +496,7 @@ class ProcessGroup:
         w = as_working(tensor, write=False)
         wo = [as_working(t, read=False) for t in outs]
         meta = self._meta("all_gather", name, w.numel)
-        return self._collective(
-            "all_gather", meta, (w.array,), [x.array for x in wo], wo, tensor_list, timeout
-        )
+        return self._submit("all_gather", meta, (w.array,), [x.array for x in wo], wo, tensor_list, timeout)
 
     def all_gather_into_tensor(
         self, output_tensor: Any, input_tensor: Any, *, timeout: Any = _DEFAULT
@@ -605,7 +528,7 @@ class ProcessGroup:
         wo = as_working(output_tensor, read=False)
         parts = [wo.array[i * n : (i + 1) * n] for i in range(self.size)]
         meta = self._meta("all_gather", name, n)
-        return self._collective("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout)
+        return self._submit("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout)
 
     def _root_list(
         self, op: str, list_name: str, root_name: str, root: int, value: Any, dtype: str, count: int
@@ -659,7 +582,7 @@ class ProcessGroup:
         else:
             wo, recv, result = [], [], None
         meta = self._meta("gather", name, w.numel, root=root)
-        return self._collective("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
+        return self._submit("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
 
     def scatter(
         self, tensor: Any, scatter_list: Any = None, src: int = 0, *, timeout: Any = _DEFAULT
@@ -685,7 +608,7 @@ class ProcessGroup:
         ins = self._root_list("scatter", "scatter_list", "src", root, scatter_list, name, w.numel)
         send = [] if ins is None else [as_working(t, write=False).array for t in ins]
         meta = self._meta("scatter", name, w.numel, root=root)
-        return self._collective("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
+        return self._submit("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
 
     def reduce_scatter(
         self, output: Any, input_list: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
@@ -714,7 +637,7 @@ class ProcessGroup:
         w = as_working(output, read=False)
         send = [as_working(t, write=False).array for t in ins]
         meta = self._meta("reduce_scatter", name, w.numel, op=rop._value_)
-        return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+        return self._submit("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
 
     def reduce_scatter_tensor(
         self, output: Any, input: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
@@ -748,7 +671,7 @@ class ProcessGroup:
         wi = as_working(input, write=False)
         send = [wi.array[i * n : (i + 1) * n] for i in range(self.size)]
         meta = self._meta("reduce_scatter", name, n, op=rop._value_)
-        return self._collective("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+        return self._submit("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
 
     def all_to_all(self, output_list: Any, input_list: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Send ``input_list[j]`` to group rank ``j`` and receive rank ``j``'s into ``output_list[j]``.
@@ -780,7 +703,7 @@ class ProcessGroup:
         send = [as_working(t, write=False).array for t in ins]
         wo = [as_working(t, read=False) for t in outs]
         meta = self._meta("all_to_all", name)
-        return self._collective("all_to_all", meta, send, [x.array for x in wo], wo, output_list, timeout)
+        return self._submit("all_to_all", meta, send, [x.array for x in wo], wo, output_list, timeout)
 
     def all_to_all_single(
         self,
@@ -826,7 +749,7 @@ class ProcessGroup:
         send = [wi.array[a:b] for a, b in in_bounds]
         recv = [wo.array[a:b] for a, b in out_bounds]
         meta = self._meta("all_to_all", name)
-        return self._collective("all_to_all", meta, send, recv, (wo,), output, timeout)
+        return self._submit("all_to_all", meta, send, recv, (wo,), output, timeout)
 
     def _splits(
         self, what: str, tensor: Any, w: Working, sizes: Sequence[int] | None
@@ -869,16 +792,11 @@ class ProcessGroup:
         Returns:
             A Work, at once; awaiting it gives None.
         """
-        return self._collective("barrier", self._meta("barrier"), (), (), (), None, timeout)
+        return self._submit("barrier", self._meta("barrier"), (), (), (), None, timeout)
 
     # -- object operations -----------------------------------------------------------------
-    # Objects are pickled; every peer link is authenticated with the job's token, so only
-    # members of this job can put bytes here to be unpickled.
-    def _spec(
-        self, kind: str, send: Sequence[np.ndarray], recv: Sequence[np.ndarray], root: int = 0
-    ) -> CollectiveSpec:
-        return CollectiveSpec(kind, tuple(self.ranks), self.rank, tuple(send), tuple(recv), root=root)
-
+    # Objects are pickled here (one that cannot be fails at call time); the group's object row
+    # (client/_objects.py) sends them and unpickles what arrives.
     def broadcast_object(self, obj: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Send a picklable object from group rank ``src`` to every rank.
 
@@ -895,20 +813,8 @@ class ProcessGroup:
         """
         root = _check_rank("src", src, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if root == self.rank else b""
-        me = self.rank
-
-        async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
-            size = np.array([len(data)], dtype=np.int64)
-            meta = {"kind": "broadcast_object", "root": root}
-            await self._providers.run_within(self._spec("broadcast", (), (size,), root), tp, (*tag, 0), meta)
-            buf = (
-                np.frombuffer(data, dtype=np.uint8).copy() if me == root else np.empty(int(size[0]), np.uint8)
-            )
-            await self._providers.run_within(self._spec("broadcast", (), (buf,), root), tp, (*tag, 1), meta)
-            return obj if me == root else pickle.loads(buf.tobytes())
-
-        signature = {"kind": "broadcast_object", "root": root}
-        return self._submit("broadcast_object", body, timeout, signature=signature)
+        meta = {"kind": "broadcast_object", "root": root}
+        return self._submit("broadcast_object", meta, (data,), (), (), obj, timeout, root=root)
 
     def all_gather_object(self, obj: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Gather a picklable object from every rank.
@@ -927,27 +833,8 @@ class ProcessGroup:
             ```
         """
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-        async def body(tag: tuple[Any, ...], tp: OpTransport) -> list[Any]:
-            sizes = await self._exchange_sizes(tp, tag, len(data), "all_gather_object")
-            longest = int(sizes.max())
-            mine = np.zeros(longest, np.uint8)
-            mine[: len(data)] = np.frombuffer(data, np.uint8)
-            outs = [np.empty(longest, np.uint8) for _ in range(self.size)]
-            meta = {"kind": "all_gather_object"}
-            await self._providers.run_within(self._spec("all_gather", (mine,), outs), tp, (*tag, 1), meta)
-            return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
-
-        signature = {"kind": "all_gather_object"}
-        return self._submit("all_gather_object", body, timeout, signature=signature)
-
-    async def _exchange_sizes(self, tp: OpTransport, tag: tuple[Any, ...], n: int, kind: str) -> np.ndarray:
-        mine = np.array([n], dtype=np.int64)
-        outs = [np.empty(1, np.int64) for _ in range(self.size)]
-        await self._providers.run_within(
-            self._spec("all_gather", (mine,), outs), tp, (*tag, 0), {"kind": kind}
-        )
-        return np.array([int(o[0]) for o in outs], dtype=np.int64)
+        meta = {"kind": "all_gather_object"}
+        return self._submit("all_gather_object", meta, (data,), (), (), None, timeout)
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Gather picklable objects at group rank ``dst``.
@@ -963,22 +850,8 @@ class ProcessGroup:
         """
         root = _check_rank("dst", dst, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        me = self.rank
-
-        async def body(tag: tuple[Any, ...], tp: OpTransport) -> list[Any] | None:
-            sizes = await self._exchange_sizes(tp, tag, len(data), "gather_object")
-            longest = int(sizes.max())
-            mine = np.zeros(longest, np.uint8)
-            mine[: len(data)] = np.frombuffer(data, np.uint8)
-            outs = [np.empty(longest, np.uint8) for _ in range(self.size)] if me == root else []
-            meta = {"kind": "gather_object", "root": root}
-            await self._providers.run_within(self._spec("gather", (mine,), outs, root), tp, (*tag, 1), meta)
-            if me != root:
-                return None
-            return [pickle.loads(o[: int(s)].tobytes()) for o, s in zip(outs, sizes, strict=True)]
-
-        signature = {"kind": "gather_object", "root": root}
-        return self._submit("gather_object", body, timeout, signature=signature)
+        meta = {"kind": "gather_object", "root": root}
+        return self._submit("gather_object", meta, (data,), (), (), None, timeout, root=root)
 
     def scatter_object(self, objs: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Give group rank ``i`` the object ``objs[i]`` of rank ``src``.
@@ -1004,24 +877,8 @@ class ProcessGroup:
                     f"scatter_object: rank {root} is src and must pass a list of {self.size} objects"
                 )
             blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
-
-        async def body(tag: tuple[Any, ...], tp: OpTransport) -> Any:
-            sizes = np.array([len(b) for b in blobs] or [0] * self.size, dtype=np.int64)
-            meta = {"kind": "scatter_object", "root": root}
-            await self._providers.run_within(self._spec("broadcast", (), (sizes,), root), tp, (*tag, 0), meta)
-            longest = int(sizes.max())
-            send = []
-            if me == root:
-                for b in blobs:
-                    arr = np.zeros(longest, np.uint8)
-                    arr[: len(b)] = np.frombuffer(b, np.uint8)
-                    send.append(arr)
-            out = np.empty(longest, np.uint8)
-            await self._providers.run_within(self._spec("scatter", send, (out,), root), tp, (*tag, 1), meta)
-            return pickle.loads(out[: int(sizes[me])].tobytes())
-
-        signature = {"kind": "scatter_object", "root": root}
-        return self._submit("scatter_object", body, timeout, signature=signature)
+        meta = {"kind": "scatter_object", "root": root}
+        return self._submit("scatter_object", meta, blobs, (), (), None, timeout, root=root)
 
     # -- groups ----------------------------------------------------------------------------
     async def new_group(
@@ -1061,20 +918,12 @@ class ProcessGroup:
                 raise ValueError("new_group: ranks is empty")
         members = [self.ranks[r] for r in chosen]
         meta = {"kind": "new_group", "ranks": chosen}
-        # Every rank offers what its providers could give the new group; the AND of the offers
-        # (an all_reduce is a barrier too) is what every member can use.
+        # Every rank offers what its providers could give the new group; the group's formation
+        # ANDs the offers in place (an all_reduce is a barrier too): what every member can use.
         forming = self._providers.forming(members)
-        offers = forming.offers
-        agree = CollectiveSpec(
-            "all_reduce", tuple(self.ranks), self.rank, (offers,), (offers,), op=ReduceOp.BAND
-        )
-
-        async def body(tag: tuple[Any, ...], tp: OpTransport) -> str:
-            await self._providers.run_within(agree, tp, tag, meta)
-            return f"{self.group_id}.{tag[2]}"
-
+        offers = (forming.offers,)
         try:
-            gid = await self._submit("new_group", body, timeout, signature=meta)
+            gid = await self._submit("new_group", meta, offers, offers, (), None, timeout, op=ReduceOp.BAND)
             if self._rt.transport.rank not in members:
                 return None
             state = self._rt.engine.group(gid, members)

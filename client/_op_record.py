@@ -100,7 +100,6 @@ class _Op:
         "site",
         "started",
         "tag",
-        "task",
         "timeout",
         "work",
     )
@@ -118,12 +117,11 @@ class _Op:
         self.kind = kind
         self.seq = seq
         self.tag = tag
-        # None only while an eager operation's starter runs on the straight path (Engine
-        # submit_eager): one that completes inside it never gets a future, any other gets one
-        # (``Engine._promote``) before anything else sees the operation.
+        # None only while its starter runs on the straight path (Engine.submit_eager): one that
+        # completes inside it never gets a future, any other gets one (``Engine._promote``)
+        # before anything else sees the operation.
         self.future: asyncio.Future[Any] = future  # type: ignore[assignment]
-        self.task: asyncio.Task[None] | None = None
-        self.lane: Stoppable | None = None  # an eager operation's runner (it has no task)
+        self.lane: Stoppable | None = None  # its runner (client/_operation.Starter's return)
         self.deadline: float | None = None
         self.timeout: float | None = None
         self.abort_exc: BaseException | None = None

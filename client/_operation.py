@@ -1,43 +1,90 @@
-"""What a collective provider implements and is handed (see client/providers.py).
+"""One operation as the public layer builds it (``Operation``, its fields once), what a provider
+of the group's table implements (``Provider``) and the one shape it returns (``Starter``).
 
-Imports foundations only (aiocoll._types, aiocoll.algorithms); the providers (client/_shm_coll.py,
-client/routing.py, client/providers.py) import it, so none imports another for these names.
+Imports foundations only (aiocoll._types, aiocoll._errors, aiocoll.algorithms, the device span
+type) and the engine's operation record (client/_op_record.py: OpTransport, Stoppable); every
+provider (client/_shm_arena.py, client/routing.py, client/providers.py, client/_objects.py)
+and the engine import it, so none imports another for these names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ClassVar, Protocol
 
 from aiocoll._types import ReduceOp
-from aiocoll.algorithms import CollectiveSpec
+from aiocoll.algorithms import KINDS, CollectiveSpec, Tag
+from aiocoll.device._staging import DeviceSpan
 
-__all__ = ["Finish", "Provider", "finish_with_copy_back", "spec_of"]
+from ._op_record import OpTransport, Stoppable
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "DEVICE",
+    "HOST",
+    "OBJECT_KINDS",
+    "P2P_KINDS",
+    "Body",
+    "Finish",
+    "Operation",
+    "Provider",
+    "Starter",
+    "as_starter",
+    "copying_back",
+    "finish_with_copy_back",
+    "spec_of",
+]
+
+HOST, DEVICE = "host", "device"  # the memory an operation's arrays are in
+COLLECTIVE_KINDS = frozenset(KINDS)  # what the algorithms run
+P2P_KINDS = frozenset({"send", "recv"})
+# Operations on picklable objects, and the forming of a sub-group (the parent's agreement on
+# what the new group's providers may use): host memory, run in steps over the links.
+OBJECT_KINDS = frozenset(
+    {"broadcast_object", "all_gather_object", "gather_object", "scatter_object", "new_group"}
+)
 
 Finish = Callable[[Any, BaseException | None], None]
+# What a provider returns for an operation it takes: ``start(tag, transport, finish)`` begins it
+# inside the engine's call and arranges ``finish(result, None)`` or ``finish(None, error)``
+# exactly once (Engine.submit); the engine calls the returned runner's ``stop()`` if it fails
+# the operation from outside.
+Starter = Callable[[Tag, OpTransport, Finish], Stoppable]
+Body = Callable[[Tag, OpTransport], Coroutine[Any, Any, Any]]
 
 
-class Provider(Protocol):
-    """What a collective provider implements (see client/providers.py).
+class Operation:
+    """One operation, as the public layer built it: every provider reads its fields from here.
 
-    An operation reaches ``prepare`` as the public layer built it, field by field (no object is
-    made for it: this runs on every call): ``kind`` ("all_reduce", ...); ``meta``, its signature
-    (aiocoll._signature); ``send`` and ``recv``, the arrays it reads and writes (host numpy arrays
-    or device spans); ``workings``, the call's tensors (aiocoll.device._tensors.Working), copied
-    back on success; ``result``, what the Work completes with; ``root``, the group rank of a
-    rooted kind; ``op``, the reduce op.
-
-    ``eager`` providers return an engine starter from ``prepare`` (``start(tag, transport,
-    finish)``, Engine.submit_eager: runs from callbacks); the others an engine body (``await
-    body(tag, transport)``, Engine.submit: runs as a task). ``prepare`` returns None for an
-    operation this provider declines; the table then asks the next one for that kind.
+    Attributes:
+        kind: "all_reduce", "send", "broadcast_object", ... meta: its signature
+        (aiocoll._signature: what every rank must agree on; a message's meta for send).
+        send, recv: the arrays it reads and writes (host numpy arrays or device spans; for the
+        object kinds, the pickled objects and nothing). workings: the call's tensors
+        (aiocoll.device._tensors.Working), copied back on success. result: what the Work completes
+        with (the object kinds compute theirs). root: the group rank of a rooted kind. op: the
+        reduce op. timeout: seconds (None: no deadline). tag: the user's tag of a point-to-point
+        operation (None for the rest). peers: the global ranks a point-to-point operation talks
+        to (none: a receive from any rank). memory: HOST or DEVICE (any array a device span).
     """
 
-    name: ClassVar[str]
-    eager: ClassVar[bool]
-    kinds: frozenset[str]
+    __slots__ = (
+        "kind",
+        "memory",
+        "meta",
+        "op",
+        "peers",
+        "recv",
+        "result",
+        "root",
+        "send",
+        "tag",
+        "timeout",
+        "workings",
+    )
 
-    def prepare(
+    def __init__(
         self,
         kind: str,
         meta: dict[str, Any],
@@ -45,41 +92,122 @@ class Provider(Protocol):
         recv: Sequence[Any],
         workings: Sequence[Any],
         result: Any,
-        root: int,
-        op: ReduceOp,
-    ) -> Any: ...
+        timeout: float | None,
+        root: int = 0,
+        op: ReduceOp = ReduceOp.SUM,
+        tag: int | None = None,
+        peers: tuple[int, ...] = (),
+    ) -> None:
+        self.kind = kind
+        self.meta = meta
+        self.send = send
+        self.recv = recv
+        self.workings = workings
+        self.result = result
+        self.timeout = timeout
+        self.root = root
+        self.op = op
+        self.tag = tag
+        self.peers = peers
+        memory = HOST
+        for a in send:  # (loops, not any(<generator>): this runs on every call)
+            if isinstance(a, DeviceSpan):
+                memory = DEVICE
+                break
+        else:
+            if recv is not send:  # (an in-place operation hands one tuple for both)
+                for a in recv:
+                    if isinstance(a, DeviceSpan):
+                        memory = DEVICE
+                        break
+        self.memory = memory
+
+
+class Provider(Protocol):
+    """A row of a group's provider table (see client/providers.py).
+
+    It declares, once, what it takes: ``kinds`` (of COLLECTIVE_KINDS, P2P_KINDS, OBJECT_KINDS),
+    ``memory`` (HOST, DEVICE) and ``priority`` (the table asks the rows that serve an operation's
+    kind and memory highest first); ``why`` says why it serves the group (the table's DEBUG log).
+    ``prepare`` returns a ``Starter`` for an operation it takes, or None for one it declines
+    (the arena runs only in-place all_reduces); the table then asks the next row.
+    """
+
+    name: ClassVar[str]
+    memory: ClassVar[frozenset[str]]
+    priority: ClassVar[int]
+    kinds: frozenset[str]
+    why: str
+
+    def prepare(self, op: Operation) -> Starter | None: ...
 
     def close(self) -> None: ...
 
 
-def finish_with_copy_back(workings: Sequence[Any], result: Any, finish: Finish) -> Finish:
+def finish_with_copy_back(op: Operation, finish: Finish) -> Finish:
     """The one copy-back-then-finish: a ``Finish`` callback (its first argument ignored) that, on
     success, copies every working array back to its tensor (aiocoll.device._tensors.Working.finish)
-    and then completes the operation with ``result``; a failed copy-back fails it instead."""
+    and then completes the operation with ``op.result``; a failed copy-back fails it instead."""
 
     def done(_: Any, exc: BaseException | None) -> None:
         if exc is None:
             try:
-                for w in workings:
+                for w in op.workings:
                     w.finish()
             except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
                 exc = copy_back
-        finish(result, exc)
+        finish(op.result, exc)
 
     return done
 
 
-def spec_of(
-    kind: str,
-    meta: dict[str, Any],
-    send: Sequence[Any],
-    recv: Sequence[Any],
-    root: int,
-    op: ReduceOp,
-    ranks: tuple[int, ...],
-    me: int,
-) -> CollectiveSpec:
+class _TaskRunner:
+    """An operation run as a task (``as_starter``): ``stop`` cancels it."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def as_starter(body: Body) -> Starter:
+    """The starter of an operation that runs as a task: ``await body(tag, transport)``, whose
+    return value (or error) finishes it. A cancelled task finishes it with CancelledError (the
+    engine says which operation; when the engine stopped it, that outcome is ignored)."""
+
+    def start(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+        task = asyncio.get_running_loop().create_task(body(tag, transport))
+
+        def ended(t: asyncio.Task[Any]) -> None:
+            if t.cancelled():
+                finish(None, asyncio.CancelledError())
+                return
+            exc = t.exception()
+            finish(None if exc is not None else t.result(), exc)
+
+        task.add_done_callback(ended)
+        return _TaskRunner(task)
+
+    return start
+
+
+def copying_back(op: Operation, body: Body) -> Starter:
+    """The starter of an operation that runs as a task (``as_starter``) and then copies its
+    results back into the caller's tensors (``finish_with_copy_back``): it completes with
+    ``op.result``, which the body may set (a receive: the sender's group rank)."""
+    run = as_starter(body)
+
+    def start(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+        return run(tag, transport, finish_with_copy_back(op, finish))
+
+    return start
+
+
+def spec_of(op: Operation, ranks: tuple[int, ...], me: int) -> CollectiveSpec:
     """The algorithms' description of an operation for member ``me`` of the group ``ranks``."""
     return CollectiveSpec(
-        kind, ranks, me, tuple(send), tuple(recv), root, op, None, meta.get("dtype")
+        op.kind, ranks, me, tuple(op.send), tuple(op.recv), op.root, op.op, None, op.meta.get("dtype")
     )  # (positional: keywords cost more than the rest of building it)

@@ -9,15 +9,14 @@ arena host); never the public surface. client/providers.py and client/routing.py
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 import aiocoll._signature as _signature
-from aiocoll._types import ReduceOp
 
-from ._operation import Finish, finish_with_copy_back
+from ._operation import HOST, Finish, Operation, Starter, finish_with_copy_back
 from ._shm_coll import ShmGroup, ShmWaker, _ShmOp
 from .engine import OpTransport
 from .transports._link import LinkTransport
@@ -111,7 +110,8 @@ class ArenaProvider:
     over a group whose members all share this host, in the region they agreed on."""
 
     name: ClassVar[str] = "arena"
-    eager: ClassVar[bool] = True
+    memory: ClassVar[frozenset[str]] = frozenset({HOST})
+    priority: ClassVar[int] = 30
     kinds: frozenset[str] = frozenset(_SERVED)
 
     def __init__(self, group: ShmGroup) -> None:
@@ -131,35 +131,26 @@ class ArenaProvider:
         me = links.rank
         return all(kinds.get(r, "shm") == "shm" for r in self.group.ranks if r != me)
 
-    def prepare(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int,
-        op: ReduceOp,
-    ) -> Callable[[Any, OpTransport, Finish], _ShmOp] | None:
-        """An engine starter for the operation (see client/_operation.Provider), or None for one
-        the arenas do not take (an out-of-place all_reduce)."""
+    def prepare(self, op: Operation) -> Starter | None:
+        """The operation's starter (see client/_operation.Provider), or None for one the arenas
+        do not take (an out-of-place all_reduce)."""
+        kind, send, recv = op.kind, op.send, op.recv
         if kind == "all_reduce" and send[0] is not recv[0]:
             return None
-        group = self.group
+        group, meta, rop, root = self.group, op.meta, op.op, op.root
 
-        def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:
+        def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:  # (tag[2]: the seq)
             sig = _signature.pack(tag[2], meta)
-            fin = finish_with_copy_back(workings, result, finish)
+            fin = finish_with_copy_back(op, finish)
             on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
             if kind == "all_reduce":
-                return group.all_reduce(recv[0], op, _dtype_name(recv, meta), sig, fin, on_wait)
+                return group.all_reduce(recv[0], rop, _dtype_name(recv, meta), sig, fin, on_wait)
             if kind == "broadcast":
                 return group.broadcast(recv[0], root, sig, fin, on_wait)
             if kind == "all_gather":
                 return group.all_gather(recv, send[0], sig, fin, on_wait)
             if kind == "reduce_scatter":
-                return group.reduce_scatter(recv[0], send, op, _dtype_name(recv, meta), sig, fin, on_wait)
+                return group.reduce_scatter(recv[0], send, rop, _dtype_name(recv, meta), sig, fin, on_wait)
             return group.barrier(sig, fin, on_wait)
 
         return start

@@ -1,10 +1,11 @@
 """The execution engine: per-group sequencing, deadlines, and failure fan-out for every operation.
 
-Imports foundations (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport) and the
-client's operation record (client/_op_record.py: GroupState, the record, OpTransport) and progress
-tracking; never the public surface, and not the algorithms either: the public layer hands the engine a *body*
-(a coroutine function of the operation's tag and transport) so the engine stays the one place
-that decides *when* and *whether* operations run, not how.
+Imports foundations (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport), the
+client's operation records (client/_op_record.py: GroupState, the engine's record, OpTransport;
+client/_operation.py: the starter shape) and progress tracking; never the public surface, and
+not the algorithms either: a group's provider hands the engine a *starter* (a function of the
+operation's tag, transport and finish callback) so the engine stays the one place that decides
+*when* and *whether* operations run, not how.
 
 What it guarantees:
 
@@ -38,8 +39,8 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from aiocoll._errors import (
     CollectiveTimeout,
@@ -58,6 +59,7 @@ from aiocoll.algorithms._transport import (
 )
 
 from ._op_record import GroupState, OpTransport, Stoppable, _Op
+from ._operation import Body, Starter, as_starter
 from ._progress import ProgressTracker
 from ._recorder import call_sites as _call_sites
 from ._recorder import caller_site as _caller_site
@@ -77,10 +79,6 @@ _MAX_STUCK_REPORTS = 64
 # (its receive from us would fail with PeerLostError), so every rank raises MismatchError.
 _MISMATCH_LINGER = 1.0
 
-_T = TypeVar("_T")
-Body = Callable[[Tag, "OpTransport"], Awaitable[Any]]
-Finish = Callable[[Any, BaseException | None], None]
-Starter = Callable[[Tag, "OpTransport", Finish], "Stoppable"]
 
 
 class Engine:
@@ -199,7 +197,8 @@ class Engine:
         peers: Iterable[int] = (),
         signature: dict[str, Any] | None = None,
     ) -> Work:
-        """Start an operation now and return its Work.
+        """Start an operation that runs as a task, ``await body(tag, transport)``, whose return
+        value the Work completes with: ``submit_eager`` with the body's starter (one lifecycle).
 
         Args:
             group: where it runs. kind: its name, for errors.
@@ -212,10 +211,9 @@ class Engine:
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
-        op = self._open(group, kind, timeout, p2p_tag, peers, signature)
-        if not op.future.done():
-            op.task = self._loop.create_task(self._run(op, body))
-        return op.work
+        return self.submit_eager(
+            group, kind, as_starter(body), timeout=timeout, p2p_tag=p2p_tag, peers=peers, signature=signature
+        )
 
     def submit_eager(
         self,
@@ -224,18 +222,24 @@ class Engine:
         start: Starter,
         *,
         timeout: float | None,
+        p2p_tag: Any = None,
         peers: Iterable[int] = (),
         signature: dict[str, Any] | None = None,
     ) -> Work:
-        """Start a collective driven by message callbacks instead of a task (see
-        aiocoll.algorithms._driver): ``start(tag, transport, finish)`` begins it inside this
-        call and arranges ``finish(result, None)`` or ``finish(None, error)`` exactly once.
-        Sequencing, deadlines, failures and their fan-out are the same as ``submit``'s.
+        """Start an operation now and return its Work: every operation's one lifecycle.
+
+        ``start(tag, transport, finish)`` begins it inside this call (a collective of the
+        message driver from message callbacks, aiocoll.algorithms._driver; an arena operation;
+        a task, ``as_starter``) and arranges ``finish(result, None)`` or ``finish(None, error)``
+        exactly once; it returns the operation's runner, whose ``stop()`` the engine calls when
+        it fails the operation from outside (a deadline, a lost peer, a mismatch elsewhere).
+        One that finishes inside ``start`` takes the straight path: its Work is born complete.
+        The arguments are ``submit``'s.
 
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
-        op = self._open(group, kind, timeout, None, peers, signature, straight=True)
+        op = self._open(group, kind, timeout, p2p_tag, peers, signature, straight=True)
         registered = op.future is not None  # (a group with notices pending takes the usual path)
         if registered and op.future.done():  # a notice failed it already
             return op.work
@@ -245,6 +249,8 @@ class Engine:
             if op.lane is _FINISHED:
                 return
             op.lane = _FINISHED
+            if exc is not None and type(exc) is asyncio.CancelledError:  # its task, from outside
+                exc = DistError(f"{op.describe()} was cancelled: the process group is closing")
             if op.future is None:  # inside ``start``: kept for the straight path below
                 op.result = result
                 op.abort_exc = exc
@@ -275,7 +281,8 @@ class Engine:
             if failure is None:
                 # The straight path: known at once, so no future, no deadline, no pending entry.
                 self.progress.record(op.kind, group, op.seq, op.sig, op.started, "ok", op.site)
-                self.transport.retire(op.tag)
+                if op.seq >= 0:  # (a point-to-point tag is the user's, used again)
+                    self.transport.retire(op.tag)
                 return Work.born(op.result, self._loop, op.describer())
             self._promote(op, None)
             self._settle(op, None, failure)
@@ -415,29 +422,6 @@ class Engine:
             )
         raise chain(DistError(f"{where} cannot run: the group is broken ({cause})"), cause)
 
-    async def _run(self, op: _Op, body: Body) -> None:
-        fut = op.future
-        try:
-            result = await body(op.tag, OpTransport(self.transport, op))
-        except asyncio.CancelledError:
-            if not fut.done():
-                if op.abort_exc is not None:
-                    fut.set_exception(op.abort_exc)
-                else:
-                    fut.set_exception(
-                        DistError(f"{op.describe()} was cancelled: the process group is closing")
-                    )
-            if op.abort_exc is None:
-                raise
-        except BaseException as exc:
-            self._settle(op, None, exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            self._settle(op, result, None)
-        finally:
-            self._finish(op)
-
     def _settle(self, op: _Op, result: Any, exc: BaseException | None) -> None:
         """Complete ``op``'s future with its outcome, and carry a failure to the group: a
         mismatch is named, told to the other ranks and breaks the group from its seq; a lost peer
@@ -499,20 +483,13 @@ class Engine:
         op.abort_exc = exc
         op.future.set_exception(exc)
         lane = op.lane
-        if lane is not None:
-            # An eager operation: stop its runner before its receives are discarded (their
-            # callbacks then find it stopped), and finish it here, once (it has no task whose
-            # ending would).
-            if lane is not _FINISHED:
-                op.lane = _FINISHED
+        # Stop its runner before its receives are discarded (their callbacks then find it
+        # stopped), and finish it here, once (a runner's late outcome is ignored).
+        if lane is not _FINISHED:
+            op.lane = _FINISHED
+            if lane is not None:
                 lane.stop()
-                self._finish(op)
-            return
-        op.work.wake()
-        if op.seq >= 0:
-            self.transport.discard(op.tag)
-        if op.task is not None and not op.task.done():
-            op.task.cancel()
+            self._finish(op)
 
     # -- deadlines -------------------------------------------------------------------------
     def _arm(self, when: float) -> None:

@@ -1,61 +1,80 @@
-"""How a group's collectives run: the provider interface, the one selection function, the table.
+"""How a group's operations run: the providers (the rows of a group's table), the one selection
+function, the table.
 
 Imports foundations (aiocoll.algorithms, the device staging of aiocoll.device) and the client's
-engine, arenas (client/_shm_coll.py) and routes (client/routing.py); never the public surface.
-The public layer checks a call's arguments and builds the operation (its kind, signature,
-arrays, tensors, root and reduce op); the group's ``ProviderTable`` hands it to the provider
-chosen for it. Nothing else decides how a collective runs.
+engine, operation record, arenas (client/_shm_arena.py), routes (client/routing.py) and object
+row (client/_objects.py); never the public surface. The public layer checks a call's arguments,
+builds its record (client/_operation.Operation) and submits it to the group's
+``ProviderTable``, which hands it to the first row that takes it. Nothing else decides how an
+operation runs: collective, point-to-point, object or group formation, host or device memory.
 
-A provider serves some operation kinds over some groups. It says so once, when a group is made:
-``select_providers`` takes the providers available to the group (``ProviderTable.select`` lists
-them, most specific first) with the kinds each serves, logs at DEBUG why it chose what it
-chose, and fills the table; the table is chosen again only when the process's links change (a
-link added or lost).
-Per call, a provider may still decline one operation (the arena runs only in-place
-all_reduces); the table then takes the next provider for that kind. The providers:
+Every row declares, once, what it takes: its kinds, its memory (host or device) and its
+priority. ``select_providers`` queries the rows available to the group when the group is made
+(as Open MPI's coll framework queries its components per communicator), logs at DEBUG why it
+chose what it chose, and fills the table: for every memory and kind, the rows that serve it,
+highest priority first. The table is chosen again only when the process's links change (a link
+added or lost). Per call, a row may still decline one operation (the arena runs only in-place
+all_reduces; IPC only the kinds and reduce ops it can); the table then asks the next. The rows:
 
-  - ``arena``: every member on this host, linked by shared memory: the members' arenas
-    (client/_shm_coll.py), in a region the members agree on when the group forms (``forming``).
-  - ``routed``: a group spanning hosts with several members on one: all_reduce by host, then
-    among host leaders, then back (client/routing.py), with its intra-host parts on the arenas.
-  - ``driver``: every kind, any group: the algorithms over the links, run by the message driver
-    (aiocoll/algorithms/_driver.py) from message callbacks, without a task.
-  - ``ipc`` and ``staged``, for device tensors (chosen per call by where the tensors are):
-    device to device between the ranks of one host by CUDA IPC (aiocoll/device/_ipc.py) for the
-    all_reduces and broadcasts it can take, else chunk by chunk through pinned host staging
-    (aiocoll/device/_staged_ops.py); each wraps the group's route: every staged chunk runs as a
-    host operation by it.
+  - ``arena`` (host, 30): every member on this host, linked by shared memory: the members'
+    arenas (client/_shm_coll.py), in a region the members agree on when the group forms.
+  - ``routed`` (host, 20): a group spanning hosts with several members on one: all_reduce by
+    host, then among host leaders, then back (client/routing.py), its intra-host parts on arenas.
+  - ``driver`` (host, 0): every collective, any group: the algorithms over the links, run by the
+    message driver (aiocoll/algorithms/_driver.py) from message callbacks, without a task.
+  - ``p2p`` (host, 0): send and recv over the links.
+  - ``objects`` (host, 0): object operations and group formation (client/_objects.py).
+  - ``ipc`` (device, 20): device to device between the ranks of one host by CUDA IPC
+    (aiocoll/device/_ipc.py), for the all_reduces and broadcasts it can take.
+  - ``staged`` (device, 10): every collective and send/recv, chunk by chunk through pinned host
+    staging (aiocoll/device/_staged_ops.py).
 
-A new provider (UCX, a GPU-direct link) is a class with ``name``, ``eager``, ``kinds`` and
-``prepare`` (and ``close``, and ``why`` for the log) plus a line in ``ProviderTable.select``.
+The rows that run in steps (ipc, staged, objects) run each step as a host operation by the
+group's route (``ProviderTable._run_part``) inside their one operation.
+
+A new provider (UCX, a GPU-direct link) is a class with ``name``, ``memory``, ``priority``,
+``kinds``, ``why``, ``prepare`` and ``close`` (client/_operation.Provider), plus a line in
+``ProviderTable.__init__``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from aiocoll._types import ReduceOp
-from aiocoll.algorithms import CollectiveSpec, Tag
+from aiocoll._errors import DistError, MismatchError
+from aiocoll.algorithms import CollectiveSpec, Tag, Transport
 from aiocoll.algorithms._driver import start_collective
 from aiocoll.algorithms._plan import prepare
 from aiocoll.device._ipc import IPC_KINDS, IPC_OPS, ipc_groups
-from aiocoll.device._staged_ops import StagedOp
-from aiocoll.device._staging import DeviceSpan
+from aiocoll.device._staged_ops import RunPart, StagedOp
 
-from ._operation import Finish, Provider, finish_with_copy_back, spec_of
+from ._objects import ObjectProvider
+from ._operation import (
+    COLLECTIVE_KINDS,
+    DEVICE,
+    HOST,
+    P2P_KINDS,
+    Finish,
+    Operation,
+    Provider,
+    Starter,
+    as_starter,
+    copying_back,
+    finish_with_copy_back,
+    spec_of,
+)
 from ._shm_arena import ArenaForming, ArenaProvider
-from .engine import Engine, GroupState, OpTransport
+from .engine import Engine, GroupState, OpTransport, Stoppable
 from .routing import HostLayout, RoutedProvider, host_layout, run_routed
 from .transports._link import LinkTransport
 
 __all__ = [
     "Provider",
     "ProviderTable",
-    "finish_with_copy_back",
     "select_providers",
 ]
 
@@ -63,32 +82,24 @@ log = logging.getLogger("aiocoll.providers")
 
 
 class DriverProvider:
-    """Every kind over the links, by the message driver (no task per operation)."""
+    """Every collective over the links, by the message driver (no task per operation)."""
 
     name: ClassVar[str] = "driver"
-    eager: ClassVar[bool] = True
-    kinds: frozenset[str] = frozenset({"*"})
-    why = "serves every kind over the links"
+    memory: ClassVar[frozenset[str]] = frozenset({HOST})
+    priority: ClassVar[int] = 0
+    kinds: frozenset[str] = COLLECTIVE_KINDS
+    why = "serves every collective over the links"
 
     def __init__(self, ranks: tuple[int, ...], me: int) -> None:
         self._ranks = ranks
         self._me = me
 
-    def prepare(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int,
-        op: ReduceOp,
-    ) -> Callable[[Tag, OpTransport, Finish], Any]:
-        spec = spec_of(kind, meta, send, recv, root, op, self._ranks, self._me)
+    def prepare(self, op: Operation) -> Starter:
+        spec = spec_of(op, self._ranks, self._me)
+        meta = op.meta
 
-        def start(tag: Tag, transport: OpTransport, finish: Finish) -> Any:
-            done = finish_with_copy_back(workings, result, finish)
+        def start(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+            done = finish_with_copy_back(op, finish)
             return start_collective(
                 prepare(spec, meta), spec, transport, tag, meta, lambda exc: done(None, exc)
             )
@@ -99,15 +110,75 @@ class DriverProvider:
         pass
 
 
+class P2PProvider:
+    """Point-to-point over the links: a send is handed to the link; a receive checks that the
+    message is of the receiving tensor's dtype and completes with the sender's group rank."""
+
+    name: ClassVar[str] = "p2p"
+    memory: ClassVar[frozenset[str]] = frozenset({HOST})
+    priority: ClassVar[int] = 0
+    kinds: frozenset[str] = P2P_KINDS
+    why = "send and recv over the links"
+
+    def __init__(self, ranks: tuple[int, ...], gid: str) -> None:
+        self._ranks = ranks
+        self._gid = gid
+
+    def prepare(self, op: Operation) -> Starter:
+        meta = op.meta
+        if op.kind == "send":
+            peer = op.peers[0]
+            payload = _bytes_of(op.send[0])
+
+            async def send(tag: Tag, transport: OpTransport) -> None:
+                await transport.send(peer, tag, payload, meta)
+
+            return as_starter(send)
+        source = op.peers[0] if op.peers else None
+        into = _bytes_of(op.recv[0])
+        ranks, gid = self._ranks, self._gid
+
+        async def recv(tag: Tag, transport: OpTransport) -> None:
+            got, sent = await transport.recv(source, tag, into)
+            op.result = received(op, got, sent, ranks, gid)
+
+        return copying_back(op, recv)
+
+    def close(self) -> None:
+        pass
+
+
+def received(op: Operation, got: int, sent: dict[str, Any], ranks: tuple[int, ...], gid: str) -> int:
+    """The group rank of a receive's sender (global rank ``got``), once its message (meta
+    ``sent``) is checked against the receiving tensor.
+
+    Raises:
+        MismatchError: the message's dtype is not the receiving tensor's.
+    """
+    if sent.get("dtype") != op.meta.get("dtype"):
+        sender = ranks.index(got) if got in ranks else got
+        raise MismatchError(
+            f"recv (group {gid!r}, tag {op.tag}): rank {sender} sent {sent.get('dtype')} "
+            f"but the receiving tensor is {op.meta.get('dtype')}",
+            group=gid,
+            ranks=[got],
+        )
+    return ranks.index(got)
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    return arr.reshape(-1).view(np.uint8).data
+
+
 class StagedProvider:
-    """Device tensors: wraps the group's route over the links (``inner``: each chunk's host
-    operation runs by it), chunk by chunk through pinned staging; chosen per call by where the
-    tensors are."""
+    """Device tensors, every collective and send/recv, chunk by chunk through pinned staging;
+    each chunk of a collective runs as a host operation by the group's route (``run``)."""
 
     name: ClassVar[str] = "staged"
-    eager: ClassVar[bool] = False
-    kinds: frozenset[str] = frozenset({"*"})
-    why = "device tensors, whatever the kind"
+    memory: ClassVar[frozenset[str]] = frozenset({DEVICE})
+    priority: ClassVar[int] = 10
+    kinds: frozenset[str] = COLLECTIVE_KINDS | P2P_KINDS
+    why = "device tensors, chunk by chunk through pinned host buffers"
     _ipc = False  # whether its operations may go device to device (IpcProvider)
 
     def __init__(
@@ -117,66 +188,100 @@ class StagedProvider:
         rank: int,
         group_key: tuple[Any, ...],
         gid: str,
-        inner: Callable[[CollectiveSpec, Any, Tag, dict[str, Any]], Awaitable[None]],
+        run: RunPart,
     ) -> None:
-        self._inner = inner
+        self._run = run
         self._ranks = ranks
         self._me = me
         self._rank = rank
         self._key = group_key
         self._gid = gid
 
-    def prepare(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int,
-        op: ReduceOp,
-    ) -> Callable[[Tag, OpTransport], Any] | None:
-        if self._ipc and (kind not in IPC_KINDS or op not in IPC_OPS):
+    def prepare(self, op: Operation) -> Starter | None:
+        kind = op.kind
+        if kind in P2P_KINDS:
+            return self._p2p(op)
+        if self._ipc and (kind not in IPC_KINDS or op.op not in IPC_OPS):
             return None
         key = self._key if self._ipc else None  # (no IPC state: the operation is staged)
-        staged = StagedOp(kind, len(self._ranks), send, recv, rank=self._rank, group_key=key)
-        ranks, me, gid, inner = self._ranks, self._me, self._gid, self._inner
+        # Made now, at call time: it records the caller's event (what is sent is what the
+        # caller computed so far).
+        staged = StagedOp(kind, len(self._ranks), op.send, op.recv, rank=self._rank, group_key=key)
+        ranks, me, gid, run, meta = self._ranks, self._me, self._gid, self._run, op.meta
 
-        async def body(tag: Tag, transport: OpTransport) -> Any:
+        async def body(tag: Tag, transport: OpTransport) -> None:
             what = f"{kind} (group {gid!r}, seq {tag[2]})"
             await staged.collective(
-                transport, tag, meta, ranks=ranks, me=me, root=root, op=op, what=what, run=inner
+                transport, tag, meta, ranks=ranks, me=me, root=op.root, op=op.op, what=what, run=run
             )
-            for w in workings:
-                w.finish()
-            return result
 
-        return body
+        return copying_back(op, body)
+
+    def _p2p(self, op: Operation) -> Starter:
+        """A send or receive of one device tensor, one message per chunk; staged messages on one
+        tag and peer go one after another, in call order (StagedOp.chain)."""
+        ranks, gid, utag, meta = self._ranks, self._gid, op.tag, op.meta
+        if op.kind == "send":
+            staged = StagedOp("send", len(ranks), op.send, (), rank=self._rank)
+            peer = op.peers[0]
+            chain_key: tuple[Any, ...] = ("send", *self._key, utag, peer)
+            what = f"send (group {gid!r}, tag {utag}) to rank {ranks.index(peer)}"
+
+            async def send(tag: Tag, transport: OpTransport) -> None:
+                await staged.send_to(transport, tag, peer, meta, what)
+
+            return _chained(staged, chain_key, as_starter(send))
+        staged = StagedOp("recv", len(ranks), (), op.recv, rank=self._rank)
+        source = op.peers[0] if op.peers else None
+        what = f"recv (group {gid!r}, tag {utag})"
+
+        async def recv(tag: Tag, transport: OpTransport) -> None:
+            got, sent = await staged.recv_from(transport, tag, source, what)
+            op.result = received(op, got, sent, ranks, gid)
+
+        return _chained(staged, ("recv", *self._key, utag), copying_back(op, recv))
 
     def close(self) -> None:
         if self._ipc:
             ipc_groups.forget(self._key)
 
 
+def _chained(staged: StagedOp, key: tuple[Any, ...], run: Starter) -> Starter:
+    """``run``, ordered after the earlier staged messages on ``key`` (taken when it starts, in
+    call order; let go when it finishes, however it finishes)."""
+
+    def start(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+        end = staged.chain(key)
+
+        def done(result: Any, exc: BaseException | None) -> None:
+            end()
+            finish(result, exc)
+
+        return run(tag, transport, done)
+
+    return start
+
+
 class IpcProvider(StagedProvider):
     """Device tensors of an all_reduce or a broadcast, device to device between the ranks of one
     host (CUDA IPC, aiocoll/device/_ipc.py): the members open each other's mailbox and event once,
     together, at the group's first such operation of several chunks, and agree whether every one
-    could; where not (or for one chunk, or AVG), the operation is staged as StagedProvider's are."""
+    could; where not (or for one chunk), the operation is staged as StagedProvider's are."""
 
     name: ClassVar[str] = "ipc"
+    priority: ClassVar[int] = 20
     kinds: frozenset[str] = frozenset(IPC_KINDS)
     why = "device tensors of all_reduce and broadcast, device to device where the group can"
     _ipc = True
 
 
 class ProviderTable:
-    """A group's providers by kind, chosen by ``select_providers``; ``submit`` runs an operation.
+    """A group's rows, chosen by ``select_providers``; ``submit`` runs an operation.
 
     Attributes:
         layout: the group's members by host (client/routing.HostLayout), None when unknown.
-        chosen: kind -> the names of the providers that serve it, in the order they are asked.
+        chosen: memory -> kind -> the names of the rows that serve it, in the order they are asked.
+        ran: the name of the row that took the group's latest operation ("-": none yet).
     """
 
     def __init__(
@@ -195,33 +300,36 @@ class ProviderTable:
         self._arena = arena
         self._key = group_key
         ranks = tuple(state.ranks)
-        self._ranks = ranks
-        self._me = state.index
-        self.layout: HostLayout | None = host_layout(ranks, ranks[state.index], hosts)
-        self._routed = RoutedProvider(links, ranks, self._me, self.layout, f"{state.gid}/host")
-        self._staged = StagedProvider(ranks, self._me, links.rank, group_key, state.gid, self.run_within)
-        self._ipc = IpcProvider(ranks, self._me, links.rank, group_key, state.gid, self.run_within)
-        self._driver = DriverProvider(ranks, self._me)
-        self._by_kind: dict[str, tuple[Provider, ...]] = {}
-        self._any: tuple[Provider, ...] = ()
+        me, rank, gid = state.index, links.rank, state.gid
+        self.layout: HostLayout | None = host_layout(ranks, ranks[me], hosts)
+        self._routed = RoutedProvider(links, ranks, me, self.layout, f"{gid}/host")
+        # the rows other than the arena, which may be dropped (``select``)
+        self._rows: tuple[Provider, ...] = (
+            self._routed,
+            DriverProvider(ranks, me),
+            P2PProvider(ranks, gid),
+            ObjectProvider(ranks, me, gid, self._run_part),
+            IpcProvider(ranks, me, rank, group_key, gid, self._run_part),
+            StagedProvider(ranks, me, rank, group_key, gid, self._run_part),
+        )
+        self._by: dict[str, dict[str, tuple[Provider, ...]]] = {}
         self._links_seen = -1
-        self._retired: list[Any] = []
-        self.chosen: dict[str, list[str]] = {}
+        self._retired: list[Provider] = []
+        self.chosen: dict[str, dict[str, list[str]]] = {}
+        self.ran = "-"
         self.select()
 
     # -- selection ---------------------------------------------------------------------------
     def select(self) -> None:
-        """Choose the providers for every kind (once per group, and again when links change)."""
+        """Choose the rows for every memory and kind (once per group, and again when links change)."""
         self._links_seen = self._links.links_version
         if self._arena is not None and not self._arena.usable(self._links):
             log.debug("group %r: arena dropped: a member is now linked by another kind", self._state.gid)
             self._retired.append(self._arena)  # closed with the table (its operations failed)
             self._arena = None
-        self._by_kind, self._any = select_providers(
-            self._state.gid, (self._arena, self._routed, self._driver)
-        )
-        self.chosen = {kind: [p.name for p in ps] for kind, ps in self._by_kind.items()}
-        self.chosen["*"] = [p.name for p in self._any]
+        rows = self._rows if self._arena is None else (self._arena, *self._rows)
+        self._by = select_providers(self._state.gid, rows)
+        self.chosen = {m: {k: [p.name for p in ps] for k, ps in by.items()} for m, by in self._by.items()}
 
     @property
     def arena(self) -> Any:
@@ -229,60 +337,33 @@ class ProviderTable:
         return None if self._arena is None else self._arena.group
 
     # -- running -----------------------------------------------------------------------------
-    def submit(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int,
-        op: ReduceOp,
-        timeout: float | None,
-    ) -> Any:
-        """Run the operation (the fields of Provider.prepare) on the first provider that takes
-        it; returns its Work."""
+    def submit(self, op: Operation) -> Any:
+        """Run ``op`` on the first row that takes it; returns its Work."""
         if self._links_seen != self._links.links_version:
             self.select()
-        for a in send:  # (inline, not has_device_arrays: this runs on every collective)
-            if isinstance(a, DeviceSpan):
-                return self._submit_staged(kind, meta, send, recv, workings, result, root, op, timeout)
-        if recv is not send:  # (an in-place operation hands one tuple for both)
-            for a in recv:
-                if isinstance(a, DeviceSpan):
-                    return self._submit_staged(kind, meta, send, recv, workings, result, root, op, timeout)
-        for provider in self._by_kind.get(kind, self._any):
-            run = provider.prepare(kind, meta, send, recv, workings, result, root, op)
-            if run is None:
+        for provider in self._by[op.memory].get(op.kind, ()):
+            start = provider.prepare(op)
+            if start is None:
                 continue
-            if provider.eager:
-                return self._engine.submit_eager(self._state, kind, run, timeout=timeout, signature=meta)
-            return self._engine.submit(self._state, kind, run, timeout=timeout, signature=meta)
-        raise AssertionError(f"no provider took {kind}")  # the driver takes every kind
+            self.ran = provider.name
+            return self._engine.submit_eager(
+                self._state,
+                op.kind,
+                start,
+                timeout=op.timeout,
+                p2p_tag=op.tag,
+                peers=op.peers,
+                signature=op.meta,
+            )
+        raise DistError(
+            f"{op.kind}: no provider of group {self._state.label!r} runs it on {op.memory} memory"
+        )
 
-    def _submit_staged(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int,
-        op: ReduceOp,
-        timeout: float | None,
-    ) -> Any:
-        # signature None: staged chunks check each chunk's signature themselves
-        body = self._ipc.prepare(kind, meta, send, recv, workings, result, root, op)
-        if body is None:
-            body = self._staged.prepare(kind, meta, send, recv, workings, result, root, op)
-        assert body is not None  # staging takes every kind
-        return self._engine.submit(self._state, kind, body, timeout=timeout)
-
-    async def run_within(self, spec: CollectiveSpec, transport: Any, tag: Tag, meta: dict[str, Any]) -> None:
-        """Run ``spec`` as a part of an operation already running (object collectives, a group's
-        formation): over the links, by the group's route."""
+    async def _run_part(
+        self, spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any]
+    ) -> None:
+        """Run ``spec`` as a step of an operation already running (a staged chunk, an object
+        operation's step, a group's formation): over the links, by the group's route."""
         await run_routed(spec, transport, tag, meta, self.layout)
 
     # -- groups ------------------------------------------------------------------------------
@@ -291,9 +372,9 @@ class ProviderTable:
         return Forming(self, members)
 
     def close(self) -> None:
-        for provider in (self._arena, *self._retired, self._routed, self._ipc, self._staged, self._driver):
-            if provider is not None:
-                provider.close()
+        arena = () if self._arena is None else (self._arena,)
+        for provider in (*arena, *self._retired, *self._rows):
+            provider.close()
 
 
 class Forming:
@@ -318,29 +399,32 @@ class Forming:
         self._arena.release()
 
 
-def select_providers(
-    gid: str, candidates: Sequence[Provider | None]
-) -> tuple[dict[str, tuple[Provider, ...]], tuple[Provider, ...]]:
-    """The one selection: for every kind, the providers that serve it, most specific first
-    (``candidates`` in that order; None: not available for this group); the last, which serves
-    every kind ("*"), ends every list. Logs at DEBUG what was chosen and why."""
-    available = [p for p in candidates if p is not None]
-    named = sorted({k for p in available for k in p.kinds if k != "*"})
-    fallback = tuple(p for p in available if "*" in p.kinds)
-    by_kind = {kind: tuple(p for p in available if kind in p.kinds) + fallback for kind in named}
+def select_providers(gid: str, rows: Sequence[Provider]) -> dict[str, dict[str, tuple[Provider, ...]]]:
+    """The one selection: for every memory and kind, the rows that serve it, highest priority
+    first (rows of one priority in the order given). Logs at DEBUG what was chosen and why."""
+    ordered = sorted(rows, key=lambda p: -p.priority)  # (sorted is stable)
+    by: dict[str, dict[str, tuple[Provider, ...]]] = {HOST: {}, DEVICE: {}}
+    for memory, table in by.items():
+        serving = [p for p in ordered if memory in p.memory]
+        for kind in sorted({k for p in serving for k in p.kinds}):
+            table[kind] = tuple(p for p in serving if kind in p.kinds)
     if log.isEnabledFor(logging.DEBUG):
-        for p in candidates:
-            if p is None:
-                continue
-            why = getattr(p, "why", "")
-            log.debug("group %r: provider %s serves %s: %s", gid, p.name, sorted(p.kinds), why)
+        for p in ordered:
+            log.debug(
+                "group %r: provider %s (%s memory, priority %d) serves %s: %s",
+                gid,
+                p.name,
+                "/".join(sorted(p.memory)),
+                p.priority,
+                sorted(p.kinds),
+                p.why,
+            )
         log.debug(
-            "group %r: providers by kind: %s; others: %s",
+            "group %r: providers by memory and kind: %s",
             gid,
-            {k: [p.name for p in ps] for k, ps in by_kind.items()},
-            [p.name for p in fallback],
+            {m: {k: [p.name for p in ps] for k, ps in t.items()} for m, t in by.items()},
         )
-    return by_kind, fallback
+    return by
 
 
 def world_table(

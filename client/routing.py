@@ -45,7 +45,8 @@ from aiocoll._reduce import finish_avg
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport, run_collective
 
-from ._operation import spec_of
+from ._op_record import OpTransport
+from ._operation import HOST, Operation, Starter, copying_back, spec_of
 from ._shm_arena import intra_host_group, region_offer, release_offer
 from ._shm_coll import ShmGroup
 from .transports._link import LinkTransport
@@ -277,7 +278,8 @@ class RoutedProvider:
     """
 
     name: ClassVar[str] = "routed"
-    eager: ClassVar[bool] = False
+    memory: ClassVar[frozenset[str]] = frozenset({HOST})
+    priority: ClassVar[int] = 20
 
     def __init__(
         self, links: LinkTransport, ranks: tuple[int, ...], me: int, layout: HostLayout | None, host_gid: str
@@ -301,38 +303,24 @@ class RoutedProvider:
     def _made(self, group: ShmGroup) -> None:
         self._arena = group  # closed with the provider
 
-    def prepare(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        root: int,
-        op: ReduceOp,
-    ) -> Callable[[Tag, Any], Any] | None:
-        """An engine body for the operation (see client/_operation.Provider), or None for a
-        reduce op the route cannot regroup."""
-        if op not in HIERARCHICAL_OPS or self._layout is None:
+    def prepare(self, op: Operation) -> Starter | None:
+        """The operation's starter (see client/_operation.Provider), or None for a reduce op the
+        route cannot regroup."""
+        if op.op not in HIERARCHICAL_OPS or self._layout is None:
             return None
-        spec = spec_of(kind, meta, send, recv, root, op, self._ranks, self._me)
-        layout, parts = self._layout, self._parts
-
+        spec = spec_of(op, self._ranks, self._me)
+        layout, parts, meta = self._layout, self._parts, op.meta
         in_order = self._in_order
 
-        async def body(tag: Tag, transport: Any) -> Any:
+        async def body(tag: Tag, transport: OpTransport) -> None:
             # One at a time, in call order: the host's arena group runs its parts in the order
             # they reach it, which must be the same on every member. Two operations in flight
             # would otherwise reach it in different orders (a leader still exchanging with the
             # other hosts for the first while a member starts the second's part): a mismatch.
             async with in_order:
                 await _hierarchical_all_reduce(spec, transport, tag, meta, layout, parts)
-            for w in workings:
-                w.finish()
-            return result
 
-        return body
+        return copying_back(op, body)
 
     def close(self) -> None:
         if self._arena is not None:

@@ -49,7 +49,7 @@ from aiocoll.device._staging import (
     staging_for,
 )
 
-__all__ = ["StagedOp", "has_device_arrays"]
+__all__ = ["RunPart", "StagedOp"]
 
 log = logging.getLogger("aiocoll.staging")
 
@@ -60,15 +60,6 @@ _SINGLE_ARRAY_KINDS = frozenset({"all_reduce", "broadcast", "reduce", "send", "r
 
 # How a staged chunk's host operation runs: (spec, transport, tag, meta), as run_collective.
 RunPart = Callable[[CollectiveSpec, Transport, tuple[Any, ...], dict[str, Any]], Awaitable[None]]
-
-
-def has_device_arrays(*groups: Sequence[Any]) -> bool:
-    """True when any array of the given lists is a DeviceSpan (the op must be staged)."""
-    for group in groups:  # loops, not any(<generator>): this runs on every collective
-        for a in group:
-            if isinstance(a, DeviceSpan):
-                return True
-    return False
 
 
 class StagedOp:
@@ -299,10 +290,12 @@ class StagedOp:
             return
         await self._run(bounds, move, what)
 
-    def chain(self, key: tuple[Any, ...], work: Any) -> None:
-        """Order this point-to-point operation (submitted as ``work``) after earlier staged ones
-        on ``key``; call at call time, right after submitting."""
-        self._chain = _Chain(key, work)
+    def chain(self, key: tuple[Any, ...]) -> Callable[[], None]:
+        """Order this point-to-point operation after earlier staged ones on ``key``; call when it
+        starts, in call order. Returns what lets the next one go: call it when the operation
+        ends, however it ends (even if its transfer never began)."""
+        self._chain = _Chain(key)
+        return self._chain.end
 
     async def send_to(
         self, transport: Transport, tag: tuple[Any, ...], peer: int, meta: dict[str, Any], what: str
@@ -350,18 +343,18 @@ def p2p_chunk_tag(tag: tuple[Any, ...], k: int) -> tuple[Any, ...]:
 class _Chain:
     """Staged point-to-point operations on one (direction, group, tag, peer) run one after
     another in call order, so the chunks of two messages never interleave on the wire. A link
-    ends when its operation's Work completes, however it completes (even if its body never ran)."""
+    ends when its transfer ends, or when its operation ends however it ends (``end``: even if its
+    transfer never began)."""
 
     tails: dict[tuple[Any, ...], asyncio.Future[None]] = {}
 
-    def __init__(self, key: tuple[Any, ...], work: Any) -> None:
+    def __init__(self, key: tuple[Any, ...]) -> None:
         self.key = key
         self.before = self.tails.get(key)
         self.mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.tails[key] = self.mine
-        work.add_done_callback(self._end)
 
-    def _end(self, _work: Any) -> None:
+    def end(self) -> None:
         if not self.mine.done():
             self.mine.set_result(None)
         if self.tails.get(self.key) is self.mine:
@@ -372,4 +365,4 @@ class _Chain:
             await asyncio.shield(self.before)
 
     async def __aexit__(self, *exc: object) -> None:
-        self._end(None)
+        self.end()

@@ -177,7 +177,10 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
     r, n = pg.rank, pg.size
     t = Tensors(provider)
     chosen = pg._providers.chosen
-    out: dict[str, Any] = {"served_by": chosen.get("all_reduce", chosen["*"])[0]}
+    out: dict[str, Any] = {
+        "served_by": chosen["host"]["all_reduce"][0],
+        "device_rows": chosen["device"]["all_reduce"],
+    }
     paths: set[str] = set()
     out["wrong"] = await _every_op_and_dtype(pg, t, paths)
     out["device_paths"] = sorted(paths)
@@ -271,7 +274,7 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
     g_left = await pg.new_group([k for k in range(n) if k not in gone_first])
     g_silent = await pg.new_group([k for k in range(n) if k not in gone_first | {left_victim}])
     out["loss_groups_served_by"] = [
-        g._providers.chosen.get("all_reduce", g._providers.chosen["*"])[0]
+        g._providers.chosen["host"]["all_reduce"][0]
         for g in (g_left, g_silent)
         if g is not None
     ]
@@ -347,6 +350,7 @@ def test_every_provider_conforms(provider: str) -> None:
         assert res.ok, res.error and res.error.traceback
         got = res.value
         assert got["served_by"] == expected[provider], got["served_by"]
+        assert got["device_rows"] == ["ipc", "staged"], got["device_rows"]  # the device rows, in order
         assert got["loss_groups_served_by"] == [expected[provider]] * (1 if rank == left else 2), got
         if provider in ("staged", "ipc"):
             assert provider in got["device_paths"], got["device_paths"]
