@@ -58,7 +58,7 @@ __all__ = [
 
 _E = TypeVar("_E", bound=BaseException)
 
-# The world group's id (aiocoll.api.WORLD_GID): short on the wire, "world" in messages.
+# The world group's id (aiocoll.client.bootstrap.WORLD_GID): short on the wire, "world" in messages.
 _WORLD_GID = "w"
 
 

@@ -45,7 +45,8 @@ from aiocoll._deadline import Deadline
 from aiocoll._env import env_int, env_text
 from aiocoll._errors import CollectiveTimeout, DistError, PeerLostError, RendezvousError, StoreTimeout
 from aiocoll._types import ReduceOp
-from aiocoll.api import ProcessGroup, _host_port, _init_with_coordinator
+from aiocoll.api import ProcessGroup
+from aiocoll.client.bootstrap import host_port, join_coordinator
 from aiocoll.client.session import CoordinatorSession
 from aiocoll.protocol._coordinator import ROLE_STORE
 
@@ -565,7 +566,7 @@ class Manager:
                 f"Manager: replace_timeout must be a number of seconds >= 0, got {replace_timeout!r}"
             )
         self.coordinator = coordinator or _default_coordinator()
-        self._host, self._port = _host_port(self.coordinator, "coordinator")
+        self._host, self._port = host_port(self.coordinator, "coordinator")
         self.replica = replica or _default_replica()
         if not isinstance(self.replica, str) or not 0 < len(self.replica) <= 256:
             raise ValueError(f"Manager: replica must be a name of 1..256 characters, got {self.replica!r}")
@@ -851,8 +852,8 @@ class Manager:
             forming = self.join_timeout if remaining is None else max(min(self.join_timeout, remaining), 0.1)
             size = self.replica_size
 
-            def make(rank: int, world: int, job: str) -> Any:
-                return _init_with_coordinator(
+            async def make(rank: int, world: int, job: str) -> ProcessGroup:
+                runtime = await join_coordinator(
                     self._host,
                     self._port,
                     rank,
@@ -861,8 +862,8 @@ class Manager:
                     self.timeout,
                     self._token,
                     job,
-                    start_one=False,  # the coordinator runs: never start one in its place
-                )
+                )  # (no embed: the coordinator runs, never start one in its place)
+                return ProcessGroup(runtime, runtime.world, owner=True)
 
             if size == 1:
                 self.group = self.quorum_group = await make(index, len(members), f"{self.job}/q{qid}")

@@ -88,7 +88,7 @@ class Joining:
         self,
         rank: int | None,
         world_size: int,
-        addrs: Sequence[tuple[str, int]],
+        addrs: Sequence[Sequence[Any]],
         host: str,
         timeout: float | datetime.timedelta | None = None,
     ) -> Membership:
@@ -262,7 +262,7 @@ class Joining:
         return rank
 
     @staticmethod
-    def _wire_addrs(addrs: Sequence[tuple[str, int]]) -> list[list[Any]]:
+    def _wire_addrs(addrs: Sequence[Sequence[Any]]) -> list[list[Any]]:
         wire = []
         for addr in addrs:
             if not (
