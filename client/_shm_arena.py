@@ -134,23 +134,26 @@ class ArenaProvider:
     def prepare(self, op: Operation) -> Starter | None:
         """The operation's starter (see client/_operation.Provider), or None for one the arenas
         do not take (an out-of-place all_reduce)."""
-        kind, send, recv = op.kind, op.send, op.recv
-        if kind == "all_reduce" and send[0] is not recv[0]:
+        kind = op.kind
+        if kind == "all_reduce" and op.send[0] is not op.recv[0]:
             return None
-        group, meta, rop, root = self.group, op.meta, op.op, op.root
+        group = self.group
 
         def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:  # (tag[2]: the seq)
+            meta = op.meta
             sig = _signature.pack(tag[2], meta)
             fin = finish_with_copy_back(op, finish)
             on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
+            recv = op.recv
             if kind == "all_reduce":
-                return group.all_reduce(recv[0], rop, _dtype_name(recv, meta), sig, fin, on_wait)
+                return group.all_reduce(recv[0], op.op, _dtype_name(recv, meta), sig, fin, on_wait)
             if kind == "broadcast":
-                return group.broadcast(recv[0], root, sig, fin, on_wait)
+                return group.broadcast(recv[0], op.root, sig, fin, on_wait)
             if kind == "all_gather":
-                return group.all_gather(recv, send[0], sig, fin, on_wait)
+                return group.all_gather(recv, op.send[0], sig, fin, on_wait)
             if kind == "reduce_scatter":
-                return group.reduce_scatter(recv[0], send, rop, _dtype_name(recv, meta), sig, fin, on_wait)
+                name = _dtype_name(recv, meta)
+                return group.reduce_scatter(recv[0], op.send, op.op, name, sig, fin, on_wait)
             return group.barrier(sig, fin, on_wait)
 
         return start

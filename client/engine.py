@@ -80,7 +80,6 @@ _MAX_STUCK_REPORTS = 64
 _MISMATCH_LINGER = 1.0
 
 
-
 class Engine:
     """Runs operations over one transport for every group of this process.
 
@@ -249,8 +248,6 @@ class Engine:
             if op.lane is _FINISHED:
                 return
             op.lane = _FINISHED
-            if exc is not None and type(exc) is asyncio.CancelledError:  # its task, from outside
-                exc = DistError(f"{op.describe()} was cancelled: the process group is closing")
             if op.future is None:  # inside ``start``: kept for the straight path below
                 op.result = result
                 op.abort_exc = exc
@@ -431,6 +428,8 @@ class Engine:
             if not fut.done():
                 fut.set_result(result)
             return
+        if type(exc) is asyncio.CancelledError:  # its task, cancelled from outside the engine
+            exc = DistError(f"{op.describe()} was cancelled: the process group is closing")
         if isinstance(exc, MismatchError):
             if op.seq < 0:
                 # A point-to-point message of the wrong dtype or size was consumed whole: the
