@@ -175,21 +175,25 @@ class _TaskRunner:
 
 def as_starter(body: Body) -> Starter:
     """The starter of an operation that runs as a task: ``await body(tag, transport)``, whose
-    return value (or error) finishes it. A cancelled task finishes it with CancelledError (the
-    engine says which operation; when the engine stopped it, that outcome is ignored)."""
+    return value (or error) finishes it from inside the task (no loop turn between the two).
+    A task cancelled from outside finishes it with CancelledError (the engine says which
+    operation; when the engine stopped it, that outcome is ignored)."""
 
     def start(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
-        task = asyncio.get_running_loop().create_task(body(tag, transport))
-
-        def ended(t: asyncio.Task[Any]) -> None:
-            if t.cancelled():
+        async def run() -> None:
+            try:
+                result = await body(tag, transport)
+            except asyncio.CancelledError:
                 finish(None, asyncio.CancelledError())
-                return
-            exc = t.exception()
-            finish(None if exc is not None else t.result(), exc)
+                raise
+            except BaseException as exc:
+                finish(None, exc)
+                if not isinstance(exc, Exception):
+                    raise
+            else:
+                finish(result, None)
 
-        task.add_done_callback(ended)
-        return _TaskRunner(task)
+        return _TaskRunner(asyncio.get_running_loop().create_task(run()))
 
     return start
 
