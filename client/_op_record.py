@@ -55,6 +55,7 @@ class GroupState:
         "gid",
         "index",
         "label",
+        "loop",
         "members",
         "next_seq",
         "notices",
@@ -69,6 +70,7 @@ class GroupState:
         self.ranks = tuple(ranks)
         self.members = frozenset(ranks)
         self.index = self.ranks.index(my_rank)
+        self.loop: asyncio.AbstractEventLoop | None = None  # its engine's (Engine.group)
         self.next_seq = 0
         self.pending: set[_Op] = set()
         self.broken: BaseException | None = None
@@ -164,6 +166,14 @@ class OpTransport(Transport):
     @property
     def inner(self) -> Transport:
         return self._inner
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop its engine runs on (a call of the blocking facade starts operations
+        from the caller's thread)."""
+        loop = self._op.group.loop
+        assert loop is not None  # every group is made by its engine
+        return loop
 
     async def send(self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> None:
         await _counting(self._op.outstanding_send, dst, self._inner.send(dst, tag, payload, meta))

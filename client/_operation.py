@@ -193,7 +193,7 @@ def as_starter(body: Body) -> Starter:
             else:
                 finish(result, None)
 
-        return _TaskRunner(asyncio.get_running_loop().create_task(run()))
+        return _TaskRunner(transport.loop.create_task(run()))
 
     return start
 

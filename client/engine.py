@@ -120,6 +120,7 @@ class Engine:
         if existing is not None:
             return existing
         group = GroupState(gid, ranks, self.rank)
+        group.loop = self._loop
         lost = self._lost_ranks() & group.members
         if lost:
             rank = min(lost)
