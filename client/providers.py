@@ -353,7 +353,8 @@ class ProviderTable:
                 timeout=op.timeout,
                 p2p_tag=op.tag,
                 peers=op.peers,
-                signature=op.meta,
+                # a message's meta is no signature (point-to-point has no sequence to agree on)
+                signature=op.meta if op.tag is None else None,
             )
         raise DistError(
             f"{op.kind}: no provider of group {self._state.label!r} runs it on {op.memory} memory"
