@@ -46,6 +46,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from aiocoll._errors import DistError, MismatchError
+from aiocoll._work import Work
 from aiocoll.algorithms import CollectiveSpec, Tag, Transport
 from aiocoll.algorithms._driver import start_collective
 from aiocoll.algorithms._plan import prepare
@@ -68,6 +69,7 @@ from ._operation import (
     spec_of,
 )
 from ._shm_arena import ArenaForming, ArenaProvider
+from ._shm_coll import ShmGroup
 from .engine import Engine, GroupState, OpTransport, Stoppable
 from .routing import HostLayout, RoutedProvider, host_layout, run_routed
 from .transports._link import LinkTransport
@@ -332,12 +334,12 @@ class ProviderTable:
         self.chosen = {m: {k: [p.name for p in ps] for k, ps in by.items()} for m, by in self._by.items()}
 
     @property
-    def arena(self) -> Any:
+    def arena(self) -> ShmGroup | None:
         """The group's shared-memory collectives (client._shm_coll.ShmGroup), or None."""
         return None if self._arena is None else self._arena.group
 
     # -- running -----------------------------------------------------------------------------
-    def submit(self, op: Operation) -> Any:
+    def submit(self, op: Operation) -> Work:
         """Run ``op`` on the first row that takes it; returns its Work."""
         if self._links_seen != self._links.links_version:
             self.select()
