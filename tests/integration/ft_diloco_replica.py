@@ -2,6 +2,8 @@
 
     python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY [MIN_REPLICAS [STEP_SECONDS]]
 
+SYNCS is a number, or a file's path: then the replica syncs until the file exists and holds the
+number (read before each step), so that a test can end the job once what it waits for happened.
 A linear model, plain SGD inside, SGD with Nesterov momentum outside; the data of inner step k
 of replica NAME is ``batch(NAME, k)``. After each sync it writes one JSON line: the sync's
 number, whether it committed, and the parameters' bytes (hex), so that the test can compare
@@ -42,6 +44,16 @@ def params_hex(model: torch.nn.Module) -> str:
     return b"".join(p.detach().numpy().tobytes() for p in model.parameters()).hex()
 
 
+def _syncs(given: str) -> int:
+    if given.isdigit():
+        return int(given)
+    try:
+        with open(given) as fh:
+            return int(fh.read())
+    except FileNotFoundError:
+        return 1 << 40
+
+
 def main() -> None:
     coordinator, name, out, syncs, every = sys.argv[1:6]
     least = int(sys.argv[6]) if len(sys.argv) > 6 else 2
@@ -52,7 +64,7 @@ def main() -> None:
     manager = aiocoll.ft.Manager(coordinator, replica=name, job="diloco", min_replicas=least, join_timeout=5)
     diloco = aiocoll.ft_torch.DiLoCo(manager, model, inner, outer, sync_every=int(every))
     with open(out, "a", buffering=1) as fh:
-        while manager.step < int(syncs):
+        while manager.step < _syncs(syncs):
             diloco.zero_grad()
             sync = manager.step
             loss_of(model, name, sync * diloco.sync_every + diloco.local_step).backward()

@@ -287,6 +287,12 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _written(path: Path) -> list[dict[str, Any]]:
+    """``_records`` of a file still being written: its last line only once it is whole."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+
 def _stop_after(until: Path, step: int) -> None:
     """Tell the ranks that read ``until`` to stop after ``step`` (written whole, at once)."""
     (until.parent / f"{until.name}.tmp").write_text(str(step))
@@ -817,32 +823,49 @@ def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals
 
     from aiocoll.testing.coordinator import CoordinatorProcess
 
-    syncs, every, token = 20, 4, "diloco-test-token"
+    every, token = 4, "diloco-test-token"
+    margin = 3  # syncs every replica makes after the restarted c healed
     coordinator = CoordinatorProcess(tmp_path / "coordinator.log", "--heartbeat-timeout", "5", token=token)
     env = {**os.environ, "AIOCOLL_TOKEN": token}
+    until = tmp_path / "until"  # the number of syncs, written once c's second process healed
 
     def start(name: str) -> subprocess.Popen[str]:
         command = [sys.executable, str(DILOCO), f"127.0.0.1:{coordinator.port}", name]
-        command += [str(tmp_path / f"{name}.jsonl"), str(syncs), str(every), "2", "0.25"]
+        command += [str(tmp_path / f"{name}.jsonl"), str(until), str(every), "2", "0.25"]
         log = open(tmp_path / f"{name}.log", "a")  # the child holds it
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
-    try:
-        procs = {name: start(name) for name in ("a", "b", "c")}
+    def wait_for(what: str, check: Any) -> None:
         deadline = time.monotonic() + 150
-        while len(_records(tmp_path / "c.jsonl")) < 3:
-            assert time.monotonic() < deadline, "c did not sync three times"
+        while not check():
+            assert time.monotonic() < deadline, what
             time.sleep(0.05)
-        # into the next cycle's inner steps; the 16 syncs left (about 16 s) leave the restarted
-        # process time to start and rejoin on a loaded machine
-        time.sleep(0.3)
+
+    procs: dict[str, subprocess.Popen[str]] = {}
+    try:
+        for name in ("a", "b", "c"):
+            procs[name] = start(name)
+        wait_for("c did not sync three times", lambda: len(_written(tmp_path / "c.jsonl")) >= 3)
+        time.sleep(0.3)  # into the next cycle's inner steps
         procs["c"].send_signal(signal.SIGKILL)
         procs["c"].wait(30)
         killed_at = time.monotonic()
         procs["c"] = start("c")
+        # The survivors sync on until c's second process, however late it started on a loaded
+        # machine, healed; then every replica makes `margin` more syncs and stops.
+        wait_for(
+            "the restarted c did not heal",
+            lambda: any(r["healed"] and r["t"] > killed_at for r in _written(tmp_path / "c.jsonl")),
+        )
+        syncs = max(r["sync"] for n in "abc" for r in _written(tmp_path / f"{n}.jsonl")) + 1 + margin
+        (tmp_path / "until.tmp").write_text(str(syncs))
+        (tmp_path / "until.tmp").replace(until)  # whole, or not there
         for p in procs.values():
             p.wait(180)
     finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
         coordinator.stop()
     logs = {n: (tmp_path / f"{n}.log").read_text()[-2000:] for n in ("a", "b", "c")}
     assert all(p.returncode == 0 for p in procs.values()), logs
