@@ -6,6 +6,7 @@ line each prints on success, so an example that silently skipped its work fails 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -20,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 torch_needed = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import torch"], capture_output=True).returncode != 0,
-    reason="torch is not installed (pip install 'aiocoll[torch]')",
+    importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install 'aiocoll[torch]')"
 )
 
 CASES = [
