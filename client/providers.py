@@ -39,6 +39,7 @@ A new provider (UCX, a GPU-direct link) is a class with ``name``, ``memory``, ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
@@ -51,7 +52,7 @@ from aiocoll.algorithms import CollectiveSpec, Tag, Transport
 from aiocoll.algorithms._driver import start_collective
 from aiocoll.algorithms._plan import prepare
 from aiocoll.device._ipc import IPC_KINDS, IPC_OPS, ipc_groups
-from aiocoll.device._staged_ops import RunPart, StagedOp
+from aiocoll.device._staged_ops import RunPart, StagedOp, p2p_chunk_tag
 
 from ._objects import ObjectProvider
 from ._operation import (
@@ -141,13 +142,63 @@ class P2PProvider:
         ranks, gid = self._ranks, self._gid
 
         async def recv(tag: Tag, transport: OpTransport) -> None:
-            got, sent = await transport.recv(source, tag, into)
+            try:
+                got, sent = await transport.recv(source, tag, into)
+            except MismatchError as exc:
+                if exc.ranks:
+                    await _refuse_staged_into_host(
+                        getattr(exc, "remote_meta", None) or {},
+                        exc.ranks[0],
+                        op,
+                        tag,
+                        transport,
+                        ranks,
+                        gid,
+                        exc,
+                    )
+                raise
+            # a host tensor the size of a device tensor's first chunk: the rest is still coming
+            await _refuse_staged_into_host(sent, got, op, tag, transport, ranks, gid, None)
             op.result = received(op, got, sent, ranks, gid)
 
         return copying_back(op, recv)
 
     def close(self) -> None:
         pass
+
+
+async def _refuse_staged_into_host(
+    sent: dict[str, Any],
+    src: int,
+    op: Operation,
+    tag: Tag,
+    transport: Transport,
+    ranks: tuple[int, ...],
+    gid: str,
+    exc: MismatchError | None,
+) -> None:
+    """A receive into a host tensor met the first chunk of a device tensor's message of several
+    chunks (its meta ``sent`` says so, from rank ``src``; ``exc``: the length mismatch, when the
+    chunk did not fit): take the other chunks off the wire, so that they do not stay behind for a
+    later receive on the tag, and raise an error that says what to do. Returns when the message
+    was something else."""
+    chunks, chunk_bytes, nbytes = (int(sent.get(k, 0) or 0) for k in ("chunks", "chunk_bytes", "nbytes"))
+    if chunks < 2:
+        return
+    with contextlib.suppress(DistError):  # a sender lost meanwhile: the refusal is still the news
+        for k in range(1, chunks):
+            size = max(0, min(chunk_bytes, nbytes - k * chunk_bytes))
+            await transport.recv(src, p2p_chunk_tag(tag, k), memoryview(bytearray(size)))
+    sender = ranks.index(src) if src in ranks else src
+    raise MismatchError(
+        f"recv (group {gid!r}, tag {op.tag}): rank {sender} sent a device tensor of {nbytes} bytes, "
+        f"staged in {chunks} chunks of {chunk_bytes} bytes, but this rank receives into a host tensor "
+        f"of {op.recv[0].nbytes} bytes: a host tensor receives a device tensor's message only when it "
+        f"fits in one staging chunk (AIOCOLL_STAGING_CHUNK_BYTES). Receive into a device tensor, or "
+        f"send a host copy (tensor.cpu())",
+        group=gid,
+        ranks=[src],
+    ) from exc
 
 
 def received(op: Operation, got: int, sent: dict[str, Any], ranks: tuple[int, ...], gid: str) -> int:
@@ -238,7 +289,11 @@ class StagedProvider:
         what = f"recv (group {gid!r}, tag {utag})"
 
         async def recv(tag: Tag, transport: OpTransport) -> None:
-            got, sent = await staged.recv_from(transport, tag, source, what)
+            try:
+                got, sent = await staged.recv_from(transport, tag, source, what)
+            except MismatchError as exc:
+                _refuse_host_into_staged(exc, op, staged, ranks, gid)
+                raise
             op.result = received(op, got, sent, ranks, gid)
 
         return _chained(staged, ("recv", *self._key, utag), copying_back(op, recv))
@@ -246,6 +301,29 @@ class StagedProvider:
     def close(self) -> None:
         if self._ipc:
             ipc_groups.forget(self._key)
+
+
+def _refuse_host_into_staged(
+    exc: MismatchError, op: Operation, staged: StagedOp, ranks: tuple[int, ...], gid: str
+) -> None:
+    """A receive into a device tensor of several chunks met one message from a host tensor (its
+    meta says no chunks): raise an error that says what to do. Returns (for the caller to raise
+    ``exc``) when the message was something else."""
+    sent = getattr(exc, "remote_meta", None)
+    itemsize = op.recv[0].itemsize
+    if sent is None or "chunks" in sent or op.recv[0].size <= staged.chunk_elems or not exc.ranks:
+        return
+    src = exc.ranks[0]
+    sender = ranks.index(src) if src in ranks else src
+    raise MismatchError(
+        f"recv (group {gid!r}, tag {op.tag}): rank {sender} sent a host tensor's message in one piece, "
+        f"but this rank receives into a device tensor of {op.recv[0].size * itemsize} bytes, staged in "
+        f"chunks of {staged.chunk_elems * itemsize} bytes: a device tensor receives a host tensor's "
+        f"message only when it fits in one staging chunk (AIOCOLL_STAGING_CHUNK_BYTES). Send from a "
+        f"device tensor, or receive into a host tensor and copy it to the device",
+        group=gid,
+        ranks=[src],
+    ) from exc
 
 
 def _chained(staged: StagedOp, key: tuple[Any, ...], run: Starter) -> Starter:

@@ -300,13 +300,24 @@ class StagedOp:
     async def send_to(
         self, transport: Transport, tag: tuple[Any, ...], peer: int, meta: dict[str, Any], what: str
     ) -> None:
-        """Send the one tensor to ``peer``, one message per chunk."""
+        """Send the one tensor to ``peer``, one message per chunk. A message of several chunks
+        says so in its meta (``chunks``, ``chunk_bytes``, ``nbytes``), so that a receiver with a
+        host tensor can tell why the first chunk does not fit, and take the rest off the wire."""
+        bounds = self._bounds(self.send[0].size)
+        if len(bounds) > 1:
+            itemsize = self.send[0].itemsize
+            meta = {
+                **meta,
+                "chunks": len(bounds),
+                "chunk_bytes": self.chunk_elems * itemsize,
+                "nbytes": self.send[0].size * itemsize,
+            }
 
         async def move(k: int, send: tuple[np.ndarray, ...], recv: tuple[np.ndarray, ...]) -> None:
             await transport.send(peer, p2p_chunk_tag(tag, k), send[0].reshape(-1).view(np.uint8).data, meta)
 
         async with self._chain:
-            await self._run(self._bounds(self.send[0].size), move, what)
+            await self._run(bounds, move, what)
 
     async def recv_from(
         self, transport: Transport, tag: tuple[Any, ...], peer: int | None, what: str

@@ -123,6 +123,34 @@ async def worker(pg: Any) -> dict[str, Any]:
         srcs = await asyncio.gather(pg.recv(a, None, tag=5), pg.recv(b, 0, tag=5))
         out["p2p"] = (srcs, a.snapshot(), b.snapshot())
 
+    # A device tensor of several chunks sent into a host tensor (one of its first chunk's size
+    # too), and a host tensor larger than a chunk sent into a device tensor: each refused on the
+    # receiver, saying what to do; the tag's stream stays usable (the refused chunks were taken
+    # off the wire: a device message after them on the same tag arrives whole).
+    if r == 0:
+        await pg.send(d.tensor(np.arange(500, dtype=np.float32)), 1, tag=6)
+        await pg.send(d.tensor(np.arange(500, dtype=np.float32)), 1, tag=6)
+        await pg.send(np.arange(300, dtype=np.float32), 1, tag=7)
+        await pg.send(d.tensor(np.full(500, 7, np.float32)), 1, tag=6)
+    elif r == 1:
+        from aiocoll import MismatchError
+
+        refused: list[str | None] = []
+        first_chunk = CHUNK // 4  # float32 elements of one staged chunk
+        for buf, tag in (
+            (np.zeros(500, np.float32), 6),
+            (np.zeros(first_chunk, np.float32), 6),
+            (d.empty(300, np.float32), 7),
+        ):
+            try:
+                await pg.recv(buf, 0, tag=tag)
+                refused.append(None)
+            except MismatchError as exc:
+                refused.append(str(exc))
+        after = d.empty(500, np.float32)
+        await pg.recv(after, 0, tag=6)
+        out["refused"] = (refused, after.snapshot())
+
     # a host tensor on one rank, device tensors on the others: fine within one chunk
     small = np.full(8, r + 1, np.float32) if r == 2 else d.tensor(np.full(8, r + 1, np.float32))
     await pg.all_reduce(small)
@@ -252,6 +280,20 @@ def test_point_to_point_in_chunks_keeps_message_order(results: list[dict[str, An
     assert srcs == [0, 0]
     np.testing.assert_array_equal(a, np.arange(500, dtype=np.float32))
     np.testing.assert_array_equal(b, -np.arange(500, dtype=np.float32))
+
+
+def test_a_message_of_several_chunks_between_a_host_and_a_device_tensor_is_refused_saying_what_to_do(
+    results: list[dict[str, Any]],
+) -> None:
+    refused, after = results[1]["refused"]
+    for msg in refused[:2]:
+        assert msg is not None and "rank 0 sent a device tensor of 2000 bytes" in msg, refused
+        assert "receives into a host tensor" in msg and "tensor.cpu()" in msg, msg
+    assert refused[2] is not None and "rank 0 sent a host tensor's message in one piece" in refused[2], (
+        refused
+    )
+    assert "Send from a device tensor, or receive into a host tensor" in refused[2], refused
+    np.testing.assert_array_equal(after, np.full(500, 7, np.float32))
 
 
 def test_pinned_buffers_stay_within_the_pool(results: list[dict[str, Any]]) -> None:
