@@ -10,7 +10,7 @@ and the engine import it, so none imports another for these names.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, ClassVar, Protocol
 
 from aiocoll._types import ReduceOp
@@ -22,6 +22,7 @@ from ._op_record import OpTransport, Stoppable
 __all__ = [
     "COLLECTIVE_KINDS",
     "DEVICE",
+    "HANDED_OFF",
     "HOST",
     "OBJECT_KINDS",
     "P2P_KINDS",
@@ -31,6 +32,7 @@ __all__ = [
     "Provider",
     "Starter",
     "as_starter",
+    "awaiting",
     "copying_back",
     "finish_with_copy_back",
     "spec_of",
@@ -171,6 +173,27 @@ class _TaskRunner:
 
     def stop(self) -> None:
         self._task.cancel()
+
+
+class _HandedOff:
+    """The runner of an operation that finished inside its starter: nothing to stop."""
+
+    __slots__ = ()
+
+    def stop(self) -> None:
+        return None
+
+
+HANDED_OFF: Stoppable = _HandedOff()
+
+
+def awaiting(rest: Awaitable[Any]) -> Body:
+    """The body of an operation whose remaining work is ``rest`` (begun already)."""
+
+    async def body(tag: Tag, transport: OpTransport) -> Any:
+        return await rest
+
+    return body
 
 
 def as_starter(body: Body) -> Starter:

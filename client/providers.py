@@ -58,6 +58,7 @@ from ._objects import ObjectProvider
 from ._operation import (
     COLLECTIVE_KINDS,
     DEVICE,
+    HANDED_OFF,
     HOST,
     P2P_KINDS,
     Finish,
@@ -65,6 +66,7 @@ from ._operation import (
     Provider,
     Starter,
     as_starter,
+    awaiting,
     copying_back,
     finish_with_copy_back,
     spec_of,
@@ -133,10 +135,16 @@ class P2PProvider:
             peer = op.peers[0]
             payload = _bytes_of(op.send[0])
 
-            async def send(tag: Tag, transport: OpTransport) -> None:
-                await transport.send(peer, tag, payload, meta)
+            def send(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+                # A send completes once handed off: a small one usually is, inside this call
+                # (its Work is born complete); the rest of a larger one runs as a task.
+                rest = transport.send_nowait(peer, tag, payload, meta)
+                if rest is None:
+                    finish(None, None)
+                    return HANDED_OFF
+                return as_starter(awaiting(rest))(tag, transport, finish)
 
-            return as_starter(send)
+            return send
         source = op.peers[0] if op.peers else None
         into = _bytes_of(op.recv[0])
         ranks, gid = self._ranks, self._gid
