@@ -228,6 +228,11 @@ class Matcher:
             into[:] = early.payload
         return early.src, early.meta
 
+    def holds(self, src: int, tag: Tag) -> bool:
+        """Whether a message ``tag`` from ``src`` arrived before its receive and waits for it."""
+        queue = self._inbox.get(tag)
+        return queue is not None and any(early.src == src for early in queue)
+
     def take_early(self, src: int | None, tag: Tag, want: int) -> Early | None:
         """Take a message that arrived before its receive, leaving its payload where it is.
 

@@ -224,6 +224,9 @@ class OpTransport(Transport):
         for rank in ranks:
             pending[rank] = 1
 
+    def holds(self, src: int, tag: Tag) -> bool:
+        return self._inner.holds(src, tag)
+
     def retire(self, tag_prefix: Tag) -> None:
         self._inner.retire(tag_prefix)
 

@@ -334,9 +334,9 @@ class Engine:
             tag: Tag = ("c", group.gid, seq)
         else:
             seq = -1
-            if group.broken is not None:
-                self._check_usable(group, kind, seq, peers)
             tag = ("p", group.gid, p2p_tag)
+            if group.broken is not None:
+                self._check_usable(group, kind, seq, peers, tag)
         if straight and not group.notices:
             op = _Op(group, kind, seq, tag, None, signature)
             op.timeout = timeout
@@ -376,12 +376,17 @@ class Engine:
                 self._arm(deadline)
         return op
 
-    def _check_usable(self, group: GroupState, kind: str, seq: int, peers: Iterable[int] = ()) -> None:
+    def _check_usable(
+        self, group: GroupState, kind: str, seq: int, peers: Iterable[int] = (), tag: Tag = ()
+    ) -> None:
         cause = group.broken
         if cause is None or (seq >= 0 and seq < group.broken_seq):
             return
-        if seq < 0 and isinstance(cause, PeerLostError) and cause.left and cause.rank not in peers:
-            return  # point-to-point with the remaining members goes on (see _fail_pending)
+        if seq < 0 and isinstance(cause, PeerLostError) and cause.left:
+            if cause.rank not in peers:
+                return  # point-to-point with the remaining members goes on (see _fail_pending)
+            if kind == "recv" and self.transport.holds(cause.rank, tag):
+                return  # what it sent before it left stays receivable
         where = f"{kind} (group {group.label!r}" + (f", seq {seq})" if seq >= 0 else ")")
         if isinstance(cause, PeerLostError):
             raise chain(

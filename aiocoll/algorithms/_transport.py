@@ -123,6 +123,11 @@ class Transport(ABC):
         Used when an operation fails, so late messages for it do not pile up.
         """
 
+    def holds(self, src: int, tag: Tag) -> bool:
+        """Whether a message ``tag`` from ``src`` arrived and waits for its receive (a message
+        sent before its sender left stays receivable). This default: False."""
+        return False
+
     @abstractmethod
     def retire(self, tag_prefix: Tag) -> None:
         """Mark an operation that completed successfully: a message under ``tag_prefix`` still

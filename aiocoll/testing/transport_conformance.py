@@ -384,6 +384,25 @@ class TransportConformance:
         assert (await _recv(world[0], 1, ("alive",), 2))[2] == b"ok"
         assert seen == [(2, True)]
 
+    @pytest.mark.timeout(60)
+    async def test_a_message_sent_before_its_sender_closed_is_held_and_still_received(
+        self, make_world: MakeWorld
+    ) -> None:
+        # The engine lets a receive from a rank that left through when the transport holds a
+        # message of it (``holds``): what it sent before it left is received, nothing else.
+        world = await make_world(2)
+        await world[1].send(0, ("before",), memoryview(b"sent"), _META)
+        await _eventually(lambda: world[0].holds(1, ("before",)), "rank 0 holds rank 1's message")
+        assert not world[0].holds(1, ("other",)) and not world[0].holds(0, ("before",))
+        await asyncio.wait_for(world[1].aclose(), _LIMIT)
+        await _eventually(lambda: 1 in world[0].lost_peers, "rank 0 sees that rank 1 closed")
+        assert world[0].holds(1, ("before",))
+        assert (await _recv(world[0], 1, ("before",), 4))[2] == b"sent"
+        assert not world[0].holds(1, ("before",))
+        with pytest.raises(PeerLostError) as later:
+            await _recv(world[0], 1, ("before",), 4)
+        assert later.value.left is True
+
     # -- every link kind is a Link, and declares what the transport calls ------------------------
     @pytest.mark.timeout(60)
     async def test_every_peer_has_one_link_that_implements_the_link_interface(

@@ -498,6 +498,9 @@ class LinkTransport(Transport):
     def discard(self, tag_prefix: Tag) -> None:
         self.matcher.discard(tag_prefix)
 
+    def holds(self, src: int, tag: Tag) -> bool:
+        return self.matcher.holds(src, tag)
+
     def retire(self, tag_prefix: Tag) -> None:
         self.matcher.retire(tag_prefix)
 

@@ -1,7 +1,7 @@
 """A rank that runs out of data leaves in order while the others still wait for it, under the
 launcher, through aiocoll.sync, on the links a plain ``aiocoll run`` picks on one host (shared
 memory: the arena runs the collectives); and torch's new_subgroups shape, whose groups are closed
-while other groups still work.
+while other groups still work; and a message sent before its sender left, received after.
 
 The uneven script: rank 0 runs three all_reduces, rank 1 one, then destroys its process group and
 exits 0. Rank 0's second all_reduce must fail within a second with a PeerLostError that says rank
@@ -10,13 +10,18 @@ exits 0. Rank 0's second all_reduce must fail within a second with a PeerLostErr
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+
+from aiocoll.testing.world import outcome, run_world
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -90,3 +95,28 @@ def test_torch_new_subgroups_closed_in_turn_leave_the_world_usable(tmp_path: Pat
     log = _launch(SUBGROUPS, 4, tmp_path)
     for rank in range(4):
         assert f"subgroups: rank {rank} ok" in log, log[-4000:]
+
+
+async def _sent_then_left(pg: Any) -> dict[str, Any] | None:
+    """Rank 1 sends, then closes its process group; rank 0 receives only after the farewell came."""
+    if pg.rank == 1:
+        await pg.send(np.full(4, 7, np.float32), dst=0)
+        await pg.destroy()
+        return None
+    await asyncio.sleep(1.0)  # rank 1's message, its farewell and its links' goodbye arrive meanwhile
+    got = np.zeros(4, np.float32)
+    first = await outcome(lambda: pg.recv(got, src=1, timeout=30))
+    second = await outcome(lambda: pg.recv(np.zeros(4, np.float32), src=1, timeout=30))
+    return {"first": first, "got": got.tolist(), "second": second}
+
+
+@pytest.mark.parametrize("links", ["tcp", "shm"])
+def test_a_message_sent_before_its_sender_left_is_still_received(links: str) -> None:
+    results = run_world(_sent_then_left, 2, timeout=60, env={"AIOCOLL_TRANSPORT": links})
+    assert results[1].ok, results[1].error
+    assert results[0].ok, results[0].error and results[0].error.traceback
+    out = results[0].value
+    assert out["first"]["error"] is None and out["got"] == [7.0] * 4, out
+    second = out["second"]
+    assert second["error"] == "PeerLostError" and second["rank"] == 1 and second["left"] is True, second
+    assert second["elapsed"] < 1.0, second
