@@ -188,6 +188,9 @@ class OpTransport(Transport):
             return None
         return _counting(self._op.outstanding_send, dst, rest)
 
+    def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
+        return self._inner.recv_now(src, tag, into)
+
     async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
         return await _counting(self._op.outstanding_recv, src, self._inner.recv(src, tag, into))
 

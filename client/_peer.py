@@ -210,6 +210,7 @@ class PeerLink:
         self._writing = False
         self._reading = False
         self._lowat = 1
+        self._frames_in = 0  # frames completed so far (read_now tells whether one came)
         self.closed = False
         self.close_reason = ""
 
@@ -254,6 +255,12 @@ class PeerLink:
             elif clock() > deadline:
                 return
 
+    def read_now(self) -> bool:
+        """Read what the socket holds now, as the loop's reader does; True when a frame came."""
+        before = self._frames_in
+        self._read_some()
+        return self._frames_in != before
+
     def _read_some(self) -> None:
         decoder = self._decoder
         recv_into = self.sock.recv_into
@@ -279,6 +286,7 @@ class PeerLink:
                 self.close(f"protocol error: {exc}", lost=True)
                 return
             if frames:
+                self._frames_in += len(frames)
                 self._on_frames(self, frames)
             if n < len(target) and not decoder.mid_frame:
                 # Drained between frames: skip the read that would only say EAGAIN. (Inside a

@@ -61,6 +61,7 @@ from ._operation import (
     HANDED_OFF,
     HOST,
     P2P_KINDS,
+    Body,
     Finish,
     Operation,
     Provider,
@@ -117,7 +118,12 @@ class DriverProvider:
 
 class P2PProvider:
     """Point-to-point over the links: a send is handed to the link; a receive checks that the
-    message is of the receiving tensor's dtype and completes with the sender's group rank."""
+    message is of the receiving tensor's dtype and completes with the sender's group rank.
+
+    Both take the straight path when they can (Engine.submit_eager: a Work born complete, no
+    task): a send whose payload the link took at once, a receive whose message is here or
+    arrives within the transport's short in-place wait (Transport.recv_now). The rest run as a
+    task that awaits the link."""
 
     name: ClassVar[str] = "p2p"
     memory: ClassVar[frozenset[str]] = frozenset({HOST})
@@ -149,7 +155,7 @@ class P2PProvider:
         into = _bytes_of(op.recv[0])
         ranks, gid = self._ranks, self._gid
 
-        async def recv(tag: Tag, transport: OpTransport) -> None:
+        async def wait(tag: Tag, transport: OpTransport) -> None:
             try:
                 got, sent = await transport.recv(source, tag, into)
             except MismatchError as exc:
@@ -169,7 +175,28 @@ class P2PProvider:
             await _refuse_staged_into_host(sent, got, op, tag, transport, ranks, gid, None)
             op.result = received(op, got, sent, ranks, gid)
 
-        return copying_back(op, recv)
+        waiting = copying_back(op, wait)
+
+        def recv(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+            try:
+                here = transport.recv_now(source, tag, into)
+            except MismatchError as exc:
+                if not exc.ranks:
+                    raise
+                remote = getattr(exc, "remote_meta", None) or {}
+                return copying_back(op, _refusal(remote, exc.ranks[0], op, ranks, gid, exc))(
+                    tag, transport, finish
+                )
+            if here is None:
+                return waiting(tag, transport, finish)
+            got, sent = here
+            if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
+                return copying_back(op, _refusal(sent, got, op, ranks, gid, None))(tag, transport, finish)
+            op.result = received(op, got, sent, ranks, gid)
+            finish_with_copy_back(op, finish)(None, None)
+            return HANDED_OFF
+
+        return recv
 
     def close(self) -> None:
         pass
@@ -207,6 +234,27 @@ async def _refuse_staged_into_host(
         group=gid,
         ranks=[src],
     ) from exc
+
+
+def _refusal(
+    sent: dict[str, Any],
+    src: int,
+    op: Operation,
+    ranks: tuple[int, ...],
+    gid: str,
+    exc: MismatchError | None,
+) -> Body:
+    """A receive taken on the straight path that met a device tensor's staged message (or a
+    length mismatch ``exc``): the refusal, which takes the rest off the wire, runs as a task
+    (``copying_back``: a message of one chunk after all is received as usual)."""
+
+    async def refuse(tag: Tag, transport: OpTransport) -> None:
+        await _refuse_staged_into_host(sent, src, op, tag, transport, ranks, gid, exc)
+        if exc is not None:
+            raise exc
+        op.result = received(op, src, sent, ranks, gid)  # (one chunk: nothing to refuse)
+
+    return refuse
 
 
 def received(op: Operation, got: int, sent: dict[str, Any], ranks: tuple[int, ...], gid: str) -> int:

@@ -95,6 +95,16 @@ class Transport(ABC):
         got, meta = await self.recv(src, tag, into)
         return got, meta, into
 
+    def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
+        """A receive that completes inside its call, when it can: what ``recv`` returns if the
+        message is here (or comes within a short in-place wait the transport chooses), else None
+        with nothing posted. This default never can.
+
+        Raises:
+            MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
+        """
+        return None
+
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         """Post a receive like ``recv`` whose outcome is handed to ``callback`` on the loop
         instead of being awaited (small operations run without a task of their own this way).

@@ -1,9 +1,10 @@
 """Per-peer links behind one interface, and the one process-level transport they plug into.
 
 Imports only foundations (aiocoll._errors, aiocoll._deadline, aiocoll._matching,
-aiocoll.algorithms._transport); never the public surface. A link kind is a plug-in: adding one
-(as shm was added beside tcp) means writing a ``Link`` subclass and its connector (see _factory.py),
-nothing else; the engine, the driver and the matcher never learn which kind carries a message.
+aiocoll.algorithms._transport) and the wait policy (client/_waiting.py); never the public
+surface. A link kind is a plug-in: adding one (as shm was added beside tcp) means writing a
+``Link`` subclass and its connector (see _factory.py), nothing else; the engine, the driver and
+the matcher never learn which kind carries a message.
 
 The interface, both directions:
 
@@ -59,6 +60,8 @@ from aiocoll.algorithms._transport import (
     Transport,
 )
 
+from .._waiting import SpinBudget, spin
+
 __all__ = ["Link", "LinkHost", "LinkTransport", "as_bytes_view"]
 
 log = logging.getLogger("aiocoll.client.links")
@@ -71,6 +74,9 @@ _EMPTY = memoryview(b"")
 _POLL_S = 200e-6
 _POLL_MISSES = 4
 _POLL_OFF_S = 0.05
+# A receive that can complete inside its call (recv_now) reads its peer's link in place for up to
+# this long (the wait policy's spin, client/_waiting.py) before it waits in the event loop.
+_STRAIGHT_SPIN_S = 50e-6
 
 
 def as_bytes_view(buf: memoryview) -> memoryview:
@@ -108,6 +114,13 @@ class Link(ABC):
         Raises:
             PeerLostError: the link is closed.
         """
+
+    def read_now(self) -> bool:
+        """Take in what the peer sent so far, here and now, as the event loop's reader would
+        (its frames are dispatched to the matcher the same way); True when a frame came. A
+        receive that expects a reply within microseconds polls with this instead of letting the
+        loop sleep (LinkTransport.recv_now). Links without such a read return False."""
+        return False
 
     @abstractmethod
     def pause_reading(self) -> None:
@@ -201,6 +214,7 @@ class LinkTransport(Transport):
         self._poll_misses = 0
         self._poll_off_until = 0.0
         self.polled_arrivals = 0  # receives done while the loop was kept polling (diagnostics)
+        self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
         if rank is not None and world_size is not None:
             self.assign(rank, world_size)
 
@@ -417,6 +431,35 @@ class LinkTransport(Transport):
         except asyncio.CancelledError:
             self.matcher.unpost(posted)
             raise
+
+    def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
+        """A receive's straight path: the message when it is here already, or when ``src``'s link
+        (one of this host's, Link.poll_while_waiting) brings it within a short spin of in-place
+        reads; else None and nothing is posted (the caller then receives as usual). The spin
+        follows the wait policy: its budget shrinks while the peer keeps answering slower.
+
+        Raises:
+            MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
+        """
+        into = as_bytes_view(into)
+        matcher = self.matcher
+        got = matcher.take(src, tag, into)
+        if got is not None or src is None:
+            return got
+        link = self._links.get(src)
+        if link is None or not link.poll_while_waiting or time.perf_counter() < self._poll_off_until:
+            return None
+        found: tuple[int, dict[str, Any]] | None = None
+
+        def arrived() -> bool:
+            nonlocal found
+            if link.read_now():
+                found = matcher.take(src, tag, into)
+                return found is not None
+            return link.closed
+
+        spin(arrived, self._straight_spin)
+        return found
 
     def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:
         if src is not None and self.world_size and not 0 <= src < self.world_size:
