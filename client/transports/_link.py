@@ -213,7 +213,9 @@ class LinkTransport(Transport):
         self._poll_until = 0.0
         self._poll_misses = 0
         self._poll_off_until = 0.0
-        self.polled_arrivals = 0  # receives done while the loop was kept polling (diagnostics)
+        # receives done while this rank polled for them, in place (recv_now) or with the event
+        # loop kept turning (_poll_while_waiting), instead of sleeping (diagnostics)
+        self.polled_arrivals = 0
         self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
         if rank is not None and world_size is not None:
             self.assign(rank, world_size)
@@ -458,7 +460,8 @@ class LinkTransport(Transport):
                 return found is not None
             return link.closed
 
-        spin(arrived, self._straight_spin)
+        if spin(arrived, self._straight_spin):
+            self.polled_arrivals += 1
         return found
 
     def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:

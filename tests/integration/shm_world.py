@@ -177,9 +177,10 @@ def dev_shm_in_use() -> list[str]:
 async def polled_ping_pongs(pg: Any, seconds: float = 0.2, *, until_one_polled: bool = False) -> int:
     """After a barrier, 4-byte round trips between ranks 0 and 1 of ``pg`` for ``seconds``
     (longer than a pause of the polling after waits that outlasted it; other ranks only take
-    part in the barrier); returns how many receives of this rank completed while its event
-    loop was kept polling for them. ``until_one_polled``: rank 0 goes on past ``seconds``
-    until one of its receives did (for links that poll)."""
+    part in the barrier); returns how many receives of this rank completed while it polled
+    for them (in place, or with its event loop kept turning) instead of sleeping.
+    ``until_one_polled``: rank 0 goes on past ``seconds`` until one of its receives did (for
+    links that poll)."""
     await pg.barrier()
     transport = pg._rt.transport
     before = transport.polled_arrivals
