@@ -435,10 +435,11 @@ class LinkTransport(Transport):
             raise
 
     def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
-        """A receive's straight path: the message when it is here already, or when ``src``'s link
-        (one of this host's, Link.poll_while_waiting) brings it within a short spin of in-place
-        reads; else None and nothing is posted (the caller then receives as usual). The spin
-        follows the wait policy: its budget shrinks while the peer keeps answering slower.
+        """A receive's straight path: the message when it is here already (read or not yet read
+        from ``src``'s link), or when that link (one of this host's, Link.poll_while_waiting)
+        brings it within a short spin of in-place reads; else None and nothing is posted (the
+        caller then receives as usual). The spin follows the wait policy: its budget shrinks
+        while the peer keeps answering slower.
 
         Raises:
             MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
@@ -449,7 +450,13 @@ class LinkTransport(Transport):
         if got is not None or src is None:
             return got
         link = self._links.get(src)
-        if link is None or not link.poll_while_waiting or time.perf_counter() < self._poll_off_until:
+        if link is None:
+            return None
+        if link.read_now():  # here, but not yet read: one read in place, on any link
+            got = matcher.take(src, tag, into)
+            if got is not None:
+                return got
+        if not link.poll_while_waiting or time.perf_counter() < self._poll_off_until:
             return None
         found: tuple[int, dict[str, Any]] | None = None
 

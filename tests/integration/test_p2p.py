@@ -79,6 +79,21 @@ async def worker(pg: Any) -> dict[str, Any]:
             await pg.recv(t, src=0)
             out["torch"] = t.contiguous().numpy().tolist()
 
+    # the straight path: a small send that the link takes at once, and a receive whose message
+    # is here already, complete inside their call (a Work born complete, done before any await)
+    if r == 0:
+        sent = pg.send(np.array([7], np.int32), dst=1, tag=30)
+        out["send_born_complete"] = sent.is_completed()
+        await sent
+        await pg.barrier()
+    elif r == 1:
+        await pg.barrier()  # rank 0 handed its message to the kernel before it entered the barrier
+        b = np.zeros(1, np.int32)
+        received = pg.recv(b, src=0, tag=30)
+        out["recv_born_complete"] = (received.is_completed(), await received, int(b[0]))
+    else:
+        await pg.barrier()
+
     # a wrong dtype or size on the receiving side is a MismatchError for that recv
     if r == 0:
         await pg.send(np.ones(4, np.float32), dst=1, tag=20)
@@ -140,6 +155,13 @@ def test_simultaneous_large_exchange_around_a_ring(results: list[dict[str, Any]]
 def test_torch_tensor_into_noncontiguous_buffer(results: list[dict[str, Any]]) -> None:
     pytest.importorskip("torch")
     assert results[2]["torch"] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_small_send_and_a_receive_whose_message_is_here_complete_inside_their_call(
+    results: list[dict[str, Any]],
+) -> None:
+    assert results[0]["send_born_complete"] is True
+    assert results[1]["recv_born_complete"] == (True, 0, 7)
 
 
 def test_wrong_dtype_or_size_on_recv_is_a_mismatch(results: list[dict[str, Any]]) -> None:
