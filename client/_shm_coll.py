@@ -570,6 +570,12 @@ class ShmGroup:
                 vm_read(self._pids[j], dst.ctypes.data, addr, nbytes)
             except OSError as exc:
                 self._publish(_DONE, t)
+                # Gone, or it gave the operation up on losing another member and went on (its
+                # buffer freed, its process ended): then that member is the news.
+                first = self._lost_first_by(j)
+                if first is not None:
+                    why = f"rank {self.ranks[j]} lost it first (its memory could not be read: {exc})"
+                    raise PeerLostError(first, why) from exc
                 raise PeerLostError(self.ranks[j], f"its memory could not be read ({exc})") from exc
             if dst is not out:
                 np.copyto(out, dst)
@@ -945,14 +951,20 @@ class ShmGroup:
             return
         self._complete_ready()
         if self._ctl:
-            row = self._ctl[self.ranks.index(rank)]
-            first = row[_LOST] - 1 if row[_OWNER] == self._owner else -1
-            if first in self.ranks and first != self.ranks[self.me]:
+            first = self._lost_first_by(self.ranks.index(rank))
+            if first is not None:
                 reason = f"rank {rank} lost it first, then left too ({reason})"
                 rank, left = first, False
             if self.broken is None:
                 self._ctl[self.me][_LOST] = rank + 1
         self.fail(PeerLostError(rank, reason, left=left))
+
+    def _lost_first_by(self, j: int) -> int | None:
+        """The rank that member ``j`` recorded it lost (in its row, before it failed its
+        operations and closed), when it recorded one other than this process."""
+        row = self._ctl[j]
+        first = row[_LOST] - 1 if row[_OWNER] == self._owner else -1
+        return first if first in self.ranks and first != self.ranks[self.me] else None
 
     def peer_lost_handler(self, rank: int, exc: BaseException) -> None:
         """The transport's lost-peer handler (a peer lost, or gone in order)."""
