@@ -63,9 +63,10 @@ _STAGED_BYTES = 256 << 20  # host copies of device tensors a heal's sender keeps
 class QuorumError(DistError):
     """No quorum could be formed (or joined) within the Manager's ``quorum_timeout``.
 
-    Raised by ``Manager.start_step``; also at once on a rank of a replica of several ranks that
-    lost one of them (the coordinator leaves the replica out whole; the message names the lost
-    rank, its replica and host). The message names this replica, its rank in the last quorum
+    Raised by ``Manager.start_step``; also on a rank of a replica of several ranks that lost one
+    of them, at once or when no new process of the lost rank asked within ``replace_timeout``
+    (the coordinator leaves the replica out whole; the message names the lost rank, its replica
+    and host). The message names this replica, its rank in the last quorum
     and its host, and what the coordinator said: how many replicas asked (by name) and which ones
     of the previous quorum it waited for, or why it could not be reached.
 
