@@ -140,43 +140,45 @@ def demo(args: argparse.Namespace) -> None:
     token = secrets.token_hex(16)
     out = Path(tempfile.mkdtemp(prefix="aiocoll-diloco-"))
     coordinator = CoordinatorProcess(out / "coordinator.log", token=token)
-    results: dict[str, list[dict[str, Any]]] = {}
+    methods = ("ft", "diloco")
     try:
-        for method in ("ft", "diloco"):
-            procs = []
-            for r in range(args.replicas):
-                command = [sys.executable, __file__, "--coordinator", f"127.0.0.1:{coordinator.port}"]
-                command += [
-                    "--replica",
-                    f"r{r}",
-                    "--method",
-                    method,
-                    "--out",
-                    str(out / f"{method}-r{r}.json"),
-                ]
-                command += [
-                    "--replicas",
-                    str(args.replicas),
-                    "--steps",
-                    str(args.steps),
-                    "--width",
-                    str(args.width),
-                ]
-                command += ["--sync-every", str(args.sync_every), "--join-timeout", str(args.join_timeout)]
-                env = {**os.environ, "AIOCOLL_TOKEN": token, "AIOCOLL_JOB": f"diloco-example-{method}"}
-                log = open(out / f"{method}-r{r}.log", "wb")  # the child holds it
-                procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-            for r, p in enumerate(procs):
+        # one method after the other (so that their steps/s do not share the CPUs), or both at once
+        for batch in [methods] if args.at_once else [(m,) for m in methods]:
+            procs = {
+                (m, r): start(args, m, r, coordinator.port, token, out)
+                for m in batch
+                for r in range(args.replicas)
+            }
+            for (method, r), p in procs.items():
                 if p.wait(timeout=600) != 0:
-                    raise SystemExit(
-                        f"replica r{r} ({method}) failed:\n{(out / f'{method}-r{r}.log').read_text()[-3000:]}"
-                    )
-            results[method] = [
-                json.loads((out / f"{method}-r{r}.json").read_text()) for r in range(args.replicas)
-            ]
+                    log = (out / f"{method}-r{r}.log").read_text()[-3000:]
+                    raise SystemExit(f"replica r{r} ({method}) failed:\n{log}")
     finally:
         coordinator.stop()
+    results = {
+        m: [json.loads((out / f"{m}-r{r}.json").read_text()) for r in range(args.replicas)] for m in methods
+    }
     report(results, args, out)
+
+
+def start(
+    args: argparse.Namespace, method: str, r: int, port: int, token: str, out: Path
+) -> subprocess.Popen[bytes]:
+    """Replica ``r`` of ``method`` (a job of its own), as a process."""
+    command = [sys.executable, __file__, "--coordinator", f"127.0.0.1:{port}", "--replica", f"r{r}"]
+    command += [
+        "--method",
+        method,
+        "--out",
+        str(out / f"{method}-r{r}.json"),
+        "--replicas",
+        str(args.replicas),
+    ]
+    command += ["--steps", str(args.steps), "--width", str(args.width), "--sync-every", str(args.sync_every)]
+    command += ["--join-timeout", str(args.join_timeout)]
+    env = {**os.environ, "AIOCOLL_TOKEN": token, "AIOCOLL_JOB": f"diloco-example-{method}"}
+    log = open(out / f"{method}-r{r}.log", "wb")  # the child holds it
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, out: Path) -> None:
@@ -236,6 +238,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="the inner optimizer's (AdamW) learning rate")
     parser.add_argument("--join-timeout", type=float, default=2.0)
     parser.add_argument("--out", help="write this replica's counts here (JSON)")
+    parser.add_argument(
+        "--at-once",
+        action="store_true",
+        help="run both methods' replicas at the same time (faster; steps/s then share the CPUs)",
+    )
     args = parser.parse_args()
     if args.steps % args.sync_every or args.steps < 2 * args.sync_every:
         parser.error("--steps must be a multiple of --sync-every, at least two of them")

@@ -890,7 +890,7 @@ def test_the_diloco_example_communicates_one_hth_of_per_step_fault_tolerance_and
     example itself requires DiLoCo's bytes all-reduced and quorums per inner step to be exactly
     1/H of per-step FT's, every replica to end with the same parameters, and both to train."""
     command = [sys.executable, str(ROOT / "examples" / "diloco_training.py"), "--demo"]
-    command += ["--steps", "20", "--sync-every", "5", "--width", "32", "--join-timeout", "1"]
+    command += ["--steps", "20", "--sync-every", "5", "--width", "32", "--join-timeout", "1", "--at-once"]
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=140)
     assert run.returncode == 0, run.stdout + run.stderr[-4000:]
     assert "DiLoCo moved 5.0x fewer bytes and made 5.0x fewer quorums per inner step" in run.stdout, (
