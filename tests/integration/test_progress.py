@@ -326,6 +326,30 @@ asyncio.run(main())
 """
 
 
+def _wait_members(url: str, job: str, count: int) -> None:
+    """Until ``count`` members of ``job`` wait in its rendezvous, as the coordinator says."""
+
+    async def members() -> None:
+        import aiocoll
+
+        session = await aiocoll.connect_store(url, token=TOKEN, job="watching", timeout=30)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    jobs = await session.status(job)
+                except aiocoll.DistError:  # no such job yet
+                    jobs = []
+                if jobs and jobs[0]["members_total"] >= count:
+                    return
+                assert time.monotonic() < deadline, f"{count} members of job {job!r} did not join: {jobs}"
+                await asyncio.sleep(0.05)
+        finally:
+            await session.aclose()
+
+    asyncio.run(members())
+
+
 @pytest.mark.timeout(120)
 def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path) -> None:
     port = free_port()
@@ -347,7 +371,7 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
                 )
                 for rank in (0, 1)
             ]
-            time.sleep(3.0)  # both are waiting in the rendezvous now
+            _wait_members(url, job, 2)  # both are waiting in the rendezvous now
             started = time.monotonic()
             refused = subprocess.run(
                 [sys.executable, "-c", _JOINER, url, late[0], late[1], job, "60"],
@@ -375,7 +399,7 @@ def test_a_refused_join_fails_the_members_already_waiting_at_once(tmp_path: Path
             )
             for rank in (0, 1)
         ]
-        time.sleep(2.0)
+        _wait_members(url, "tok", 2)
         wrong = subprocess.run(
             [sys.executable, "-c", _JOINER, url, "2", "3", "tok", "60"],
             env=dict(env, AIOCOLL_TOKEN="not-the-token"),
