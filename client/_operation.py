@@ -1,8 +1,8 @@
 """One operation as the public layer builds it (``Operation``, its fields once), what a provider
 of the group's table implements (``Provider``) and the one shape it returns (``Starter``).
 
-Imports foundations only (aiocoll._types, aiocoll._errors, aiocoll.algorithms, the device span
-type) and the engine's operation record (client/_op_record.py: OpTransport, Stoppable); every
+Imports foundations only (aiocoll._types, aiocoll.algorithms, the device span type) and the
+engine's operation record (client/_op_record.py: OpTransport, Stoppable); every
 provider (client/_shm_arena.py, client/routing.py, client/providers.py, client/_objects.py)
 and the engine import it, so none imports another for these names.
 """
@@ -171,6 +171,11 @@ class _TaskRunner:
     def __init__(self, task: asyncio.Task[Any]) -> None:
         self._task = task
 
+    @property
+    def task(self) -> asyncio.Task[Any]:
+        """Its task (the flight recorder tells a queued operation, whose task has not run yet)."""
+        return self._task
+
     def stop(self) -> None:
         self._task.cancel()
 
@@ -203,7 +208,11 @@ def as_starter(body: Body) -> Starter:
     operation; when the engine stopped it, that outcome is ignored)."""
 
     def start(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+        ran = False
+
         async def run() -> None:
+            nonlocal ran
+            ran = True
             try:
                 result = await body(tag, transport)
             except asyncio.CancelledError:
@@ -216,7 +225,16 @@ def as_starter(body: Body) -> Starter:
             else:
                 finish(result, None)
 
-        return _TaskRunner(transport.loop.create_task(run()))
+        task = transport.loop.create_task(run())
+
+        def never_ran(task: asyncio.Task[None]) -> None:
+            # A task cancelled before its first step never runs ``run``: finish it here, so
+            # whatever waits on ``finish`` (a staged chain's next operation) is let go.
+            if not ran:
+                finish(None, asyncio.CancelledError())
+
+        task.add_done_callback(never_ran)
+        return _TaskRunner(task)
 
     return start
 

@@ -96,27 +96,40 @@ class CallSites:
     staged operations, which reach the engine by another path).
 
     The engine takes ``code_at(sys._getframe(depth))`` per operation (the user's frame is read,
-    never made, and not kept) and calls ``first`` when a kind has no depth yet, which finds it by
-    walking the stack once.
+    never made, and not kept), unless that frame's code is one a walk passed as aiocoll's
+    (``passed``); then, and for a kind's first call, it calls ``first``, which walks the stack.
+    A walk keeps its depth only for a call the user made to aiocoll's API itself (the outermost
+    of aiocoll's frames is in aiocoll/api.py, a ProcessGroup method): a call of aiocoll's own
+    on the user's behalf (``aiocoll.ft`` calling a group's collectives) is deeper, and is walked
+    each time, so that neither way of calling ever takes the other's depth.
     """
 
-    __slots__ = ("signed", "unsigned")
+    __slots__ = ("passed", "signed", "unsigned")
 
     def __init__(self) -> None:
         self.signed: dict[str, int] = {}
         self.unsigned: dict[str, int] = {}
+        self.passed: set[int] = set()  # ids of codes: aiocoll's own stay loaded, never reused
 
     def first(self, kind: str, signed: bool) -> Site | None:
         """The site of the operation being opened (called from ``Engine._open``); its kind's depth
-        is kept for the next ones."""
+        is kept for the next ones when the user called aiocoll's API directly."""
         opening = sys._getframe(1)
         depth = user_depth(opening)
-        try:
-            site = code_at(sys._getframe(depth + 1))
-        except ValueError:  # no frame of the user's on this stack: the engine's own frame
-            depth, site = 0, code_at(opening)  # (site_of reads it as unknown)
-        (self.signed if signed else self.unsigned)[kind] = depth
-        return site
+        frame: FrameType | None = opening
+        outermost = opening
+        for _ in range(depth):
+            if frame is None:
+                break
+            self.passed.add(id(frame.f_code))  # (by identity: a code object's hash is slow)
+            outermost, frame = frame, frame.f_back
+        if frame is None:  # no frame of the user's on this stack: the engine's own frame
+            return code_at(opening)  # (site_of reads it as unknown)
+        api = getattr(sys.modules.get("aiocoll.api"), "__file__", None)
+        # (or the engine itself, called straight from outside: a developer's harness)
+        if outermost is opening or (api is not None and outermost.f_code.co_filename == api):
+            (self.signed if signed else self.unsigned)[kind] = depth
+        return code_at(frame)
 
 
 def call_sites(capacity: int) -> tuple[CallSites | None, bool]:
@@ -179,7 +192,8 @@ def dump_path(directory: str, job: str, rank: int) -> str:
 
 
 def _task_started(op: Any) -> bool:
-    task = getattr(op, "task", None)
+    """False for an operation that runs as a task (its runner has one) not started yet: queued."""
+    task = getattr(getattr(op, "lane", None), "task", None)
     if task is None:
         return True  # driven by message callbacks from its call on (an eager operation)
     try:

@@ -350,10 +350,11 @@ class Engine:
         sites = self._sites
         if sites is not None:
             try:
-                op.site = _code_at(
-                    _getframe((sites.signed if signature is not None else sites.unsigned)[kind])
-                )
-            except (KeyError, ValueError):  # its kind's first call (or a shallower stack): a walk
+                user = _getframe((sites.signed if signature is not None else sites.unsigned)[kind])
+                if id(user.f_code) in sites.passed:  # aiocoll's frame: this call came another way
+                    raise LookupError
+                op.site = _code_at(user)
+            except (LookupError, ValueError):  # its kind's first call, or another way: a walk
                 op.site = sites.first(kind, signature is not None)
         elif self._passed_sites:
             op.site = _caller_site()

@@ -564,3 +564,32 @@ async def test_destroying_a_group_with_a_small_all_gather_pending_closes_everyth
     assert pgs[0]._rt.transport._closed
     for pg in pgs[1:]:
         await asyncio.wait_for(pg.destroy(), LIMIT)
+
+
+async def test_a_task_operation_stopped_before_its_first_step_is_still_finished() -> None:
+    """A starter's task cancelled in the loop turn it was made in never runs its body; whatever
+    waits on its ``finish`` (a staged chain's next operation) must be let go all the same."""
+    from aiocoll.client._operation import as_starter
+
+    class OnThisLoop:
+        loop = asyncio.get_running_loop()
+
+    body_ran: list[bool] = []
+    finished: list[Any] = []
+
+    async def body(tag: Any, transport: Any) -> None:
+        body_ran.append(True)
+
+    runner = as_starter(body)(("t",), OnThisLoop(), lambda result, exc: finished.append((result, exc)))  # type: ignore[arg-type]
+    runner.stop()  # before the task's first step
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert body_ran == []
+    assert len(finished) == 1 and isinstance(finished[0][1], asyncio.CancelledError)
+
+    # one that ran is finished once, from inside its task
+    finished.clear()
+    runner = as_starter(body)(("t",), OnThisLoop(), lambda result, exc: finished.append((result, exc)))  # type: ignore[arg-type]
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert body_ran == [True] and finished == [(None, None)]
