@@ -505,7 +505,8 @@ class Manager:
             another rank waits in ``start_step`` for a new process of that rank (the same
             replica name and ``replica_rank``); then the replica counts again, in a new
             ``replica_generation``, and its ranks heal. 0: ``QuorumError`` at once (the replica
-            restarts whole).
+            restarts whole). Less than ``quorum_timeout``; counted from each ask, so an ask made
+            again (after a failure, or a coordinator's restart) waits anew.
 
     Attributes:
         replica: this replica's name.
@@ -565,6 +566,11 @@ class Manager:
         ):
             raise ValueError(
                 f"Manager: replace_timeout must be a number of seconds >= 0, got {replace_timeout!r}"
+            )
+        if replace_timeout >= quorum_timeout:
+            raise ValueError(
+                f"Manager: replace_timeout ({replace_timeout!r} s) must be less than quorum_timeout "
+                f"({quorum_timeout!r} s), within which start_step waits in all"
             )
         self.coordinator = coordinator or _default_coordinator()
         self._host, self._port = host_port(self.coordinator, "coordinator")

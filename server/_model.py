@@ -191,19 +191,19 @@ def fmt_timeout(timeout: float | None) -> str:
     return "no limit" if timeout is None else f"{timeout:.3g}s"
 
 
-def timeout_field(value: object) -> float | None:
-    """A request's ``timeout``: None (no limit) or non-negative seconds.
+def timeout_field(value: object, name: str = "timeout") -> float | None:
+    """A request's ``timeout`` (or the field ``name``): None (no limit) or non-negative seconds.
 
     Raises:
-        Refused: for anything else.
+        Refused: for anything else, naming the field.
     """
     if value is None:
         return None
     if type(value) not in (int, float):
-        raise Refused(ERR_INVALID, f"'timeout' must be None or a non-negative number, got {value!r}")
+        raise Refused(ERR_INVALID, f"{name!r} must be None or a non-negative number, got {value!r}")
     seconds = float(value)  # type: ignore[arg-type]
     if math.isnan(seconds) or seconds < 0:
-        raise Refused(ERR_INVALID, f"'timeout' must be None or a non-negative number, got {value!r}")
+        raise Refused(ERR_INVALID, f"{name!r} must be None or a non-negative number, got {value!r}")
     return None if math.isinf(seconds) else seconds
 
 

@@ -269,7 +269,7 @@ def _count(value: object, what: str, low: int, high: int) -> int:
 
 def _replace_timeout(value: object) -> float:
     """An ask's ``replace_timeout``: seconds (None: no limit but the ask's own timeout)."""
-    seconds = timeout_field(value)
+    seconds = timeout_field(value, "replace_timeout")
     return math.inf if seconds is None else seconds
 
 

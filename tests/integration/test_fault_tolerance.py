@@ -716,6 +716,8 @@ def test_a_managers_replica_rank_and_size_come_from_the_environment_and_are_chec
     for bad in (-1, "5", True):
         with pytest.raises(ValueError, match="replace_timeout"):
             Manager("127.0.0.1:1", replica="r", replica_size=1, replace_timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"replace_timeout \(90 s\) must be less than quorum_timeout"):
+        Manager("127.0.0.1:1", replica="r", replica_size=2, replace_timeout=90, quorum_timeout=60)
 
 
 # ---------------------------------------------------------------------------------------------
