@@ -276,7 +276,8 @@ class Outcome:
     @classmethod
     def all_of(cls, outcomes: list[Outcome]) -> Outcome:
         """One Outcome that completes once all of ``outcomes`` did: None, or the first error."""
-        combined = cls()
+        # settled by its parts' loop thread: the backstop watches that one
+        combined = cls(next((o._source for o in outcomes if o._source is not None), None))
         combined._set_launched()
         left = [len(outcomes)]
         lock = threading.Lock()

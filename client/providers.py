@@ -2,8 +2,9 @@
 function, the table.
 
 Imports foundations (aiocoll.algorithms, the device staging of aiocoll.device) and the client's
-engine, operation record, arenas (client/_shm_arena.py), routes (client/routing.py) and object
-row (client/_objects.py); never the public surface. The public layer checks a call's arguments,
+engine, operation record, arenas (client/_shm_arena.py, client/_shm_coll.py), routes
+(client/routing.py), object row (client/_objects.py) and the links' transport
+(client/transports/_link.py); never the public surface. The public layer checks a call's arguments,
 builds its record (client/_operation.Operation) and submits it to the group's
 ``ProviderTable``, which hands it to the first row that takes it. Nothing else decides how an
 operation runs: collective, point-to-point, object or group formation, host or device memory.

@@ -465,9 +465,9 @@ class LinkTransport(Transport):
             if link.read_now():
                 found = matcher.take(src, tag, into)
                 return found is not None
-            return link.closed
+            return link.closed  # (ends the spin; the waiting path reports the loss)
 
-        if spin(arrived, self._straight_spin):
+        if spin(arrived, self._straight_spin) and found is not None:
             self.polled_arrivals += 1
         return found
 

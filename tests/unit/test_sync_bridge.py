@@ -244,10 +244,8 @@ def test_a_caller_parked_when_its_loop_thread_dies_gets_an_error_not_a_hang(monk
         doomed.loop.stop()  # run_forever returns: the thread ends and settles nothing more
 
     doomed.loop.call_soon_threadsafe(die)
-    started = time.monotonic()
     with pytest.raises(DistError, match="loop thread stopped while this call waited"):
         never.result()
-    assert time.monotonic() - started < 10
     assert not doomed.thread.is_alive()
     assert settled.result() == "settled as the loop ended"  # what was settled is not lost
     # the process's own loop thread is untouched
