@@ -12,7 +12,7 @@ import warnings
 from urllib.parse import urlsplit
 
 from aiocoll._env import env_text
-from aiocoll.client.session import CoordinatorSession
+from aiocoll.client.control.session import CoordinatorSession
 from aiocoll.protocol._coordinator import ROLE_STORE
 
 __all__ = ["connect_store", "parse_tcp_url"]

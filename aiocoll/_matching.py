@@ -1,7 +1,7 @@
 """The message matcher: one per process, sans-IO (events in, outcomes out; no sockets, no loop).
 
 Imports only the standard library and aiocoll._errors; never asyncio, sockets, numpy, client/,
-server/ or the public surface. Every link kind (client/transports: tcp, shm, and memory for unit
+server/ or the public surface. Every link kind (client/data/transports: tcp, shm, and memory for unit
 tests) feeds the one Matcher of its process, so the rules below hold identically whatever carries
 the bytes, and nothing else in aiocoll matches messages.
 

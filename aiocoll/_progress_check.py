@@ -9,7 +9,7 @@ workers send over their beat connection (protocol._coordinator, "Progress"); it 
 verdicts into ``mismatch`` / ``behind`` events and the ``status`` view into `aiocoll status`
 lines. A job that rendezvoused through a store and has no coordinator (the torch backend,
 file://) runs the same check on its stalled ranks over reports kept in that store
-(client/_store_progress.py).
+(client/control/_store_progress.py).
 
 Why: two ranks whose calls disagree but never exchange a message (ranks 0 and 1 in an
 all_reduce ring, rank 2 in a broadcast from 0) cannot find out from each other; only someone who

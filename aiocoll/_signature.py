@@ -2,7 +2,7 @@
 
 Foundation layer: imports the standard library, msgpack and aiocoll._errors only. Every path that
 checks that the ranks of a group called the same operation uses this module: the message driver
-(aiocoll/algorithms/_driver.py, on every received message), the arenas (client/_shm_coll.py,
+(aiocoll/algorithms/_driver.py, on every received message), the arenas (client/data/_shm_coll.py,
 packed beside each step's data), CUDA IPC (aiocoll/device/_ipc.py) and the coordinator's
 progress cross-check (aiocoll/_progress_check.py, fed by client/_progress.py's reports).
 

@@ -178,7 +178,7 @@ class TCPStore(Store):
     """A store served by an aiocoll coordinator (torch's TCPStore).
 
     Calls go straight to the coordinator on a socket of this object's own, from the calling
-    thread (client/_blocking_store.py): no hop to a loop thread. As with torch's TCPStore,
+    thread (client/control/_blocking_store.py): no hop to a loop thread. As with torch's TCPStore,
     ``set`` (and ``append``, ``multi_set``) sends the request and returns without waiting for an
     answer; this object's later calls see the value, and a refused set is raised by the next
     call that starts after the refusal arrived (at the latest by ``flush`` or ``close``). Any
@@ -222,7 +222,7 @@ class TCPStore(Store):
         token: str | None = None,
         job: str | None = None,
     ) -> None:
-        from aiocoll.client._blocking_store import BlockingStoreClient
+        from aiocoll.client.control._blocking_store import BlockingStoreClient
 
         seconds = to_seconds(timeout)
         if seconds is None:

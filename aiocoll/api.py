@@ -4,8 +4,8 @@ This is the public surface: it may import everything below it (client, server, a
 stores, foundations) and nothing imports it except the facade, the torch backend and the CLI.
 It holds argument checking (bad arguments fail at call time, before anything is sent), tensor
 conversion, operation signatures and the operation's record, handed to the group's provider
-table (aiocoll.client.providers); the runtime's bootstrap is aiocoll.client.bootstrap, the
-engine (aiocoll.client.engine) decides when operations run and how they fail, the providers
+table (aiocoll.client.data.providers); the runtime's bootstrap is aiocoll.client.bootstrap, the
+engine (aiocoll.client.data.engine) decides when operations run and how they fail, the providers
 how bytes move.
 
 Ranks in ProcessGroup methods (``src``, ``dst``, the ranks given to ``new_group``) are ranks *in
@@ -28,10 +28,10 @@ from aiocoll._errors import DistError
 from aiocoll._reduce import check_reduce_op
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
-from aiocoll.client._operation import Operation
 from aiocoll.client.bootstrap import EmbeddedCoordinator, Runtime, start_runtime
-from aiocoll.client.engine import GroupState
-from aiocoll.client.providers import ProviderTable
+from aiocoll.client.data._operation import Operation
+from aiocoll.client.data.engine import GroupState
+from aiocoll.client.data.providers import ProviderTable
 from aiocoll.device._tensors import Working, as_working, dtype_name, numel
 from aiocoll.stores import Store
 
@@ -158,7 +158,7 @@ class ProcessGroup:
         self.group_id = state.gid
         self._destroyed = False
         self._metas: dict[tuple[Any, ...], dict[str, Any]] = {}
-        # How this group's collectives run: chosen once, here (client/providers.py).
+        # How this group's collectives run: chosen once, here (client/data/providers.py).
         self._providers = runtime.table(state, providers)
 
     def __repr__(self) -> str:
@@ -711,7 +711,7 @@ class ProcessGroup:
 
     # -- object operations -----------------------------------------------------------------
     # Objects are pickled here (one that cannot be fails at call time); the group's object row
-    # (client/_objects.py) sends them and unpickles what arrives.
+    # (client/data/_objects.py) sends them and unpickles what arrives.
     def broadcast_object(self, obj: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Send a picklable object from group rank ``src`` to every rank.
 

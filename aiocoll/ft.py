@@ -47,7 +47,7 @@ from aiocoll._errors import CollectiveTimeout, DistError, PeerLostError, Rendezv
 from aiocoll._types import ReduceOp
 from aiocoll.api import ProcessGroup
 from aiocoll.client.bootstrap import host_port, join_coordinator
-from aiocoll.client.session import CoordinatorSession
+from aiocoll.client.control.session import CoordinatorSession
 from aiocoll.protocol._coordinator import ROLE_STORE
 
 __all__ = ["Manager", "QuorumError", "StepFailed"]

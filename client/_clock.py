@@ -1,7 +1,7 @@
 """This process's estimate of the coordinator's wall clock, so that the times of ranks on
 different hosts line up (the timeline's arrivals, the flight recorder's dumps).
 
-The beat thread (client/_beat.py) sends a heartbeat every second; the coordinator's reply
+The beat thread (client/control/_beat.py) sends a heartbeat every second; the coordinator's reply
 carries its wall clock (``t``). A heartbeat sent at ``sent`` and answered at ``received`` (this
 host's time.time()) gives the offset ``t - (sent + received) / 2``, true to within half the
 round trip. As NTP does, the estimate is the sample with the shortest round trip among the last

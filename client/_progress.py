@@ -8,7 +8,7 @@ Two consumers, two costs:
 
 - The event loop pays one ``record`` per finished operation (a deque append) and a stamp every
   LOOP_STAMP_EVERY seconds. Nothing else: no message, no timer per operation.
-- The beat thread (client/_beat.py) calls ``report`` about twice a second. It looks at the
+- The beat thread (client/control/_beat.py) calls ``report`` about twice a second. It looks at the
   engine's pending operations from outside the loop and returns a ``progress`` report only when
   one has been pending longer than ``threshold`` (AIOCOLL_PROGRESS_AFTER, default 1 s), when the
   event loop itself has not run for that long, when such a report must be withdrawn, or when the

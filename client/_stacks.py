@@ -1,6 +1,6 @@
 """This process's Python stack as it is now, for `aiocoll status --stacks` and the web page.
 
-Taken on the beat thread (client/_beat.py) when the coordinator asks, so it answers while the
+Taken on the beat thread (client/control/_beat.py) when the coordinator asks, so it answers while the
 event loop is blocked in compute or I/O: the frames of the main thread, of the loop threads of
 the engines (``watch_loop``), and of the asyncio tasks suspended on those loops (a coroutine
 waiting in ``await pg.all_reduce(x)`` is on no thread's stack). The user's frames come first,

@@ -30,11 +30,11 @@ from aiocoll._errors import RendezvousError, warn
 from aiocoll.protocol._coordinator import EV_BEHIND, EV_MISMATCH, ROLE_WORKER
 from aiocoll.stores import FileStore, Store
 
-from ._store_progress import StoreProgress
-from .engine import Engine, GroupState
-from .providers import ProviderTable, world_table
-from .session import CoordinatorSession, CoordinatorUnreachable
-from .transports import (
+from .control._store_progress import StoreProgress
+from .control.session import CoordinatorSession, CoordinatorUnreachable
+from .data.engine import Engine, GroupState
+from .data.providers import ProviderTable, world_table
+from .data.transports import (
     LinkTransport,
     PeerRow,
     connect_links,
@@ -42,7 +42,7 @@ from .transports import (
     listen_addresses,
     open_transport,
 )
-from .transports.tcp import route_interface
+from .data.transports.tcp import route_interface
 
 __all__ = [
     "WORLD_GID",
@@ -105,7 +105,7 @@ class Runtime:
         self.default_timeout = default_timeout
         self.closed = False
         self.store_progress: StoreProgress | None = None
-        # Every group's providers (client/providers.py), by group id: closed with the group.
+        # Every group's providers (client/data/providers.py), by group id: closed with the group.
         self.tables: dict[str, ProviderTable] = {}
         self.world: GroupState = engine.group(WORLD_GID, range(transport.world_size))
 

@@ -45,7 +45,7 @@ def _simulate(
     names: list[str], port: int, token: str, steps: int, total: int, join: float, out: Any, barrier: Any
 ) -> None:
     os.nice(NICE)
-    from aiocoll.client.session import CoordinatorSession
+    from aiocoll.client.control.session import CoordinatorSession
 
     from aiocoll._deadline import Deadline
 
@@ -121,7 +121,7 @@ def main() -> None:
 
     raise_fd_limit()
     quiet_logs(False)
-    import aiocoll.client.session  # noqa: F401  (imported once, shared by every fork)
+    import aiocoll.client.control.session  # noqa: F401  (imported once, shared by every fork)
 
     token = secrets.token_hex(16)
     coordinator = start_coordinator(token)

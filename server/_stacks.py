@@ -1,7 +1,7 @@
 """The coordinator's stacks part: each rank's Python stack as it is now, on request.
 
 `aiocoll status --stacks` sends ``stacks`` (admin, read-only); the coordinator pushes EV_STACK to
-the beat connection of every alive member asked for, whose thread (client/_beat.py) answers with
+the beat connection of every alive member asked for, whose thread (client/control/_beat.py) answers with
 ``stack`` even while the rank's event loop is blocked. The ``stacks`` request is answered once
 every member answered, or after STACK_WAIT seconds with the silent ranks named in ``missing``.
 The status view (`/jobs`, the web page) shows the last stack of each rank holding a job back,

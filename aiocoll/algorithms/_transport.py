@@ -2,7 +2,7 @@
 standard library (and aiocoll._matching for the Tag type).
 
 A transport moves whole messages between the ranks of one job (global ranks). There is one per
-process: client/transports/_link.py's LinkTransport, which matches messages with the one
+process: client/data/transports/_link.py's LinkTransport, which matches messages with the one
 sans-IO matcher (aiocoll/_matching.py) and moves them over one link per peer, whatever its kind
 (tcp, shm, and memory for unit tests). Algorithms and the engine never see which
 kinds they run on. Every method the engine or the driver calls is declared here (nothing is

@@ -201,7 +201,7 @@ def _check_args(args: argparse.Namespace, ops: list[str]) -> None:
             "(pip install 'aiocoll[torch]') or drop --vs gloo / --tensor torch / --api torch"
         )
     if args.transport is not None:
-        from aiocoll.client.transports import transport_choice
+        from aiocoll.client.data.transports import transport_choice
 
         try:  # the link factory's own check, here before any process starts
             transport_choice(args.transport)

@@ -64,7 +64,7 @@ def _aiocoll_participant(
     results: Any,
     per_host: int = 1,
 ) -> None:
-    from aiocoll.client.session import CoordinatorSession
+    from aiocoll.client.control.session import CoordinatorSession
 
     async def connect(rank: int) -> Any:
         return await CoordinatorSession.connect(
@@ -238,7 +238,7 @@ def _rendezvous_launcher(conn: multiprocessing.connection.Connection, run: Rende
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         if impl == "aiocoll":
-            import aiocoll.client.session  # noqa: F401  (imported once, shared by every fork)
+            import aiocoll.client.control.session  # noqa: F401  (imported once, shared by every fork)
 
             target: Any = _aiocoll_participant
         else:
@@ -413,7 +413,7 @@ class _Probe:
     def _run(self) -> None:
         import urllib.request
 
-        from aiocoll.client.session import CoordinatorSession
+        from aiocoll.client.control.session import CoordinatorSession
 
         async def status() -> None:
             session = await CoordinatorSession.connect(

@@ -88,8 +88,8 @@ async def wait_for_coordinator(
     """
     from aiocoll._deadline import Deadline
     from aiocoll._errors import AuthenticationError, ProtocolError
-    from aiocoll.client._connection import open_link
-    from aiocoll.client._link_keeper import ConnectTries, CoordinatorUnreachable
+    from aiocoll.client.control._connection import open_link
+    from aiocoll.client.control._link_keeper import ConnectTries, CoordinatorUnreachable
     from aiocoll.protocol import ClientHandshake
     from aiocoll.protocol._coordinator import ROLE_ADMIN
 

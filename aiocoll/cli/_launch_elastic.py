@@ -9,7 +9,7 @@ signal), or a worker failed (the only ending that uses up --max-restarts). The j
 every worker of a generation exited 0, or a failure finds no restart left.
 
 May import the standard library, the other launch modules and the coordinator client
-(aiocoll.client.session, a plain store session); never the worker runtime.
+(aiocoll.client.control.session, a plain store session); never the worker runtime.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from ._launch_nodes import (
 )
 
 if TYPE_CHECKING:
-    from aiocoll.client.session import CoordinatorSession
+    from aiocoll.client.control.session import CoordinatorSession
 
     from ._launch_agent import Console, _Agent
     from ._launch_config import LaunchConfig
@@ -185,7 +185,7 @@ class NodeRendezvous:
     async def open(self, what: str) -> int | None:
         """Open the session, beat, and say so (``what`` this node agent is); None when it is
         open, else the exit status of a node that could not (the reason is logged)."""
-        from aiocoll.client.session import CoordinatorSession
+        from aiocoll.client.control.session import CoordinatorSession
         from aiocoll.protocol._coordinator import ROLE_STORE
 
         config = self._config

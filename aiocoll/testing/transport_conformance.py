@@ -1,8 +1,8 @@
 """One conformance suite for the Transport interface over every link kind: memory, tcp, shm...
 
 Part of the public testing surface; imports pytest, aiocoll's foundations and the link kinds of
-client/transports. The Transport (aiocoll/algorithms/_transport.py) of a worker is a
-LinkTransport whose per-peer links are of some kind (client/transports/_link.py); this suite
+client/data/transports. The Transport (aiocoll/algorithms/_transport.py) of a worker is a
+LinkTransport whose per-peer links are of some kind (client/data/transports/_link.py); this suite
 runs every method the engine and the driver call (send, send_nowait, recv, recv_landed,
 post_recv, post_recv_landed, discard, retire/on_stray, on_peer_lost, mark_lost, lost_peers,
 debug_state, aclose, abort) over a world whose links are all of one kind, for each kind in
@@ -45,10 +45,10 @@ import pytest
 from .._deadline import Deadline
 from .._errors import DistError, MismatchError, PeerLostError
 from ..algorithms._transport import Transport
-from ..client.transports._factory import PeerRow, connect_links, listen_addresses
-from ..client.transports._link import Link, LinkTransport
-from ..client.transports.memory import MemoryWorld
-from ..client.transports.tcp import TcpTransport
+from ..client.data.transports._factory import PeerRow, connect_links, listen_addresses
+from ..client.data.transports._link import Link, LinkTransport
+from ..client.data.transports.memory import MemoryWorld
+from ..client.data.transports.tcp import TcpTransport
 
 __all__ = [
     "LINK_KINDS",

@@ -1,5 +1,5 @@
-"""A world of forked processes on this host joined by shared memory only (client._shm and
-client._shm_coll, without the public layer), for the tests of the shared-memory mechanics.
+"""A world of forked processes on this host joined by shared memory only (client.data._shm and
+client.data._shm_coll, without the public layer), for the tests of the shared-memory mechanics.
 
 ``shm_world(fn, n)`` forks ``n`` processes; each makes its ShmHost, dials the lower ranks, makes
 the world's ShmGroup and returns ``await fn(ctx)``; the parent hands the addresses around
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from aiocoll.client._shm import ShmHost
-from aiocoll.client._shm_coll import ShmGroup, ShmWaker, region_bytes
+from aiocoll.client.data._shm import ShmHost
+from aiocoll.client.data._shm_coll import ShmGroup, ShmWaker, region_bytes
 
 from aiocoll._types import ReduceOp
 

@@ -1,4 +1,4 @@
-"""The blocking store client (client/_blocking_store.py, what ``aiocoll.sync.TCPStore`` uses)
+"""The blocking store client (client/control/_blocking_store.py, what ``aiocoll.sync.TCPStore`` uses)
 against real coordinator processes on loopback: every operation, sets that are not answered, a
 refused set reported by a later call, threads sharing one client, reconnection through a fault
 proxy (sets re-sent once, mutations answered from the coordinator's memory, concurrent adds
@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from aiocoll.client._blocking_store import BlockingStoreClient
+from aiocoll.client.control._blocking_store import BlockingStoreClient
 
 from aiocoll import StoreError, StoreTimeout, sync
 from aiocoll.testing.coordinator import CoordinatorProcess

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiocoll.client.session import CoordinatorSession, CoordinatorUnreachable
+from aiocoll.client.control.session import CoordinatorSession, CoordinatorUnreachable
 
 from aiocoll.testing.coordinator import CoordinatorProcess
 from aiocoll.testing.world import free_port

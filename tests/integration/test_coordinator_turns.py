@@ -10,7 +10,7 @@ import asyncio
 import secrets
 
 import pytest
-from aiocoll.client.session import CoordinatorSession
+from aiocoll.client.control.session import CoordinatorSession
 from aiocoll.server import Coordinator
 from aiocoll.server import _coordinator as coordinator_module
 

@@ -40,8 +40,8 @@ async def _mismatch_check(pg: Any, call: Any) -> dict[str, Any]:
 
 
 async def world_a(pg: Any) -> dict[str, Any]:
-    from aiocoll.client.session import CoordinatorSession
-    from aiocoll.client.transports.tcp import TcpTransport
+    from aiocoll.client.control.session import CoordinatorSession
+    from aiocoll.client.data.transports.tcp import TcpTransport
 
     from aiocoll import AuthenticationError
     from aiocoll._deadline import Deadline

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
-from aiocoll.client._link_keeper import SILENCE, SILENT_ATTEMPTS
+from aiocoll.client.control._link_keeper import SILENCE, SILENT_ATTEMPTS
 from aiocoll.server import Coordinator
 
 import aiocoll

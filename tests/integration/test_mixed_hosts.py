@@ -34,7 +34,7 @@ def _inputs(rank: int, count: int, dtype: str) -> np.ndarray:
 
 
 async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
-    from aiocoll.client.routing import choose_route
+    from aiocoll.client.data.routing import choose_route
 
     from aiocoll import ReduceOp
     from aiocoll._host import host_identity
@@ -78,7 +78,7 @@ async def _checks(pg: Any, placement: list[int]) -> dict[str, Any]:
 
 
 def _host_parts(pg: Any) -> Any:
-    """The routed provider's intra-host parts of the group (client/routing.HostParts), or None."""
+    """The routed provider's intra-host parts of the group (client/data/routing.HostParts), or None."""
     return pg._providers._routed._parts
 
 
@@ -130,7 +130,7 @@ def test_a_world_over_three_namespace_hosts_reduces_hierarchically_and_matches_n
 
 async def _tcp_checks(pg: Any) -> dict[str, Any]:
     """Over tcp links only, a hierarchical all_reduce whose hosts' members cannot share memory."""
-    from aiocoll.client.routing import choose_route
+    from aiocoll.client.data.routing import choose_route
 
     from aiocoll import ReduceOp
 

@@ -1,4 +1,4 @@
-"""One conformance suite that every collective provider runs (client/providers.py).
+"""One conformance suite that every collective provider runs (client/data/providers.py).
 
 Each provider gets one spawned world in which it is the one chosen: the message driver (tcp
 links), the shared-memory arena (shm links, one host), the hierarchical route (two hosts by

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiocoll.client.session import CoordinatorSession, CoordinatorUnreachable
+from aiocoll.client.control.session import CoordinatorSession, CoordinatorUnreachable
 
 import aiocoll
 import aiocoll.sync
@@ -89,7 +89,7 @@ class TestCoordinatorStore(StoreConformance):
 
 class TestBlockingCoordinatorStore(StoreConformance):
     """The same suite against the blocking driver of the store client core
-    (client/_blocking_store.py, what aiocoll.sync.TCPStore uses), through the sync store's
+    (client/control/_blocking_store.py, what aiocoll.sync.TCPStore uses), through the sync store's
     async view; each test gets its own job."""
 
     @pytest.fixture
@@ -516,7 +516,7 @@ async def test_a_session_whose_reconnect_budget_runs_out_says_the_coordinator_is
 async def test_an_unanswered_heartbeat_drops_a_silent_link_and_the_worker_reconnects(
     coordinator: CoordinatorProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import aiocoll.client._join as session_module  # where heartbeats are sent
+    import aiocoll.client.control._join as session_module  # where heartbeats are sent
 
     monkeypatch.setattr(session_module, "HEARTBEAT_INTERVAL", 0.1)
     monkeypatch.setattr(session_module, "_HEARTBEAT_REPLY_TIMEOUT", 0.5)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from aiocoll.client.session import CoordinatorSession
+from aiocoll.client.control.session import CoordinatorSession
 from aiocoll.server import Coordinator
 
 from aiocoll import StoreError

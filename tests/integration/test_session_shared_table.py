@@ -7,7 +7,7 @@ import asyncio
 import uuid
 
 import pytest
-from aiocoll.client.session import CoordinatorSession
+from aiocoll.client.control.session import CoordinatorSession
 from aiocoll.server import Coordinator
 
 pytestmark = pytest.mark.integration

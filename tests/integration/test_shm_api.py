@@ -215,7 +215,7 @@ async def killed_mid_all_gather(pg: Any) -> dict[str, Any]:
 def test_a_rank_killed_mid_collective_over_shm_fails_the_others_and_leaves_no_shared_memory(fn: Any) -> None:
     """all_reduce through the slots; all_gather reading the peers' buffers directly (where the
     kernel allows it: then a survivor may find the victim gone mid-read)."""
-    from aiocoll.client._vm_read import vm_read_available
+    from aiocoll.client.data._vm_read import vm_read_available
 
     results = run_world(fn, 3, timeout=120)
     assert results[2].exitcode == -signal.SIGKILL

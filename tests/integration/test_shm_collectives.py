@@ -1,4 +1,4 @@
-"""Collectives over shared memory between real processes (client._shm_coll), against numpy.
+"""Collectives over shared memory between real processes (client.data._shm_coll), against numpy.
 
 One forked world per size 1..8 runs every op and dtype of all_reduce (one-shot and chunked),
 broadcast from every root, all_gather, reduce_scatter and barrier, plus a mismatch; small
@@ -207,7 +207,7 @@ def test_large_broadcast_and_all_gather_read_peers_directly_or_through_the_slots
     """With AIOCOLL_SHM_DIRECT=1 (the default) large copies read the peers' buffers directly
     where this kernel allows it (process_vm_readv); with 0 they go through the slots. Same
     results and the same mismatch behaviour either way."""
-    from aiocoll.client._vm_read import vm_read_available
+    from aiocoll.client.data._vm_read import vm_read_available
 
     monkeypatch.setenv("AIOCOLL_SHM_DIRECT", direct)
     per_rank = values(shm_world(large_copies(mismatch_kind, last_count), 3))

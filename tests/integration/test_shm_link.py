@@ -1,4 +1,4 @@
-"""The shared-memory exchange (client._shm) between real processes: who may attach, what a
+"""The shared-memory exchange (client.data._shm) between real processes: who may attach, what a
 killed rank leaves behind, what a waiting rank costs, and memory that turns out not shared."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client._shm import ShmHost, ShmUnavailable
-from aiocoll.client._shm_coll import region_bytes
+from aiocoll.client.data._shm import ShmHost, ShmUnavailable
+from aiocoll.client.data._shm_coll import region_bytes
 from shm_world import JOB, TOKEN, Ctx, dev_shm_in_use, shm_world, values
 
 from aiocoll._errors import AuthenticationError

@@ -1,5 +1,5 @@
 """Test doubles for the coordinator link without sockets: a transport that records what the link
-writes, and a link already through a real handshake (shared by the tests of client/_connection.py)."""
+writes, and a link already through a real handshake (shared by the tests of client/control/_connection.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from aiocoll.client._connection import CoordinatorLink
+from aiocoll.client.control._connection import CoordinatorLink
 
 from aiocoll.protocol import ClientHandshake, ServerHandshake
 from aiocoll.protocol._coordinator import ROLE_WORKER

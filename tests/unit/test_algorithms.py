@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.transports.memory import MemoryWorld
+from aiocoll.client.data.transports.memory import MemoryWorld
 
 from aiocoll._errors import MismatchError, PeerLostError
 from aiocoll._types import ReduceOp

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.transports.memory import MemoryWorld
+from aiocoll.client.data.transports.memory import MemoryWorld
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from aiocoll.client._beat import BeatThread
+from aiocoll.client.control._beat import BeatThread
 
 from aiocoll.protocol import FrameDecoder
 from aiocoll.protocol._coordinator import EV_STACK

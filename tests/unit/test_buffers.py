@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.transports.memory import MemoryWorld
+from aiocoll.client.data.transports.memory import MemoryWorld
 
 from aiocoll._buffers import SCRATCH_KEEP_BYTES, NumpyBuffers
 from aiocoll._reduce import BF16_BLOCK, bf16_to_f32, f32_to_bf16, finish_avg, reduce_into

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiocoll.client._beat import BeatThread
 from aiocoll.client._clock import ClockEstimate
+from aiocoll.client.control._beat import BeatThread
 from test_server_progress import _world
 from test_server_state import Harness, ok
 

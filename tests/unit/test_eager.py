@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.engine import Engine
-from aiocoll.client.transports.memory import MemoryWorld
-from aiocoll.client.transports.tcp import TcpTransport
+from aiocoll.client.data.engine import Engine
+from aiocoll.client.data.transports.memory import MemoryWorld
+from aiocoll.client.data.transports.tcp import TcpTransport
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import CollectiveTimeout, MismatchError, PeerLostError
@@ -569,7 +569,7 @@ async def test_destroying_a_group_with_a_small_all_gather_pending_closes_everyth
 async def test_a_task_operation_stopped_before_its_first_step_is_still_finished() -> None:
     """A starter's task cancelled in the loop turn it was made in never runs its body; whatever
     waits on its ``finish`` (a staged chain's next operation) must be let go all the same."""
-    from aiocoll.client._operation import as_starter
+    from aiocoll.client.data._operation import as_starter
 
     class OnThisLoop:
         loop = asyncio.get_running_loop()

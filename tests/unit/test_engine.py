@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.engine import Engine
-from aiocoll.client.transports.memory import MemoryWorld
+from aiocoll.client.data.engine import Engine
+from aiocoll.client.data.transports.memory import MemoryWorld
 
 from aiocoll._errors import CollectiveTimeout, DistError, MismatchError, PeerLostError
 from aiocoll.algorithms import CollectiveSpec, run_collective

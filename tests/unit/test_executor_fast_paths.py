@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.transports.memory import MemoryWorld
+from aiocoll.client.data.transports.memory import MemoryWorld
 
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import ALGORITHMS, CollectiveSpec, run_collective
@@ -182,7 +182,7 @@ def test_every_lane_runs_its_steps_in_increasing_id_order() -> None:
 async def test_halving_doubling_all_gather_receives_land_in_place_posted_over_a_sent_range(n: int) -> None:
     """The all-gather step's receive covers what the previous step sent to the same partner; it is
     posted a step early all the same, and the result is still exact when peers run ahead."""
-    from aiocoll.client.transports.tcp import TcpTransport
+    from aiocoll.client.data.transports.tcp import TcpTransport
 
     from aiocoll._deadline import Deadline
 

@@ -157,7 +157,7 @@ def test_only_the_cuda_device_module_calls_torch_cuda() -> None:
 
 def test_the_matcher_is_sans_io_and_link_kinds_sit_in_the_client_layer() -> None:
     """aiocoll/_matching.py is a foundation that touches no sockets and no event loop (every link
-    kind feeds it); the link interface, its kinds and their factory live in client/transports."""
+    kind feeds it); the link interface, its kinds and their factory live in client/data/transports."""
     matching = ROOT / "aiocoll" / "_matching.py"
     assert _layer(_module_name(matching)[0]) == "foundation"
     tree = ast.parse(matching.read_text())
@@ -172,7 +172,7 @@ def test_the_matcher_is_sans_io_and_link_kinds_sit_in_the_client_layer() -> None
     }
     assert not imported & {"asyncio", "socket", "selectors", "numpy", "uvloop"}, imported
     for name in ("_link", "_factory", "tcp", "memory"):
-        module, _ = _module_name(ROOT / "client" / "transports" / f"{name}.py")
+        module, _ = _module_name(ROOT / "client" / "data" / "transports" / f"{name}.py")
         assert _layer(module) == "client", module
 
 
@@ -278,7 +278,7 @@ def test_no_two_modules_import_each_other_in_a_circle() -> None:
 
 def test_the_public_layer_names_no_provider() -> None:
     """aiocoll/api.py checks arguments and builds the operation; the group's providers
-    (client/providers.py) decide how it runs, so the public layer never names shared memory."""
+    (client/data/providers.py) decide how it runs, so the public layer never names shared memory."""
     text = (ROOT / "aiocoll" / "api.py").read_text()
     assert "shm" not in text.lower()
     for provider in ("_shm_coll", "routing", "_driver", "_ipc", "start_collective", "run_routed"):
@@ -335,3 +335,23 @@ def test_only_the_env_module_reads_aiocoll_variables() -> None:
                 f"{rel}:{node.lineno}" for node in ast.walk(tree) if _reads_aiocoll_variable(node, constants)
             ]
     assert not readers, "AIOCOLL_* read outside aiocoll/_env.py:\n" + "\n".join(readers)
+
+
+def test_the_two_planes_meet_only_in_the_bootstrap() -> None:
+    """client/data (engine, providers, arenas, links) runs operations and knows nothing of the
+    coordinator; client/control (session, join, store clients, beats) knows nothing of how
+    operations run; what both read (the shared modules at client/'s top: progress, recorder,
+    timeline, stacks, clock) imports neither; only client/bootstrap.py wires them together."""
+    planes = {"data": "aiocoll.client.data", "control": "aiocoll.client.control"}
+    crossing = []
+    for path in sorted((ROOT / "client").rglob("*.py")):
+        module, _ = _module_name(path)
+        if module == "aiocoll.client.bootstrap":
+            continue
+        mine = next((p for p, pkg in planes.items() if _within(module, pkg)), None)
+        for imported in _imports(path):
+            target = _resolve(imported)
+            other = next((p for p, pkg in planes.items() if _within(target, pkg)), None)
+            if _within(target, "aiocoll.client.bootstrap") or (other is not None and other != mine):
+                crossing.append(f"{path.relative_to(ROOT)} imports {target}")
+    assert not crossing, "imports across the planes:\n" + "\n".join(crossing)

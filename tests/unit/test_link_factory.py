@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Mapping, Sequence
 
 import pytest
-from aiocoll.client.transports import _factory
-from aiocoll.client.transports._factory import (
+from aiocoll.client.data.transports import _factory
+from aiocoll.client.data.transports._factory import (
     LinkKind,
     PeerEntry,
     PeerRow,
@@ -17,9 +17,9 @@ from aiocoll.client.transports._factory import (
     listen_addresses,
     transport_choice,
 )
-from aiocoll.client.transports._link import LinkTransport
-from aiocoll.client.transports.memory import MemoryLink
-from aiocoll.client.transports.tcp import TcpTransport
+from aiocoll.client.data.transports._link import LinkTransport
+from aiocoll.client.data.transports.memory import MemoryLink
+from aiocoll.client.data.transports.tcp import TcpTransport
 
 import aiocoll
 from aiocoll._deadline import Deadline

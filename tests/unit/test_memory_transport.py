@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiocoll.client.transports.memory import MemoryWorld
+from aiocoll.client.data.transports.memory import MemoryWorld
 
 from aiocoll._errors import PeerLostError
 

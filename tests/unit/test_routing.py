@@ -1,4 +1,5 @@
-"""The dispatch point by host (client/routing.py) and hierarchical all_reduce, over the in-memory transport.
+"""The dispatch point by host (client/data/routing.py) and hierarchical all_reduce, over the
+in-memory transport.
 
 Hosts are given per rank, deliberately not contiguous in rank order; results are compared with
 numpy, and the bytes that cross hosts are counted to show the exchange really is one vector per
@@ -12,8 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.routing import choose_route, host_layout, run_routed
-from aiocoll.client.transports.memory import MemoryLink, MemoryWorld
+from aiocoll.client.data.routing import choose_route, host_layout, run_routed
+from aiocoll.client.data.transports.memory import MemoryLink, MemoryWorld
 
 from aiocoll._types import ReduceOp
 from aiocoll.algorithms import CollectiveSpec

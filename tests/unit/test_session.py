@@ -7,8 +7,8 @@ import asyncio
 from typing import Any
 
 import pytest
-from aiocoll.client._connection import CoordinatorLink, LinkLost
-from aiocoll.client.session import CoordinatorSession
+from aiocoll.client.control._connection import CoordinatorLink, LinkLost
+from aiocoll.client.control.session import CoordinatorSession
 from coordinator_link_fakes import FakeTransport
 
 from aiocoll import AuthenticationError, RendezvousError

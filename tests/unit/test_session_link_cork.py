@@ -10,7 +10,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from aiocoll.client import _connection
+from aiocoll.client.control import _connection
 from coordinator_link_fakes import handshaken_link
 
 from aiocoll.protocol import FrameDecoder, pack_prefix

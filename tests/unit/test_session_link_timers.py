@@ -7,7 +7,7 @@ import asyncio
 import time
 
 import pytest
-from aiocoll.client._connection import CoordinatorLink
+from aiocoll.client.control._connection import CoordinatorLink
 from coordinator_link_fakes import handshaken_link
 
 from aiocoll.protocol import FrameDecoder, encode_frame

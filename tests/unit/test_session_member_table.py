@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgpack
 import pytest
-from aiocoll.client.session import Member, MemberTable
+from aiocoll.client.control.session import Member, MemberTable
 
 from aiocoll import ProtocolError
 

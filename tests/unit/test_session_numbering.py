@@ -1,4 +1,4 @@
-"""The session's numbering of mutations, without sockets (client/_store_core.py): ``ack`` is the id
+"""The session's numbering of mutations, without sockets (client/control/_store_core.py): ``ack`` is the id
 at and below which every mutation is settled, a reply settles everything sent before it (the
 coordinator answers a connection in order), a refused set nobody awaited is kept for the next
 call, and a session never has more than DEDUPE_WINDOW mutations unsettled, so the coordinator
@@ -10,8 +10,8 @@ import asyncio
 
 import msgpack
 import pytest
-from aiocoll.client._store_core import SYNC_AFTER, StoreCore
-from aiocoll.client.session import CoordinatorSession
+from aiocoll.client.control._store_core import SYNC_AFTER, StoreCore
+from aiocoll.client.control.session import CoordinatorSession
 from coordinator_link_fakes import handshaken_link
 
 from aiocoll import ProtocolError, StoreError, StoreTimeout
@@ -114,7 +114,7 @@ def test_the_core_encodes_each_operation_and_reads_its_reply_without_any_io() ->
     """What both drivers send and what a reply means live in the core: a waiting request carries
     its remaining time and is given the coordinator's answer first; a mutation sent again keeps
     its number and frame; a refusal becomes the error naming its keys."""
-    from aiocoll.client._store_core import MIN_REPLY_TIME, REPLY_GRACE, requests
+    from aiocoll.client.control._store_core import MIN_REPLY_TIME, REPLY_GRACE, requests
 
     core = StoreCore("j", "127.0.0.1:1")
     decode = FrameDecoder(lists=True)

@@ -1,4 +1,4 @@
-"""The point-to-point ring of the shm links (client/_shm_ring.py), both sides over one mapping:
+"""The point-to-point ring of the shm links (client/data/_shm_ring.py), both sides over one mapping:
 bytes in order through wrap-around and restarts, the capacity bound, the sender's wake-up flag,
 and a receiver that refuses chunk positions a well-behaved sender cannot produce."""
 
@@ -8,8 +8,8 @@ import mmap
 import random
 
 import pytest
-from aiocoll.client._shm import RING_HEADER
-from aiocoll.client._shm_ring import RingReader, RingWriter
+from aiocoll.client.data._shm import RING_HEADER
+from aiocoll.client.data._shm_ring import RingReader, RingWriter
 
 CAPACITY = 64 * 1024
 

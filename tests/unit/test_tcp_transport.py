@@ -8,7 +8,7 @@ import socket
 
 import numpy as np
 import pytest
-from aiocoll.client.transports.tcp import TcpTransport, route_interface
+from aiocoll.client.data.transports.tcp import TcpTransport, route_interface
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import AuthenticationError, MismatchError, PeerLostError, RendezvousError

@@ -96,7 +96,7 @@ def test_importing_and_using_the_foundations_does_not_import_torch() -> None:
     code = (
         "import sys, numpy as np\n"
         "from aiocoll.device._tensors import as_working\n"
-        "import aiocoll._reduce, aiocoll.algorithms, aiocoll.client.transports.memory\n"
+        "import aiocoll._reduce, aiocoll.algorithms, aiocoll.client.data.transports.memory\n"
         "as_working(np.zeros(3)).finish()\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -1,7 +1,7 @@
 """Per-peer links behind one interface, and the one process-level transport they plug into.
 
 Imports only foundations (aiocoll._errors, aiocoll._deadline, aiocoll._matching,
-aiocoll.algorithms._transport) and the wait policy (client/_waiting.py); never the public
+aiocoll.algorithms._transport) and the wait policy (client/data/_waiting.py); never the public
 surface. A link kind is a plug-in: adding one (as shm was added beside tcp) means writing a
 ``Link`` subclass and its connector (see _factory.py), nothing else; the engine, the driver and
 the matcher never learn which kind carries a message.
@@ -75,7 +75,7 @@ _POLL_S = 200e-6
 _POLL_MISSES = 4
 _POLL_OFF_S = 0.05
 # A receive that can complete inside its call (recv_now) reads its peer's link in place for up to
-# this long (the wait policy's spin, client/_waiting.py) before it waits in the event loop.
+# this long (the wait policy's spin, client/data/_waiting.py) before it waits in the event loop.
 _STRAIGHT_SPIN_S = 50e-6
 
 

@@ -26,7 +26,7 @@ import msgpack
 from aiocoll._progress_check import JobProgress, ProgressError
 from aiocoll.stores import Store
 
-from ._progress import ProgressTracker
+from .._progress import ProgressTracker
 
 __all__ = ["LOOK_EVERY", "StoreProgress"]
 

@@ -1,6 +1,6 @@
 """The memory link kind: n ranks of one event loop exchanging messages through memory.
 
-Imports only foundations and client/transports/_link.py. It exists so the algorithms, the engine
+Imports only foundations and client/data/transports/_link.py. It exists so the algorithms, the engine
 and their failure handling can be tested without sockets, over the same LinkTransport and the
 same Matcher as the tcp kind (so the same rules, by construction): a MemoryLink behaves like a
 socket pair, so a send to a peer that stopped reading (backpressure) waits until that peer reads

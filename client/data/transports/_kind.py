@@ -48,7 +48,7 @@ def tcp_addresses(addrs: Sequence[Sequence[Any]]) -> list[Sequence[Any]]:
 
 
 class PeerEntry(Protocol):
-    """One row of the membership table (client.session.Member fits)."""
+    """One row of the membership table (client.control.session.Member fits)."""
 
     @property
     def rank(self) -> int: ...

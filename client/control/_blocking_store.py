@@ -5,7 +5,7 @@ no hop to an event-loop thread.
 May import foundations only (protocol, stores, _errors, _deadline) and client modules without an
 event loop (_store_core, _blocking).
 
-The bookkeeping is the async session's (client/_store_core.py): the same compact requests, the
+The bookkeeping is the async session's (client/control/_store_core.py): the same compact requests, the
 same promises (docs/COORDINATOR.md): a set is sent at once and not answered; any later reply
 acknowledges it; a refused one is raised by the first call that starts after the refusal was
 read, at the latest by ``flush`` or ``close``. A set goes out at once when the client has sent

@@ -1,8 +1,8 @@
 """The execution engine: per-group sequencing, deadlines, and failure fan-out for every operation.
 
 Imports foundations (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport), the
-client's operation records (client/_op_record.py: GroupState, the engine's record, OpTransport;
-client/_operation.py: the starter shape) and progress tracking; never the public surface, and
+client's operation records (client/data/_op_record.py: GroupState, the engine's record, OpTransport;
+client/data/_operation.py: the starter shape) and progress tracking; never the public surface, and
 not the algorithms either: a group's provider hands the engine a *starter* (a function of the
 operation's tag, transport and finish callback) so the engine stays the one place that decides
 *when* and *whether* operations run, not how.
@@ -58,16 +58,16 @@ from aiocoll.algorithms._transport import (
     Transport,
 )
 
+from .._progress import ProgressTracker
+from .._recorder import call_sites as _call_sites
+from .._recorder import caller_site as _caller_site
+from .._recorder import code_at as _code_at
 from ._op_record import GroupState, OpTransport, Stoppable, _Op
 from ._operation import Body, Starter, as_starter
-from ._progress import ProgressTracker
-from ._recorder import call_sites as _call_sites
-from ._recorder import caller_site as _caller_site
-from ._recorder import code_at as _code_at
 
 __all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
-log = logging.getLogger("aiocoll.client.engine")
+log = logging.getLogger("aiocoll.client.data.engine")
 
 CONTROL_TAG: Tag = ("x",)
 _EMPTY = memoryview(b"")

@@ -2,8 +2,8 @@
 agreement that forms a sub-group, each run in steps (sizes, then the bytes) inside its one
 operation, every step by the group's route over the links.
 
-Imports foundations (aiocoll.algorithms, aiocoll._types) and client/_operation.py; never the
-public surface. client/providers.py puts it in every group's table and hands it the route
+Imports foundations (aiocoll.algorithms, aiocoll._types) and client/data/_operation.py; never the
+public surface. client/data/providers.py puts it in every group's table and hands it the route
 (``RunPart``, how a step runs). The public layer pickles what it sends (a call with an object that cannot be
 pickled fails at once); this row sends it and unpickles what arrives. Objects are unpickled
 only from members of the job: every peer link is authenticated with the job's token.

@@ -1,8 +1,8 @@
 """Same-host shared memory: one anonymous arena per process (memfd) and one wake-up descriptor
 (eventfd), handed to the other ranks of the host over authenticated Unix-domain sockets.
 
-Imports only foundations (aiocoll._errors) and client._peer (the peer handshake); never the
-public surface. The collectives that use the arenas live in client._shm_coll.
+Imports only foundations (aiocoll._errors) and client.data._peer (the peer handshake); never the
+public surface. The collectives that use the arenas live in client.data._shm_coll.
 
 Why these choices:
 
@@ -26,7 +26,7 @@ Why these choices:
   shrink the memory under our mapping (which would turn our reads into SIGBUS).
 - **One ring per direction of a pair** (``ring_bytes`` > 0): besides the arena, each side makes,
   for each peer, a sealed memfd holding the ring its point-to-point payloads to that peer travel
-  through (client._shm_ring) and an eventfd the peer writes when it frees ring space we wait for;
+  through (client.data._shm_ring) and an eventfd the peer writes when it frees ring space we wait for;
   both cross the socket with the arena. A ring is the sender's, so it vanishes with the pair.
 """
 
@@ -61,7 +61,7 @@ __all__ = [
 log = logging.getLogger("aiocoll.client.shm")
 
 ARENA_HEADER = 4096  # the first page: the probe nonce; group regions follow
-# A group region (client/_shm_coll.py lays it out): its counters and signatures, then two slots
+# A group region (client/data/_shm_coll.py lays it out): its counters and signatures, then two slots
 # of ``2 * chunk`` bytes each.
 REGION_CONTROL = 4096
 
@@ -71,7 +71,7 @@ def region_bytes(chunk: int) -> int:
     return REGION_CONTROL + 4 * chunk
 
 
-RING_HEADER = 4096  # a ring's first page holds its counters (client._shm_ring); data follows
+RING_HEADER = 4096  # a ring's first page holds its counters (client.data._shm_ring); data follows
 _PROBE_OFFSET = 0
 _NONCE = 16
 _HELLO = struct.Struct("<8sQQQ")  # magic, arena bytes, region bytes, ring bytes
@@ -303,7 +303,7 @@ class ShmHost:
         self.address = ""
         self.rejected = 0
         self.closed = False
-        self.waker: Any = None  # client._shm_coll's ShmWaker, made with the first group
+        self.waker: Any = None  # client.data._shm_coll's ShmWaker, made with the first group
         self.chunk = 0  # bytes per collective step (set by whoever sized the regions)
         self.regions_used: set[int] = set()  # group regions of our arena in use by live groups
         # regions offered to a group still agreeing on its region: not offered to another group

@@ -31,9 +31,9 @@ from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll.protocol import ClientHandshake, FrameDecoder, encode_frame
 from aiocoll.protocol._coordinator import EV_STACK, HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT, ROLE_BEAT
 
+from .._clock import ClockEstimate, estimate
+from .._stacks import current_stack
 from ._blocking import connect_blocking
-from ._clock import ClockEstimate, estimate
-from ._stacks import current_stack
 
 __all__ = ["BeatThread"]
 

@@ -4,7 +4,7 @@ as it sees it (``OpTransport``, which counts the messages it still waits for, so
 name the ranks that did not answer).
 
 Imports foundations only (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport);
-client/engine.py, which creates and runs these records, re-exports GroupState and OpTransport.
+client/data/engine.py, which creates and runs these records, re-exports GroupState and OpTransport.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class _Op:
         # completes inside it never gets a future, any other gets one (``Engine._promote``)
         # before anything else sees the operation.
         self.future: asyncio.Future[Any] = future  # type: ignore[assignment]
-        self.lane: Stoppable | None = None  # its runner (client/_operation.Starter's return)
+        self.lane: Stoppable | None = None  # its runner (client/data/_operation.Starter's return)
         self.deadline: float | None = None
         self.timeout: float | None = None
         self.abort_exc: BaseException | None = None

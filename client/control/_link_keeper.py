@@ -1,14 +1,14 @@
 """The session's link to the coordinator, kept up: connecting with backoff, and reconnecting by
 itself when the link drops, for as long as the session's timeout allows.
 
-May import foundations only (protocol, _errors, _deadline) and client/_connection.py. The session
+May import foundations only (protocol, _errors, _deadline) and client/control/_connection.py. The session
 (session.py) owns one; what a new link must carry first (the mutations nobody awaits, sent again)
 is the session's, through ``on_new_link``.
 
 Authentication failures and "this is not a coordinator" are not retried: they raise at once,
 saying what to do. What a failed attempt means (retry, after what pause, or give up saying why)
 is decided in one place, ``ConnectTries``, for this keeper and for the blocking store client
-(client/_blocking_store.py) alike.
+(client/control/_blocking_store.py) alike.
 """
 
 from __future__ import annotations

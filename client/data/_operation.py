@@ -2,9 +2,9 @@
 of the group's table implements (``Provider``) and the one shape it returns (``Starter``).
 
 Imports foundations only (aiocoll._types, aiocoll.algorithms, the device span type) and the
-engine's operation record (client/_op_record.py: OpTransport, Stoppable); every
-provider (client/_shm_arena.py, client/routing.py, client/providers.py, client/_objects.py)
-and the engine import it, so none imports another for these names.
+engine's operation record (_op_record.py: OpTransport, Stoppable); every provider
+(_shm_arena.py, routing.py, providers.py, _objects.py) and the engine import it, so none imports
+another for these names.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Operation:
 
 
 class Provider(Protocol):
-    """A row of a group's provider table (see client/providers.py).
+    """A row of a group's provider table (see client/data/providers.py).
 
     It declares, once, what it takes: ``kinds`` (of COLLECTIVE_KINDS, P2P_KINDS, OBJECT_KINDS),
     ``memory`` (HOST, DEVICE) and ``priority`` (the table asks the rows that serve an operation's

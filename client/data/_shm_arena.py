@@ -2,9 +2,9 @@
 ANDed over the parent group when the group forms), and the engine starter of every kind the
 arenas serve.
 
-Imports foundations (aiocoll._signature, aiocoll._types), client._shm_coll (the collectives over
-the arenas), client._operation and the engine's OpTransport, and the shm link kind (the process's
-arena host); never the public surface. client/providers.py and client/routing.py use it.
+Imports foundations (aiocoll._signature, aiocoll._types), client.data._shm_coll (the collectives over
+the arenas), client.data._operation and the engine's OpTransport, and the shm link kind (the process's
+arena host); never the public surface. client/data/providers.py and client/data/routing.py use it.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def world_group(transport: LinkTransport, gid: str) -> ShmGroup | None:
 
 
 class ArenaProvider:
-    """The arena collectives as a provider (client/providers.py): the kinds ``ShmGroup`` serves,
+    """The arena collectives as a provider (client/data/providers.py): the kinds ``ShmGroup`` serves,
     over a group whose members all share this host, in the region they agreed on."""
 
     name: ClassVar[str] = "arena"
@@ -132,7 +132,7 @@ class ArenaProvider:
         return all(kinds.get(r, "shm") == "shm" for r in self.group.ranks if r != me)
 
     def prepare(self, op: Operation) -> Starter | None:
-        """The operation's starter (see client/_operation.Provider), or None for one the arenas
+        """The operation's starter (see client/data/_operation.Provider), or None for one the arenas
         do not take (an out-of-place all_reduce)."""
         kind = op.kind
         if kind == "all_reduce" and op.send[0] is not op.recv[0]:

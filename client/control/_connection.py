@@ -7,7 +7,7 @@ resume_writing (bounded write buffer), TCP_NODELAY is set on connect, and the de
 header and payload sizes. Reconnecting is the session's business (session.py): a link that
 drops fails its pending requests with ``LinkLost`` and is never reused. ``open_link`` says how an
 attempt failed: SilentServer when the server accepted and then sent nothing (whoever retries
-counts those: client/_link_keeper.py), a TimeoutError naming the step that took too long.
+counts those: client/control/_link_keeper.py), a TimeoutError naming the step that took too long.
 """
 
 from __future__ import annotations

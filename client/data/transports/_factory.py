@@ -1,6 +1,6 @@
 """The one factory of a worker's transport: which link kind serves each peer, and making them.
 
-Imports foundations and client/transports (the link kinds); never the public surface. The
+Imports foundations and client/data/transports (the link kinds); never the public surface. The
 public layer calls ``open_transport`` before rendezvous (the tcp listener: its address goes
 into the membership table) and ``connect_links`` after it; nothing else names a link kind.
 

@@ -1,8 +1,8 @@
 """How a rank waits for a peer on this host: the one wait policy every waiter follows.
 
-Imports only the standard library; the waiters (the arenas' collectives in client/_shm_coll.py,
+Imports only the standard library; the waiters (the arenas' collectives in client/data/_shm_coll.py,
 the shared-memory link's sender in transports/shm.py, the links' receive polling in
-transports/_link.py, the TCP link's in-payload polling in client/_peer.py) each own what they
+transports/_link.py, the TCP link's in-payload polling in client/data/_peer.py) each own what they
 wait on (a counter in an arena, room in a ring, a socket) and how they sleep in the event loop;
 how long they spin, when they yield the CPU and when they sleep is decided here.
 

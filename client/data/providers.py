@@ -2,10 +2,10 @@
 function, the table.
 
 Imports foundations (aiocoll.algorithms, the device staging of aiocoll.device) and the client's
-engine, operation record, arenas (client/_shm_arena.py, client/_shm_coll.py), routes
-(client/routing.py), object row (client/_objects.py) and the links' transport
-(client/transports/_link.py); never the public surface. The public layer checks a call's arguments,
-builds its record (client/_operation.Operation) and submits it to the group's
+engine, operation record, arenas (client/data/_shm_arena.py, client/data/_shm_coll.py), routes
+(client/data/routing.py), object row (client/data/_objects.py) and the links' transport
+(client/data/transports/_link.py); never the public surface. The public layer checks a call's arguments,
+builds its record (client/data/_operation.Operation) and submits it to the group's
 ``ProviderTable``, which hands it to the first row that takes it. Nothing else decides how an
 operation runs: collective, point-to-point, object or group formation, host or device memory.
 
@@ -18,13 +18,13 @@ added or lost). Per call, a row may still decline one operation (the arena runs 
 all_reduces; IPC only the kinds and reduce ops it can); the table then asks the next. The rows:
 
   - ``arena`` (host, 30): every member on this host, linked by shared memory: the members'
-    arenas (client/_shm_coll.py), in a region the members agree on when the group forms.
+    arenas (client/data/_shm_coll.py), in a region the members agree on when the group forms.
   - ``routed`` (host, 20): a group spanning hosts with several members on one: all_reduce by
-    host, then among host leaders, then back (client/routing.py), its intra-host parts on arenas.
+    host, then among host leaders, then back (client/data/routing.py), its intra-host parts on arenas.
   - ``driver`` (host, 0): every collective, any group: the algorithms over the links, run by the
     message driver (aiocoll/algorithms/_driver.py) from message callbacks, without a task.
   - ``p2p`` (host, 0): send and recv over the links.
-  - ``objects`` (host, 0): object operations and group formation (client/_objects.py).
+  - ``objects`` (host, 0): object operations and group formation (client/data/_objects.py).
   - ``ipc`` (device, 20): device to device between the ranks of one host by CUDA IPC
     (aiocoll/device/_ipc.py), for the all_reduces and broadcasts it can take.
   - ``staged`` (device, 10): every collective and send/recv, chunk by chunk through pinned host
@@ -34,7 +34,7 @@ The rows that run in steps (ipc, staged, objects) run each step as a host operat
 group's route (``ProviderTable._run_part``) inside their one operation.
 
 A new provider (UCX, a GPU-direct link) is a class with ``name``, ``memory``, ``priority``,
-``kinds``, ``why``, ``prepare`` and ``close`` (client/_operation.Provider), plus a line in
+``kinds``, ``why``, ``prepare`` and ``close`` (client/data/_operation.Provider), plus a line in
 ``ProviderTable.__init__``.
 """
 
@@ -416,7 +416,7 @@ class ProviderTable:
     """A group's rows, chosen by ``select_providers``; ``submit`` runs an operation.
 
     Attributes:
-        layout: the group's members by host (client/routing.HostLayout), None when unknown.
+        layout: the group's members by host (client/data/routing.HostLayout), None when unknown.
         chosen: memory -> kind -> the names of the rows that serve it, in the order they are asked.
         ran: the name of the row that took the group's latest operation ("-": none yet).
     """
@@ -470,7 +470,7 @@ class ProviderTable:
 
     @property
     def arena(self) -> ShmGroup | None:
-        """The group's shared-memory collectives (client._shm_coll.ShmGroup), or None."""
+        """The group's shared-memory collectives (client.data._shm_coll.ShmGroup), or None."""
         return None if self._arena is None else self._arena.group
 
     # -- running -----------------------------------------------------------------------------

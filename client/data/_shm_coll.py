@@ -1,11 +1,11 @@
 """Collectives that read each other's memory, for groups whose members all share one host.
 
-Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._types) and client._shm; never
-the public surface. The arenas and their exchange are client._shm's; this module holds what
+Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._types) and client.data._shm; never
+the public surface. The arenas and their exchange are client.data._shm's; this module holds what
 runs over them: one region per group in every member's arena, the operations as generators
 that yield what they wait for, and the driver that waits (spin, then sleep on the eventfd).
 Which region a group takes, and the arena as a provider of the group's table, are
-client._shm_arena's.
+client.data._shm_arena's.
 
 A group's region in each member's arena (cache lines apart, so writers do not share them):
 
@@ -38,7 +38,7 @@ one set of kernels), folded in rank order (a rank-order left fold, as numpy's re
 a share has one owner, so every member gets the same bits.
 
 Large broadcast and all_gather (_BCAST/_GATHER_DIRECT_CHUNKS chunks per rank): one step in which every
-reader copies straight from the writer's own buffer (client._vm_read), where a probe at the
+reader copies straight from the writer's own buffer (client.data._vm_read), where a probe at the
 group's first step found that every member can read every other's memory.
 
 Waiting: for a small operation, the owner spins for a bounded time (yielding the CPU at every
@@ -507,7 +507,7 @@ class ShmGroup:
 
     # -- single copy: readers copy straight from the writer's buffer -----------------------
     def _go_direct(self, nbytes: int, chunks: int) -> Generator[Wait, None, bool]:
-        """Whether this operation reads the peers' buffers directly (client._vm_read), decided
+        """Whether this operation reads the peers' buffers directly (client.data._vm_read), decided
         alike on every member: for payloads of at least ``chunks`` chunks, once every member's
         probe verdict (written at the group's first step, before its ``done`` of that step)
         says it can read every other member; until then, and where any member cannot (a

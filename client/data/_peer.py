@@ -1,7 +1,7 @@
 """One authenticated worker-to-worker link: socket I/O, the peer handshake, framing.
 
 Imports only foundations (aiocoll._errors, aiocoll.protocol); never the public surface. It exists
-so that the TCP transport (client/transports/tcp.py) deals in messages and matching while this
+so that the TCP transport (client/data/transports/tcp.py) deals in messages and matching while this
 module deals in bytes: a non-blocking socket driven by the loop's add_reader/add_writer, with
 
 - zero-copy sends: ``sendmsg`` straight from the caller's memoryviews; what the kernel does not

@@ -7,7 +7,7 @@ all_reduce over a group that spans hosts with several ranks on at least one: red
 host to its leader, all_reduce among the leaders, broadcast within each host). A group whose
 members all share one host, with shared-memory links, runs the kinds the arenas serve on them
 instead (the arena provider); which provider runs what is chosen once per group by
-client/providers.py, which takes ``RoutedProvider`` for the groups where the hierarchical route
+client/data/providers.py, which takes ``RoutedProvider`` for the groups where the hierarchical route
 applies.
 
 ``run_routed`` runs an operation the way ``choose_route`` says. The hierarchical all_reduce is
@@ -18,7 +18,7 @@ plus a part marker, so they match across ranks by the parent's sequence number, 
 its deadline and fail with it.
 
 The intra-host parts run on the host's shared memory when its members share it
-(``HostParts``, client/_shm_coll.py): the host's members all_reduce in their arenas (every
+(``HostParts``, client/data/_shm_coll.py): the host's members all_reduce in their arenas (every
 member reads the others' inputs; no message per step), the leaders exchange over TCP, and the
 leader's result reaches the others by the arenas' broadcast. Whether a host's members can do
 that is decided once per group, by those members together, at the group's first hierarchical
@@ -27,8 +27,8 @@ not linked to it by shared memory), the offers are ANDed among them over the lin
 highest region free on all is the host's (new groups take the lowest, so the two rarely meet).
 A host whose members cannot agree on a region runs the parts as messages, as before.
 
-Imports foundations (aiocoll.algorithms, aiocoll._types, aiocoll._reduce), client._operation
-and client._shm_coll (the arenas' collectives); client/providers.py builds layouts from the
+Imports foundations (aiocoll.algorithms, aiocoll._types, aiocoll._reduce), client.data._operation
+and client.data._shm_coll (the arenas' collectives); client/data/providers.py builds layouts from the
 membership table and calls ``run_routed`` and ``RoutedProvider``.
 """
 
@@ -267,7 +267,7 @@ async def _hierarchical_all_reduce(
 
 
 class RoutedProvider:
-    """The hierarchical all_reduce as a provider (client/providers.py), for a group spanning
+    """The hierarchical all_reduce as a provider (client/data/providers.py), for a group spanning
     hosts with several members on at least one; its intra-host parts on the arenas when the
     host's members agree on a region (``HostParts``), else as messages.
 
@@ -304,7 +304,7 @@ class RoutedProvider:
         self._arena = group  # closed with the provider
 
     def prepare(self, op: Operation) -> Starter | None:
-        """The operation's starter (see client/_operation.Provider), or None for a reduce op the
+        """The operation's starter (see client/data/_operation.Provider), or None for a reduce op the
         route cannot regroup."""
         if op.op not in HIERARCHICAL_OPS or self._layout is None:
             return None

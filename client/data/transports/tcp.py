@@ -1,7 +1,7 @@
 """The tcp link kind: authenticated peer links between the workers of one job.
 
 Imports only foundations (aiocoll._errors, aiocoll.protocol, aiocoll._matching via _link) and
-client/_peer.py, client/transports/_link.py; never the public surface. TcpLink is a Link (see
+client/data/_peer.py, client/data/transports/_link.py; never the public surface. TcpLink is a Link (see
 _link.py) and TcpTransport the process's LinkTransport with the tcp connector (listener and
 dialler); matching is the process's one Matcher (aiocoll/_matching.py), fed by every link.
 
@@ -184,7 +184,7 @@ class TcpTransport(LinkTransport):
     listener and dialler); links of other kinds may be attached beside them.
 
     Use: ``addr = await t.listen(host)``; publish ``addr`` through rendezvous; then
-    ``await t.connect(addrs_by_rank, deadline)`` (or client/transports/_factory.py's
+    ``await t.connect(addrs_by_rank, deadline)`` (or client/data/transports/_factory.py's
     ``connect_links``, which picks each peer's link kind).
 
     Args:

@@ -1,11 +1,11 @@
 """One direction of a point-to-point byte ring in shared memory: the shm link kind's data path.
 
-Imports only the standard library and client._shm (the ring header size, the memory fence);
-never asyncio, sockets or the public surface. The link (client/transports/shm.py) decides what
+Imports only the standard library and client.data._shm (the ring header size, the memory fence);
+never asyncio, sockets or the public surface. The link (client/data/transports/shm.py) decides what
 to put in a ring and when, and says where each chunk lies in a frame over its Unix socket; this
 module only allocates, copies, checks bounds and keeps the two counters.
 
-A ring is a memfd of ``RING_HEADER + capacity`` bytes made by the *sender* (client._shm hands it
+A ring is a memfd of ``RING_HEADER + capacity`` bytes made by the *sender* (client.data._shm hands it
 to the receiver with the arena). Its first page holds two counters, on their own cache lines:
 
     0    freed     absolute count of ring bytes the receiver has released (only it writes this)
@@ -22,7 +22,7 @@ warm). Chunks start on 64-byte boundaries. Chunks are released in the order they
 That bound is the backpressure: a receiver that stops reading stops the sender once the ring is
 full, and nothing is ever dropped or reordered.
 
-Waking the sender: after releasing, the receiver issues a full fence (client._shm.fence) and
+Waking the sender: after releasing, the receiver issues a full fence (client.data._shm.fence) and
 reads ``waiting``; a sender about to sleep sets ``waiting``, fences, and checks the space once
 more before it sleeps. One of the two always sees the other, so a wake-up is never lost.
 """

@@ -1,13 +1,13 @@
 """The shm link kind: peers on this host, joined by an authenticated Unix socket that also
-handed over each side's shared-memory arena and point-to-point rings (client._shm).
+handed over each side's shared-memory arena and point-to-point rings (client.data._shm).
 
-Imports foundations, client._shm, client._shm_ring and this package's tcp module; never the
+Imports foundations, client.data._shm, client.data._shm_ring and this package's tcp module; never the
 public surface.
 
 Messages between two ranks of one host (point-to-point, and collectives that do not run over
 the arenas: reduce, gather, scatter, all_to_all, the driver's schedules) keep the tcp kind's
 framing on the Unix socket for their headers, but their payload bytes never cross it: the
-sender copies each payload once into its ring towards the peer (client._shm_ring), in chunks
+sender copies each payload once into its ring towards the peer (client.data._shm_ring), in chunks
 of ``ring capacity / 8``, and sends one small frame per chunk saying where it lies
 (``{"r": [tag, meta, total, end, length]}`` for the first, ``{"c": [end, length]}`` for the
 rest). The receiver takes those frames in stream order like any other: the first asks the
@@ -39,9 +39,9 @@ their eventfds and closes them with itself; the rings are anonymous memory, so n
 behind.
 
 The collectives of a group whose members all share this host read each other's arenas directly
-(client._shm_coll); this kind makes the arenas available to them (``shm_host``).
+(client.data._shm_coll); this kind makes the arenas available to them (``shm_host``).
 
-Choosing (client/transports/_factory.py): ``auto`` prefers this kind for peers with our host
+Choosing (client/data/transports/_factory.py): ``auto`` prefers this kind for peers with our host
 identity; when a peer's address cannot be reached (another network namespace: two containers
 on one machine) or its memory turns out not to be shared, the pair falls back to tcp and the
 job goes on (logged). ``AIOCOLL_TRANSPORT=shm`` makes that an error instead.
@@ -275,7 +275,7 @@ class ShmLink(TcpLink):
             self.write_nowait([memoryview(PREFIX.pack(len(packed), 0) + packed)])
 
     def _spin_until_room(self, writer: RingWriter, need: int) -> bool:
-        """Wait for room by the one wait policy (client/_waiting.py): yielding the CPU at every
+        """Wait for room by the one wait policy (client/data/_waiting.py): yielding the CPU at every
         check (the receiver may be waiting for this very core), up to a budget that halves after
         a spin that failed and doubles back after one that succeeded, so a slow receiver is not
         spun for."""

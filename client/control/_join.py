@@ -380,7 +380,7 @@ class Joining:
                 pass  # the reconnect logic has it
 
     def start_beats(self, report: Report) -> BeatThread:
-        """Beat from a thread on a connection of its own (client/_beat.py), so that this member
+        """Beat from a thread on a connection of its own (client/control/_beat.py), so that this member
         stays alive while its event loop is busy, and send ``report(full)``'s progress reports.
 
         Raises:
