@@ -218,14 +218,16 @@ async def work_api_checks(pg: Any) -> dict[str, Any]:
         res["wait_on_loop_after_done"] = True
     except RuntimeError:
         res["wait_on_loop_after_done"] = False
-    # an operation that cannot have finished yet (its message is sent only after this check;
-    # a collective may complete inside its call when the peers are there already, over shm)
+    # an operation that cannot have finished yet: its message is sent only once every rank made
+    # this check (a receive whose message is here already completes inside its call, and so
+    # may a collective when the peers are there already, over shm)
     w3 = pg.recv(np.zeros(1, np.float32), src=(pg.rank + 1) % pg.size, tag=77)
     try:
         w3.wait()
         res["wait_on_loop_thread"] = "no error"
     except RuntimeError as exc:
         res["wait_on_loop_thread"] = "RuntimeError" if "event loop" in str(exc) else str(exc)
+    await pg.barrier()
     await pg.send(np.zeros(1, np.float32), dst=(pg.rank - 1) % pg.size, tag=77)
     await w3
     # cancelling a task that awaits a Work leaves the operation (and the group) in step
