@@ -124,7 +124,9 @@ class P2PProvider:
     Both take the straight path when they can (Engine.submit_eager: a Work born complete, no
     task): a send whose payload the link took at once, a receive whose message is here or
     arrives within the transport's short in-place wait (Transport.recv_now). The rest run as a
-    task that awaits the link."""
+    task that awaits the link. A receive takes the straight path only while no receive of its
+    tag waits as a task: the task posts its receive when it first runs, and a later receive
+    taking the message first would break the order in which receives of one tag match."""
 
     name: ClassVar[str] = "p2p"
     memory: ClassVar[frozenset[str]] = frozenset({HOST})
@@ -135,6 +137,7 @@ class P2PProvider:
     def __init__(self, ranks: tuple[int, ...], gid: str) -> None:
         self._ranks = ranks
         self._gid = gid
+        self._waiting: dict[Tag, int] = {}  # receives running as tasks, by tag
 
     def prepare(self, op: Operation) -> Starter:
         meta = op.meta
@@ -177,8 +180,22 @@ class P2PProvider:
             op.result = received(op, got, sent, ranks, gid)
 
         waiting = copying_back(op, wait)
+        tasks = self._waiting
+
+        def as_task(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+            tasks[tag] = tasks.get(tag, 0) + 1
+
+            def done(result: Any, exc: BaseException | None) -> None:
+                left = tasks.pop(tag) - 1
+                if left:
+                    tasks[tag] = left
+                finish(result, exc)
+
+            return waiting(tag, transport, done)  # (as_starter finishes a task once)
 
         def recv(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+            if tag in tasks:  # an earlier receive of this tag is not posted yet: after it
+                return as_task(tag, transport, finish)
             try:
                 here = transport.recv_now(source, tag, into)
             except MismatchError as exc:
@@ -189,7 +206,7 @@ class P2PProvider:
                     tag, transport, finish
                 )
             if here is None:
-                return waiting(tag, transport, finish)
+                return as_task(tag, transport, finish)
             got, sent = here
             if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
                 return copying_back(op, _refusal(sent, got, op, ranks, gid, None))(tag, transport, finish)

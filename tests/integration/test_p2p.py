@@ -94,6 +94,26 @@ async def worker(pg: Any) -> dict[str, Any]:
     else:
         await pg.barrier()
 
+    # receives of one tag match in the order they were made, also when an earlier one waits
+    # (its message not here yet) and a later one finds the messages already arrived
+    if r == 0:
+        await pg.barrier()
+        await asyncio.sleep(0.05)  # after rank 1's first receive was made
+        await pg.send(np.array([1], np.int32), dst=1, tag=40)
+        await pg.send(np.array([2, 3], np.int32), dst=1, tag=40)
+    elif r == 1:
+        await pg.barrier()
+        first, second = np.zeros(1, np.int32), np.zeros(2, np.int32)
+        waiting = pg.recv(first, src=0, tag=40)
+        time.sleep(0.3)  # noqa: ASYNC251 (on purpose: the first receive must not run meanwhile)
+        try:
+            await asyncio.gather(waiting, pg.recv(second, src=0, tag=40))
+            out["in_order"] = (first.tolist(), second.tolist())
+        except MismatchError as exc:
+            out["in_order"] = str(exc)
+    else:
+        await pg.barrier()
+
     # a wrong dtype or size on the receiving side is a MismatchError for that recv
     if r == 0:
         await pg.send(np.ones(4, np.float32), dst=1, tag=20)
@@ -162,6 +182,10 @@ def test_small_send_and_a_receive_whose_message_is_here_complete_inside_their_ca
 ) -> None:
     assert results[0]["send_born_complete"] is True
     assert results[1]["recv_born_complete"] == (True, 0, 7)
+
+
+def test_receives_of_one_tag_match_in_the_order_they_were_made(results: list[dict[str, Any]]) -> None:
+    assert results[1]["in_order"] == ([1], [2, 3])
 
 
 def test_wrong_dtype_or_size_on_recv_is_a_mismatch(results: list[dict[str, Any]]) -> None:
