@@ -144,10 +144,17 @@ def call_sites(capacity: int) -> tuple[CallSites | None, bool]:
 
 
 def user_depth(frame: FrameType | None) -> int:
-    """How many frames above ``frame`` the first one outside aiocoll (and asyncio) is."""
+    """How many frames above ``frame`` the first one outside aiocoll (and asyncio) is. aiocoll's
+    command-line tools (aiocoll/cli: the bench's ranks) call the API as a user does, and count
+    as the user's: their calls then keep their depth (CallSites) instead of a walk each."""
     skip = _package_dirs()
+    package = getattr(sys.modules.get("aiocoll"), "__file__", None) or ""
+    tools = os.path.join(os.path.dirname(os.path.abspath(package)), "cli") + os.sep
     depth = 0
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
+        if not path.startswith(skip) or path.startswith(tools):
+            break
         frame = frame.f_back
         depth += 1
     return depth
