@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "DUMP_VERSION",
     "CallSites",
+    "aiocoll_frames",
     "Site",
     "call_sites",
     "caller_site",
@@ -57,7 +58,6 @@ __all__ = [
     "dump_path",
     "register",
     "site_of",
-    "user_depth",
     "write_dump",
 ]
 
@@ -115,21 +115,18 @@ class CallSites:
         """The site of the operation being opened (called from ``Engine._open``); its kind's depth
         is kept for the next ones when the user called aiocoll's API directly."""
         opening = sys._getframe(1)
-        depth = user_depth(opening)
-        frame: FrameType | None = opening
-        outermost = opening
-        for _ in range(depth):
-            if frame is None:
-                break
-            self.passed.add(id(frame.f_code))  # (by identity: a code object's hash is slow)
-            outermost, frame = frame, frame.f_back
-        if frame is None:  # no frame of the user's on this stack: the engine's own frame
+        ours = aiocoll_frames(opening)
+        for f in ours:
+            self.passed.add(id(f.f_code))  # (by identity: a code object's hash is slow)
+        outermost = ours[-1] if ours else opening
+        user = outermost.f_back if ours else opening
+        if user is None:  # no frame of the user's on this stack: the engine's own frame
             return code_at(opening)  # (site_of reads it as unknown)
         api = getattr(sys.modules.get("aiocoll.api"), "__file__", None)
         # (or the engine itself, called straight from outside: a developer's harness)
         if outermost is opening or (api is not None and outermost.f_code.co_filename == api):
-            (self.signed if signed else self.unsigned)[kind] = depth
-        return code_at(frame)
+            (self.signed if signed else self.unsigned)[kind] = len(ours)
+        return code_at(user)
 
 
 def call_sites(capacity: int) -> tuple[CallSites | None, bool]:
@@ -143,21 +140,22 @@ def call_sites(capacity: int) -> tuple[CallSites | None, bool]:
     return CallSites(), False
 
 
-def user_depth(frame: FrameType | None) -> int:
-    """How many frames above ``frame`` the first one outside aiocoll (and asyncio) is. aiocoll's
-    command-line tools (aiocoll/cli: the bench's ranks) call the API as a user does, and count
-    as the user's: their calls then keep their depth (CallSites) instead of a walk each."""
+def aiocoll_frames(frame: FrameType | None) -> list[FrameType]:
+    """``frame`` and the frames above it up to the first one outside aiocoll (and asyncio),
+    innermost first. aiocoll's command-line tools (aiocoll/cli: the bench's ranks) call the API
+    as a user does, and count as the user's: their calls then keep their depth (CallSites)
+    instead of a walk each."""
     skip = _package_dirs()
     package = getattr(sys.modules.get("aiocoll"), "__file__", None) or ""
     tools = os.path.join(os.path.dirname(os.path.abspath(package)), "cli") + os.sep
-    depth = 0
+    ours: list[FrameType] = []
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith(skip) or path.startswith(tools):
             break
+        ours.append(frame)
         frame = frame.f_back
-        depth += 1
-    return depth
+    return ours
 
 
 def _package_dirs() -> tuple[str, ...]:
