@@ -61,7 +61,7 @@ __all__ = [
 log = logging.getLogger("aiocoll.client.shm")
 
 ARENA_HEADER = 4096  # the first page: the probe nonce; group regions follow
-# A group region (client/data/_shm_coll.py lays it out): its counters and signatures, then two slots
+# A group region (client/data/_shm_layout.py lays it out): its counters and signatures, then two slots
 # of ``2 * chunk`` bytes each.
 REGION_CONTROL = 4096
 
@@ -303,7 +303,7 @@ class ShmHost:
         self.address = ""
         self.rejected = 0
         self.closed = False
-        self.waker: Any = None  # client.data._shm_coll's ShmWaker, made with the first group
+        self.waker: Any = None  # client.data._shm_sched's ShmWaker, made with the first group
         self.chunk = 0  # bytes per collective step (set by whoever sized the regions)
         self.regions_used: set[int] = set()  # group regions of our arena in use by live groups
         # regions offered to a group still agreeing on its region: not offered to another group

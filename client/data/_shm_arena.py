@@ -2,9 +2,10 @@
 ANDed over the parent group when the group forms), and the engine starter of every kind the
 arenas serve.
 
-Imports foundations (aiocoll._signature, aiocoll._types), client.data._shm_coll (the collectives over
-the arenas), client.data._operation and the engine's OpTransport, and the shm link kind (the process's
-arena host); never the public surface. client/data/providers.py and client/data/routing.py use it.
+Imports foundations (aiocoll._signature, aiocoll._types), client.data._shm_coll and
+client.data._shm_sched (the collectives over the arenas and their running), client.data._operation
+and the engine's OpTransport, and the shm link kind (the process's arena host); never the public
+surface. client/data/providers.py and client/data/routing.py use it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import numpy as np
 import aiocoll._signature as _signature
 
 from ._operation import HOST, Finish, Operation, Starter, finish_with_copy_back
-from ._shm_coll import ShmGroup, ShmWaker, _ShmOp
+from ._shm_coll import ShmGroup
+from ._shm_sched import ShmOp, ShmWaker
 from .engine import OpTransport
 from .transports._link import LinkTransport
 from .transports.shm import shm_host
@@ -139,7 +141,7 @@ class ArenaProvider:
             return None
         group = self.group
 
-        def start(tag: Any, transport: OpTransport, finish: Finish) -> _ShmOp:  # (tag[2]: the seq)
+        def start(tag: Any, transport: OpTransport, finish: Finish) -> ShmOp:  # (tag[2]: the seq)
             meta = op.meta
             sig = _signature.pack(tag[2], meta)
             fin = finish_with_copy_back(op, finish)

@@ -1,6 +1,6 @@
 """How a rank waits for a peer on this host: the one wait policy every waiter follows.
 
-Imports only the standard library; the waiters (the arenas' collectives in client/data/_shm_coll.py,
+Imports only the standard library; the waiters (the arenas' scheduler in client/data/_shm_sched.py,
 the shared-memory link's sender in transports/shm.py, the links' receive polling in
 transports/_link.py, the TCP link's in-payload polling in client/data/_peer.py) each own what they
 wait on (a counter in an arena, room in a ring, a socket) and how they sleep in the event loop;

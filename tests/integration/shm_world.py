@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from aiocoll.client.data._shm import ShmHost
-from aiocoll.client.data._shm_coll import ShmGroup, ShmWaker, region_bytes
+from aiocoll.client.data._shm import ShmHost, region_bytes
+from aiocoll.client.data._shm_coll import ShmGroup
+from aiocoll.client.data._shm_sched import ShmWaker
 
 from aiocoll._types import ReduceOp
 

@@ -60,7 +60,7 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait(10)
 
 
-PROBE = r'''
+PROBE = r"""
 import json, os, sys
 rank = int(os.environ["RANK"])
 keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -76,7 +76,7 @@ for i in range(lines):
 sys.stderr.write(f"[rank{rank}]: prefixed by the worker, as torch does\n")
 sys.stdout.write(f"partial-out-{rank}")
 sys.stderr.write(f"partial-err-{rank}")
-'''
+"""
 
 
 def _launch(
@@ -164,9 +164,23 @@ def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(
     (tmp_path / "token").write_text(COORDINATOR_TOKEN + "\n")
     lines = 3000
     proc = _launch(
-        "--nproc-per-node", "3", "--coordinator", coordinator, "--job", "env-check",
-        "--token-file", "token", "--log-dir", "logs", "probe.py", "--lr", "0.1", "--nproc-per-node", "9",
-        cwd=tmp_path, env=_clean_env(PROBE_LINES=str(lines)),
+        "--nproc-per-node",
+        "3",
+        "--coordinator",
+        coordinator,
+        "--job",
+        "env-check",
+        "--token-file",
+        "token",
+        "--log-dir",
+        "logs",
+        "probe.py",
+        "--lr",
+        "0.1",
+        "--nproc-per-node",
+        "9",
+        cwd=tmp_path,
+        env=_clean_env(PROBE_LINES=str(lines)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -185,11 +199,20 @@ def test_every_worker_line_is_prefixed_and_each_rank_gets_its_environment(
     assert master_port.isdigit() and master_port != coordinator.split(":")[1], store
     for rank, env in envs.items():
         assert env == {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "3", "LOCAL_WORLD_SIZE": "3",
-            "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": master_port, "AIOCOLL_COORDINATOR": coordinator, "AIOCOLL_JOB": "env-check",
-            "AIOCOLL_TOKEN": "launcher-secret", "AIOCOLL_RESTART_COUNT": "0",
-            "OMP_NUM_THREADS": "1", "argv": ["--lr", "0.1", "--nproc-per-node", "9"],
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "3",
+            "LOCAL_WORLD_SIZE": "3",
+            "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": master_port,
+            "AIOCOLL_COORDINATOR": coordinator,
+            "AIOCOLL_JOB": "env-check",
+            "AIOCOLL_TOKEN": "launcher-secret",
+            "AIOCOLL_RESTART_COUNT": "0",
+            "OMP_NUM_THREADS": "1",
+            "argv": ["--lr", "0.1", "--nproc-per-node", "9"],
         }
 
     for rank in range(3):
@@ -226,12 +249,24 @@ def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks
 ) -> None:
     (tmp_path / "probe_module.py").write_text(PROBE)
     env = _clean_env(
-        SLURM_PROCID="1", SLURM_NTASKS="2", SLURM_NNODES="2", SLURM_NODEID="1", SLURM_LOCALID="0",
-        PYTHONPATH=str(tmp_path), AIOCOLL_TOKEN=COORDINATOR_TOKEN,
+        SLURM_PROCID="1",
+        SLURM_NTASKS="2",
+        SLURM_NNODES="2",
+        SLURM_NODEID="1",
+        SLURM_LOCALID="0",
+        PYTHONPATH=str(tmp_path),
+        AIOCOLL_TOKEN=COORDINATOR_TOKEN,
     )
     proc = _launch(
-        "--nproc_per_node", "2", "--coordinator", coordinator, "-m", "probe_module", "a",
-        cwd=tmp_path, env=env,
+        "--nproc_per_node",
+        "2",
+        "--coordinator",
+        coordinator,
+        "-m",
+        "probe_module",
+        "a",
+        cwd=tmp_path,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "node rank 1 from SLURM_PROCID" in proc.stderr and "nnodes=2 from SLURM_NTASKS" in proc.stderr
@@ -248,7 +283,7 @@ def test_node_rank_and_node_count_come_from_an_srun_task_and_number_global_ranks
         assert envs[rank]["AIOCOLL_TOKEN"] == COORDINATOR_TOKEN and envs[rank]["argv"] == ["a"]
 
 
-FAILING = r'''
+FAILING = r"""
 import os, signal, sys, time
 rank = int(os.environ["RANK"])
 here = os.path.dirname(os.path.abspath(__file__))
@@ -273,7 +308,7 @@ else:
     print("ValueError: loss is nan at step 7", file=sys.stderr)
     sys.exit(3)
 time.sleep(120)
-'''
+"""
 
 
 def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(
@@ -282,8 +317,15 @@ def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(
     (tmp_path / "failing.py").write_text(FAILING)
     started = time.monotonic()
     proc = _launch(
-        "--nproc-per-node", "3", "--grace-period", "1", "--coordinator", coordinator, "failing.py",
-        cwd=tmp_path, env=_token_env(),
+        "--nproc-per-node",
+        "3",
+        "--grace-period",
+        "1",
+        "--coordinator",
+        coordinator,
+        "failing.py",
+        cwd=tmp_path,
+        env=_token_env(),
     )
     assert time.monotonic() - started < 40, "the launcher should stop the sleeping workers, not wait for them"
     assert proc.returncode == 3, proc.stderr
@@ -307,13 +349,13 @@ def test_a_failing_worker_stops_the_others_and_the_launcher_exits_with_its_code(
     assert not _pid_alive(int((tmp_path / "pid2").read_text()))
 
 
-SELF_KILLING = r'''
+SELF_KILLING = r"""
 import os, signal, time
 print("generation", os.environ["AIOCOLL_RESTART_COUNT"], flush=True)
 if os.environ["RANK"] == "0":
     os.kill(os.getpid(), signal.SIGKILL)
 time.sleep(120)
-'''
+"""
 
 
 def test_restarts_run_out_and_a_signal_death_is_named_and_exits_128_plus_signal(
@@ -321,8 +363,17 @@ def test_restarts_run_out_and_a_signal_death_is_named_and_exits_128_plus_signal(
 ) -> None:
     (tmp_path / "self_killing.py").write_text(SELF_KILLING)
     proc = _launch(
-        "--nproc-per-node", "2", "--max-restarts", "1", "--grace-period", "5",
-        "--coordinator", coordinator, "self_killing.py", cwd=tmp_path, env=_token_env(),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--grace-period",
+        "5",
+        "--coordinator",
+        coordinator,
+        "self_killing.py",
+        cwd=tmp_path,
+        env=_token_env(),
     )
     assert proc.returncode == 128 + signal.SIGKILL, proc.stderr
     assert _rank_lines(proc.stdout, 0) == ["generation 0", "generation 1"]
@@ -333,7 +384,7 @@ def test_restarts_run_out_and_a_signal_death_is_named_and_exits_128_plus_signal(
     assert "rank 1: killed by signal SIGTERM" in err
 
 
-RESTARTING = r'''
+RESTARTING = r"""
 import os, sys
 here = os.path.dirname(os.path.abspath(__file__))
 marker = os.path.join(here, "failed-once")
@@ -342,7 +393,7 @@ if os.environ["RANK"] == "1" and not os.path.exists(marker):
     open(marker, "w").close()
     print("first generation fails", file=sys.stderr)
     sys.exit(5)
-'''
+"""
 
 
 def test_max_restarts_restarts_the_whole_generation_with_the_same_job(
@@ -350,8 +401,17 @@ def test_max_restarts_restarts_the_whole_generation_with_the_same_job(
 ) -> None:
     (tmp_path / "restarting.py").write_text(RESTARTING)
     proc = _launch(
-        "--nproc-per-node", "2", "--max-restarts", "1", "--job", "elastic-7",
-        "--coordinator", coordinator, "restarting.py", cwd=tmp_path, env=_token_env(),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--job",
+        "elastic-7",
+        "--coordinator",
+        coordinator,
+        "restarting.py",
+        cwd=tmp_path,
+        env=_token_env(),
     )
     assert proc.returncode == 0, proc.stderr
     for rank in (0, 1):
@@ -366,7 +426,7 @@ def test_max_restarts_restarts_the_whole_generation_with_the_same_job(
     assert "all 2 rank(s) (0..1) exited 0; restarts used 1 of 1" in err
 
 
-TRAPPING = r'''
+TRAPPING = r"""
 import os, signal, sys, time
 rank = os.environ["RANK"]
 here = os.path.dirname(os.path.abspath(__file__))
@@ -381,7 +441,7 @@ with open(os.path.join(here, f"ready{rank}"), "w") as f:
     f.write(str(os.getpid()))
 while True:
     time.sleep(0.05)
-'''
+"""
 
 
 def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(
@@ -389,9 +449,21 @@ def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(
 ) -> None:
     (tmp_path / "trapping.py").write_text(TRAPPING)
     launcher = subprocess.Popen(
-        [*LAUNCHER, "--nproc-per-node", "2", "--grace-period", "60", "--coordinator", coordinator,
-         "trapping.py"],
-        cwd=tmp_path, env=_token_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            *LAUNCHER,
+            "--nproc-per-node",
+            "2",
+            "--grace-period",
+            "60",
+            "--coordinator",
+            coordinator,
+            "trapping.py",
+        ],
+        cwd=tmp_path,
+        env=_token_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         _wait_for(tmp_path / "ready0")
@@ -420,8 +492,14 @@ def test_signals_to_the_launcher_reach_every_worker_and_a_second_one_kills(
 
 def test_a_program_that_cannot_start_is_reported_with_exit_127(tmp_path: Path, coordinator: str) -> None:
     proc = _launch(
-        "--no-python", "--nproc-per-node", "2", "--coordinator", coordinator,
-        str(tmp_path / "no-such-program"), cwd=tmp_path, env=_token_env(),
+        "--no-python",
+        "--nproc-per-node",
+        "2",
+        "--coordinator",
+        coordinator,
+        str(tmp_path / "no-such-program"),
+        cwd=tmp_path,
+        env=_token_env(),
     )
     assert proc.returncode == 127
     assert f"cannot start rank 0 ({tmp_path / 'no-such-program'}): [Errno 2]" in proc.stderr
@@ -435,7 +513,7 @@ def _has_coordinator() -> bool:
     return hasattr(server, "Coordinator")
 
 
-COORDINATOR_CLIENT = r'''
+COORDINATOR_CLIENT = r"""
 import asyncio, os, socket, sys
 coordinator = os.environ["AIOCOLL_COORDINATOR"]
 addr, port = coordinator.rsplit(":", 1)
@@ -462,7 +540,7 @@ else:
     print("connected", addr, port, flush=True)
 if generation == "0" and rank == 1:
     sys.exit(7)   # the second generation must find the same coordinator still serving the job
-'''
+"""
 
 
 @pytest.mark.skipif(not _has_coordinator(), reason="aiocoll.server.Coordinator has not landed yet")
@@ -470,8 +548,13 @@ def test_embedded_coordinator_answers_at_aiocoll_coordinator_and_outlives_a_rest
     use_store = importlib.util.find_spec("aiocoll._connect") is not None
     (tmp_path / "client.py").write_text(COORDINATOR_CLIENT)
     proc = _launch(
-        "--nproc-per-node", "2", "--max-restarts", "1", "client.py",
-        cwd=tmp_path, env=_clean_env(AIOCOLL_TOKEN="t0k", USE_STORE="1" if use_store else "0"),
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "client.py",
+        cwd=tmp_path,
+        env=_clean_env(AIOCOLL_TOKEN="t0k", USE_STORE="1" if use_store else "0"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stderr.count("embedded coordinator listening on 127.0.0.1:") == 1
@@ -499,7 +582,7 @@ def _has_torch() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-GLOO = r'''
+GLOO = r"""
 import os, time
 import torch
 import torch.distributed as dist
@@ -520,7 +603,7 @@ if generation == 0:
 dist.barrier()
 dist.destroy_process_group()
 print("done", generation, flush=True)
-'''
+"""
 
 
 @pytest.mark.timeout(120)
@@ -529,8 +612,16 @@ def test_plain_torch_gloo_script_runs_unchanged_and_restarts_on_the_same_master_
     (tmp_path / "gloo_script.py").write_text(GLOO)
     # No --coordinator: the embedded coordinator holds its own port, and MASTER_PORT must be free.
     proc = _launch(
-        "--nproc-per-node", "2", "--max-restarts", "1", "--grace-period", "5", "gloo_script.py",
-        cwd=tmp_path, env=_clean_env(), timeout=100,
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--grace-period",
+        "5",
+        "gloo_script.py",
+        cwd=tmp_path,
+        env=_clean_env(),
+        timeout=100,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     coordinator, store = _logged_addresses(proc.stderr)
@@ -538,10 +629,14 @@ def test_plain_torch_gloo_script_runs_unchanged_and_restarts_on_the_same_master_
     assert coordinator.startswith("127.0.0.1:") and coordinator != store
     summed = [0.0 + 10.0, 2.0 + 10.0, 4.0 + 10.0, 6.0 + 10.0]
     assert _rank_lines(proc.stdout, 0) == [
-        f"all_reduce 0 {summed} {master_port}", f"all_reduce 1 {summed} {master_port}", "done 1",
+        f"all_reduce 0 {summed} {master_port}",
+        f"all_reduce 1 {summed} {master_port}",
+        "done 1",
     ]
     assert _rank_lines(proc.stdout, 1) == [
-        f"all_reduce 0 {summed} {master_port}", f"all_reduce 1 {summed} {master_port}", "done 1",
+        f"all_reduce 0 {summed} {master_port}",
+        f"all_reduce 1 {summed} {master_port}",
+        "done 1",
     ]
     assert "rank 1 failed (exit code 3): restarting all 2 local worker(s)" in proc.stderr
     assert "EADDRINUSE" not in proc.stderr and "address already in use" not in proc.stderr.lower()
@@ -564,7 +659,7 @@ def test_aiocoll_run_help_through_the_dispatcher_shows_examples(tmp_path: Path) 
         assert fragment in proc.stdout, fragment
 
 
-TOKEN_CLIENT = r'''
+TOKEN_CLIENT = r"""
 import asyncio, os
 import aiocoll
 async def main():
@@ -574,7 +669,7 @@ async def main():
     await store.aclose()
     print("TOKEN", os.environ["AIOCOLL_TOKEN"], flush=True)
 asyncio.run(main())
-'''
+"""
 
 
 @pytest.mark.skipif(not _has_coordinator(), reason="aiocoll.server.Coordinator has not landed yet")
@@ -586,8 +681,12 @@ def test_without_a_token_each_launch_uses_a_random_secret_its_coordinator_requir
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "random token of its own" in proc.stderr
         assert "no token" not in proc.stderr  # no worker had to warn about an open job
-        seen = {line.split()[-1] for rank in (0, 1) for line in _rank_lines(proc.stdout, rank)
-                if line.startswith("TOKEN ")}
+        seen = {
+            line.split()[-1]
+            for rank in (0, 1)
+            for line in _rank_lines(proc.stdout, rank)
+            if line.startswith("TOKEN ")
+        }
         assert len(seen) == 1 and len(next(iter(seen))) >= 24  # one shared secret per launch
         tokens.append(seen.pop())
     assert tokens[0] != tokens[1]

@@ -274,9 +274,7 @@ async def conformance(pg: Any, provider: str) -> dict[str, Any]:
     g_left = await pg.new_group([k for k in range(n) if k not in gone_first])
     g_silent = await pg.new_group([k for k in range(n) if k not in gone_first | {left_victim}])
     out["loss_groups_served_by"] = [
-        g._providers.chosen["host"]["all_reduce"][0]
-        for g in (g_left, g_silent)
-        if g is not None
+        g._providers.chosen["host"]["all_reduce"][0] for g in (g_left, g_silent) if g is not None
     ]
 
     # kill -9 of the last rank: every survivor's next operation names it

@@ -116,9 +116,7 @@ async def test_many_concurrent_clients_each_see_every_other_clients_writes(
     coordinator: CoordinatorProcess,
 ) -> None:
     job = f"many-{uuid.uuid4().hex}"
-    clients = await asyncio.gather(
-        *(_store(coordinator.port, job, timeout=30) for _ in range(32))
-    )
+    clients = await asyncio.gather(*(_store(coordinator.port, job, timeout=30) for _ in range(32)))
     try:
 
         async def work(i: int, store: Store) -> list[bytes]:
@@ -140,10 +138,7 @@ async def test_join_gives_every_member_the_same_table_and_reports_a_lost_member(
     coordinator: CoordinatorProcess,
 ) -> None:
     job = f"rdzv-{uuid.uuid4().hex}"
-    sessions = [
-        await _connect(coordinator.port, job)
-        for _ in range(4)
-    ]
+    sessions = [await _connect(coordinator.port, job) for _ in range(4)]
     try:
         # Ranks 3 and 1 are asked for; the others let the coordinator pick.
         wanted: list[int | None] = [3, None, 1, None]
@@ -183,10 +178,7 @@ async def test_join_refuses_a_duplicate_rank_and_a_different_world_size(
     coordinator: CoordinatorProcess,
 ) -> None:
     job = f"refuse-{uuid.uuid4().hex}"
-    a, b, c = [
-        await _connect(coordinator.port, job)
-        for _ in range(3)
-    ]
+    a, b, c = [await _connect(coordinator.port, job) for _ in range(3)]
     try:
         pending = asyncio.ensure_future(a.join(0, 2, [], "h", timeout=20))
         await asyncio.sleep(0.2)
@@ -352,10 +344,7 @@ async def test_coordinator_restart_with_state_dir_resumes_waits_and_sessions_and
     try:
         store = await _store(port, job, timeout=60)
         sessions.append(store)
-        workers = [
-            await _connect(port, job, timeout=60)
-            for _ in range(2)
-        ]
+        workers = [await _connect(port, job, timeout=60) for _ in range(2)]
         sessions += workers
         tables = await asyncio.gather(
             *(w.join(i, 2, [("127.0.0.1", 1 + i)], "h", timeout=20) for i, w in enumerate(workers))

@@ -28,8 +28,10 @@ async def test_sessions_of_one_process_share_one_member_table() -> None:
         )
         try:
             tables = await asyncio.gather(
-                *(s.join(None, n, [("127.0.0.1", 30000 + i)], f"host-{i % 4}", timeout=30)
-                  for i, s in enumerate(sessions))
+                *(
+                    s.join(None, n, [("127.0.0.1", 30000 + i)], f"host-{i % 4}", timeout=30)
+                    for i, s in enumerate(sessions)
+                )
             )
             assert sorted(t.rank for t in tables) == list(range(n))
             first = tables[0].members

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiocoll.client.data._shm import ShmHost, ShmUnavailable
-from aiocoll.client.data._shm_coll import region_bytes
+from aiocoll.client.data._shm import ShmHost, ShmUnavailable, region_bytes
 from shm_world import JOB, TOKEN, Ctx, dev_shm_in_use, shm_world, values
 
 from aiocoll._errors import AuthenticationError

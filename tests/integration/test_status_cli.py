@@ -126,8 +126,12 @@ async def _status(
     full_env.update(env or {})
     entry = ["-m", "aiocoll", "status"] if full_cli else ["-c", _STATUS_ONLY]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, *entry, *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=full_env,
+        sys.executable,
+        *entry,
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=full_env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
@@ -239,7 +243,10 @@ async def _client(port: int, role: str, job: str) -> tuple[asyncio.StreamReader,
 
 
 async def _request(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder, header: dict[str, Any],
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    decoder: FrameDecoder,
+    header: dict[str, Any],
     payload: bytes = b"",
 ) -> tuple[dict[str, Any], bytes]:
     writer.writelines(encode_frame(header, payload))
@@ -276,9 +283,20 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiocoll", "coordinator", "--host", "127.0.0.1", "--port", "0",
-        "--http-port", "0", "--token-file", str(token_file),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        "aiocoll",
+        "coordinator",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--http-port",
+        "0",
+        "--token-file",
+        str(token_file),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     log: list[str] = []
     try:
@@ -300,8 +318,20 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
             r, w = await _client(port, ROLE_WORKER, "train")
             workers.append((r, w, FrameDecoder(lists=True)))
         joins = [
-            _request(r, w, d, {"op": "join", "id": 1, "rank": rank, "world_size": 2,
-                               "addrs": [["127.0.0.1", 40000 + rank]], "host": f"host-{rank}", "timeout": 20})
+            _request(
+                r,
+                w,
+                d,
+                {
+                    "op": "join",
+                    "id": 1,
+                    "rank": rank,
+                    "world_size": 2,
+                    "addrs": [["127.0.0.1", 40000 + rank]],
+                    "host": f"host-{rank}",
+                    "timeout": 20,
+                },
+            )
             for rank, (r, w, d) in enumerate(workers)
         ]
         for reply, _ in await asyncio.gather(*joins):
@@ -320,10 +350,12 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
         (job,) = [j for j in json.loads(out) if j["job"] == "train"]
         assert job["world_size"] == 2 and job["complete"] is True and job["keys"] >= 3
         assert [(m["rank"], m["host"], m["alive"]) for m in job["members"]] == [
-            (0, "host-0", True), (1, "host-1", True),
+            (0, "host-0", True),
+            (1, "host-1", True),
         ]
-        rc, out, err = await _status("--coordinator", f"127.0.0.1:{port}", "--job", "train",
-                                     "--token-file", str(token_file))
+        rc, out, err = await _status(
+            "--coordinator", f"127.0.0.1:{port}", "--job", "train", "--token-file", str(token_file)
+        )
         assert rc == 0, err
         assert "train" in out and "host-1" in out and "ago" in out
 
@@ -376,8 +408,16 @@ async def test_status_watch_refreshes_until_interrupted(fake: FakeCoordinator) -
     full_env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     full_env["AIOCOLL_TOKEN"] = TOKEN
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", _STATUS_ONLY, "--coordinator", f"127.0.0.1:{fake.port}", "--watch", "0.2",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=full_env,
+        sys.executable,
+        "-c",
+        _STATUS_ONLY,
+        "--coordinator",
+        f"127.0.0.1:{fake.port}",
+        "--watch",
+        "0.2",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=full_env,
     )
     assert proc.stdout is not None
     lines: list[str] = []
