@@ -2,10 +2,11 @@
 
 Imports foundations (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport), the
 client's operation records (client/data/_op_record.py: GroupState, the engine's record, OpTransport;
-client/data/_operation.py: the starter shape) and progress tracking; never the public surface, and
-not the algorithms either: a group's provider hands the engine a *starter* (a function of the
-operation's tag, transport and finish callback) so the engine stays the one place that decides
-*when* and *whether* operations run, not how.
+client/data/_operation.py: the starter shape), its failure handling and control messages
+(client/data/_failures.py: FailureFanout, the engine's base) and progress tracking; never the
+public surface, and not the algorithms either: a group's provider hands the engine a *starter* (a
+function of the operation's tag, transport and finish callback) so the engine stays the one place
+that decides *when* and *whether* operations run, not how.
 
 What it guarantees:
 
@@ -48,8 +49,6 @@ from aiocoll._errors import (
     MismatchError,
     PeerLostError,
     chain,
-    group_name,
-    peer_gone,
     trim,
 )
 from aiocoll._work import Work
@@ -62,25 +61,21 @@ from .._progress import ProgressTracker
 from .._recorder import call_sites as _call_sites
 from .._recorder import caller_site as _caller_site
 from .._recorder import code_at as _code_at
+from ._failures import MAX_STUCK_REPORTS, FailureFanout, for_op, gone, ignore_outcome
 from ._op_record import GroupState, OpTransport, Stoppable, _Op
 from ._operation import Body, Starter, as_starter
 
-__all__ = ["CONTROL_TAG", "Body", "Engine", "GroupState", "OpTransport", "Starter"]
+__all__ = ["Body", "Engine", "GroupState", "OpTransport", "Starter"]
 
 log = logging.getLogger("aiocoll.client.data.engine")
 
-CONTROL_TAG: Tag = ("x",)
-_EMPTY = memoryview(b"")
-_EMPTY_SINK = memoryview(bytearray(0))  # control messages carry no payload; a writable target
-_MAX_ORPHAN_NOTICES = 1024
-_MAX_STUCK_REPORTS = 64
 # A process group closed within this long of a mismatch lingers that long before it says goodbye:
 # a peer still waiting on this rank must handle the mismatch notice before it sees the goodbye
 # (its receive from us would fail with PeerLostError), so every rank raises MismatchError.
 _MISMATCH_LINGER = 1.0
 
 
-class Engine:
+class Engine(FailureFanout):
     """Runs operations over one transport for every group of this process.
 
     Args:
@@ -142,48 +137,9 @@ class Engine:
         if group is None:
             return
         for task in self._farewell([group], closing=False):
-            task.add_done_callback(_ignore_outcome)
+            task.add_done_callback(ignore_outcome)
         del self._groups[gid]
         self._fail_pending(group, DistError(f"group {group.label!r} was destroyed"), from_seq=0)
-
-    def _farewell(self, groups: Iterable[GroupState], *, closing: bool) -> list[asyncio.Task[None]]:
-        """Tell every other member of ``groups`` that this rank leaves them, and from which
-        sequence number of each (its first operation there not completed): one control message
-        per peer, ahead of anything it sends later (its links' goodbye)."""
-        by_peer: dict[int, dict[str, int]] = {}
-        for group in groups:
-            reached = min((op.seq for op in group.pending if op.seq >= 0), default=group.next_seq)
-            for peer in group.ranks:
-                if peer != self.rank:
-                    by_peer.setdefault(peer, {})[group.gid] = reached
-        lost = self.transport.lost_peers
-        return [
-            self._loop.create_task(
-                self.transport.send(
-                    peer, CONTROL_TAG, _EMPTY, {"k": "left", "g": "", "s": -1, "gs": seqs, "all": closing}
-                )
-            )
-            for peer, seqs in by_peer.items()
-            if peer not in lost
-        ]
-
-    def _peer_left(self, src: int, seqs: dict[str, int], closing: bool) -> None:
-        """Rank ``src`` left the groups of ``seqs`` (gid -> the first seq it did not complete)."""
-        for gid, seq in seqs.items():
-            gid, seq = str(gid), int(seq)
-            group = self._groups.get(gid)
-            label = group.label if group is not None else group_name(gid)
-            why = "closed its process group" if closing else f"destroyed group {label!r}"
-            err = PeerLostError(src, why, left=True)
-            if group is None:
-                # not formed here yet (it formed on the leaver first): failed when it forms
-                self._fail_at(gid, seq, err)
-                continue
-            if src in group.members:
-                self._break(group, err, from_seq=seq)
-
-    def _lost_ranks(self) -> set[int]:
-        return set(self.transport.lost_peers)
 
     # -- submitting ------------------------------------------------------------------------
     def submit(
@@ -307,7 +263,7 @@ class Engine:
         broken = group.broken
         if broken is not None and op.seq >= group.broken_seq:
             # the group broke while it started (nothing could fail it then): fail it now
-            self._abort(op, _for_op(broken, op))
+            self._abort(op, for_op(broken, op))
 
     def _open(
         self,
@@ -394,7 +350,7 @@ class Engine:
                 PeerLostError(
                     cause.rank,
                     cause.reason,
-                    message=f"{where} cannot run: {_gone(cause)}; the group is unusable, create a new "
+                    message=f"{where} cannot run: {gone(cause)}; the group is unusable, create a new "
                     f"one from the remaining ranks",
                     left=cause.left,
                 ),
@@ -452,7 +408,7 @@ class Engine:
             return
         if isinstance(exc, PeerLostError):
             if not fut.done():
-                fut.set_exception(_for_op(exc, op))  # names the operation that failed
+                fut.set_exception(for_op(exc, op))  # names the operation that failed
             self._break(op.group, exc, from_seq=0, except_op=op)
             return
         if not fut.done():
@@ -535,7 +491,7 @@ class Engine:
             return
         group = op.group
         stuck = group.stuck.setdefault(op.seq, {})
-        while len(group.stuck) > _MAX_STUCK_REPORTS:
+        while len(group.stuck) > MAX_STUCK_REPORTS:
             del group.stuck[next(iter(group.stuck))]
         stuck[self.rank] = direct
         meta = {"k": "stuck", "g": group.gid, "s": op.seq, "r": self.rank, "waits": direct}
@@ -602,259 +558,6 @@ class Engine:
             return sorted(send)
         return sorted(op.peers_hint) if op.peers_hint else others
 
-    # -- failures --------------------------------------------------------------------------
-    def peer_lost(self, rank: int, exc: BaseException | str = "") -> None:
-        """A peer is gone: fail every pending operation of every group containing it."""
-        if rank == self.rank:
-            # The coordinator thinks *we* are gone (our loop stalled past the heartbeat timeout,
-            # say). Our peers hear the same notice and fail what involves us; here there is
-            # nothing to fail on our own behalf.
-            log.warning("rank %d: the coordinator reported this rank lost: %s", self.rank, exc)
-            return
-        if isinstance(exc, PeerLostError):
-            err = exc
-        else:
-            err = PeerLostError(rank, str(exc) or "lost")
-        self.transport.mark_lost(rank, err.reason)  # re-enters here through the transport's handler; harmless
-        if rank not in self._recorded_losses and not self._closed and not self._leaving:
-            self._recorded_losses.add(rank)
-            if not err.left or any(rank in g.members and g.pending for g in self._groups.values()):
-                # (a peer that left while nothing here waits for it is the usual end of a job)
-                self.progress.lost_peer(rank, err.reason, left=err.left)
-        # A turn of the loop later: a control notice that arrived just before the peer's goodbye
-        # (a mismatch it found, say) has woken the control loop already, and is handled first.
-        self._loop.call_soon(self._break_groups_of, rank, err)
-
-    def _break_groups_of(self, rank: int, err: PeerLostError) -> None:
-        for group in list(self._groups.values()):
-            if rank not in group.members:
-                continue
-            broken = group.broken
-            # (a leave told with its farewell says from which seq; the goodbye after it adds nothing)
-            if not isinstance(broken, PeerLostError) or (broken.left and not err.left):
-                self._break(group, err, from_seq=0)
-
-    def _break(
-        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
-    ) -> None:
-        if isinstance(err, MismatchError):
-            self._mismatch_at = _monotonic()
-        broken = group.broken
-        if broken is None:
-            group.broken, group.broken_seq = err, from_seq
-        else:
-            # What the group's later calls are told: a lost peer outranks every other cause, and
-            # a peer that left outranks what is not a loss; an earlier failure, a later one.
-            if isinstance(err, PeerLostError):
-                replace = not isinstance(broken, PeerLostError) or (broken.left and not err.left)
-            else:
-                replace = from_seq < group.broken_seq and not isinstance(broken, PeerLostError)
-            if replace:
-                group.broken = err
-            group.broken_seq = min(group.broken_seq, from_seq)
-        self._fail_pending(group, err, from_seq=from_seq, except_op=except_op)
-
-    def _fail_pending(
-        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
-    ) -> None:
-        # Failing an operation can fail the next one from inside (a shared-memory arena fails
-        # its queued operations when one is stopped, and each failure breaks the group again):
-        # such a failure waits its turn here instead of recursing, which with a few hundred
-        # operations in flight exhausted the stack and left the rest pending forever.
-        failing = group.failing
-        failing.append((err, from_seq, except_op))
-        if len(failing) > 1:
-            return
-        try:
-            while failing:
-                err, from_seq, except_op = failing[0]
-                # A peer that left in order fails the group's collectives (they need every
-                # member); point-to-point with the other members goes on, and with the rank that
-                # left its link fails it.
-                left = err.rank if isinstance(err, PeerLostError) and err.left else None
-                for op in list(group.pending):
-                    if op is except_op or (left is not None and op.seq < 0 and left not in op.peers_hint):
-                        continue
-                    if op.seq < 0 or op.seq >= from_seq:
-                        self._abort(op, _for_op(err, op))
-                failing.pop(0)
-        finally:
-            failing.clear()
-
-    def _name_mismatch(self, op: _Op, exc: MismatchError) -> MismatchError:
-        if exc.seq >= 0 and exc.group:
-            return exc
-        ranks = sorted(set(exc.ranks) | {self.rank})
-        return chain(
-            MismatchError(
-                f"{op.describe()} on rank {self.rank}: {exc}", group=op.group.gid, seq=op.seq, ranks=ranks
-            ),
-            exc,
-        )
-
-    def _notify_mismatch(self, op: _Op, err: MismatchError) -> None:
-        if op.seq < 0:
-            return
-        meta = {"g": op.group.gid, "s": op.seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
-        self._tell(op.group.ranks, meta)
-
-    def _tell(self, ranks: Iterable[int], meta: dict[str, Any]) -> None:
-        """Send the control message ``meta`` to every rank of ``ranks`` but this one (best effort)."""
-        for peer in ranks:
-            if peer != self.rank:
-                task = self._loop.create_task(self.transport.send(peer, CONTROL_TAG, _EMPTY, meta))
-                task.add_done_callback(_ignore_outcome)
-
-    async def _control_loop(self) -> None:
-        while True:
-            try:
-                src, meta = await self.transport.recv(None, CONTROL_TAG, _EMPTY_SINK)
-            except asyncio.CancelledError:
-                raise
-            except PeerLostError:
-                # A receive from any source fails only once no other rank is left (the matcher's
-                # rule): nobody can send a notice any more.
-                return
-            except DistError:
-                return  # the transport is closed
-            except Exception:
-                log.exception("rank %d: receiving control messages failed; retrying", self.rank)
-                await asyncio.sleep(0.1)
-                continue
-            try:
-                self._on_notice(src, meta)
-            except Exception:
-                log.exception("rank %d: bad control message from rank %d: %r", self.rank, src, meta)
-
-    def _on_stray(self, src: int, tag: Tag, meta: dict[str, Any]) -> None:
-        if len(tag) < 3 or tag[0] != "c":
-            return
-        gid, seq = str(tag[1]), tag[2]
-        group = self._groups.get(gid)
-        if group is None or not isinstance(seq, int) or self._closed:
-            return
-        if group.broken is not None and group.broken_seq <= seq:
-            return  # already known to be out of step: late messages are expected
-        desc = ", ".join(f"{k}={v!r}" for k, v in meta.items())
-        err = MismatchError(
-            f"rank {src} sent rank {self.rank} a message for seq {seq} of group {group.label!r} that "
-            f"rank {self.rank}'s call did not expect (rank {src} called {{{desc}}}): the ranks "
-            f"called different operations or roots at this point. Every rank of a group must call "
-            f"the same operations, with the same root, dtype, size and reduce op, in the same order.",
-            group=gid,
-            seq=seq,
-            ranks=sorted({src, self.rank}),
-        )
-        log.warning("rank %d: %s", self.rank, err)
-        meta_out = {"g": gid, "s": seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
-        self._tell(group.ranks, meta_out)
-        if seq >= group.next_seq:
-            group.notices[seq] = err
-        self._break(group, err, from_seq=seq)
-
-    def _on_notice(self, src: int, meta: dict[str, Any]) -> None:
-        gid, seq = str(meta["g"]), int(meta["s"])
-        if meta.get("k") == "stuck":
-            group = self._groups.get(gid)
-            if group is not None:
-                waits = [int(w) for w in meta.get("waits", [])]
-                group.stuck.setdefault(seq, {})[src] = waits
-                while len(group.stuck) > _MAX_STUCK_REPORTS:
-                    del group.stuck[next(iter(group.stuck))]
-            return
-        if meta.get("k") == "gave_up":
-            self._peer_gave_up(src, gid, seq, meta)
-            return
-        if meta.get("k") == "want":  # a stalled rank asks for a full progress report (store mode)
-            self.progress.wanted = True
-            return
-        if meta.get("k") == "left":
-            self._peer_left(src, dict(meta.get("gs") or {}), bool(meta.get("all")))
-            return
-        ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
-        why = str(meta.get("why", ""))
-        group = self._groups.get(gid)
-        label = group.label if group is not None else group_name(gid)
-        # ``why`` already says where (aiocoll._signature's wording): said once, with who found it
-        where = "" if f"at seq {seq} of group" in why else f" at seq {seq} of group {label!r}"
-        err = MismatchError(
-            f"rank {src} found that the ranks' calls{where} disagree: {why}",
-            group=gid,
-            seq=seq,
-            ranks=ranks,
-        )
-        self._fail_at(gid, seq, err)
-
-    def ask_progress(self, ranks: Iterable[int]) -> None:
-        """Ask ``ranks`` for a full progress report (store mode: they publish it in the store)."""
-        self._tell(ranks, {"k": "want", "g": "", "s": -1})
-
-    async def share_mismatch(self, gid: str, seq: int, ranks: Sequence[int], why: str) -> None:
-        """Store mode: this rank found the mismatch; tell the group's other ranks first (their
-        notices must be on the wire before this rank's failure lets it leave), then fail here."""
-        group = self._groups.get(gid)
-        if group is not None and not self._closed:
-            meta = {"g": gid, "s": seq, "r": self.rank, "why": why[:2000], "ranks": list(ranks)}
-            sends = [self.transport.send(p, CONTROL_TAG, _EMPTY, meta) for p in group.ranks if p != self.rank]
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), 1.0)
-        self.remote_mismatch(gid, seq, ranks, why)
-
-    def remote_mismatch(self, gid: str, seq: int, ranks: Sequence[int], why: str) -> None:
-        """Progress hook: the members' progress reports, compared (by the coordinator, or by a
-        rank in store mode), show that they called different operations at (gid, seq): fail it
-        here too, as a MismatchError."""
-        if self._closed:
-            return
-        known = self._groups.get(gid)
-        label = known.label if known is not None else group_name(gid)
-        err = MismatchError(
-            f"comparing the ranks' progress reports showed that their calls at seq {seq} of group {label!r} "
-            f"disagree: {why}",
-            group=gid,
-            seq=seq,
-            ranks=sorted({int(r) for r in ranks}),
-        )
-        log.warning("rank %d: %s", self.rank, err)
-        self._fail_at(gid, seq, err)
-
-    def _peer_gave_up(self, src: int, gid: str, seq: int, meta: dict[str, Any]) -> None:
-        """Rank ``src``'s own deadline for (gid, seq) ran out: fail it here now as well."""
-        group = self._groups.get(gid)
-        if group is None or (group.broken is not None and group.broken_seq <= seq):
-            return
-        kind = next((op.kind for op in group.pending if op.seq == seq), None) or str(
-            meta.get("op") or "operation"
-        )
-        waits = [int(w) for w in meta.get("waits", [])]
-        timeout = meta.get("t")
-        why = str(meta.get("why", ""))[:500]
-        err = CollectiveTimeout(
-            kind,
-            group.label,
-            seq,
-            waits,
-            float(timeout) if isinstance(timeout, (int, float)) else None,
-            message=f"{kind} (group {group.label!r}, seq {seq}) failed: rank {src} gave up on it after its "
-            f"timeout of {timeout}s, waiting for rank(s) {waits}, and so does this rank"
-            + (f"; the ranks' progress reports show that {why}" if why else ""),
-        )
-        log.warning("rank %d: %s", self.rank, err)
-        self._fail_at(gid, seq, err)
-
-    def _fail_at(self, gid: str, seq: int, err: DistError) -> None:
-        """Fail (gid, seq) and what follows it: now if called, else when it is called."""
-        group = self._groups.get(gid)
-        if group is None:
-            bucket = self._orphan_notices.setdefault(gid, {})
-            if len(self._orphan_notices) <= _MAX_ORPHAN_NOTICES:
-                bucket[seq] = err
-            return
-        if seq >= group.next_seq:
-            group.notices[seq] = err
-            self.progress.failed(f"before calling seq {seq} of group {group.label!r}: {err}")
-        self._break(group, err, from_seq=seq)
-
     # -- closing ---------------------------------------------------------------------------
     async def aclose(self) -> None:
         """Fail every pending operation and stop; the transport is closed by its owner."""
@@ -893,50 +596,5 @@ _FINISHED = _Finished()
 _STARTING = _Finished()  # an eager operation whose starter has not returned yet
 
 
-def _gone(err: PeerLostError) -> str:
-    """'lost rank 1 (why)', or 'rank 1 left (why)' for a peer that went in order."""
-    if err.left:
-        return peer_gone(err.rank, err.reason, True)
-    return f"lost rank {err.rank}" + (f" ({err.reason})" if err.reason else "")
-
-
-def _for_op(err: BaseException, op: _Op) -> BaseException:
-    """The error as it should read for ``op`` (a group-wide failure names each operation)."""
-    where = op.describe()
-    if isinstance(err, PeerLostError):
-        out: BaseException = PeerLostError(
-            err.rank, err.reason, message=f"{where} failed: {_gone(err)}", left=err.left
-        )
-    elif isinstance(err, MismatchError):
-        if err.seq == op.seq:
-            return err
-        out = MismatchError(
-            f"{where} failed: the group broke at seq {err.seq}: {err}",
-            group=err.group,
-            seq=err.seq,
-            ranks=err.ranks,
-        )
-    elif isinstance(err, CollectiveTimeout):
-        if err.seq == op.seq and err.op == op.kind:
-            return err
-        out = CollectiveTimeout(
-            op.kind,
-            op.group.label,
-            op.seq,
-            err.missing_ranks,
-            err.timeout,
-            message=f"{where} failed: {err.op} at seq {err.seq} of this group timed out waiting for rank(s) "
-            f"{err.missing_ranks}",
-        )
-    else:
-        return err
-    return chain(out, err)
-
-
 _monotonic = time.monotonic
 _getframe = sys._getframe
-
-
-def _ignore_outcome(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
