@@ -36,7 +36,7 @@ import pickle
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -419,15 +419,18 @@ async def broadcast_state(
     return _unpickle(inner, arrays), nbytes
 
 
-def _single_source(heal: Sequence[int]) -> int | None:
-    """The member every other member heals from, when there is one and they are three or more."""
-    sources = {s for s in heal if s >= 0}
-    if len(heal) < 3 or len(sources) != 1:
+def _single_source(heal: Mapping[int, int], members: int) -> int | None:
+    """The member every other member heals from, when there is one and they are three or more.
+
+    ``heal``: the quorum's heal plan, {member index: its source} for the members that heal.
+    """
+    if members < 3 or len(heal) != members - 1:
         return None
-    src = next(iter(sources))
-    if heal[src] == -1 and all(s == src for i, s in enumerate(heal) if i != src):
-        return src
-    return None
+    sources = set(heal.values())
+    if len(sources) != 1:
+        return None
+    src = sources.pop()
+    return None if src in heal else src
 
 
 async def _all(works: Sequence[Any]) -> None:
@@ -903,10 +906,10 @@ class Manager:
         await self._heal(reply)
 
     async def _heal(self, reply: dict[str, Any]) -> None:
-        heal: list[int] = reply["heal"]
+        heal: dict[int, int] = reply["heal"]  # {member index: its source}, for those that heal
         pg = self.group
         assert pg is not None
-        source = heal[self.index]
+        source = heal.get(self.index, -1)
         if source < 0 and (self._torn or not self._whole):
             why = (
                 "this replica's state was partly overwritten by a heal whose source was lost"
@@ -920,13 +923,13 @@ class Manager:
                 replica=self.replica,
                 step=self.step,
             )
-        healers = [i for i, s in enumerate(heal) if s == self.index]
+        healers = [i for i, s in heal.items() if s == self.index]
         if (healers or source >= 0) and (self.state_dict is None or self.load_state_dict is None):
             raise RuntimeError(
                 f"{self._where()}: quorum {self.quorum_id} needs a state transfer, but the Manager has no "
                 f"state_dict/load_state_dict: give them to Manager(...) (aiocoll.ft_torch's wrapper does)"
             )
-        single = _single_source(heal)
+        single = _single_source(heal, len(self.members))
         if single is not None:
             # Every other member heals from one: a broadcast spreads the sending over them.
             started = time.perf_counter()

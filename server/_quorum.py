@@ -66,30 +66,32 @@ MAX_REPLICAS = 4096
 MAX_NAME_CHARS = 256
 
 
-def heal_plan(steps: list[int]) -> list[int]:
-    """For each member (by index), the index of the member it receives the state from, or -1.
+def heal_plan(steps: list[int]) -> dict[int, int]:
+    """Who receives the state from whom: ``{member index: index of its source}``, for the
+    members that heal only (none: an empty map).
 
     Members behind the most advanced step heal from the up-to-date ones, spread round-robin so
     that several healing at once do not all load one source. When no member has committed a step
     (all at 0: a job starting), every member but the first takes the first one's state, so the
     replicas start from one initial model. A step of -1 is a torn state (a heal into the
     replica's own arrays failed midway): never a source; when every member is torn, nobody can
-    heal (all -1).
+    heal. Only the healing members are named, so that a step where every replica is up to date
+    (nearly every step) costs nothing per member in the replies.
     """
     top = max(steps)
     if top < 0:
-        return [-1] * len(steps)
+        return {}
     fresh = [i for i, s in enumerate(steps) if s == top]
     if top == 0:
         fresh = fresh[:1]
-    sources = set(fresh)
-    plan = [-1] * len(steps)
-    k = 0
-    for i in range(len(steps)):
-        if i not in sources:
-            plan[i] = fresh[k % len(fresh)]
-            k += 1
-    return plan
+    elif len(fresh) == len(steps):
+        return {}
+    if top:
+        behind = [i for i, s in enumerate(steps) if s != top]
+    else:
+        behind = [i for i in range(len(steps)) if i != fresh[0]]
+    n = len(fresh)
+    return {i: fresh[k % n] for k, i in enumerate(behind)}
 
 
 def shards(member: list[Any]) -> list[list[Any]]:
@@ -128,28 +130,45 @@ class Ask:
         "waiting",
     )
 
-    def __init__(self, conn: Conn, req_id: int, started: float, fields: tuple[Any, ...]) -> None:
+    def __init__(self, conn: Conn, req_id: int, started: float, h: dict[str, Any]) -> None:
+        """Read and check request ``h``; the fields a one-rank replica leaves out take their
+        defaults without a check (they are valid).
+
+        Raises:
+            Refused: a field is missing or out of its range, naming it.
+        """
         self.conn = conn
         self.req_id = req_id
         self.started = started
-        (
-            self.replica,
-            self.uid,
-            self.step,
-            self.ask,
-            self.host,
-            self.min_replicas,
-            self.join_timeout,
-            self.renew,
-            self.replica_rank,
-            self.replica_size,
-            self.known,
-            self.replace_timeout,
-            self.inside,
-            self.generation,
-        ) = fields[:8] + fields[9:]
-        if fields[8]:
+        get = h.get
+        self.replica = _text(get("replica"), "replica")
+        self.uid = _text(get("uid"), "uid", 64)
+        self.step = _count(get("step"), "step", 0, 1 << 62)
+        self.ask = _count(get("ask"), "ask", 0, 1 << 62)
+        self.host = _text(get("host") or "?", "host")
+        self.min_replicas = _count(get("min_replicas", 1), "min_replicas", 1, MAX_REPLICAS)
+        join = timeout_field(get("join_timeout", DEFAULT_JOIN_TIMEOUT))
+        if join is None:
+            raise Refused(ERR_INVALID, "quorum: 'join_timeout' must be a number of seconds")
+        self.join_timeout = join
+        self.renew = get("renew") is True
+        if get("torn") is True:
             self.step = -1  # a torn state: behind everyone, a source for no one
+        self.known = _count(h["known"], "known", 0, 1 << 62) if "known" in h else 0
+        self.inside = get("inside") is True
+        if "replica_size" in h or "replica_rank" in h:
+            self.replica_rank = _count(get("replica_rank", 0), "replica_rank", 0, MAX_REPLICAS - 1)
+            self.replica_size = _count(get("replica_size", 1), "replica_size", 1, MAX_REPLICAS)
+            if self.replica_rank >= self.replica_size:
+                raise Refused(
+                    ERR_INVALID,
+                    f"quorum: replica {self.replica!r} asked with replica_rank={self.replica_rank}, not "
+                    f"below its replica_size={self.replica_size}",
+                )
+        else:
+            self.replica_rank, self.replica_size = 0, 1
+        self.replace_timeout = _replace_timeout(h["replace_timeout"]) if "replace_timeout" in h else 0.0
+        self.generation = _count(h["generation"], "generation", 0, 1 << 62) if "generation" in h else 0
         self.replace_armed = False  # a wake-up is set for the end of its wait for a replaced rank
         self.waiting = True  # the timer protocol (_model.Effects.push_timer)
 
@@ -225,8 +244,12 @@ class JobQuorum:
     def set_last(self, record: dict[str, Any]) -> None:
         """The quorum just formed (or read back) becomes the previous one, which the next waits for."""
         self.last = record
-        self.by_name = {m[0]: m for m in record["members"]}
-        self.pending = {name: m for name, m in self.by_name.items() if not _complete(self.asks.get(name, {}))}
+        self.by_name = by_name = {m[0]: m for m in record["members"]}
+        asks = self.asks
+        if not asks:  # (just formed from every ask there was): all of them are waited for
+            self.pending = dict(by_name)
+        else:
+            self.pending = {name: m for name, m in by_name.items() if not _complete(asks.get(name, {}))}
 
     def recount(self, name: str) -> None:
         """Replica ``name``'s asks changed: whether it is complete, and still waited for."""
@@ -246,6 +269,10 @@ class JobQuorum:
             if self.tick is not None:  # waited for again: the next decision time is recomputed
                 self.tick.waiting = False
                 self.tick = None
+
+
+def _rank_of(a: Ask) -> int:
+    return a.replica_rank
 
 
 def _complete(ranks: dict[int, Ask]) -> bool:
@@ -273,12 +300,22 @@ def _replace_timeout(value: object) -> float:
     return math.inf if seconds is None else seconds
 
 
+# A reply's own fields, encoded around the shared ones: the map's first byte (a fixmap of n
+# entries), and the keys, packed once.
+_FIXMAP = [bytes((0x80 | n,)) for n in range(16)]
+_ID, _INDEX, _GENERATION = (msgpack.packb(k) for k in ("id", "index", "generation"))
+_pack = msgpack.Packer().pack  # (the coordinator runs on one thread)
+# A shared part up to this size is joined to each reply's own head (one buffer to write).
+_JOIN_SHARED = 1024
+
+
 class _Replies:
     """The replies to one quorum's asks: what they share is encoded once, not once per replica.
 
     A replica that says it holds the group of this very quorum (``known``), formed again with
     the same members, gets the reply without the member list (it has it): with many replicas
-    that list is most of the bytes the coordinator would write.
+    that list is most of the bytes the coordinator would write. The heal plan names only the
+    members that heal, so that such a reply does not grow with the quorum.
     """
 
     def __init__(
@@ -296,39 +333,49 @@ class _Replies:
         self.same = same
         self.max_step = max(steps)
         self.heal = heal_plan(steps)
-        self.index = {m[0]: i for i, m in enumerate(members)}
+        self._index: dict[str, int] | None = None
         self._record = record
         self._left = left
-        self._full: bytes | None = None
-        self._compact: bytes | None = None
+        self._full: tuple[int, bytes] | None = None
+        self._compact: tuple[int, bytes] | None = None
 
-    def _shared(self, full: bool) -> bytes:
+    def index(self, replica: str) -> int:
+        """Replica ``replica``'s index among the members."""
+        if self._index is None:
+            self._index = {m[0]: i for i, m in enumerate(self._record["members"])}
+        return self._index[replica]
+
+    def _shared(self, full: bool) -> tuple[int, bytes]:
+        """The fields every reply shares: their count, and their entries encoded (no map head)."""
         fields: dict[str, Any] = {"ok": True, "quorum_id": self.qid}
         if full:
             members = self._record["members"]
             fields["members"] = [[m[0], m[2], m[3]] for m in members]
             fields["hosts"] = [[r[2] for r in shards(m)] for m in members]
         fields.update(max_step=self.max_step, heal=self.heal, left=self._left)
-        packed: bytes = msgpack.packb(fields)
-        return packed
+        return len(fields), msgpack.packb(fields)[1:]
 
-    def reply(self, req_id: int, replica: str, known: int) -> EncodedHeader:
-        """The reply to ask ``req_id`` of ``replica``, which holds the group of quorum ``known``."""
+    def reply(self, req_id: int, index: int, replica: str, known: int) -> EncodedHeader:
+        """The reply to ask ``req_id`` of ``replica`` (member ``index``), which holds the group
+        of quorum ``known``."""
         if self.same and known == self.qid:
-            if self._compact is None:
-                self._compact = self._shared(False)
             shared = self._compact
+            if shared is None:
+                shared = self._compact = self._shared(False)
         else:
-            if self._full is None:
-                self._full = self._shared(True)
             shared = self._full
-        own: dict[str, int] = {"id": req_id, "index": self.index[replica]}
-        if replica in self.generation:  # a replica of several ranks: its ranks' own group
-            own["generation"] = self.generation[replica]
-        head = msgpack.packb(own)
-        # two maps of at most 15 entries in all, joined: one fixmap of their entries
-        entries = (head[0] & 0x0F) + (shared[0] & 0x0F)
-        return EncodedHeader((bytes([0x80 | entries]) + head[1:], shared[1:]))
+            if shared is None:
+                shared = self._full = self._shared(True)
+        entries, tail = shared
+        head = _ID + _pack(req_id) + _INDEX + _pack(index)
+        generation = self.generation.get(replica)
+        if generation is None:
+            head = _FIXMAP[entries + 2] + head
+        else:  # a replica of several ranks: its ranks' own group
+            head = _FIXMAP[entries + 3] + head + _GENERATION + _pack(generation)
+        if len(tail) <= _JOIN_SHARED:
+            return EncodedHeader((head + tail,))
+        return EncodedHeader((head, tail))
 
 
 class Quorum:
@@ -358,50 +405,28 @@ class Quorum:
 
     # ------------------------------------------------------------------ requests
     def op_quorum(self, conn: Conn, req_id: int, h: dict[str, Any], payload: memoryview) -> None:
-        fields = (
-            _text(h.get("replica"), "replica"),
-            _text(h.get("uid"), "uid", 64),
-            _count(h.get("step"), "step", 0, 1 << 62),
-            _count(h.get("ask"), "ask", 0, 1 << 62),
-            _text(h.get("host") or "?", "host"),
-            _count(h.get("min_replicas", 1), "min_replicas", 1, MAX_REPLICAS),
-            timeout_field(h.get("join_timeout", DEFAULT_JOIN_TIMEOUT)),
-            h.get("renew") is True,
-            h.get("torn") is True,
-            _count(h.get("replica_rank", 0), "replica_rank", 0, MAX_REPLICAS - 1),
-            _count(h.get("replica_size", 1), "replica_size", 1, MAX_REPLICAS),
-            _count(h.get("known", 0), "known", 0, 1 << 62),
-            _replace_timeout(h.get("replace_timeout", 0.0)),
-            h.get("inside") is True,
-            _count(h.get("generation", 0), "generation", 0, 1 << 62),
-        )
-        timeout = timeout_field(h.get("timeout"))
         now = self.fx.started
+        a = Ask(conn, req_id, now, h)
+        timeout = timeout_field(h.get("timeout"))
         jq = self._of(conn.job)
-        a = Ask(conn, req_id, now, fields)
-        if a.join_timeout is None:
-            raise Refused(ERR_INVALID, "quorum: 'join_timeout' must be a number of seconds")
-        if a.replica_rank >= a.replica_size:
-            raise Refused(
-                ERR_INVALID,
-                f"quorum: replica {a.replica!r} asked with replica_rank={a.replica_rank}, not below its "
-                f"replica_size={a.replica_size}",
-            )
         key = (a.replica, a.replica_rank)
         last = jq.last
         m = jq.by_name.get(a.replica) if not a.renew else None
-        if last is not None and m is not None and len(shards(m)) == a.replica_size:
-            uid, step, _, ask = shards(m)[a.replica_rank]
+        if last is not None and m is not None and (len(m[5]) if len(m) > 5 else 1) == a.replica_size:
+            uid, step, _, ask = m[5][a.replica_rank] if len(m) > 5 else m[1:5]
             if uid == a.uid and ask == a.ask and step == a.step:
                 # This ask formed the previous quorum already: its reply was lost with a link
                 # (a coordinator restart); the same answer again.
                 self._note(jq, key, conn)
+                again = _Replies(last, [], jq.generation)
                 self.fx.reply(
-                    conn, req_id, "quorum", now, _Replies(last, [], jq.generation).reply(req_id, a.replica, 0)
+                    conn, req_id, "quorum", now, again.reply(req_id, again.index(a.replica), a.replica, 0)
                 )
                 return
         others = jq.asks
-        mine = others.get(a.replica, {})
+        mine = others.get(a.replica)
+        if mine is None:
+            mine = {}
         for other in mine.values():
             if other.replica_size != a.replica_size and other.replica_rank != a.replica_rank:
                 raise Refused(
@@ -413,8 +438,11 @@ class Quorum:
                 )
         if others:
             first = next(iter(next(iter(others.values())).values()))
-            settings = (a.min_replicas, a.join_timeout, a.replica_size)
-            if settings != (first.min_replicas, first.join_timeout, first.replica_size):
+            if (
+                a.min_replicas != first.min_replicas
+                or a.join_timeout != first.join_timeout
+                or a.replica_size != first.replica_size
+            ):
                 raise Refused(
                     ERR_INVALID,
                     f"quorum: replica {a.replica!r} asked with min_replicas={a.min_replicas}, "
@@ -511,8 +539,9 @@ class Quorum:
         Costs the same for each ask however many replicas there are (counts and the set of
         previous members not asking are kept as asks come and go), except when a quorum forms.
         """
-        for name in [n for n in jq.incomplete if n in jq.ranks_of]:
-            self._fail_rest(jq, name, now)
+        if jq.incomplete:
+            for name in [n for n in jq.incomplete if n in jq.ranks_of]:
+                self._fail_rest(jq, name, now)
         asks = jq.asks
         if not asks:
             self._untick(jq)
@@ -658,24 +687,40 @@ class Quorum:
                 join = next(iter(next(iter(jq.asks.values())).values())).join_timeout
                 late.append([m[0], m[3], f"did not ask within the join window ({join:g}s)"])
         left += late
-        complete = sorted(name for name in jq.asks if name not in jq.incomplete)
-        groups = [sorted(jq.asks.pop(name).values(), key=lambda a: a.replica_rank) for name in complete]
-        last = jq.last
-        members = []
-        for g in groups:
-            head = g[0]
-            steps = {a.step for a in g}
-            # ranks at different steps (one replaced, a heal that failed on some): not one model
-            step = steps.pop() if len(steps) == 1 else -1
-            member: list[Any] = [head.replica, head.uid, step, head.host, head.ask]
-            if len(g) > 1:
-                member.append([[a.uid, a.step, a.host, a.ask] for a in g])
+        asks, incomplete = jq.asks, jq.incomplete
+        complete = sorted(asks) if not incomplete else sorted(n for n in asks if n not in incomplete)
+        last, before = jq.last, jq.by_name
+        # The same quorum again: the same replicas (both lists are in name order), each with the
+        # same incarnations of its ranks, and none asking for a fresh group.
+        same = last is not None and len(complete) == len(last["members"])
+        members: list[list[Any]] = []
+        groups: list[list[Ask]] = []
+        for name in complete:
+            ranks = asks.pop(name)
+            if len(ranks) == 1:
+                (a,) = g = list(ranks.values())
+                member: list[Any] = [name, a.uid, a.step, a.host, a.ask]
+                if same:
+                    prev = before.get(name)
+                    same = prev is not None and len(prev) == 5 and prev[1] == a.uid and not a.renew
+            else:
+                g = sorted(ranks.values(), key=_rank_of)
+                a = g[0]
+                steps = {r.step for r in g}
+                # ranks at different steps (one replaced, a heal that failed on some): not one model
+                step = steps.pop() if len(steps) == 1 else -1
+                member = [name, a.uid, step, a.host, a.ask, [[r.uid, r.step, r.host, r.ask] for r in g]]
+                if same:
+                    prev = before.get(name)
+                    same = (
+                        prev is not None
+                        and [r[0] for r in shards(prev)] == [r.uid for r in g]
+                        and not any(r.renew for r in g)
+                    )
                 self._generation(jq, g)
-                jq.ranks_of[head.replica] = member[5]
+                jq.ranks_of[name] = member[5]
             members.append(member)
-        ident = [[m[0], [r[0] for r in shards(m)]] for m in members]
-        same = last is not None and ident == [[m[0], [r[0] for r in shards(m)]] for m in last["members"]]
-        same = same and not any(a.renew for g in groups for a in g)
+            groups.append(g)
         if same:
             assert last is not None
             qid = last["id"]
@@ -693,14 +738,13 @@ class Quorum:
             len(members),
             [entry[0] for entry in left],
             replies.max_step,
-            {i: s for i, s in enumerate(replies.heal) if s >= 0},
+            replies.heal,
         )
-        for g in groups:
+        reply, answer = self.fx.reply, replies.reply
+        for index, g in enumerate(groups):
             for a in g:
                 a.waiting = False
-                self.fx.reply(
-                    a.conn, a.req_id, "quorum", a.started, replies.reply(a.req_id, a.replica, a.known)
-                )
+                reply(a.conn, a.req_id, "quorum", a.started, answer(a.req_id, index, a.replica, a.known))
 
     def _generation(self, jq: JobQuorum, ranks: list[Ask]) -> None:
         """A replica of several ranks enters a quorum: a new generation when its processes may

@@ -261,7 +261,10 @@ async def _broadcast(pg: Any) -> dict[str, Any]:
         "equal": _same(_state(0), state),
         "metadata": state["model"]._metadata,
         # the Manager broadcasts only when every other member heals from one, and they are 3+
-        "plans": [_single_source(p) for p in ([-1, 0, 0], [1, -1, 1], [-1, 0], [-1, 0, 1], [-1, -1, 0])],
+        "plans": [
+            _single_source({i: s for i, s in enumerate(p) if s >= 0}, len(p))
+            for p in ([-1, 0, 0], [1, -1, 1], [-1, 0], [-1, 0, 1], [-1, -1, 0])
+        ],
     }
 
 

@@ -151,7 +151,7 @@ def test_first_quorum_waits_for_the_join_window_then_orders_members_and_syncs_th
         assert reply["ok"] is True and reply["quorum_id"] == 1
         assert reply["members"] == [["a", 0, "host-a"], ["b", 0, "host-b"], ["c", 0, "host-c"]]
         assert reply["index"] == i and reply["max_step"] == 0
-        assert reply["heal"] == [-1, 0, 0]  # a starting job: everyone takes the first one's model
+        assert reply["heal"] == {1: 0, 2: 0}  # a starting job: everyone takes the first one's model
         assert reply["left"] == []
 
 
@@ -161,7 +161,7 @@ def test_next_quorum_forms_at_once_and_keeps_its_id_unless_membership_changes_or
     for step in (1, 2):
         replies = formed(r, step=step, names=["c", "a", "b"])
         assert {reply["quorum_id"] for reply in replies.values()} == {1}
-        assert all(reply["heal"] == [-1, -1, -1] for reply in replies.values())
+        assert all(reply["heal"] == {} for reply in replies.values())
     r.ask("a", 3)
     r.ask("b", 3, renew=True)  # its step failed: a fresh group, with the same members
     assert r.replies() == {}  # c has not asked and is there: wait for it
@@ -201,7 +201,7 @@ def test_a_restarted_replica_joins_at_the_next_boundary_and_heals_from_a_live_on
     assert sorted(replies) == ["a", "b", "c"]
     assert {x["quorum_id"] for x in replies.values()} == {3}
     assert replies["b"]["members"] == [["a", 3, "host-a"], ["b", 0, "host-b"], ["c", 3, "host-c"]]
-    assert replies["b"]["max_step"] == 3 and replies["b"]["heal"] == [-1, 0, -1]
+    assert replies["b"]["max_step"] == 3 and replies["b"]["heal"] == {1: 0}
 
 
 def test_the_same_name_restarted_before_anyone_noticed_still_changes_the_quorum_id() -> None:
@@ -213,15 +213,15 @@ def test_the_same_name_restarted_before_anyone_noticed_still_changes_the_quorum_
 
 
 def test_healing_replicas_are_spread_round_robin_over_the_up_to_date_ones() -> None:
-    assert heal_plan([5, 0, 5, 3, 0, 5, 4]) == [-1, 0, -1, 2, 5, -1, 0]
-    assert heal_plan([7, 7]) == [-1, -1]
-    assert heal_plan([0, 0, 0]) == [-1, 0, 0]
-    assert heal_plan([0, 2]) == [1, -1]
+    assert heal_plan([5, 0, 5, 3, 0, 5, 4]) == {1: 0, 3: 2, 4: 5, 6: 0}
+    assert heal_plan([7, 7]) == {}
+    assert heal_plan([0, 0, 0]) == {1: 0, 2: 0}
+    assert heal_plan([0, 2]) == {0: 1}
     # -1: a torn state (a heal into the replica's own arrays failed midway), a source for no one
-    assert heal_plan([0, -1, 0]) == [-1, 0, 0]  # all at 0: everyone takes the first one's state
-    assert heal_plan([3, -1, 3]) == [-1, 0, -1]
-    assert heal_plan([-1, 0]) == [1, -1]
-    assert heal_plan([-1, -1]) == [-1, -1]
+    assert heal_plan([0, -1, 0]) == {1: 0, 2: 0}  # all at 0: everyone takes the first one's state
+    assert heal_plan([3, -1, 3]) == {1: 0}
+    assert heal_plan([-1, 0]) == {0: 1}
+    assert heal_plan([-1, -1]) == {}
 
 
 def test_a_torn_replica_heals_even_from_a_replica_at_step_0_and_is_never_a_source() -> None:
@@ -235,7 +235,7 @@ def test_a_torn_replica_heals_even_from_a_replica_at_step_0_and_is_never_a_sourc
     replies = r.replies()
     assert sorted(replies) == ["a", "b"]
     assert replies["b"]["members"] == [["a", 0, "host-a"], ["b", -1, "host-b"]]
-    assert replies["b"]["heal"] == [-1, 0] and replies["b"]["max_step"] == 0
+    assert replies["b"]["heal"] == {1: 0} and replies["b"]["max_step"] == 0
     r.close("a")  # alone and torn: no one to heal from (the Manager raises QuorumError)
     r.ask("b", 0, torn=True)
     r.tick(JOIN + 0.01)
@@ -243,7 +243,7 @@ def test_a_torn_replica_heals_even_from_a_replica_at_step_0_and_is_never_a_sourc
     r.start("c")
     r.ask("c", 0, torn=True)
     replies = r.replies()
-    assert replies["c"]["heal"] == [-1, -1] and replies["c"]["max_step"] == -1
+    assert replies["c"]["heal"] == {} and replies["c"]["max_step"] == -1
 
 
 def test_a_silent_replica_is_not_waited_for_after_the_heartbeat_timeout() -> None:
@@ -337,7 +337,7 @@ def test_a_coordinator_restart_during_a_quorum_loses_nothing() -> None:
     again.ask("c", 3)
     replies = again.replies()
     assert {x["quorum_id"] for x in replies.values()} == {1}
-    assert all(x["heal"] == [-1, -1, -1] and x["max_step"] == 3 for x in replies.values())
+    assert all(x["heal"] == {} and x["max_step"] == 3 for x in replies.values())
     # a change of membership after the restart takes the next id, not one already used
     again.close("c")
     replies = formed(again, step=4, names=["a", "b"])
@@ -397,7 +397,7 @@ def test_a_replica_of_several_ranks_counts_only_when_all_its_ranks_asked_and_all
         assert reply["ok"] is True and members(reply) == ["a", "b"]
         assert reply["index"] == ("ab".index(name[0]))
         assert reply["hosts"] == [["host-a0", "host-a1"], ["host-b0", "host-b1"]]
-        assert reply["heal"] == [-1, 0]  # both shards of b start from a's
+        assert reply["heal"] == {1: 0}  # both shards of b start from a's
     # the next step: all four ask, the same quorum id; three of them are not enough
     for name in ("a0", "a1", "b0"):
         shard_ask(r, name, 1)
@@ -437,7 +437,7 @@ def test_a_replica_that_lost_one_rank_is_left_out_whole_and_its_other_rank_is_to
         shard_ask(r, name, 4, min_replicas=1)
     replies = r.replies()
     assert sorted(replies) == ["a0", "a1", "b0", "b1"]
-    assert all(x["heal"] == [-1, 0] and x["max_step"] == 4 for x in replies.values())
+    assert all(x["heal"] == {1: 0} and x["max_step"] == 4 for x in replies.values())
 
 
 def test_a_silent_rank_leaves_its_replica_out_after_the_heartbeat_timeout() -> None:
@@ -537,7 +537,7 @@ def test_a_lost_rank_replaced_in_time_brings_its_replica_back_with_a_new_generat
     for reply in replies.values():
         assert members(reply) == ["a", "b"] and reply["max_step"] == 5
         assert reply["members"][1][1] == -1  # b's ranks hold steps 3 and 0: torn, never a source
-        assert reply["heal"] == [-1, 0]  # each of b's ranks heals its shard from a's
+        assert reply["heal"] == {1: 0}  # each of b's ranks heals its shard from a's
     assert replies["a0"]["generation"] == replies["a1"]["generation"] == 1
     assert replies["b0"]["generation"] == replies["b1"]["generation"] == 2  # b's own group anew
     # the next step: the same processes, the same quorum and generation
@@ -546,7 +546,7 @@ def test_a_lost_rank_replaced_in_time_brings_its_replica_back_with_a_new_generat
     replies = r.replies()
     assert {x["quorum_id"] for x in replies.values()} == {first["a0"]["quorum_id"] + 2}
     assert {replies[n]["generation"] for n in ("b0", "b1")} == {2}
-    assert all(x["heal"] == [-1, -1] for x in replies.values())
+    assert all(x["heal"] == {} for x in replies.values())
 
 
 def test_a_rank_not_replaced_within_replace_timeout_fails_naming_the_lost_rank_and_the_wait() -> None:
@@ -600,7 +600,7 @@ def test_a_coordinator_restart_in_the_middle_of_a_replacement_loses_nothing() ->
         shard_ask(again, name, 2, min_replicas=1, replace_timeout=60.0, generation=1)
     replies = again.replies()
     assert sorted(replies) == names
-    assert all(members(x) == ["a", "b"] and x["heal"] == [-1, 0] for x in replies.values())
+    assert all(members(x) == ["a", "b"] and x["heal"] == {1: 0} for x in replies.values())
     assert {replies[n]["generation"] for n in ("a0", "a1")} == {1}  # a kept its processes and group
     # b's generation moves past the one its ranks' group had, though b0 alone said which that was
     assert {replies[n]["generation"] for n in ("b0", "b1")} == {2}
