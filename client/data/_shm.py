@@ -51,6 +51,8 @@ from ._peer import client_handshake, dialler_rank, server_handshake
 
 __all__ = [
     "ARENA_HEADER",
+    "NONCE_BYTES",
+    "PROBE_OFFSET",
     "REGION_CONTROL",
     "RING_HEADER",
     "ShmHost",
@@ -72,8 +74,8 @@ def region_bytes(chunk: int) -> int:
 
 
 RING_HEADER = 4096  # a ring's first page holds its counters (client.data._shm_ring); data follows
-_PROBE_OFFSET = 0
-_NONCE = 16
+PROBE_OFFSET = 0
+NONCE_BYTES = 16
 _HELLO = struct.Struct("<8sQQQ")  # magic, arena bytes, region bytes, ring bytes
 _HELLO_MAGIC = b"AIOSHM\x00\x02"
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -292,8 +294,8 @@ class ShmHost:
         self._loop = asyncio.get_running_loop()
         self._memfd, self.mem = _sealed_memfd("aiocoll-arena", self.arena_bytes)
         self.efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._nonce = secrets.token_bytes(_NONCE)
-        self.mem[_PROBE_OFFSET : _PROBE_OFFSET + _NONCE] = self._nonce
+        self._nonce = secrets.token_bytes(NONCE_BYTES)
+        self.mem[PROBE_OFFSET : PROBE_OFFSET + NONCE_BYTES] = self._nonce
         self.peers: dict[int, ShmPeer] = {}
         self._waiting: dict[int, asyncio.Future[ShmPeer]] = {}
         self._lost_handlers: list[Callable[[int, str], None]] = []
@@ -489,8 +491,8 @@ class ShmHost:
             os.close(fds[2])
             shm.out_ring, shm.out_efd, shm.in_ring, shm.in_efd = out_ring, out_efd, in_ring, fds[3]
         try:
-            await loop.sock_sendall(sock, bytes(mem[_PROBE_OFFSET : _PROBE_OFFSET + _NONCE]))
-            echoed = await _recv_exactly(loop, sock, _NONCE)
+            await loop.sock_sendall(sock, bytes(mem[PROBE_OFFSET : PROBE_OFFSET + NONCE_BYTES]))
+            echoed = await _recv_exactly(loop, sock, NONCE_BYTES)
             mine_ok = secrets.compare_digest(echoed, self._nonce)
             await loop.sock_sendall(sock, b"\x01" if mine_ok else b"\x00")
             theirs_ok = await _recv_exactly(loop, sock, 1) == b"\x01"

@@ -44,7 +44,7 @@ from aiocoll._types import ReduceOp
 from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
 from ._shm_sched import ShmOp, ShmScheduler
-from ._vm_read import vm_read, vm_read_available
+from ._vm_read import DIRECT_ENV, vm_read, vm_read_available
 
 __all__ = ["ShmGroup"]
 
@@ -67,7 +67,6 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # bound by memory anyway, and the root must then wait for its readers.
 _GATHER_DIRECT_CHUNKS = 8
 _BCAST_DIRECT_CHUNKS = 32
-DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (always the slots)
 
 
 def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:

@@ -17,7 +17,9 @@ import ctypes
 import errno
 import os
 
-__all__ = ["vm_read", "vm_read_available"]
+__all__ = ["DIRECT_ENV", "vm_read", "vm_read_available"]
+
+DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (the shared memory instead)
 
 
 class _IoVec(ctypes.Structure):

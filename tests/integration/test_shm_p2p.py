@@ -1,13 +1,16 @@
-"""Point-to-point payloads between ranks of one host travel through the shm links' rings, not the
-Unix socket: exact bytes for every size (one chunk, many chunks, odd sizes, both directions at
-once, early and late receives), the operations the driver runs over links (reduce, gather,
-scatter, all_to_all) against numpy, and a receiver killed with SIGKILL while its sender waits on
-a full ring (PeerLostError naming it, nothing under /dev/shm); a waiting receive keeps the loop
-polling over these links (tcp links do not: test_shm_api)."""
+"""Point-to-point payloads between ranks of one host travel through the shm links' rings, or for
+large ones straight from the sender's memory (process_vm_readv), never over the Unix socket:
+exact bytes for every size (one chunk, many chunks, odd sizes, both directions at once, early and
+late receives), the operations the driver runs over links (reduce, gather, scatter, all_to_all)
+against numpy; a receiver killed with SIGKILL while its sender waits on a full ring or for its
+read, and a sender killed mid-message or before its receiver read it (PeerLostError naming it,
+nothing under /dev/shm); a waiting receive keeps the loop polling over these links (tcp links do
+not: test_shm_api)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -24,11 +27,17 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 SIZES = (1, 4096, 100_003, 3 << 20, (16 << 20) + 7)
 
 
-def _ring_bytes(pg: Any) -> tuple[int, int]:
-    """Payload bytes this rank's links moved through rings (out, in)."""
+_PATHS = ("bytes_out", "bytes_in", "direct_bytes_out", "direct_bytes_in")
+# the ring alone, where no rank may read another's memory
+RING_ONLY = {"AIOCOLL_TRANSPORT": "shm", "AIOCOLL_SHM_DIRECT": "0"}
+
+
+def _link_bytes(pg: Any) -> tuple[int, ...]:
+    """Payload bytes this rank's links moved through rings (out, in), then read straight from
+    the sender's memory (out, in)."""
     links = pg._rt.transport.debug_state()["links"]
     rings = [link["ring"] for link in links.values()]
-    return sum(r["bytes_out"] for r in rings), sum(r["bytes_in"] for r in rings)
+    return tuple(sum(r[path] for r in rings) for path in _PATHS)
 
 
 def _pattern(n: int, seed: int) -> np.ndarray:
@@ -42,7 +51,7 @@ async def ring_checks(pg: Any) -> dict[str, Any]:
 
     r, n = pg.rank, pg.size
     out: dict[str, Any] = {"kinds": sorted(set(pg._rt.transport.link_kinds().values()))}
-    before = _ring_bytes(pg)
+    before = _link_bytes(pg)
     await pg.barrier()  # (over the arenas) nobody sends before every rank has read its counters
     # both directions at once between 0 and 1, every size; 2 takes part in the collectives only
     ok = []
@@ -110,13 +119,17 @@ async def ring_checks(pg: Any) -> dict[str, Any]:
     await pg.all_to_all(outs, ins)
     want = [np.full(m // n, 100 * j + r, np.int64) for j in range(n)]
     out["all_to_all"] = all(np.array_equal(o, w) for o, w in zip(outs, want, strict=True))
-    after = _ring_bytes(pg)
-    out["ring_out"], out["ring_in"] = after[0] - before[0], after[1] - before[1]
+    after = _link_bytes(pg)
+    out["ring_out"], out["ring_in"], out["direct_out"], out["direct_in"] = (
+        a - b for a, b in zip(after, before, strict=True)
+    )
     await pg.barrier()  # nobody leaves (closing its links, whose counters we read) before all read
     return out
 
 
 def test_payloads_between_ranks_of_one_host_go_through_the_rings_and_arrive_exactly() -> None:
+    from aiocoll.client.data._vm_read import vm_read_available
+
     results = unwrap(run_world(ring_checks, 3, env={"AIOCOLL_TRANSPORT": "shm"}))
     for r, res in enumerate(results):
         assert res["kinds"] == ["shm"], res
@@ -127,11 +140,21 @@ def test_payloads_between_ranks_of_one_host_go_through_the_rings_and_arrive_exac
     # rank 0 posts each receive before its reply can exist, so it waits every round trip (rank 1
     # often finds the next message already there): hundreds of its receives came while polling
     assert results[0]["polled"] > 0, [res["polled"] for res in results]
-    # every payload byte of more than 1 KiB between these ranks went through a ring (smaller
-    # ones ride in their frame): the p2p traffic alone is more than sum(SIZES) bytes each way
+    # every payload byte of more than 1 KiB between these ranks went through a ring or was read
+    # from the sender's memory (smaller ones ride in their frame): the p2p traffic alone is more
+    # than sum(SIZES) bytes each way
     for r in (0, 1):
-        assert results[r]["ring_out"] >= sum(SIZES) and results[r]["ring_in"] >= sum(SIZES), results[r]
-    assert sum(res["ring_out"] for res in results) == sum(res["ring_in"] for res in results)
+        res = results[r]
+        assert res["ring_out"] + res["direct_out"] >= sum(SIZES), res
+        assert res["ring_in"] + res["direct_in"] >= sum(SIZES), res
+    for path in ("ring", "direct"):
+        assert sum(res[f"{path}_out"] for res in results) == sum(res[f"{path}_in"] for res in results)
+    if vm_read_available():
+        # from 4 MiB the receiver reads the sender's buffer: the 16 MiB message both ways, and
+        # rank 0's early 8 MiB, queued 6 MiB and 4 MiB float ones; smaller ones all went through
+        # the rings
+        assert results[1]["direct_out"] == SIZES[-1], results[1]
+        assert results[0]["direct_out"] == SIZES[-1] + ((8 + 6 + 4) << 20), results[0]
 
 
 async def receiver_killed(pg: Any) -> dict[str, Any]:
@@ -154,7 +177,8 @@ async def receiver_killed(pg: Any) -> dict[str, Any]:
     sending = asyncio.ensure_future(finish())
     await asyncio.sleep(0.5)
     res: dict[str, Any] = {"waited": not sending.done()}
-    res["asleep"] = pg._rt.transport.debug_state()["links"][1]["ring"]["asleep"]
+    ring = pg._rt.transport.debug_state()["links"][1]["ring"]
+    res["asleep"], res["unread"] = ring["asleep"], ring["unread_by_peer"]
     os.kill(pids[1], signal.SIGKILL)
     t0 = time.monotonic()
     try:
@@ -167,12 +191,23 @@ async def receiver_killed(pg: Any) -> dict[str, Any]:
     return res
 
 
-def test_a_receiver_killed_while_its_sender_waits_on_a_full_ring_fails_the_send_naming_it() -> None:
-    results = run_world(receiver_killed, 3, timeout=120, env={"AIOCOLL_TRANSPORT": "shm"})
+@pytest.mark.parametrize("path", ["ring", "direct"])
+def test_a_receiver_killed_while_its_sender_waits_fails_the_send_naming_it(path: str) -> None:
+    """The sender waits on a full ring, or for its receiver to read its buffer."""
+    from aiocoll.client.data._vm_read import vm_read_available
+
+    if path == "direct" and not vm_read_available():
+        pytest.skip("process_vm_readv is unavailable here: large messages go through the rings")
+    env = RING_ONLY if path == "ring" else {"AIOCOLL_TRANSPORT": "shm"}
+    results = run_world(receiver_killed, 3, timeout=120, env=env)
     assert results[1].exitcode == -signal.SIGKILL
     assert results[0].error is None, results[0].error
     res = results[0].value
-    assert res["waited"] and res["asleep"], res  # the sender really waited on the full ring
+    assert res["waited"], res
+    if path == "ring":
+        assert res["asleep"] and res["unread"] == 0, res  # the sender really waited on the full ring
+    else:
+        assert not res["asleep"] and res["unread"] == 1, res  # it waited for the read
     assert res["error"] == "PeerLostError" and res["rank"] == 1, res
     assert res["after"] < 10.0 and res["dev_shm"] == [], res
 
@@ -212,9 +247,64 @@ async def sender_killed(pg: Any) -> dict[str, Any]:
 
 
 def test_a_sender_killed_mid_message_fails_the_receive_naming_it() -> None:
-    results = run_world(sender_killed, 3, timeout=120, env={"AIOCOLL_TRANSPORT": "shm"})
+    results = run_world(sender_killed, 3, timeout=120, env=RING_ONLY)
     assert results[0].exitcode == -signal.SIGKILL
     assert results[1].error is None, results[1].error
     res = results[1].value
     assert res["error"] == "PeerLostError" and res["rank"] == 0 and res["partial"], res
     assert res["after"] < 10.0 and res["dev_shm"] == [], res
+
+
+async def sender_killed_before_read(pg: Any) -> dict[str, Any]:
+    """Rank 0 offers a large payload to read from its memory and is killed before rank 1 (stopped
+    meanwhile) reads it; rank 2 lets rank 1 go on once it saw rank 0 die."""
+    from shm_world import dev_shm_in_use
+
+    inherited = set(dev_shm_in_use())
+    pids = await pg.all_gather_object(os.getpid())
+    big = 32 << 20
+    res: dict[str, Any] = {"error": None}
+    if pg.rank == 1:
+        into = np.zeros(big, np.uint8)
+        receiving = pg.recv(into, src=0)
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 2 sends SIGCONT once rank 0 is gone
+        try:
+            await asyncio.wait_for(receiving, 30)
+        except Exception as exc:
+            res.update(error=type(exc).__name__, rank=getattr(exc, "rank", None), why=str(exc))
+        res["untouched"] = not into.any()
+    elif pg.rank == 0:
+        for _ in range(3000):  # until rank 1 stopped (nobody reads our offer then), 30 s at most
+            if _state(pids[1]) == "T":
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("rank 1 did not stop within 30 s")
+        pg.send(np.ones(big, np.uint8), dst=1)
+        assert pg._rt.transport.link(1).direct_bytes_out == big  # offered: the frame is on its way
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(pg.recv(np.zeros(1, np.uint8), src=0), 30)  # fails when 0 dies
+        os.kill(pids[1], signal.SIGCONT)
+    res["dev_shm"] = sorted(set(dev_shm_in_use()) - inherited)
+    return res
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_sender_killed_before_its_receiver_read_its_memory_fails_the_receive_naming_it() -> None:
+    from aiocoll.client.data._vm_read import vm_read_available
+
+    if not vm_read_available():
+        pytest.skip("process_vm_readv is unavailable here: large messages go through the rings")
+    results = run_world(sender_killed_before_read, 3, timeout=120, env={"AIOCOLL_TRANSPORT": "shm"})
+    assert results[0].exitcode == -signal.SIGKILL
+    assert results[1].error is None, results[1].error
+    res = results[1].value
+    assert res["error"] == "PeerLostError" and res["rank"] == 0, res
+    assert "memory could not be read" in res["why"] and res["untouched"], res
+    assert res["dev_shm"] == [], res

@@ -1,8 +1,8 @@
 """The shm link kind: peers on this host, joined by an authenticated Unix socket that also
 handed over each side's shared-memory arena and point-to-point rings (client.data._shm).
 
-Imports foundations, client.data._shm, client.data._shm_ring and this package's tcp module; never the
-public surface.
+Imports foundations, client.data._shm, client.data._shm_ring, client.data._vm_read and this
+package's tcp module; never the public surface.
 
 Messages between two ranks of one host (point-to-point, and collectives that do not run over
 the arenas: reduce, gather, scatter, all_to_all, the driver's schedules) keep the tcp kind's
@@ -19,6 +19,19 @@ the message (``landed`` / ``arrived``), so posted receives get exactly one copy 
 receiver copies chunk k out while the sender writes chunk k+1. Zero-length messages are plain
 frames, and so are payloads of at most ``_FRAME_BYTES`` (the frame crosses the socket anyway,
 and for so few bytes the ring's bookkeeping costs more than the kernel's copy).
+
+Payloads of at least ``_DIRECT_MIN`` bytes skip the ring where the receiver may read the sender's
+memory: one frame says where the payload lies in the sender's address space
+(``{"v": [tag, meta, total, address, key]}``); the receiver claims its destination as for a ring
+message, copies the payload straight there with process_vm_readv (client.data._vm_read: one copy
+per byte where the ring takes two) and answers ``{"va": key}``, which completes the send (the
+sender's buffer is not the caller's again before). Whether the peer may read our memory is asked
+once, when the link is made: each side sends where its arena's probe nonce lies in its own
+address space (``{"vp": [address, length]}``), the other reads it there and compares it with its
+own mapping of that arena, and answers ``{"vok": bool}``. A receiver that cannot read the offered
+memory (the sender died) closes the link as lost; a sender whose receiver is lost fails the sends
+it still waits for, like those queued behind a full ring. ``AIOCOLL_SHM_DIRECT=0`` on either side
+keeps every payload in the rings.
 
 Backpressure and waiting: a ring holds at most its capacity; a sender that finds no room spins
 for a bounded, adaptive time (each check yields the CPU, so a sender sharing a core with its
@@ -59,14 +72,17 @@ from collections import deque
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from aiocoll._deadline import Deadline
-from aiocoll._env import env_int
+from aiocoll._env import env_int, env_text
 from aiocoll._errors import AuthenticationError, PeerLostError, RendezvousError
 from aiocoll.algorithms._transport import Tag
 from aiocoll.protocol import PREFIX
 
-from .._shm import ShmHost, ShmPeer, ShmUnavailable, region_bytes
+from .._shm import NONCE_BYTES, PROBE_OFFSET, ShmHost, ShmPeer, ShmUnavailable, region_bytes
 from .._shm_ring import RingReader, RingWriter
+from .._vm_read import DIRECT_ENV, vm_read, vm_read_available
 from .._waiting import SpinBudget, spin
 from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
 from ._link import LinkHost, LinkTransport, as_bytes_view
@@ -90,18 +106,23 @@ _FRAME_BYTES = 1024
 crosses the socket anyway, and for a few hundred bytes the kernel's copy costs less than
 the ring's bookkeeping on both sides (a 4-byte ping-pong took ~1.35x as long through the
 ring)."""
+_DIRECT_MIN = 4 << 20
+"""Payloads of at least this many bytes are read by the receiver straight from the sender's buffer
+(process_vm_readv: one copy per byte, where the ring takes two), once the link's probe found that
+the receiver may read the sender's memory."""
 
 
 class _Outgoing:
     """A message on its way into the ring (or queued behind one that is)."""
 
-    __slots__ = ("body", "done", "fut", "meta", "sent", "tag")
+    __slots__ = ("body", "direct", "done", "fut", "meta", "sent", "tag")
 
-    def __init__(self, tag: Tag, meta: dict[str, Any], body: memoryview) -> None:
+    def __init__(self, tag: Tag, meta: dict[str, Any], body: memoryview, direct: bool = False) -> None:
         self.tag = tag
         self.meta = meta
         self.body = body
-        self.sent = 0  # bytes of ``body`` already in the ring
+        self.sent = 0  # bytes of ``body`` already in the ring (or offered to be read directly)
+        self.direct = direct  # the receiver reads ``body`` from our memory; done once it says so
         self.done = False
         self.fut: asyncio.Future[None] | None = None  # made only when the caller must wait
 
@@ -128,7 +149,15 @@ class ShmLink(TcpLink):
     kind = "shm"
     poll_while_waiting = True
 
-    def __init__(self, shm: ShmPeer, host: LinkHost, *, max_payload: int, spin_s: float = _SPIN_S) -> None:
+    def __init__(
+        self,
+        shm: ShmPeer,
+        host: LinkHost,
+        *,
+        max_payload: int,
+        spin_s: float = _SPIN_S,
+        own_arena: Any = None,
+    ) -> None:
         super().__init__(shm.sock, shm.rank, host, max_payload=max_payload)
         self._max_payload = max_payload
         self._writer: RingWriter | None = None
@@ -154,6 +183,19 @@ class ShmLink(TcpLink):
         self.ring_sleeps = 0
         self.ring_bytes_out = 0
         self.ring_bytes_in = 0
+        # Large payloads read straight from the sender's memory: whether the peer may read ours
+        # (its answer to our probe), our messages it has yet to read, and payload bytes so moved.
+        self._peer_reads_us = False
+        self._offered = 0  # the key of our last offer (the head of _sending until it is read)
+        self._peer_pid = shm.pid
+        self._peer_nonce = bytes(shm.mem[PROBE_OFFSET : PROBE_OFFSET + NONCE_BYTES])
+        self.direct_bytes_out = 0
+        self.direct_bytes_in = 0
+        if own_arena is not None and self._writer is not None and _direct_allowed():
+            # Ask the peer to read our arena's probe nonce from our memory (the kernel decides
+            # whether it may: the same user and ptrace access); its answer enables direct sends.
+            at = np.frombuffer(own_arena, np.uint8, count=NONCE_BYTES, offset=PROBE_OFFSET).ctypes.data
+            self._frame({"vp": [at, NONCE_BYTES]})
 
     # -- sending ----------------------------------------------------------------------------
     def send_nowait(self, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> Awaitable[None] | None:
@@ -175,7 +217,7 @@ class ShmLink(TcpLink):
                 if self.closed:
                     raise self._lost()
                 return None
-        out = _Outgoing(tag, meta, body)
+        out = _Outgoing(tag, meta, body, n >= _DIRECT_MIN and self._peer_reads_us)
         queue.append(out)
         if len(queue) == 1 and not self._asleep:
             self._pump()
@@ -206,12 +248,14 @@ class ShmLink(TcpLink):
         clock = time.perf_counter
         began = clock()
         while queue:
+            out = queue[0]
+            if out.direct and out.sent:
+                return  # offered, waiting for the peer to read it ("va" resumes the pump)
             if clock() - began > _INLINE_S:
                 # A receiver that keeps pace never lets this sleep: give the event loop a turn
                 # now and then (heartbeats, timers, this process's own reading), then go on.
                 self._turn = self._loop.call_soon(self._pump_later)
                 return
-            out = queue[0]
             if not self._push(out, began + _INLINE_S):
                 if self.closed:
                     return
@@ -224,14 +268,20 @@ class ShmLink(TcpLink):
                     self._sleep()
                     return
                 continue
+            if out.direct:
+                return  # offered: it leaves the queue once the peer has read it
             queue.popleft()
-            out.done = True
-            fut = out.fut
-            if fut is not None and not fut.done():
-                fut.set_result(None)
+            self._sent(out)
         drained = self._drained
         if drained is not None and not drained.done():
             drained.set_result(None)
+
+    def _sent(self, out: _Outgoing) -> None:
+        """``out`` has left (the caller may reuse its buffer)."""
+        out.done = True
+        fut = out.fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     def _pump_later(self) -> None:
         self._turn = None
@@ -253,6 +303,17 @@ class ShmLink(TcpLink):
             if left is not None:  # a header-only frame: nobody waits for its hand-off
                 asyncio.ensure_future(left).add_done_callback(_consume_outcome)
             return True
+        if out.direct:
+            # One frame says where the payload lies in our memory; the receiver copies it straight
+            # into its destination and says so ("va"), which completes the send. Until then it
+            # stays at the head of the queue: later messages wait behind it, as behind a ring
+            # message larger than the ring.
+            self._offered += 1
+            out.sent = n
+            self.direct_bytes_out += n
+            at = np.frombuffer(body, np.uint8).ctypes.data
+            self._frame({"v": [out.tag, out.meta, n, at, self._offered]})
+            return not self.closed
         writer, chunk = self._writer, self._chunk
         assert writer is not None
         while out.sent < n:
@@ -357,7 +418,70 @@ class ShmLink(TcpLink):
                 return True
             self._take(incoming, end, n)
             return True
+        if "v" in header:
+            self._read_direct(header["v"])
+            return True
+        if "va" in header:
+            queue = self._sending
+            if not (queue and queue[0].direct and queue[0].sent and header["va"] == self._offered):
+                self._broken(ValueError("a read report for no message of ours"))
+                return True
+            self._sent(queue.popleft())
+            if not self._asleep:
+                self._pump()
+            return True
+        if "vp" in header:
+            self._frame({"vok": self._probe(header["vp"])})
+            return True
+        if "vok" in header:
+            self._peer_reads_us = header["vok"] is True
+            return True
         return False
+
+    def _read_direct(self, offer: Any) -> None:
+        """The peer offers a payload to read from its memory: copy it straight to where it goes
+        (as a ring message's first chunk would be placed), tell the peer, hand the message over."""
+        try:
+            tag, meta, total, at, key = offer
+            if not (isinstance(tag, list) and isinstance(meta, dict)) or self._incoming is not None:
+                raise ValueError("a message header out of place")
+            if not (isinstance(total, int) and isinstance(at, int) and isinstance(key, int)):
+                raise ValueError("a malformed direct-read offer")
+            if not 0 < total <= self._max_payload:
+                raise ValueError(f"a {total}-byte payload (at most {self._max_payload} are accepted)")
+        except (TypeError, ValueError) as exc:
+            self._broken(exc)
+            return
+        tag_key = tuple(tag)
+        dst = self._matcher.claim(self.peer, tag_key, total)
+        claimed = dst is not None
+        if dst is None:
+            dst = memoryview(bytearray(total))
+        try:
+            vm_read(self._peer_pid, np.frombuffer(dst, np.uint8).ctypes.data, at, total)
+        except OSError as exc:
+            self.close(f"its memory could not be read ({exc})", lost=True)
+            return
+        self.direct_bytes_in += total
+        self._frame({"va": key})
+        if claimed:
+            self._matcher.landed(self.peer, tag_key, meta, dst)
+        else:
+            self._matcher.arrived(self.peer, tag_key, meta, dst)
+
+    def _probe(self, probe: Any) -> bool:
+        """Whether we can read the peer's memory: its arena's nonce, read from its address space
+        at the address it gave, must equal what our mapping of its arena shows."""
+        try:
+            at, n = probe
+            if not (isinstance(at, int) and n == NONCE_BYTES) or not _direct_allowed():
+                return False
+            seen = np.zeros(NONCE_BYTES, np.uint8)
+            vm_read(self._peer_pid, seen.ctypes.data, at, NONCE_BYTES)
+        except (TypeError, ValueError, OSError) as exc:
+            log.debug("shm link to rank %d: no direct reads (%s)", self.peer, exc)
+            return False
+        return seen.tobytes() == self._peer_nonce
 
     def _take(self, incoming: _Incoming, end: Any, n: Any) -> None:
         """Copy one chunk out of the peer's ring into the message's memory, free it, and hand
@@ -427,7 +551,7 @@ class ShmLink(TcpLink):
     async def aclose(self) -> None:
         if self.closed:
             return
-        if self._sending:  # let what is queued reach the ring first (bounded)
+        if self._sending:  # let what is queued reach the peer first (bounded)
             self._drained = self._loop.create_future()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._drained), _DRAIN_S)
@@ -446,8 +570,17 @@ class ShmLink(TcpLink):
                 "bytes_out": self.ring_bytes_out,
                 "bytes_in": self.ring_bytes_in,
                 "incoming": None if incoming is None else [incoming.got, incoming.total],
+                "unread_by_peer": int(
+                    bool(self._sending) and self._sending[0].direct and self._sending[0].sent > 0
+                ),
+                "direct_bytes_out": self.direct_bytes_out,
+                "direct_bytes_in": self.direct_bytes_in,
             }
         return state
+
+
+def _direct_allowed() -> bool:
+    return env_text(DIRECT_ENV) != "0" and vm_read_available()
 
 
 def _chunk() -> int:
@@ -472,7 +605,7 @@ def prepare_shm(transport: TcpTransport, *, token: str | None, job: str, forced:
     chunk = _chunk()
 
     def on_peer(peer: ShmPeer) -> None:
-        transport.attach(ShmLink(peer, transport, max_payload=transport.max_payload))
+        transport.attach(ShmLink(peer, transport, max_payload=transport.max_payload, own_arena=host.mem))
 
     host = ShmHost(
         None if transport.rank < 0 else transport.rank,
