@@ -28,10 +28,10 @@ def test_ruff_finds_nothing() -> None:
 
 @pytest.mark.timeout(300)
 def test_mypy_finds_nothing(request: pytest.FixtureRequest) -> None:
-    from conftest import BACKGROUND_MYPY
+    from conftest import background_mypy
 
-    started = request.config.stash.get(BACKGROUND_MYPY, None)  # by tests/conftest.py, at collection
-    if started is not None:
+    started = background_mypy(request.config)  # by tests/conftest.py, once the tests are collected
+    if started is not None and started.started():
         code, output = started.verdict(timeout=280)
     else:
         out = subprocess.run([_tool("mypy")], cwd=ROOT, capture_output=True, text=True)
