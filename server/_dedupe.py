@@ -112,8 +112,9 @@ class Dedupe:
             raise Refused(
                 ERR_INVALID, f"'rid' and 'ack' must be integers with 0 <= ack < rid, got {rid!r}, {ack!r}"
             )
-        client: Client = conn.client  # attach() set it: kept while a connection carries it
-        client.last_seen = self.fx.started
+        # attach() set it: kept while a connection carries it. Its ``last_seen`` is what
+        # detach() wrote: only a client with no connection is ever swept.
+        client: Client = conn.client
         replies = client.replies
         if rid in replies:
             client.forget_through(ack)
@@ -129,9 +130,15 @@ class Dedupe:
                 f"request number {rid} of this client was already acknowledged (ack {floor}); "
                 f"a client must not re-send a request it had the reply to",
             )
-        if ack > floor:  # the client has more replies: forget them (not on every request)
-            client.forget_through(ack)
-            floor = ack
+        if ack > floor:  # the client has more replies: forget them
+            if len(replies) == 1 and ack in replies:
+                # The common case, one mutation awaited at a time: the reply it acknowledges is
+                # the only one kept (forget_through, without its call and scan).
+                client.floor = floor = ack
+                replies.clear()
+            else:
+                client.forget_through(ack)
+                floor = ack
         if rid - floor > DEDUPE_WINDOW:
             raise Refused(
                 ERR_INVALID,

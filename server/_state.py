@@ -312,7 +312,10 @@ class CoordinatorState(Effects):
             value, body = answer
             self._answer(conn, req_id, op, value, body)
         if client is not None:
-            self.dedupe.remember(conn, client, req_id, value, body, j)
+            if self.durable:  # the reply and the mutation's records go to the journal together
+                self.dedupe.remember(conn, client, req_id, value, body, j)
+            else:
+                client.replies[req_id] = (value, body)
 
     def _answer(self, conn: Conn, req_id: int, op: str, value: Any, body: bytes | bytearray) -> None:
         """Send a store operation's reply, answered at once ([id, OK] or [id, OK, value], with
