@@ -142,7 +142,7 @@ class Coordinator:
             resume_grace=resume_grace,
             durable=state_dir is not None,
             observe=self.metrics.observe_op,
-            observe_at_once=self.metrics.observe_at_once,
+            at_once=self.metrics.at_once,
             wall_clock=time.time,
         )
         self.port = 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
@@ -95,8 +95,9 @@ class _OpCollector(Collector):
     """Exposes ``operations_total`` and ``operation_seconds`` from the plain counts, with the
     names, labels and samples prometheus_client's Counter and Histogram would give them."""
 
-    def __init__(self, stats: dict[str, _OpStats]) -> None:
+    def __init__(self, stats: dict[str, _OpStats], fold: Callable[[], None]) -> None:
         self._stats = stats
+        self._fold = fold  # brings the counts kept elsewhere into ``stats`` first
         self._bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
 
     def describe(self) -> list[Metric]:
@@ -113,6 +114,7 @@ class _OpCollector(Collector):
             "Time from a request's arrival to its reply, by operation (waiting gets included).",
             labels=["op"],
         )
+        self._fold()
         for label, st in list(self._stats.items()):
             if st.ok:
                 ops.add_metric([label, "ok"], st.ok, created=st.ok_created)
@@ -185,7 +187,11 @@ class CoordinatorMetrics:
         # path: prometheus_client's Counter.inc + Histogram.observe were an eighth of the
         # coordinator's busy time under store load) and exposed by a collector at scrape time.
         self._op_stats: dict[str, _OpStats] = {}
-        reg.register(_OpCollector(self._op_stats))
+        reg.register(_OpCollector(self._op_stats, self.fold_at_once))
+        # Store requests answered at once (no time spent), by operation name: counted by the
+        # state machine into this dict as it answers them (CoordinatorState's ``at_once``) and
+        # folded into the stats only when they are read, so the request path makes no call.
+        self.at_once: dict[str, int] = {}
         self._jobs = Gauge(PREFIX + "jobs", "Jobs the coordinator currently holds.", registry=reg)
         self._members = Gauge(
             PREFIX + "members", "Rendezvous members currently registered, over all jobs.", registry=reg
@@ -265,13 +271,16 @@ class CoordinatorMetrics:
         else:
             st.buckets[0] += 1
 
-    def observe_at_once(self, op: str, count: int) -> None:
-        """``count`` operations ``op`` were answered successfully at once (no time spent)."""
-        st = self._stats_of(op)
-        if not st.ok:
-            st.ok_created = time.time()
-        st.ok += count
-        st.buckets[0] += count
+    def fold_at_once(self) -> None:
+        """Count the operations answered at once (``at_once``) in their stats, and start over."""
+        at_once = self.at_once
+        for op, count in list(at_once.items()):
+            st = self._stats_of(op)
+            if not st.ok:
+                st.ok_created = time.time()
+            st.ok += count
+            st.buckets[0] += count
+        at_once.clear()
 
     def set_jobs(self, n: int) -> None:
         """The number of jobs held now."""

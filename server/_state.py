@@ -92,9 +92,9 @@ class CoordinatorState(Effects):
             job_ttl). Keep it above the clients' reconnect timeout.
         durable: record acknowledged mutations in ``journal`` (the shell persists them).
         observe: optional hook ``(op, seconds, ok)`` called when a request is answered.
-        observe_at_once: optional hook ``(op, count)``: that many store requests of ``op`` were
-            answered successfully at once (no time spent); without it, ``observe`` is called
-            for each.
+        at_once: a dict the metrics own, of store requests answered successfully at once (no
+            time spent), by operation name: each one is counted into it as it is answered, and
+            the metrics read it when they are read. Without it, ``observe`` is called for each.
         wall_clock: seconds since 1970 (time.time), for the progress view's timestamps.
     """
 
@@ -111,12 +111,13 @@ class CoordinatorState(Effects):
         durable: bool = False,
         observe: Callable[[str, float, bool], None] | None = None,
         wall_clock: Callable[[], float] | None = None,
-        observe_at_once: Callable[[str, int], None] | None = None,
+        at_once: dict[str, int] | None = None,
     ) -> None:
         super().__init__(clock, wall_clock, durable, observe)
-        self.observe_at_once = observe_at_once
-        # Store requests answered at once since the last hand-over to the metrics, by op.
-        self._answered: dict[str, int] = {}
+        # Store requests answered at once, by op: the metrics' own dict, or, without one, those
+        # of the current read, handed to ``observe`` at its end.
+        self._answered: dict[str, int] = {} if at_once is None else at_once
+        self._hand_over = at_once is None
         self.job_ttl = job_ttl
         self.jobs: dict[str, Job] = {}
         self.conns: dict[int, Conn] = {}
@@ -247,17 +248,15 @@ class CoordinatorState(Effects):
                 else:
                     self._control_request(conn, header, payload, now)  # type: ignore[arg-type]
         finally:
-            if self._answered:
+            if self._hand_over and self._answered:
                 self._count_answered()
             self.membership.announce()
 
     def _count_answered(self) -> None:
-        """Hand the counts of requests answered at once to the metrics (per read, not per request)."""
+        """Without the metrics' dict: hand the counts of the requests answered at once in one
+        read to ``observe``."""
         answered = self._answered
-        if self.observe_at_once is not None:
-            for op, n in answered.items():
-                self.observe_at_once(op, n)
-        elif self.observe is not None:
+        if self.observe is not None:
             for op, n in answered.items():
                 for _ in range(n):
                     self.observe(op, 0.0, True)
