@@ -149,9 +149,21 @@ class FrameDecoder:
         """
         if self._pending_payload is not None:
             return [(f.header, f.payload.obj) for f in self.buffer_updated(nbytes)]  # type: ignore[misc]
-        self._end += nbytes
+        start = self._start
+        end = self._end = self._end + nbytes
         buf, view = self._buf, self._view
-        start, end = self._start, self._end
+        if start == 0 and end >= _PREFIX_SIZE:
+            pstart = self._lone_frame(buf, end)
+            if pstart:
+                # One whole frame from the start of the buffer, nothing more: the common read
+                # (one request per round trip). Everything is taken: the buffer starts over.
+                self._end = 0
+                return [
+                    (
+                        self._decode_header(view[_PREFIX_SIZE:pstart]),
+                        bytes(view[pstart:end]) if pstart < end else b"",
+                    )
+                ]
         unpack = PREFIX.unpack_from
         decode = self._decode_header
         max_header, max_payload = self.max_header, self.max_payload
@@ -204,9 +216,14 @@ class FrameDecoder:
             ProtocolError: as ``feed``.
         """
         if type(data) is bytes and self._start == self._end and self._pending_payload is None:
+            end = len(data)
+            if end >= _PREFIX_SIZE:
+                pstart = self._lone_frame(data, end)
+                if pstart and (pstart == end or self.sink is None):
+                    # One whole frame, nothing more: the common read of a request/reply link.
+                    return [(self._decode_header(data[_PREFIX_SIZE:pstart]), data[pstart:])]
             messages: list[tuple[dict[str, Any], bytes]] = []
             pos = 0
-            end = len(data)
             unpack = PREFIX.unpack_from
             max_header, max_payload = self.max_header, self.max_payload
             # A sink is not consulted here: only frames with no payload are parsed on this path
@@ -362,6 +379,19 @@ class FrameDecoder:
                     )
                 return target, True
         return memoryview(bytearray(payload_len)), False
+
+    def _lone_frame(self, data: bytes | bytearray, end: int) -> int:
+        """Where the payload starts when ``data[:end]`` (at least a prefix long) holds exactly
+        one whole frame whose lengths this decoder accepts; 0 otherwise."""
+        header_len, payload_len = PREFIX.unpack_from(data)
+        pstart = _PREFIX_SIZE + header_len
+        if (
+            pstart + payload_len == end
+            and 0 < header_len <= self.max_header
+            and payload_len <= self.max_payload
+        ):
+            return pstart
+        return 0
 
     def _decode_header(self, raw: bytes | memoryview) -> Any:
         try:

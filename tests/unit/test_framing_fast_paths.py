@@ -40,16 +40,28 @@ def test_feed_messages_and_feed_agree_with_the_buffered_path_for_any_read_sizes(
         pos += cut
     reads.append(data[pos:])
     by_messages, by_feed = FrameDecoder(read_size=1024), FrameDecoder(read_size=1024)
+    by_buffer = FrameDecoder(read_size=1024)  # the coordinator's: the kernel writes into its buffer
     messages: list[tuple[dict, bytes]] = []
     fed: list[tuple[dict, bytes]] = []
+    buffered: list[tuple[dict, bytes]] = []
     for chunk in reads:
         got = by_messages.feed_messages(chunk)
         assert all(type(payload) is bytes for _, payload in got)
         messages.extend(got)
         fed.extend((f.header, bytes(f.payload)) for f in by_feed.feed(chunk))
+        rest = memoryview(chunk)
+        while rest:
+            target = by_buffer.get_buffer(len(rest))
+            n = min(len(target), len(rest))
+            target[:n] = rest[:n]
+            rest = rest[n:]
+            buffered.extend(
+                (header, bytes(payload)) for header, payload in by_buffer.buffer_updated_messages(n)
+            )
     assert messages == frames
     assert fed == frames
-    assert not by_messages.mid_frame and not by_feed.mid_frame
+    assert buffered == frames
+    assert not by_messages.mid_frame and not by_feed.mid_frame and not by_buffer.mid_frame
 
 
 def test_a_payload_from_feed_is_writable_memory_of_its_own_as_before() -> None:
@@ -96,6 +108,9 @@ def test_feed_messages_hands_payloads_to_the_sink_like_feed() -> None:
     got = decoder.feed_messages(_wire([({"id": 1}, b""), ({"big": True}, b"hello"), ({"id": 2}, b"")]))
     assert got == [({"id": 1}, b""), ({"big": True}, b"hello"), ({"id": 2}, b"")]
     assert target == bytearray(b"hello")  # it went through the sink
+    target[:] = bytearray(5)
+    assert decoder.feed_messages(_wire([({"big": True}, b"again")])) == [({"big": True}, b"again")]
+    assert target == bytearray(b"again"), "a read of one whole frame goes through the sink too"
 
 
 def test_a_header_that_is_not_a_map_is_refused_on_every_path() -> None:
