@@ -1,10 +1,13 @@
 """What one sequential store request costs, on each end: wall time per operation, CPU per
-operation in the client and in the server, Python calls per operation, and optionally a cProfile
-of either end. A developer's tool for the coordinator's request path; docs/PERFORMANCE.md quotes it.
+operation in the client and in the server, Python calls per operation, bytecode instructions per
+operation on each end (aiocoll's clients; they do not move with the machine's load), and
+optionally a cProfile of either end. A developer's tool for the coordinator's request path;
+docs/PERFORMANCE.md quotes it.
 
     python scripts/store_cost.py                          # aiocoll async, aiocoll.sync, TCPStore, bare
     taskset -c 0 python scripts/store_cost.py --ops get,add # one core: no cross-core wake-ups
     python scripts/store_cost.py --ops get --count 20000
+    python scripts/store_cost.py --ops get,add,check,wait,multi_get,compare_set --clients async,sync
     python scripts/store_cost.py --clients async --profile client   # cProfile of the client
     python scripts/store_cost.py --clients sync --profile server     # cProfile of the coordinator
 
@@ -33,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-OPS = ("set", "get", "add")
+OPS = ("set", "get", "add", "check", "wait", "multi_get", "compare_set")
 
 
 def _cpu() -> float:
@@ -52,6 +55,7 @@ def _serve_aiocoll(conn: Any, token: str, profile: bool) -> None:
     from aiocoll.server import Coordinator
 
     profiler = cProfile.Profile() if profile else None
+    opcodes = Opcodes()
 
     async def serve() -> None:
         coordinator = Coordinator("127.0.0.1", 0, token=token)
@@ -64,6 +68,12 @@ def _serve_aiocoll(conn: Any, token: str, profile: bool) -> None:
             command = conn.recv()
             if command == "cpu":
                 conn.send(_cpu())
+            elif command == "opcodes-on":
+                sys.settrace(opcodes)
+                conn.send("ok")
+            elif command == "opcodes-off":
+                sys.settrace(None)
+                conn.send(opcodes.take())
             elif command == "profile-on" and profiler is not None:
                 profiler.enable()
                 conn.send("ok")
@@ -158,7 +168,7 @@ class BareClient:
         self.sock.sendall(self.frame)
         return self.sock.recv(64)
 
-    set = get = add = _round_trip
+    set = get = add = check = wait = multi_get = compare_set = _round_trip
 
 
 class Server:
@@ -187,13 +197,27 @@ class Server:
 # ---------------------------------------------------------------------------------- clients
 
 
-def _loop_body(store: Any, op: str, count: int, value: bytes) -> Any:
+def _calls(store: Any, op: str, value: bytes) -> Any:
+    """One operation ``op`` on ``store`` as a function of its index (the same for every client)."""
     keys = [f"k{i}" for i in range(64)]
     if op == "set":
-        return lambda: [store.set(keys[i & 63], value) for i in range(count)]
+        return lambda i: store.set(keys[i & 63], value)
     if op == "get":
-        return lambda: [store.get(keys[i & 63]) for i in range(count)]
-    return lambda: [store.add("ctr", 1) for _ in range(count)]
+        return lambda i: store.get(keys[i & 63])
+    if op == "add":
+        return lambda i: store.add("ctr", 1)
+    if op == "check":
+        return lambda i: store.check([keys[i & 63]])
+    if op == "wait":
+        return lambda i: store.wait([keys[i & 63]])
+    if op == "multi_get":
+        return lambda i: store.multi_get([keys[i & 63], keys[(i + 1) & 63]])
+    return lambda i: store.compare_set(keys[i & 63], value, value)
+
+
+def _loop_body(store: Any, op: str, count: int, value: bytes) -> Any:
+    call = _calls(store, op, value)
+    return lambda: [call(i) for i in range(count)]
 
 
 class Calls:
@@ -203,6 +227,24 @@ class Calls:
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             self.n += 1
+
+
+class Opcodes:
+    """Counts the bytecode instructions run while it is the thread's trace function
+    (sys.settrace): a measure of Python work that does not move with the machine's load."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            self.n += 1
+        return self
+
+    def take(self) -> int:
+        n, self.n = self.n, 0
+        return n
 
 
 def measure_sync(name: str, store: Any, server: Server, op: str, count: int, profile: bool) -> dict[str, Any]:
@@ -215,6 +257,18 @@ def measure_sync(name: str, store: Any, server: Server, op: str, count: int, pro
     sys.setprofile(calls)
     run()
     sys.setprofile(None)
+    opcodes: dict[str, float] = {}
+    if name.startswith("aiocoll"):  # its coordinator counts its own (an untimed pass)
+        mine = Opcodes()
+        server.ask("opcodes-on")
+        sys.settrace(mine)
+        run()
+        sys.settrace(None)
+        small = max(count // 10, 100)
+        opcodes = {
+            "client opcodes/op": mine.n / small,
+            "server opcodes/op": server.ask("opcodes-off") / small,
+        }
     run = _loop_body(store, op, count, value)
     profiler = cProfile.Profile() if profile else None
     server_cpu = server.ask("cpu")
@@ -233,6 +287,7 @@ def measure_sync(name: str, store: Any, server: Server, op: str, count: int, pro
         "client cpu us/op": cpu / count * 1e6,
         "server cpu us/op": server_cpu / count * 1e6,
         "calls/op": calls.n / max(count // 10, 100),
+        **opcodes,
     }
     if profiler:
         out = io.StringIO()
@@ -253,18 +308,13 @@ def measure_async(server: Server, token: str, op: str, count: int, profile: bool
         for key in keys:
             await store.set(key, value)
 
+        call = _calls(store, op, value)
+
         async def run(n: int) -> None:
+            for i in range(n):
+                await call(i)
             if op == "set":
-                for i in range(n):
-                    await store.set(keys[i & 63], value)
-                with contextlib.suppress(AttributeError):
-                    await store.flush()
-            elif op == "get":
-                for i in range(n):
-                    await store.get(keys[i & 63])
-            else:
-                for _ in range(n):
-                    await store.add("ctr", 1)
+                await store.flush()
 
         small = max(count // 10, 100)
         await run(small)
@@ -272,6 +322,12 @@ def measure_async(server: Server, token: str, op: str, count: int, profile: bool
         sys.setprofile(calls)
         await run(small)
         sys.setprofile(None)
+        mine = Opcodes()
+        server.ask("opcodes-on")
+        sys.settrace(mine)
+        await run(small)
+        sys.settrace(None)
+        theirs = server.ask("opcodes-off")
         profiler = cProfile.Profile() if profile else None
         server_cpu = server.ask("cpu")
         cpu, wall = _cpu(), time.perf_counter()
@@ -290,6 +346,8 @@ def measure_async(server: Server, token: str, op: str, count: int, profile: bool
             "client cpu us/op": cpu / count * 1e6,
             "server cpu us/op": server_cpu / count * 1e6,
             "calls/op": calls.n / small,
+            "client opcodes/op": mine.n / small,
+            "server opcodes/op": theirs / small,
         }
         if profiler:
             out = io.StringIO()
@@ -302,7 +360,7 @@ def measure_async(server: Server, token: str, op: str, count: int, profile: bool
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", default="set,get,add", help="comma-separated: set, get, add")
+    parser.add_argument("--ops", default="set,get,add", help=f"comma-separated, of: {', '.join(OPS)}")
     parser.add_argument(
         "--clients",
         default="async,sync,tcpstore,bare",
@@ -372,7 +430,8 @@ def main() -> int:
     )
     print(f"# median of {args.rounds} rounds, the clients taking turns; us/op of each round in brackets")
     print(
-        f"{'client':24} {'op':4} {'us/op':>8} {'client cpu':>11} {'server cpu':>11} {'calls/op':>9}  rounds"
+        f"{'client':24} {'op':11} {'us/op':>8} {'client cpu':>11} {'server cpu':>11} {'calls/op':>9} "
+        f"{'opcodes/op (client, server)':>28}  rounds"
     )
     grouped: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in rows:
@@ -387,9 +446,12 @@ def main() -> int:
         row.update(client=client, op=op, rounds=" ".join(f"{g['us/op']:.1f}" for g in group))
         medians.append(row)
     for r in medians:
+        codes = (
+            f"{r['client opcodes/op']:.0f}, {r['server opcodes/op']:.0f}" if "client opcodes/op" in r else "-"
+        )
         print(
-            f"{r['client']:24} {r['op']:4} {r['us/op']:8.1f} {r['client cpu us/op']:11.1f} "
-            f"{r['server cpu us/op']:11.1f} {r['calls/op']:9.1f}  [{r['rounds']}]"
+            f"{r['client']:24} {r['op']:11} {r['us/op']:8.1f} {r['client cpu us/op']:11.1f} "
+            f"{r['server cpu us/op']:11.1f} {r['calls/op']:9.1f} {codes:>28}  [{r['rounds']}]"
         )
     for r in rows:
         if "profile" in r:
