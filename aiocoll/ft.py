@@ -500,8 +500,11 @@ class Manager:
         min_replicas: a quorum needs at least this many replicas (more than half of them avoids
             two quorums training apart). Every replica of a job must give the same value.
         join_timeout: seconds a quorum waits for replicas of the previous quorum that are there
-            but have not asked (and a job's first quorum for everyone); also how long a new
-            quorum's group may take to form. Every replica must give the same value.
+            but have not asked (as long as they are there, when none of those that asked holds
+            the previous quorum's step: new and restarted replicas never train apart from
+            them), and a job's first
+            quorum for everyone; also how long a new quorum's group may take to form. Every
+            replica must give the same value.
         timeout: seconds each collective of a step, and a heal, may take.
         quorum_timeout: seconds ``start_step`` may take in all (asking again after failures).
         replace_timeout: for a replica of several ranks: seconds a rank whose replica lost

@@ -12,6 +12,11 @@ A forming quorum (one per job) forms:
 - or when ``join_timeout`` has passed since the first ask and at least ``min_replicas`` asked
   (the previous quorum's replicas that did not ask are left out). A job's first quorum, and the
   first after a coordinator restart that lost the connections, always waits for this window.
+  Never apart from the previous quorum, though: a quorum without one of its processes at its
+  step (only new, restarted or returning replicas, or ones whose heal there failed) does not
+  form while one of its replicas is there (seen alive by this coordinator): that one is in its
+  step and may commit it, and the two would commit the same steps differently. The window
+  starts again until it asks or is gone.
 
 A replica may be several ranks (``replica_size``, each asking with its ``replica_rank``: one
 model copy sharded or data-parallel inside it). It counts as having asked only when all its ranks
@@ -555,8 +560,10 @@ class Quorum:
             return
         window = jq.first_at + first.join_timeout
         if now >= window:
-            self._form(jq, now)
-            return
+            if not self._apart(jq, now):
+                self._form(jq, now)
+                return
+            jq.first_at, window = now, now + first.join_timeout  # a new window for them
         if jq.tick is not None:
             return  # armed no later than needed: asks and heartbeats only move the time on
         due = window
@@ -571,6 +578,42 @@ class Quorum:
                     due = min(due, conn.last_seen + limit + 0.001)
         jq.tick = _Tick(jq)
         self.fx.push_timer(due, jq.tick, self._expire_tick)
+
+    def _apart(self, jq: JobQuorum, now: float) -> bool:
+        """Whether the quorum that would form now would train apart from the previous one.
+
+        That is when none of its processes took part in the previous quorum at that quorum's
+        step (its replicas are new, restarted, came back, or failed to heal there: they hold
+        nothing to go on from) while a replica of the previous quorum is still there, known
+        alive on this coordinator: that one is in the middle of its step and may commit it. The
+        two would commit the same steps with other results (a restarted replica, at step 0, would
+        even train from its initial state), so the join window starts again: the new replicas wait
+        for it until it asks (it joins them; those behind heal from it) or is gone. A quorum that
+        keeps one of the previous quorum's processes at its step may leave the rest out: that
+        process ended the step, so the step is decided for every member, and it holds the state
+        the others heal from. Members not seen since this coordinator started (a restart) are
+        not known alive and hold nothing up past the window.
+        """
+        last = jq.last
+        if last is None:
+            return False
+        top = max(m[2] for m in last["members"])
+        by_name = jq.by_name
+        for name, ranks in jq.asks.items():
+            m = by_name.get(name)
+            if m is None or name in jq.incomplete:
+                continue
+            steps = {a.step for a in ranks.values()}
+            if len(steps) > 1 or steps.pop() < top:
+                continue  # behind that step (its heal there failed): it holds no state to go on from
+            before = shards(m)
+            if any(rank < len(before) and a.uid == before[rank][0] for rank, a in ranks.items()):
+                return False  # a process of the previous quorum, up to date, is in it
+        for m in jq.pending.values():
+            missing, why = self._missing(jq, m, now)
+            if why is None and any(key in jq.seen for key in missing):
+                return True
+        return False
 
     def _fail_rest(self, jq: JobQuorum, name: str, now: float) -> None:
         """Fail the asks of a replica's ranks whose fellow rank of its last quorum is gone.

@@ -272,6 +272,91 @@ def test_a_replica_there_but_not_asking_is_left_out_after_the_join_window() -> N
     assert "join window" in replies["b"]["left"][0][2]
 
 
+def test_new_replicas_never_form_a_quorum_apart_from_a_live_one_of_the_previous_quorum() -> None:
+    """min_replicas=1: replicas none of which was in the previous quorum (restarted, or late for a
+    job's first quorum) wait past the join window for its live replicas, which are in the middle
+    of a step they may commit: a quorum of their own would commit the same step numbers with
+    other parameters (the chaos soak's inconsistent step 0)."""
+    r = Replicas()
+    for name in ("a", "b", "c"):
+        r.start(name)
+        r.ask(name, 0, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    assert sorted(r.replies()) == ["a", "b", "c"]
+    r.close("c")  # kill -9 mid-step: a and b fail the step and ask again without it
+    r.ask("a", 0, min_replicas=1, renew=True)
+    r.ask("b", 0, min_replicas=1, renew=True)
+    assert members(r.replies()["a"]) == ["a", "b"]
+    r.start("c")  # restarted at once: it asks while a and b run their step (a slow one)
+    r.ask("c", 0, min_replicas=1)
+    r.tick(3 * JOIN)  # a and b beat all along
+    assert r.replies() == {}  # not a quorum of c alone, training from its initial state
+    r.ask("a", 1, min_replicas=1)
+    r.ask("b", 1, min_replicas=1)
+    replies = r.replies()
+    assert sorted(replies) == ["a", "b", "c"]
+    assert replies["c"]["members"] == [["a", 1, "host-a"], ["b", 1, "host-b"], ["c", 0, "host-c"]]
+    assert replies["c"]["heal"] == {2: 0} and replies["c"]["left"] == []
+
+    # a job's first quorum formed without d (late): d waits for it the same way
+    r.start("d")
+    r.ask("d", 0, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    assert r.replies() == {}
+    for name in ("a", "b", "c"):
+        r.ask(name, 2, min_replicas=1)
+    assert r.replies()["d"]["heal"] == {3: 0}
+
+    # ... and forms without them once they are gone (closed, or silent)
+    r.start("e")
+    r.ask("e", 0, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    assert r.replies() == {}
+    for name in ("a", "b"):
+        r.close(name)
+    r.cut.update({"c", "d"})
+    r.tick(4.5)  # the heartbeat timeout
+    reply = r.replies()["e"]
+    assert members(reply) == ["e"] and sorted(left[0] for left in reply["left"]) == ["a", "b", "c", "d"]
+
+
+def test_a_replica_whose_heal_failed_does_not_form_a_quorum_apart_from_a_live_up_to_date_one() -> None:
+    r = Replicas()
+    for name in ("a", "b", "c"):
+        r.start(name)
+        r.ask(name, 0, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    r.replies()
+    r.close("b")
+    r.ask("a", 0, min_replicas=1, renew=True)
+    r.ask("c", 0, min_replicas=1, renew=True)
+    r.replies()
+    r.start("b")
+    r.ask("b", 0, min_replicas=1)
+    r.ask("a", 1, min_replicas=1)
+    r.ask("c", 1, min_replicas=1)
+    assert r.replies()["b"]["heal"] == {1: 0}  # b heals from a
+    r.close("a")  # a dies while it sends: b's heal fails (before it overwrote anything)
+    r.ask("b", 0, min_replicas=1, renew=True)  # b took part in that quorum, but at step 0
+    r.tick(3 * JOIN)  # c is slow to notice and beats all along
+    assert r.replies() == {}  # not b alone, from its initial state
+    r.ask("c", 1, min_replicas=1, renew=True)
+    replies = r.replies()
+    assert members(replies["b"]) == ["b", "c"] and replies["b"]["heal"] == {0: 1}
+
+
+def test_a_quorum_that_keeps_a_replica_of_the_previous_one_leaves_out_a_slow_one_after_the_window() -> None:
+    r = Replicas()
+    first_quorum(r, ["a", "b"])
+    r.start("c")
+    r.ask("c", 0)  # new, with a: a took part in the previous quorum's step, so that step is over
+    r.ask("a", 1)
+    r.tick(JOIN + 0.01)  # b beats but does not ask
+    replies = r.replies()
+    assert members(replies["a"]) == ["a", "c"] and replies["c"]["heal"] == {1: 0}
+    assert replies["a"]["left"][0][0] == "b"
+
+
 def test_an_ask_without_enough_replicas_times_out_naming_who_asked_and_who_was_waited_for() -> None:
     r = Replicas()
     first_quorum(r, ["a", "b"])
