@@ -47,7 +47,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fault_tolerant_training.py"
-STEPS, KILL_AT, RESTART_AT = 100, 20, 25
+STEPS, KILL_AT, RESTART_AT = 50, 20, 25
 RECOVERY_BOUND = 10.0  # seconds from the kill to the survivors' next committed step (measured: ~0.1 s)
 
 torch = pytest.importorskip("torch")
@@ -626,6 +626,7 @@ def test_an_fsdp2_replica_replaces_a_lost_rank_and_its_sharded_state_is_bit_iden
             lambda: any(
                 e["step"] >= SHARDED_KILL_AT and e["members"] == ["A", "B"] for e in records("faulty-A0")
             ),
+            240.0,  # four processes starting torch at once on a loaded machine (seen: 59 s to a quorum)
         )
         procs["faulty-B1"].send_signal(signal.SIGKILL)
         killed_at = time.time()
