@@ -121,6 +121,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--procs", type=int, default=4, help="simulating processes (default 4)")
     parser.add_argument("--join", type=float, default=2.0, help="the join window of the first quorum")
+    parser.add_argument(
+        "--state-dir",
+        default=None,
+        help="run the coordinator durable in this directory (each quorum's record is on disk before "
+        "its replies go out)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from aiocoll.cli._bench_servers import quiet_logs, raise_fd_limit, start_coordinator
@@ -130,7 +136,7 @@ def main() -> None:
     import aiocoll.client.control.session  # noqa: F401  (imported once, shared by every fork)
 
     token = secrets.token_hex(16)
-    coordinator = start_coordinator(token)
+    coordinator = start_coordinator(token, state_dir=args.state_dir)
     try:
         ctx = multiprocessing.get_context("fork")
         out = ctx.Queue()
@@ -171,6 +177,7 @@ def main() -> None:
     print(
         f"quorum_scale: {args.replicas} simulated replicas over {args.procs} processes (nice +{NICE}), "
         f"{args.steps} steps after the first quorum; load {load:.1f} on {os.cpu_count()} CPUs"
+        + (f"; durable in {args.state_dir}" if args.state_dir else "")
     )
     print(
         f"  latency (last ask -> last reply): median {statistics.median(latency) * 1e3:.1f} ms, "

@@ -120,7 +120,7 @@ class EncodedHeader:
 
     def __init__(self, parts: tuple[bytes, ...]) -> None:
         self.parts = parts
-        self.size = sum(len(p) for p in parts)
+        self.size = sum(map(len, parts))
 
     def decode(self) -> dict[str, Any]:
         header: dict[str, Any] = msgpack.unpackb(b"".join(self.parts), raw=False, strict_map_key=False)
