@@ -20,6 +20,10 @@ first quorum (which waits for its join window) it reports, over ``--steps`` step
 - ``simulated replicas' CPU``: the simulating processes' CPU time per step, all together (on a
   cluster each replica's share of it runs on its own host; here it shares the machine's CPUs
   with the coordinator, and bounds the latency from below on a machine with few of them).
+
+``--state-machine`` runs the same asks through the coordinator's state machine alone, in this
+process (no sockets, no event loop: the unit tests' way), and reports its CPU time per quorum:
+the quorum's own decisions and encoded replies, without reading and writing the messages.
 """
 
 from __future__ import annotations
@@ -115,6 +119,57 @@ def _simulate(
         barrier.abort()
 
 
+def _state_machine(replicas: int, steps: int) -> None:
+    """The asks of ``replicas`` replicas for ``steps`` quorums through a CoordinatorState alone."""
+    from aiocoll.server import CoordinatorState
+
+    now = [1000.0]
+    state = CoordinatorState(clock=lambda: now[0], heartbeat_timeout=10.0)
+    names = [f"r{i:05d}" for i in range(replicas)]
+    for conn in range(1, replicas + 1):
+        state.connect(conn, "quorum-scale", "store", peer=f"127.0.0.1:{conn}")
+    known = [0] * replicas
+    asks = [0]
+
+    def quorum(step: int) -> None:
+        for i, name in enumerate(names):
+            asks[0] += 1
+            request = {
+                "op": "quorum",
+                "id": asks[0],
+                "replica": name,
+                "uid": f"u{i}",
+                "step": step,
+                "ask": step + 1,
+                "host": f"sim-{name}",
+                "min_replicas": replicas,
+                "join_timeout": 2.0,
+                "renew": False,
+                "known": known[i],
+                "timeout": 120.0,
+            }
+            state.requests(i + 1, ((request, b""),))
+        if step == 0:  # the first quorum waits for its join window
+            now[0] += 3.0
+            state.tick()
+        replies = state.outbox
+        assert len(replies) == replicas, len(replies)
+        if step < 2:
+            for conn, header, _ in replies:
+                known[conn - 1] = header.decode()["quorum_id"]
+        state.outbox = []
+
+    for step in range(2):
+        quorum(step)
+    began = time.process_time()
+    for step in range(2, steps + 2):
+        quorum(step)
+    per = (time.process_time() - began) / steps
+    load = os.getloadavg()[0]
+    print(f"quorum_scale --state-machine: {replicas} replicas, {steps} quorums; load {load:.1f}")
+    print(f"  state machine CPU per quorum: {per * 1e3:.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=1000)
@@ -127,8 +182,16 @@ def main() -> None:
         help="run the coordinator durable in this directory (each quorum's record is on disk before "
         "its replies go out)",
     )
+    parser.add_argument(
+        "--state-machine",
+        action="store_true",
+        help="the coordinator's state machine alone, in this process: its CPU per quorum",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
+    if args.state_machine:
+        _state_machine(args.replicas, args.steps)
+        return
     from aiocoll.cli._bench_servers import quiet_logs, raise_fd_limit, start_coordinator
 
     raise_fd_limit()
