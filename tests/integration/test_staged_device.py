@@ -310,11 +310,16 @@ async def dies_mid_pipeline(pg: Any) -> dict[str, Any]:
     from aiocoll.device._device_threads import ThreadDevice
     from aiocoll.device._staging import staging_for
 
-    dev = ThreadDevice(copy_delay=0.001)
+    def die_at_the_first_copy_back(direction: str, nbytes: int) -> None:
+        # A chunk copied back to the device was reduced with rank 0's part of it, which came
+        # through rank 0's staging buffers: both pipelines are under way, and 400 chunks long.
+        # (A timer could kill rank 1 before rank 0 staged anything, on a loaded machine.)
+        if direction == "to_device":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    dev = ThreadDevice(copy_delay=0.001, fail_copy=die_at_the_first_copy_back if pg.rank == 1 else None)
     x = dev.tensor(np.ones(25_600, np.float32))  # 400 chunks of 256 bytes
     await pg.barrier()
-    if pg.rank == 1:
-        asyncio.get_running_loop().call_later(0.2, os.kill, os.getpid(), signal.SIGKILL)
     out: dict[str, Any] = {}
     try:
         await pg.all_reduce(x, timeout=60)
