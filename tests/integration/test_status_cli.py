@@ -295,6 +295,11 @@ async def test_status_and_http_endpoints_against_a_real_coordinator(tmp_path: Pa
         "0",
         "--token-file",
         str(token_file),
+        # The test's two members are raw connections that send no beats: past the heartbeat
+        # timeout (10 s by default) the coordinator drops them, and on a loaded machine the
+        # status commands this test starts one after another can take longer than that.
+        "--heartbeat-timeout",
+        "300",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
