@@ -6,10 +6,14 @@ to put in a ring and when, and says where each chunk lies in a frame over its Un
 module only allocates, copies, checks bounds and keeps the two counters.
 
 A ring is a memfd of ``RING_HEADER + capacity`` bytes made by the *sender* (client.data._shm hands it
-to the receiver with the arena). Its first page holds two counters, on their own cache lines:
+to the receiver with the arena). Its first page holds four counters, on their own cache lines:
 
     0    freed     absolute count of ring bytes the receiver has released (only it writes this)
-    64   waiting   1 while the sender waits for space (only the sender writes this)
+    64   waiting   1 while the sender waits for space or a read (only the sender writes this)
+    128  read      the key of the last payload offered outside the ring that the receiver has
+                   copied out of the sender's memory (only the receiver writes this)
+    192  offered   the key of the payload the sender offers outside the ring now, 0 when none
+                   (only the sender writes this; it clears it before it lets go of the payload)
     4096 data      ``capacity`` bytes, used in order
 
 Positions are absolute byte counts (they never wrap; the offset in the data is the position
@@ -22,9 +26,11 @@ warm). Chunks start on 64-byte boundaries. Chunks are released in the order they
 That bound is the backpressure: a receiver that stops reading stops the sender once the ring is
 full, and nothing is ever dropped or reordered.
 
-Waking the sender: after releasing, the receiver issues a full fence (client.data._shm.fence) and
-reads ``waiting``; a sender about to sleep sets ``waiting``, fences, and checks the space once
-more before it sleeps. One of the two always sees the other, so a wake-up is never lost.
+Waking the sender: after releasing (or reporting a read), the receiver issues a full fence
+(client.data._shm.fence) and reads ``waiting``; a sender about to sleep sets ``waiting``, fences,
+and checks the space (or the read) once more before it sleeps. One of the two always sees the
+other, so a wake-up is never lost. Reads are reported here rather than over the link's socket so
+that a sender whose own reading is paused (its inbox full) still learns of them.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from ._shm import RING_HEADER, fence
 
 __all__ = ["RingReader", "RingWriter"]
 
-_FREED, _WAITING = 0, 8  # int64 indexes into the header page
+_FREED, _WAITING, _READ, _OFFERED = 0, 8, 16, 24  # int64 indexes into the header page
 _ALIGN = 64
 
 
@@ -115,6 +121,24 @@ class RingWriter(_RingSide):
     def woken(self) -> None:
         self._ctl[_WAITING] = 0
 
+    def offer(self, key: int) -> None:
+        """Say that the payload of ``key`` may be read from our memory (0: none may any more)."""
+        self._ctl[_OFFERED] = key
+        fence()  # withdrawn before the payload is let go; offered before its frame is sent
+
+    def was_read(self, key: int) -> bool:
+        return bool(self._ctl[_READ] >= key)
+
+    def sleep_unless_read(self, key: int) -> bool:
+        """Say we wait for the read of ``key``; True when it has not happened (sleep until
+        woken), False when it has meanwhile (the flag is taken back)."""
+        self._ctl[_WAITING] = 1
+        fence()  # the flag is visible before we look at ``read`` once more
+        if self.was_read(key):
+            self._ctl[_WAITING] = 0
+            return False
+        return True
+
     @property
     def freed(self) -> int:
         return int(self._ctl[_FREED])
@@ -146,6 +170,19 @@ class RingReader(_RingSide):
         if off + n > cap:
             raise ValueError(f"a chunk of {n} bytes at ring offset {off} crosses the end of the ring")
         return self._data[off : off + n]
+
+    def still_offered(self, key: int) -> bool:
+        """Whether the sender still offers the payload of ``key`` (it had not let go of it
+        before our read of it ended)."""
+        fence()  # our read is complete before we look
+        return bool(self._ctl[_OFFERED] == key)
+
+    def report_read(self, key: int) -> bool:
+        """Say the payload of ``key`` was copied out; True when the sender waits and must be
+        woken."""
+        self._ctl[_READ] = key
+        fence()  # ``read`` is visible before we look whether the sender sleeps
+        return bool(self._ctl[_WAITING])
 
     def release(self, end: int) -> bool:
         """Free the ring up to ``end`` (every chunk before it was copied out); True when the

@@ -1,6 +1,7 @@
 """The point-to-point ring of the shm links (client/data/_shm_ring.py), both sides over one mapping:
-bytes in order through wrap-around and restarts, the capacity bound, the sender's wake-up flag,
-and a receiver that refuses chunk positions a well-behaved sender cannot produce."""
+bytes in order through wrap-around and restarts, the capacity bound, the sender's wake-up flag, the
+words of payloads read outside the ring, and a receiver that refuses chunk positions a
+well-behaved sender cannot produce."""
 
 from __future__ import annotations
 
@@ -87,3 +88,21 @@ def test_the_reader_refuses_a_chunk_behind_what_it_already_freed() -> None:
     reader.release(end)
     with pytest.raises(ValueError):
         reader.chunk(end, 3)  # the same chunk again
+
+
+def test_a_payload_read_outside_the_ring_is_reported_in_its_header_and_a_withdrawn_one_is_seen() -> None:
+    """The words for payloads the receiver reads from the sender's memory: the sender offers a
+    key, the receiver reports its read (waking a sender that sleeps for it), and an offer the
+    sender let go of is not taken for a live one."""
+    writer, reader = _ring()
+    writer.offer(1)
+    assert reader.still_offered(1) and not writer.was_read(1)
+    assert writer.sleep_unless_read(1)  # not read yet: the sender sleeps, its flag up
+    assert reader.report_read(1)  # so the receiver must wake it
+    writer.woken()
+    assert writer.was_read(1) and not writer.sleep_unless_read(1)  # read meanwhile: no sleep
+    writer.offer(2)
+    assert not writer.was_read(2) and not reader.report_read(2)  # nobody sleeps: no wake-up
+    writer.offer(3)
+    writer.offer(0)  # the sender closed: whatever was read of 3 is not whole
+    assert not reader.still_offered(3)

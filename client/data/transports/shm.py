@@ -24,14 +24,18 @@ Payloads of at least ``_DIRECT_MIN`` bytes skip the ring where the receiver may 
 memory: one frame says where the payload lies in the sender's address space
 (``{"v": [tag, meta, total, address, key]}``); the receiver claims its destination as for a ring
 message, copies the payload straight there with process_vm_readv (client.data._vm_read: one copy
-per byte where the ring takes two) and answers ``{"va": key}``, which completes the send (the
-sender's buffer is not the caller's again before). Whether the peer may read our memory is asked
-once, when the link is made: each side sends where its arena's probe nonce lies in its own
-address space (``{"vp": [address, length]}``), the other reads it there and compares it with its
-own mapping of that arena, and answers ``{"vok": bool}``. A receiver that cannot read the offered
-memory (the sender died) closes the link as lost; a sender whose receiver is lost fails the sends
-it still waits for, like those queued behind a full ring. ``AIOCOLL_SHM_DIRECT=0`` on either side
-keeps every payload in the rings.
+per byte where the ring takes two), and reports the read in the ring's header (and wakes the
+sender if it sleeps), which completes the send: the sender's buffer is not the caller's again
+before. The report does not go over the socket, whose reading the sender may have paused (its
+own inbox full): two ranks sending each other large payloads at once would then wait for each
+other. The sender withdraws an offer (in the same header) before it lets go of the payload, and a
+receiver that finds its offer withdrawn after the read does not deliver it. Whether the peer may
+read our memory is asked once, when the link is made: each side sends where its arena's probe nonce
+lies in its own address space (``{"vp": [address, length]}``), the other reads it there and
+compares it with its own mapping of that arena, and answers ``{"vok": bool}``. A receiver that
+cannot read the offered memory (the sender died) closes the link as lost; a sender whose receiver
+is lost fails the sends it still waits for, like those queued behind a full ring.
+``AIOCOLL_SHM_DIRECT=0`` on either side keeps every payload in the rings.
 
 Backpressure and waiting: a ring holds at most its capacity; a sender that finds no room spins
 for a bounded, adaptive time (each check yields the CPU, so a sender sharing a core with its
@@ -250,7 +254,15 @@ class ShmLink(TcpLink):
         while queue:
             out = queue[0]
             if out.direct and out.sent:
-                return  # offered, waiting for the peer to read it ("va" resumes the pump)
+                # Offered: it leaves the queue once the peer has read it (it says so in the
+                # ring's header and wakes us); later messages wait behind it.
+                if writer.was_read(self._offered) or not writer.sleep_unless_read(self._offered):
+                    writer.offer(0)
+                    queue.popleft()
+                    self._sent(out)
+                    continue
+                self._sleep()
+                return
             if clock() - began > _INLINE_S:
                 # A receiver that keeps pace never lets this sleep: give the event loop a turn
                 # now and then (heartbeats, timers, this process's own reading), then go on.
@@ -269,7 +281,7 @@ class ShmLink(TcpLink):
                     return
                 continue
             if out.direct:
-                return  # offered: it leaves the queue once the peer has read it
+                continue  # offered: the check above waits for its read
             queue.popleft()
             self._sent(out)
         drained = self._drained
@@ -303,19 +315,20 @@ class ShmLink(TcpLink):
             if left is not None:  # a header-only frame: nobody waits for its hand-off
                 asyncio.ensure_future(left).add_done_callback(_consume_outcome)
             return True
+        writer, chunk = self._writer, self._chunk
+        assert writer is not None
         if out.direct:
             # One frame says where the payload lies in our memory; the receiver copies it straight
-            # into its destination and says so ("va"), which completes the send. Until then it
-            # stays at the head of the queue: later messages wait behind it, as behind a ring
-            # message larger than the ring.
+            # into its destination and says so in the ring's header, which completes the send.
+            # Until then it stays at the head of the queue: later messages wait behind it, as
+            # behind a ring message larger than the ring.
             self._offered += 1
+            writer.offer(self._offered)
             out.sent = n
             self.direct_bytes_out += n
             at = np.frombuffer(body, np.uint8).ctypes.data
             self._frame({"v": [out.tag, out.meta, n, at, self._offered]})
             return not self.closed
-        writer, chunk = self._writer, self._chunk
-        assert writer is not None
         while out.sent < n:
             c = min(chunk, n - out.sent)
             end = writer.write(body[out.sent : out.sent + c])
@@ -421,15 +434,6 @@ class ShmLink(TcpLink):
         if "v" in header:
             self._read_direct(header["v"])
             return True
-        if "va" in header:
-            queue = self._sending
-            if not (queue and queue[0].direct and queue[0].sent and header["va"] == self._offered):
-                self._broken(ValueError("a read report for no message of ours"))
-                return True
-            self._sent(queue.popleft())
-            if not self._asleep:
-                self._pump()
-            return True
         if "vp" in header:
             self._frame({"vok": self._probe(header["vp"])})
             return True
@@ -457,13 +461,20 @@ class ShmLink(TcpLink):
         claimed = dst is not None
         if dst is None:
             dst = memoryview(bytearray(total))
+        reader = self._reader
+        assert reader is not None  # (no probe, so no offer, without rings)
         try:
             vm_read(self._peer_pid, np.frombuffer(dst, np.uint8).ctypes.data, at, total)
         except OSError as exc:
             self.close(f"its memory could not be read ({exc})", lost=True)
             return
+        if not reader.still_offered(key):  # it let go of the payload while we read: not whole
+            self.close("it withdrew a payload while it was being read (it closed the link)", lost=True)
+            return
         self.direct_bytes_in += total
-        self._frame({"va": key})
+        if reader.report_read(key):
+            with contextlib.suppress(OSError):
+                os.eventfd_write(self._peer_efd, 1)
         if claimed:
             self._matcher.landed(self.peer, tag_key, meta, dst)
         else:
@@ -525,6 +536,8 @@ class ShmLink(TcpLink):
         if self._turn is not None:
             self._turn.cancel()
             self._turn = None
+        if self._writer is not None:
+            self._writer.offer(0)  # the receiver must not take a payload we let go of as whole
         waiting = list(self._sending)
         self._sending.clear()
         self._incoming = None
