@@ -110,10 +110,11 @@ _FRAME_BYTES = 1024
 crosses the socket anyway, and for a few hundred bytes the kernel's copy costs less than
 the ring's bookkeeping on both sides (a 4-byte ping-pong took ~1.35x as long through the
 ring)."""
-_DIRECT_MIN = 4 << 20
+_DIRECT_MIN = 16 << 20
 """Payloads of at least this many bytes are read by the receiver straight from the sender's buffer
 (process_vm_readv: one copy per byte, where the ring takes two), once the link's probe found that
-the receiver may read the sender's memory."""
+the receiver may read the sender's memory. Below it the ring is as fast or faster: a read pins the
+sender's pages, and the ring's two copies run on both ranks' cores at once."""
 
 
 class _Outgoing:
