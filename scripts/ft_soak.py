@@ -33,6 +33,7 @@ import json
 import os
 import random
 import secrets
+import shutil
 import signal
 import statistics
 import subprocess
@@ -212,6 +213,17 @@ def _summary(
         for e in entries:
             by_step.setdefault(e["step"], set()).add(e["hash"])
     inconsistent = sorted(s for s, hashes in by_step.items() if len(hashes) > 1)
+    # who committed what at the first few of those steps, for the report (replica, hash,
+    # quorum size, seconds since the start): the evidence of how two quorums diverged
+    divergent = {
+        s: sorted(
+            (r, e["hash"][:8], e["n"], round(e["t"] - begin, 3))
+            for r in names
+            for e in steps[r]
+            if e["step"] == s
+        )
+        for s in inconsistent[:3]
+    }
     times = sorted(e["t"] for entries in steps.values() for e in entries)
     in_window = [e for entries in steps.values() for e in entries if begin <= e["t"] <= stop]
     done = {e["step"] for e in in_window}
@@ -232,6 +244,7 @@ def _summary(
         "recovery_s": recovery,
         "heals": heals,
         "inconsistent": inconsistent,
+        "divergent": divergent,
         "hangs": hangs,
         "dir": str(run_dir),
     }
@@ -266,40 +279,44 @@ def main() -> None:
     if args.replica:
         asyncio.run(_replica(args))
         return
-    with tempfile.TemporaryDirectory(prefix="ft-soak-") as tmp:
-        clean = None if args.no_baseline else _run(args, Path(tmp), faults=False)
-        chaos = _run(args, Path(tmp), faults=True)
-        load = os.getloadavg()[0]
-        rec = chaos["recovery_s"]
+    tmp = tempfile.mkdtemp(prefix="ft-soak-")  # kept when something went wrong, as evidence
+    clean = None if args.no_baseline else _run(args, Path(tmp), faults=False)
+    chaos = _run(args, Path(tmp), faults=True)
+    load = os.getloadavg()[0]
+    rec = chaos["recovery_s"]
+    print(
+        f"ft_soak: {args.replicas} replicas, a kill -9 every {args.kill_every:g} s for "
+        f"{args.minutes:g} min "
+        f"({chaos['kills']} kills), {args.params} params, {args.compute_ms:g} ms compute per step; "
+        f"load {load:.1f} on {os.cpu_count()} CPUs"
+    )
+    if clean is None:
+        print(f"  steps/s: {chaos['steps_per_s']:.2f} with faults (no run without)")
+        clean = {"inconsistent": [], "hangs": []}
+    else:
+        ratio = chaos["steps_per_s"] / clean["steps_per_s"]
         print(
-            f"ft_soak: {args.replicas} replicas, a kill -9 every {args.kill_every:g} s for "
-            f"{args.minutes:g} min "
-            f"({chaos['kills']} kills), {args.params} params, {args.compute_ms:g} ms compute per step; "
-            f"load {load:.1f} on {os.cpu_count()} CPUs"
+            f"  steps/s: {chaos['steps_per_s']:.2f} with faults, {clean['steps_per_s']:.2f} without: "
+            f"{ratio:.3f}x"
         )
-        if clean is None:
-            print(f"  steps/s: {chaos['steps_per_s']:.2f} with faults (no run without)")
-            clean = {"inconsistent": [], "hangs": []}
-        else:
-            ratio = chaos["steps_per_s"] / clean["steps_per_s"]
-            print(
-                f"  steps/s: {chaos['steps_per_s']:.2f} with faults, {clean['steps_per_s']:.2f} without: "
-                f"{ratio:.3f}x"
-            )
-        if rec:
-            print(
-                f"  recovery (kill -> survivors' next commit): p50 {statistics.median(rec):.3f} s, "
-                f"p99 {_quantile(rec, 0.99):.3f} s, worst {max(rec):.3f} s"
-            )
-        print(f"  heals: {chaos['heals']}")
-        bad = chaos["inconsistent"] + clean["inconsistent"]
-        print(f"  inconsistent commits: {len(bad)}{' (steps ' + str(bad[:10]) + ')' if bad else ''}")
-        hangs = chaos["hangs"] + clean["hangs"]
-        print(f"  hangs: {len(hangs)}{': ' + '; '.join(hangs[:5]) if hangs else ''}")
-        if args.json:
-            Path(args.json).write_text(json.dumps({"clean": clean, "faults": chaos, "load": load}, indent=2))
-        if bad or hangs:
-            raise SystemExit(1)
+    if rec:
+        print(
+            f"  recovery (kill -> survivors' next commit): p50 {statistics.median(rec):.3f} s, "
+            f"p99 {_quantile(rec, 0.99):.3f} s, worst {max(rec):.3f} s"
+        )
+    print(f"  heals: {chaos['heals']}")
+    bad = chaos["inconsistent"] + clean["inconsistent"]
+    print(f"  inconsistent commits: {len(bad)}{' (steps ' + str(bad[:10]) + ')' if bad else ''}")
+    hangs = chaos["hangs"] + clean["hangs"]
+    print(f"  hangs: {len(hangs)}{': ' + '; '.join(hangs[:5]) if hangs else ''}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"clean": clean, "faults": chaos, "load": load}, indent=2))
+    if bad or hangs:
+        for step, who in chaos["divergent"].items():
+            print(f"  step {step} committed as (replica, hash, quorum size, s): {who}")
+        print(f"  the replicas' records and logs are kept in {tmp}")
+        raise SystemExit(1)
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
