@@ -203,6 +203,11 @@ class LinkTransport(Transport):
         self._links: dict[int, Link] = {}
         self.links_version = 0  # changes whenever a link is attached or closed (providers re-select)
         self._link_ready: dict[int, asyncio.Future[None]] = {}
+        # Peers whose link was taken into service, even if it has closed since: such a peer was
+        # there when the group formed. A peer may form a group, use it and leave before a slower
+        # member has finished forming it; that member's forming succeeds and its operations with
+        # that peer then fail as with any peer gone (torch's new_subgroups, destroyed in turn).
+        self._was_linked: set[int] = set()
         self._handlers: list[LostPeerHandler] = []
         self._closed = False
         # Per-process state of link kinds that have some (the shm kind's arena), by kind name,
@@ -253,7 +258,7 @@ class LinkTransport(Transport):
         if fut is None:
             fut = self._get_loop().create_future()
             self._link_ready[peer] = fut
-            if peer in self._links:
+            if peer in self._links or peer in self._was_linked:
                 fut.set_result(None)
             elif peer in self.matcher.lost:
                 fut.set_exception(self._lost_error(peer))
@@ -273,6 +278,7 @@ class LinkTransport(Transport):
         if peer in self._links:
             raise ValueError(f"rank {peer} already has a {self._links[peer].kind} link to rank {self.rank}")
         self._links[peer] = link
+        self._was_linked.add(peer)
         self.links_version += 1
         self.matcher.attach(peer, link)
         fut = self._link_ready.get(peer)

@@ -200,6 +200,12 @@ class ShmLink(TcpLink):
             # Ask the peer to read our arena's probe nonce from our memory (the kernel decides
             # whether it may: the same user and ptrace access); its answer enables direct sends.
             at = np.frombuffer(own_arena, np.uint8, count=NONCE_BYTES, offset=PROBE_OFFSET).ctypes.data
+            # once the link is in service: a peer that already left makes this send fail, which
+            # must close a link its transport knows, not one still being made
+            self._loop.call_soon(self._ask_probe, at)
+
+    def _ask_probe(self, at: int) -> None:
+        if not self.closed:
             self._frame({"vp": [at, NONCE_BYTES]})
 
     # -- sending ----------------------------------------------------------------------------
