@@ -36,6 +36,7 @@ that a sender whose own reading is paused (its inbox full) still learns of them.
 from __future__ import annotations
 
 import mmap
+from collections.abc import Callable
 
 from ._shm import RING_HEADER, fence
 
@@ -111,9 +112,12 @@ class RingWriter(_RingSide):
     def sleep_unless_room(self, n: int) -> bool:
         """Say we wait for space; True when there still is none (sleep until woken), False when
         some was freed meanwhile (the flag is taken back)."""
+        return self._sleep_unless(lambda: self.has_room(n))
+
+    def _sleep_unless(self, ready: Callable[[], bool]) -> bool:
         self._ctl[_WAITING] = 1
-        fence()  # the flag is visible before we look at ``freed`` once more
-        if self.has_room(n):
+        fence()  # the flag is visible before we look once more (at ``freed`` or ``read``)
+        if ready():
             self._ctl[_WAITING] = 0
             return False
         return True
@@ -132,12 +136,7 @@ class RingWriter(_RingSide):
     def sleep_unless_read(self, key: int) -> bool:
         """Say we wait for the read of ``key``; True when it has not happened (sleep until
         woken), False when it has meanwhile (the flag is taken back)."""
-        self._ctl[_WAITING] = 1
-        fence()  # the flag is visible before we look at ``read`` once more
-        if self.was_read(key):
-            self._ctl[_WAITING] = 0
-            return False
-        return True
+        return self._sleep_unless(lambda: self.was_read(key))
 
     @property
     def freed(self) -> int:

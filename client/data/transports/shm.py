@@ -412,31 +412,23 @@ class ShmLink(TcpLink):
         if first is not None:
             try:
                 tag, meta, total, end, n = first
-                if not (isinstance(tag, list) and isinstance(meta, dict)) or self._incoming is not None:
-                    raise ValueError("a message header out of place")
-                if not 0 < total <= self._max_payload:
-                    raise ValueError(f"a {total}-byte payload (at most {self._max_payload} are accepted)")
-            except (TypeError, ValueError) as exc:
-                self._broken(exc)
-                return True
-            key = tuple(tag)
-            dst = self._matcher.claim(self.peer, key, total)
-            claimed = dst is not None
-            if dst is None:  # a small early message: our own memory, handed to the inbox
-                dst = memoryview(bytearray(total))
-            self._take(_Incoming(key, meta, dst, total, claimed), end, n)
-            return True
-        more = header.get("c")
-        if more is not None:
-            incoming = self._incoming
-            try:
-                end, n = more
-                if incoming is None:
-                    raise ValueError("a chunk without its message")
+                incoming = self._begin(tag, meta, total)
             except (TypeError, ValueError) as exc:
                 self._broken(exc)
                 return True
             self._take(incoming, end, n)
+            return True
+        more = header.get("c")
+        if more is not None:
+            current = self._incoming
+            try:
+                end, n = more
+                if current is None:
+                    raise ValueError("a chunk without its message")
+            except (TypeError, ValueError) as exc:
+                self._broken(exc)
+                return True
+            self._take(current, end, n)
             return True
         if "v" in header:
             self._read_direct(header["v"])
@@ -454,24 +446,16 @@ class ShmLink(TcpLink):
         (as a ring message's first chunk would be placed), tell the peer, hand the message over."""
         try:
             tag, meta, total, at, key = offer
-            if not (isinstance(tag, list) and isinstance(meta, dict)) or self._incoming is not None:
-                raise ValueError("a message header out of place")
             if not (isinstance(total, int) and isinstance(at, int) and isinstance(key, int)):
                 raise ValueError("a malformed direct-read offer")
-            if not 0 < total <= self._max_payload:
-                raise ValueError(f"a {total}-byte payload (at most {self._max_payload} are accepted)")
+            incoming = self._begin(tag, meta, total)
         except (TypeError, ValueError) as exc:
             self._broken(exc)
             return
-        tag_key = tuple(tag)
-        dst = self._matcher.claim(self.peer, tag_key, total)
-        claimed = dst is not None
-        if dst is None:
-            dst = memoryview(bytearray(total))
         reader = self._reader
         assert reader is not None  # (no probe, so no offer, without rings)
         try:
-            vm_read(self._peer_pid, np.frombuffer(dst, np.uint8).ctypes.data, at, total)
+            vm_read(self._peer_pid, np.frombuffer(incoming.dst, np.uint8).ctypes.data, at, total)
         except OSError as exc:
             self.close(f"its memory could not be read ({exc})", lost=True)
             return
@@ -482,10 +466,32 @@ class ShmLink(TcpLink):
         if reader.report_read(key):
             with contextlib.suppress(OSError):
                 os.eventfd_write(self._peer_efd, 1)
-        if claimed:
-            self._matcher.landed(self.peer, tag_key, meta, dst)
+        self._hand_over(incoming)
+
+    def _begin(self, tag: Any, meta: Any, total: Any) -> _Incoming:
+        """A message's first frame (in the ring or offered from the peer's memory): where its
+        payload goes, asked of the matcher as soon as its length is known.
+
+        Raises:
+            ValueError / TypeError: the frame is out of place or malformed.
+        """
+        if not (isinstance(tag, list) and isinstance(meta, dict)) or self._incoming is not None:
+            raise ValueError("a message header out of place")
+        if not 0 < total <= self._max_payload:
+            raise ValueError(f"a {total}-byte payload (at most {self._max_payload} are accepted)")
+        key = tuple(tag)
+        dst = self._matcher.claim(self.peer, key, total)
+        claimed = dst is not None
+        if dst is None:  # a small early message: our own memory, handed to the inbox
+            dst = memoryview(bytearray(total))
+        return _Incoming(key, meta, dst, total, claimed)
+
+    def _hand_over(self, incoming: _Incoming) -> None:
+        """The message is whole: to the receive that claimed it, or to the inbox."""
+        if incoming.claimed:
+            self._matcher.landed(self.peer, incoming.tag, incoming.meta, incoming.dst)
         else:
-            self._matcher.arrived(self.peer, tag_key, meta, dst)
+            self._matcher.arrived(self.peer, incoming.tag, incoming.meta, incoming.dst)
 
     def _probe(self, probe: Any) -> bool:
         """Whether we can read the peer's memory: its arena's nonce, read from its address space
@@ -526,10 +532,7 @@ class ShmLink(TcpLink):
             self._incoming = incoming
             return
         self._incoming = None
-        if incoming.claimed:
-            self._matcher.landed(self.peer, incoming.tag, incoming.meta, incoming.dst)
-        else:
-            self._matcher.arrived(self.peer, incoming.tag, incoming.meta, incoming.dst)
+        self._hand_over(incoming)
 
     def _broken(self, exc: BaseException) -> None:
         log.warning("shm link to rank %d: %s", self.peer, exc)
