@@ -200,18 +200,29 @@ async def worker(pg: Any) -> dict[str, Any]:
     await pg.all_reduce(np.ones(4, np.float32))  # HOST CALL
     await pg.all_reduce(d.tensor(np.ones(4, np.float32)))  # STAGED CALL
     dump = Path(os.environ["AIOCOLL_DUMP_DIR"]) / f"{os.environ.get('AIOCOLL_JOB') or 'default'}-rank{r}.json"
+    asked = time.time()
     os.kill(os.getpid(), signal.SIGUSR1)
-    await asyncio.to_thread(_wait_for, dump, 30.0)  # a thread of this rank writes it
-    ops = json.loads(dump.read_text())["ops"]
+    # A thread of this rank writes it. The mismatch above wrote dumps of its own, one maybe
+    # moments ago (failures close together are dumped together): read one written since.
+    ops = (await asyncio.to_thread(_dump_since, dump, asked, 30.0))["ops"]
     out["sites"] = [op["site"] for op in ops if op["op"].startswith("all_reduce")][-2:]
     d.dev.close()
     return out
 
 
-def _wait_for(path: Path, seconds: float) -> None:
+def _dump_since(path: Path, since: float, seconds: float) -> dict[str, Any]:
+    """The dump at ``path`` once one written at or after ``since`` (wall clock) is there: each
+    dump replaces the last whole."""
     deadline = time.monotonic() + seconds
-    while not path.exists() and time.monotonic() < deadline:
+    seen = None
+    while time.monotonic() < deadline:
+        if path.exists():
+            body = json.loads(path.read_text())
+            if body["time"] >= since:
+                return body
+            seen = body["reason"]
         time.sleep(0.05)
+    raise AssertionError(f"no dump at {path} written since the signal within {seconds} s (last: {seen!r})")
 
 
 @pytest.fixture(scope="module")
