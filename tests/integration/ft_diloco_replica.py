@@ -1,9 +1,11 @@
-"""One replica of a DiLoCo job (aiocoll.ft_torch.DiLoCo), for tests/integration/test_fault_tolerance.py.
+"""One replica of a DiLoCo job (aiocoll.ft_torch.DiLoCo), for tests/integration/test_ft_diloco.py.
 
-    python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY [MIN_REPLICAS [STEP_SECONDS]]
+    python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY [MIN_REPLICAS [STEP_SECONDS [START_FILE]]]
 
 SYNCS is a number, or a file's path: then the replica syncs until the file exists and holds the
 number (read before each step), so that a test can end the job once what it waits for happened.
+With START_FILE it loads torch, says so (START_FILE.ready) and waits for START_FILE before it
+joins: a replacement started ahead of its kill.
 A linear model, plain SGD inside, SGD with Nesterov momentum outside; the data of inner step k
 of replica NAME is ``batch(NAME, k)``. After each sync it writes one JSON line: the sync's
 number, whether it committed, and the parameters' bytes (hex), so that the test can compare
@@ -13,6 +15,7 @@ replicas with each other and with its own reference, bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import zlib
@@ -58,6 +61,13 @@ def main() -> None:
     coordinator, name, out, syncs, every = sys.argv[1:6]
     least = int(sys.argv[6]) if len(sys.argv) > 6 else 2
     pause = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0  # pretend compute per inner step
+    if len(sys.argv) > 8:
+        open(f"{sys.argv[8]}.ready", "w").close()  # torch is loaded
+        deadline = time.monotonic() + 300
+        while not os.path.exists(sys.argv[8]):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{sys.argv[8]} did not appear within 300 s")
+            time.sleep(0.02)
     torch.set_num_threads(1)
     model = make_model()
     inner, outer = optimizers(model)

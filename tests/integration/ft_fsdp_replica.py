@@ -1,5 +1,5 @@
 """One rank of a replica of two ranks whose model is sharded with torch FSDP2, for
-tests/integration/test_fault_tolerance.py: a process started by the test (not a test module).
+tests/integration/test_ft_sharded.py: a process started by the test (not a test module).
 Imports torch, numpy and aiocoll only.
 
 The replica's two ranks shard a small float64 MLP with ``torch.distributed.fsdp.fully_shard`` on
@@ -19,7 +19,9 @@ gradient shards averaged over the quorum's replicas (``all_reduce_mean``, this r
 group); ``commit``; the optimizer's step only when committed. Every committed step appends a line
 to ``--record`` (JSON: the step, the members, a digest of this rank's shards and momentum, the
 heal, the generation); a ``QuorumError`` is recorded and the process exits 3. It stops after the
-step named in ``--until-file`` once that file exists.
+step named in ``--until-file`` once that file exists. With ``--start-file`` it loads torch and then
+waits for that file before it joins: a test starts a replacement ahead of its kill, so the time a
+new process takes to load torch is not spent by the survivors training on alone.
 """
 
 from __future__ import annotations
@@ -220,6 +222,15 @@ if __name__ == "__main__":
     parser.add_argument("--step-time", type=float, default=0.02)
     parser.add_argument("--join-timeout", type=float, default=5.0)
     parser.add_argument("--replace-timeout", type=float, default=200.0)
+    parser.add_argument(
+        "--start-file", help="wait for this file before joining (a process started ahead, torch loaded)"
+    )
     parsed = parser.parse_args()
+    if parsed.start_file:
+        deadline = time.monotonic() + 400
+        while not Path(parsed.start_file).exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{parsed.start_file} did not appear within 400 s")
+            time.sleep(0.02)
     with open(parsed.record, "a", buffering=1) as out:
         raise SystemExit(main(parsed, out))

@@ -1,4 +1,4 @@
-"""One rank of a replica of two ranks, for tests/integration/test_fault_tolerance.py: a process
+"""One rank of a replica of two ranks, for tests/integration/test_ft_sharded.py: a process
 started by the test (not a test module). Imports numpy and aiocoll only.
 
 Each rank holds its shard of a tiny numpy model (a vector of float64). A step: the quorum

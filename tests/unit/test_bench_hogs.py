@@ -33,7 +33,12 @@ def test_hogs_stop_when_the_bench_that_started_them_is_killed() -> None:
     bench = subprocess.Popen([sys.executable, "-c", _BENCH_STAND_IN], stdout=subprocess.PIPE, text=True)
     assert bench.stdout is not None
     pids = [int(word) for word in bench.stdout.readline().split()]
-    assert len(pids) == 2 and all(_spinning(pid) for pid in pids)
+    # A child just started can show an empty command line for a moment (the kernel sets up its
+    # new image), so "spinning" is looked for until it shows, with a deadline.
+    deadline = time.monotonic() + 30
+    while not all(_spinning(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == 2 and all(_spinning(pid) for pid in pids), pids
     bench.kill()  # no finally block runs: the hogs must notice by themselves
     bench.wait()
     deadline = time.monotonic() + 30
