@@ -9,8 +9,11 @@ Starts a coordinator (``--state-dir``, heartbeat timeout 5 s) and ``--replicas``
 processes of an ``aiocoll.ft.Manager`` job (a numpy model of ``--params`` floats, a gradient
 that depends on the replica and the step, ``--compute-ms`` of pretend compute per step). A
 supervisor kills a random replica with ``kill -9`` every ``--kill-every`` seconds and starts it
-again under the same name at once; it heals from a live one. The same run without faults, as
-long, comes first. Every replica records each committed step with a hash of its parameters.
+again under the same name at once; it heals from a live one. It never kills the only replica
+that holds the job's state (the only one that committed a step since it started: the others
+are starting or healing from it): another one goes instead, since that loss no fault tolerance
+survives. The same run without faults, as long, comes first. Every replica records each
+committed step with a hash of its parameters.
 Reports:
 
 - steps/s with faults against without (committed steps per second, the job's step counter);
@@ -18,9 +21,10 @@ Reports:
 - heals: how many restarted replicas received the state;
 - inconsistent commits: steps whose parameters' hash differs between two replicas (must be 0);
 - hangs: stretches of more than 30 s with no commit anywhere, and replicas that did not stop
-  within 60 s of the end (must be 0).
+  within 60 s of the end (must be 0);
+- replicas that failed: exited with an error, not killed (must be 0).
 
-Exits 1 when there was an inconsistent commit or a hang.
+Exits 1 when there was an inconsistent commit, a hang or a failed replica.
 """
 
 from __future__ import annotations
@@ -59,10 +63,12 @@ def _stopped(flag: Path) -> bool:
 
 
 async def _replica(args: argparse.Namespace) -> None:
-    from aiocoll.ft import Manager
+    from aiocoll.ft import Manager, QuorumError
 
     params = np.linspace(-1.0, 1.0, args.params)
-    seed = zlib.crc32(args.replica.encode())
+    # each replica's own gradient (distinct for r0..r15), so that steps committed by different
+    # sets of replicas never hash the same
+    offset = zlib.crc32(args.replica.encode()) % 1009 * 0.001
 
     def load(state: dict[str, np.ndarray]) -> None:
         params[...] = state["params"]
@@ -82,12 +88,19 @@ async def _replica(args: argparse.Namespace) -> None:
     flag = Path(args.flag)
     async with manager:
         while not _stopped(flag):
-            await manager.start_step()
+            try:
+                await manager.start_step()
+            except QuorumError:
+                if _stopped(flag):
+                    # restarted late: the others stopped at the end instead of asking, and nobody
+                    # holds the job's state to heal it from (the coordinator refuses the ask)
+                    break
+                raise
             if manager.last_heal is not None:
                 out.write(json.dumps({"event": "heal", "t": time.monotonic(), **manager.last_heal}) + "\n")
                 manager.last_heal = None
             step = manager.step
-            grad = np.sin(params * 3.0 + (seed % 97) * 0.01 + step * 0.001)
+            grad = np.sin(params * 3.0 + offset + step * 0.001)
             await asyncio.sleep(args.compute_ms / 1000)  # the step's compute
             await manager.all_reduce_mean([grad])
             if await manager.commit():
@@ -127,8 +140,10 @@ def _run(args: argparse.Namespace, tmp: Path, faults: bool) -> dict[str, Any]:
     env = {**os.environ, "AIOCOLL_TOKEN": token}
     flag = run_dir / "stop"
     names = [f"r{i}" for i in range(args.replicas)]
+    started: dict[str, float] = {}
 
     def start(replica: str) -> subprocess.Popen[bytes]:
+        started[replica] = time.monotonic()
         command = [
             sys.executable,
             __file__,
@@ -145,6 +160,14 @@ def _run(args: argparse.Namespace, tmp: Path, faults: bool) -> dict[str, Any]:
     procs = {r: start(r) for r in names}
     kills: list[tuple[float, str]] = []
     hangs: list[str] = []
+    errors: list[str] = []
+
+    def exited(replica: str, p: subprocess.Popen[bytes]) -> None:
+        if p.returncode:
+            errors.append(
+                f"replica {replica} exited with code {p.returncode} (its log: {run_dir}/{replica}.log)"
+            )
+
     rng = random.Random(args.seed)
     try:
         # the clock starts at the first commit (the processes' start-up and the first join window
@@ -161,6 +184,14 @@ def _run(args: argparse.Namespace, tmp: Path, faults: bool) -> dict[str, Any]:
             time.sleep(min(0.2, max(0.0, end - time.monotonic())))
             if faults and time.monotonic() >= next_kill:
                 victim = rng.choice(names)
+                holders = [r for r in names if _committed_since(run_dir, r, started[r])]
+                if holders == [victim]:
+                    # The only replica that holds the job's state (the others are starting, or
+                    # healing from it): killed, the state would be lost, which no fault tolerance
+                    # survives (the coordinator refuses to go on). Another one is killed.
+                    victim = rng.choice([r for r in names if r != victim])
+                if procs[victim].poll() is not None:
+                    exited(victim, procs[victim])
                 procs[victim].send_signal(signal.SIGKILL)
                 procs[victim].wait()
                 kills.append((time.monotonic(), victim))
@@ -175,13 +206,22 @@ def _run(args: argparse.Namespace, tmp: Path, faults: bool) -> dict[str, Any]:
                 hangs.append(f"replica {r} did not stop within 60 s of the end")
                 p.kill()
                 p.wait()
+            else:
+                exited(r, p)
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
         coordinator.stop()
-    return _summary(run_dir, names, begin, stop, kills, hangs)
+    summary = _summary(run_dir, names, begin, stop, kills, hangs)
+    summary["errors"] = errors
+    return summary
+
+
+def _committed_since(run_dir: Path, replica: str, since: float) -> bool:
+    """Whether the replica's process started at ``since`` has committed a step: it holds the state."""
+    return any(e["t"] > since for e in _records(run_dir, replica, "step"))
 
 
 def _records(run_dir: Path, replica: str, event: str) -> list[dict[str, Any]]:
@@ -292,7 +332,7 @@ def main() -> None:
     )
     if clean is None:
         print(f"  steps/s: {chaos['steps_per_s']:.2f} with faults (no run without)")
-        clean = {"inconsistent": [], "hangs": []}
+        clean = {"inconsistent": [], "hangs": [], "errors": []}
     else:
         ratio = chaos["steps_per_s"] / clean["steps_per_s"]
         print(
@@ -309,9 +349,11 @@ def main() -> None:
     print(f"  inconsistent commits: {len(bad)}{' (steps ' + str(bad[:10]) + ')' if bad else ''}")
     hangs = chaos["hangs"] + clean["hangs"]
     print(f"  hangs: {len(hangs)}{': ' + '; '.join(hangs[:5]) if hangs else ''}")
+    errors = chaos["errors"] + clean["errors"]
+    print(f"  replicas that failed: {len(errors)}{': ' + '; '.join(errors[:5]) if errors else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps({"clean": clean, "faults": chaos, "load": load}, indent=2))
-    if bad or hangs:
+    if bad or hangs or errors:
         for step, who in chaos["divergent"].items():
             print(f"  step {step} committed as (replica, hash, quorum size, s): {who}")
         print(f"  the replicas' records and logs are kept in {tmp}")

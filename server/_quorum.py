@@ -18,6 +18,12 @@ A forming quorum (one per job) forms:
   step and may commit it, and the two would commit the same steps differently. The window
   starts again until it asks or is gone.
 
+When every replica asking is behind the previous quorum's step (restarted, new, or left out
+earlier), they wait for any replica that may hold that step: one of the previous quorum not known
+gone (also one not seen since a coordinator restart), or any replica whose connection is open.
+Once none is left, the job's state is lost: a quorum of them would commit steps the job has
+committed already with other parameters, so their asks are refused, saying so.
+
 A replica may be several ranks (``replica_size``, each asking with its ``replica_rank``: one
 model copy sharded or data-parallel inside it). It counts as having asked only when all its ranks
 asked (the same ``replica_size``; a disagreement is refused), and as gone when any of them is:
@@ -215,6 +221,7 @@ class JobQuorum:
         "ranks_of",
         "seen",
         "tick",
+        "top",
     )
 
     def __init__(self, job: Job) -> None:
@@ -223,6 +230,7 @@ class JobQuorum:
         self.first_at = 0.0
         # The previous quorum: {"id", "members": [[replica, uid, step, host, ask], ...]}, or None.
         self.last: dict[str, Any] | None = None
+        self.top = -1  # the previous quorum's step (its members' highest)
         self.next_id = 1
         self.seen: dict[Key, Conn] = {}  # a replica's rank -> the connection it last asked on (open)
         self.gone: dict[Key, str] = {}  # a replica's rank -> why it is gone (its connection closed)
@@ -249,6 +257,7 @@ class JobQuorum:
     def set_last(self, record: dict[str, Any]) -> None:
         """The quorum just formed (or read back) becomes the previous one, which the next waits for."""
         self.last = record
+        self.top = max(m[2] for m in record["members"])
         self.by_name = by_name = {m[0]: m for m in record["members"]}
         asks = self.asks
         if not asks:  # (just formed from every ask there was): all of them are waited for
@@ -556,12 +565,13 @@ class Quorum:
             self._untick(jq)
             return  # only another ask can change that (or the asks' own timeouts)
         if jq.last is not None and not self._waited(jq, now):
-            self._form(jq, now)
-            return
+            if self._behind(jq) is None or not self._may_hold(jq, now):
+                self._settle(jq, now)
+                return
         window = jq.first_at + first.join_timeout
         if now >= window:
             if not self._apart(jq, now):
-                self._form(jq, now)
+                self._settle(jq, now)
                 return
             jq.first_at, window = now, now + first.join_timeout  # a new window for them
         if jq.tick is not None:
@@ -592,12 +602,15 @@ class Quorum:
         keeps one of the previous quorum's processes at its step may leave the rest out: that
         process ended the step, so the step is decided for every member, and it holds the state
         the others heal from. Members not seen since this coordinator started (a restart) are
-        not known alive and hold nothing up past the window.
+        not known alive and hold nothing up past the window, unless every replica asking is
+        behind that step (``_may_hold``).
         """
         last = jq.last
         if last is None:
             return False
-        top = max(m[2] for m in last["members"])
+        if self._behind(jq) is not None:
+            return self._may_hold(jq, now)
+        top = jq.top
         by_name = jq.by_name
         for name, ranks in jq.asks.items():
             m = by_name.get(name)
@@ -614,6 +627,93 @@ class Quorum:
             if why is None and any(key in jq.seen for key in missing):
                 return True
         return False
+
+    def _behind(self, jq: JobQuorum) -> int | None:
+        """The previous quorum's step when every replica asking is behind it, else None.
+
+        Only replicas with a whole state count (a torn one is behind everyone; a quorum of torn
+        ones alone has nobody to heal from, which their Managers say). The previous quorum's
+        replicas asked at that step: the job has committed every step before it.
+        """
+        if jq.last is None:
+            return None
+        top, best = jq.top, -1
+        for ranks in jq.asks.values():  # (nearly always the first one asked holds it)
+            for a in ranks.values():
+                if a.step >= top:
+                    return None
+                best = max(best, a.step)
+        return top if best >= 0 else None
+
+    def _may_hold(self, jq: JobQuorum, now: float) -> bool:
+        """Whether a replica that may hold the job's state is there and has not asked.
+
+        A replica of the previous quorum not known gone (alive, or not seen since this
+        coordinator started), or any replica of the job whose connection is open and not silent
+        (one left out of the previous quorum may hold its step). Asked only while every replica
+        asking is behind: they wait for such a one rather than train from an older state.
+        """
+        if any(self._missing(jq, m, now)[1] is None for m in jq.pending.values()):
+            return True
+        limit = self.heartbeat_timeout()
+        asks = jq.asks
+        return any(
+            rank not in asks.get(name, {}) and now - conn.last_seen <= limit
+            for (name, rank), conn in jq.seen.items()
+        )
+
+    def _settle(self, jq: JobQuorum, now: float) -> None:
+        """Form the quorum that may form now, unless the job's state is lost: then refuse its asks.
+
+        Lost: every replica asking is behind the previous quorum's step, and none of that
+        quorum's replicas at that step is left (gone, or restarted: a new process asks under its
+        name). A quorum of those asking would commit steps the job has committed already with
+        other parameters, and each replica's ``step`` would go back, silently: a restarted
+        replica would train on from its initial state. Nothing can heal them, so every ask
+        fails, saying what was lost and what to do.
+        """
+        top = self._behind(jq)
+        if top is None:
+            self._form(jq, now)
+            return
+        last = jq.last
+        assert last is not None
+        held = []
+        for m in last["members"]:
+            if m[2] != top:
+                continue
+            why = self._missing(jq, m, now)[1]
+            held.append(f"{m[0]} (host {m[3]}): " + (why[2] if why is not None else "restarted"))
+        asked = sorted((a for ranks in jq.asks.values() for a in ranks.values()), key=lambda a: a.replica)
+        best = max(a.step for a in asked)
+        named = ", ".join(
+            f"{a.replica}{f' rank {a.replica_rank}' if a.replica_size > 1 else ''} (host {a.host}) at step "
+            f"{a.step}"
+            for a in asked
+        )
+        detail = (
+            f"job {jq.job.name!r} has committed steps 0..{top - 1}, and no replica that holds them is left "
+            f"(quorum {last['id']}: {'; '.join(held)}). The replicas asking hold step {best} at most "
+            f"({named}): trained on, they would commit steps {best}..{top - 1} again with other "
+            f"parameters. The job's state is lost: start it again under a new job name "
+            f"(Manager(job=...)), from a checkpoint if you have one"
+        )
+        log.warning(
+            "job=%s event=quorum_refused committed=%d best=%d held_by=%s", jq.job.name, top, best, held
+        )
+        self._untick(jq)
+        for a in asked:
+            rank = f" rank {a.replica_rank}" if a.replica_size > 1 else ""
+            self._refuse(a, f"quorum: replica {a.replica!r}{rank} (host {a.host}, step {a.step}): {detail}")
+        names = list(jq.asks)
+        jq.asks.clear()
+        for name in names:
+            jq.recount(name)
+
+    def _refuse(self, a: Ask, msg: str) -> None:
+        """Fail ask ``a``: its replica's rank may not train now; ``msg`` says why and what to do."""
+        a.waiting = False
+        self.fx.fail(a.conn.id, a.req_id, "quorum", a.started, ERR_RENDEZVOUS, msg)
 
     def _fail_rest(self, jq: JobQuorum, name: str, now: float) -> None:
         """Fail the asks of a replica's ranks whose fellow rank of its last quorum is gone.
@@ -646,17 +746,12 @@ class Quorum:
                     self.fx.push_timer(due, _Wake(jq), self._wake)
                 continue
             del asked[rank]
-            a.waiting = False
             if a.replace_timeout > 0:
                 waited = f"; no new process of it asked within its replace_timeout ({a.replace_timeout:g}s)"
             else:
                 waited = " (replace_timeout 0: the replica restarts whole)"
-            self.fx.fail(
-                a.conn.id,
-                a.req_id,
-                "quorum",
-                a.started,
-                ERR_RENDEZVOUS,
+            self._refuse(
+                a,
                 f"quorum: replica {name!r} of job {jq.job.name!r} is left out of the next quorum: "
                 f"{why}{waited}. Its rank {rank} (host {a.host}) cannot train without it: restart the "
                 f"lost rank (the same replica name and replica_rank) within replace_timeout, or the "

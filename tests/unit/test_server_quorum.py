@@ -307,7 +307,7 @@ def test_new_replicas_never_form_a_quorum_apart_from_a_live_one_of_the_previous_
         r.ask(name, 2, min_replicas=1)
     assert r.replies()["d"]["heal"] == {3: 0}
 
-    # ... and forms without them once they are gone (closed, or silent)
+    # ... and once they are gone (closed, or silent), nobody holds the job's steps: refused
     r.start("e")
     r.ask("e", 0, min_replicas=1)
     r.tick(JOIN + 0.01)
@@ -317,7 +317,101 @@ def test_new_replicas_never_form_a_quorum_apart_from_a_live_one_of_the_previous_
     r.cut.update({"c", "d"})
     r.tick(4.5)  # the heartbeat timeout
     reply = r.replies()["e"]
-    assert members(reply) == ["e"] and sorted(left[0] for left in reply["left"]) == ["a", "b", "c", "d"]
+    assert reply["ok"] is False and reply["err"] == "rendezvous", reply
+    msg = reply["msg"]
+    assert "replica 'e' (host host-e, step 0)" in msg and "committed steps 0..1" in msg, msg
+    assert "a (host host-a): its connection" in msg and "c (host host-c): its connection" in msg, msg
+    assert "silent" in msg and "closed" in msg and "d (host" not in msg.split("asking")[0], msg
+
+
+def refused(replies: dict[str, dict[str, Any]], names: list[str]) -> str:
+    """Every replica in ``names`` was refused because the job's state is lost; the message."""
+    assert sorted(replies) == sorted(names), replies
+    for name, reply in replies.items():
+        assert reply["ok"] is False and reply["err"] == "rendezvous", reply
+        assert f"replica {name!r} (host host-{name}" in reply["msg"], reply
+        assert "state is lost" in reply["msg"] and "new job name" in reply["msg"], reply
+    return replies[names[0]]["msg"]
+
+
+def test_replicas_behind_every_step_the_job_committed_are_refused_once_its_holders_are_gone() -> None:
+    """The chaos soak under load: a started alone (b and c were slow to start) and committed
+    step 0; b and c joined at its step 1, and a was killed before they healed from it. Trained
+    on, b, c and a restarted would commit step 0 again with other parameters: refused, naming
+    what was lost, who held it and what to do."""
+    r = Replicas()
+    r.start("a")
+    r.ask("a", 0, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    assert members(r.replies()["a"]) == ["a"]
+    for name in ("b", "c"):
+        r.start(name)
+        r.ask(name, 0, min_replicas=1)
+    r.ask("a", 1, min_replicas=1)
+    assert r.replies()["b"]["heal"] == {1: 0, 2: 0}
+    r.close("a")  # kill -9 while the group forms, and restarted at once
+    r.start("a")
+    r.ask("a", 0, min_replicas=1)
+    assert r.replies() == {}  # b and c are still forming the group with the old a
+    for name in ("b", "c"):  # their heal failed before it began
+        r.ask(name, 0, min_replicas=1, renew=True)
+    msg = refused(r.replies(), ["a", "b", "c"])
+    assert "committed steps 0..0" in msg and "quorum 2: a (host host-a): restarted" in msg, msg
+    assert "a (host host-a) at step 0, b (host host-b) at step 0, c (host host-c) at step 0" in msg, msg
+
+
+def test_a_restarted_replica_left_alone_when_the_others_leave_is_refused() -> None:
+    """The soak's end: c, restarted, waits for a and b, which stop instead of asking. Alone at
+    step 0 it would commit step 0 again; it is refused at once."""
+    r = trained(["a", "b", "c"])
+    r.close("c")
+    formed(r, step=2, names=["a", "b"])
+    r.start("c")
+    r.ask("c", 0, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    assert r.replies() == {}  # a and b are in their step
+    r.close("a")
+    assert r.replies() == {}  # b may still ask
+    r.close("b")
+    msg = refused(r.replies(), ["c"])
+    assert "committed steps 0..1" in msg and "a (host host-a): its connection" in msg, msg
+    assert "b (host host-b): its connection" in msg and "commit steps 0..1 again" in msg, msg
+
+
+def test_replicas_behind_wait_for_any_replica_that_may_hold_the_jobs_steps() -> None:
+    """Not refused while a replica that may hold the job's state is there: one left out of the
+    previous quorum but alive (it holds that quorum's step), or, after a coordinator restart,
+    the previous quorum's replicas that have not come back yet."""
+    r = trained(["a", "b", "c"])
+    r.ask("a", 2, min_replicas=1)
+    r.ask("b", 2, min_replicas=1)
+    r.tick(JOIN + 0.01)  # c is slow: left out, alive at step 2
+    assert members(r.replies()["a"]) == ["a", "b"]
+    r.close("a")
+    r.close("b")
+    r.start("d")
+    r.ask("d", 0, min_replicas=1)
+    r.tick(3 * JOIN)  # c beats all along
+    assert r.replies() == {}
+    r.ask("c", 2, min_replicas=1)
+    replies = r.replies()
+    assert members(replies["d"]) == ["c", "d"] and replies["d"]["heal"] == {1: 0}
+
+    r = Replicas(durable=True)
+    first_quorum(r, ["a", "b"])
+    formed(r, step=1, names=["a", "b"])
+    again = Replicas(durable=True)
+    again.state.restore(None, r.state.take_journal())
+    again.start("c")
+    again.ask("c", 0, min_replicas=1)
+    again.tick(3 * JOIN)
+    assert again.replies() == {}  # a and b may be reconnecting
+    again.start("a")
+    again.uids["a"], again.asks["a"] = r.uids["a"], r.asks["a"]
+    again.ask("a", 2, min_replicas=1)
+    again.tick(JOIN + 0.01)
+    replies = again.replies()
+    assert members(replies["c"]) == ["a", "c"] and replies["c"]["heal"] == {1: 0}
 
 
 def test_a_replica_whose_heal_failed_does_not_form_a_quorum_apart_from_a_live_up_to_date_one() -> None:
