@@ -3,8 +3,9 @@
 A script's ``asyncio.run(main())`` gets the standard event loop. uvloop's loop turns and socket
 wake-ups cost less, and side by side (docs/PERFORMANCE.md, "uvloop for users") small operations
 took markedly longer on the standard loop. ``run`` (an addition to the contract, exported as
-``aiocoll.run``) gives scripts uvloop in one call; ``new_event_loop`` gives aiocoll.sync's loop
-thread the same choice. ``AIOCOLL_LOOP=asyncio`` opts out of uvloop for both.
+``aiocoll.run``) gives scripts uvloop in one call; ``AIOCOLL_LOOP=asyncio`` opts out of uvloop.
+aiocoll.sync's loop thread runs the standard loop (its selector lets callers drive their own
+calls, aiocoll/_sync_loop.py) unless ``AIOCOLL_LOOP=uvloop`` names uvloop: ``new_event_loop``.
 Foundation module: standard library, and uvloop when present.
 """
 

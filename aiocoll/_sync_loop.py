@@ -1,31 +1,45 @@
 """The one background event loop that the blocking facade and the torch backend forward to.
 
-Holds the loop thread (daemon, started lazily, uvloop when installed), the bridge that issues an
-async-core operation from any thread and hands its outcome back, and the small completion pool
-on which user-visible futures are completed.
+Holds the loop thread (daemon, started lazily), the bridge that issues an async-core operation
+from any thread and hands its outcome back, and the small completion pool on which user-visible
+futures are completed.
 
-A blocking call costs two wake-ups, one each way: the caller hands the call to the loop
-(``call_soon_threadsafe``: one eventfd write when the loop sleeps) and parks on its own thread's
-preallocated lock; the loop thread starts the operation and, when it completes (at once when the
-operation finished inside its call), releases that lock. No concurrent.futures future, no Task for
-the core's operations, and no pool thread unless someone asked for a future.
+A blocking call runs its operation on the calling thread when it can (the caller *drives* it):
+the loop thread holds a *turn* at all times except while it sleeps in its selector, and a caller
+that finds the turn free takes it, starts the operation itself (the loop set as its thread's
+running loop) and gives the turn back. An operation that finished inside its call (the one-step
+shared-memory operation whose peers were there, a small send handed off) then costs no wake-up at
+all; one still running is settled by the loop thread later (one wake-up, the caller's). A caller
+that finds the loop busy hands the call over as before (``call_soon_threadsafe``, one eventfd
+write) and parks on its own thread's preallocated lock, which the loop thread releases when the
+operation settles. No concurrent.futures future, no Task for the core's operations, and no pool
+thread unless someone asked for a future. The turn needs asyncio's selector loop (its epoll is
+wrapped), so the loop thread runs the standard loop, not uvloop, unless AIOCOLL_LOOP=uvloop
+asks for uvloop by name (then every call is handed over).
 
 Imports only the standard library and aiocoll foundations: aiocoll.sync and aiocoll.torch sit on
 top of it and hold the argument conversions.
 
 It exists because the async core is single-threaded asyncio while torch.distributed scripts,
-DDP's autograd thread and comm-hook callbacks call from arbitrary threads. Two rules keep that
-safe:
+DDP's autograd thread and comm-hook callbacks call from arbitrary threads. The rules that keep
+that safe:
 
+* One thread at a time runs the core: the loop thread, or the caller holding the turn.
 * Issue order is launch order. ``Bridge.issue`` appends the call to the loop's ready queue on
   the calling thread (``call_soon_threadsafe`` is FIFO), so the core takes its per-group
-  sequence number in the order the callers launched, whichever thread they ran on.
+  sequence number in the order the callers launched, whichever thread they ran on; a caller
+  drives only when no call handed over before it is still waiting to start.
 * CUDA tensors are ordered on the caller's streams, not the loop thread's:
   ``issue_on_caller_streams`` records events on the calling thread's current CUDA streams and
-  hands them to the core with the call (aiocoll.device._staging.caller_context).
+  hands them to the core with the call (aiocoll.device._staging.caller_context). Such calls are
+  never driven: the core's device work stays on the threads it always ran on.
 * Nothing a user supplies runs on the loop thread. A callback that blocks (PowerSGD's waits on
   another all_reduce) would otherwise deadlock the network; futures are completed on
   ``completion_pool()`` instead.
+* A signal handler that interrupts a driven start runs inside the core, as it would in a script
+  on the async API: a blocking aiocoll call it makes raises DistError at once (it could only
+  wait for the turn its own thread holds), where a handler that interrupts a parked wait may
+  make one.
 """
 
 from __future__ import annotations
@@ -34,12 +48,19 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import contextvars
+import math
 import os
+import select
+import selectors
 import sys
 import threading
+import time
+from asyncio import events as _events
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from ._env import env_text
 from ._errors import CALLER_SITE, DistError, user_site
 from ._run import new_event_loop
 from ._work import Work as _CoreWork
@@ -161,6 +182,9 @@ class Outcome:
         """Park this thread until the state reaches ``target``; False when ``timeout`` ran out."""
         if self._state >= target:
             return True
+        source = self._source
+        if source is not None and source._driver == threading.get_ident():
+            raise DistError(_NESTED)
         lock = _take_waiter()
         entry = (lock, target)
         try:
@@ -297,31 +321,119 @@ class Outcome:
         return combined
 
 
+class _TurnPoll:
+    """The selector's poll object, releasing the loop thread's turn while it sleeps in it.
+
+    Only the kernel wait runs without the turn: the selector reads its key table before and
+    after it, with the turn held again. ``until`` is when the sleep ends without events (on the
+    loop's clock; inf: never), read by a caller holding the turn.
+    """
+
+    __slots__ = ("_clock", "_poll", "_turn", "until")
+
+    def __init__(self, poll: Any, turn: threading.Lock) -> None:
+        self._poll = poll
+        self._turn = turn
+        self._clock = time.monotonic  # asyncio's loop.time()
+        self.until = 0.0
+
+    def poll(self, timeout: float | None = None, *rest: Any) -> Any:
+        # epoll takes seconds (-1: no limit), poll milliseconds (None: no limit)
+        if timeout is None or timeout < 0:
+            self.until = math.inf
+        elif timeout == 0:
+            self.until = 0.0
+        else:
+            self.until = self._clock() + (timeout if isinstance(self._poll, _EPOLL) else timeout / 1e3)
+        turn = self._turn
+        turn.release()
+        try:
+            return self._poll.poll(timeout, *rest)
+        finally:
+            turn.acquire()
+            self.until = 0.0
+
+    def __getattr__(self, name: str) -> Any:  # register, modify, unregister, fileno, close
+        return getattr(self._poll, name)
+
+
+_EPOLL: type = getattr(select, "epoll", type(None))
+
+
+def _drivable_loop() -> tuple[asyncio.AbstractEventLoop, _TurnPoll | None]:
+    """asyncio's selector loop whose thread gives up its turn while it sleeps, and its poller.
+
+    None for the poller where the selector has no poll object to wrap (no epoll or poll), or
+    where AIOCOLL_LOOP names uvloop (it has no selector to wrap): callers then always hand their
+    calls over.
+    """
+    selector_cls = getattr(selectors, "EpollSelector", None) or getattr(selectors, "PollSelector", None)
+    if (env_text("AIOCOLL_LOOP") or "").lower() == "uvloop":
+        return new_event_loop(), None  # asked for by name: uvloop, every call handed over
+    if selector_cls is None:
+        return asyncio.SelectorEventLoop(), None
+    selector = selector_cls()
+    poller = _TurnPoll(selector._selector, threading.Lock())
+    selector._selector = poller
+    return asyncio.SelectorEventLoop(selector), poller
+
+
+def _late(when: float, until: float) -> bool:
+    """Whether a timer due at ``when``, set by a driven start, would fire too late if the loop
+    slept on until ``until``: later than half its delay again. Its sleep is never long (the
+    progress stamp's timer turns the loop every quarter second), so the shared-memory wait's
+    backstop and an operation's deadline seldom cost the loop a wake-up of its own."""
+    now = time.monotonic()
+    return until - now > 1.5 * (when - now)
+
+
+_NESTED = (
+    "a blocking aiocoll call was made while this thread was starting another aiocoll call (from a "
+    "signal handler that interrupted it?); it could only wait for ever. Make the call after the "
+    "handler returns (set a flag in the handler), or from another thread"
+)
+
+
 class LoopThread:
-    """An asyncio event loop running forever on a daemon thread."""
+    """An asyncio event loop running forever on a daemon thread, which callers may drive."""
 
     def __init__(self, name: str = "aiocoll-loop") -> None:
-        self.loop = new_event_loop()
-        self._started = threading.Event()
+        self.loop, self._poller = _drivable_loop()
+        self._turn = self._poller._turn if self._poller is not None else None
+        self._ready_event = threading.Event()
         # Read on every call (cheaper than Thread.is_alive, which takes a lock): the loop
         # thread's id, and whether its loop still runs.
         self._ident = -1
         self.running = False
+        # Calls handed over (written under _hand_over) and, of those, started on the loop
+        # (written under the turn): a caller drives only when they are equal.
+        self._handed = 0
+        self._begun = 0
+        self.driven = 0  # calls started on their caller's thread (diagnostics, tests)
+        self._driver: int | None = None  # the thread that holds the turn to start a call
+        self._hand_over = threading.Lock()
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.thread.start()
-        self._started.wait()
+        self._ready_event.wait()
 
     def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self._ident = threading.get_ident()
-        self.running = True
-        self.loop.call_soon(self._started.set)
+        turn = self._turn
+        if turn is not None:
+            turn.acquire()  # held from here on, except while the loop sleeps for events
         try:
-            self.loop.run_forever()
+            asyncio.set_event_loop(self.loop)
+            self._ident = threading.get_ident()
+            self.running = True
+            self.loop.call_soon(self._ready_event.set)
+            try:
+                self.loop.run_forever()
+            finally:
+                self.running = False
+                with contextlib.suppress(Exception):
+                    self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         finally:
-            self.running = False
-            with contextlib.suppress(Exception):
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            if turn is not None:
+                turn.release()
 
     def on_loop_thread(self) -> bool:
         return threading.get_ident() == self._ident
@@ -334,6 +446,8 @@ class LoopThread:
             )
         if not self.running:
             raise DistError("the aiocoll loop thread has stopped (interpreter shutting down?)")
+        if self._driver == threading.get_ident():
+            raise DistError(_NESTED)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and block until it finishes.
@@ -374,12 +488,17 @@ class LoopThread:
 
         return self.run(invoke(), timeout)
 
-    def issue(self, start: Callable[[], Awaitable[Any]]) -> Outcome:
+    def issue(self, start: Callable[[], Awaitable[Any]], *, drive: bool = True) -> Outcome:
         """Launch an operation of the async core from any thread, without waiting for it.
 
-        ``start`` runs on the loop thread, in the order issue() was called (FIFO across threads),
-        and must call the core (which takes the sequence number then) and return the awaitable
-        Work. Its result or exception lands in the returned Outcome.
+        ``start`` must call the core (which takes the sequence number then) and return the
+        awaitable Work; its result or exception lands in the returned Outcome. It runs in the
+        order issue() was called (FIFO across threads): on this thread, when the loop's turn is
+        free and no call handed over earlier is still waiting to start, else on the loop thread.
+
+        Args:
+            start: calls the core.
+            drive: False keeps the start on the loop thread.
 
         Raises:
             DistError: when the loop thread is gone.
@@ -390,10 +509,65 @@ class LoopThread:
         # flight recorder and warnings (aiocoll._errors.CALLER_SITE), as ``run`` does.
         site = CALLER_SITE.set(user_site(sys._getframe(1)))
         try:
-            self.loop.call_soon_threadsafe(_start_on_loop, start, outcome)
+            if not (drive and self._drive(start, outcome)):
+                with self._hand_over:
+                    self._handed += 1
+                    self.loop.call_soon_threadsafe(self._start_handed, start, outcome)
         finally:
             CALLER_SITE.reset(site)
         return outcome
+
+    @property
+    def handed(self) -> int:
+        """How many calls were handed to the loop thread to start (diagnostics, tests)."""
+        return self._handed
+
+    def _start_handed(self, start: Callable[[], Awaitable[Any]], outcome: Outcome) -> None:
+        self._begun += 1
+        _start_on_loop(start, outcome)
+
+    def _drive(self, start: Callable[[], Awaitable[Any]], outcome: Outcome) -> bool:
+        """Start the operation on this thread if the loop's turn is free; False if it was not.
+
+        The loop is this thread's running loop meanwhile (the core asks for it). What the start
+        leaves for the loop: callbacks it made ready run here too, as the loop's next turn would
+        run them, when the loop sleeps with nothing ready (the shared-memory scheduler's note
+        that the loop turned, say); a timer earlier than the loop's sleep, or callbacks still
+        ready, wake it (one self-pipe write). An operation that finished inside its start, with
+        nothing left for the loop, costs no wake-up at all.
+        """
+        turn = self._turn
+        if turn is None or not turn.acquire(False):
+            return False
+        try:
+            loop: Any = self.loop
+            if not self.running or self._handed != self._begun or loop._debug:
+                # stopped; an earlier call still on its way to the loop; or asyncio's debug
+                # mode, whose checks refuse a loop's calls from another thread
+                return False
+            self._driver = threading.get_ident()
+            ready = loop._ready
+            asleep = not ready and self._poller.until > 0.0  # type: ignore[union-attr]
+            timers = loop._scheduled
+            first = timers[0] if timers else None  # the loop's sleep ends by this one
+            previous = _events._get_running_loop()
+            _events._set_running_loop(loop)
+            try:
+                contextvars.copy_context().run(_start_on_loop, start, outcome)
+                if asleep and ready:
+                    for _ in range(len(ready)):
+                        handle = ready.popleft()
+                        if not handle._cancelled:
+                            handle._run()
+            finally:
+                _events._set_running_loop(previous)
+                self._driver = None
+            if ready or (timers and timers[0] is not first and _late(timers[0]._when, self._poller.until)):  # type: ignore[union-attr]
+                loop._write_to_self()
+            self.driven += 1
+            return True
+        finally:
+            turn.release()
 
 
 def issue_on_caller_streams(
@@ -423,7 +597,7 @@ def issue_on_caller_streams(
     streams.wait_on_host = wait_on_host
     token = caller_context.set(streams)
     try:
-        return get_loop_thread().issue(start), streams
+        return get_loop_thread().issue(start, drive=False), streams
     finally:
         caller_context.reset(token)
 

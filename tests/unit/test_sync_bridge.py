@@ -257,3 +257,225 @@ def _done_future(value: Any) -> asyncio.Future[Any]:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(value)
     return fut
+
+
+class _BusyLoop:
+    """Holds a loop thread inside a callback (so its turn is taken) until ``release``."""
+
+    def __init__(self, loop_thread: Any) -> None:
+        self.gate = threading.Event()
+        entered = threading.Event()
+
+        def hold() -> None:
+            entered.set()
+            self.gate.wait(20)
+
+        loop_thread.loop.call_soon_threadsafe(hold)
+        assert entered.wait(10)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def _until_the_loop_sleeps(loop_thread: Any) -> None:
+    deadline = time.monotonic() + 10
+    while loop_thread._poller.until == 0.0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert loop_thread._poller.until > 0.0
+
+
+def _recording_start(started: list[Any], key: Any, value: Any = None) -> Any:
+    def start() -> Any:
+        started.append((key, threading.get_ident()))
+        return Work(_done_future(value if value is not None else key))
+
+    return start
+
+
+@pytest.mark.timeout(30)
+def test_a_call_runs_on_its_callers_thread_when_the_loop_sleeps_and_on_the_loop_when_busy() -> None:
+    loop_thread = get_loop_thread()
+    started: list[Any] = []
+    driven, handed = loop_thread.driven, loop_thread.handed
+    _until_the_loop_sleeps(loop_thread)
+    assert loop_thread.issue(_recording_start(started, "driven")).result(10) == "driven"
+    assert started == [("driven", threading.get_ident())]  # no hop: it ran here
+    assert (loop_thread.driven, loop_thread.handed) == (driven + 1, handed)
+
+    busy = _BusyLoop(loop_thread)
+    outcome = loop_thread.issue(_recording_start(started, "handed"))
+    assert not outcome.done()  # the loop is busy: the call waits for it, it does not run here
+    busy.release()
+    assert outcome.result(10) == "handed"
+    assert started[1] == ("handed", loop_thread.thread.ident)
+    assert (loop_thread.driven, loop_thread.handed) == (driven + 1, handed + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_call_handed_over_but_not_started_goes_before_a_later_call_from_any_thread() -> None:
+    """A caller that finds the loop's turn free still does not start its call while one handed
+    to the loop before it waits to start: the later call is handed over behind it."""
+    loop_thread = get_loop_thread()
+    loop: Any = loop_thread.loop
+    for other_thread in (False, True):
+        started: list[Any] = []
+        # Calls handed over are held back on their way to the loop, which sleeps meanwhile with
+        # its turn free: the moment at which a later caller could otherwise overtake them.
+        on_their_way: list[tuple[Any, ...]] = []
+        hand_over = loop.call_soon_threadsafe
+        busy = _BusyLoop(loop_thread)
+        loop.call_soon_threadsafe = lambda *args, held=on_their_way: held.append(args)
+        try:
+            first = loop_thread.issue(_recording_start(started, "first"))
+            busy.release()
+            _until_the_loop_sleeps(loop_thread)  # its turn is free
+            later: list[Outcome] = []
+            if other_thread:
+                caller = threading.Thread(
+                    target=lambda got=later, log=started: got.append(
+                        loop_thread.issue(_recording_start(log, "later"))
+                    )
+                )
+                caller.start()
+                caller.join(10)
+            else:
+                later.append(loop_thread.issue(_recording_start(started, "later")))
+            assert started == [] and len(on_their_way) == 2, "the later call overtook the first"
+        finally:
+            loop.call_soon_threadsafe = hand_over
+        for args in on_their_way:
+            hand_over(*args)
+        assert first.result(10) == "first" and later[0].result(10) == "later"
+        assert [key for key, _ in started] == ["first", "later"]
+        # once nothing waits to start, the next call runs on its caller's thread again
+        _until_the_loop_sleeps(loop_thread)
+        assert loop_thread.issue(_recording_start(started, "next")).result(10) == "next"
+        assert started[-1] == ("next", threading.get_ident())
+
+
+@pytest.mark.timeout(60)
+def test_driven_calls_from_many_threads_beside_a_busy_loop_keep_launch_order() -> None:
+    """Threads that take turns driving, while the loop thread now and then holds its turn (so
+    some calls are handed over and some driven), start every call in launch order."""
+    loop_thread = get_loop_thread()
+    started: list[tuple[int, int]] = []
+    launched: list[tuple[int, int]] = []
+    order_lock = threading.Lock()
+    stop = threading.Event()
+
+    def keep_loop_busy() -> None:
+        while not stop.is_set():
+            loop_thread.loop.call_soon_threadsafe(time.sleep, 0.0005)
+            time.sleep(0.001)
+
+    def caller(me: int) -> None:
+        for i in range(300):
+
+            def start(me: int = me, i: int = i) -> Any:
+                started.append((me, i))
+                fut = asyncio.get_running_loop().create_future()
+                if i % 2:
+                    fut.set_result((me, i))
+                else:
+                    asyncio.get_running_loop().call_soon(fut.set_result, (me, i))
+                return Work(fut)
+
+            with order_lock:
+                outcome = loop_thread.issue(start)
+                launched.append((me, i))
+            assert outcome.result(timeout=20) == (me, i)
+
+    driven, handed = loop_thread.driven, loop_thread.handed
+    busy = threading.Thread(target=keep_loop_busy, daemon=True)
+    busy.start()
+    try:
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50)
+    finally:
+        stop.set()
+    assert len(launched) == 1200 and started == launched
+    assert loop_thread.driven > driven and loop_thread.handed > handed  # both paths were taken
+
+
+@pytest.mark.timeout(30)
+def test_a_blocking_call_from_a_handler_that_interrupted_a_driven_start_raises_not_hangs() -> None:
+    """The handler runs inside the core on the driving thread, which holds the loop's turn: its
+    blocking call (or wait) could only wait for ever, so it raises at once; the interrupted
+    call completes, and the next blocking call works."""
+    from aiocoll._errors import DistError
+
+    loop_thread = get_loop_thread()
+    events: list[Any] = []
+    waiting = loop_thread.issue(lambda: Work(asyncio.get_running_loop().create_future()))
+
+    def handler(*_: object) -> None:
+        for blocking in (lambda: loop_thread.issue(lambda: Work(_done_future(1))), waiting.wait):
+            try:
+                blocking()
+                events.append("no error")
+            except DistError as exc:
+                events.append(str(exc))
+
+    def start() -> Any:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        deadline = time.monotonic() + 5
+        while len(events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)  # the handler runs here, inside the start
+        return Work(_done_future("outer"))
+
+    previous = signal.signal(signal.SIGUSR2, handler)
+    try:
+        _until_the_loop_sleeps(loop_thread)
+        assert loop_thread.issue(start).result(10) == "outer"
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert len(events) == 2 and all("while this thread was starting" in e for e in events), events
+    assert loop_thread.issue(lambda: Work(_done_future("next"))).result(10) == "next"
+
+
+@pytest.mark.timeout(30)
+def test_a_driven_start_that_raises_or_fails_later_reaches_the_caller_as_on_the_loop() -> None:
+    loop_thread = get_loop_thread()
+
+    def refuse() -> Any:
+        raise ValueError("bad argument, rank 0")
+
+    def fail_later() -> Any:
+        fut = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_later(0.05, fut.set_exception, RuntimeError("peer lost"))
+        return Work(fut)
+
+    for busy in (False, True):
+        if not busy:
+            _until_the_loop_sleeps(loop_thread)
+        hold = _BusyLoop(loop_thread) if busy else None
+        driven = loop_thread.driven
+        refused = loop_thread.issue(refuse)
+        failed = loop_thread.issue(fail_later)
+        if hold is not None:
+            hold.release()
+        assert loop_thread.driven == driven + (0 if busy else 2)
+        with pytest.raises(ValueError, match="bad argument"):
+            refused.wait_launched(10)
+        failed.wait_launched(10)  # launched fine: its failure comes later, from the loop's timer
+        with pytest.raises(RuntimeError, match="peer lost"):
+            failed.result(10)
+
+
+@pytest.mark.timeout(30)
+def test_in_asyncio_debug_mode_every_call_is_handed_to_the_loop_thread() -> None:
+    """asyncio's debug mode refuses a loop's calls from another thread: no call is driven."""
+    loop_thread = get_loop_thread()
+    started: list[Any] = []
+    loop_thread.loop.set_debug(True)
+    try:
+        _until_the_loop_sleeps(loop_thread)
+        driven = loop_thread.driven
+        assert loop_thread.issue(_recording_start(started, "in debug")).result(10) == "in debug"
+        assert started == [("in debug", loop_thread.thread.ident)] and loop_thread.driven == driven
+    finally:
+        loop_thread.loop.call_soon_threadsafe(loop_thread.loop.set_debug, False)
+        loop_thread.call(lambda: None, timeout=10)
