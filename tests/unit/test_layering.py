@@ -5,6 +5,7 @@ aiocoll/_env.py reads AIOCOLL_* variables."""
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -64,14 +65,26 @@ ALLOWED = {
 }
 
 
-def _imports(path: Path) -> list[str]:
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """``path`` parsed, once for all the checks of this file."""
+    return ast.parse(path.read_text(), str(path))
+
+
+@functools.cache
+def _nodes(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of ``path``'s tree (``ast.walk`` once: it is most of these checks' time)."""
+    return tuple(ast.walk(_tree(path)))
+
+
+@functools.cache
+def _imports(path: Path) -> tuple[str, ...]:
     """What ``path`` imports of aiocoll, wherever it does (at the top, inside a function, or only
     for type checkers under ``if TYPE_CHECKING``)."""
     module, is_package = _module_name(path)
     package = module if is_package else module.rpartition(".")[0]
     found = []
-    tree = ast.parse(path.read_text(), str(path))
-    for node in ast.walk(tree):
+    for node in _nodes(path):
         if isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -85,7 +98,7 @@ def _imports(path: Path) -> list[str]:
                 # `from . import x` / `from aiocoll import x`: x may be a sub-module
                 found += [f"{target}.{alias.name}" for alias in node.names]
             found.append(target)
-    return [name for name in found if name == "aiocoll" or name.startswith("aiocoll.")]
+    return tuple(name for name in found if name == "aiocoll" or name.startswith("aiocoll."))
 
 
 def _resolve(name: str) -> str:
@@ -148,8 +161,7 @@ def test_only_the_cuda_device_module_calls_torch_cuda() -> None:
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path == ROOT / "aiocoll" / "device" / "_cuda.py":
                 continue
-            tree = ast.parse(path.read_text(), str(path))
-            for node in ast.walk(tree):
+            for node in _nodes(path):
                 if isinstance(node, ast.Attribute) and node.attr == "cuda":
                     callers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not callers, "torch.cuda used outside aiocoll/device/_cuda.py:\n" + "\n".join(callers)
@@ -321,10 +333,9 @@ def test_only_the_env_module_reads_aiocoll_variables() -> None:
             rel = path.relative_to(ROOT)
             if rel == Path("aiocoll/_env.py"):
                 continue
-            tree = ast.parse(path.read_text(), str(path))
             constants = {
                 target.id: node.value.value
-                for node in tree.body
+                for node in _tree(path).body
                 if isinstance(node, ast.Assign)
                 and isinstance(node.value, ast.Constant)
                 and isinstance(node.value.value, str)
@@ -332,7 +343,7 @@ def test_only_the_env_module_reads_aiocoll_variables() -> None:
                 if isinstance(target, ast.Name)
             }
             readers += [
-                f"{rel}:{node.lineno}" for node in ast.walk(tree) if _reads_aiocoll_variable(node, constants)
+                f"{rel}:{node.lineno}" for node in _nodes(path) if _reads_aiocoll_variable(node, constants)
             ]
     assert not readers, "AIOCOLL_* read outside aiocoll/_env.py:\n" + "\n".join(readers)
 
