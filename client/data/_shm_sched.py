@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -54,6 +55,7 @@ _HANDOFFS = 8  # of a spin's yields, at most this many are not charged to its bu
 _NAP_FOR_S = 0.1  # after a late yield, waits between steps nap rather than yield for this long
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
+_OFF_LOOP_NAP_S = 0.002  # a wait started off the loop's thread naps in place this long at most
 
 
 class ShmOp:
@@ -80,8 +82,16 @@ class ShmWaker:
         self._efd = host.efd
         self._loop = asyncio.get_running_loop()
         self.sleeping: set[ShmScheduler] = set()
-        self._loop.add_reader(self._efd, self._on_wake)
         self.wakeups = 0
+        self.watch()
+
+    def watch(self) -> None:
+        self._loop.add_reader(self._efd, self._on_wake)
+
+    def unwatch(self) -> None:
+        """Stop watching for a while (a wait napping in place off the loop's thread: the loop
+        thread, woken by the same write, would only compete with it for the CPU)."""
+        self._loop.remove_reader(self._efd)
 
     def _on_wake(self) -> None:
         with contextlib.suppress(BlockingIOError):
@@ -260,7 +270,7 @@ class ShmScheduler:
                 # turn now and then (heartbeats, other tasks), then go on from there
                 self._loop.call_soon(self._run)
                 return
-            if not self._spin(op) and self._sleep():
+            if not self._spin(op) and not self._nap_off_loop(op) and self._sleep():
                 return
 
     def _spin(self, op: ShmOp) -> bool:
@@ -289,6 +299,23 @@ class ShmScheduler:
         if self._oversubscribed:
             return spin(lambda: ready(wait), self._budget, 0.0, _HANDOFFS)
         return spin(lambda: ready(wait), self._budget, _PLAIN_SPIN_S)
+
+    def _nap_off_loop(self, op: ShmOp) -> bool:
+        """Started on a thread other than the loop's (a blocking caller that took the loop's
+        turn, aiocoll/_sync_loop.py): nap on the eventfd in place for up to _OFF_LOOP_NAP_S
+        before going to sleep in the loop. That thread would otherwise park until the loop
+        thread, woken by the same eventfd, finished the operation and woke it in turn: two
+        wake-ups where this costs one. Bounded, since the loop waits for the turn meanwhile."""
+        owner = getattr(self._loop, "_thread_id", None)
+        waker = self._waker
+        if owner is None or owner == threading.get_ident() or waker.sleeping:
+            return False  # (groups sleeping in the loop: it must watch the eventfd meanwhile)
+        assert op.wait is not None
+        waker.unwatch()
+        try:
+            return self._nap(op.wait, time.perf_counter() + _OFF_LOOP_NAP_S)
+        finally:
+            waker.watch()
 
     def _beside(self, wait: Wait) -> bool:
         """Whether a member we wait for last ran on the CPU we run on now (and publish ours).
