@@ -407,6 +407,10 @@ class Quorum:
         self.heartbeat_timeout = heartbeat_timeout
         self.jobs: dict[str, JobQuorum] = {}
         self._by_conn: dict[int, list[tuple[JobQuorum, Key]]] = {}  # conn id -> (job, replica's rank)
+        # Jobs whose every replica left this coordinator (their quorum state forgotten): the
+        # previous quorum's replicas, read back from the key space, are known gone, not "not
+        # seen since a restart" (replicas behind would wait for them until their timeout)
+        self._emptied: set[str] = set()
 
     def handlers(self) -> dict[str, Any]:
         return {"quorum": self.op_quorum}
@@ -415,6 +419,11 @@ class Quorum:
         jq = self.jobs.get(job.name)
         if jq is None or jq.job is not job:
             jq = self.jobs[job.name] = JobQuorum(job)
+            if job.name in self._emptied:
+                self._emptied.discard(job.name)
+                for m in jq.by_name.values():
+                    for rank in range(len(shards(m))):
+                        jq.gone[(m[0], rank)] = "it left, with every other replica of the job"
         return jq
 
     # ------------------------------------------------------------------ requests
@@ -941,6 +950,7 @@ class Quorum:
                 # space, read again when a replica next asks).
                 if self.jobs.get(jq.job.name) is jq:
                     del self.jobs[jq.job.name]
+                    self._emptied.add(jq.job.name)
                 if jq.tick is not None:
                     jq.tick.waiting = False
                 continue

@@ -376,6 +376,13 @@ def test_a_restarted_replica_left_alone_when_the_others_leave_is_refused() -> No
     msg = refused(r.replies(), ["c"])
     assert "committed steps 0..1" in msg and "a (host host-a): its connection" in msg, msg
     assert "b (host host-b): its connection" in msg and "commit steps 0..1 again" in msg, msg
+    # ... and at once when it asks only after everyone had left (the job's quorum state was
+    # forgotten, and read back from the key space: its replicas are known gone, not coming back)
+    r.close("c")
+    r.start("c")
+    r.ask("c", 0, min_replicas=1)
+    msg = refused(r.replies(), ["c"])
+    assert "a (host host-a): it left, with every other replica of the job" in msg, msg
 
 
 def test_replicas_behind_wait_for_any_replica_that_may_hold_the_jobs_steps() -> None:
