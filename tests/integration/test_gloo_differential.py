@@ -246,9 +246,29 @@ async def _p2p_ours(pg: Any, buf: Any, *, send_to: int | None, send_val: float, 
     if send_to is not None:
         await pg.send(torch.ones(3) * send_val, dst=send_to)
     if recv_from is not None:
-        await pg.recv(buf, src=recv_from)
+        try:
+            await pg.recv(buf, src=recv_from)
+        except Exception as exc:
+            raise AssertionError(_p2p_evidence(pg, recv_from, exc)) from exc
         return buf.numpy().copy()
     return None
+
+
+def _p2p_evidence(pg: Any, src: int, exc: BaseException) -> str:
+    """What this rank's links and matcher held when a receive from ``src`` failed (seen once
+    under load in CI: rank 1's message, sent before it left, did not arrive), so that a failure
+    leaves its evidence: the links' and the matcher's state, and the point-to-point tag prefixes
+    the matcher remembers as finished (a message under a discarded prefix is dropped)."""
+    transport = pg._rt.transport
+    state = transport.debug_state() if hasattr(transport, "debug_state") else None
+    inner = getattr(transport, "_inner", None)
+    matcher = getattr(transport, "matcher", None) or getattr(inner, "matcher", None)
+    finished = getattr(matcher, "_finished", {}) or {}
+    p2p = {repr(t): kept for bucket in finished.values() for t, kept in bucket.items() if t[:1] == ("p",)}
+    return (
+        f"rank {pg.rank}: recv from rank {src} failed: {exc!r}; transport: {state!r}; "
+        f"finished p2p prefixes: {p2p!r}"
+    )
 
 
 @pytest.fixture(scope="module")
