@@ -17,6 +17,34 @@ from aiocoll._sync_loop import Outcome, get_loop_thread
 from aiocoll._work import Work
 
 
+def _issue_recorded(
+    loop_thread: Any,
+    me: int,
+    i: int,
+    born: bool,
+    started: list[tuple[int, int]],
+    launched: list[tuple[int, int]],
+    order_lock: threading.Lock,
+) -> Outcome:
+    """Issue call ``i`` of thread ``me``: its start notes itself in ``started`` (in the order
+    calls start) and completes with ``(me, i)``, inside the start when ``born`` (a Work born
+    complete) or a loop turn later; the launch is noted in ``launched`` under ``order_lock``."""
+
+    def start() -> Any:
+        started.append((me, i))
+        fut = asyncio.get_running_loop().create_future()
+        if born:
+            fut.set_result((me, i))
+        else:
+            asyncio.get_running_loop().call_soon(fut.set_result, (me, i))
+        return Work(fut)
+
+    with order_lock:
+        outcome = loop_thread.issue(start)
+        launched.append((me, i))
+    return outcome
+
+
 @pytest.mark.timeout(60)
 def test_calls_from_many_threads_start_in_launch_order_and_each_caller_gets_its_own_result() -> None:
     loop_thread = get_loop_thread()
@@ -27,19 +55,7 @@ def test_calls_from_many_threads_start_in_launch_order_and_each_caller_gets_its_
 
     def caller(me: int) -> None:
         for i in range(300):
-
-            def start(me: int = me, i: int = i) -> Any:
-                started.append((me, i))
-                fut = asyncio.get_running_loop().create_future()
-                if i % 3 == 0:
-                    fut.set_result((me, i))  # born complete: settled inside the start
-                else:
-                    asyncio.get_running_loop().call_soon(fut.set_result, (me, i))
-                return Work(fut)
-
-            with order_lock:
-                outcome = loop_thread.issue(start)
-                launched.append((me, i))
+            outcome = _issue_recorded(loop_thread, me, i, i % 3 == 0, started, launched, order_lock)
             got = outcome.result(timeout=20)
             if got != (me, i):
                 errors.append(f"thread {me} call {i} got {got}")
@@ -373,19 +389,7 @@ def test_driven_calls_from_many_threads_beside_a_busy_loop_keep_launch_order() -
 
     def caller(me: int) -> None:
         for i in range(300):
-
-            def start(me: int = me, i: int = i) -> Any:
-                started.append((me, i))
-                fut = asyncio.get_running_loop().create_future()
-                if i % 2:
-                    fut.set_result((me, i))
-                else:
-                    asyncio.get_running_loop().call_soon(fut.set_result, (me, i))
-                return Work(fut)
-
-            with order_lock:
-                outcome = loop_thread.issue(start)
-                launched.append((me, i))
+            outcome = _issue_recorded(loop_thread, me, i, bool(i % 2), started, launched, order_lock)
             assert outcome.result(timeout=20) == (me, i)
 
     _until_the_loop_sleeps(loop_thread)  # (skips where no call is driven)
