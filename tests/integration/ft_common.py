@@ -5,6 +5,7 @@ A helper module of the tests, not a test module; imports the standard library on
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +15,16 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RECOVERY_BOUND = 10.0  # seconds from the kill to the survivors' next committed step (measured: ~0.1 s)
+
+
+def load_script(path: Path) -> Any:
+    """The module of the script at ``path`` (a replica script or an example), loaded as is, for
+    a test's reference run of what it does."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def records_of(path: Path) -> list[dict[str, Any]]:

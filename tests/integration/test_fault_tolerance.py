@@ -24,7 +24,6 @@ Replicas of several ranks are in test_ft_sharded.py, DiLoCo in test_ft_diloco.py
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import re
 import socket
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ft_common import RECOVERY_BOUND, ROOT
+from ft_common import RECOVERY_BOUND, ROOT, load_script
 
 from aiocoll.testing.world import run_world, unwrap
 
@@ -48,11 +47,7 @@ torch = pytest.importorskip("torch")
 
 
 def _example() -> Any:
-    spec = importlib.util.spec_from_file_location("fault_tolerant_training", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 def _reference(example: Any, history: list[list[str]]) -> list[str]:

@@ -6,7 +6,6 @@ per-step fault tolerance's bytes.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ft_common import ROOT, records_of, written
+from ft_common import ROOT, load_script, records_of, written
 
 pytestmark = pytest.mark.integration
 
@@ -65,10 +64,7 @@ def test_diloco_replicas_sync_every_h_steps_bit_identical_to_a_single_process_re
 ) -> None:
     from aiocoll.testing.coordinator import CoordinatorProcess
 
-    spec = importlib.util.spec_from_file_location("ft_diloco_replica", DILOCO)
-    assert spec is not None and spec.loader is not None
-    replica = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replica)
+    replica = load_script(DILOCO)
     syncs, every, token = 4, 5, "diloco-test-token"
     coordinator = CoordinatorProcess(tmp_path / "coordinator.log", token=token)
     try:

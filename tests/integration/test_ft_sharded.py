@@ -14,14 +14,13 @@ faults.
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from ft_common import RECOVERY_BOUND, Ranks, stop_after
+from ft_common import RECOVERY_BOUND, Ranks, load_script, stop_after
 
 pytestmark = pytest.mark.integration
 
@@ -132,11 +131,7 @@ def test_two_replicas_of_two_ranks_lose_one_rank_train_on_and_heal_the_restarted
 
 
 def _sharded_script() -> Any:
-    spec = importlib.util.spec_from_file_location("ft_sharded_replica", SHARDED)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SHARDED)
 
 
 def _sharded_reference(steps: int) -> dict[int, list[str]]:
