@@ -123,14 +123,16 @@ def test_a_message_sent_before_its_sender_left_is_still_received(links: str) -> 
 
 
 async def _gave_up_then_left(pg: Any) -> dict[str, Any] | None:
-    """Rank 0 gives up on an all_reduce that rank 2 never calls and closes its process group at
-    once; rank 1, which waits in the same all_reduce with a later deadline, is busy meanwhile (its
-    loop blocked), so that rank 0's notice, its farewell and its links' goodbye reach it together."""
+    """Rank 1 gives up on an all_reduce that rank 2 never calls and closes its process group at
+    once; rank 0, which waits in the same all_reduce with a later deadline, is busy meanwhile (its
+    loop blocked), so that rank 1's notice, its farewell and its links' goodbye reach it in one
+    read. (Rank 1 gives up, not rank 0: rank 0 hosts the world's coordinator here, and its links'
+    goodbye waits until the other ranks have left.)"""
     x = np.ones(4, np.float32)
     if pg.rank == 2:
-        await asyncio.sleep(6.0)  # never in time; leaves after rank 1 was told
+        await asyncio.sleep(6.0)  # never in time; leaves after rank 0 was told
         return None
-    if pg.rank == 0:
+    if pg.rank == 1:
         said = await outcome(lambda: pg.all_reduce(x, timeout=0.5))
         await pg.destroy()
         return said
@@ -138,21 +140,21 @@ async def _gave_up_then_left(pg: Any) -> dict[str, Any] | None:
     await asyncio.sleep(0.1)  # the all_reduce is under way
     import time
 
-    time.sleep(2.5)  # noqa: ASYNC251 (the point: this rank's loop is busy while rank 0 gives up and leaves)
+    time.sleep(2.5)  # noqa: ASYNC251 (the point: this rank's loop is busy while rank 1 gives up and leaves)
     return await waiting
 
 
 @pytest.mark.parametrize("links", ["tcp", "shm"])
 def test_a_peer_that_gave_up_and_left_at_once_is_said_to_have_given_up(links: str) -> None:
-    """What rank 1 is told is the cause (rank 0 gave up after its deadline, waiting for rank 2),
-    not rank 0's leaving that came with it, on every link: the shared-memory collectives act on
-    a peer's goodbye no sooner than the notices it sent before."""
+    """What rank 0 is told is the cause (rank 1 gave up after its deadline, waiting for rank 2),
+    not rank 1's leaving that came with it, on every link: a link's goodbye is acted on after the
+    notices that came before it in the same read."""
     results = run_world(_gave_up_then_left, 3, timeout=60, env={"AIOCOLL_TRANSPORT": links})
     assert all(r.ok for r in results), [r.error for r in results]
-    first, second = results[0].value, results[1].value
-    assert first["error"] == "CollectiveTimeout", first
-    assert second["error"] == "CollectiveTimeout", second
-    # (whom rank 0 names as the one it waited for depends on the links' algorithm: rank 1's stall
-    # is seen from rank 0 too)
-    told = "rank 0 gave up on it after its timeout of 0.5s, waiting for rank(s) ["
-    assert told in second["message"], second
+    leaver, waiter = results[1].value, results[0].value
+    assert leaver["error"] == "CollectiveTimeout", leaver
+    assert waiter["error"] == "CollectiveTimeout", waiter
+    # (whom rank 1 names as the one it waited for depends on the links' algorithm: rank 0's stall
+    # is seen from rank 1 too)
+    told = "rank 1 gave up on it after its timeout of 0.5s, waiting for rank(s) ["
+    assert told in waiter["message"], waiter

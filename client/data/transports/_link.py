@@ -333,6 +333,18 @@ class LinkTransport(Transport):
         if self._links.get(peer) is link:
             del self._links[peer]
             self.links_version += 1
+        loop = self._loop
+        if loop is None or self._closed or loop.is_closed():
+            self._peer_gone(peer, reason, lost)
+            return
+        # What the peer sent before its goodbye or end-of-file came in the same read: its
+        # messages are delivered already, and its control notices (it gave up on an operation,
+        # found a mismatch, left a group) wake their receivers in the next turn. The loss is
+        # acted on after them, so that what fails here fails with the cause the peer told, not
+        # with its leaving, on every kind of link.
+        loop.call_soon(self._peer_gone, peer, reason, lost)
+
+    def _peer_gone(self, peer: int, reason: str, lost: bool) -> None:
         if not self.matcher.peer_lost(peer, reason, left=not lost):
             return
         self._fail_ready(peer, reason)
