@@ -216,6 +216,7 @@ class JobQuorum:
         "incomplete",
         "job",
         "last",
+        "lost",
         "next_id",
         "pending",
         "ranks_of",
@@ -231,6 +232,9 @@ class JobQuorum:
         # The previous quorum: {"id", "members": [[replica, uid, step, host, ask], ...]}, or None.
         self.last: dict[str, Any] | None = None
         self.top = -1  # the previous quorum's step (its members' highest)
+        # Asks were refused because no replica holding that step was left: asks behind it are
+        # refused at once until a quorum forms again (a holder, back, may still ask).
+        self.lost = False
         self.next_id = 1
         self.seen: dict[Key, Conn] = {}  # a replica's rank -> the connection it last asked on (open)
         self.gone: dict[Key, str] = {}  # a replica's rank -> why it is gone (its connection closed)
@@ -258,6 +262,7 @@ class JobQuorum:
         """The quorum just formed (or read back) becomes the previous one, which the next waits for."""
         self.last = record
         self.top = max(m[2] for m in record["members"])
+        self.lost = False
         self.by_name = by_name = {m[0]: m for m in record["members"]}
         asks = self.asks
         if not asks:  # (just formed from every ask there was): all of them are waited for
@@ -569,6 +574,9 @@ class Quorum:
         if not asks:
             self._untick(jq)
             return
+        if jq.lost and self._behind(jq) is not None:
+            self._settle(jq, now)
+            return
         first = next(iter(next(iter(asks.values())).values()))
         if len(asks) - len(jq.incomplete) < first.min_replicas:
             self._untick(jq)
@@ -711,6 +719,7 @@ class Quorum:
             "job=%s event=quorum_refused committed=%d best=%d held_by=%s", jq.job.name, top, best, held
         )
         self._untick(jq)
+        jq.lost = True
         for a in asked:
             rank = f" rank {a.replica_rank}" if a.replica_size > 1 else ""
             self._refuse(a, f"quorum: replica {a.replica!r}{rank} (host {a.host}, step {a.step}): {detail}")

@@ -358,6 +358,35 @@ def test_replicas_behind_every_step_the_job_committed_are_refused_once_its_holde
     msg = refused(r.replies(), ["a", "b", "c"])
     assert "committed steps 0..0" in msg and "quorum 2: a (host host-a): restarted" in msg, msg
     assert "a (host host-a) at step 0, b (host host-b) at step 0, c (host host-c) at step 0" in msg, msg
+    # A refused replica that stays connected and asks again is refused again at once, as is a
+    # new one behind (test_a_holder_that_comes_back_after_a_refusal_is_answered: a holder is not).
+    r.ask("b", 0, min_replicas=1)
+    r.start("d")
+    r.ask("d", 0, min_replicas=1)
+    again = refused(r.replies(), ["b", "d"])
+    assert "committed steps 0..0" in again and "quorum 2: a (host host-a): restarted" in again, again
+
+
+def test_a_holder_that_comes_back_after_a_refusal_is_answered() -> None:
+    """c held the job's last step and went silent (SIGSTOP); a and b were killed. d, new, is
+    refused: nobody left holds the steps. c comes back (SIGCONT) and asks at its step: a
+    quorum forms with it, and d, asking again, joins the next one and heals from c."""
+    r = trained(["a", "b", "c"])
+    r.cut.add("c")
+    r.close("a")
+    r.close("b")
+    r.start("d")
+    r.ask("d", 0, min_replicas=1)
+    r.tick(4.1)  # c silent past the heartbeat timeout
+    refused(r.replies(), ["d"])
+    r.cut.discard("c")
+    r.ask("c", 1, min_replicas=1)
+    r.tick(JOIN + 0.01)
+    assert members(r.replies()["c"]) == ["c"]
+    r.ask("d", 0, min_replicas=1)
+    r.ask("c", 2, min_replicas=1)
+    replies = r.replies()
+    assert members(replies["d"]) == ["c", "d"] and replies["d"]["heal"] == {1: 0}, replies
 
 
 def test_a_restarted_replica_left_alone_when_the_others_leave_is_refused() -> None:
