@@ -642,13 +642,10 @@ class Manager:
         return len(self.members)
 
     def _where(self) -> str:
+        where = f"rank {self.index} of quorum {self.quorum_id}, " if self.index >= 0 else "in no quorum yet, "
         if self.replica_size == 1:
-            where = f"rank {self.index} of quorum {self.quorum_id}, host {self.host}"
-            return f"replica {self.replica!r} ({where})"
-        return (
-            f"replica {self.replica!r} rank {self.replica_rank} of {self.replica_size} (rank {self.index} "
-            f"of quorum {self.quorum_id}, host {self.host})"
-        )
+            return f"replica {self.replica!r} ({where}host {self.host})"
+        return f"replica {self.replica!r} rank {self.replica_rank} of {self.replica_size} ({where}host {self.host})"
 
     def _whose(self, rank: int, kind: str) -> tuple[int, int]:
         """(member index, replica_rank) of a rank of a group.
@@ -710,7 +707,7 @@ class Manager:
     # -- the coordinator session -------------------------------------------------------------
     async def _connected(self, deadline: Deadline) -> CoordinatorSession:
         if self._closed:
-            raise DistError(f"{self._where()}: the Manager is closed")
+            raise DistError("the Manager is closed")  # (its caller says where)
         if self._session is None:
             self._session = await CoordinatorSession.connect(
                 self._host,

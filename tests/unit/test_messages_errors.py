@@ -198,3 +198,16 @@ async def test_a_store_rendezvous_that_times_out_names_the_ranks_missing_and_a_w
     said = str(err.value)
     assert said.startswith("rank 0: rank(s) [1, 2] of 3 did not publish their address in the store"), said
     assert "(1 did)" in said and "asked for world_size=3 but its WORLD_SIZE is 2" in said, said
+
+
+@pytest.mark.timeout(30)
+async def test_a_closed_manager_says_where_it_is_once_and_not_a_quorum_it_was_never_in() -> None:
+    from aiocoll.ft import Manager, QuorumError
+
+    manager = Manager(f"127.0.0.1:{free_port()}", replica="r0", token="t")
+    await manager.close()
+    with pytest.raises(QuorumError) as err:
+        await manager.start_step()
+    said = str(err.value)
+    assert said.startswith("replica 'r0' (in no quorum yet, host "), said
+    assert said.count("replica 'r0'") == 1 and said.endswith("the Manager is closed"), said
