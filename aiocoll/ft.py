@@ -645,7 +645,8 @@ class Manager:
         where = f"rank {self.index} of quorum {self.quorum_id}, " if self.index >= 0 else "in no quorum yet, "
         if self.replica_size == 1:
             return f"replica {self.replica!r} ({where}host {self.host})"
-        return f"replica {self.replica!r} rank {self.replica_rank} of {self.replica_size} ({where}host {self.host})"
+        rank = f"rank {self.replica_rank} of {self.replica_size}"
+        return f"replica {self.replica!r} {rank} ({where}host {self.host})"
 
     def _whose(self, rank: int, kind: str) -> tuple[int, int]:
         """(member index, replica_rank) of a rank of a group.

@@ -22,12 +22,12 @@ methods block until they finish.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from aiocoll._sync_loop import get_loop_thread, issue_on_caller_streams
+from aiocoll._sync_loop import Outcome, get_loop_thread, issue_on_caller_streams
 from aiocoll.ft import Manager
 
 __all__ = ["DiLoCo", "FaultTolerantOptimizer", "Manager"]
@@ -198,6 +198,17 @@ class DiLoCo:
     of the parameters' size and one quorum per ``sync_every`` inner steps, against one of each
     per step for ``FaultTolerantOptimizer``. ``manager.step`` counts the syncs committed.
 
+    Streaming (``fragments`` > 1): the parameters are cut into ``fragments`` parts of about the
+    same size (whole tensors, in the model's order), and each cycle is ``fragments`` shorter
+    ones of ``sync_every // fragments`` inner steps that each sync one part in turn, so each
+    part still syncs every ``sync_every`` inner steps while a sync moves 1/``fragments`` of the
+    bytes. With ``delay`` > 0 a sync overlaps the next ``delay`` inner steps: its average and
+    commit run on aiocoll's loop thread while this thread trains on, and the outer step is
+    applied ``delay`` steps later, the part's parameters then becoming ``mix`` times what they are
+    locally plus (1 - ``mix``) times the new synced value. Each short cycle is one Manager step: its
+    quorum comes after the previous sync is applied, and a failed sync resets only its part to
+    the last synced value. ``fragments=1, delay=0`` is plain DiLoCo.
+
     Args:
         manager: this replica's Manager; its ``state_dict``/``load_state_dict``, when unset,
             become the parameters of the last sync and the outer optimizer's state.
@@ -205,10 +216,20 @@ class DiLoCo:
         inner_optimizer: the optimizer of the local steps (over ``model``'s parameters).
         outer_optimizer: the optimizer of the syncs, over the same parameters (DiLoCo's: SGD
             with Nesterov momentum); the pseudo-gradient is its gradient.
-        sync_every: inner steps per sync (H).
+        sync_every: inner steps between two syncs of the same parameters (H).
+        fragments: parts synced in turn (1: all at once); divides ``sync_every``, at most the
+            number of parameter tensors.
+        delay: inner steps a sync overlaps before it is applied, below ``sync_every //
+            fragments``.
+        mix: with ``delay``, the weight of the local parameters when a sync is applied (0: the
+            synced value replaces them).
 
     Attributes:
-        local_step: inner steps done since the last sync (0..sync_every-1).
+        local_step: inner steps done since the last sync (0..sync_every // fragments - 1).
+        inner_step: the inner steps of the job so far, the same number on every replica of the
+            quorum (after a heal too, and back by a cycle after a failed sync): use it for data.
+        last_sync: the number (``manager.step`` when it began) of the last sync applied or
+            failed; None before the first.
         committed: whether the last sync was applied (None before the first).
     """
 
@@ -219,23 +240,65 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         outer_optimizer: torch.optim.Optimizer,
         sync_every: int,
+        *,
+        fragments: int = 1,
+        delay: int = 0,
+        mix: float = 0.0,
     ) -> None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"DiLoCo: sync_every must be a positive int, got {sync_every!r}")
+        params = [p for p in model.parameters()]
+        for name, value, low in (
+            ("sync_every", sync_every, 1),
+            ("fragments", fragments, 1),
+            ("delay", delay, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"DiLoCo: {name} must be an int >= {low}, got {value!r}")
+        if sync_every % fragments or fragments > len(params):
+            raise ValueError(
+                f"DiLoCo: fragments={fragments} must divide sync_every={sync_every} and be at most the "
+                f"model's {len(params)} parameter tensors"
+            )
+        if delay >= sync_every // fragments:
+            raise ValueError(
+                f"DiLoCo: delay={delay} must be below sync_every // fragments = {sync_every // fragments} "
+                f"(a sync is applied before the next one starts)"
+            )
+        if not 0.0 <= float(mix) <= 1.0:
+            raise ValueError(f"DiLoCo: mix must be between 0 and 1, got {mix!r}")
         self.manager = manager
         self.model = model
         self.inner = inner_optimizer
         self.outer = outer_optimizer
         self.sync_every = sync_every
+        self.fragments = fragments
+        self.delay = delay
+        self.mix = float(mix)
         self.local_step = 0
+        self.inner_step = 0
+        self.last_sync: int | None = None
         self.committed: bool | None = None
-        self._params = [p for p in model.parameters()]
+        self._params = params
+        self._parts = _fragments(params, fragments)
+        self._cycle = sync_every // fragments
         with torch.no_grad():
-            self._synced = [p.detach().clone() for p in self._params]
+            self._synced = [p.detach().clone() for p in params]
+        self._quorum_due = True
+        self._sync_step = 0  # manager.step at the current short cycle's quorum
+        # the sync in flight: (its number, its part, the deltas, their flat buffers, its outcome)
+        self._pending: tuple[int, list[int], list[torch.Tensor], list[torch.Tensor], Outcome] | None = None
         if manager.state_dict is None:
             manager.state_dict = self._state
         if manager.load_state_dict is None:
             manager.load_state_dict = self._load
+
+    @property
+    def synced(self) -> list[torch.Tensor]:
+        """The parameters as of the last sync, in the model's order.
+
+        The same on every replica of the quorum (the model's own drift from them between syncs).
+        Read, do not modify.
+        """
+        return self._synced
 
     def _state(self) -> dict[str, Any]:
         return {"synced": self._synced, "outer": self.outer.state_dict()}
@@ -248,48 +311,98 @@ class DiLoCo:
         self.outer.load_state_dict(state["outer"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients; at a cycle's first inner step, its quorum first (and a heal).
+        """Clear the gradients; first, when a short cycle's quorum is due, ask for it (and heal).
 
         Raises:
             aiocoll.ft.QuorumError: no quorum within the Manager's quorum_timeout.
         """
-        if self.local_step == 0:
-            get_loop_thread().run(self.manager.start_step())
+        if self._quorum_due:
+            self._sync_step = get_loop_thread().run(self.manager.start_step())
+            self._quorum_due = False
+            self.inner_step = self._sync_step * self._cycle + self.local_step
         self.inner.zero_grad(set_to_none=set_to_none)
 
     def step(self) -> bool | None:
-        """An inner step; at the ``sync_every``-th, the sync.
+        """An inner step; at a short cycle's end, its sync; ``delay`` steps later, its outer step.
+
+        Without a delay the sync is applied in the same call.
 
         Returns:
-            None after an inner step; after a sync, whether it was committed and applied (when
-            not, the parameters are back at the last sync's; ``manager.last_error`` says why).
+            None, or when a sync was applied in this call, whether it was committed (when not,
+            its part of the parameters is back at the last sync's; ``manager.last_error`` says
+            why).
         """
         self.inner.step()
         self.local_step += 1
-        if self.local_step < self.sync_every:
-            return None
+        self.inner_step += 1
+        applied: bool | None = None
+        if self._pending is not None and self.local_step == self.delay:
+            applied = self._apply()
+        if self.local_step < self._cycle:
+            return applied
         self.local_step = 0
+        part = self._parts[self._sync_step % self.fragments]
         with torch.no_grad():
-            deltas = [s - p.detach() for s, p in zip(self._synced, self._params, strict=True)]
+            deltas = [self._synced[i] - self._params[i].detach() for i in part]
         flats = list(_flatten(deltas).values())
-        averaging, _ = issue_on_caller_streams(
-            lambda: self.manager.all_reduce_mean(flats), flats, wait_on_host=True
+        outcome, _ = issue_on_caller_streams(
+            lambda: self._average_and_commit(flats), flats, wait_on_host=True
         )
-        averaged = averaging.result()
-        self.committed = get_loop_thread().run(self.manager.commit())
+        self._pending = (self._sync_step, part, deltas, flats, outcome)
+        if self.delay == 0:
+            applied = self._apply()
+        return applied
+
+    async def _average_and_commit(self, flats: list[torch.Tensor]) -> tuple[bool, bool]:
+        averaged = await self.manager.all_reduce_mean(flats)
+        return averaged, await self.manager.commit()
+
+    def _apply(self) -> bool:
+        """Wait for the sync in flight and apply its outer step to its part, if committed."""
+        assert self._pending is not None
+        number, part, deltas, flats, outcome = self._pending
+        self._pending = None
+        averaged, committed = outcome.result()
+        self.committed = bool(committed and averaged)
+        self.last_sync = number
+        self._quorum_due = True
+        params = self._params
         with torch.no_grad():
-            for p, s in zip(self._params, self._synced, strict=True):
-                p.copy_(s)
-        if self.committed and averaged:
-            _unflatten(deltas, flats)
-            for p, d in zip(self._params, deltas, strict=True):
-                p.grad = d
-            self.outer.step()
-            with torch.no_grad():
-                for s, p in zip(self._synced, self._params, strict=True):
-                    s.copy_(p)
-        return self.committed
+            local = [params[i].detach().clone() for i in part] if self.committed and self.mix else None
+            for i in part:
+                params[i].copy_(self._synced[i])
+        if not self.committed:
+            return False
+        _unflatten(deltas, flats)
+        for p in params:
+            p.grad = None
+        for i, d in zip(part, deltas, strict=True):
+            params[i].grad = d
+        self.outer.step()
+        with torch.no_grad():
+            for k, i in enumerate(part):
+                self._synced[i].copy_(params[i])
+                if local is not None:
+                    params[i].mul_(1.0 - self.mix).add_(local[k], alpha=self.mix)
+        return True
 
     def close(self) -> None:
-        """Leave the quorum (the Manager's ``close``)."""
+        """Apply a sync still in flight, then leave the quorum (the Manager's ``close``)."""
+        if self._pending is not None:
+            self._apply()
         get_loop_thread().run(self.manager.close())
+
+
+def _fragments(params: Sequence[torch.Tensor], n: int) -> list[list[int]]:
+    """``params``' indices cut into ``n`` runs of whole tensors, in order, of about the same size."""
+    total = sum(p.numel() for p in params)
+    parts: list[list[int]] = [[] for _ in range(n)]
+    seen = 0
+    for i, p in enumerate(params):
+        # the part the tensor's middle falls in, but never one that leaves a later part empty
+        k = min(n - 1, int((seen + p.numel() / 2) * n / total)) if total else 0
+        k = max(k, n - (len(params) - i))
+        k = min(k, max((j for j, part in enumerate(parts) if part), default=-1) + 1)
+        parts[k].append(i)
+        seen += p.numel()
+    return parts

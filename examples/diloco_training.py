@@ -96,17 +96,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     first_loss = held_out_loss(model)
     started = 0.0
+    timed = 0
     if args.method == "diloco":
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        method: Any = aiocoll.ft_torch.DiLoCo(manager, model, inner, outer, sync_every=args.sync_every)
-        syncs = args.steps // args.sync_every
-        while manager.step < syncs:
-            method.zero_grad()  # at a cycle's first inner step: the quorum
-            if not started and manager.step == 1:
-                started = time.perf_counter()
-            x, y = batch(args.replica, manager.step * args.sync_every + method.local_step)
+        method: Any = aiocoll.ft_torch.DiLoCo(
+            manager,
+            model,
+            inner,
+            outer,
+            sync_every=args.sync_every,
+            fragments=args.fragments,
+            delay=args.delay,
+            mix=args.mix,
+        )
+        syncs = args.steps * args.fragments // args.sync_every
+        going = True
+        while going:
+            method.zero_grad()  # after a sync was applied: the next quorum
+            x, y = batch(args.replica, method.inner_step)
             torch.nn.functional.mse_loss(model(x), y).backward()
-            method.step()  # every sync_every-th: the average of the pseudo-gradients, the commit
+            timed += 1 if started else 0
+            if method.step() is not None:  # a sync (its part's average, the commit) was applied
+                going = manager.step < syncs  # (read between syncs: with a delay one commits meanwhile)
+                started = started or time.perf_counter()
+        trained = method.synced  # the replicas' shared parameters (with a delay they drift locally)
     else:
         method = aiocoll.ft_torch.FaultTolerantOptimizer(manager, inner, model)
         while manager.step < args.steps:
@@ -115,15 +128,17 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 started = time.perf_counter()
             x, y = batch(args.replica, manager.step)
             torch.nn.functional.mse_loss(model(x), y).backward()
+            timed += 1 if started else 0
             method.step()  # the gradients averaged, the commit
+        trained = list(model.parameters())
     seconds = time.perf_counter() - started
     method.close()
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in trained)).hexdigest()
     return {
         "replica": args.replica,
         "method": args.method,
         "inner_steps": args.steps,
-        "timed_steps": args.steps - args.sync_every,
+        "timed_steps": timed,
         "params": sum(p.numel() for p in model.parameters()),
         "reduced_bytes": manager.reduced_bytes,
         "quorums": manager.quorums,
@@ -176,6 +191,7 @@ def start(
     ]
     command += ["--steps", str(args.steps), "--width", str(args.width), "--sync-every", str(args.sync_every)]
     command += ["--join-timeout", str(args.join_timeout)]
+    command += ["--fragments", str(args.fragments), "--delay", str(args.delay), "--mix", str(args.mix)]
     env = {**os.environ, "AIOCOLL_TOKEN": token, "AIOCOLL_JOB": f"diloco-example-{method}"}
     log = open(out / f"{method}-r{r}.log", "wb")  # the child holds it
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -183,7 +199,7 @@ def start(
 
 def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, out: Path) -> None:
     """Print the comparison and check what must hold."""
-    h = args.sync_every
+    h, parts = args.sync_every, args.fragments
     rows = {}
     for method, replicas in results.items():
         steps = replicas[0]["inner_steps"]
@@ -198,14 +214,19 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, o
         }
     ft, dl = rows["ft"], rows["diloco"]
     params = results["ft"][0]["params"]
+    overlap = f"{args.delay} inner step{'' if args.delay == 1 else 's'}"
+    streaming = f", {parts} parts in turn, each sync overlapping {overlap}" if parts > 1 or args.delay else ""
     print(
-        f"DiLoCo (H={h}) against per-step fault tolerance: {args.replicas} replicas, a model of "
+        f"DiLoCo (H={h}{streaming}) against per-step fault tolerance: {args.replicas} replicas, a model of "
         f"{params:,} float32 parameters, {args.steps} inner steps each"
     )
     print(f"{'':<22}{'bytes all-reduced':>20}{'quorums':>10}{'inner steps/s':>15}{'held-out loss':>15}")
     start = f"(from {ft['first']:.3f})"
     print(f"{'per inner step':<22}{'(per replica)':>20}{'':>10}{'(slowest)':>15}{start:>15}")
-    for name, row in (("per-step FT", ft), (f"DiLoCo, H={h}", dl)):
+    for name, row in (
+        ("per-step FT", ft),
+        (f"DiLoCo, H={h}" + (f", {parts} parts" if parts > 1 else ""), dl),
+    ):
         print(
             f"{name:<22}{row['bytes']:>20,.0f}{row['quorums']:>10.3f}{row['rate']:>15.1f}{row['loss']:>15.4f}"
         )
@@ -214,8 +235,11 @@ def report(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace, o
         f"{ft['quorums'] / dl['quorums']:.1f}x fewer quorums per inner step, at "
         f"{dl['rate'] / ft['rate']:.2f}x the inner steps/s. Records in {out}"
     )
-    if abs(ft["bytes"] / dl["bytes"] - h) > 1e-9 or abs(ft["quorums"] / dl["quorums"] - h) > 1e-9:
-        raise SystemExit(f"DiLoCo should communicate 1/{h} of per-step FT: {rows}")
+    # each sync moves one part: the bytes are 1/H of per-step FT's, the quorums `parts`/H
+    if abs(ft["bytes"] / dl["bytes"] - h) > 1e-9 or abs(ft["quorums"] / dl["quorums"] - h / parts) > 1e-9:
+        raise SystemExit(
+            f"DiLoCo should move 1/{h} of per-step FT's bytes with {parts}/{h} of its quorums: {rows}"
+        )
     for name, row in rows.items():
         if not row["loss"] < row["first"]:
             raise SystemExit(f"{name} did not train: held-out loss {row['first']} -> {row['loss']}")
@@ -234,6 +258,18 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=200, help="inner steps per replica")
     parser.add_argument("--sync-every", type=int, default=20, help="DiLoCo's H: inner steps per sync")
+    parser.add_argument(
+        "--fragments", type=int, default=1, help="DiLoCo's parts synced in turn (streaming; divides H)"
+    )
+    parser.add_argument(
+        "--delay", type=int, default=0, help="inner steps each of DiLoCo's syncs overlaps (streaming)"
+    )
+    parser.add_argument(
+        "--mix",
+        type=float,
+        default=0.0,
+        help="with --delay: weight of the local parameters when a sync lands",
+    )
     parser.add_argument("--width", type=int, default=256, help="the model's hidden width")
     parser.add_argument("--lr", type=float, default=1e-3, help="the inner optimizer's (AdamW) learning rate")
     parser.add_argument("--join-timeout", type=float, default=2.0)

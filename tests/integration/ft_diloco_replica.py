@@ -1,22 +1,23 @@
 """One replica of a DiLoCo job (aiocoll.ft_torch.DiLoCo), for tests/integration/test_ft_diloco.py.
 
-    python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY [MIN_REPLICAS [STEP_SECONDS [START_FILE]]]
+    python ft_diloco_replica.py HOST:PORT NAME OUT SYNCS SYNC_EVERY [--min-replicas N]
+        [--pause SECONDS] [--start-file F] [--job NAME] [--fragments F --delay D --mix M]
 
 SYNCS is a number, or a file's path: then the replica syncs until the file exists and holds the
 number (read before each step), so that a test can end the job once what it waits for happened.
-With START_FILE it loads torch, says so (START_FILE.ready) and waits for START_FILE before it
-joins: a replacement started ahead of its kill.
+With --start-file it loads torch, says so (F.ready) and waits for F before it joins: a
+replacement started ahead of its kill. --fragments, --delay and --mix are DiLoCo's streaming.
 A linear model, plain SGD inside, SGD with Nesterov momentum outside; the data of inner step k
 of replica NAME is ``batch(NAME, k)``. After each sync it writes one JSON line: the sync's
-number, whether it committed, and the parameters' bytes (hex), so that the test can compare
-replicas with each other and with its own reference, bit for bit.
+number, whether it committed, and the synced parameters' bytes (hex), so that the test can
+compare replicas with each other and with its own reference, bit for bit.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 import zlib
 
@@ -58,32 +59,54 @@ def _syncs(given: str) -> int:
 
 
 def main() -> None:
-    coordinator, name, out, syncs, every = sys.argv[1:6]
-    least = int(sys.argv[6]) if len(sys.argv) > 6 else 2
-    pause = float(sys.argv[7]) if len(sys.argv) > 7 else 0.0  # pretend compute per inner step
-    if len(sys.argv) > 8:
-        open(f"{sys.argv[8]}.ready", "w").close()  # torch is loaded
+    ap = argparse.ArgumentParser()
+    for name in ("coordinator", "name", "out", "syncs", "every"):
+        ap.add_argument(name)
+    ap.add_argument("--min-replicas", type=int, default=2)
+    ap.add_argument("--pause", type=float, default=0.0, help="pretend compute per inner step")
+    ap.add_argument("--start-file")
+    ap.add_argument("--job", default="diloco")
+    ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--delay", type=int, default=0)
+    ap.add_argument("--mix", type=float, default=0.0)
+    args = ap.parse_args()
+    if args.start_file:
+        open(f"{args.start_file}.ready", "w").close()  # torch is loaded
         deadline = time.monotonic() + 300
-        while not os.path.exists(sys.argv[8]):
+        while not os.path.exists(args.start_file):
             if time.monotonic() > deadline:
-                raise SystemExit(f"{sys.argv[8]} did not appear within 300 s")
+                raise SystemExit(f"{args.start_file} did not appear within 300 s")
             time.sleep(0.02)
     torch.set_num_threads(1)
     model = make_model()
     inner, outer = optimizers(model)
-    manager = aiocoll.ft.Manager(coordinator, replica=name, job="diloco", min_replicas=least, join_timeout=5)
-    diloco = aiocoll.ft_torch.DiLoCo(manager, model, inner, outer, sync_every=int(every))
-    with open(out, "a", buffering=1) as fh:
-        while manager.step < _syncs(syncs):
+    manager = aiocoll.ft.Manager(
+        args.coordinator, replica=args.name, job=args.job, min_replicas=args.min_replicas, join_timeout=5
+    )
+    diloco = aiocoll.ft_torch.DiLoCo(
+        manager,
+        model,
+        inner,
+        outer,
+        sync_every=int(args.every),
+        fragments=args.fragments,
+        delay=args.delay,
+        mix=args.mix,
+    )
+    # manager.step is read only between syncs: with a delay, a sync commits while this thread trains
+    going = manager.step < _syncs(args.syncs)
+    with open(args.out, "a", buffering=1) as fh:
+        while going:
             diloco.zero_grad()
-            sync = manager.step
-            loss_of(model, name, sync * diloco.sync_every + diloco.local_step).backward()
-            time.sleep(pause)
+            loss_of(model, args.name, diloco.inner_step).backward()
+            time.sleep(args.pause)
             committed = diloco.step()
             if committed is not None:
-                record = {"sync": sync, "committed": committed, "params": params_hex(model)}
+                synced = b"".join(t.numpy().tobytes() for t in diloco.synced).hex()
+                record = {"sync": diloco.last_sync, "committed": committed, "params": synced}
                 record.update(t=time.monotonic(), healed=manager.last_heal is not None)
                 fh.write(json.dumps(record) + "\n")
+                going = manager.step < _syncs(args.syncs)
     diloco.close()
 
 

@@ -1,7 +1,8 @@
 """DiLoCo over per-step fault tolerance (aiocoll.ft_torch.DiLoCo), with real processes on
-loopback: replicas that sync every H inner steps match a one-process reference bit for bit; a
-replica killed mid-cycle commits nowhere and its restart heals; the example moves 1/H of
-per-step fault tolerance's bytes.
+loopback: replicas that sync every H inner steps, plain or streaming (parts in turn, each sync
+overlapping inner steps), match a one-process reference bit for bit; a streaming replica killed
+mid-cycle commits nowhere and its restart heals; the example moves 1/H of per-step fault
+tolerance's bytes.
 """
 
 from __future__ import annotations
@@ -22,39 +23,70 @@ torch = pytest.importorskip("torch")
 DILOCO = Path(__file__).resolve().parent / "ft_diloco_replica.py"
 
 
-def _diloco_reference(replica: Any, names: list[str], syncs: int, every: int) -> list[str]:
-    """The parameters after each sync of one process doing what the replicas do together."""
+def _diloco_reference(
+    replica: Any,
+    names: list[str],
+    syncs: int,
+    every: int,
+    parts: list[list[int]],
+    delay: int = 0,
+    mix: float = 0.0,
+) -> list[str]:
+    """The synced parameters after each sync of one process doing what the replicas do
+    together: each replica's inner steps on its own copy of the model; after every
+    ``every // len(parts)`` of them, the mean of the replicas' deltas of the next part of the
+    parameters (``parts``: indices, in turn), applied by the outer optimizer ``delay`` inner
+    steps later, each replica's part becoming ``mix`` x its own + (1 - ``mix``) x the synced."""
     torch.set_num_threads(1)
-    model = replica.make_model()
-    inner, outer = replica.optimizers(model)
-    params = list(model.parameters())
+    cycle = every // len(parts)
+    models = {name: replica.make_model() for name in names}
+    inners = {name: replica.optimizers(models[name])[0] for name in names}
+    own = {name: list(models[name].parameters()) for name in names}
+    synced_model = replica.make_model()
+    _, outer = replica.optimizers(synced_model)
+    params = list(synced_model.parameters())
     synced = [p.detach().clone() for p in params]
-    out = []
-    for sync in range(syncs):
-        total = None
-        for name in names:  # each replica's inner steps from the last sync's parameters
-            with torch.no_grad():
-                for p, s in zip(params, synced, strict=True):
-                    p.copy_(s)
-            for j in range(every):
-                inner.zero_grad()
-                replica.loss_of(model, name, sync * every + j).backward()
-                inner.step()
-            delta = torch.cat([(s - p.detach()).reshape(-1) for s, p in zip(synced, params, strict=True)])
-            total = delta if total is None else total + delta
-        assert total is not None
-        mean = total / len(names)
-        offset = 0
+    out: list[str] = []
+    pending: list[Any] = []  # [apply at inner step, part, mean deltas]
+
+    def apply(part: list[int], mean: list[Any]) -> None:
         with torch.no_grad():
-            for p, s in zip(params, synced, strict=True):
-                p.copy_(s)
-                p.grad = mean[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            for p in params:
+                p.grad = None
+            for i, m in zip(part, mean, strict=True):
+                params[i].copy_(synced[i])
+                params[i].grad = m
         outer.step()
         with torch.no_grad():
-            for s, p in zip(synced, params, strict=True):
-                s.copy_(p)
-        out.append(replica.params_hex(model))
+            for i in part:
+                synced[i].copy_(params[i])
+                for name in names:
+                    local = own[name][i].detach().clone()
+                    own[name][i].copy_(synced[i])
+                    if mix:
+                        own[name][i].mul_(1.0 - mix).add_(local, alpha=mix)
+        out.append(b"".join(t.numpy().tobytes() for t in synced).hex())
+
+    t = begun = 0
+    while len(out) < syncs:
+        for name in names:
+            inners[name].zero_grad()
+            replica.loss_of(models[name], name, t).backward()
+            inners[name].step()
+        t += 1
+        if pending and pending[0] == t:
+            apply(*pending[1:])
+            pending = []
+        if t % cycle == 0:
+            part = parts[begun % len(parts)]
+            begun += 1
+            with torch.no_grad():
+                total = [sum(synced[i] - own[name][i] for name in names) for i in part]
+            mean = [d / len(names) for d in total]
+            if delay:
+                pending = [t + delay, part, mean]
+            else:
+                apply(part, mean)
     return out
 
 
@@ -65,14 +97,18 @@ def test_diloco_replicas_sync_every_h_steps_bit_identical_to_a_single_process_re
     from aiocoll.testing.coordinator import CoordinatorProcess
 
     replica = load_script(DILOCO)
-    syncs, every, token = 4, 5, "diloco-test-token"
+    syncs, every, token = 4, 4, "diloco-test-token"
+    # two jobs on one coordinator: plain DiLoCo (a, b), and streaming (sa, sb): the model's two
+    # tensors synced in turn, each sync overlapping one inner step and mixed half and half
+    streaming = ["--job", "streaming", "--fragments", "2", "--delay", "1", "--mix", "0.5"]
+    jobs = {"a": [], "b": [], "sa": streaming, "sb": streaming}
     coordinator = CoordinatorProcess(tmp_path / "coordinator.log", token=token)
     try:
         env = {**os.environ, "AIOCOLL_TOKEN": token}
         procs = {}
-        for name in ("a", "b"):
+        for name, options in jobs.items():
             command = [sys.executable, str(DILOCO), f"127.0.0.1:{coordinator.port}", name]
-            command += [str(tmp_path / f"{name}.jsonl"), str(syncs), str(every)]
+            command += [str(tmp_path / f"{name}.jsonl"), str(syncs), str(every), *options]
             procs[name] = subprocess.Popen(
                 command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
@@ -80,16 +116,21 @@ def test_diloco_replicas_sync_every_h_steps_bit_identical_to_a_single_process_re
     finally:
         coordinator.stop()
     assert all(p.returncode == 0 for p in procs.values()), outs
-    records = {name: records_of(tmp_path / f"{name}.jsonl") for name in ("a", "b")}
-    assert [r["sync"] for r in records["a"]] == list(range(syncs)), records["a"]
-    assert all(r["committed"] for r in records["a"] + records["b"])
-    assert [r["params"] for r in records["a"]] == [r["params"] for r in records["b"]]
-    assert [r["params"] for r in records["a"]] == _diloco_reference(replica, ["a", "b"], syncs, every)
+    records = {name: records_of(tmp_path / f"{name}.jsonl") for name in jobs}
+    for first, second in (("a", "b"), ("sa", "sb")):
+        assert [r["sync"] for r in records[first]] == list(range(syncs)), records[first]
+        assert all(r["committed"] for r in records[first] + records[second])
+        assert [r["params"] for r in records[first]] == [r["params"] for r in records[second]]
+    whole = _diloco_reference(replica, ["a", "b"], syncs, every, [[0, 1]])
+    assert [r["params"] for r in records["a"]] == whole
+    turns = _diloco_reference(replica, ["sa", "sb"], syncs, every, [[0], [1]], delay=1, mix=0.5)
+    assert [r["params"] for r in records["sa"]] == turns
+    assert turns != _diloco_reference(replica, ["sa", "sb"], syncs, every, [[0], [1]])
 
 
 @pytest.mark.timeout(240)
 def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals(tmp_path: Path) -> None:
-    """Three replicas; c is killed (kill -9) during a cycle after its third sync and started
+    """Three streaming replicas; c is killed (kill -9) during a cycle after its third sync and started
     again: a and b commit every sync once, in order, c's second process heals and syncs with
     them to the end, and every sync committed anywhere holds the same parameters everywhere."""
     import signal
@@ -105,8 +146,9 @@ def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals
 
     def start(name: str, go: str = "") -> subprocess.Popen[str]:
         command = [sys.executable, str(DILOCO), f"127.0.0.1:{coordinator.port}", name]
-        command += [str(tmp_path / f"{name}.jsonl"), str(until), str(every), "2", "0.25"]
-        command += [str(tmp_path / go)] if go else []
+        command += [str(tmp_path / f"{name}.jsonl"), str(until), str(every), "--pause", "0.25"]
+        command += ["--fragments", "2", "--delay", "1", "--mix", "0.5"]
+        command += ["--start-file", str(tmp_path / go)] if go else []
         log = open(tmp_path / f"{name}.log", "a")  # the child holds it
         return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
