@@ -622,6 +622,7 @@ class Manager:
         self._beat: asyncio.Task[None] | None = None
         self._asks = 0
         self._renew = False  # the last step failed: ask for a fresh group
+        self._restored = False  # restore(): the next asks may take the job back to ``step``
         self._failed: StepFailed | None = None  # the current step's failure
         self._in_step = False
         self._closed = False
@@ -761,6 +762,13 @@ class Manager:
         deadline = Deadline(self.quorum_timeout)
         self._failed = None
         self._in_step = True
+        try:
+            return await self._join_quorum(deadline)
+        except BaseException:
+            self._in_step = False  # no step began
+            raise
+
+    async def _join_quorum(self, deadline: Deadline) -> int:
         while True:
             reply = await self._ask(deadline)
             try:
@@ -804,6 +812,8 @@ class Manager:
         }
         if self._torn:
             fields["torn"] = True
+        if self._restored:
+            fields["restore"] = True
         if self.group is not None:
             fields["known"] = self.quorum_id  # the same quorum again: the reply leaves out its members
         if self.replica_size > 1:
@@ -835,6 +845,7 @@ class Manager:
             ) from exc
         self._renew = False
         self._inside_failed = False
+        self._restored = False  # in a quorum: the job goes on from there
         return reply
 
     async def _adopt(self, reply: dict[str, Any], deadline: Deadline) -> None:
@@ -1124,6 +1135,34 @@ class Manager:
         if self.group is None or not self._in_step:
             raise RuntimeError(f"{what}: call start_step() first ({self._where()})")
         return self.group
+
+    def restore(self, step: int) -> None:
+        """Resume this replica from a checkpoint of ``step``, once that checkpoint is loaded.
+
+        ``step`` is the number of steps committed when the checkpoint was saved. Sets ``step``,
+        and lets this replica's next quorum take the job back to it when no replica that holds a
+        later step of the job is left (the whole job restarted from a checkpoint under the same
+        job name, with a coordinator that remembers the later steps). Without it such a replica
+        is refused, so that a replica restarted by mistake from its initial state never trains
+        the job's steps again. A replica of the job that holds a later step and is still there
+        wins: the quorum goes on from the highest step, and the restored replica heals from it.
+        Call it before ``start_step``.
+
+        Args:
+            step: the checkpoint's step, at least 0.
+
+        Raises:
+            ValueError: ``step`` is not an int at least 0. RuntimeError: called during a step.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Manager.restore: step must be an int >= 0, got {step!r}")
+        if self._in_step:
+            raise RuntimeError(
+                f"Manager.restore: called during step {self.step} ({self._where()}); call it before "
+                f"start_step"
+            )
+        self.step = step
+        self._restored = True
 
     # -- closing -----------------------------------------------------------------------------
     async def close(self) -> None:

@@ -135,6 +135,7 @@ class Ask:
         "replica_rank",
         "replica_size",
         "req_id",
+        "restore",
         "started",
         "step",
         "uid",
@@ -163,6 +164,8 @@ class Ask:
             raise Refused(ERR_INVALID, "quorum: 'join_timeout' must be a number of seconds")
         self.join_timeout = join
         self.renew = get("renew") is True
+        # its state is a checkpoint of ``step`` (Manager.restore): it may take the job back there
+        self.restore = get("restore") is True
         if get("torn") is True:
             self.step = -1  # a torn state: behind everyone, a source for no one
         self.known = _count(h["known"], "known", 0, 1 << 62) if "known" in h else 0
@@ -695,13 +698,26 @@ class Quorum:
             return
         last = jq.last
         assert last is not None
+        asked = [a for ranks in jq.asks.values() for a in ranks.values()]
+        if any(a.restore for a in asked):
+            # A replica restored from a checkpoint asks to take the job back to that step: the
+            # quorum goes on from the highest step any of its replicas holds.
+            log.warning(
+                "job=%s event=quorum_restored committed=%d from=%d replicas=%s",
+                jq.job.name,
+                top,
+                max(a.step for a in asked),
+                sorted({a.replica for a in asked if a.restore})[:16],
+            )
+            self._form(jq, now)
+            return
         held = []
         for m in last["members"]:
             if m[2] != top:
                 continue
             why = self._missing(jq, m, now)[1]
             held.append(f"{m[0]} (host {m[3]}): " + (why[2] if why is not None else "restarted"))
-        asked = sorted((a for ranks in jq.asks.values() for a in ranks.values()), key=lambda a: a.replica)
+        asked.sort(key=lambda a: a.replica)
         best = max(a.step for a in asked)
         named = ", ".join(
             f"{a.replica}{f' rank {a.replica_rank}' if a.replica_size > 1 else ''} (host {a.host}) at step "
@@ -712,8 +728,8 @@ class Quorum:
             f"job {jq.job.name!r} has committed steps 0..{top - 1}, and no replica that holds them is left "
             f"(quorum {last['id']}: {'; '.join(held)}). The replicas asking hold step {best} at most "
             f"({named}): trained on, they would commit steps {best}..{top - 1} again with other "
-            f"parameters. The job's state is lost: start it again under a new job name "
-            f"(Manager(job=...)), from a checkpoint if you have one"
+            f"parameters. The job's state is lost: start it again from a checkpoint (load it, then "
+            f"Manager.restore(step) before start_step), or under a new job name (Manager(job=...))"
         )
         log.warning(
             "job=%s event=quorum_refused committed=%d best=%d held_by=%s", jq.job.name, top, best, held

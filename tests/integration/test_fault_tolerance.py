@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import re
 import socket
 import subprocess
@@ -316,3 +317,74 @@ def test_a_short_chaos_soak_kills_and_restarts_replicas_with_no_inconsistent_com
     kills = int(re.search(r"\((\d+) kills\)", run.stdout).group(1))  # type: ignore[union-attr]
     heals = int(re.search(r"heals: (\d+)", run.stdout).group(1))  # type: ignore[union-attr]
     assert kills >= 3 and heals >= 1, run.stdout
+
+
+_RESTORING = """
+import asyncio, sys
+import numpy as np
+import aiocoll.ft
+
+async def main(coordinator, name, restore, steps, least):
+    state = {"w": np.zeros(4)}
+    manager = aiocoll.ft.Manager(
+        coordinator, replica=name, job="restored", min_replicas=least, join_timeout=2, quorum_timeout=60,
+        state_dict=lambda: state, load_state_dict=state.update,
+    )
+    if restore >= 0:
+        state["w"][:] = restore  # the checkpoint saved after step restore - 1: what it had then
+        manager.restore(restore)
+    try:
+        while manager.step < steps:
+            await manager.start_step()
+            grad = np.ones(4)
+            await manager.all_reduce_mean([grad])
+            if await manager.commit():
+                state["w"] += grad
+        print("trained", manager.step, state["w"].tolist(), flush=True)
+    except aiocoll.ft.QuorumError as exc:
+        print("refused", exc, flush=True)
+    await manager.close()
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_job_restarted_from_a_checkpoint_under_its_name_goes_back_to_its_step_only_when_restored(
+    tmp_path: Path,
+) -> None:
+    """Two replicas commit steps 0..3 and stop. Restarted from a checkpoint of step 1 with
+    Manager.restore, they train steps 1..3 again on the same coordinator, which remembers step
+    3; one restarted from its initial state without it is refused, saying how to restore."""
+    from aiocoll.testing.coordinator import CoordinatorProcess
+
+    token = "restore-test-token"
+    coordinator = CoordinatorProcess(tmp_path / "coordinator.log", token=token)
+
+    def run(*replicas: tuple[str, int, int, int]) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AIOCOLL_")}
+        env["AIOCOLL_TOKEN"] = token
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RESTORING, f"127.0.0.1:{coordinator.port}", name, *map(str, rest)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for name, *rest in replicas
+        ]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outs
+        return [out.strip().splitlines()[-1] for out in outs]
+
+    try:
+        assert run(("a", -1, 4, 2), ("b", -1, 4, 2)) == ["trained 4 [4.0, 4.0, 4.0, 4.0]"] * 2
+        assert run(("a", 1, 4, 2), ("b", 1, 4, 2)) == ["trained 4 [4.0, 4.0, 4.0, 4.0]"] * 2
+        [said] = run(("a", -1, 4, 1))
+    finally:
+        coordinator.stop()
+    # (the coordinator knows the step the last quorum formed at, 3: steps 0..2 were committed)
+    assert (
+        said.startswith("refused") and "committed steps 0..2" in said and "Manager.restore(step)" in said
+    ), said

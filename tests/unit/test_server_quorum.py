@@ -389,6 +389,43 @@ def test_a_holder_that_comes_back_after_a_refusal_is_answered() -> None:
     assert members(replies["d"]) == ["c", "d"] and replies["d"]["heal"] == {1: 0}, replies
 
 
+def test_replicas_restored_from_a_checkpoint_take_the_job_back_to_its_step() -> None:
+    """The whole job stopped after committing steps 0..1 and restarts from a checkpoint of step 0
+    under the same job name (Manager.restore): a quorum forms at step 0, and d, a new replica
+    that was not restored, heals from them. Asked without restore they are refused; with a
+    replica holding step 2 still there, a restored one heals from it instead."""
+    r = trained(["a", "b", "c"])
+    for name in ("a", "b", "c"):
+        r.close(name)
+    for name in ("a", "b"):
+        r.start(name)
+        r.ask(name, 0, restore=True, min_replicas=3)
+    r.start("d")
+    r.ask("d", 0, min_replicas=3)
+    replies = r.replies()
+    assert sorted(replies) == ["a", "b", "d"], replies
+    assert members(replies["a"]) == ["a", "b", "d"] and replies["a"]["max_step"] == 0, replies
+    for name in ("a", "b", "d"):  # the job goes on from there
+        r.ask(name, 1, min_replicas=3)
+    assert replies["a"]["quorum_id"] == r.replies()["d"]["quorum_id"]
+
+    r = trained(["a", "b", "c"])
+    for name in ("a", "b", "c"):
+        r.close(name)
+    r.start("a")
+    r.ask("a", 0, min_replicas=1)
+    assert "state is lost" in r.replies()["a"]["msg"]
+
+    r = trained(["a", "b", "c"])
+    r.close("a")
+    r.start("a")
+    r.ask("a", 0, restore=True)
+    r.ask("b", 1)
+    r.ask("c", 1)
+    replies = r.replies()
+    assert replies["a"]["max_step"] == 1 and replies["a"]["heal"], replies
+
+
 def test_a_restarted_replica_left_alone_when_the_others_leave_is_refused() -> None:
     """The soak's end: c, restarted, waits for a and b, which stop instead of asking. Alone at
     step 0 it would commit step 0 again; it is refused at once."""
