@@ -1,4 +1,5 @@
-"""Suite-wide set-up: the project's bytecode compiled once, and mypy in the background.
+"""Suite-wide set-up: the project's bytecode compiled once, one thread per process for torch and
+numpy, and mypy in the background.
 
 mypy, when the run includes test_mypy_finds_nothing, starts in the background as soon as the
 tests are collected, at a low priority, so that its minute of CPU fills the time the other tests
@@ -9,7 +10,15 @@ it, once, and the worker that runs the test reads the verdict from the folder it
 The suite starts a few thousand Python processes (ranks, launchers, coordinators), and each one
 imports the project from source. Where PYTHONDONTWRITEBYTECODE is set (as in CI's environment),
 no process writes the bytecode it compiled, so every one of them compiled every module again:
-about 0.15 s of CPU per process. Compiling once, before the first test, lets them all load it."""
+about 0.15 s of CPU per process. Compiling once, before the first test, lets them all load it.
+
+torch's and numpy's thread pools (OpenMP, OpenBLAS) start a thread per core in every process that
+computes, and their idle threads spin before they sleep. With two xdist workers and their ranks on
+two cores, those spinning threads take the CPU from the processes doing the work: a small torch
+training loop took 8 to 15 s of CPU with two threads on the loaded two-core machine and 0.5 s with
+one. Every process of the run (the workers, and through the environment the processes the tests
+start) computes on one thread, as ``aiocoll run`` and torchrun give each of several workers, unless
+OMP_NUM_THREADS is set already."""
 
 from __future__ import annotations
 
@@ -27,6 +36,9 @@ from typing import Any, NamedTuple
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Set before any test module imports torch or numpy, which read it once, at their import.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 MYPY_TEST = "tests/unit/test_static_checks.py::test_mypy_finds_nothing"
 
 
