@@ -160,8 +160,17 @@ def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals
 
     procs: dict[str, subprocess.Popen[str]] = {}
     try:
+        # Each waits with torch loaded until all three have loaded it: the first quorum needs only
+        # two, and a replica still loading torch on a busy machine would join late, healed, with
+        # no record of the first syncs that the survivors must show.
         for name in ("a", "b", "c"):
-            procs[name] = start(name)
+            procs[name] = start(name, go=f"{name}.go")
+        wait_for(
+            "the three did not load torch",
+            lambda: all((tmp_path / f"{name}.go.ready").exists() for name in "abc"),
+        )
+        for name in "abc":
+            (tmp_path / f"{name}.go").touch()
         wait_for("c did not sync three times", lambda: len(written(tmp_path / "c.jsonl")) >= 3)
         # c's second process, started once the three train (not to slow their start) and held
         # with torch loaded until c is killed: the survivors then sync alone while it joins, not
