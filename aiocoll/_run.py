@@ -1,7 +1,7 @@
 """The event loop aiocoll runs on: uvloop when installed, and ``aiocoll.run(main())`` for scripts.
 
 A script's ``asyncio.run(main())`` gets the standard event loop. uvloop's loop turns and socket
-wake-ups cost less, and side by side (docs/PERFORMANCE.md, "uvloop for users") small operations
+wake-ups cost less, and side by side (docs/PERFORMANCE.md, "The event loop") small operations
 took markedly longer on the standard loop. ``run`` (an addition to the contract, exported as
 ``aiocoll.run``) gives scripts uvloop in one call; ``AIOCOLL_LOOP=asyncio`` opts out of uvloop.
 aiocoll.sync's loop thread runs the standard loop (its selector lets callers drive their own
