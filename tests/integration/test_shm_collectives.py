@@ -87,19 +87,30 @@ def same(got: np.ndarray, want: np.ndarray, dtype: str, op: str) -> bool:
     return bool(np.array_equal(got, want))
 
 
+ALL_REDUCES = [(dtype, op, count) for dtype, ops in OPS.items() for op in ops for count in (SMALL, LARGE)]
+# world size -> each all_reduce's expected result (by its place in ALL_REDUCES), computed by the
+# test before it forks the world: the same for every rank, and generating every rank's input
+# for it on each of the n ranks made the suite's largest worlds spend most of their CPU on it
+ALL_REDUCE_WANTS: dict[int, list[np.ndarray]] = {}
+
+
+def all_reduce_wants(n: int) -> list[np.ndarray]:
+    return [
+        reference([data(k, count, dtype, op, salt) for k in range(n)], dtype, op)
+        for salt, (dtype, op, count) in enumerate(ALL_REDUCES, 1)
+    ]
+
+
 async def every_collective(ctx: Ctx) -> list[str]:
     r, n = ctx.rank, ctx.n
     failures: list[str] = []
-    salt = 0
-    for dtype, ops in OPS.items():
-        for op in ops:
-            for count in (SMALL, LARGE):
-                salt += 1
-                x = data(r, count, dtype, op, salt)
-                await ctx.all_reduce(x, ReduceOp(op), dtype)
-                want = reference([data(k, count, dtype, op, salt) for k in range(n)], dtype, op)
-                if not same(x, want, dtype, op):
-                    failures.append(f"all_reduce {dtype} {op} {count}")
+    wants = ALL_REDUCE_WANTS[n]
+    for salt, (dtype, op, count) in enumerate(ALL_REDUCES, 1):
+        x = data(r, count, dtype, op, salt)
+        await ctx.all_reduce(x, ReduceOp(op), dtype)
+        if not same(x, wants[salt - 1], dtype, op):
+            failures.append(f"all_reduce {dtype} {op} {count}")
+    salt = len(ALL_REDUCES)
     for root in range(n):
         for count in (5, LARGE):
             x = data(r, count, "float64", "sum", 7) if r == root else np.zeros(count, np.float64)
@@ -153,7 +164,11 @@ async def every_collective(ctx: Ctx) -> list[str]:
 
 @pytest.mark.parametrize("n", range(1, 9))
 def test_shm_collectives_match_numpy_for_every_op_and_dtype(n: int) -> None:
-    per_rank = values(shm_world(every_collective, n))
+    ALL_REDUCE_WANTS[n] = all_reduce_wants(n)  # the forked ranks inherit it
+    try:
+        per_rank = values(shm_world(every_collective, n))
+    finally:
+        del ALL_REDUCE_WANTS[n]
     assert per_rank == [[]] * n
 
 
