@@ -28,8 +28,14 @@ _ALIVE, _RESUMING = MemberState.ALIVE, MemberState.RESUMING
 
 
 def heard(m: Member) -> float:
-    """When an alive member was last heard from, on its main or its beat connection."""
-    seen = m.conn.last_seen if m.conn is not None else m.last_seen
+    """When an alive member was last heard from, on its main or its beat connection, or admitted:
+    a member says nothing while its round forms (it waits for the coordinator's answer), so its
+    silence counts from the round's completion, not from its join (a round that took longer than
+    the heartbeat timeout to form would lose its first members the moment it completed)."""
+    seen = m.last_seen
+    conn = m.conn
+    if conn is not None and conn.last_seen > seen:
+        seen = conn.last_seen
     if m.beat is not None and m.beat.last_seen > seen:
         seen = m.beat.last_seen
     return seen
@@ -88,13 +94,15 @@ class Liveness:
         that did not re-attach within the grace."""
         limit = self.heartbeat_timeout
         membership = self.membership
+        closing: set[int] = set()  # a connection of many silent members is closed once
         for m in list(membership.live):
             if m.state is _ALIVE:
                 conn = m.conn
                 seen = heard(m)
                 if now - seen > limit:
                     membership.lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
-                    if conn is not None:
+                    if conn is not None and conn.id not in closing:
+                        closing.add(conn.id)
                         self.fx.closes.append(
                             (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
                         )
@@ -104,9 +112,12 @@ class Liveness:
                 )
 
     def _credit_stall(self, seconds: float) -> None:
+        credited: set[int] = set()  # a connection carrying many members is credited once
         for m in self.membership.live:
             if m.state is _ALIVE and m.conn is not None:
-                m.conn.last_seen += seconds
-                if m.beat is not None:
-                    m.beat.last_seen += seconds
+                m.last_seen += seconds
+                for conn in (m.conn, m.beat):
+                    if conn is not None and conn.id not in credited:
+                        credited.add(conn.id)
+                        conn.last_seen += seconds
         log.warning("event=coordinator_stalled seconds=%.1f liveness clocks credited", seconds)

@@ -179,3 +179,31 @@ def test_losing_a_hundred_thousand_members_at_once_costs_the_size_of_the_round_n
     assert event["count"] == size - per_conn and len(event["ranks"]) == 1024
     assert d.state.member_count() == per_conn
     assert elapsed < 30, f"{elapsed:.1f} s of CPU: the losses are not announced per member"
+
+
+def test_a_stall_is_credited_once_to_a_connection_carrying_many_members() -> None:
+    # The coordinator's own 30 s stall is not counted as anyone's silence; the connection of a
+    # host's four members then says nothing and is lost 10 s later, as a one-member one is.
+    d = Driver()
+    d.state = CoordinatorState(clock=lambda: d.now, heartbeat_timeout=10)
+    a, b = d.connect(), d.connect()
+    d.join(a, [0, 1, 2, 3], 5)
+    d.join(b, [4], 5)
+    d.take(a), d.take(b)
+    d.now += 1
+    d.state.tick()
+    d.now += 30  # the coordinator's loop did not run meanwhile
+    d.state.tick()
+    assert d.state.closes == []
+    lost_after = None
+    for second in range(1, 30):
+        d.now += 1
+        d.state.request(b, {"op": "hb", "id": 1000 + second}, b"")
+        d.state.tick()
+        if d.state.closes:
+            lost_after = second
+            break
+    assert [c for c, _ in d.state.closes] == [a]
+    assert lost_after is not None and lost_after <= 11, lost_after
+    lost = [h for h, _ in d.take(b) if h.get("ev") == EV_MEMBER_LOST]
+    assert len(lost) == 1 and lost[0]["count"] == 4

@@ -396,6 +396,34 @@ def test_silent_member_is_lost_after_heartbeat_timeout_and_closed() -> None:
     assert [c for c, _ in h.state.closes] == [conns[1]]
 
 
+def test_a_round_slower_to_form_than_the_heartbeat_timeout_loses_no_member_when_it_completes() -> None:
+    # Rank 0 joins and then waits 15 s (past the 10 s timeout) for the others, saying nothing,
+    # as a member waiting for the coordinator's answer does: its silence counts from the
+    # completion, so it is not lost then, and lost only when silent 10 s after it.
+    h = Harness(heartbeat_timeout=10)
+    conns = [h.connect() for _ in range(3)]
+    join(h, conns[0], 0, 3)
+    for _ in range(15):
+        h.tick(1)
+    join(h, conns[1], 1, 3)
+    join(h, conns[2], 2, 3)
+    assert all(f[0]["ok"] for c in conns for f in h.out(c))
+    for _ in range(9):  # ranks 1 and 2 beat once they have their answer, rank 0 stays silent
+        h.tick(1)
+        for c in conns[1:]:
+            h.send(c, "hb")
+    assert [f for c in conns for f in h.out(c) if "ev" in f[0]] == []
+    assert h.state.closes == []
+    for _ in range(2):
+        h.tick(1)
+        for c in conns[1:]:
+            h.send(c, "hb")
+    frames = [f for f in h.out(conns[1]) if "ev" in f[0]]
+    assert [(f[0]["ev"], f[0]["rank"]) for f in frames] == [(EV_MEMBER_LOST, 0)]
+    assert "silent" in frames[0][0]["reason"]
+    assert [c for c, _ in h.state.closes] == [conns[0]]
+
+
 def test_coordinator_stall_is_not_counted_as_member_silence_but_later_silence_is() -> None:
     h = Harness(heartbeat_timeout=10)
     conns, _ = complete_round(h, 2)
