@@ -75,7 +75,9 @@ class Ranks:
         end = time.monotonic() + seconds
         while not check():
             if time.monotonic() >= end:  # the logs read only then: each poll would read them all
-                logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.tmp.glob("*.log")))
+                logs = "\n".join(
+                    f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.tmp.glob("*.log"))
+                )
                 raise AssertionError(f"not within {seconds:g}s: {what}\n{logs}")
             time.sleep(0.02)
 
