@@ -13,10 +13,11 @@ history (gradients summed in rank order and divided by the quorum's size, as the
 shared-memory all_reduce does on one host). What the survivors logged names the lost replica,
 its rank and its host.
 
-A second world moves states between two processes with the Manager's state transfer: a pytree of
+A second world, of three processes, moves states with the Manager's state transfer: a pytree of
 numpy arrays and torch tensors of several dtypes and shapes (0-d, empty, bfloat16, non-contiguous)
-with the containers and attributes pickle keeps, compared exactly; a third broadcasts one from
-one process to two (what a quorum does when every other member heals from one).
+with the containers and attributes pickle keeps, from one process to another, compared exactly;
+then it broadcasts one from one process to the two others (what a quorum does when every other
+member heals from one).
 
 Replicas of several ranks are in test_ft_sharded.py, DiLoCo in test_ft_diloco.py.
 """
@@ -187,9 +188,23 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-async def _transfer(pg: Any) -> dict[str, Any]:
+async def _state_moves(pg: Any) -> dict[str, Any]:
+    """One world of three for both: the transfer from rank 0 to rank 1 (rank 2 joins only its
+    barrier), then the broadcast from rank 0 to ranks 1 and 2."""
+    return {"transfer": await _transfer(pg), "broadcast": await _broadcast(pg)}
+
+
+@pytest.fixture(scope="module")
+def state_moves() -> list[dict[str, Any]]:
+    return unwrap(run_world(_state_moves, 3, timeout=100))
+
+
+async def _transfer(pg: Any) -> dict[str, Any] | None:
     from aiocoll.ft import pack_state, recv_state, send_state
 
+    if pg.rank == 2:
+        await pg.barrier()
+        return None
     if pg.rank == 0:
         sent = await send_state(pg, pack_state(_state(0)), 1, 30.0)
         await send_state(pg, pack_state(_state(0)), 1, 30.0)
@@ -222,8 +237,11 @@ async def _transfer(pg: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_state_transfer_moves_a_pytree_of_arrays_and_tensors_exactly() -> None:
-    sender, receiver = unwrap(run_world(_transfer, 2, timeout=100))
+def test_state_transfer_moves_a_pytree_of_arrays_and_tensors_exactly(
+    state_moves: list[dict[str, Any]],
+) -> None:
+    sender, receiver, bystander = (rank["transfer"] for rank in state_moves)
+    assert bystander is None
     assert receiver["equal"] is True
     assert receiver["metadata"] == {"": {"version": 2}}
     assert receiver["bytes"] == sender["sent"] > 300_000 * 8
@@ -259,8 +277,10 @@ async def _broadcast(pg: Any) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_state_broadcast_moves_a_pytree_from_one_rank_to_all_others_exactly() -> None:
-    sender, *receivers = unwrap(run_world(_broadcast, 3, timeout=100))
+def test_state_broadcast_moves_a_pytree_from_one_rank_to_all_others_exactly(
+    state_moves: list[dict[str, Any]],
+) -> None:
+    sender, *receivers = (rank["broadcast"] for rank in state_moves)
     assert sender["state"] is None
     for receiver in receivers:
         assert receiver["equal"] is True
