@@ -115,9 +115,9 @@ def choose_algorithm(kind: str, nbytes: int, world_size: int) -> str:
         if nbytes < SMALL_BYTES or world_size <= 1:
             return "rhd"
         # Halving-doubling moves the same bytes as the ring in log2(n) rounds instead of 2(n-1);
-        # measured side by side (docs/PERFORMANCE.md) it beat the ring at 4 ranks from 1 MiB to
-        # 64 MiB and tied at 2. Above 4 ranks, and for non powers of two (extra ranks fold in
-        # and send twice), the ring's even load wins.
+        # measured side by side it beat the ring at 4 ranks from 1 MiB to 64 MiB and tied at 2.
+        # Above 4 ranks, and for non powers of two (extra ranks fold in and send twice), the
+        # ring's even load wins.
         power_of_two = world_size & (world_size - 1) == 0
         return "rhd" if power_of_two and world_size <= 4 else "ring"
     if kind in ("broadcast", "reduce"):

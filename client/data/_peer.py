@@ -239,9 +239,9 @@ class PeerLink:
     def _spin(self) -> None:
         """Inside a large payload, poll the socket (and push our own queued sends) for a bounded
         time before going back to the loop, whose idle wait is a sleep: under CPU load every
-        sleep costs a scheduling delay before this process runs again (docs/PERFORMANCE.md,
-        "under load"). The bound restarts whenever bytes arrive. Only this link's queued sends
-        are pushed meanwhile; other links wait for the loop (so a ring pipelines less)."""
+        sleep costs a scheduling delay before this process runs again. The bound restarts
+        whenever bytes arrive. Only this link's queued sends are pushed meanwhile; other links
+        wait for the loop (so a ring pipelines less)."""
         decoder = self._decoder
         clock = time.perf_counter
         deadline = clock() + _SPIN_SECONDS

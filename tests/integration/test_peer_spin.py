@@ -1,7 +1,7 @@
 """AIOCOLL_SPIN_US (opt-in busy-polling inside large payloads on TCP links) keeps results exact.
 
 Two ranks with the spin on run large and small collectives whose payloads span many reads, and
-compare them with numpy; what the spin does to timing is in docs/PERFORMANCE.md, not here.
+compare them with numpy; what the spin does to timing is the bench's to measure, not a test's.
 """
 
 from __future__ import annotations
