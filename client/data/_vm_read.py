@@ -16,8 +16,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import queue
+import threading
 
-__all__ = ["DIRECT_ENV", "vm_read", "vm_read_available"]
+__all__ = ["DIRECT_ENV", "vm_read", "vm_read_available", "vm_read_split"]
 
 DIRECT_ENV = "AIOCOLL_SHM_DIRECT"  # "0": never read peers' memory directly (the shared memory instead)
 
@@ -78,3 +80,83 @@ def vm_read(pid: int, local: int, remote: int, nbytes: int) -> None:
         if got == 0:
             raise OSError(errno.EFAULT, f"process_vm_readv from pid {pid} copied nothing")
         done += got
+
+
+# A read of at least this many bytes is split in two, copied at once by the calling thread and a
+# helper thread: one core copies at well below the memory's bandwidth, and in a point-to-point
+# read the sender only waits meanwhile, so its core is free. Below it, handing half to another
+# thread and waiting for it costs about what it saves.
+SPLIT_MIN = 32 << 20
+_PART_WAIT_S = 60.0  # a copy of a few hundred MiB takes well under a second
+
+
+class _Part:
+    """One part of a split read, copied by the helper thread."""
+
+    __slots__ = ("args", "done", "error")
+
+    def __init__(self, args: tuple[int, int, int, int]) -> None:
+        self.args = args
+        self.error: OSError | None = None
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    def run(self) -> None:
+        try:
+            vm_read(*self.args)
+        except OSError as exc:
+            self.error = exc
+        finally:
+            self.done.release()
+
+
+class _Helper:
+    """The process's helper thread for split reads (made again in a forked child, which has no
+    threads of its parent's)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.parts: queue.SimpleQueue[_Part] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="aiocoll-vm-read", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            self.parts.get().run()
+
+
+_helper: _Helper | None = None
+_helper_lock = threading.Lock()
+_cores: int | None = None
+
+
+def vm_read_split(pid: int, local: int, remote: int, nbytes: int) -> None:
+    """``vm_read``; one of at least SPLIT_MIN bytes, where this process may run on two cores or
+    more, copies its second half on a helper thread at the same time. Returns once both halves
+    are copied.
+
+    Raises:
+        OSError: as ``vm_read``, for either half (the first half's error first).
+    """
+    global _helper, _cores
+    if _cores is None:
+        _cores = len(os.sched_getaffinity(0))
+    if nbytes < SPLIT_MIN or _cores < 2:
+        vm_read(pid, local, remote, nbytes)
+        return
+    with _helper_lock:
+        if _helper is None or _helper.pid != os.getpid():
+            _helper = _Helper()
+        helper = _helper
+    half = (nbytes // 2) & ~4095  # whole pages each
+    part = _Part((pid, local + half, remote + half, nbytes - half))
+    helper.parts.put(part)
+    try:
+        vm_read(pid, local, remote, half)
+    finally:
+        # the destination is not the caller's again until the helper's half is in
+        if not part.done.acquire(timeout=_PART_WAIT_S):
+            raise OSError(
+                errno.ETIMEDOUT, f"process_vm_readv from pid {pid}: the helper thread's half did not end"
+            )
+    if part.error is not None:
+        raise part.error

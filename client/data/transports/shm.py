@@ -24,7 +24,8 @@ Payloads of at least ``_DIRECT_MIN`` bytes skip the ring where the receiver may 
 memory: one frame says where the payload lies in the sender's address space
 (``{"v": [tag, meta, total, address, key]}``); the receiver claims its destination as for a ring
 message, copies the payload straight there with process_vm_readv (client.data._vm_read: one copy
-per byte where the ring takes two), and reports the read in the ring's header (and wakes the
+per byte where the ring takes two; from 32 MiB on two threads at once, since the sender only
+waits meanwhile), and reports the read in the ring's header (and wakes the
 sender if it sleeps), which completes the send: the sender's buffer is not the caller's again
 before. The report does not go over the socket, whose reading the sender may have paused (its
 own inbox full): two ranks sending each other large payloads at once would then wait for each
@@ -86,7 +87,7 @@ from aiocoll.protocol import PREFIX
 
 from .._shm import NONCE_BYTES, PROBE_OFFSET, ShmHost, ShmPeer, ShmUnavailable, region_bytes
 from .._shm_ring import RingReader, RingWriter
-from .._vm_read import DIRECT_ENV, vm_read, vm_read_available
+from .._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 from .._waiting import SpinBudget, spin
 from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
 from ._link import LinkHost, LinkTransport, as_bytes_view
@@ -455,7 +456,7 @@ class ShmLink(TcpLink):
         reader = self._reader
         assert reader is not None  # (no probe, so no offer, without rings)
         try:
-            vm_read(self._peer_pid, np.frombuffer(incoming.dst, np.uint8).ctypes.data, at, total)
+            vm_read_split(self._peer_pid, np.frombuffer(incoming.dst, np.uint8).ctypes.data, at, total)
         except OSError as exc:
             self.close(f"its memory could not be read ({exc})", lost=True)
             return
