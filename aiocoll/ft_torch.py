@@ -287,9 +287,9 @@ class DiLoCo:
         # the sync in flight: (its number, its part, the deltas, their flat buffers, its outcome)
         self._pending: tuple[int, list[int], list[torch.Tensor], list[torch.Tensor], Outcome] | None = None
         if manager.state_dict is None:
-            manager.state_dict = self._state
+            manager.state_dict = self.state_dict
         if manager.load_state_dict is None:
-            manager.load_state_dict = self._load
+            manager.load_state_dict = self.load_state_dict
 
     @property
     def synced(self) -> list[torch.Tensor]:
@@ -300,10 +300,23 @@ class DiLoCo:
         """
         return self._synced
 
-    def _state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
+        """What a replica that heals receives, and what to checkpoint.
+
+        The synced parameters and the outer optimizer's state. Take it when a ``step`` has just
+        returned True: then ``manager.step`` is the checkpoint's step, for ``Manager.restore``.
+
+        Returns:
+            ``{"synced": [tensors], "outer": the outer optimizer's state_dict}``.
+        """
         return {"synced": self._synced, "outer": self.outer.state_dict()}
 
-    def _load(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` returned: the synced parameters (the model's too), the outer state.
+
+        Args:
+            state: a ``state_dict()``, from a heal or a checkpoint.
+        """
         with torch.no_grad():
             for mine, value, p in zip(self._synced, state["synced"], self._params, strict=True):
                 mine.copy_(value)  # nothing to copy when it was received in place
