@@ -31,7 +31,7 @@ import traceback
 import warnings
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
-from types import FrameType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import Any, TypeVar
 
 from ._env import env_text
@@ -86,15 +86,24 @@ CALLER_SITE: ContextVar[Site | None] = ContextVar("aiocoll_caller_site", default
 _NOT_THE_USER = ("aiocoll", "torch")
 
 
+# The codes of the frames user_site passed over, by id (a code's hash is slow): every blocking
+# call walks the same few frames of aiocoll and torch. The codes are kept, so no id is reused.
+_passed_codes: dict[int, CodeType] = {}
+
+
 def user_site(frame: FrameType | None) -> Site | None:
     """The user's frame: the first from ``frame`` outwards outside aiocoll and torch, as a Site.
 
     torch's frames are passed over too: its init_process_group calls aiocoll's backend.
     """
+    passed = _passed_codes
     while frame is not None:
-        name = frame.f_globals.get("__name__", "")
-        if name.partition(".")[0] not in _NOT_THE_USER:
-            return frame.f_code.co_filename, frame.f_lineno, frame.f_globals, frame.f_code.co_name
+        code = frame.f_code
+        if id(code) not in passed:
+            name = frame.f_globals.get("__name__", "")
+            if name.partition(".")[0] not in _NOT_THE_USER:
+                return code.co_filename, frame.f_lineno, frame.f_globals, code.co_name
+            passed[id(code)] = code
         frame = frame.f_back
     return None
 

@@ -163,9 +163,12 @@ class Outcome:
             self._value = value
             self._error = error
             self._state = _DONE
-            waiters, self._waiters = self._waiters, None
-            later, self._later = self._later, None
-            inline, self._inline = self._inline, None
+            waiters = self._waiters
+            later = self._later
+            inline = self._inline
+            if waiters is None and later is None and inline is None:
+                return  # (the usual driven call: nobody waits yet)
+            self._waiters = self._later = self._inline = None
         if waiters:
             for lock, _ in waiters:
                 lock.release()
@@ -584,10 +587,13 @@ def issue_on_caller_streams(
     (aiocoll.torch's Work). The context is None when no device is involved.
     """
     devices: list[Device] = []
-    for t in tensors:
+    cuda = "aiocoll.device._cuda" in sys.modules
+    for t in tensors:  # (one pass, no generator: this runs at every blocking call)
         if isinstance(t, DeviceTensor):
             devices.append(t.device)
-    if "aiocoll.device._cuda" in sys.modules or any(getattr(t, "is_cuda", False) for t in tensors):
+        elif not cuda and getattr(t, "is_cuda", False):
+            cuda = True
+    if cuda:
         from .device._cuda import cuda_devices_of
 
         devices += cuda_devices_of(tensors)

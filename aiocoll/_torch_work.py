@@ -64,6 +64,14 @@ class AiocollWork(OutcomeQueries, td.Work):
             for them; the future completes once they were reached.
     """
 
+    # The torch future is made on the first get_future() (DDP's reducer and comm hooks ask for it;
+    # a plain torch.distributed call only waits): a future, its .then chain and a turn of the
+    # completion pool cost more than the rest of a small operation's call. (Class defaults until
+    # then: nothing to set per call.)
+    _raw: torch.futures.Future[Any] | None = None
+    _future: torch.futures.Future[Any] | None = None
+    _completed = False
+
     def __init__(
         self,
         outcome: Outcome,
@@ -78,12 +86,6 @@ class AiocollWork(OutcomeQueries, td.Work):
         self._op = op
         self._tensors = tensors
         self._source_rank_of = source_rank
-        # The torch future is made on the first get_future() (DDP's reducer and comm hooks ask for
-        # it; a plain torch.distributed call only waits): a future, its .then chain and a turn of
-        # the completion pool cost more than the rest of a small operation's call.
-        self._raw: torch.futures.Future[Any] | None = None
-        self._future: torch.futures.Future[Any] | None = None
-        self._completed = False
 
     def _complete(self, outcome: Outcome) -> None:
         # Runs on the completion pool, or on a thread returning from wait() or asking for the
@@ -117,12 +119,11 @@ class AiocollWork(OutcomeQueries, td.Work):
                 MismatchError, ...).
             TimeoutError: ``timeout`` ran out first.
         """
-        seconds = to_seconds(timeout) if timeout is not None else None
-        if not seconds:
-            seconds = None
         outcome = self._outcome
-        if not outcome.wait(seconds):
-            raise TimeoutError(f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()")
+        if not outcome.done():  # (a call that finished inside its start needs no timeout read)
+            seconds = to_seconds(timeout) if timeout is not None else None
+            if not outcome.wait(seconds or None):
+                raise TimeoutError(f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()")
         if self._on_device():
             assert self._streams is not None
             # CUDA tensors: the network part was waited for on the host; the caller's current

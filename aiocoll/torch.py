@@ -65,13 +65,23 @@ DEVICES = ("cpu", "cuda")
 _DEFAULT_TIMEOUT = 1800.0
 
 
+# c10d's RedOpType members as aiocoll's ReduceOp, filled as they are met: c10d's options object
+# makes a new ReduceOp wrapper at every read, and this is read at every call.
+_by_red_op: dict[Any, ReduceOp] = {}
+
+
 def _reduce_op(opts: Any) -> ReduceOp:
     """The reduction of c10d's options object; SUM when c10d passes none."""
     if opts is None:
         return ReduceOp.SUM
     op = opts.reduceOp
     inner = getattr(op, "op", None)  # c10d's ReduceOp wraps a RedOpType in .op
-    return ReduceOp.coerce(op if inner is None else inner)
+    if inner is None:
+        return ReduceOp.coerce(op)
+    known = _by_red_op.get(inner)
+    if known is None:
+        known = _by_red_op[inner] = ReduceOp.coerce(inner)
+    return known
 
 
 def _root(opts: Any) -> int:
@@ -90,6 +100,8 @@ def _one(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
 
 def _check_devices(op: str, tensors: Sequence[Any]) -> None:
     for t in tensors:
+        if getattr(t, "is_cpu", False):
+            continue  # (the usual tensor, without making its torch.device)
         device = getattr(t, "device", None)
         # a tensor's device is a torch.device already; anything else (a string) is parsed
         if device is not None and getattr(device, "type", None) not in DEVICES:

@@ -9,6 +9,10 @@ Run it under the launcher (under the bench lock on a shared machine):
     aiocoll run --nproc-per-node 1 scripts/backend_overhead.py    # per-call cost, no peer
     aiocoll run --nproc-per-node 2 scripts/backend_overhead.py --iters 2000 --rounds 5
     aiocoll run --nproc-per-node 2 scripts/backend_overhead.py --profile aiocoll   # cProfile, rank 0
+    aiocoll run --nproc-per-node 1 scripts/backend_overhead.py --count aiocoll     # opcodes per call
+
+``--count`` traces rank 0's calling thread as scripts/op_cost.py --count does (opcodes, Python
+and C calls per call, waits left out): numbers that do not move with the machine's load.
 
 aiocoll.sync.init_process_group makes torch's default group on "aiocoll" over its own world (the
 torch path measured here is that group); gloo and the empty backend are torch new_groups. The
@@ -29,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as td
+from op_cost import Counter  # (this script's folder is first on the import path)
 
 import aiocoll.sync as dist
 from aiocoll._sync_loop import get_loop_thread
@@ -81,6 +86,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", choices=["empty", "gloo", "aiocoll", "sync"], help="cProfile this path on rank 0"
     )
+    parser.add_argument(
+        "--count",
+        choices=["empty", "gloo", "aiocoll", "sync"],
+        help="count opcodes and calls per call of this path on rank 0's calling thread",
+    )
+    parser.add_argument("--top", type=int, default=30, help="lines of --count detail")
     args = parser.parse_args()
 
     td.Backend.register_backend("empty", EmptyBackend, devices=["cpu"])
@@ -130,6 +141,17 @@ def main() -> None:
     elif args.profile:
         td.barrier(group=gloo)
         paths[args.profile](args.iters)
+    if args.count:
+        td.barrier(group=gloo)
+        counter = Counter() if rank == 0 else None
+        calls = min(args.iters, 300)
+        if counter is not None:
+            counter.start()
+        paths[args.count](calls)
+        if counter is not None:
+            counter.stop()
+            print(f"## {args.count}, counted on the calling thread")
+            print(counter.report(calls, args.top))
     if rank == 0:
         base = statistics.median(w for w, _ in results["async"])
         print(f"# 4-byte all_reduce, {dist.get_world_size()} rank(s), {args.rounds} rounds of {args.iters}")
