@@ -506,7 +506,9 @@ class LoopThread:
         Raises:
             DistError: when the loop thread is gone.
         """
-        self._check_caller()
+        ident = threading.get_ident()
+        if ident == self._ident or ident == self._driver or not self.running:
+            self._check_caller()  # raises what is wrong
         outcome = Outcome(self)
         # The call runs in a copy of this thread's context, which names the user's line for the
         # flight recorder and warnings (aiocoll._errors.CALLER_SITE), as ``run`` does.

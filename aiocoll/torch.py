@@ -133,6 +133,12 @@ async def _await(work: Any) -> Any:
     return await work
 
 
+class _Coalescing(threading.local):
+    """Per thread, as torch's coalescing state is: the Works issued since _start_coalescing."""
+
+    works: list[AiocollWork] | None = None  # (a class default: read at every call, never missing)
+
+
 class AiocollProcessGroup(td.ProcessGroup):
     """A torch.distributed process group whose operations run on aiocoll.
 
@@ -154,7 +160,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         self._group_desc = ""
         self._closed = False
         self._lock = threading.Lock()
-        self._coalescing = threading.local()  # .works: the Works issued since _start_coalescing
+        self._coalescing = _Coalescing()
         self._loop = get_loop_thread()
         adopted = _take_adoptable(rank, size)
         # An adopted group is aiocoll.sync's world: it is that module's to close, not this one's.
@@ -232,7 +238,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         # The launch (and so the sequence number's order) happens here, on the calling thread.
         outcome, streams = issue_on_caller_streams(start, tensors, wait_on_host=False)
         work = AiocollWork(outcome, op, tensors, source_rank, streams)
-        coalesced = getattr(self._coalescing, "works", None)
+        coalesced = self._coalescing.works
         if coalesced is not None:
             coalesced.append(work)
         return work
@@ -477,12 +483,12 @@ class AiocollProcessGroup(td.ProcessGroup):
                 "all_gather_into_tensor and reduce_scatter_tensor run as one coalesced call), or issue "
                 "the operations one by one and wait for their Works",
             )
-        if getattr(self._coalescing, "works", None) is not None:
+        if self._coalescing.works is not None:
             raise ValueError("aiocoll: _start_coalescing called twice without _end_coalescing")
         self._coalescing.works = []
 
     def _end_coalescing(self, device: Any) -> AiocollWork:
-        works: list[AiocollWork] | None = getattr(self._coalescing, "works", None)
+        works: list[AiocollWork] | None = self._coalescing.works
         if works is None:
             raise ValueError("aiocoll: _end_coalescing without _start_coalescing")
         self._coalescing.works = None

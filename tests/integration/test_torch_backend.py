@@ -70,6 +70,19 @@ def test_a_failed_operation_raises_from_wait_and_fails_the_future(world: Any) ->
         work.get_future().wait()
 
 
+def test_each_call_reads_its_own_reduce_op(world: Any) -> None:
+    # (c10d's reduce ops are looked up in a cache: a refused op and an accepted one, alternately)
+    for _ in range(2):
+        for op, refused in ((dist.ReduceOp.SUM, False), (dist.ReduceOp.BAND, True), (dist.ReduceOp.MAX, False)):
+            t = torch.ones(2)
+            if refused:
+                with pytest.raises(TypeError, match=r"(?i)band"):
+                    dist.all_reduce(t, op=op)
+            else:
+                dist.all_reduce(t, op=op)
+                assert torch.equal(t, torch.ones(2))
+
+
 def test_new_group_and_group_collectives(world: Any) -> None:
     g = dist.new_group([0])
     t = torch.ones(3)

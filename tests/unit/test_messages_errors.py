@@ -211,3 +211,34 @@ async def test_a_closed_manager_says_where_it_is_once_and_not_a_quorum_it_was_ne
     said = str(err.value)
     assert said.startswith("replica 'r0' (in no quorum yet, host "), said
     assert said.count("replica 'r0'") == 1 and said.endswith("the Manager is closed"), said
+
+
+@pytest.mark.timeout(30)
+def test_user_site_finds_the_users_frame_again_after_passing_the_same_aiocoll_and_torch_frames() -> None:
+    # A blocking call walks the same frames of aiocoll and torch each time (user_site remembers
+    # their codes): the user's frame must still be found, from whichever line it calls, and a
+    # user's function called on the way out is the user's, not passed over.
+    import sys
+    import types
+
+    from aiocoll._errors import user_site
+
+    def module(name: str, source: str) -> types.ModuleType:
+        mod = types.ModuleType(name)
+        exec(compile(source, f"<{name}>", "exec"), mod.__dict__)
+        return mod
+
+    inner = module("aiocoll._fake_inner", "import sys\ndef call():\n    return sys._getframe(0)\n")
+    torchish = module("torch._fake_dispatch", "def call(f):\n    return f()\n")
+    user = module(
+        "users_script",
+        "def first(t, i):\n    return t.call(i.call)\n"
+        "def second(t, i):\n    return t.call(i.call)\n",
+    )
+    sites = [user_site(user.first(torchish, inner)) for _ in range(3)]
+    sites += [user_site(user.second(torchish, inner)) for _ in range(2)]
+    assert [(s[0], s[1], s[3]) for s in sites if s] == [("<users_script>", 2, "first")] * 3 + [
+        ("<users_script>", 4, "second")
+    ] * 2
+    # The user's own function, called between aiocoll's frames, is where the walk stops.
+    assert user_site(torchish.call(lambda: sys._getframe(0)))[3] == "<lambda>"  # type: ignore[index]
