@@ -72,6 +72,10 @@ def _error_category(exc: BaseException) -> str:
     return "other"
 
 
+# Past the cap on connections in their handshake, the oldest is closed only when it has been
+# waiting on its client this long (or half the handshake timeout, if less); otherwise the newcomer.
+EVICT_AFTER = 1.0
+
 # Handshakes abandoned after the challenge: this many within the window are said as a warning.
 ABANDON_WINDOW = 10.0
 ABANDON_BURST = 20
@@ -147,6 +151,7 @@ class Connection(asyncio.BufferedProtocol):
         self.refusal: str | None = None  # why it is refused (no descriptor to spare), if it is
         self.held: list[Any] | None = None  # requests read, waiting for a later loop turn
         self.queued = False  # its handshake waits for a later loop turn (not the client's delay)
+        self.accepted = 0.0  # the loop's time when it was accepted
         # Events produced before the client's first request (resume): sent after that request.
         self.early: list[Frame] | None = []
 
@@ -171,8 +176,25 @@ class Connection(asyncio.BufferedProtocol):
         self.refusal = coord.capacity_refusal()  # sent in answer to the hello, not before it
         pending = coord._handshaking
         pending[self] = None
+        now = coord._loop.time()
+        self.accepted = now
         if len(pending) > coord.max_pending_handshakes:
             oldest = next(iter(pending))
+            if oldest.queued or now - oldest.accepted < min(EVICT_AFTER, coord.handshake_timeout / 2):
+                # The oldest is young, or waits for us rather than for its client: a herd of
+                # hosts connecting faster than we authenticate them, not connections left
+                # hanging. Closing it would throw away a handshake half done (its client would
+                # start again at the back of the queue); this newcomer goes instead, and retries.
+                coord.metrics.refused("handshakes_queued")
+                log.debug(
+                    "event=refused peer=%s reason=more than %d connections are still in their "
+                    "handshake, the oldest for %.1fs; closing this new one",
+                    self.peer,
+                    coord.max_pending_handshakes,
+                    now - oldest.accepted,
+                )
+                self.close("too many connections in their handshake", abort=True, log_it=False)
+                return
             oldest.close(
                 f"more than {coord.max_pending_handshakes} connections are still in their "
                 f"handshake; closing the oldest",

@@ -167,7 +167,8 @@ class CoordinatorMetrics:
         self._refused = Counter(
             PREFIX + "refused_connections",
             "Connections refused before their handshake because the coordinator could not take "
-            "them, by reason (descriptors: no file descriptor to spare).",
+            "them, by reason (descriptors: no file descriptor to spare; handshakes_queued: as many "
+            "connections as allowed are in their handshake, waiting for the coordinator).",
             ["reason"],
             registry=reg,
         )

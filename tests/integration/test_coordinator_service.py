@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from aiocoll.server import Coordinator
+from aiocoll.server import _connection as connection_module
 from aiocoll.server._page_access import page_proof
 
 from aiocoll import AuthenticationError
@@ -404,24 +405,54 @@ async def test_restart_after_kill_9_with_state_dir_loses_nothing_acknowledged(
 # ---------------------------------------------------------------- embedded, short timeouts
 @pytest.mark.timeout(30)
 async def test_embedded_coordinator_enforces_handshake_deadline_and_cap(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(connection_module, "EVICT_AFTER", 0.05)
     async with Coordinator(
         "127.0.0.1", 0, token=TOKEN, handshake_timeout=0.5, max_pending_handshakes=20
     ) as c:
         assert c.port != 0 and c.address == f"127.0.0.1:{c.port}"
-        stalled = [await asyncio.open_connection("127.0.0.1", c.port) for _ in range(25)]
-        await asyncio.sleep(0.05)
-        # The 5 oldest were closed at once to admit newer ones; the rest go at the deadline.
+        stalled = [await asyncio.open_connection("127.0.0.1", c.port) for _ in range(20)]
+        await asyncio.sleep(0.3)  # silent for longer than EVICT_AFTER: they may be evicted
+        stalled += [await asyncio.open_connection("127.0.0.1", c.port) for _ in range(5)]
+        # Each newcomer past the cap closed one of the oldest; the rest go at the deadline.
         started = time.monotonic()
         await asyncio.gather(*(wait_closed_by_server(r) for r, _ in stalled))
         assert time.monotonic() - started < 5
+        assert 'protocol_errors_total{reason="handshake_overflow"} 5.0' in c.metrics.render()[0].decode()
         client = await RawClient.connect(c.port)
         await client.ok("set", b"still", key="serving")
         for _, w in stalled:
             w.close()
         await client.close()
     assert "handshake not finished" in caplog.text and "still in their handshake" in caplog.text
+
+
+@pytest.mark.timeout(30)
+async def test_a_herd_past_the_handshake_cap_loses_newcomers_not_the_handshakes_under_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The oldest connections in their handshake are young (a herd, not connections left
+    # hanging): each newcomer past the cap is closed at once (its client would retry), and none
+    # of the handshakes under way is thrown away.
+    monkeypatch.setattr(connection_module, "EVICT_AFTER", 30.0)
+    async with Coordinator("127.0.0.1", 0, token=TOKEN, handshake_timeout=60, max_pending_handshakes=20) as c:
+        herd = [await asyncio.open_connection("127.0.0.1", c.port) for _ in range(25)]
+        await asyncio.gather(*(wait_closed_by_server(r) for r, _ in herd[20:]))
+        rendered = c.metrics.render()[0].decode()
+        assert 'refused_connections_total{reason="handshakes_queued"} 5.0' in rendered
+        assert "handshake_overflow" not in rendered
+        # The first twenty are still there; once they are gone, a new client gets in.
+        assert all(not r.at_eof() for r, _ in herd[:20])
+        for _, w in herd:
+            w.close()
+        for _ in range(1000):  # until the coordinator sees them go (10 s at most)
+            if not c._handshaking:
+                break
+            await asyncio.sleep(0.01)
+        client = await RawClient.connect(c.port)
+        await client.ok("set", b"in", key="after the herd")
+        await client.close()
 
 
 @pytest.mark.timeout(30)
