@@ -516,8 +516,12 @@ async def test_adds_and_appends_through_cuts_and_a_coordinator_crash_with_state_
             # Until the new coordinator listens, the proxy accepts the client's connections and
             # closes them at once (its target refuses): the client must keep trying.
             coordinators.append(await asyncio.to_thread(_coordinator, tmp_path, "--state-dir", str(state)))
+            answered = len(writers.seen)
             proxy.retarget("127.0.0.1", coordinators[1].port)
-            await asyncio.sleep(0.5)
+            # Replies are held next, the handshake's too: the client must be back (an add
+            # answered by the new coordinator) first, or it waits for its handshake's reply
+            # behind the hold and carries out nothing (beside a CPU hog, 0.5 s was not enough).
+            await _until(lambda: len(writers.seen) > answered, "an add answered after the restart")
             await cut_with_requests_carried_out_unanswered(coordinators[1].port)
             await asyncio.sleep(0.3)
             await writers.finish()
