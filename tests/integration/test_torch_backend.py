@@ -72,8 +72,9 @@ def test_a_failed_operation_raises_from_wait_and_fails_the_future(world: Any) ->
 
 def test_each_call_reads_its_own_reduce_op(world: Any) -> None:
     # (c10d's reduce ops are looked up in a cache: a refused op and an accepted one, alternately)
+    ops = ((dist.ReduceOp.SUM, False), (dist.ReduceOp.BAND, True), (dist.ReduceOp.MAX, False))
     for _ in range(2):
-        for op, refused in ((dist.ReduceOp.SUM, False), (dist.ReduceOp.BAND, True), (dist.ReduceOp.MAX, False)):
+        for op, refused in ops:
             t = torch.ones(2)
             if refused:
                 with pytest.raises(TypeError, match=r"(?i)band"):
