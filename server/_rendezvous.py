@@ -17,7 +17,7 @@ import logging
 import os
 from typing import Any
 
-from aiocoll.protocol._coordinator import ERR_INVALID, ERR_RENDEZVOUS
+from aiocoll.protocol._coordinator import ERR_INVALID, ERR_RENDEZVOUS, HEARTBEAT_INTERVAL
 
 from ._events import RANKS_PER_EVENT
 from ._membership import Membership
@@ -33,6 +33,10 @@ MAX_WORLD_SIZE = 1 << 20
 MAX_MEMBERS_PER_JOIN = 4096
 MAX_ADDRS = 64
 MAX_HOST_CHARS = 256
+# The heartbeats one round's connections are asked to send per second, at most: past this many
+# connections, their join replies name a longer interval (``beat``, up to a third of the
+# heartbeat timeout), so that the beats of a 12,500-host job do not outnumber its real requests.
+BEATS_PER_SECOND = 2500
 
 
 def _member_fields(job: Job, rank: object, addrs: object, host: object) -> tuple[int | None, list[Any], str]:
@@ -66,10 +70,11 @@ def _member_fields(job: Job, rank: object, addrs: object, host: object) -> tuple
 class Rendezvous:
     """The forming rounds of every job, and the member table of completed ones."""
 
-    def __init__(self, fx: Effects, membership: Membership) -> None:
+    def __init__(self, fx: Effects, membership: Membership, heartbeat_timeout: float) -> None:
         self.fx = fx
         self.membership = membership
         self.events = fx.events
+        self.heartbeat_timeout = heartbeat_timeout
 
     def handlers(self) -> dict[str, Any]:
         return {"join": self.op_join, "leave": self.op_leave, "table": self.op_table}
@@ -286,17 +291,21 @@ class Rendezvous:
             assert request is not None and m.conn is not None
             m.request = None
             requests[id(request)] = request
+        spread = min(len(requests) / BEATS_PER_SECOND, self.heartbeat_timeout / 3)
+        beat = spread if spread > HEARTBEAT_INTERVAL else None
         for request in requests.values():
             conn = request.conn
             conn.joining = None
             conn.members.extend(request.members)
-            self._answer_join(request, rnd)
+            self._answer_join(request, rnd, beat)
         self.events.record(rnd.job.name, "round_complete", rnd=rnd.number, count=len(members))
         log.info(
             "job=%s event=round_complete round=%d world_size=%d", rnd.job.name, rnd.number, rnd.world_size
         )
 
-    def _answer_join(self, request: JoinRequest, rnd: Round) -> None:
+    def _answer_join(self, request: JoinRequest, rnd: Round, beat: float | None) -> None:
+        """Answer a join of round ``rnd``; ``beat``: the heartbeat interval its session should
+        keep, when longer than the usual (a round of many connections)."""
         if request.many:
             # Ranks and sessions only: the addresses it needs, it reads as slices of the table.
             header = {
@@ -307,6 +316,8 @@ class Rendezvous:
                 "world_size": rnd.world_size,
                 "round": rnd.number,
             }
+            if beat is not None:
+                header["beat"] = beat
             self.fx.reply(request.conn, request.req_id, "join", request.started, header)
             return
         m = request.members[0]
@@ -319,6 +330,8 @@ class Rendezvous:
             "round": rnd.number,
             "session": m.session,
         }
+        if beat is not None:
+            fields["beat"] = beat
         head, body = one_member_reply(
             fields, table, digest, ref=request.table_ref, in_payload=request.table_in_payload
         )

@@ -123,7 +123,7 @@ class CoordinatorState(Effects):
         self.conns: dict[int, Conn] = {}
         self.kv = KeyValue(self, max_value_bytes=max_value_bytes, max_keys_per_job=max_keys_per_job)
         self.membership = Membership(self)
-        self.rendezvous = Rendezvous(self, self.membership)
+        self.rendezvous = Rendezvous(self, self.membership, heartbeat_timeout)
         self.liveness = Liveness(
             self, self.membership, heartbeat_timeout=heartbeat_timeout, resume_grace=resume_grace
         )

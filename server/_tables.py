@@ -36,18 +36,20 @@ def table_digest(table: bytes) -> bytes:
 def one_member_reply(
     fields: dict[str, Any], table: bytes, digest: bytes, *, ref: bool, in_payload: bool
 ) -> tuple[EncodedHeader, bytes]:
-    """The reply to a one-member join: ``fields`` (id, ok, rank, world_size, round, session: six
-    entries) with the table by reference (digest and size: the client may hold it already, else
-    it asks with ``table``), as the payload (with its digest, so the client need not hash it), or
-    inline in the header under "members". Returns (header, payload); the table is not copied."""
+    """The reply to a one-member join: ``fields`` (id, ok, rank, world_size, round, session, and
+    beat for a round of many connections) with the table by reference (digest and size: the
+    client may hold it already, else it asks with ``table``), as the payload (with its digest, so
+    the client need not hash it), or inline in the header under "members". Returns (header,
+    payload); the table is not copied."""
     head = msgpack.packb(fields, use_bin_type=True)
-    assert head[0] == 0x86, "six entries: a fixmap, extended below by changing its first byte"
+    n = len(fields)
+    assert n <= 13 and head[0] == 0x80 | n, "a fixmap, extended below by changing its first byte"
     if ref:
         extra = msgpack.packb({"table_digest": digest, "table_size": len(table)}, use_bin_type=True)
-        return EncodedHeader((b"\x88" + head[1:], extra[1:])), b""  # 6 + 2 entries
+        return EncodedHeader((bytes((0x80 | n + 2,)) + head[1:], extra[1:])), b""
     if in_payload:
         digest_field = msgpack.packb("table_digest", use_bin_type=True) + msgpack.packb(
             digest, use_bin_type=True
         )
-        return EncodedHeader((b"\x87" + head[1:], digest_field)), table  # 6 + 1
-    return EncodedHeader((b"\x87" + head[1:], _MEMBERS_KEY, table)), b""  # 6 + 1, the table inline
+        return EncodedHeader((bytes((0x80 | n + 1,)) + head[1:], digest_field)), table
+    return EncodedHeader((bytes((0x80 | n + 1,)) + head[1:], _MEMBERS_KEY, table)), b""  # the table inline

@@ -48,6 +48,15 @@ log = logging.getLogger("aiocoll.client")
 _HEARTBEAT_REPLY_TIMEOUT = HEARTBEAT_TIMEOUT / 2
 
 
+def beat_interval(reply: dict[str, Any]) -> float:
+    """The heartbeat interval a join reply asks for: HEARTBEAT_INTERVAL, or longer for a round of
+    many connections (``beat``), never past half the heartbeat timeout."""
+    beat = reply.get("beat")
+    if not isinstance(beat, (int, float)) or not beat > HEARTBEAT_INTERVAL:
+        return HEARTBEAT_INTERVAL
+    return min(float(beat), HEARTBEAT_TIMEOUT / 2)
+
+
 class Joining:
     """The rendezvous half of a coordinator session (see CoordinatorSession)."""
 
@@ -65,6 +74,8 @@ class Joining:
     _last_request: float
     _heartbeat_task: asyncio.Task[None] | None
     _beats: BeatThread | None
+    # Seconds between heartbeats once joined (a large round's join reply may ask for more).
+    _beat_interval: float = HEARTBEAT_INTERVAL
 
     @property
     def address(self) -> str:
@@ -155,6 +166,7 @@ class Joining:
         attrs["round"] = int(reply.get("round", 0))
         attrs["session"] = str(reply.get("session", ""))
         attrs["members"] = members
+        self._beat_interval = beat_interval(reply)
         self.membership = membership
         if log.isEnabledFor(logging.INFO):
             log.info(
@@ -212,6 +224,7 @@ class Joining:
                 int(reply["world_size"]),
                 int(reply["round"]),
             )
+            self._beat_interval = beat_interval(reply)
         except (KeyError, TypeError, ValueError) as exc:
             self._stop_heartbeats()
             raise ProtocolError(f"the coordinator sent a malformed join reply: {exc!r}") from exc
@@ -346,16 +359,18 @@ class Joining:
             ) from None
 
     async def _heartbeats(self) -> None:
-        """Send ``hb`` when the link has been idle for HEARTBEAT_INTERVAL; a heartbeat that gets
-        no answer in time closes the link, which makes the session reconnect."""
+        """Send ``hb`` when the link has been idle for the beat interval (HEARTBEAT_INTERVAL, or
+        the longer one a large round's join reply names); a heartbeat that gets no answer in time
+        closes the link, which makes the session reconnect."""
         loop = asyncio.get_running_loop()
         while not self._closed and self.session_lost is None:
             idle = loop.time() - self._last_request
             if self.membership is None and self.host_membership is None:  # still joining: no beats yet
                 await asyncio.sleep(HEARTBEAT_INTERVAL)
                 continue
-            if idle < HEARTBEAT_INTERVAL:
-                await asyncio.sleep(HEARTBEAT_INTERVAL - idle)
+            interval = self._beat_interval
+            if idle < interval:
+                await asyncio.sleep(interval - idle)
                 continue
             keeper = self._keeper
             link = keeper.link

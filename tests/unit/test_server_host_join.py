@@ -207,3 +207,27 @@ def test_a_stall_is_credited_once_to_a_connection_carrying_many_members() -> Non
     assert lost_after is not None and lost_after <= 11, lost_after
     lost = [h for h, _ in d.take(b) if h.get("ev") == EV_MEMBER_LOST]
     assert len(lost) == 1 and lost[0]["count"] == 4
+
+
+def test_a_round_of_many_connections_asks_them_to_beat_less_often(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past BEATS_PER_SECOND connections, the join replies name a longer heartbeat interval
+    # (connections / BEATS_PER_SECOND, at most a third of the heartbeat timeout), which the
+    # client keeps (up to half its own timeout); a small round's replies name none.
+    from aiocoll.client.control._join import beat_interval
+    from aiocoll.server import _rendezvous
+
+    from aiocoll.protocol._coordinator import HEARTBEAT_INTERVAL, HEARTBEAT_TIMEOUT
+
+    monkeypatch.setattr(_rendezvous, "BEATS_PER_SECOND", 4)
+    for hosts, expected in ((4, None), (8, 2.0), (40, 10 / 3)):
+        d = Driver()
+        d.state = CoordinatorState(clock=lambda: 1000.0, heartbeat_timeout=10)
+        conns = [d.connect() for _ in range(hosts)]
+        for i, c in enumerate(conns):
+            d.join(c, [2 * i, 2 * i + 1], 2 * hosts)
+        replies = [reply for c in conns for reply, _ in d.take(c)]
+        assert len(replies) == hosts and all(r["ok"] for r in replies)
+        assert {r.get("beat") for r in replies} == {expected}, hosts
+        assert beat_interval(replies[0]) == (expected or HEARTBEAT_INTERVAL)
+    assert beat_interval({"beat": 60.0}) == HEARTBEAT_TIMEOUT / 2
+    assert beat_interval({"beat": "soon"}) == beat_interval({"beat": 0.1}) == HEARTBEAT_INTERVAL
