@@ -79,7 +79,9 @@ Events (coordinator -> worker, unsolicited, no "id"): ``{"ev": EV_*, ...}``:
                                       peer says may fail anyone's rendezvous
 
 Sessions and liveness: a connection with role ROLE_WORKER that has joined is a member's session.
-The worker sends ``hb`` every HEARTBEAT_INTERVAL seconds (any request counts as a heartbeat). The
+The worker sends ``hb`` every HEARTBEAT_INTERVAL seconds, or every ``beat`` seconds when its join
+reply names a longer interval (a round of thousands of connections: at most a third of the
+heartbeat timeout); any request counts as a heartbeat. The
 coordinator declares the member lost when its connection closes without ``leave`` or when it has
 been silent for HEARTBEAT_TIMEOUT seconds, and sends ``member_lost`` to every other member of the
 job at once. After a coordinator restart (state restored from --state-dir) members have
