@@ -456,6 +456,30 @@ async def test_a_herd_past_the_handshake_cap_loses_newcomers_not_the_handshakes_
 
 
 @pytest.mark.timeout(30)
+async def test_sessions_of_a_round_of_many_connections_keep_the_beat_interval_its_replies_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two connections against a rate of one beat a second: each session, the one that joined a
+    # host's ranks and the one that joined one rank, beats every 2 s instead of every second.
+    from aiocoll.client.control.session import CoordinatorSession
+    from aiocoll.server import _rendezvous
+
+    monkeypatch.setattr(_rendezvous, "BEATS_PER_SECOND", 1)
+    async with Coordinator("127.0.0.1", 0, token=TOKEN) as c:
+        a, b = [
+            await CoordinatorSession.connect("127.0.0.1", c.port, token=TOKEN, job="beats", timeout=10)
+            for _ in range(2)
+        ]
+        await asyncio.gather(
+            a.join_host([0, 1], 3, [[("127.0.0.1", 9000)], [("127.0.0.1", 9001)]], "h0"),
+            b.join(2, 3, [("127.0.0.1", 9002)], "h1"),
+        )
+        assert a._beat_interval == b._beat_interval == 2.0
+        for session in (a, b):
+            await session.aclose()
+
+
+@pytest.mark.timeout(30)
 async def test_embedded_coordinator_declares_silent_member_lost() -> None:
     async with Coordinator("127.0.0.1", 0, token=TOKEN, heartbeat_timeout=1.0) as c:
         a = await RawClient.connect(c.port, job="hb", role="worker")
