@@ -232,8 +232,7 @@ def test_user_site_finds_the_users_frame_again_after_passing_the_same_aiocoll_an
     torchish = module("torch._fake_dispatch", "def call(f):\n    return f()\n")
     user = module(
         "users_script",
-        "def first(t, i):\n    return t.call(i.call)\n"
-        "def second(t, i):\n    return t.call(i.call)\n",
+        "def first(t, i):\n    return t.call(i.call)\ndef second(t, i):\n    return t.call(i.call)\n",
     )
     sites = [user_site(user.first(torchish, inner)) for _ in range(3)]
     sites += [user_site(user.second(torchish, inner)) for _ in range(2)]
