@@ -61,6 +61,7 @@ class FailureFanout:
     _closed: bool
     _leaving: bool
     _recorded_losses: set[int]
+    _lost_first: tuple[int, str] | None  # the first rank this one lost (not one that left), and why
     _mismatch_at: float
 
     def _abort(self, op: _Op, exc: BaseException) -> None:
@@ -77,24 +78,31 @@ class FailureFanout:
                 if peer != self.rank:
                     by_peer.setdefault(peer, {})[group.gid] = reached
         lost = self.transport.lost_peers
+        meta: dict[str, Any] = {"k": "left", "g": "", "s": -1, "all": closing}
+        if self._lost_first is not None:
+            # A rank that leaves because it lost another says whom: its peers may hear its
+            # farewell before they see that loss themselves, and the loss is the news.
+            meta["lost"] = list(self._lost_first)
         return [
-            self._loop.create_task(
-                self.transport.send(
-                    peer, CONTROL_TAG, EMPTY, {"k": "left", "g": "", "s": -1, "gs": seqs, "all": closing}
-                )
-            )
+            self._loop.create_task(self.transport.send(peer, CONTROL_TAG, EMPTY, {**meta, "gs": seqs}))
             for peer, seqs in by_peer.items()
             if peer not in lost
         ]
 
-    def _peer_left(self, src: int, seqs: dict[str, int], closing: bool) -> None:
-        """Rank ``src`` left the groups of ``seqs`` (gid -> the first seq it did not complete)."""
+    def _peer_left(self, src: int, seqs: dict[str, int], closing: bool, lost: Any = None) -> None:
+        """Rank ``src`` left the groups of ``seqs`` (gid -> the first seq it did not complete),
+        having lost rank ``lost[0]`` first (``lost``: [rank, why], or None)."""
+        first = None
+        if isinstance(lost, list) and len(lost) == 2 and isinstance(lost[0], int) and lost[0] != self.rank:
+            first = (lost[0], str(lost[1])[:500])
         for gid, seq in seqs.items():
             gid, seq = str(gid), int(seq)
             group = self._groups.get(gid)
             label = group.label if group is not None else group_name(gid)
             why = "closed its process group" if closing else f"destroyed group {label!r}"
             err = PeerLostError(src, why, left=True)
+            if first is not None and (group is None or first[0] in group.members):
+                err = PeerLostError(first[0], f"rank {src} lost it first, then left too ({first[1]})")
             if group is None:
                 # not formed here yet (it formed on the leaver first): failed when it forms
                 self._fail_at(gid, seq, err)
@@ -118,6 +126,7 @@ class FailureFanout:
         else:
             err = PeerLostError(rank, str(exc) or "lost")
         self.transport.mark_lost(rank, err.reason)  # re-enters here through the transport's handler; harmless
+        self._note_lost(err)
         if rank not in self._recorded_losses and not self._closed and not self._leaving:
             self._recorded_losses.add(rank)
             if not err.left or any(rank in g.members and g.pending for g in self._groups.values()):
@@ -126,6 +135,12 @@ class FailureFanout:
         # A turn of the loop later: a control notice that arrived just before the peer's goodbye
         # (a mismatch it found, say) has woken the control loop already, and is handled first.
         self._loop.call_soon(self._break_groups_of, rank, err)
+
+    def _note_lost(self, err: PeerLostError) -> None:
+        """Remember the first rank this one lost (told by its link, the coordinator, or an
+        operation that found it gone), for the farewell when this rank leaves."""
+        if not err.left and self._lost_first is None and not self._leaving and err.rank != self.rank:
+            self._lost_first = (err.rank, err.reason)
 
     def _break_groups_of(self, rank: int, err: PeerLostError) -> None:
         for group in list(self._groups.values()):
@@ -271,7 +286,7 @@ class FailureFanout:
             self.progress.wanted = True
             return
         if meta.get("k") == "left":
-            self._peer_left(src, dict(meta.get("gs") or {}), bool(meta.get("all")))
+            self._peer_left(src, dict(meta.get("gs") or {}), bool(meta.get("all")), meta.get("lost"))
             return
         ranks = sorted({int(r) for r in meta.get("ranks", [])} | {src, self.rank})
         why = str(meta.get("why", ""))

@@ -106,6 +106,7 @@ class Engine(FailureFanout):
         # depths of the user's frames, or (made by the blocking facade) the site it passes along.
         self._sites, self._passed_sites = _call_sites(self.progress.capacity)
         self._recorded_losses: set[int] = set()
+        self._lost_first: tuple[int, str] | None = None
         self._mismatch_at = -_MISMATCH_LINGER  # when this rank last failed an op with a mismatch
 
     # -- groups ----------------------------------------------------------------------------
@@ -407,6 +408,7 @@ class Engine(FailureFanout):
             self._break(op.group, err, from_seq=op.seq, except_op=op)
             return
         if isinstance(exc, PeerLostError):
+            self._note_lost(exc)
             if not fut.done():
                 fut.set_exception(for_op(exc, op))  # names the operation that failed
             self._break(op.group, exc, from_seq=0, except_op=op)

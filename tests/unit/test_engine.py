@@ -139,6 +139,24 @@ async def test_coordinator_notice_of_a_lost_member_fails_pending_ops() -> None:
     await close(engs)
 
 
+async def test_a_rank_that_leaves_after_losing_another_names_the_lost_one_in_its_farewell() -> None:
+    """Rank 1 lost rank 2 and leaves at once; rank 0, waiting in the same group, hears rank 1's
+    farewell before it sees rank 2 go: it is told that rank 2 was lost, not that rank 1 left."""
+    _, engs = engines(3)
+    g0 = engs[0].group("w", (0, 1, 2))
+    for r in (1, 2):
+        engs[r].group("w", (0, 1, 2))
+    pending = engs[0].submit(g0, "barrier", barrier_body((0, 1, 2), 0), timeout=10)
+    await asyncio.sleep(0)
+    engs[1].peer_lost(2, "its link to rank 1 closed (killed)")
+    await engs[1].aclose()
+    with pytest.raises(PeerLostError) as info:
+        await asyncio.wait_for(pending, 2)
+    assert info.value.rank == 2 and not info.value.left, info.value
+    assert "rank 1 lost it first, then left too (its link to rank 1 closed (killed))" in str(info.value)
+    await close(engs)
+
+
 async def test_mismatch_detected_on_one_rank_fails_every_rank_of_the_group() -> None:
     _, engs = engines(3)
     groups = [e.group("w", (0, 1, 2)) for e in engs]
