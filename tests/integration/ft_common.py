@@ -1,6 +1,6 @@
 """What the fault-tolerance tests share (test_fault_tolerance.py, test_ft_sharded.py,
 test_ft_diloco.py): the processes a test starts as ranks of replicas, and reading their records.
-A helper module of the tests, not a test module; imports the standard library only.
+A helper module of the tests, not a test module; imports the standard library and aiocoll.testing only.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from aiocoll.testing.preload import PreloadedProcess, start_python
 
 ROOT = Path(__file__).resolve().parents[2]
 RECOVERY_BOUND = 10.0  # seconds from the kill to the survivors' next committed step (measured: ~0.1 s)
@@ -47,9 +49,11 @@ class Ranks:
     """The processes a test starts as ranks of replicas: each ``NAME`` logs to ``NAME.log`` and
     records its events in ``NAME.jsonl`` in ``tmp``; every wait is bounded and shows the logs."""
 
-    def __init__(self, tmp: Path, script: Path, token: str) -> None:
-        self.tmp, self.script, self.token = tmp, script, token
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+    def __init__(self, tmp: Path, script: Path, token: str, preload: tuple[str, ...] = ()) -> None:
+        """``preload``: the modules ``script`` imports at its top (start_python forks its ranks
+        from an interpreter that imported them once)."""
+        self.tmp, self.script, self.token, self.preload = tmp, script, token, preload
+        self.procs: dict[str, subprocess.Popen[bytes] | PreloadedProcess] = {}
 
     def start(self, name: str, args: list[str], job: str = "default", files: str = "") -> None:
         """Start ``NAME``; ``files``: another name's log and record to append to (a process
@@ -58,7 +62,9 @@ class Ranks:
         command = [sys.executable, str(self.script), *args, "--record", str(self.tmp / f"{files}.jsonl")]
         env = {**os.environ, "AIOCOLL_TOKEN": self.token, "AIOCOLL_JOB": job}
         log = open(self.tmp / f"{files}.log", "ab")  # the child holds it
-        self.procs[name] = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = start_python(
+            command, preload=self.preload, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+        )
 
     def all(self, name: str) -> list[dict[str, Any]]:
         return records_of(self.tmp / f"{name}.jsonl")

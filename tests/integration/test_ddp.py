@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from aiocoll.testing.preload import TORCH
 from aiocoll.testing.world import free_ports, run_script_ranks
 
 WORLD = 2
@@ -198,7 +199,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("ddp")
     ports = [str(p) for p in free_ports(2)]
     args = [["worker", str(r), *ports, str(tmp / f"rank{r}.pkl")] for r in range(WORLD)]
-    run_script_ranks(__file__, args, tmp, timeout=150, token="ddp-test")
+    run_script_ranks(__file__, args, tmp, timeout=150, token="ddp-test", preload=TORCH)
     return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 

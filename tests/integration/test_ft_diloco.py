@@ -7,14 +7,18 @@ tolerance's bytes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ft_common import ROOT, load_script, records_of, written
+
+from aiocoll.testing.preload import TORCH, PreloadedProcess, start_python
 
 pytestmark = pytest.mark.integration
 
@@ -105,16 +109,24 @@ def test_diloco_replicas_sync_every_h_steps_bit_identical_to_a_single_process_re
     coordinator = CoordinatorProcess(tmp_path / "coordinator.log", token=token)
     try:
         env = {**os.environ, "AIOCOLL_TOKEN": token}
-        procs = {}
+        procs: dict[str, subprocess.Popen[bytes] | PreloadedProcess] = {}
         for name, options in jobs.items():
             command = [sys.executable, str(DILOCO), f"127.0.0.1:{coordinator.port}", name]
             command += [str(tmp_path / f"{name}.jsonl"), str(syncs), str(every), *options]
-            procs[name] = subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        outs = {name: p.communicate(timeout=150)[0] for name, p in procs.items()}
+            with open(tmp_path / f"{name}.log", "wb") as log:
+                procs[name] = start_python(
+                    command, preload=TORCH, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+        end = time.monotonic() + 150
+        for p in procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(max(0.0, end - time.monotonic()))
     finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
         coordinator.stop()
+    outs = {name: (tmp_path / f"{name}.log").read_text(errors="replace")[-3000:] for name in jobs}
     assert all(p.returncode == 0 for p in procs.values()), outs
     records = {name: records_of(tmp_path / f"{name}.jsonl") for name in jobs}
     for first, second in (("a", "b"), ("sa", "sb")):
@@ -134,7 +146,6 @@ def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals
     again: a and b commit every sync once, in order, c's second process heals and syncs with
     them to the end, and every sync committed anywhere holds the same parameters everywhere."""
     import signal
-    import time
 
     from aiocoll.testing.coordinator import CoordinatorProcess
 
@@ -144,13 +155,13 @@ def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals
     env = {**os.environ, "AIOCOLL_TOKEN": token}
     until = tmp_path / "until"  # the number of syncs, written once c's second process healed
 
-    def start(name: str, go: str = "") -> subprocess.Popen[str]:
+    def start(name: str, go: str = "") -> subprocess.Popen[bytes] | PreloadedProcess:
         command = [sys.executable, str(DILOCO), f"127.0.0.1:{coordinator.port}", name]
         command += [str(tmp_path / f"{name}.jsonl"), str(until), str(every), "--pause", "0.25"]
         command += ["--fragments", "2", "--delay", "1", "--mix", "0.5"]
         command += ["--start-file", str(tmp_path / go)] if go else []
-        log = open(tmp_path / f"{name}.log", "a")  # the child holds it
-        return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        with open(tmp_path / f"{name}.log", "ab") as log:
+            return start_python(command, preload=TORCH, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_for(what: str, check: Any) -> None:
         deadline = time.monotonic() + 150
@@ -158,7 +169,7 @@ def test_diloco_a_replica_killed_mid_cycle_commits_nowhere_and_its_restart_heals
             assert time.monotonic() < deadline, what
             time.sleep(0.05)
 
-    procs: dict[str, subprocess.Popen[str]] = {}
+    procs: dict[str, subprocess.Popen[bytes] | PreloadedProcess] = {}
     try:
         # Each waits with torch loaded until all three have loaded it: the first quorum needs only
         # two, and a replica still loading torch on a busy machine would join late, healed, with

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from ft_common import RECOVERY_BOUND, Ranks, load_script, stop_after
 
+from aiocoll.testing.preload import TORCH
+
 pytestmark = pytest.mark.integration
 
 torch = pytest.importorskip("torch")
@@ -281,7 +283,7 @@ def test_an_fsdp2_replica_replaces_a_lost_rank_and_its_sharded_state_is_bit_iden
 
     token = secrets.token_hex(16)
     coordinator = CoordinatorProcess(tmp_path / "coordinator.log", "--heartbeat-timeout", "5", token=token)
-    ranks = Ranks(tmp_path, FSDP, token)
+    ranks = Ranks(tmp_path, FSDP, token, preload=TORCH)
     procs, records, wait_for = ranks.procs, ranks.records, ranks.wait_for
 
     def start(run: str, replica: str, rank: int, seed: int, ahead: bool = False, go: str = "") -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiocoll.testing.preload import TORCH
 from aiocoll.testing.world import free_ports, run_script_ranks
 
 WORLD = 3
@@ -302,7 +303,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("sync_differential")
     ports = [str(p) for p in free_ports(3)]
     args = [["worker", str(r), *ports, str(tmp / f"rank{r}.pkl")] for r in range(WORLD)]
-    run_script_ranks(__file__, args, tmp, timeout=150, token="differential-test")
+    run_script_ranks(__file__, args, tmp, timeout=150, token="differential-test", preload=TORCH)
     return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from aiocoll.testing.preload import TORCH
 from aiocoll.testing.world import free_ports, run_script_ranks
 
 WORLD = 3
@@ -110,7 +111,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("torch-limits")
     port = str(free_ports(1)[0])
     args = [["worker", str(r), port, str(tmp / f"rank{r}.pkl")] for r in range(WORLD)]
-    run_script_ranks(__file__, args, tmp, timeout=100, token="torch-limits-test")
+    run_script_ranks(__file__, args, tmp, timeout=100, token="torch-limits-test", preload=TORCH)
     return [pickle.loads((tmp / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
 
 
