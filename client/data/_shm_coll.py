@@ -44,7 +44,7 @@ from aiocoll._types import ReduceOp
 from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
 from ._shm_sched import ShmOp, ShmScheduler
-from ._vm_read import DIRECT_ENV, vm_read, vm_read_available
+from ._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 
 __all__ = ["ShmGroup"]
 
@@ -280,7 +280,8 @@ class ShmGroup(ShmScheduler):
     def _broadcast(self, b: np.ndarray, root: int, sig: bytes) -> OpGen:
         chunk, total = self._slot, b.size
         if (yield from self._go_direct(total, _BCAST_DIRECT_CHUNKS)):
-            return (yield from self._direct_step(b, sig, [(root, b)] if self.me != root else []))
+            reads = [(root, b)] if self.me != root else []
+            return (yield from self._direct_step(b, sig, reads, self.n - 1))
         is_root = self.me == root
         root_filler = _rounds_of(b, chunk)
 
@@ -297,7 +298,7 @@ class ShmGroup(ShmScheduler):
     def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes) -> OpGen:
         chunk, total, me = self._slot, b.size, self.me
         if (yield from self._go_direct(total, _GATHER_DIRECT_CHUNKS)):
-            return (yield from self._direct_step(b, sig, list(enumerate(outs))))
+            return (yield from self._direct_step(b, sig, list(enumerate(outs)), self.n))
 
         filler = _rounds_of(b, chunk)
 
@@ -369,10 +370,14 @@ class ShmGroup(ShmScheduler):
             ok = int(probe[0]) == self._owner
         self._ctl[self.me][DIRECT] = 1 if ok else 2
 
-    def _direct_step(self, mine: np.ndarray, sig: bytes, reads: list[tuple[int, np.ndarray]]) -> OpGen:
+    def _direct_step(
+        self, mine: np.ndarray, sig: bytes, reads: list[tuple[int, np.ndarray]], readers: int
+    ) -> OpGen:
         """One step: publish where ``mine`` is, once the signatures match read member j's
         buffer into ``out`` for every (j, out) of ``reads`` (mine copied for j = me), then wait
-        until every member has read mine (the caller may change it once the operation ends)."""
+        until every member has read mine (the caller may change it once the operation ends).
+        ``readers`` members read at the same time: where the cores allow, each read is split
+        between two threads (client.data._vm_read.vm_read_split)."""
         t = self._steps(1)
         s = t % SLOTS
         self._inner = True
@@ -394,7 +399,7 @@ class ShmGroup(ShmScheduler):
             if nbytes != dst.nbytes:  # (the signatures matched: sizes agree)
                 raise DistError(f"rank {self.ranks[j]} published {nbytes} bytes, expected {dst.nbytes}")
             try:
-                vm_read(self._pids[j], dst.ctypes.data, addr, nbytes)
+                vm_read_split(self._pids[j], dst.ctypes.data, addr, nbytes, readers)
             except OSError as exc:
                 self._publish(DONE, t)
                 # Gone, or it gave the operation up on losing another member and went on (its

@@ -83,9 +83,10 @@ def vm_read(pid: int, local: int, remote: int, nbytes: int) -> None:
 
 
 # A read of at least this many bytes is split in two, copied at once by the calling thread and a
-# helper thread: one core copies at well below the memory's bandwidth, and in a point-to-point
-# read the sender only waits meanwhile, so its core is free. Below it, handing half to another
-# thread and waiting for it costs about what it saves.
+# helper thread: one core copies at well below the memory's bandwidth, and while one process reads
+# (a point-to-point receive, a broadcast of two ranks) the process it reads from only waits, so
+# its core is free. Below it, handing half to another thread and waiting for it costs about what
+# it saves.
 SPLIT_MIN = 32 << 20
 _PART_WAIT_S = 60.0  # a copy of a few hundred MiB takes well under a second
 
@@ -129,10 +130,11 @@ _helper_lock = threading.Lock()
 _cores: int | None = None
 
 
-def vm_read_split(pid: int, local: int, remote: int, nbytes: int) -> None:
+def vm_read_split(pid: int, local: int, remote: int, nbytes: int, readers: int = 1) -> None:
     """``vm_read``; one of at least SPLIT_MIN bytes, where this process may run on two cores or
-    more, copies its second half on a helper thread at the same time. Returns once both halves
-    are copied.
+    more for each of the ``readers`` processes that read at the same time (this one included),
+    copies its second half on a helper thread at the same time. Returns once both halves are
+    copied. (Readers that already hold every core would only queue the helpers behind them.)
 
     Raises:
         OSError: as ``vm_read``, for either half (the first half's error first).
@@ -140,7 +142,7 @@ def vm_read_split(pid: int, local: int, remote: int, nbytes: int) -> None:
     global _helper, _cores
     if _cores is None:
         _cores = len(os.sched_getaffinity(0))
-    if nbytes < SPLIT_MIN or _cores < 2:
+    if nbytes < SPLIT_MIN or _cores < 2 * readers:
         vm_read(pid, local, remote, nbytes)
         return
     with _helper_lock:

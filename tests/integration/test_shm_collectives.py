@@ -212,6 +212,50 @@ def large_copies(mismatch_kind: str, last_count: int) -> Any:
     return run
 
 
+async def split_broadcast(ctx: Ctx) -> dict[str, Any]:
+    """Broadcasts of two ranks large enough that the reader splits its read between two threads
+    (client.data._vm_read.SPLIT_MIN; the payload ends mid-page), from either root, checked
+    against the data, then an all_gather of the same size per rank."""
+    import os
+    import threading
+
+    from aiocoll.client.data._vm_read import SPLIT_MIN
+
+    r = ctx.rank
+    failures: list[str] = []
+    await ctx.run("barrier")
+    await ctx.run("barrier")  # (the group's first steps: every rank's direct-read verdict is in)
+    count = SPLIT_MIN + 4093
+    split: list[bool] = []
+    for root in (0, 1, 0):
+        x = data(r, count, "uint8", "sum", 31) if r == root else np.zeros(count, np.uint8)
+        await ctx.run("broadcast", x, root)
+        if not np.array_equal(x, data(root, count, "uint8", "sum", 31)):
+            failures.append(f"broadcast root {root}")
+        if r != root:
+            split.append("aiocoll-vm-read" in [t.name for t in threading.enumerate()])
+    x = data(r, count, "uint8", "sum", 32)
+    outs = [np.zeros(count, np.uint8) for _ in range(2)]
+    await ctx.run("all_gather", outs, x)
+    if not all(np.array_equal(outs[k], data(k, count, "uint8", "sum", 32)) for k in range(2)):
+        failures.append("all_gather")
+    cores = len(os.sched_getaffinity(0))
+    return {"failures": failures, "direct_steps": ctx.group.direct_steps, "split": split, "cores": cores}
+
+
+def test_a_large_broadcast_of_two_ranks_splits_its_read() -> None:
+    """One rank reads while the root waits: the read is split between two threads where the
+    reader may run on two cores, and every byte lands where it belongs."""
+    from aiocoll.client.data._vm_read import vm_read_available
+
+    per_rank = values(shm_world(split_broadcast, 2))
+    assert [v["failures"] for v in per_rank] == [[]] * 2
+    if vm_read_available():
+        assert [v["direct_steps"] for v in per_rank] == [4, 4]
+        for v in per_rank:
+            assert v["split"] == [v["cores"] >= 2] * len(v["split"]), v
+
+
 @pytest.mark.parametrize(
     ("direct", "mismatch_kind", "last_count"),
     [("1", "all_gather", 300_008), ("1", "broadcast", 1_000), ("0", "broadcast", 300_008)],
