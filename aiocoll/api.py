@@ -847,6 +847,33 @@ class ProcessGroup:
             forming.release()
         return ProcessGroup(self._rt, state, providers=providers)
 
+    async def _survivors_group(self, ranks: Sequence[int], gid: str, timeout: float) -> ProcessGroup:
+        """A sub-group made by its members alone, over this group's links already connected.
+
+        For when other ranks of this group are gone and cannot take part in ``new_group``: a
+        fault-tolerant job's survivors (aiocoll/ft.py) go on without connecting anew. Only the
+        members call it, each with the same ``ranks`` (ranks of this group) and ``gid``, an id
+        no other group of this runtime has. They agree on their shared-memory region over the
+        new group itself, which is also the formation's barrier: when a member does not take
+        part (lost, or it formed another group), no member gets the group (the error of that
+        agreement, within ``timeout`` seconds).
+        """
+        members = [self.ranks[r] for r in sorted(ranks)]
+        engine = self._rt.engine
+        forming = self._providers.forming(members)
+        state = engine.group(gid, members)
+        group = ProcessGroup(self._rt, state, providers=forming.bare(engine, state))
+        try:
+            await group.all_reduce(forming.offers, ReduceOp.BAND, timeout=timeout)
+            group._providers.close()
+            group._providers = self._rt.table(state, forming.formed(engine, state))
+        except BaseException:
+            await group.destroy()
+            raise
+        finally:
+            forming.release()
+        return group
+
     async def destroy(self) -> None:
         """Leave the group; for the group init_process_group returned, close its links and sessions.
 

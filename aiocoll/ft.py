@@ -12,7 +12,9 @@ quorum changed (the old one destroyed): job ``JOB/qID`` of the replicas; for rep
 ranks, job ``JOB/qID/sR`` of the ranks with one ``replica_rank`` R (one per replica), and the
 commit over job ``JOB/qID`` of every rank. A replica lost
 mid-step fails that step's operations on the others within seconds (PeerLostError, as always);
-they commit nothing, and their next quorum leaves it out: no restart, no rendezvous of everyone. A
+they commit nothing, and their next quorum leaves it out: no restart, no rendezvous. Survivors of
+one-rank replicas form that quorum's group over the links of the group they all hold
+(``ProcessGroup._survivors_group``), without connecting anew. A
 new or restarted replica joins at the next quorum and first receives the state (a torch
 state_dict, any pytree of arrays) from a live replica over the group's peer links.
 
@@ -615,6 +617,10 @@ class Manager:
         self.index = -1
         self.group: ProcessGroup | None = None
         self.quorum_group: ProcessGroup | None = None
+        # The group last made through the coordinator (its own links and session), which
+        # ``group`` may be a sub-group of, and its members' ranks in it by (name, incarnation).
+        self._linked: ProcessGroup | None = None
+        self._linked_ranks: dict[tuple[str, str], int] = {}
         self._rank_hosts: list[list[str]] = []  # each member's ranks' hosts
         self.last_error: StepFailed | None = None
         self.last_heal: dict[str, Any] | None = None
@@ -873,13 +879,20 @@ class Manager:
             )
         self._rank_hosts = [list(h) for h in reply.get("hosts", [[m[2]] for m in members])]
         if qid != self.quorum_id or self.group is None:
-            await self._destroy_groups()
+            survivors = self._survivors(members, reply.get("uids"))
+            if survivors is None:
+                await self._destroy_groups()
+            else:
+                await self._destroy_step_group()
             self.quorum_id, self.index = qid, index
             self.members = [m[0] for m in members]
             self.hosts = [m[2] for m in members]
             remaining = deadline.remaining()
             forming = self.join_timeout if remaining is None else max(min(self.join_timeout, remaining), 0.1)
             size = self.replica_size
+            if survivors is not None:
+                await self._regroup(survivors, forming)
+                return await self._heal(reply)
 
             async def make(rank: int, world: int, job: str) -> ProcessGroup:
                 runtime = await join_coordinator(
@@ -896,6 +909,11 @@ class Manager:
 
             if size == 1:
                 self.group = self.quorum_group = await make(index, len(members), f"{self.job}/q{qid}")
+                self._linked = self.group
+                uids = reply.get("uids") or []
+                self._linked_ranks = {
+                    (m[0], u): i for i, (m, u) in enumerate(zip(members, uids, strict=False))
+                }
             else:
                 made = await asyncio.gather(
                     make(index, len(members), f"{self.job}/q{qid}/s{self.replica_rank}"),
@@ -923,6 +941,47 @@ class Manager:
         self.members = [m[0] for m in members]
         self.hosts = [m[2] for m in members]
         await self._heal(reply)
+
+    def _survivors(self, members: list[Any], uids: list[str] | None) -> list[int] | None:
+        """The quorum's members' ranks in the linked group, when they are some of its members.
+
+        Some: the same processes (no new one), one or more gone; else None.
+
+        Every member of such a quorum holds that group (each joined it with the others), so
+        each finds the same answer and they form their group over its links (``_regroup``).
+        """
+        if self.replica_size != 1 or self._linked is None or not uids or len(uids) != len(members):
+            return None
+        ranks = [self._linked_ranks.get((m[0], u), -1) for m, u in zip(members, uids, strict=True)]
+        if -1 in ranks or len(ranks) >= self._linked.size or ranks != sorted(ranks):
+            return None  # (in the same order, so that each one's rank in the group is its index)
+        return ranks
+
+    async def _regroup(self, ranks: list[int], forming: float) -> None:
+        """Form the quorum's group of survivors over the links of the group they all hold.
+
+        No new links, session or shared-memory regions to connect, no rendezvous at the
+        coordinator: the members agree over the new group itself. When that fails (a member
+        lost meanwhile, or one that formed another group), this replica makes its next group
+        through the coordinator, as the others whose agreement failed do.
+        """
+        linked = self._linked
+        assert linked is not None
+        try:
+            self.group = self.quorum_group = await linked._survivors_group(
+                ranks, f"q{self.quorum_id}", forming
+            )
+        except BaseException:
+            await self._destroy_groups()  # the linked group too: the next is made anew
+            raise
+        log.info(
+            "%s: step %d: quorum %d of %d replicas %s (over the links of the last group)",
+            self._where(),
+            self.step,
+            self.quorum_id,
+            len(self.members),
+            self.members,
+        )
 
     async def _heal(self, reply: dict[str, Any]) -> None:
         heal: dict[int, int] = reply["heal"]  # {member index: its source}, for those that heal
@@ -1008,10 +1067,19 @@ class Manager:
             seconds,
         )
 
+    async def _destroy_step_group(self) -> None:
+        """Destroy the last quorum's group when it is a sub-group of the linked group (which stays)."""
+        old = self.group
+        self.group = self.quorum_group = None
+        if old is not None and old is not self._linked:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(old.destroy(), _DESTROY_TIMEOUT)
+
     async def _destroy_groups(self) -> None:
         """Destroy the quorum's groups (each within a bound; errors ignored: it is going)."""
-        groups = {id(g): g for g in (self.group, self.quorum_group) if g is not None}
-        self.group = self.quorum_group = None
+        groups = {id(g): g for g in (self.group, self.quorum_group, self._linked) if g is not None}
+        self.group = self.quorum_group = self._linked = None
+        self._linked_ranks = {}
         for g in groups.values():
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(g.destroy(), _DESTROY_TIMEOUT)

@@ -122,6 +122,7 @@ def train(args: argparse.Namespace) -> None:
                     "step": step,
                     "quorum": manager.quorum_id,
                     "members": manager.members,
+                    "group": manager.group.group_id if manager.group is not None else None,
                     "digest": digest(model, opt.optimizer),
                     "healed": manager.last_heal if manager.last_heal is not heals else None,
                     "quorum_s": asked,

@@ -33,10 +33,11 @@ whole) for a new process of the lost rank (same replica name and rank, a new inc
 one asks in time, the replica counts again. A replica whose ranks hold different steps (one
 replaced, or a heal that failed on some) counts as torn: it heals, and is a source for no one.
 Every rank of a replica gets the same reply; the quorum's members are replicas, the reply's
-``hosts`` names each one's ranks' hosts, and each rank's reply carries its replica's
-*generation*: a number that changes whenever the set of processes that train together as that
-replica may have changed (a rank replaced, the replica back after it was left out, or a failure
-inside it), so that its ranks make their own group (one job per generation) again.
+``hosts`` names each one's ranks' hosts (``uids`` their incarnations), and each rank's reply
+carries its replica's *generation*: a number that changes whenever the set of processes that
+train together as that replica may have changed (a rank replaced, the replica back after it was
+left out, or a failure inside it), so that its ranks make their own group (one job per
+generation) again.
 
 The quorum id changes only when the membership changes: another set of (replica, incarnation),
 or a replica asking for a fresh group (``renew``: its last step failed). Replicas keep their
@@ -374,6 +375,9 @@ class _Replies:
             members = self._record["members"]
             fields["members"] = [[m[0], m[2], m[3]] for m in members]
             fields["hosts"] = [[r[2] for r in shards(m)] for m in members]
+            # each member's incarnation: the replicas linked in an earlier group may form the
+            # next one over those links when they are the same processes (aiocoll/ft.py)
+            fields["uids"] = [m[1] for m in members]
         fields.update(max_step=self.max_step, heal=self.heal, left=self._left)
         return len(fields), msgpack.packb(fields)[1:]
 

@@ -544,8 +544,15 @@ class Forming:
         self.offers = np.array([self._arena.offered], np.uint64)
 
     def formed(self, engine: Engine, state: GroupState) -> ProviderTable:
+        return self._table(engine, state, self._arena.formed(int(self.offers[0]), state.gid))
+
+    def bare(self, engine: Engine, state: GroupState) -> ProviderTable:
+        """The new group's table before its members agreed (no arena): for a group that agrees
+        over itself, its members alone (``ProcessGroup._survivors_group``)."""
+        return self._table(engine, state, None)
+
+    def _table(self, engine: Engine, state: GroupState, arena: ArenaProvider | None) -> ProviderTable:
         parent = self._parent
-        arena = self._arena.formed(int(self.offers[0]), state.gid)
         return ProviderTable(
             engine, state, parent._links, parent._hosts, arena, (*parent._key[:1], state.gid)
         )

@@ -108,6 +108,9 @@ def test_three_replicas_survive_a_kill_without_restart_and_heal_the_restarted_on
     assert first_without["step"] <= KILL_AT + 2  # the step in flight at the kill, or the next
     assert first_without["t"] - killed_at < RECOVERY_BOUND, first_without["t"] - killed_at
     assert summary["recovery_s"] == pytest.approx(first_without["t"] - killed_at)
+    # the survivors formed their group over the links of the last one (a sub-group of it, not a
+    # new job's world group "w"), and the quorum with the restarted replica made a new one
+    assert first_without["group"] == f"q{first_without['quorum']}", first_without
 
     # the victim: two processes; the second healed from a live replica, then trained to the end
     pids = list(dict.fromkeys(e["pid"] for e in records["r1"]))
@@ -116,6 +119,7 @@ def test_three_replicas_survive_a_kill_without_restart_and_heal_the_restarted_on
     assert second[0]["healed"] is not None and second[0]["healed"]["source"] in ("r0", "r2")
     assert second[0]["healed"]["bytes"] > 0
     assert [e["step"] for e in second] == list(range(second[0]["step"], last))
+    assert second[0]["group"] == "w", second[0]
     assert last - second[0]["step"] >= 20
 
     # every step: committed by exactly its quorum's replicas, bit-identical on all of them

@@ -150,6 +150,7 @@ def test_first_quorum_waits_for_the_join_window_then_orders_members_and_syncs_th
         reply = replies[name]
         assert reply["ok"] is True and reply["quorum_id"] == 1
         assert reply["members"] == [["a", 0, "host-a"], ["b", 0, "host-b"], ["c", 0, "host-c"]]
+        assert reply["uids"] == [r.uids["a"], r.uids["b"], r.uids["c"]]  # each one's incarnation
         assert reply["index"] == i and reply["max_step"] == 0
         assert reply["heal"] == {1: 0, 2: 0}  # a starting job: everyone takes the first one's model
         assert reply["left"] == []
