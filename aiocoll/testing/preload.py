@@ -47,6 +47,7 @@ TORCH = (
 # differs from the server's would not get what it asked for, so it starts fresh instead.
 _START_UP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "TORCH_", "NCCL_", "KMP_")
 _FOLLOWED = ("PYTHONUNBUFFERED",)  # set per child on its new standard streams
+_START_S = 300.0  # for the server to import its modules (minutes on a loaded machine), or to fork
 
 
 def _start_up_env(env: dict[str, str]) -> dict[str, str]:
@@ -139,20 +140,31 @@ class _Server:
         os.close(ready_w)
         os.close(self._keep_r)
         with os.fdopen(ready_r, "rb") as ready:
-            if ready.read(1) != b"1":
-                raise RuntimeError(f"the preload server for {', '.join(modules)} did not start")
+            started = select.select([ready], [], [], _START_S)[0] and ready.read(1) == b"1"
+        if not started:
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(
+                f"the preload server for {', '.join(modules)} did not start within {_START_S:g} s"
+            )
 
     def spawn(
         self, args: list[str], env: dict[str, str], cwd: str, streams: list[int], new_session: bool
     ) -> PreloadedProcess:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        conn.connect(self.path)
-        request = {"argv": args[1:], "env": env, "cwd": cwd, "new_session": new_session}
-        socket.send_fds(conn, [json.dumps(request).encode()], streams)
-        reply = conn.recv(4096)
+        conn.settimeout(_START_S)
+        try:
+            conn.connect(self.path)
+            request = {"argv": args[1:], "env": env, "cwd": cwd, "new_session": new_session}
+            socket.send_fds(conn, [json.dumps(request).encode()], streams)
+            reply = conn.recv(4096)
+        except OSError as exc:
+            conn.close()
+            raise RuntimeError(f"the preload server did not start {args[1:]}: {exc}") from exc
         if not reply:
             conn.close()
             raise RuntimeError(f"the preload server did not start {args[1:]}")
+        conn.settimeout(None)
         return PreloadedProcess(args, int(json.loads(reply)["pid"]), conn)
 
 
