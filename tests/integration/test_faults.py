@@ -221,7 +221,21 @@ async def world_b(pg: Any) -> dict[str, Any]:
             outs.append(res)
             break
     later = await _outcome(lambda: pg.barrier(timeout=60))
-    return {"first": outs[0] if outs else None, "later": later}
+    # The survivors make a group of their own over the links they hold (as aiocoll.ft's do),
+    # which rank 2 cannot join; then rank 0 asks for another that rank 1 does not make.
+    survivors = await pg._survivors_group([0, 1], "s1", 60.0)
+    y = np.full(3, r + 1, np.float32)
+    await survivors.all_reduce(y)
+    alone = None
+    if r == 0:
+        alone = await _outcome(lambda: pg._survivors_group([0, 1], "s2", 1.0))
+    await survivors.barrier(timeout=60)
+    return {
+        "first": outs[0] if outs else None,
+        "later": later,
+        "survivors": (survivors.rank, survivors.size, y.tolist()),
+        "alone": alone,
+    }
 
 
 @pytest.mark.timeout(150)
@@ -237,6 +251,9 @@ def test_killed_rank_mid_ring_raises_peer_lost_naming_it_on_the_others() -> None
         later = results[r].value["later"]
         assert later["error"] == "PeerLostError" and later["rank"] == 2
         assert later["elapsed"] < 1.0  # fails fast
+        assert results[r].value["survivors"] == (r, 2, [3.0, 3.0, 3.0])
+    alone = results[0].value["alone"]  # an agreement rank 1 never joined: refused, naming it
+    assert alone["error"] == "CollectiveTimeout" and alone["missing"] == [1], alone
 
 
 # -- world C: a frozen rank, revealed only by the coordinator's liveness notice --------------
