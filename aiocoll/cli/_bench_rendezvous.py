@@ -95,6 +95,11 @@ def _aiocoll_participant(
         early: list[Any] = [None] * len(hosts)
         if warm:
             early = list(await asyncio.gather(*(connect(host[0]) for host in hosts)))
+        # Sessions stay up until every process is done, as a real job's would: a thread waits for
+        # the release meanwhile, started before the clock. Started after its join, it was the
+        # harness's cost inside the measured time (a thread and an executor in each process while
+        # the others were still joining), which torch's participants, blocking, do not pay.
+        released = loop.run_in_executor(None, release.wait, timeout)
         results.put(("ready", os.getpid()))
         # Blocking on purpose, as torch's participants do: a thread hop here would be the
         # harness's cost, not aiocoll's. Nothing needs the loop before joining (no heartbeats).
@@ -104,8 +109,7 @@ def _aiocoll_participant(
         else:
             sessions = await asyncio.gather(*(join_host(h, s) for h, s in zip(hosts, early, strict=True)))
         results.put(("done", time.monotonic()))
-        # sessions stay up until every process is done, as a real job's would
-        await loop.run_in_executor(None, release.wait, timeout)
+        await released
         await asyncio.gather(*(session.aclose() for session in sessions), return_exceptions=True)
 
     try:
