@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiocoll._errors import PeerLostError
 from aiocoll._matching import StrayHandler, Tag
 
 __all__ = ["LandedCallback", "LostPeerHandler", "RecvCallback", "StrayHandler", "Tag", "Transport"]
@@ -155,6 +156,13 @@ class Transport(ABC):
     @abstractmethod
     def mark_lost(self, rank: int, reason: str) -> None:
         """Treat ``rank`` as gone (the coordinator said so): close its link, fail its receives."""
+
+    def take_in_from(self, rank: int) -> PeerLostError | None:
+        """Before ``rank`` is failed on another's word: take in what it sent that is not read yet
+        (its messages are delivered, an offer of its memory is read). Returns how its link ended,
+        when it ended meanwhile (the rank's own account of its end), else None. Transports that
+        read nothing ahead of the event loop have nothing to take in."""
+        return None
 
     @property
     @abstractmethod

@@ -94,15 +94,18 @@ class FailureFanout:
         having lost rank ``lost[0]`` first (``lost``: [rank, why], or None)."""
         first = None
         if isinstance(lost, list) and len(lost) == 2 and isinstance(lost[0], int) and lost[0] != self.rank:
-            first = (lost[0], str(lost[1])[:500])
+            # what the lost rank's own link still holds says more than the leaver's word
+            first = self.transport.take_in_from(lost[0]) or PeerLostError(
+                lost[0], f"rank {src} lost it first, then left too ({str(lost[1])[:500]})"
+            )
         for gid, seq in seqs.items():
             gid, seq = str(gid), int(seq)
             group = self._groups.get(gid)
             label = group.label if group is not None else group_name(gid)
             why = "closed its process group" if closing else f"destroyed group {label!r}"
             err = PeerLostError(src, why, left=True)
-            if first is not None and (group is None or first[0] in group.members):
-                err = PeerLostError(first[0], f"rank {src} lost it first, then left too ({first[1]})")
+            if first is not None and (group is None or first.rank in group.members):
+                err = first
             if group is None:
                 # not formed here yet (it formed on the leaver first): failed when it forms
                 self._fail_at(gid, seq, err)
@@ -121,7 +124,12 @@ class FailureFanout:
             # nothing to fail on our own behalf.
             log.warning("rank %d: the coordinator reported this rank lost: %s", self.rank, exc)
             return
-        if isinstance(exc, PeerLostError):
+        # Told by another (the coordinator): first take in what the rank sent before it went, so
+        # that it is delivered, and what fails fails with its own link's account when it has one.
+        own = self.transport.take_in_from(rank)
+        if own is not None:
+            err = own
+        elif isinstance(exc, PeerLostError):
             err = exc
         else:
             err = PeerLostError(rank, str(exc) or "lost")

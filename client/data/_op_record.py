@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
-from aiocoll._errors import DistError, group_name
+from aiocoll._errors import DistError, PeerLostError, group_name
 from aiocoll._work import Work
 from aiocoll.algorithms._transport import (
     LandedCallback,
@@ -241,6 +241,9 @@ class OpTransport(Transport):
 
     def mark_lost(self, rank: int, reason: str) -> None:
         self._inner.mark_lost(rank, reason)
+
+    def take_in_from(self, rank: int) -> PeerLostError | None:
+        return self._inner.take_in_from(rank)
 
     @property
     def lost_peers(self) -> dict[int, str]:

@@ -201,6 +201,7 @@ class LinkTransport(Transport):
         self._identity: asyncio.Future[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._links: dict[int, Link] = {}
+        self._ended: dict[int, PeerLostError] = {}  # how each closed link ended, by its peer
         self.links_version = 0  # changes whenever a link is attached or closed (providers re-select)
         self._link_ready: dict[int, asyncio.Future[None]] = {}
         # Peers whose link was taken into service, even if it has closed since: such a peer was
@@ -330,6 +331,7 @@ class LinkTransport(Transport):
     # -- LinkHost ---------------------------------------------------------------------------
     def link_closed(self, link: Link, reason: str, lost: bool) -> None:
         peer = link.peer
+        self._ended.setdefault(peer, PeerLostError(peer, reason, left=not lost))
         if self._links.get(peer) is link:
             del self._links[peer]
             self.links_version += 1
@@ -343,6 +345,12 @@ class LinkTransport(Transport):
         # acted on after them, so that what fails here fails with the cause the peer told, not
         # with its leaving, on every kind of link.
         loop.call_soon(self._peer_gone, peer, reason, lost)
+
+    def take_in_from(self, rank: int) -> PeerLostError | None:
+        link = self._links.get(rank)
+        if link is not None and not link.closed:
+            link.read_now()
+        return self._ended.get(rank)
 
     def _peer_gone(self, peer: int, reason: str, lost: bool) -> None:
         if not self.matcher.peer_lost(peer, reason, left=not lost):
