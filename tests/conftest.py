@@ -13,7 +13,7 @@ no process writes the bytecode it compiled, so every one of them compiled every 
 about 0.15 s of CPU per process. Compiling once, before the first test, lets them all load it.
 
 torch's and numpy's thread pools (OpenMP, OpenBLAS) start a thread per core in every process that
-computes, and their idle threads spin before they sleep. With two xdist workers and their ranks on
+computes, and their idle threads spin before they sleep. With the xdist workers and their ranks on
 two cores, those spinning threads take the CPU from the processes doing the work: a small torch
 training loop took 8 to 15 s of CPU with two threads on the loaded two-core machine and 0.5 s with
 one. Every process of the run (the workers, and through the environment the processes the tests
