@@ -157,6 +157,34 @@ async def test_a_rank_that_leaves_after_losing_another_names_the_lost_one_in_its
     await close(engs)
 
 
+async def test_a_loss_told_by_another_names_what_the_lost_ranks_own_link_said() -> None:
+    """Rank 1 dies and, in the same turn of rank 0's loop, the coordinator's notice of it
+    arrives: rank 0's pending operation names how its own link to rank 1 ended (the nearer
+    evidence), not the notice; a notice alone, with the link still up, is named as it came."""
+    world, engs = engines(3)
+    g0 = engs[0].group("w", (0, 1, 2))
+    for r in (1, 2):
+        engs[r].group("w", (0, 1, 2))
+    pending = engs[0].submit(g0, "barrier", barrier_body((0, 1, 2), 0), timeout=10)
+    await asyncio.sleep(0)
+    world.kill(1)
+    engs[0].peer_lost(1, "the coordinator's word")
+    with pytest.raises(PeerLostError) as info:
+        await asyncio.wait_for(pending, 2)
+    own = world[0].take_in_from(1)
+    assert own is not None and own.rank == 1 and "the coordinator's word" not in own.reason
+    assert info.value.rank == 1 and info.value.reason == own.reason, info.value
+    assert world[0].take_in_from(2) is None  # its link is up and holds nothing
+    g2 = engs[2].group("v", (0, 2))
+    engs[0].group("v", (0, 2))
+    pending = engs[2].submit(g2, "barrier", barrier_body((0, 2), 1), timeout=10)
+    await asyncio.sleep(0)
+    engs[2].peer_lost(0, "the coordinator's word")
+    with pytest.raises(PeerLostError, match="the coordinator's word"):
+        await asyncio.wait_for(pending, 2)
+    await close(engs)
+
+
 async def test_mismatch_detected_on_one_rank_fails_every_rank_of_the_group() -> None:
     _, engs = engines(3)
     groups = [e.group("w", (0, 1, 2)) for e in engs]
