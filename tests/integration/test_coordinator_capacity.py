@@ -43,7 +43,8 @@ async def test_a_coordinator_out_of_descriptors_refuses_saying_why_and_tells_the
     )
     sessions: list[CoordinatorSession] = []
     try:
-        assert f"at most {LIMIT}" in coord.log(), "it states its descriptor budget when it starts"
+        # (the line after "listening on", which the constructor waits for: under load, a moment later)
+        await _until(lambda: f"at most {LIMIT}" in coord.log(), "its descriptor budget stated when it starts")
         waiter = await CoordinatorSession.connect("127.0.0.1", coord.port, token=TOKEN, job="big", timeout=30)
         sessions.append(waiter)
         events: list[dict[str, Any]] = []
