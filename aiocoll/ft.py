@@ -38,7 +38,7 @@ import pickle
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -466,6 +466,13 @@ def _default_replica() -> str:
         return named
     rank = os.environ.get("RANK")
     return f"replica{rank}" if rank else f"{socket.gethostname()}:{os.getpid()}"
+
+
+async def _destroy_quietly(groups: Iterable[ProcessGroup]) -> None:
+    """Destroy ``groups``, each within a bound; errors ignored (they are going)."""
+    for g in groups:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(g.destroy(), _DESTROY_TIMEOUT)
 
 
 class Manager:
@@ -1072,17 +1079,14 @@ class Manager:
         old = self.group
         self.group = self.quorum_group = None
         if old is not None and old is not self._linked:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(old.destroy(), _DESTROY_TIMEOUT)
+            await _destroy_quietly([old])
 
     async def _destroy_groups(self) -> None:
         """Destroy the quorum's groups (each within a bound; errors ignored: it is going)."""
         groups = {id(g): g for g in (self.group, self.quorum_group, self._linked) if g is not None}
         self.group = self.quorum_group = self._linked = None
         self._linked_ranks = {}
-        for g in groups.values():
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(g.destroy(), _DESTROY_TIMEOUT)
+        await _destroy_quietly(groups.values())
 
     def _fail(self, what: str, exc: BaseException, kind: str = "shard") -> None:
         """Record the step's failure, naming the replicas, ranks and hosts it involves.

@@ -226,15 +226,12 @@ def start_python(
             start_new_session=start_new_session,
         )
     opened: list[int] = []
-    fds = []
-    for value, default in ((stdin, 0), (stdout, 1)):
+    fds: list[int] = []
+    for value, default in ((stdin, 0), (stdout, 1), (stderr, 2)):
+        if value == subprocess.STDOUT:
+            fds.append(fds[1])
+            continue
         fd, ours = _stream_fd(value, default)
-        fds.append(fd)
-        opened += [fd] if ours else []
-    if stderr == subprocess.STDOUT:
-        fds.append(fds[1])
-    else:
-        fd, ours = _stream_fd(stderr, 2)
         fds.append(fd)
         opened += [fd] if ours else []
     try:
