@@ -118,8 +118,8 @@ class BeatThread:
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX)
                 continue
-            backoff = 0.1
             self._sock = sock
+            answered = self.beats
             try:
                 self._beat(sock, decoder)
             except (OSError, ProtocolError, TimeoutError) as exc:
@@ -128,7 +128,13 @@ class BeatThread:
             finally:
                 self._sock = None
                 sock.close()
+            # Back off afresh only after a connection that carried beats: one the coordinator
+            # closes right after the handshake (it no longer counts this member) is retried ever
+            # more slowly, not ten times a second.
+            if self.beats > answered:
+                backoff = 0.1
             self._stopping.wait(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX)
 
     def _connect(self) -> tuple[socket.socket, FrameDecoder]:
         handshake = ClientHandshake(

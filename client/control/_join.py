@@ -383,14 +383,7 @@ class Joining:
             try:
                 await link.request({"op": "hb"}, b"", _HEARTBEAT_REPLY_TIMEOUT)
             except TimeoutError:
-                log.warning(
-                    "job=%s rank=%s event=heartbeat_unanswered address=%s after=%.1fs; reconnecting",
-                    self.job,
-                    None if self.membership is None else self.membership.rank,
-                    self.address,
-                    _HEARTBEAT_REPLY_TIMEOUT,
-                )
-                link.close()
+                keeper.replace(link, f"a heartbeat went unanswered for {_HEARTBEAT_REPLY_TIMEOUT:.1f}s")
             except LinkLost:
                 pass  # the reconnect logic has it
 

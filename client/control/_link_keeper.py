@@ -205,6 +205,7 @@ class LinkKeeper:
         self.server_info: dict[str, Any] = {}
         self._answered = False  # a coordinator at this address completed a handshake with us
         self._reconnect_task: asyncio.Task[None] | None = None
+        self._retiring: CoordinatorLink | None = None  # kept open until its replacement is up
 
     @property
     def address(self) -> str:
@@ -268,12 +269,37 @@ class LinkKeeper:
         )
         self._reconnect_task = asyncio.ensure_future(self._reconnect())
 
+    def replace(self, link: CoordinatorLink, why: str) -> None:
+        """Connect anew because ``link`` stopped answering, and close it only once the new link
+        is up: a coordinator that was stalled, not gone, still finds this session connected when it
+        wakes and moves it to the new link, instead of reading a closed connection as the member
+        lost and then refusing its resume."""
+        if link is not self.link or self.closed:
+            return
+        self._publish(None)  # new requests wait for the new link
+        self._retiring = link
+        log.warning(
+            "job=%s rank=%s event=coordinator_link_replaced address=%s reason=%s; connecting anew "
+            "before closing it",
+            self.job,
+            self._rank(),
+            self.address,
+            why,
+        )
+        self._reconnect_task = asyncio.ensure_future(self._reconnect())
+
+    def _retire(self) -> None:
+        old, self._retiring = self._retiring, None
+        if old is not None:
+            old.close()
+
     async def _reconnect(self) -> None:
         try:
             link = await self.connect(Deadline(self._timeout()))
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
+            self._retire()
             if self.closed:
                 return
             self.fatal = exc
@@ -292,6 +318,7 @@ class LinkKeeper:
             return
         self._on_new_link(link)  # before anyone else may write to it: what must go first, goes first
         self._publish(link)
+        self._retire()  # after the new link's hello named our session: its close loses nobody
         log.info("job=%s rank=%s event=reconnected address=%s", self.job, self._rank(), self.address)
         self._on_event({"ev": EV_RECONNECTED})
 
@@ -348,4 +375,5 @@ class LinkKeeper:
         link, self.link = self.link, None
         if link is not None:
             link.close()
+        self._retire()
         self.changed.set()

@@ -238,6 +238,9 @@ class CoordinatorSession(Joining, Store):
             self.session_lost = str(event.get("reason", "the coordinator refused to resume the session"))
             log.error("job=%s rank=%s event=session_lost reason=%s", self.job, self._rank, self.session_lost)
             self._stop_heartbeats()
+            beats, self._beats = self._beats, None
+            if beats is not None:
+                beats.stop()  # the coordinator no longer counts this member: nothing to beat for
         elif name == EV_REFUSED:
             log.warning(
                 "job=%s rank=%s event=join_refused peer=%s reason=%s: the coordinator refused a process "

@@ -532,3 +532,89 @@ async def test_an_unanswered_heartbeat_drops_a_silent_link_and_the_worker_reconn
             assert await worker.check([]) is True
         finally:
             await worker.aclose()
+
+
+@pytest.mark.timeout(60)
+async def test_a_stalled_coordinator_keeps_its_members_when_their_heartbeats_time_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A coordinator that stops answering for longer than a heartbeat's reply timeout (SIGSTOP
+    here; a long GC pause or an overloaded host in life) but comes back: each worker connects anew
+    before closing the silent link, so the coordinator moves both members to their new links
+    instead of reading the closed ones as members lost and then refusing their resumes."""
+    import aiocoll.client.control._join as session_module  # where heartbeats are sent
+
+    monkeypatch.setattr(session_module, "HEARTBEAT_INTERVAL", 0.1)
+    monkeypatch.setattr(session_module, "_HEARTBEAT_REPLY_TIMEOUT", 0.5)
+    coordinator = _coordinator(tmp_path)
+    job = f"stalled-{uuid.uuid4().hex}"
+    workers = [await _connect(coordinator.port, job, timeout=30) for _ in range(2)]
+    events: list[list[str]] = [[], []]
+    reconnected = [asyncio.Event(), asyncio.Event()]
+    for i, worker in enumerate(workers):
+
+        def on_event(event: dict[str, Any], i: int = i) -> None:
+            events[i].append(event["ev"])
+            if event["ev"] == "reconnected":
+                reconnected[i].set()
+
+        worker.on_event(on_event)
+    try:
+        await asyncio.gather(*(w.join(r, 2, [], "h", timeout=20) for r, w in enumerate(workers)))
+        await workers[0].set("before", b"1")
+        coordinator.proc.send_signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(1.5)  # three reply timeouts: both workers replace their links
+        finally:
+            coordinator.proc.send_signal(signal.SIGCONT)
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in reconnected)), 20)
+        assert [w.session_lost for w in workers] == [None, None], events
+        assert EV_SESSION_LOST not in events[0] + events[1], events
+        # The store answers on the new links, and the membership is live: a member that now goes
+        # away without leaving is reported to the other.
+        assert await workers[1].get("before") == b"1"
+        lost: list[int] = []
+        got = asyncio.Event()
+        workers[0].on_member_lost(lambda rank, reason: (lost.append(rank), got.set()))
+        workers[1].abort()
+        await asyncio.wait_for(got.wait(), 20)
+        assert lost == [1], lost
+        log = coordinator.log()
+        assert log.count("event=resumed") == 2, log
+        assert "resume_refused" not in log, log
+        assert "member_lost round=0 reason=connection closed without leave (closed by the client)" in log
+    finally:
+        for worker in workers:
+            await worker.aclose()
+        coordinator.stop()
+
+
+@pytest.mark.timeout(60)
+async def test_a_beat_thread_the_coordinator_refuses_backs_off_instead_of_reconnecting_at_once(
+    coordinator: CoordinatorProcess,
+) -> None:
+    """A beat connection naming a session the coordinator does not count is closed right after
+    its handshake; the thread retries with a growing pause (0.1, 0.2, 0.4 ... 2 s), not ten
+    times a second for the rest of the process."""
+    from aiocoll.client.control._beat import BeatThread
+
+    job = f"refused-beats-{uuid.uuid4().hex}"
+    beats = BeatThread(
+        "127.0.0.1",
+        coordinator.port,
+        token=TOKEN,
+        job=job,
+        session="no-such-session",
+        rank=0,
+        report=lambda full: None,
+    )
+    beats.start()
+    try:
+        await asyncio.sleep(3.0)
+    finally:
+        await asyncio.to_thread(beats.stop)
+    refused = [line for line in coordinator.log().splitlines() if f"job={job} event=beat_closed" in line]
+    # Pauses of 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s fill 3 s with at most six connections; without
+    # the backoff there were about thirty.
+    assert 1 <= len(refused) <= 6, refused
+    assert beats.beats == 0
