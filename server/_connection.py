@@ -21,7 +21,7 @@ from typing import Any, Protocol, cast
 import msgpack
 
 from aiocoll._errors import AuthenticationError, ProtocolError
-from aiocoll.protocol import PREFIX, FrameDecoder, ServerHandshake
+from aiocoll.protocol import CONTROL_READ_SIZE, PREFIX, FrameDecoder, ServerHandshake
 from aiocoll.protocol._coordinator import ROLE_ADMIN, ROLE_BEAT, ROLE_STORE, ROLE_WORKER
 
 from ._metrics import CoordinatorMetrics
@@ -411,7 +411,7 @@ class Connection(asyncio.BufferedProtocol):
         coord._handshaking.pop(self, None)
         self.job, self.role = hello["job"], hello["role"]
         self.decoder = FrameDecoder(
-            max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=16 * 1024, lists=True
+            max_header=MAX_HEADER, max_payload=coord.max_payload, read_size=CONTROL_READ_SIZE, lists=True
         )
         self.authenticated = True
         coord._conns[self.id] = self

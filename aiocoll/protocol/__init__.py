@@ -4,7 +4,16 @@ Imports only aiocoll._errors; never sockets or asyncio. See _framing (frames), _
 (authentication) and _coordinator (the coordinator's operations).
 """
 
-from ._framing import PREFIX, Frame, FrameDecoder, PayloadSink, encode_frame, encode_header, pack_prefix
+from ._framing import (
+    CONTROL_READ_SIZE,
+    PREFIX,
+    Frame,
+    FrameDecoder,
+    PayloadSink,
+    encode_frame,
+    encode_header,
+    pack_prefix,
+)
 from ._handshake import (
     HANDSHAKE_MAX_HEADER,
     MAGIC,
@@ -18,6 +27,7 @@ from ._handshake import (
 __all__ = [
     "HANDSHAKE_MAX_HEADER",
     "MAGIC",
+    "CONTROL_READ_SIZE",
     "PREFIX",
     "PROTOCOL_VERSION",
     "ClientHandshake",

@@ -22,6 +22,7 @@ import msgpack
 from .._errors import ProtocolError
 
 __all__ = [
+    "CONTROL_READ_SIZE",
     "PREFIX",
     "Frame",
     "FrameDecoder",
@@ -32,6 +33,11 @@ __all__ = [
 ]
 
 PREFIX = struct.Struct("!IQ")
+# The read buffer of a connection between a client and the coordinator, at either end: thousands
+# are open at once, each exchanging small frames, and a fresh buffer of this size costs no page
+# faults to make (a larger one is a fresh mapping, zeroed page by page). A larger header grows
+# it for a while.
+CONTROL_READ_SIZE = 16 * 1024
 _PREFIX_SIZE = PREFIX.size
 _EMPTY = memoryview(b"")
 

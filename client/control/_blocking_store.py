@@ -41,7 +41,7 @@ from typing import Any
 from aiocoll._deadline import Deadline, to_seconds
 from aiocoll._errors import AuthenticationError, ProtocolError, StoreError, StoreTimeout
 from aiocoll._net import host_port
-from aiocoll.protocol import ClientHandshake, FrameDecoder
+from aiocoll.protocol import CONTROL_READ_SIZE, ClientHandshake, FrameDecoder
 from aiocoll.protocol._coordinator import CID_BYTES, ROLE_STORE
 from aiocoll.protocol._store import (
     MUTATIONS,
@@ -110,7 +110,9 @@ class BlockingStoreClient:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._sock: socket.socket | None = None
-        self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, lists=True)
+        self._decoder = FrameDecoder(
+            max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, read_size=CONTROL_READ_SIZE, lists=True
+        )
         self._generation = 0  # grows with each connection: a waiter on an older one sends again
         self._reading = False  # a thread is reading the socket for everyone
         self._waiting: set[int] = set()  # ids whose threads wait while another thread reads
@@ -155,7 +157,9 @@ class BlockingStoreClient:
         sock.settimeout(None)
         _set_timeval(sock, socket.SO_SNDTIMEO, self.timeout)
         self._recv_limit = -1.0
-        self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, lists=True)
+        self._decoder = FrameDecoder(
+            max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, read_size=CONTROL_READ_SIZE, lists=True
+        )
         self._sock = sock
         self._generation += 1
         self._held.clear()  # unsettled, so among what the reconnect sends first

@@ -23,7 +23,7 @@ import msgpack
 
 from aiocoll._errors import AuthenticationError, ProtocolError
 from aiocoll._net import host_port
-from aiocoll.protocol import PREFIX, ClientHandshake, FrameDecoder
+from aiocoll.protocol import CONTROL_READ_SIZE, PREFIX, ClientHandshake, FrameDecoder
 from aiocoll.protocol._handshake import SilentServer
 
 __all__ = ["CoordinatorLink", "EventCallback", "LinkLost", "SettleCallback", "open_link"]
@@ -212,7 +212,9 @@ class CoordinatorLink(asyncio.Protocol):
             if reply:
                 self._transport.write(reply)
             if self._handshake.done:
-                self._decoder = FrameDecoder(max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, lists=True)
+                self._decoder = FrameDecoder(
+                    max_header=_MAX_HEADER, max_payload=_MAX_PAYLOAD, read_size=CONTROL_READ_SIZE, lists=True
+                )
                 rest = bytes(self._hs_buffer)
                 self._hs_buffer = bytearray()
                 if not self.ready.done():
