@@ -405,6 +405,7 @@ class Joining:
                 session=self.membership.session,
                 rank=self.membership.rank,
                 report=report,
+                interval=self._beat_interval,  # a round of many connections asks for fewer beats
             )
             self._beats.start()
         return self._beats

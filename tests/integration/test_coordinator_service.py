@@ -475,6 +475,8 @@ async def test_sessions_of_a_round_of_many_connections_keep_the_beat_interval_it
             b.join(2, 3, [("127.0.0.1", 9002)], "h1"),
         )
         assert a._beat_interval == b._beat_interval == 2.0
+        beats = b.start_beats(lambda full: None)  # the beat thread keeps the same pace
+        assert beats._interval == 2.0
         for session in (a, b):
             await session.aclose()
 
