@@ -8,10 +8,14 @@ lock on a shared machine:
 Simulated replicas, as ``aiocoll bench --op rendezvous --simulated`` simulates hosts: a few
 processes (``--procs``, forked from one that imported only aiocoll's client, at nice +10 below
 the coordinator, on the event loop ``aiocoll.run`` gives a Manager: uvloop when installed)
-each run their share of the replicas as coroutines, each replica on its own
-coordinator connection, asking for a quorum at each step exactly as ``aiocoll.ft.Manager`` does
-(the same request), with no training between two steps: each step is only its quorum. After the
-first quorum (which waits for its join window) it reports, over ``--steps`` steps:
+each run their share of the replicas, each replica on its own coordinator connection (made and
+authenticated by a ``CoordinatorSession``), asking for a quorum at each step with the request
+``aiocoll.ft.Manager`` sends (the same fields), with no training between two steps: each step
+is only its quorum. A replica is driven from its connection's callbacks (its reply read, its
+next ask written), not through the session's request machinery (a coroutine and a future per
+ask): that client-side work is each replica's own host's on a cluster, and here it would share
+the coordinator's CPUs. After the first quorum (which waits for its join window) it reports,
+over ``--steps`` steps:
 
 - ``latency``: per step, from the last replica's ask to the last replica's reply (the quorum's
   own time: what the slowest replica's ``start_step`` waits beyond the others), median and worst;
@@ -49,66 +53,147 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+class _Sim:
+    """One simulating process's replicas: the marks of each step, and when all are answered."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int, steps: int) -> None:
+        self.count = count
+        self.steps = steps
+        self.marks = [[0.0, 0.0] for _ in range(steps + 1)]  # per step: the last ask, the last reply
+        self.first: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.counted = 0
+        self.finished = 0
+
+    def answered(self, r: _SimReplica) -> None:
+        if r.step == 1:
+            self.counted += 1
+            if self.counted == self.count and not self.first.done():
+                self.first.set_result(None)
+        elif r.step <= self.steps:
+            r.ask()
+        else:
+            self.finished += 1
+            if self.finished == self.count and not self.done.done():
+                self.done.set_result(None)
+
+    def fail(self, exc: BaseException) -> None:
+        for fut in (self.first, self.done):
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+class _SimReplica(asyncio.Protocol):
+    """One simulated replica on its own coordinator connection, driven from the connection's
+    callbacks: it sends a Manager's quorum request and, once answered, the next step's."""
+
+    def __init__(self, name: str, transport: asyncio.Transport, sim: _Sim, total: int, join: float) -> None:
+        import msgpack
+
+        from aiocoll.protocol import FrameDecoder
+
+        self.name, self.transport, self.sim = name, transport, sim
+        self.total, self.join = total, join
+        self.uid = secrets.token_hex(8)
+        self.step = 0
+        self.known = 0
+        self.ids = 0
+        self.asked = 0.0
+        self.decoder = FrameDecoder(max_header=1 << 20, max_payload=0, lists=True)
+        self.pack = msgpack.Packer(use_bin_type=True).pack
+
+    def ask(self) -> None:
+        from aiocoll.protocol import pack_prefix
+
+        self.ids += 1
+        step = self.step
+        head = self.pack(
+            {
+                "replica": self.name,
+                "uid": self.uid,
+                "step": step,
+                "ask": step + 1,
+                "host": f"sim-{self.name}",
+                "min_replicas": self.total,
+                "join_timeout": self.join,
+                "renew": False,
+                "known": self.known,  # the quorum whose group it holds, as a Manager says
+                "op": "quorum",
+                "timeout": 120.0,
+                "id": self.ids,
+            }
+        )
+        self.asked = time.monotonic()
+        self.transport.write(pack_prefix(len(head), 0) + head)
+
+    def data_received(self, data: bytes) -> None:
+        got = time.monotonic()
+        try:
+            for reply, _ in self.decoder.feed_messages(data):
+                step = self.step
+                if not (
+                    reply.get("ok") is True
+                    and reply["id"] == self.ids
+                    and reply["max_step"] == step
+                    and len(reply.get("members", ())) in (0, self.total)
+                ):
+                    raise RuntimeError(f"replica {self.name} at step {step} got {reply!r}")
+                self.known = reply["quorum_id"]
+                mark = self.sim.marks[step]
+                mark[0] = max(mark[0], self.asked)
+                mark[1] = max(mark[1], got)
+                self.step = step + 1
+                self.sim.answered(self)
+        except Exception as exc:
+            self.sim.fail(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.step <= self.sim.steps:
+            self.sim.fail(
+                ConnectionError(f"replica {self.name} lost its connection at step {self.step}: {exc}")
+            )
+
+
 def _simulate(
     names: list[str], port: int, token: str, steps: int, total: int, join: float, out: Any, barrier: Any
 ) -> None:
     os.nice(NICE)
     from aiocoll.client.control.session import CoordinatorSession
 
-    from aiocoll._deadline import Deadline
-
-    async def replica(
-        name: str, marks: list[list[float]], first: asyncio.Future[None], counted: list[int]
-    ) -> None:
-        session = await CoordinatorSession.connect(
-            "127.0.0.1", port, token=token, job="quorum-scale", role="store", timeout=120.0
-        )
-        uid = secrets.token_hex(8)
-        known = 0
-        try:
-            for step in range(steps + 1):
-                fields = {
-                    "replica": name,
-                    "uid": uid,
-                    "step": step,
-                    "ask": step + 1,
-                    "host": f"sim-{name}",
-                    "min_replicas": total,
-                    "join_timeout": join,
-                    "renew": False,
-                    "known": known,  # the quorum whose group it holds, as a Manager says
-                }
-                asked = time.monotonic()
-                reply, _ = await session._call("quorum", fields, deadline=Deadline(120.0), waits=True)
-                got = time.monotonic()
-                assert reply["max_step"] == step and len(reply.get("members", ())) in (0, total), reply
-                known = reply["quorum_id"]
-                marks[step][0] = max(marks[step][0], asked)
-                marks[step][1] = max(marks[step][1], got)
-                if step == 0:
-                    counted[0] += 1
-                    if counted[0] == len(names):
-                        first.set_result(None)
-                    await first  # every process's replicas start step 1 together, after the parent's look
-        finally:
-            await session.aclose()
-
     async def main() -> None:
-        marks = [[0.0, 0.0] for _ in range(steps + 1)]
         loop = asyncio.get_running_loop()
-        first: asyncio.Future[None] = loop.create_future()
-        counted = [0]
-        every = asyncio.gather(*(replica(n, marks, first, counted) for n in names))
+        sim = _Sim(loop, len(names), steps)
+        sessions = await asyncio.gather(
+            *(
+                CoordinatorSession.connect(
+                    "127.0.0.1", port, token=token, job="quorum-scale", role="store", timeout=120.0
+                )
+                for _ in names
+            )
+        )
         try:
-            await asyncio.wait_for(asyncio.shield(first), 300)
-        except asyncio.TimeoutError:
-            pass
-        # (a failure before the first quorum shows in ``every``)
-        if first.done():
+            replicas = []
+            for name, session in zip(names, sessions, strict=True):
+                # The session made the connection and its handshake; the replica takes it over.
+                link = session._keeper.link
+                assert link is not None and link._transport is not None
+                r = _SimReplica(name, link._transport, sim, total, join)
+                link._transport.set_protocol(r)
+                replicas.append(r)
+            for r in replicas:
+                r.ask()
+            await asyncio.wait_for(
+                asyncio.shield(sim.first), 300
+            )  # the first quorum waits for its join window
             await loop.run_in_executor(None, barrier.wait, 300)  # the parent reads the CPU
             await loop.run_in_executor(None, barrier.wait, 300)
-        await every
-        out.put(("marks", marks))
+            for r in replicas:  # every process's replicas start step 1 together
+                r.ask()
+            await asyncio.wait_for(asyncio.shield(sim.done), 600)
+        finally:
+            for session in sessions:
+                session.abort()
+        out.put(("marks", sim.marks))
 
     from aiocoll import run
 
