@@ -47,10 +47,18 @@ ROOT = Path(__file__).resolve().parents[1]
 NICE = 10
 
 
-def _cpu_seconds(pid: int) -> float:
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """Process ``pid``'s CPU time so far: user, system."""
     with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
         fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _cpu_of(pids: list[int]) -> tuple[float, float]:
+    """The CPU time of processes ``pids``, together: user, system."""
+    times = [_cpu_seconds(pid) for pid in pids]
+    return sum(t[0] for t in times), sum(t[1] for t in times)
 
 
 class _Sim:
@@ -303,8 +311,8 @@ def main() -> None:
             p.start()
         # the coordinator's CPU from the end of the first quorum to the end of the last
         barrier.wait(600)
-        cpu_start = _cpu_seconds(int(coordinator.process.pid or 0))
-        sim_start = sum(_cpu_seconds(int(p.pid or 0)) for p in procs)
+        coordinator_pid, sim_pids = int(coordinator.process.pid or 0), [int(p.pid or 0) for p in procs]
+        cpu_start, sim_start = _cpu_of([coordinator_pid]), _cpu_of(sim_pids)
         barrier.wait(60)
         results: list[Any] = []
         while len(results) < len(procs):
@@ -312,8 +320,7 @@ def main() -> None:
             if kind == "error":
                 raise SystemExit(f"quorum_scale: a simulating process failed: {value}")
             results.append(value)
-        cpu_end = _cpu_seconds(int(coordinator.process.pid or 0))
-        sim_end = sum(_cpu_seconds(int(p.pid or 0)) for p in procs)
+        cpu_end, sim_end = _cpu_of([coordinator_pid]), _cpu_of(sim_pids)
         for p in procs:
             p.join(30)
     finally:
@@ -332,10 +339,12 @@ def main() -> None:
         f"worst {max(latency) * 1e3:.1f} ms"
     )
     print(f"  period per step (simulated replicas' work included): {period * 1e3:.1f} ms")
-    per = (cpu_end - cpu_start) / args.steps
-    print(f"  coordinator CPU per quorum: {per * 1e3:.1f} ms (user + system)")
-    sim = (sim_end - sim_start) / args.steps
-    print(f"  simulated replicas' CPU per step, all processes: {sim * 1e3:.1f} ms (user + system)")
+    for what, start, end in (
+        ("coordinator CPU per quorum", cpu_start, cpu_end),
+        ("simulated replicas' CPU per step, all processes", sim_start, sim_end),
+    ):
+        user, system = ((end[i] - start[i]) / args.steps * 1e3 for i in (0, 1))
+        print(f"  {what}: {user + system:.1f} ms (user {user:.1f} + system {system:.1f})")
 
 
 if __name__ == "__main__":
