@@ -45,9 +45,8 @@ def _member_fields(job: Job, rank: object, addrs: object, host: object) -> tuple
     Raises:
         Refused: naming what is wrong.
     """
-    who = f"job {job.name!r}, rank {rank}"
     if rank is not None and type(rank) is not int:
-        raise Refused(ERR_INVALID, f"{who}: 'rank' must be an integer or None")
+        raise Refused(ERR_INVALID, f"job {job.name!r}, rank {rank}: 'rank' must be an integer or None")
     if not (
         isinstance(addrs, list)
         and len(addrs) <= MAX_ADDRS
@@ -61,10 +60,24 @@ def _member_fields(job: Job, rank: object, addrs: object, host: object) -> tuple
             for a in addrs
         )
     ):
-        raise Refused(ERR_INVALID, f"{who}: 'addrs' must be a list of at most {MAX_ADDRS} [host, port] pairs")
+        raise Refused(
+            ERR_INVALID,
+            f"job {job.name!r}, rank {rank}: 'addrs' must be a list of at most {MAX_ADDRS} "
+            f"[host, port] pairs",
+        )
     if type(host) is not str or len(host) > MAX_HOST_CHARS:
-        raise Refused(ERR_INVALID, f"{who}: 'host' must be a string of at most {MAX_HOST_CHARS} characters")
+        raise Refused(
+            ERR_INVALID,
+            f"job {job.name!r}, rank {rank}: 'host' must be a string of at most {MAX_HOST_CHARS} characters",
+        )
     return rank, addrs, host
+
+
+def _who(job: Job, wanted: list[tuple[int | None, list[Any], str]], many: bool) -> str:
+    """Who joined, as an error names them (built only for an error: a join is on the hot path)."""
+    if many:
+        return f"job {job.name!r}, ranks {[w[0] for w in wanted][:16]}"
+    return f"job {job.name!r}, rank {wanted[0][0]}"
 
 
 class Rendezvous:
@@ -99,14 +112,13 @@ class Rendezvous:
             if not all(isinstance(e, list) and len(e) == 3 for e in listed):
                 raise Refused(ERR_INVALID, f"job {job.name!r}: each of 'members' must be [rank, addrs, host]")
             wanted = [_member_fields(job, *e) for e in listed]
-            who = f"job {job.name!r}, ranks {[w[0] for w in wanted][:16]}"
         else:
             wanted = [_member_fields(job, h.get("rank"), h.get("addrs", []), h.get("host", ""))]
-            who = f"job {job.name!r}, rank {wanted[0][0]}"
         if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
             raise Refused(
                 ERR_INVALID,
-                f"{who}: 'world_size' must be an integer in 1..{MAX_WORLD_SIZE}, got {world_size!r}",
+                f"{_who(job, wanted, many)}: 'world_size' must be an integer in 1..{MAX_WORLD_SIZE}, "
+                f"got {world_size!r}",
             )
         timeout = timeout_field(h.get("timeout"))
         if conn.joining is not None or conn.members:
@@ -116,10 +128,15 @@ class Rendezvous:
                 else conn.members[0].round.number
             )
             raise Refused(
-                ERR_RENDEZVOUS, f"{who}: this connection already joined round {number}; one join per session"
+                ERR_RENDEZVOUS,
+                f"{_who(job, wanted, many)}: this connection already joined round {number}; one join "
+                f"per session",
             )
         if len(wanted) > world_size:
-            raise Refused(ERR_RENDEZVOUS, f"{who}: {len(wanted)} members for a world of {world_size}")
+            raise Refused(
+                ERR_RENDEZVOUS,
+                f"{_who(job, wanted, many)}: {len(wanted)} members for a world of {world_size}",
+            )
         rnd = job.round
         if rnd is not None and rnd.complete:
             if not rnd.broken:
@@ -132,7 +149,7 @@ class Rendezvous:
                 )
                 raise Refused(
                     ERR_RENDEZVOUS,
-                    f"{who}: round {rnd.number} of job {job.name!r} is complete "
+                    f"{_who(job, wanted, many)}: round {rnd.number} of job {job.name!r} is complete "
                     f"with world size {rnd.world_size} and all its members are alive; a new "
                     f"round opens only after a member leaves or is lost (or use another job id)",
                 )
@@ -141,7 +158,7 @@ class Rendezvous:
             rnd = self._open_round(job, world_size)
         elif rnd.world_size != world_size:
             why = (
-                f"{who} asked for world size {world_size}, but round "
+                f"{_who(job, wanted, many)} asked for world size {world_size}, but round "
                 f"{rnd.number} of job {job.name!r} was opened with world size {rnd.world_size} "
                 f"(ranks {sorted(rnd.members)[:32]} already joined); every rank must pass the same "
                 f"world size"
@@ -165,7 +182,10 @@ class Rendezvous:
         free = world_size - len(rnd.members)
         if len(wanted) > free:
             self._refuse_join(
-                rnd, conn, req_id, f"{who}: {len(wanted)} members joined a round with {free} free ranks"
+                rnd,
+                conn,
+                req_id,
+                f"{_who(job, wanted, many)}: {len(wanted)} members joined a round with {free} free ranks",
             )
             return
         now = self.fx.clock()
@@ -191,14 +211,15 @@ class Rendezvous:
             detail=str(world_size),
             total=len(rnd.members),
         )
-        log.debug(
-            "job=%s %s event=join round=%d joined=%d/%d",
-            job.name,
-            request.ranks(),
-            rnd.number,
-            len(rnd.members),
-            world_size,
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "job=%s %s event=join round=%d joined=%d/%d",
+                job.name,
+                request.ranks(),
+                rnd.number,
+                len(rnd.members),
+                world_size,
+            )
         if len(rnd.members) == world_size:
             self._complete(rnd)
         elif timeout is not None:
