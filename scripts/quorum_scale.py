@@ -98,7 +98,7 @@ class _SimReplica(asyncio.Protocol):
     def __init__(self, name: str, transport: asyncio.Transport, sim: _Sim, total: int, join: float) -> None:
         import msgpack
 
-        from aiocoll.protocol import FrameDecoder
+        from aiocoll.protocol import CONTROL_READ_SIZE, FrameDecoder
 
         self.name, self.transport, self.sim = name, transport, sim
         self.total, self.join = total, join
@@ -107,7 +107,10 @@ class _SimReplica(asyncio.Protocol):
         self.known = 0
         self.ids = 0
         self.asked = 0.0
-        self.decoder = FrameDecoder(max_header=1 << 20, max_payload=0, lists=True)
+        # (grows for the first quorum's reply, which lists every member)
+        self.decoder = FrameDecoder(
+            max_header=1 << 20, max_payload=0, read_size=CONTROL_READ_SIZE, lists=True
+        )
         self.pack = msgpack.Packer(use_bin_type=True).pack
 
     def ask(self) -> None:
