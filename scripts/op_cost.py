@@ -10,6 +10,8 @@ Run it under the launcher, one world per invocation (under the bench lock on a s
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --events        # + yields, wake-ups, loop turns
     aiocoll run --nproc-per-node 2 scripts/op_cost.py --recorder      # the flight recorder, on vs off
                                                                       # (whole operations, and its own lines)
+    aiocoll run --nproc-per-node 2 scripts/op_cost.py --op sendrecv   # ping-pong: us one way, and
+                                                                      # with --count per round trip
 
 ``--count`` traces rank 0 (sys.settrace with opcode events, sys.setprofile for C calls) and
 leaves out the waits (ShmGroup's spin, sleep and naps: how long a peer takes is not work), so
@@ -34,8 +36,11 @@ from typing import Any
 import numpy as np
 
 import aiocoll
+from aiocoll.cli._bench_worker import pingpong  # the bench's own ping-pong
 
-WAITS = {"_spin", "_sleep", "_wait_step", "_nap", "_beside", "_loop_turned"}
+# the arena's waits, and the links' (a receive's straight spin, the loop's polling turns, a
+# sender's spin for ring room and its sleep)
+WAITS = {"_spin", "_sleep", "_wait_step", "_nap", "_beside", "_loop_turned", "spin", "_poll_turn", "nap"}
 
 
 class Counter:
@@ -200,8 +205,9 @@ async def recorder_ab(pg: Any, x: np.ndarray, blocks: int, ops: int) -> None:
 async def main(args: argparse.Namespace) -> None:
     async with await aiocoll.init_process_group() as pg:
         x = np.zeros(args.count_elements, dtype=np.float32)
+        step = pingpong(pg, x, pg.rank) if args.op == "sendrecv" else (lambda: pg.all_reduce(x))
         for _ in range(args.warmup):
-            await pg.all_reduce(x)
+            await step()
         await pg.barrier()
         if args.recorder:
             await recorder_ab(pg, x, args.blocks, args.ops // (2 * args.blocks))
@@ -223,7 +229,7 @@ async def main(args: argparse.Namespace) -> None:
         if events is not None:
             events.start()
         for _ in range(ops):
-            await pg.all_reduce(x)
+            await step()
         if counter is not None:
             counter.stop()
         if events is not None:
@@ -233,11 +239,18 @@ async def main(args: argparse.Namespace) -> None:
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         slept = (shm.sleeps - sleeps) * 1000 / ops if shm is not None else 0.0
         path = "shm" if shm is not None else "links"
-        print(
-            f"rank {pg.rank}: {wall / ops * 1e6:.1f} us/op wall, {cpu / ops * 1e6:.1f} us/op CPU "
-            f"({ops} all_reduces of {x.nbytes} B over {path}, {slept:.1f} sleeps per 1000)",
-            flush=True,
-        )
+        if args.op == "sendrecv":
+            print(
+                f"rank {pg.rank}: {wall / ops / 2 * 1e6:.1f} us one way wall, {cpu / ops * 1e6:.1f} us CPU "
+                f"per round trip ({ops} ping-pongs of {x.nbytes} B)",
+                flush=True,
+            )
+        else:
+            print(
+                f"rank {pg.rank}: {wall / ops * 1e6:.1f} us/op wall, {cpu / ops * 1e6:.1f} us/op CPU "
+                f"({ops} all_reduces of {x.nbytes} B over {path}, {slept:.1f} sleeps per 1000)",
+                flush=True,
+            )
         if counter is not None:
             print(counter.report(ops, args.top), flush=True)
         if events is not None:
@@ -254,6 +267,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add("--ops", type=int, default=20000, help="timed operations (default 20000)")
     add("--warmup", type=int, default=500, help="untimed operations first (default 500)")
     add("--elements", dest="count_elements", type=int, default=1, help="float32 elements (default 1)")
+    add("--op", choices=("all_reduce", "sendrecv"), default="all_reduce", help="default all_reduce")
     add("--count", action="store_true", help="count opcodes and calls per operation on rank 0")
     add("--trace-ops", type=int, default=300, help="operations timed and traced with --count (default 300)")
     add("--events", action="store_true", help="count yields, wake-ups and loop turns per operation")

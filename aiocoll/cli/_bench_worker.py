@@ -24,9 +24,27 @@ from typing import Any
 from ._bench_common import SizedOp, contender_gap, run_loop
 from ._bench_servers import quiet_logs
 
-__all__ = ["Buffers", "OpRunner", "time_blocking", "worker_main"]
+__all__ = ["Buffers", "OpRunner", "pingpong", "time_blocking", "worker_main"]
 
 Msg = tuple[Any, ...]
+
+
+def pingpong(pg: Any, buf: Any, rank: int) -> Callable[[], Any]:
+    """One round trip of aiocoll's ping-pong between ranks 0 and 1 (a send and a receive on each;
+    other ranks idle); scripts/op_cost.py times it too."""
+
+    async def ping() -> None:
+        await pg.send(buf, 1)
+        await pg.recv(buf, 1)
+
+    async def pong() -> None:
+        await pg.recv(buf, 0)
+        await pg.send(buf, 0)
+
+    async def idle() -> None:
+        return None
+
+    return ping if rank == 0 else pong if rank == 1 else idle
 
 
 class Buffers:
@@ -109,19 +127,7 @@ class OpRunner:
     def _pingpong(self, rank: int) -> Callable[[], Any]:
         pg, buf = self.pg, self.b.inp
         if self.impl == "aiocoll":
-
-            async def ping() -> None:
-                await pg.send(buf, 1)
-                await pg.recv(buf, 1)
-
-            async def pong() -> None:
-                await pg.recv(buf, 0)
-                await pg.send(buf, 0)
-
-            async def idle() -> None:
-                return None
-
-            return ping if rank == 0 else pong if rank == 1 else idle
+            return pingpong(pg, buf, rank)
 
         def ping_sync() -> None:
             pg.send(buf, 1)
