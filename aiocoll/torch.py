@@ -65,9 +65,11 @@ DEVICES = ("cpu", "cuda")
 _DEFAULT_TIMEOUT = 1800.0
 
 
-# c10d's RedOpType members as aiocoll's ReduceOp, filled as they are met: c10d's options object
-# makes a new ReduceOp wrapper at every read, and this is read at every call.
-_by_red_op: dict[Any, ReduceOp] = {}
+# c10d's RedOpType members as aiocoll's ReduceOp, by their int values, filled as they are met:
+# c10d's options object makes a new ReduceOp wrapper at every read, and this is read at every
+# call. Keyed by the int, not the member: hashing and comparing a member are pybind calls, which
+# cost more than the rest of this function.
+_by_red_op: dict[int, ReduceOp] = {}
 
 
 def _reduce_op(opts: Any) -> ReduceOp:
@@ -78,9 +80,10 @@ def _reduce_op(opts: Any) -> ReduceOp:
     inner = getattr(op, "op", None)  # c10d's ReduceOp wraps a RedOpType in .op
     if inner is None:
         return ReduceOp.coerce(op)
-    known = _by_red_op.get(inner)
+    value = inner.value
+    known = _by_red_op.get(value)
     if known is None:
-        known = _by_red_op[inner] = ReduceOp.coerce(inner)
+        known = _by_red_op[value] = ReduceOp.coerce(inner)  # (PREMUL_SUM raises, uncached)
     return known
 
 
