@@ -4,6 +4,12 @@ beside aiocoll.sync and the async API on the same ranks. A developer's tool that
 torch's dispatch to a Python backend costs (the empty backend) from what is aiocoll's;
 docs/PERFORMANCE.md quotes it.
 
+Two more backends step from the empty one towards aiocoll's, each adding one part of its call:
+"work" reads c10d's reduce op and returns aiocoll's torch Work (already complete), "bridge" also
+issues an operation that does nothing through the loop-thread bridge (aiocoll._sync_loop), driven
+on the calling thread as a real one is. What aiocoll's backend costs beyond "bridge" is the async
+core's operation itself.
+
 Run it under the launcher (under the bench lock on a shared machine):
 
     aiocoll run --nproc-per-node 1 scripts/backend_overhead.py    # per-call cost, no peer
@@ -36,7 +42,10 @@ import torch.distributed as td
 from op_cost import Counter  # (this script's folder is first on the import path)
 
 import aiocoll.sync as dist
-from aiocoll._sync_loop import get_loop_thread
+from aiocoll._sync_loop import Outcome, get_loop_thread
+from aiocoll._torch_work import AiocollWork
+from aiocoll._work import Work as CoreWork
+from aiocoll.torch import _reduce_op
 
 
 class _DoneWork(td.Work):
@@ -71,6 +80,29 @@ class EmptyBackend(td.ProcessGroup):
         return _DoneWork([])
 
 
+class WorkBackend(EmptyBackend):
+    """The empty backend plus aiocoll's backend's reading of the reduce op and its torch Work."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
+        super().__init__(store, rank, size, timeout)
+        self._done = Outcome()
+        self._done._set_result(None)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> td.Work:
+        _reduce_op(opts)
+        return AiocollWork(self._done, "allreduce", tensors)
+
+
+class BridgeBackend(EmptyBackend):
+    """The "work" backend plus an operation that does nothing, issued through the bridge."""
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> td.Work:
+        _reduce_op(opts)
+        loop = get_loop_thread()
+        outcome = loop.issue(lambda: CoreWork.born(None, loop.loop))
+        return AiocollWork(outcome, "allreduce", tensors)
+
+
 def _timed(call: Callable[[], Any], iters: int) -> tuple[float, float]:
     """(wall µs, CPU µs of the whole process) per call over ``iters`` calls."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -79,26 +111,33 @@ def _timed(call: Callable[[], Any], iters: int) -> tuple[float, float]:
     return (time.perf_counter() - wall) * 1e6 / iters, (time.process_time() - cpu) * 1e6 / iters
 
 
+PATHS = ["empty", "work", "bridge", "gloo", "aiocoll", "sync"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=1000, help="calls per path per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are kept")
     parser.add_argument(
-        "--profile", choices=["empty", "gloo", "aiocoll", "sync"], help="cProfile this path on rank 0"
+        "--profile", choices=PATHS, help="cProfile this path on rank 0"
     )
     parser.add_argument(
         "--count",
-        choices=["empty", "gloo", "aiocoll", "sync"],
+        choices=PATHS,
         help="count opcodes and calls per call of this path on rank 0's calling thread",
     )
     parser.add_argument("--top", type=int, default=30, help="lines of --count detail")
     args = parser.parse_args()
 
     td.Backend.register_backend("empty", EmptyBackend, devices=["cpu"])
+    td.Backend.register_backend("work", WorkBackend, devices=["cpu"])
+    td.Backend.register_backend("bridge", BridgeBackend, devices=["cpu"])
     dist.init_process_group("gloo")  # aiocoll; torch's default group runs on "aiocoll" over it
     rank = dist.get_rank()
     gloo = td.new_group(backend="gloo")
     empty = td.new_group(backend="empty")
+    work = td.new_group(backend="work")
+    bridge = td.new_group(backend="bridge")
     core = dist.group.WORLD.core  # type: ignore[union-attr]
     loop = get_loop_thread()
     t = torch.zeros(1, dtype=torch.float32)
@@ -111,6 +150,8 @@ def main() -> None:
 
     paths: dict[str, Callable[[int], tuple[float, float]]] = {
         "empty": lambda n: _timed(lambda: td.all_reduce(t, group=empty), n),
+        "work": lambda n: _timed(lambda: td.all_reduce(t, group=work), n),
+        "bridge": lambda n: _timed(lambda: td.all_reduce(t, group=bridge), n),
         "gloo": lambda n: _timed(lambda: td.all_reduce(t, group=gloo), n),
         "aiocoll": lambda n: _timed(lambda: td.all_reduce(t), n),
         "sync": lambda n: _timed(lambda: dist.all_reduce(t), n),
