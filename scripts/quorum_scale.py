@@ -98,11 +98,12 @@ class _SimReplica(asyncio.Protocol):
     def __init__(self, name: str, transport: asyncio.Transport, sim: _Sim, total: int, join: float) -> None:
         import msgpack
 
-        from aiocoll.protocol import CONTROL_READ_SIZE, FrameDecoder
+        from aiocoll.protocol import CONTROL_READ_SIZE, FrameDecoder, pack_prefix
 
         self.name, self.transport, self.sim = name, transport, sim
         self.total, self.join = total, join
         self.uid = secrets.token_hex(8)
+        self.host = f"sim-{name}"
         self.step = 0
         self.known = 0
         self.ids = 0
@@ -112,10 +113,9 @@ class _SimReplica(asyncio.Protocol):
             max_header=1 << 20, max_payload=0, read_size=CONTROL_READ_SIZE, lists=True
         )
         self.pack = msgpack.Packer(use_bin_type=True).pack
+        self.prefix = pack_prefix
 
     def ask(self) -> None:
-        from aiocoll.protocol import pack_prefix
-
         self.ids += 1
         step = self.step
         head = self.pack(
@@ -124,7 +124,7 @@ class _SimReplica(asyncio.Protocol):
                 "uid": self.uid,
                 "step": step,
                 "ask": step + 1,
-                "host": f"sim-{self.name}",
+                "host": self.host,
                 "min_replicas": self.total,
                 "join_timeout": self.join,
                 "renew": False,
@@ -135,7 +135,7 @@ class _SimReplica(asyncio.Protocol):
             }
         )
         self.asked = time.monotonic()
-        self.transport.write(pack_prefix(len(head), 0) + head)
+        self.transport.write(self.prefix(len(head), 0) + head)
 
     def data_received(self, data: bytes) -> None:
         got = time.monotonic()
