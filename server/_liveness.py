@@ -1,6 +1,11 @@
-"""The coordinator's liveness part: heartbeats, and the once-a-second look at every live member
-that declares the silent ones lost and the ones that did not come back after a restart. Sans-IO;
-imports _model, _membership, _rounds and aiocoll foundations only.
+"""The coordinator's liveness part: heartbeats, and the once-a-second look at the live members
+whose silence may have run out, which declares the silent ones lost and the ones that did not come
+back after a restart. Sans-IO; imports _model, _membership, _rounds and aiocoll foundations only.
+
+Each member is looked at when its silence could first exceed the limit (when it was last heard,
+plus the limit), not every second: a member heard since is scheduled again for its new time. So a
+pass costs the members due in it, and 100,000 members beating steadily are looked at once per
+heartbeat timeout each, not once a second.
 
 Silence is measured in time the coordinator could listen: when its own loop stalled (an embedded
 coordinator in a rank busy importing torch, a paused VM), the members' heartbeats wait unread in
@@ -9,7 +14,9 @@ socket buffers, so the stall is credited to everyone instead of declaring them a
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 from typing import Any
 
 from ._membership import Membership
@@ -20,11 +27,15 @@ __all__ = ["HOUSEKEEPING_INTERVAL", "Liveness"]
 
 log = logging.getLogger("aiocoll.server")
 
-# Liveness and expiry scans walk every member and job; once a second is plenty for a 10 s
-# heartbeat timeout and keeps a 10,000-member coordinator's housekeeping cheap.
+# Housekeeping (the members due, and expiry, which walks every job) runs once a second: plenty
+# for a 10 s heartbeat timeout.
 HOUSEKEEPING_INTERVAL = 1.0
 
 _ALIVE, _RESUMING = MemberState.ALIVE, MemberState.RESUMING
+
+# Members are scheduled in slots of a quarter of a second: a member's silence is noticed at most
+# that much after the pass that could first have noticed it.
+_SLOTS_PER_SECOND = 4
 
 
 def heard(m: Member) -> float:
@@ -60,6 +71,8 @@ class Liveness:
         now = fx.clock()
         self.next_round = now + HOUSEKEEPING_INTERVAL
         self._last_round = now
+        self._slots: dict[int, list[Member]] = {}  # slot -> members to look at in it (some moved on)
+        self._due_slots: list[int] = []  # a heap of the slots in use
 
     def handlers(self) -> dict[str, Any]:
         return {"hb": self.op_hb}
@@ -91,25 +104,79 @@ class Liveness:
 
     def check(self, now: float) -> None:
         """Declare lost every member silent for longer than the timeout, and every restored one
-        that did not re-attach within the grace."""
-        limit = self.heartbeat_timeout
+        that did not re-attach within the grace; look only at the members due by ``now``."""
         membership = self.membership
+        live = membership.live
+        current = math.floor(now * _SLOTS_PER_SECOND)
+        newly, membership.newly_live = membership.newly_live, []
+        for m in newly:
+            if m in live:
+                self._schedule(m, current)  # already due: looked at in this pass
+        limit, grace = self.heartbeat_timeout, self.resume_grace
         closing: set[int] = set()  # a connection of many silent members is closed once
-        for m in list(membership.live):
-            if m.state is _ALIVE:
-                conn = m.conn
-                seen = heard(m)
-                if now - seen > limit:
-                    membership.lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
-                    if conn is not None and conn.id not in closing:
-                        closing.add(conn.id)
-                        self.fx.closes.append(
-                            (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
+        slots, due = self._slots, self._due_slots
+        later = current + 1
+        while due and due[0] <= current:
+            slot = heapq.heappop(due)
+            bucket: list[Member] | None = None
+            bucket_slot = -1
+            for m in slots.pop(slot, ()):
+                if m.look_at != slot:
+                    continue  # scheduled again since, for another slot
+                m.look_at = -1
+                if m not in live:
+                    continue
+                if m.state is _ALIVE:
+                    seen = heard(m)
+                    if now - seen > limit:
+                        conn = m.conn
+                        membership.lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
+                        if conn is not None and conn.id not in closing:
+                            closing.add(conn.id)
+                            self.fx.closes.append(
+                                (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
+                            )
+                        continue
+                    expiry = seen + limit
+                elif m.state is _RESUMING:
+                    if now - m.last_seen > grace:
+                        membership.lose(
+                            m, f"did not reconnect within {grace:g}s after the coordinator restarted"
                         )
-            elif m.state is _RESUMING and now - m.last_seen > self.resume_grace:
-                membership.lose(
-                    m, f"did not reconnect within {self.resume_grace:g}s after the coordinator restarted"
-                )
+                        continue
+                    expiry = m.last_seen + grace
+                else:
+                    continue
+                # Not due yet: into the slot of its expiry. Members heard together share a slot,
+                # so the last one's list is kept at hand.
+                again = math.ceil(expiry * _SLOTS_PER_SECOND)
+                if again < later:
+                    again = later
+                m.look_at = again
+                if again != bucket_slot:
+                    bucket = slots.get(again)
+                    if bucket is None:
+                        bucket = slots[again] = []
+                        heapq.heappush(due, again)
+                    bucket_slot = again
+                bucket.append(m)  # type: ignore[union-attr]
+
+    def _schedule(self, m: Member, earliest: int) -> None:
+        """Put ``m`` in the slot of the first pass that could find it past its limit, and not
+        before slot ``earliest``."""
+        if m.state is _RESUMING:
+            expiry = m.last_seen + self.resume_grace
+        else:
+            expiry = heard(m) + self.heartbeat_timeout
+        slot = max(math.ceil(expiry * _SLOTS_PER_SECOND), earliest)
+        if m.look_at == slot:
+            return
+        m.look_at = slot  # an entry left in an earlier slot is skipped there
+        members = self._slots.get(slot)
+        if members is None:
+            members = self._slots[slot] = []
+            heapq.heappush(self._due_slots, slot)
+        members.append(m)
 
     def _credit_stall(self, seconds: float) -> None:
         credited: set[int] = set()  # a connection carrying many members is credited once

@@ -42,6 +42,8 @@ class Membership:
         self.events = fx.events
         self.sessions: dict[str, Member] = {}
         self.live: set[Member] = set()
+        # Members made live since liveness last looked: it schedules their first look.
+        self.newly_live: list[Member] = []
         # Members lost since the last ``announce``, by round: (round, members).
         self._lost: dict[int, tuple[Round, list[Member]]] = {}
 
@@ -50,7 +52,12 @@ class Membership:
         self.sessions[m.session] = m
         m.move(ALIVE)
         m.last_seen = now
-        self.live.add(m)
+        self._make_live(m)
+
+    def _make_live(self, m: Member) -> None:
+        if m not in self.live:
+            self.live.add(m)
+            self.newly_live.append(m)
 
     def resume(self, conn: Conn, session: object, now: float) -> None:
         """A worker connection whose hello names ``session`` (or a list of them: a connection
@@ -80,10 +87,11 @@ class Membership:
             if member.state is RESUMING:
                 resumed.append(member)
                 member.move(ALIVE)
+                self.newly_live.append(member)  # its limit is now the heartbeat's, not the grace
             member.conn = conn
             member.last_seen = now
             conn.members.append(member)
-            self.live.add(member)
+            self._make_live(member)
             log.info(
                 "job=%s rank=%d event=resumed round=%d peer=%s",
                 j.name,
@@ -334,4 +342,4 @@ class Membership:
         for m in self.sessions.values():
             m.move(RESUMING)
             m.last_seen = now
-            self.live.add(m)
+            self._make_live(m)

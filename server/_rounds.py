@@ -64,6 +64,7 @@ class Member:
         "conn",
         "host",
         "last_seen",
+        "look_at",
         "rank",
         "reason",
         "request",
@@ -89,6 +90,7 @@ class Member:
         self.request: JoinRequest | None = None  # the join it came with, until the round completes
         self.reason = ""
         self.last_seen = 0.0
+        self.look_at = -1  # the liveness slot it is due in (_liveness); -1: none yet
 
     def move(self, new: MemberState) -> None:
         assert can_move(self.state, new), f"member {self.rank}: {self.state} -> {new}"

@@ -438,6 +438,49 @@ def test_coordinator_stall_is_not_counted_as_member_silence_but_later_silence_is
     assert [(f[0]["ev"], f[0]["rank"]) for f in frames] == [(EV_MEMBER_LOST, 1)]
 
 
+def test_liveness_looks_at_each_member_when_its_silence_could_run_out_and_not_later() -> None:
+    # Members are looked at when they are due, not every second: a member that goes silent at
+    # any moment, after beating, is still lost within a pass (1 s) and a slot (0.25 s) of its
+    # timeout; one that keeps beating never is; and a member that resumed after a restart has the
+    # heartbeat's limit from then on, not what was left of the 30 s grace.
+    h = Harness(heartbeat_timeout=10, durable=True, resume_grace=30)
+    conns, replies = complete_round(h, 4)
+    silent_from = {1: 3.0, 2: 7.5, 3: 12.25}  # ranks 1-3 beat until then, rank 0 throughout
+    lost_at: dict[int, float] = {}
+    t = 0.0
+    while t < 30:
+        h.tick(0.25)
+        t += 0.25
+        for rank, c in enumerate(conns):
+            if t < silent_from.get(rank, 99):
+                h.send(c, "hb")
+        for f, _ in h.out(conns[0]):
+            if f.get("ev") == EV_MEMBER_LOST:
+                lost_at[f["rank"]] = t
+    assert sorted(lost_at) == [1, 2, 3], lost_at
+    for rank, last in silent_from.items():
+        # heard last at ``last - 0.25``; lost once more than 10 s later, at the next pass
+        assert 10 < lost_at[rank] - (last - 0.25) <= 10 + 1 + 0.25, (rank, lost_at)
+
+    # After a restart: job k's rank 0 resumes and then says nothing; its rank 1 resumes and beats.
+    h = Harness(heartbeat_timeout=10, durable=True, resume_grace=30)
+    conns, replies = complete_round(h, 2, job="k")
+    h2 = Harness(heartbeat_timeout=10, durable=True, resume_grace=30)
+    h2.state.restore(None, h.state.take_journal())
+    h2.tick(1.0)  # a pass while both are resuming (within the grace)
+    resumed = [h2.connect("k", session=replies[c]["session"]) for c in conns]
+    lost_at = {}
+    t = 0.0
+    while t < 20 and not lost_at:
+        h2.tick(0.25)
+        t += 0.25
+        h2.send(resumed[1], "hb")
+        for f, _ in h2.out(resumed[1]):
+            if f.get("ev") == EV_MEMBER_LOST:
+                lost_at[f["rank"]] = t
+    assert list(lost_at) == [0] and 10 < lost_at[0] <= 11.25, lost_at
+
+
 def test_leave_breaks_the_round_without_events_and_a_new_round_opens() -> None:
     h = Harness()
     conns, _ = complete_round(h, 2)
