@@ -282,9 +282,7 @@ class _TorchrunNode(NodeRendezvous):
 
     LABEL = "aiocoll rendezvous"
 
-    def __init__(
-        self, host: _Host, coordinator: tuple[str, int], token: str | None
-    ) -> None:
+    def __init__(self, host: _Host, coordinator: tuple[str, int], token: str | None) -> None:
         super().__init__(host, coordinator, token)
         self.closed: str | None = None
 

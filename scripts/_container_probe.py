@@ -69,8 +69,13 @@ async def connect(port: int, token: str) -> tuple[asyncio.StreamReader, asyncio.
 
 
 async def store_request(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, decoder: FrameDecoder,
-    op: str, req_id: int, payload: bytes = b"", **fields: Any,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    decoder: FrameDecoder,
+    op: str,
+    req_id: int,
+    payload: bytes = b"",
+    **fields: Any,
 ) -> tuple[dict[str, Any], bytes]:
     """A store request in its compact form; its reply read back as a map (a set's is the SYNC's
     behind it, or its refusal)."""
@@ -225,8 +230,13 @@ def check_job(port: int, token: str) -> None:
     env = {**os.environ, "AIOCOLL_TOKEN": token, "AIOCOLL_JOB": "container-job"}
     url = f"tcp://{HOST}:{port}"
     ranks = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, url, str(rank)], env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, url, str(rank)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
         for rank in (0, 1)
     ]
     outputs = []
@@ -238,8 +248,11 @@ def check_job(port: int, token: str) -> None:
             out, _ = proc.communicate()
         outputs.append(out)
     ok = all(p.returncode == 0 for p in ranks) and all("SUM [3.0, 3.0, 3.0] 2" in o for o in outputs)
-    report(ok, "a job of two ranks rendezvouses through the coordinator and all-reduces",
-           " | ".join(o.strip().replace("\n", " / ")[-160:] for o in outputs))
+    report(
+        ok,
+        "a job of two ranks rendezvouses through the coordinator and all-reduces",
+        " | ".join(o.strip().replace("\n", " / ")[-160:] for o in outputs),
+    )
 
 
 def check_status_cli(port: int, token: str) -> None:
@@ -250,8 +263,11 @@ def check_status_cli(port: int, token: str) -> None:
     except Exception as exc:
         report(False, "aiocoll status from the image", repr(exc))
         return
-    report(out.returncode == 0 and JOB in out.stdout, "aiocoll status from the image lists the job",
-           (out.stdout + out.stderr).strip().replace("\n", " | ")[:160])
+    report(
+        out.returncode == 0 and JOB in out.stdout,
+        "aiocoll status from the image lists the job",
+        (out.stdout + out.stderr).strip().replace("\n", " | ")[:160],
+    )
 
 
 def main() -> int:

@@ -447,7 +447,6 @@ class NodeRendezvous:
         return EXIT_RENDEZVOUS_FAILED
 
 
-
 class ElasticNode(NodeRendezvous):
     """Runs this node's part of an elastic job until the job is over or the launcher is stopped.
 

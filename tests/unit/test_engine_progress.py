@@ -24,8 +24,13 @@ async def test_a_timeout_logs_the_last_operations_and_fails_the_group_s_other_ra
     x = [np.ones(4, np.float32) for _ in range(3)]
     for _ in range(2):
         works = [
-            engs[r].submit(groups[r], "all_reduce", all_reduce_body(x[r], (0, 1, 2), r), timeout=10,
-                           signature={"kind": "all_reduce", "dtype": "float32", "count": 4})
+            engs[r].submit(
+                groups[r],
+                "all_reduce",
+                all_reduce_body(x[r], (0, 1, 2), r),
+                timeout=10,
+                signature={"kind": "all_reduce", "dtype": "float32", "count": 4},
+            )
             for r in range(3)
         ]
         await asyncio.gather(*works)

@@ -18,4 +18,3 @@ def test_unset_and_blank_mean_the_default_and_numbers_are_read() -> None:
 def test_garbage_names_the_variable_and_its_value(parse: object) -> None:
     with pytest.raises(ValueError, match=r"AIOCOLL_X='fast' is not .*set a number or unset it"):
         parse("AIOCOLL_X", {"AIOCOLL_X": "fast"})  # type: ignore[operator]
-

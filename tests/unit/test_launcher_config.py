@@ -167,16 +167,37 @@ def test_worker_environment_numbers_ranks_by_node_and_passes_the_rest_through(tm
     token_file = tmp_path / "token"
     token_file.write_text("s3cret\n")
     args = _parse(
-        "--nnodes", "3", "--node_rank", "2", "--nproc_per_node", "4", "--coordinator", "10.1.2.3:4567",
-        "--job", "exp", "--max_restarts", "2", "--token-file", str(token_file), "train.py",
+        "--nnodes",
+        "3",
+        "--node_rank",
+        "2",
+        "--nproc_per_node",
+        "4",
+        "--coordinator",
+        "10.1.2.3:4567",
+        "--job",
+        "exp",
+        "--max_restarts",
+        "2",
+        "--token-file",
+        str(token_file),
+        "train.py",
     )
     config = run.build_config(args, {})
     env = worker_environment(
-        config, {"PATH": "/bin", "AIOCOLL_TOKEN": "old", "AIOCOLL_COORDINATOR": "stale:1"}, local_rank=1,
-        restart_count=2, coordinator=("10.1.2.3", 4567), master_addr="10.9.9.9", master_port=29500,
+        config,
+        {"PATH": "/bin", "AIOCOLL_TOKEN": "old", "AIOCOLL_COORDINATOR": "stale:1"},
+        local_rank=1,
+        restart_count=2,
+        coordinator=("10.1.2.3", 4567),
+        master_addr="10.9.9.9",
+        master_port=29500,
     )
     assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")} == {
-        "RANK": "9", "LOCAL_RANK": "1", "WORLD_SIZE": "12", "LOCAL_WORLD_SIZE": "4",
+        "RANK": "9",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "12",
+        "LOCAL_WORLD_SIZE": "4",
     }
     assert env["GROUP_RANK"] == "2" and env["GROUP_WORLD_SIZE"] == "3"
     # The coordinator and torch's rank-0 store are two different addresses, each in its variable.
@@ -191,18 +212,49 @@ def test_worker_environment_numbers_ranks_by_node_and_passes_the_rest_through(tm
 def test_worker_environment_keeps_inherited_token_and_thread_settings() -> None:
     config = run.build_config(_parse("--nproc-per-node", "2", "--coordinator", "127.0.0.1:1", "t.py"), {})
     env = worker_environment(
-        config, {"AIOCOLL_TOKEN": "inherited", "OMP_NUM_THREADS": "4"}, local_rank=0, restart_count=0,
-        coordinator=("127.0.0.1", 1), master_addr="127.0.0.1", master_port=2,
+        config,
+        {"AIOCOLL_TOKEN": "inherited", "OMP_NUM_THREADS": "4"},
+        local_rank=0,
+        restart_count=0,
+        coordinator=("127.0.0.1", 1),
+        master_addr="127.0.0.1",
+        master_port=2,
     )
     assert env["AIOCOLL_TOKEN"] == "inherited" and env["OMP_NUM_THREADS"] == "4"
     assert env["AIOCOLL_JOB"] == "default"
 
 
 def test_dash_and_underscore_spellings_mean_the_same() -> None:
-    dashed = _parse("--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--max-restarts", "3",
-                    "--monitor-interval", "0.5", "--rdzv-endpoint", "h:1", "s.py")
-    under = _parse("--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1", "--max_restarts", "3",
-                   "--monitor_interval", "0.5", "--rdzv_endpoint", "h:1", "s.py")
+    dashed = _parse(
+        "--nproc-per-node",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--max-restarts",
+        "3",
+        "--monitor-interval",
+        "0.5",
+        "--rdzv-endpoint",
+        "h:1",
+        "s.py",
+    )
+    under = _parse(
+        "--nproc_per_node",
+        "2",
+        "--nnodes",
+        "2",
+        "--node_rank",
+        "1",
+        "--max_restarts",
+        "3",
+        "--monitor_interval",
+        "0.5",
+        "--rdzv_endpoint",
+        "h:1",
+        "s.py",
+    )
     assert vars(dashed) == vars(under)
 
 
@@ -215,8 +267,13 @@ def test_options_after_the_script_belong_to_the_script() -> None:
 def test_worker_environment_brackets_an_ipv6_coordinator() -> None:
     config = run.build_config(_parse("--coordinator", "[fd00::1]:7000", "t.py"), {})
     env = worker_environment(
-        config, {}, local_rank=0, restart_count=0, coordinator=("fd00::1", 7000),
-        master_addr="127.0.0.1", master_port=3,
+        config,
+        {},
+        local_rank=0,
+        restart_count=0,
+        coordinator=("fd00::1", 7000),
+        master_addr="127.0.0.1",
+        master_port=3,
     )
     assert env["AIOCOLL_COORDINATOR"] == "[fd00::1]:7000"
     assert parse_coordinator_address(env["AIOCOLL_COORDINATOR"]) == ("fd00::1", 7000)
@@ -232,8 +289,9 @@ def test_master_addr_and_port_name_the_torch_store_not_the_coordinator() -> None
     assert (store.addr, store.port, store.warnings) == ("10.0.0.9", 1234, ())
     # Both may be given together now: they name two different things.
     config = run.build_config(
-        _parse("--coordinator", "10.0.0.1:29500", "--master-addr", "10.0.0.2", "--master-port", "29600",
-               "s.py"),
+        _parse(
+            "--coordinator", "10.0.0.1:29500", "--master-addr", "10.0.0.2", "--master-port", "29600", "s.py"
+        ),
         {},
     )
     assert config.coordinator == ("10.0.0.1", 29500)
@@ -278,8 +336,9 @@ def test_several_nodes_default_to_the_coordinator_host_and_29500_and_say_to_pass
 
 def test_a_store_address_equal_to_the_coordinators_is_refused_or_flagged() -> None:
     explicit = run.build_config(
-        _parse("--coordinator", "127.0.0.1:29600", "--master-addr", "127.0.0.1", "--master-port", "29600",
-               "s.py"),
+        _parse(
+            "--coordinator", "127.0.0.1:29600", "--master-addr", "127.0.0.1", "--master-port", "29600", "s.py"
+        ),
         {},
     )
     with pytest.raises(LaunchConfigError, match=r"127\.0\.0\.1:29600 is the coordinator's own address"):
@@ -343,13 +402,29 @@ def test_nnodes_is_a_fixed_count_or_an_elastic_range() -> None:
     assert single.elastic is None and single.placement.nnodes == 1  # a range of one node is one node
     elastic = run.build_config(_parse("--nnodes", "2:4", "--coordinator", "h:1", "s.py"), {})
     assert elastic.elastic == ElasticSpec(
-        min_nodes=2, max_nodes=4, join_window=DEFAULT_JOIN_WINDOW, rdzv_timeout=DEFAULT_RDZV_TIMEOUT,
+        min_nodes=2,
+        max_nodes=4,
+        join_window=DEFAULT_JOIN_WINDOW,
+        rdzv_timeout=DEFAULT_RDZV_TIMEOUT,
         node_timeout=DEFAULT_NODE_TIMEOUT,
     )
     assert elastic.placement.nnodes == 4 and "decided at each generation" in elastic.placement.sources[0]
-    timed = run.build_config(_parse(
-        "--nnodes", "2:2", "--coordinator", "h:1", "--rdzv-join-window", "0.5", "--rdzv_timeout", "30",
-        "--heartbeat-timeout", "3", "s.py"), {})
+    timed = run.build_config(
+        _parse(
+            "--nnodes",
+            "2:2",
+            "--coordinator",
+            "h:1",
+            "--rdzv-join-window",
+            "0.5",
+            "--rdzv_timeout",
+            "30",
+            "--heartbeat-timeout",
+            "3",
+            "s.py",
+        ),
+        {},
+    )
     assert timed.elastic == ElasticSpec(2, 2, join_window=0.5, rdzv_timeout=30.0, node_timeout=3.0)
     assert parse_nnodes("2:4") == NodeCount(2, 4, ranged=True) and str(parse_nnodes("2:4")) == "2:4"
     assert parse_nnodes(" 3 ") == NodeCount(3, 3) and not parse_nnodes("3").elastic
@@ -406,20 +481,57 @@ def test_an_elastic_range_needs_a_coordinator_and_ignores_node_rank(
 
 def test_worker_environment_of_an_elastic_generation_has_torchruns_variables() -> None:
     config = run.build_config(
-        _parse("--nnodes", "2:3", "--nproc-per-node", "2", "--coordinator", "h:1", "--max-restarts", "3",
-               "--job", "exp", "s.py"),
+        _parse(
+            "--nnodes",
+            "2:3",
+            "--nproc-per-node",
+            "2",
+            "--coordinator",
+            "h:1",
+            "--max-restarts",
+            "3",
+            "--job",
+            "exp",
+            "s.py",
+        ),
         {},
     )
     layout = RankLayout(node_rank=1, nnodes=3, first_rank=4, world_size=7)
     env = worker_environment(
-        config, {"TORCHELASTIC_USE_AGENT_STORE": "True"}, local_rank=1, restart_count=1,
-        coordinator=("h", 1), master_addr="10.0.0.5", master_port=40000, layout=layout, generation=5,
+        config,
+        {"TORCHELASTIC_USE_AGENT_STORE": "True"},
+        local_rank=1,
+        restart_count=1,
+        coordinator=("h", 1),
+        master_addr="10.0.0.5",
+        master_port=40000,
+        layout=layout,
+        generation=5,
         max_restarts=2,
     )
-    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME")} == {
-        "RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "7", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
-        "GROUP_WORLD_SIZE": "3", "ROLE_RANK": "5", "ROLE_WORLD_SIZE": "7", "ROLE_NAME": "default",
+    assert {
+        k: env[k]
+        for k in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "GROUP_WORLD_SIZE",
+            "ROLE_RANK",
+            "ROLE_WORLD_SIZE",
+            "ROLE_NAME",
+        )
+    } == {
+        "RANK": "5",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "7",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3",
+        "ROLE_RANK": "5",
+        "ROLE_WORLD_SIZE": "7",
+        "ROLE_NAME": "default",
     }
     # Restarts count failures (torchrun's meaning); generations count membership changes too.
     assert env["TORCHELASTIC_RESTART_COUNT"] == env["AIOCOLL_RESTART_COUNT"] == "1"
@@ -441,8 +553,17 @@ def test_the_torch_store_of_an_elastic_generation_is_on_node_rank_0() -> None:
     store = elastic_torch_store_address(config, ("10.0.0.7", 41000), ("10.0.0.1", 29500))
     assert (store.addr, store.port, store.warnings) == ("10.0.0.7", 41000, ())
     given = run.build_config(
-        _parse("--nnodes", "2:3", "--coordinator", "10.0.0.1:29500", "--master-addr", "n0",
-               "--master-port", "29500", "s.py"),
+        _parse(
+            "--nnodes",
+            "2:3",
+            "--coordinator",
+            "10.0.0.1:29500",
+            "--master-addr",
+            "n0",
+            "--master-port",
+            "29500",
+            "s.py",
+        ),
         {},
     )
     store = elastic_torch_store_address(given, ("10.0.0.7", 41000), ("n0", 29500))
@@ -460,8 +581,15 @@ def test_help_has_examples_and_both_spellings(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         _parse("--help")
     out = capsys.readouterr().out
-    for fragment in ("examples:", "--nproc-per-node", "--nproc_per_node", "--max-restarts", "SLURM_PROCID",
-                     "JOB_COMPLETION_INDEX", "exit status:"):
+    for fragment in (
+        "examples:",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        "--max-restarts",
+        "SLURM_PROCID",
+        "JOB_COMPLETION_INDEX",
+        "exit status:",
+    ):
         assert fragment in out, fragment
 
 
@@ -530,8 +658,9 @@ def _forming(*nodes: Node, min_nodes: int = 2, max_nodes: int = 3, max_restarts:
     return dataclasses.replace(state, nodes=nodes)
 
 
-def _step(state: NodeState | None, me: Node, view: View = View(), *, run: str | None = "r1",
-          last_gen: int = -1) -> object:
+def _step(
+    state: NodeState | None, me: Node, view: View = View(), *, run: str | None = "r1", last_gen: int = -1
+) -> object:
     fresh = new_run("r2", me, min_nodes=2, max_nodes=3, max_restarts=0)
     return join_step(state, me, view, run=run, last_gen=last_gen, fresh=fresh)
 
@@ -585,8 +714,10 @@ def test_a_node_that_arrives_while_a_generation_runs_ends_it_without_using_up_re
     asked = _step(running, C)
     assert isinstance(asked, Write) and asked.state.waiting == (C,) and asked.state.gen == 0
     for me in (C, A):  # the newcomer itself or a member: whoever writes first
-        ended = _step(asked.state, C) if me is C else running_step(
-            asked.state, A, View(), run="r1", gen=0, succeeded=False, failure=None
+        ended = (
+            _step(asked.state, C)
+            if me is C
+            else running_step(asked.state, A, View(), run="r1", gen=0, succeeded=False, failure=None)
         )
         assert isinstance(ended, Write)
         nxt = ended.state
@@ -640,7 +771,12 @@ def test_failures_use_up_restarts_and_the_last_one_ends_the_job_with_its_status(
     assert restarted.expected == (A.id, B.id)
     assert restarted.ended == Ending(0, FAILED, failure[0], cause="ValueError: nan", node=B.id)
     second = running_step(
-        _running(A, B, gen=1, restarts=1, max_restarts=1), B, View(), run="r1", gen=1, succeeded=False,
+        _running(A, B, gen=1, restarts=1, max_restarts=1),
+        B,
+        View(),
+        run="r1",
+        gen=1,
+        succeeded=False,
         failure=failure,
     )
     assert isinstance(second, Write) and second.state.phase == FINISHED and second.state.exit_code == 3
@@ -680,7 +816,10 @@ def test_a_closed_job_is_over_for_every_node_and_a_newcomer_starts_it_again() ->
 
 def test_node_state_round_trips_and_foreign_bytes_are_refused() -> None:
     state = dataclasses.replace(
-        _running(A, B, gen=3, restarts=1, max_restarts=2), waiting=(C,), previous=(B.id,), done=(A.id,),
+        _running(A, B, gen=3, restarts=1, max_restarts=2),
+        waiting=(C,),
+        previous=(B.id,),
+        done=(A.id,),
         ended=Ending(2, FAILED, "why", "cause", B.id),
     )
     assert decode_state(encode_state(state)) == state

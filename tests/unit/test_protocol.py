@@ -27,8 +27,13 @@ def _wire(*frames: tuple[dict, bytes]) -> bytes:
 
 headers = st.dictionaries(
     st.text(max_size=8),
-    st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=20), st.binary(max_size=20), st.none(),
-              st.lists(st.integers(0, 9), max_size=5)),
+    st.one_of(
+        st.integers(-(2**63), 2**64 - 1),
+        st.text(max_size=20),
+        st.binary(max_size=20),
+        st.none(),
+        st.lists(st.integers(0, 9), max_size=5),
+    ),
     max_size=6,
 )
 

@@ -36,8 +36,16 @@ def _frames(state: CoordinatorState, conn: int) -> list[tuple[dict[str, Any], by
 
 
 def _join(state: CoordinatorState, conn: int, rank: int | None, n: int, **extra: Any) -> None:
-    header = {"op": "join", "id": 5, "rank": rank, "world_size": n, "addrs": [["10.0.0.1", 7000 + conn]],
-              "host": f"h{conn % 3}", "timeout": 60, **extra}
+    header = {
+        "op": "join",
+        "id": 5,
+        "rank": rank,
+        "world_size": n,
+        "addrs": [["10.0.0.1", 7000 + conn]],
+        "host": f"h{conn % 3}",
+        "timeout": 60,
+        **extra,
+    }
     state.request(conn, header, memoryview(b""))
 
 
