@@ -445,12 +445,16 @@ class Coordinator:
     def _after_batch(self) -> None:
         """Deliver what the state machine decided; hold replies until their records are durable."""
         state = self.state
-        if state.outbox:
-            out = state.outbox
+        out = state.outbox
+        if out:
             state.outbox = []
             if self._journal is not None and (state.journal or self._held or self._writing):
                 self._held.extend(out)
                 self._kick_flush()
+            elif len(out) == 1 and not self._unsent:  # the common store reply, without a call
+                conn = self._conns.get(out[0][0])
+                if conn is not None:
+                    conn.send(out[0][1], out[0][2])
             else:
                 self._deliver(out)
         elif state.journal and self._journal is not None:
@@ -466,16 +470,10 @@ class Coordinator:
                     if beat:
                         log.info("job=%s event=beat_closed peer=%s reason=%s", conn.job, conn.peer, reason)
                     conn.close(reason, abort=True, log_it=not beat)
-        self._arm_timer()
+        if self._timer is None or state.timers_pushed != self._timers_seen:
+            self._arm_timer()  # a deadline was added since it was armed, or none is armed
 
     def _deliver(self, out: list[Send]) -> None:
-        conns = self._conns
-        if len(out) == 1 and not self._unsent:
-            conn_id, header, payload = out[0]
-            conn = conns.get(conn_id)
-            if conn is not None:
-                conn.send(header, payload)
-            return
         # One write per connection for everything decided at once (in order per connection).
         by_conn: dict[int, list[Frame]] = {}
         for conn_id, header, payload in out:

@@ -281,48 +281,42 @@ class CoordinatorState(Effects):
         if op not in conn.allowed:
             self.fail(conn.id, req_id, op, now, ERR_INVALID, self._not_allowed(conn, op), compact=True)
             return
-        client = None
+        client = answer = None
         if conn.cid is not None and code in MUTATIONS:
             try:
                 client = self.dedupe.check(conn, op, req_id, h[2] if len(h) > 2 else None)
             except Refused as exc:
                 self.fail(conn.id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys, compact=True)
                 return
-            except AlreadyAnswered as again:
-                self._answer(conn, req_id, op, again.value, again.payload)
-                return
+            except AlreadyAnswered as again:  # a re-send: the reply it had, nothing carried out
+                answer = again.value, again.payload
             j = len(self.journal)
-        try:
-            answer = handler(conn, req_id, h, payload)
-        except (IndexError, TypeError):  # a field missing, or of a type nothing checked
-            msg = f"{op}: malformed request {str(h)[:200]}"
-            self.fail(conn.id, req_id, op, now, ERR_INVALID, msg, compact=True)
-            return
-        except Refused as exc:
-            self.fail(conn.id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys, compact=True)
-            return
-        if answer is PARKED:
-            return
+        if answer is None:
+            try:
+                answer = handler(conn, req_id, h, payload)
+            except (IndexError, TypeError):  # a field missing, or of a type nothing checked
+                msg = f"{op}: malformed request {str(h)[:200]}"
+                self.fail(conn.id, req_id, op, now, ERR_INVALID, msg, compact=True)
+                return
+            except Refused as exc:
+                self.fail(conn.id, req_id, op, now, exc.err, f"{op}: {exc.msg}", exc.keys, compact=True)
+                return
+            if answer is PARKED:
+                return
+        # Answered at once: counted, and replied to unless the op is answered only when refused.
+        counts = self._answered
+        counts[op] = counts.get(op, 0) + 1
         if answer is DONE:
             value, body = None, b""
-            counts = self._answered
-            counts[op] = counts.get(op, 0) + 1
         else:
             value, body = answer
-            self._answer(conn, req_id, op, value, body)
+            if op not in _NO_REPLY_NAMES:
+                self.outbox.append((conn.id, [req_id, OK] if value is None else [req_id, OK, value], body))
         if client is not None:
             if self.durable:  # the reply and the mutation's records go to the journal together
                 self.dedupe.remember(conn, client, req_id, value, body, j)
             else:
                 client.replies[req_id] = (value, body)
-
-    def _answer(self, conn: Conn, req_id: int, op: str, value: Any, body: bytes | bytearray) -> None:
-        """Send a store operation's reply, answered at once ([id, OK] or [id, OK, value], with
-        ``body``); the operations that are answered only when refused send nothing."""
-        if op not in _NO_REPLY_NAMES:
-            self.outbox.append((conn.id, [req_id, OK] if value is None else [req_id, OK, value], body))
-        answered = self._answered
-        answered[op] = answered.get(op, 0) + 1
 
     def _not_allowed(self, conn: Conn, op: str) -> str:
         return f"a {conn.role!r} connection may not use {op!r} (allowed: {sorted(ROLE_OPS[conn.role])})"

@@ -29,7 +29,11 @@ class Turns:
 
     def __init__(self, budget: float = TURN_BUDGET) -> None:
         self.budget = budget
+        self._quarter = budget / 4
         self.spent = 0.0
+        # This turn's share is spent: new work should wait (``later``). An attribute kept by
+        # ``charge`` and the turn's start, not a property: every read of requests asks it.
+        self.exhausted = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting: collections.deque[Callable[[], None]] = collections.deque()
         self._next_turn_asked = False
@@ -38,19 +42,16 @@ class Turns:
         self._loop = loop
 
     @property
-    def exhausted(self) -> bool:
-        """This turn's share is spent: new work should wait (``later``)."""
-        return self.spent > self.budget
-
-    @property
     def backlog(self) -> int:
         """How many pieces of work wait for a later turn."""
         return len(self._waiting)
 
     def charge(self, seconds: float) -> None:
-        self.spent += seconds
-        if not self._next_turn_asked and self.spent > self.budget / 4:
-            self._ask_next_turn()
+        spent = self.spent = self.spent + seconds
+        if spent > self._quarter:
+            if not self._next_turn_asked:
+                self._ask_next_turn()
+            self.exhausted = spent > self.budget
 
     def later(self, work: Callable[[], None]) -> None:
         """Run ``work`` in a later turn, after everything put off before it. ``work`` charges its
@@ -67,6 +68,7 @@ class Turns:
     def _next_turn(self) -> None:
         self._next_turn_asked = False
         self.spent = 0.0
+        self.exhausted = False
         waiting = self._waiting
         while waiting and not self.exhausted:
             waiting.popleft()()
