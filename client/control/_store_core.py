@@ -240,7 +240,8 @@ class StoreCore:
 
     def window_open(self) -> bool:
         """Whether one more mutation may be numbered (the coordinator keeps DEDUPE_WINDOW replies)."""
-        return self.last_id + 1 - next(iter(self.unsettled), self.last_id + 1) < DEDUPE_WINDOW
+        unsettled = self.unsettled  # empty (one mutation awaited at a time): open
+        return not unsettled or self.last_id + 1 - next(iter(unsettled)) < DEDUPE_WINDOW
 
     def mutation(
         self,
@@ -272,8 +273,11 @@ class StoreCore:
         and encode it; the caller sends it next. Returns (its id, its frame)."""
         req_id = self.last_id = self.last_id + 1
         header.insert(1, req_id)
-        self._sent += 1
-        self._place[req_id] = self._sent
+        if self._mutations_sent:
+            # Its reply settles the mutations sent before it; with none waiting to be settled
+            # its place would settle nothing (those sent later come after it), so it takes none.
+            place = self._sent = self._sent + 1
+            self._place[req_id] = place
         return req_id, encode_request(self.pack, header, payload)
 
     def encode(self, req: Request, req_id: int, seconds: float, remaining: float) -> tuple[int, bytes, float]:
