@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiocoll.protocol._coordinator import ERR_INVALID, ERR_TIMEOUT, ERR_TOO_LARGE, MAX_KEY_BYTES
+from aiocoll.protocol._coordinator import (
+    ERR_INVALID,
+    ERR_TIMEOUT,
+    ERR_TOO_LARGE,
+    SHORT_KEY_LENGTHS,
+)
 from aiocoll.protocol._store import ADD, APPEND, CAS, CHECK, DEL, GET, MGET, MSET, NKEYS, OK, SET, SYNC, WAIT
 
 from ._model import (
@@ -35,9 +40,6 @@ DEFAULT_MAX_VALUE_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_KEYS_PER_JOB = 1_000_000
 MAX_KEYS_PER_REQUEST = 100_000
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-# A str of at most this many characters is at most MAX_KEY_BYTES in UTF-8 (4 bytes a character):
-# the hot operations take such a key without encoding it.
-_SURELY_SHORT_KEY = MAX_KEY_BYTES // 4
 
 
 class Waiter:
@@ -260,7 +262,7 @@ class KeyValue:
     # or PARKED (the answer comes when the keys do); a refusal raises Refused.
     def op_set(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
         key = h[3]
-        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+        if type(key) is not str or len(key) not in SHORT_KEY_LENGTHS:
             key = key_field(key)  # the full check, and its error
         job = conn.job
         if len(payload) > self.max_value_bytes:
@@ -272,7 +274,7 @@ class KeyValue:
 
     def op_get(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
         key = h[2]
-        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+        if type(key) is not str or len(key) not in SHORT_KEY_LENGTHS:
             key = key_field(key)
         value = conn.job.kv.get(key)
         if value is not None:
@@ -282,7 +284,7 @@ class KeyValue:
 
     def op_add(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:
         key, amount = h[3], h[4]
-        if type(key) is not str or not 0 < len(key) <= _SURELY_SHORT_KEY:
+        if type(key) is not str or len(key) not in SHORT_KEY_LENGTHS:
             key = key_field(key)
         if type(amount) is not int:
             raise Refused(

@@ -147,6 +147,7 @@ __all__ = [
     "OPS",
     "STORE_OPS",
     "RESUME_GRACE",
+    "SHORT_KEY_LENGTHS",
     "ROLE_ADMIN",
     "ROLE_BEAT",
     "ROLE_STORE",
@@ -191,6 +192,9 @@ HEARTBEAT_INTERVAL = 1.0
 HEARTBEAT_TIMEOUT = 10.0
 RESUME_GRACE = 30.0
 MAX_KEY_BYTES = 4096
+# The lengths of a str that is surely at most MAX_KEY_BYTES in UTF-8 (4 bytes a character): the
+# hot store operations take such a key without encoding it (``len(key) in ...``, one C test).
+SHORT_KEY_LENGTHS = range(1, MAX_KEY_BYTES // 4 + 1)
 CID_BYTES = 16
 DEDUPE_WINDOW = 1024
 # A member_lost event names at most this many ranks (``count`` says how many were lost).

@@ -100,6 +100,7 @@ class FrameDecoder:
     ) -> None:
         self.max_header = max_header
         self.lists = lists
+        self._kinds = frozenset((dict, list)) if lists else frozenset((dict,))  # a header's types
         self.max_payload = max_payload
         self.sink = sink
         # Start small and grow only for a header that needs it: a connection allowed 16 MiB headers
@@ -407,7 +408,7 @@ class FrameDecoder:
             header = _unpackb(raw, max_ext_len=0, strict_map_key=False)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             raise ProtocolError(f"undecodable frame header ({type(exc).__name__}: {exc})") from exc
-        if type(header) is not dict and not (self.lists and type(header) is list):
+        if type(header) not in self._kinds:
             kinds = "a map or an array" if self.lists else "a map"
             raise ProtocolError(f"frame header must be {kinds}, got {type(header).__name__}")
         return header

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._deadline import to_seconds
 from .._errors import StoreError
-from ..protocol._coordinator import MAX_KEY_BYTES
+from ..protocol._coordinator import MAX_KEY_BYTES, SHORT_KEY_LENGTHS
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -33,7 +33,6 @@ __all__ = [
 ]
 
 DEFAULT_TIMEOUT = 300.0
-_SURELY_SHORT_KEY = MAX_KEY_BYTES // 4
 
 Value = bytes | bytearray | memoryview | str
 
@@ -45,7 +44,7 @@ def check_key(key: object) -> str:
         TypeError: when the key is not a str.
         ValueError: when it is empty or longer than MAX_KEY_BYTES UTF-8 bytes.
     """
-    if type(key) is str and 0 < len(key) <= _SURELY_SHORT_KEY:
+    if type(key) is str and len(key) in SHORT_KEY_LENGTHS:
         return key  # at most 4 UTF-8 bytes a character: no need to encode it to know
     if not isinstance(key, str):
         raise TypeError(f"store key {key!r} must be a str, not {type(key).__name__}")
