@@ -314,7 +314,7 @@ class KeyValue:
             raise Refused(
                 ERR_INVALID, f"add would take key {key!r} to {value}, outside the 64-bit range", [key]
             )
-        self._put(job, key, str(value).encode("ascii"))
+        self._put(job, key, b"%d" % value)  # its ASCII digits, as str(value) spells them
         return value, b""
 
     def op_cas(self, conn: Conn, req_id: int, h: list[Any], payload: bytes | bytearray) -> Answer:

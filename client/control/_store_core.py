@@ -256,7 +256,8 @@ class StoreCore:
         follows ``ack`` in its header; ``timeout`` is what a timeout message about it quotes.
         The caller has checked ``window_open``."""
         unsettled = self.unsettled
-        ack = next(iter(unsettled), self.last_id + 1) - 1  # before this one is numbered
+        # The ack, before this one is numbered (as ``ack()``, without its call).
+        ack = next(iter(unsettled)) - 1 if unsettled else self.last_id
         req_id = self.last_id = self.last_id + 1
         head = self.pack([op, req_id, ack, *fields])
         frame = b"".join((_pack_prefix(len(head), len(payload)), head, payload))
