@@ -315,6 +315,11 @@ class ShmScheduler:
         try:
             return self._nap(op.wait, time.perf_counter() + _OFF_LOOP_NAP_S)
         finally:
+            # A peer that saw our sleeping flag may write the eventfd just after we woke: take
+            # that late write here, or it wakes the loop thread, which then holds the turn and
+            # has the next blocking call handed over to it. (No group sleeps in the loop now.)
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._host.efd)
             waker.watch()
 
     def _beside(self, wait: Wait) -> bool:
