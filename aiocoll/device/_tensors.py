@@ -194,7 +194,8 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
         # The common case (a dense CPU tensor): its memory as numpy, with the fewest torch calls
         # (each costs a dispatch: detach and view cost more than the rest of a small operation).
         source = tensor.detach() if tensor.requires_grad else tensor
-        return Working(_torch_flat_to_numpy(source, name).reshape(-1), name, tuple(tensor.shape))
+        array = _torch_flat_to_numpy(source, name)
+        return Working(array if array.ndim == 1 else array.reshape(-1), name, tuple(tensor.shape))
     shape = tuple(tensor.shape)
     if tensor.layout != torch.strided:
         raise TypeError(
@@ -243,13 +244,17 @@ def device_working(tensor: DeviceTensor, *, read: bool, write: bool) -> Working:
 
 
 def _torch_flat_to_numpy(flat: Any, name: str) -> np.ndarray:
+    if name not in _NO_NUMPY_BRIDGE:
+        result: np.ndarray = flat.numpy()  # the common case: no import statement on this path
+        return result
     import torch
 
     if name == "bfloat16":
         return flat.view(torch.int16).numpy().view(np.uint16)  # raw bits; see aiocoll._reduce
-    if name in ("uint16", "uint32", "uint64"):
-        # torch's newer unsigned types may lack a numpy bridge; reinterpret the signed twin's bits.
-        signed = {"uint16": torch.int16, "uint32": torch.int32, "uint64": torch.int64}[name]
-        return flat.view(signed).numpy().view(np.dtype(name))
-    result: np.ndarray = flat.numpy()
-    return result
+    # torch's newer unsigned types may lack a numpy bridge; reinterpret the signed twin's bits.
+    signed = {"uint16": torch.int16, "uint32": torch.int32, "uint64": torch.int64}[name]
+    return flat.view(signed).numpy().view(np.dtype(name))
+
+
+# torch dtypes whose tensors .numpy() refuses: read through a same-width integer view
+_NO_NUMPY_BRIDGE = frozenset(("bfloat16", "uint16", "uint32", "uint64"))
