@@ -306,6 +306,7 @@ class CoordinatorState(Effects):
         # Answered at once: counted, and replied to unless the op is answered only when refused.
         counts = self._answered
         counts[op] = counts.get(op, 0) + 1
+        body: bytes | bytearray
         if answer is DONE:
             value, body = None, b""
         else:
