@@ -78,6 +78,8 @@ def test_a_failed_survivors_agreement_falls_back_to_the_coordinator_and_training
 
         start("D")  # a new process of D: it heals from A or B
         wait_for("D heals and trains with A and B", lambda: committed("A", list("ABD"), killed_at), 60.0)
+        # A can record the step before D does (each replica writes its own record after the commit)
+        wait_for("D records its first step", lambda: committed("D", list("ABD"), killed_at), 30.0)
         healed = [e for e in steps("D") if e["t"] > killed_at]
         assert healed[0]["healed"] is not None and healed[0]["healed"]["source"] in ("A", "B"), healed[0]
         procs["D"].send_signal(signal.SIGKILL)
