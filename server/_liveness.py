@@ -109,74 +109,68 @@ class Liveness:
         live = membership.live
         current = math.floor(now * _SLOTS_PER_SECOND)
         newly, membership.newly_live = membership.newly_live, []
-        for m in newly:
-            if m in live:
-                self._schedule(m, current)  # already due: looked at in this pass
+        newly = [m for m in newly if m in live]
+        self._schedule(newly, [self._expiry(m) for m in newly], current)  # due: looked at below
         limit, grace = self.heartbeat_timeout, self.resume_grace
         closing: set[int] = set()  # a connection of many silent members is closed once
         slots, due = self._slots, self._due_slots
-        later = current + 1
+        # heard since: scheduled again below (two lists, not a tuple each: no garbage to collect)
+        not_due: list[Member] = []
+        expiries: list[float] = []
         while due and due[0] <= current:
             slot = heapq.heappop(due)
-            bucket: list[Member] | None = None
-            bucket_slot = -1
             for m in slots.pop(slot, ()):
                 if m.look_at != slot:
                     continue  # scheduled again since, for another slot
                 m.look_at = -1
                 if m not in live:
                     continue
-                if m.state is _ALIVE:
-                    seen = heard(m)
-                    if now - seen > limit:
-                        conn = m.conn
-                        membership.lose(m, f"silent for {now - seen:.1f}s (heartbeat timeout {limit:g}s)")
-                        if conn is not None and conn.id not in closing:
-                            closing.add(conn.id)
-                            self.fx.closes.append(
-                                (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
-                            )
-                        continue
-                    expiry = seen + limit
-                elif m.state is _RESUMING:
-                    if now - m.last_seen > grace:
-                        membership.lose(
-                            m, f"did not reconnect within {grace:g}s after the coordinator restarted"
+                expiry = self._expiry(m)
+                if now <= expiry:
+                    not_due.append(m)
+                    expiries.append(expiry)
+                elif m.state is _ALIVE:
+                    conn = m.conn
+                    membership.lose(
+                        m, f"silent for {now - expiry + limit:.1f}s (heartbeat timeout {limit:g}s)"
+                    )
+                    if conn is not None and conn.id not in closing:
+                        closing.add(conn.id)
+                        self.fx.closes.append(
+                            (conn.id, f"rank {m.rank} of job {m.round.job.name!r} went silent")
                         )
-                        continue
-                    expiry = m.last_seen + grace
-                else:
-                    continue
-                # Not due yet: into the slot of its expiry. Members heard together share a slot,
-                # so the last one's list is kept at hand.
-                again = math.ceil(expiry * _SLOTS_PER_SECOND)
-                if again < later:
-                    again = later
-                m.look_at = again
-                if again != bucket_slot:
-                    bucket = slots.get(again)
-                    if bucket is None:
-                        bucket = slots[again] = []
-                        heapq.heappush(due, again)
-                    bucket_slot = again
-                bucket.append(m)  # type: ignore[union-attr]
+                elif m.state is _RESUMING:
+                    membership.lose(m, f"did not reconnect within {grace:g}s after the coordinator restarted")
+        self._schedule(not_due, expiries, current + 1)
 
-    def _schedule(self, m: Member, earliest: int) -> None:
-        """Put ``m`` in the slot of the first pass that could find it past its limit, and not
-        before slot ``earliest``."""
+    def _expiry(self, m: Member) -> float:
+        """When ``m``'s silence runs out: the heartbeat's limit after it was last heard, or for a
+        member restored after a restart, the grace after the restart."""
         if m.state is _RESUMING:
-            expiry = m.last_seen + self.resume_grace
-        else:
-            expiry = heard(m) + self.heartbeat_timeout
-        slot = max(math.ceil(expiry * _SLOTS_PER_SECOND), earliest)
-        if m.look_at == slot:
-            return
-        m.look_at = slot  # an entry left in an earlier slot is skipped there
-        members = self._slots.get(slot)
-        if members is None:
-            members = self._slots[slot] = []
-            heapq.heappush(self._due_slots, slot)
-        members.append(m)
+            return m.last_seen + self.resume_grace
+        return heard(m) + self.heartbeat_timeout
+
+    def _schedule(self, members: list[Member], expiries: list[float], earliest: int) -> None:
+        """Put each member in the slot of the first pass that could find it past its expiry (the
+        same place in ``expiries``), and not before slot ``earliest``. Members heard together
+        share a slot, so the last slot's list is kept at hand."""
+        slots, due = self._slots, self._due_slots
+        bucket: list[Member] = []
+        bucket_slot = -1
+        for m, expiry in zip(members, expiries, strict=True):
+            slot = math.ceil(expiry * _SLOTS_PER_SECOND)
+            if slot < earliest:
+                slot = earliest
+            if m.look_at == slot:
+                continue
+            m.look_at = slot  # an entry left in an earlier slot is skipped there
+            if slot != bucket_slot:
+                got = slots.get(slot)
+                if got is None:
+                    got = slots[slot] = []
+                    heapq.heappush(due, slot)
+                bucket, bucket_slot = got, slot
+            bucket.append(m)
 
     def _credit_stall(self, seconds: float) -> None:
         credited: set[int] = set()  # a connection carrying many members is credited once
