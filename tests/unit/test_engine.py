@@ -49,6 +49,17 @@ def barrier_body(ranks: tuple[int, ...], me: int) -> Any:
     return body
 
 
+async def waiting_in_barrier(engs: list[Engine], name: str, ranks: tuple[int, ...], waiter: int) -> Any:
+    """Group ``name`` of ``ranks`` made on each of them, and a barrier that global rank ``waiter``
+    entered alone (it waits for the others), started."""
+    groups = {r: engs[r].group(name, ranks) for r in ranks}
+    pending = engs[waiter].submit(
+        groups[waiter], "barrier", barrier_body(ranks, ranks.index(waiter)), timeout=10
+    )
+    await asyncio.sleep(0)
+    return pending
+
+
 async def test_sequence_numbers_are_taken_at_call_time_so_many_in_flight_match() -> None:
     _, engs = engines(3)
     groups = [e.group("w", (0, 1, 2)) for e in engs]
@@ -129,10 +140,7 @@ async def test_lost_peer_fails_pending_ops_of_groups_containing_it_at_once_and_l
 
 async def test_coordinator_notice_of_a_lost_member_fails_pending_ops() -> None:
     _, engs = engines(2)
-    g0 = engs[0].group("w", (0, 1))
-    engs[1].group("w", (0, 1))
-    pending = engs[0].submit(g0, "barrier", barrier_body((0, 1), 0), timeout=10)
-    await asyncio.sleep(0)
+    pending = await waiting_in_barrier(engs, "w", (0, 1), 0)
     engs[0].peer_lost(1, "silent for 10s")
     with pytest.raises(PeerLostError, match="silent"):
         await asyncio.wait_for(pending, 2)
@@ -143,11 +151,7 @@ async def test_a_rank_that_leaves_after_losing_another_names_the_lost_one_in_its
     """Rank 1 lost rank 2 and leaves at once; rank 0, waiting in the same group, hears rank 1's
     farewell before it sees rank 2 go: it is told that rank 2 was lost, not that rank 1 left."""
     _, engs = engines(3)
-    g0 = engs[0].group("w", (0, 1, 2))
-    for r in (1, 2):
-        engs[r].group("w", (0, 1, 2))
-    pending = engs[0].submit(g0, "barrier", barrier_body((0, 1, 2), 0), timeout=10)
-    await asyncio.sleep(0)
+    pending = await waiting_in_barrier(engs, "w", (0, 1, 2), 0)
     engs[1].peer_lost(2, "its link to rank 1 closed (killed)")
     await engs[1].aclose()
     with pytest.raises(PeerLostError) as info:
@@ -162,11 +166,7 @@ async def test_a_loss_told_by_another_names_what_the_lost_ranks_own_link_said() 
     arrives: rank 0's pending operation names how its own link to rank 1 ended (the nearer
     evidence), not the notice; a notice alone, with the link still up, is named as it came."""
     world, engs = engines(3)
-    g0 = engs[0].group("w", (0, 1, 2))
-    for r in (1, 2):
-        engs[r].group("w", (0, 1, 2))
-    pending = engs[0].submit(g0, "barrier", barrier_body((0, 1, 2), 0), timeout=10)
-    await asyncio.sleep(0)
+    pending = await waiting_in_barrier(engs, "w", (0, 1, 2), 0)
     world.kill(1)
     engs[0].peer_lost(1, "the coordinator's word")
     with pytest.raises(PeerLostError) as info:
@@ -175,10 +175,7 @@ async def test_a_loss_told_by_another_names_what_the_lost_ranks_own_link_said() 
     assert own is not None and own.rank == 1 and "the coordinator's word" not in own.reason
     assert info.value.rank == 1 and info.value.reason == own.reason, info.value
     assert world[0].take_in_from(2) is None  # its link is up and holds nothing
-    g2 = engs[2].group("v", (0, 2))
-    engs[0].group("v", (0, 2))
-    pending = engs[2].submit(g2, "barrier", barrier_body((0, 2), 1), timeout=10)
-    await asyncio.sleep(0)
+    pending = await waiting_in_barrier(engs, "v", (0, 2), 2)
     engs[2].peer_lost(0, "the coordinator's word")
     with pytest.raises(PeerLostError, match="the coordinator's word"):
         await asyncio.wait_for(pending, 2)
