@@ -410,6 +410,11 @@ class Joining:
             self._beats.start()
         return self._beats
 
+    def _stop_beat_thread(self) -> None:
+        beats, self._beats = self._beats, None
+        if beats is not None:
+            beats.stop()
+
     def _stop_heartbeats(self) -> None:
         task, self._heartbeat_task = self._heartbeat_task, None
         if task is not None and task is not asyncio.current_task():

@@ -238,9 +238,7 @@ class CoordinatorSession(Joining, Store):
             self.session_lost = str(event.get("reason", "the coordinator refused to resume the session"))
             log.error("job=%s rank=%s event=session_lost reason=%s", self.job, self._rank, self.session_lost)
             self._stop_heartbeats()
-            beats, self._beats = self._beats, None
-            if beats is not None:
-                beats.stop()  # the coordinator no longer counts this member: nothing to beat for
+            self._stop_beat_thread()  # the coordinator no longer counts this member
         elif name == EV_REFUSED:
             log.warning(
                 "job=%s rank=%s event=join_refused peer=%s reason=%s: the coordinator refused a process "
@@ -550,9 +548,7 @@ class CoordinatorSession(Joining, Store):
                 await self.flush()
             except Exception as exc:
                 failure = exc
-        beats, self._beats = self._beats, None
-        if beats is not None:
-            beats.stop()  # before leaving: a member that left has nothing to beat for
+        self._stop_beat_thread()  # before leaving: a member that left has nothing to beat for
         link = self._keeper.link
         joined = self.membership is not None or self.host_membership is not None
         if link is not None and joined and self.session_lost is None:
@@ -568,9 +564,7 @@ class CoordinatorSession(Joining, Store):
             return
         self._closed = True
         self._stop_heartbeats()
-        beats, self._beats = self._beats, None
-        if beats is not None:
-            beats.stop()
+        self._stop_beat_thread()
         self._keeper.close()
 
     def __repr__(self) -> str:
