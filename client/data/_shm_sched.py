@@ -93,9 +93,13 @@ class ShmWaker:
         thread, woken by the same write, would only compete with it for the CPU)."""
         self._loop.remove_reader(self._efd)
 
-    def _on_wake(self) -> None:
+    def drain(self) -> None:
+        """Take a write waiting on the eventfd, if any (it is non-blocking)."""
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self._efd)
+
+    def _on_wake(self) -> None:
+        self.drain()
         self.wakeups += 1
         self.resume()
 
@@ -318,8 +322,7 @@ class ShmScheduler:
             # A peer that saw our sleeping flag may write the eventfd just after we woke: take
             # that late write here, or it wakes the loop thread, which then holds the turn and
             # has the next blocking call handed over to it. (No group sleeps in the loop now.)
-            with contextlib.suppress(BlockingIOError):
-                os.eventfd_read(self._host.efd)
+            waker.drain()
             waker.watch()
 
     def _beside(self, wait: Wait) -> bool:
