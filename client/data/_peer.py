@@ -211,6 +211,7 @@ class PeerLink:
         self._reading = False
         self._lowat = 1
         self._frames_in = 0  # frames completed so far (read_now tells whether one came)
+        self.frames_out = 0  # frames written (or queued to be) so far, less those withdrawn
         self.closed = False
         self.close_reason = ""
 
@@ -312,6 +313,7 @@ class PeerLink:
 
         The frame's bytes are never reordered with other frames and never copied.
         """
+        self.frames_out += 1
         if not self._wqueue:
             try:
                 sent = self.sock.sendmsg(views)
@@ -367,6 +369,7 @@ class PeerLink:
                 if i == 0:
                     return False  # possibly partly sent: the frame must complete for the stream's sake
                 del self._wqueue[i]
+                self.frames_out -= 1
                 return True
         return True
 

@@ -26,7 +26,8 @@ Why these choices:
   shrink the memory under our mapping (which would turn our reads into SIGBUS).
 - **One ring per direction of a pair** (``ring_bytes`` > 0): besides the arena, each side makes,
   for each peer, a sealed memfd holding the ring its point-to-point payloads to that peer travel
-  through (client.data._shm_ring) and an eventfd the peer writes when it frees ring space we wait for;
+  through (client.data._shm_ring) and an eventfd the peer writes when it frees ring space we wait for
+  (or mails us a small message);
   both cross the socket with the arena. A ring is the sender's, so it vanishes with the pair.
 """
 
@@ -216,8 +217,9 @@ class ShmPeer:
         to wake it). shared: the probe confirmed that the mapping is the peer's memory.
         pid: the peer's process id (from SO_PEERCRED).
         out_ring / out_efd: the ring our payloads to the peer travel through (our memory) and
-        the eventfd the peer writes when it frees space in it (we watch it); in_ring / in_efd:
-        the peer's ring towards us and its eventfd (we write it when we free space there).
+        the eventfd the peer writes when it frees space in it, or puts a message for us in its
+        own ring's mailbox (we watch it); in_ring / in_efd: the peer's ring towards us and its
+        eventfd (we write it when we free space there, or mail it a message).
         None / -1 when the host was made without rings.
     """
 

@@ -14,6 +14,14 @@ to the receiver with the arena). Its first page holds four counters, on their ow
                    copied out of the sender's memory (only the receiver writes this)
     192  offered   the key of the payload the sender offers outside the ring now, 0 when none
                    (only the sender writes this; it clears it before it lets go of the payload)
+    256  mailed    how many messages the sender has put in the mailbox (only it writes this)
+    320  taken     how many of them the receiver has taken out (only it writes this)
+    384  polling   1 while the receiver polls the mailbox (only it writes this)
+    448  dispatched  how many of the link's socket frames the receiver has dispatched (only it
+                   writes this)
+    512  the mailbox's message: its header's length and its payload's length; then how many
+                   socket frames the link has written (only the sender writes these)
+    1024 mailbox   the message's header (msgpack) then its payload, ``MAIL_BYTES`` at most
     4096 data      ``capacity`` bytes, used in order
 
 Positions are absolute byte counts (they never wrap; the offset in the data is the position
@@ -31,6 +39,16 @@ Waking the sender: after releasing (or reporting a read), the receiver issues a 
 and checks the space (or the read) once more before it sleeps. One of the two always sees the
 other, so a wake-up is never lost. Reads are reported here rather than over the link's socket so
 that a sender whose own reading is paused (its inbox full) still learns of them.
+
+The mailbox holds one small message at a time (the link decides when it may be used): a
+receiver that polls in place takes it without a frame on the socket or a wake-up. The sender
+writes the message, fences, counts it in ``mailed``, fences, and reads ``polling``; the receiver
+that stops polling clears ``polling``, fences, and looks at ``mailed`` once more. One of the two
+always sees the other: either the receiver takes the message in its last look, or the sender
+sees that nobody polls and wakes the receiver (its eventfd). The receiver copies the message out
+before it counts it in ``taken``, and the sender writes the mailbox only once ``taken`` has
+caught up with ``mailed``. ``wrote`` lets a polling receiver skip reading a socket that holds
+no frame.
 """
 
 from __future__ import annotations
@@ -40,39 +58,45 @@ from collections.abc import Callable
 
 from ._shm import RING_HEADER, fence
 
-__all__ = ["RingReader", "RingWriter"]
+__all__ = ["MAIL_BYTES", "RingReader", "RingWriter"]
 
 _FREED, _WAITING, _READ, _OFFERED = 0, 8, 16, 24  # int64 indexes into the header page
+_MAILED, _TAKEN, _POLLING, _DISPATCHED, _HEAD_LEN, _BODY_LEN, _WROTE = 32, 40, 48, 56, 64, 65, 66
+_MAIL_AT = 1024
+MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message's header and payload together
 _ALIGN = 64
 
 
 class _RingSide:
     """Views of a ring's counters and data (either side)."""
 
-    __slots__ = ("_ctl", "_data", "capacity")
+    __slots__ = ("_ctl", "_data", "_mail", "capacity")
 
     def __init__(self, mem: mmap.mmap) -> None:
         whole = memoryview(mem)
         self.capacity = len(mem) - RING_HEADER
         self._ctl = whole[:RING_HEADER].cast("q")
+        self._mail = whole[_MAIL_AT:RING_HEADER]
         self._data = whole[RING_HEADER:]
         whole.release()
 
     def close(self) -> None:
         """Drop our views of the memory (the mapping can then be closed)."""
         self._ctl.release()
+        self._mail.release()
         self._data.release()
 
 
 class RingWriter(_RingSide):
     """The sending side of a ring (in our own memory)."""
 
-    __slots__ = ("_end", "head")
+    __slots__ = ("_end", "_mailed", "head")
 
     def __init__(self, mem: mmap.mmap) -> None:
         super().__init__(mem)
         self.head = 0  # absolute position where the next chunk may start
         self._end = 0  # absolute end of the last chunk written
+        self._mailed = 0  # messages put in the mailbox so far
 
     def _place(self, n: int) -> int:
         """Where a chunk of ``n`` bytes (at most the capacity) would start (absolute), or -1
@@ -142,15 +166,43 @@ class RingWriter(_RingSide):
     def freed(self) -> int:
         return int(self._ctl[_FREED])
 
+    def mail_open(self, frames: int) -> bool:
+        """Whether the receiver has taken our last message out of the mailbox and has dispatched
+        all ``frames`` socket frames we wrote so far: a message put in the mailbox now is the
+        next it takes, whichever way it looks first."""
+        ctl = self._ctl
+        return ctl[_TAKEN] == self._mailed and ctl[_DISPATCHED] == frames
+
+    def wrote(self, frames: int) -> None:
+        """Say that the link has written ``frames`` socket frames so far."""
+        self._ctl[_WROTE] = frames
+
+    def mail(self, head: bytes, body: memoryview) -> bool:
+        """Put a message (its packed header and its payload, ``MAIL_BYTES`` at most together)
+        in the mailbox, once ``mail_open`` said so; True when the receiver still polls, False
+        when it stopped meanwhile (it may not have seen the message: wake it)."""
+        h, n = len(head), len(body)
+        box, ctl = self._mail, self._ctl
+        box[:h] = head
+        box[h : h + n] = body
+        ctl[_HEAD_LEN] = h
+        ctl[_BODY_LEN] = n
+        fence()  # the message is whole before it is counted
+        mailed = self._mailed = self._mailed + 1
+        ctl[_MAILED] = mailed
+        fence()  # counted before we look whether the receiver still polls
+        return bool(ctl[_POLLING])
+
 
 class RingReader(_RingSide):
     """The receiving side of a ring (in the peer's memory, mapped here)."""
 
-    __slots__ = ("consumed",)
+    __slots__ = ("_taken", "consumed")
 
     def __init__(self, mem: mmap.mmap) -> None:
         super().__init__(mem)
         self.consumed = 0  # absolute end of the last chunk released
+        self._taken = 0  # mailbox messages taken out so far
 
     def chunk(self, end: int, n: int) -> memoryview:
         """The ``n`` bytes of the chunk that ends at absolute position ``end`` (as a frame said).
@@ -190,3 +242,48 @@ class RingReader(_RingSide):
         self._ctl[_FREED] = end
         fence()  # ``freed`` is visible before we look whether the sender sleeps
         return bool(self._ctl[_WAITING])
+
+    def start_polling(self) -> None:
+        """Say that we poll the mailbox (a sender that does not see it yet only wakes us)."""
+        self._ctl[_POLLING] = 1
+
+    def stop_polling(self) -> bool:
+        """Say that we stopped polling; True when a message came meanwhile (take it: its sender
+        may have seen us polling, and then does not wake us)."""
+        self._ctl[_POLLING] = 0
+        fence()  # visible before we look at the mailbox once more
+        return bool(self._ctl[_MAILED] != self._taken)
+
+    def dispatched(self, frames: int) -> None:
+        """Say that the link's first ``frames`` socket frames from the sender were dispatched."""
+        self._ctl[_DISPATCHED] = frames
+
+    def has_mail(self) -> bool:
+        return bool(self._ctl[_MAILED] != self._taken)
+
+    def frames_written(self) -> int:
+        """How many socket frames the sender says it wrote."""
+        return int(self._ctl[_WROTE])
+
+    def mail(self) -> tuple[bytes, memoryview] | None:
+        """The mailbox's message (a copy of its header, a view of its payload) when there is one
+        we have not taken; ``took_mail`` once it is copied out.
+
+        Raises:
+            ValueError: the counters or lengths are not what the protocol allows.
+        """
+        ctl = self._ctl
+        mailed = ctl[_MAILED]
+        if mailed == self._taken:
+            return None
+        fence()  # the message is read after its count
+        h, n = ctl[_HEAD_LEN], ctl[_BODY_LEN]
+        if mailed != self._taken + 1 or not (0 < h and 0 <= n and h + n <= MAIL_BYTES):
+            raise ValueError(f"a mailbox message #{mailed} of {h} + {n} bytes after message #{self._taken}")
+        box = self._mail
+        return bytes(box[:h]), box[h : h + n]
+
+    def took_mail(self) -> None:
+        """The message ``mail`` showed is copied out: the sender may write the mailbox again."""
+        self._taken += 1
+        self._ctl[_TAKEN] = self._taken

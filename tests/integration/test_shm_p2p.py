@@ -323,3 +323,167 @@ def test_a_sender_killed_before_its_receiver_read_its_memory_fails_the_receive_n
     assert res["error"] == "PeerLostError" and res["rank"] == 0, res
     assert "memory could not be read" in res["why"] and res["untouched"], res
     assert res["dev_shm"] == [], res
+
+
+def _mail(pg: Any, peer: int) -> tuple[int, int]:
+    """Messages this rank's link to ``peer`` took out of the peer's mailbox, and put in its own."""
+    link = pg._rt.transport.link(peer)
+    return link.mail_in, link.mail_out
+
+
+async def mailbox_checks(pg: Any) -> dict[str, Any]:
+    """Small messages through the rings' mailboxes (no frame on the socket), mixed with frames and
+    ring messages on one tag, in both directions; any-source receives, tags taken out of order, a
+    size mismatch."""
+    r = pg.rank
+    out: dict[str, Any] = {"bad": []}
+    peer = 1 - r
+    before = _mail(pg, peer)
+    await pg.barrier()
+    # 1. ping-pong, a fresh value each way every round trip, until both directions took the
+    # mailbox (a receive that polls when its message is sent) or 30 s went by
+    buf = np.zeros(1, np.int64)
+    end = time.monotonic() + 30.0
+    i = 0
+    while True:
+        if r == 0:
+            both = all(now > was for now, was in zip(_mail(pg, 1), before, strict=True))
+            buf[0] = -1 if (both and i >= 200) or time.monotonic() > end else i
+            await pg.send(buf, dst=1, tag=1)
+            stop = buf[0] == -1
+            await pg.recv(buf, src=1, tag=1)
+            if buf[0] != (-1 if stop else i + 1):
+                out["bad"].append(("pong", i, int(buf[0])))
+            if stop:
+                break
+        else:
+            await pg.recv(buf, src=0, tag=1)
+            stop = buf[0] == -1
+            if not stop and buf[0] != i:
+                out["bad"].append(("ping", i, int(buf[0])))
+            buf[0] = -1 if stop else i + 1
+            await pg.send(buf, dst=0, tag=1)
+            if stop:
+                break
+        i += 1
+    out["round_trips"] = i
+    # 2. order on one tag: a small message, a ring message (its frame not yet read when the next
+    # is sent), a small one, a multi-chunk one queued behind, a small one, an empty one, then a
+    # reply; a small one may go through the mailbox only once everything before it was taken
+    sizes = (4, 100_003, 8, 3 << 20, 1, 0, 2000, 1024)
+    for k in range(40):
+        if r == 0:
+            works = [pg.send(_pattern(n, k + j), dst=1, tag=2) for j, n in enumerate(sizes)]
+            for work in works:
+                await work
+            ack = np.zeros(1, np.int64)
+            await pg.recv(ack, src=1, tag=3)
+            if ack[0] != k:
+                out["bad"].append(("ack", k, int(ack[0])))
+        else:
+            for j, n in enumerate(sizes):
+                got = np.zeros(n, np.uint8)
+                await pg.recv(got, src=0, tag=2)
+                if not np.array_equal(got, _pattern(n, k + j)):
+                    out["bad"].append(("order", k, j))
+            await pg.send(np.full(1, k, np.int64), dst=0, tag=3)
+    # 3. a receive from any source gets a mailed message and its sender; tags out of order
+    if r == 0:
+        await pg.recv(np.zeros(1, np.int64), src=1, tag=4)  # rank 1 waits (no polling) for ours
+        await asyncio.sleep(0.05)
+        await pg.send(np.full(2, 42, np.int32), dst=1, tag=6)
+        await pg.send(np.full(2, 41, np.int32), dst=1, tag=5)
+    else:
+        got_any = np.zeros(2, np.int32)
+        waiting = pg.recv(got_any, tag=5)  # any source
+        await pg.send(np.zeros(1, np.int64), dst=0, tag=4)
+        out["any_source"] = [await waiting, got_any.tolist()]
+        six = np.zeros(2, np.int32)
+        await pg.recv(six, src=0, tag=6)  # it came first, and waited
+        out["tags"] = six.tolist()
+    # 4. a size mismatch through the mailbox fails the receive; the stream goes on
+    if r == 0:
+        await pg.recv(np.zeros(1, np.int64), src=1, tag=7)
+        await pg.send(np.full(2, 7, np.int32), dst=1, tag=8)
+        await pg.send(np.full(1, 8, np.int32), dst=1, tag=8)
+    else:
+        await pg.send(np.zeros(1, np.int64), dst=0, tag=7)
+        wrong = np.zeros(1, np.int32)
+        try:
+            await pg.recv(wrong, src=0, tag=8)
+            out["mismatch"] = None
+        except Exception as exc:
+            out["mismatch"] = type(exc).__name__
+        right = np.zeros(1, np.int32)
+        await pg.recv(right, src=0, tag=8)
+        out["after_mismatch"] = right.tolist()
+    await pg.barrier()
+    after = _mail(pg, peer)
+    out["mail_in"], out["mail_out"] = after[0] - before[0], after[1] - before[1]
+    await pg.barrier()  # nobody leaves (closing its links, whose counters we read) before all read
+    return out
+
+
+def test_small_messages_go_through_the_mailbox_in_order_with_frames_and_ring_messages() -> None:
+    results = unwrap(run_world(mailbox_checks, 2, env={"AIOCOLL_TRANSPORT": "shm"}))
+    for r in (0, 1):
+        res = results[r]
+        assert res["bad"] == [], (r, res)
+        # the path was taken both ways (rank 0 goes on until it took one, up to 30 s)
+        assert res["mail_in"] > 0 and res["mail_out"] > 0, (r, res)
+    assert results[0]["mail_out"] == results[1]["mail_in"] and results[1]["mail_out"] == results[0]["mail_in"]
+    res = results[1]
+    assert res["any_source"] == [0, [41, 41]], res
+    assert res["tags"] == [42, 42], res
+    assert res["mismatch"] == "MismatchError" and res["after_mismatch"] == [8], res
+
+
+async def test_a_mailed_message_not_yet_taken_when_its_link_closes_is_still_received() -> None:
+    """The link's close takes what the peer put in its mailbox before it went (as its frames
+    read before the end-of-file are delivered): a receive afterwards gets it, the next fails
+    with PeerLostError. Real shared memory and sockets, one process (the close is made to come
+    before the event loop's turn that would take the message)."""
+    from aiocoll._errors import PeerLostError
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    world = await shm_world(2)
+    try:
+        sender, receiver = world
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        assert sender.send_nowait(1, ("m", 1), memoryview(b"abcd"), {"n": 4}) is None
+        assert sender.link(1).mail_out == 1  # in the mailbox, no frame
+        receiver.mark_lost(0, "killed (as the heartbeat would say)")
+        got = bytearray(4)
+        assert await receiver.recv(0, ("m", 1), memoryview(got)) == (0, {"n": 4})
+        assert got == b"abcd"
+        with pytest.raises(PeerLostError):
+            await receiver.recv(0, ("m", 1), memoryview(bytearray(4)))
+    finally:
+        await close_world(world)
+
+
+async def test_a_frame_read_before_the_wake_up_for_an_earlier_mailed_message_comes_after_it() -> None:
+    """A mailed message, then a frame on the same tag (the mailbox is full): when the event loop
+    happens to read the socket before it runs the eventfd's callback, the mailed message is
+    still taken first."""
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    world = await shm_world(2)
+    try:
+        sender, receiver = world
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        assert sender.send_nowait(1, ("m", 1), memoryview(b"one!"), {}) is None
+        assert sender.send_nowait(1, ("m", 1), memoryview(b"two!"), {}) is None
+        assert sender.link(1).mail_out == 1  # the first in the mailbox, the second in a frame
+        link = receiver.link(0)
+        for _ in range(1000):  # the frame is in the socket once the peer says it wrote it
+            if link._reader.frames_written() > link._frames_in:
+                break
+            await asyncio.sleep(0.001)
+        link._on_readable()  # the socket's callback, as the loop would run it, before the eventfd's
+        got = [bytearray(4), bytearray(4)]
+        for into in got:
+            await receiver.recv(0, ("m", 1), memoryview(into))
+        assert got == [b"one!", b"two!"]
+    finally:
+        await close_world(world)

@@ -1,7 +1,8 @@
 """The point-to-point ring of the shm links (client/data/_shm_ring.py), both sides over one mapping:
 bytes in order through wrap-around and restarts, the capacity bound, the sender's wake-up flag, the
-words of payloads read outside the ring, and a receiver that refuses chunk positions a
-well-behaved sender cannot produce."""
+words of payloads read outside the ring, a receiver that refuses chunk positions a
+well-behaved sender cannot produce, and the mailbox: one message at a time, the polling
+flag's hand-shake (a message is never left unseen), and counters a sender cannot produce."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import random
 
 import pytest
 from aiocoll.client.data._shm import RING_HEADER
-from aiocoll.client.data._shm_ring import RingReader, RingWriter
+from aiocoll.client.data._shm_ring import MAIL_BYTES, RingReader, RingWriter
 
 CAPACITY = 64 * 1024
 
@@ -106,3 +107,56 @@ def test_a_payload_read_outside_the_ring_is_reported_in_its_header_and_a_withdra
     writer.offer(3)
     writer.offer(0)  # the sender closed: whatever was read of 3 is not whole
     assert not reader.still_offered(3)
+
+
+def test_the_mailbox_holds_one_message_until_the_receiver_took_it_and_all_frames_are_dispatched() -> None:
+    writer, reader = _ring()
+    assert writer.mail_open(0) and not reader.has_mail() and reader.mail() is None
+    assert not writer.mail_open(1)  # a frame we wrote is not dispatched yet: not the next message
+    reader.dispatched(1)
+    assert writer.mail_open(1)
+    for i in range(3):
+        body = bytes([i]) * (MAIL_BYTES - 10)  # header and payload fill the mailbox
+        assert not writer.mail(b"head%02d" % i + b"!!!!", memoryview(body))  # nobody polls: wake it
+        assert not writer.mail_open(1)  # one at a time
+        assert reader.has_mail()
+        got = reader.mail()
+        assert got is not None
+        head, view = got
+        assert head == b"head%02d!!!!" % i and bytes(view) == body
+        view.release()
+        assert not writer.mail_open(1)  # not taken until it is copied out
+        reader.took_mail()
+        assert not reader.has_mail() and writer.mail_open(1)
+
+
+def test_a_message_mailed_as_the_receiver_stops_polling_is_seen_by_one_side_or_the_other() -> None:
+    writer, reader = _ring()
+    reader.start_polling()
+    assert writer.mail(b"h", memoryview(b"x"))  # seen polling: no wake-up needed
+    assert reader.stop_polling()  # and the receiver's last look finds it
+    reader.mail()
+    reader.took_mail()
+    assert not reader.stop_polling()  # nothing came: it may sleep
+    reader.start_polling()
+    assert not reader.stop_polling()
+    assert not writer.mail(b"h", memoryview(b"y"))  # it stopped before: the sender wakes it
+
+
+@pytest.mark.parametrize(
+    ("mailed", "head", "body", "why"),
+    [
+        (2, 5, 5, "a message skipped"),
+        (1, 0, 5, "no header"),
+        (1, 5, MAIL_BYTES, "larger than the mailbox"),
+        (1, 5, -1, "a negative length"),
+    ],
+)
+def test_the_receiver_refuses_mailbox_counters_no_well_behaved_sender_writes(
+    mailed: int, head: int, body: int, why: str
+) -> None:
+    writer, reader = _ring()
+    ctl = memoryview(writer._mail.obj)[:RING_HEADER].cast("q")  # the sender's memory, as a peer may set it
+    ctl[64], ctl[65], ctl[32] = head, body, mailed
+    with pytest.raises(ValueError, match="mailbox message"):
+        reader.mail()

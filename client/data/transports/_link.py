@@ -122,6 +122,12 @@ class Link(ABC):
         loop sleep (LinkTransport.recv_now). Links without such a read return False."""
         return False
 
+    def watch(self, on: bool) -> None:
+        """A receive starts (True) or stops (False) calling ``read_now`` in a spin: a link whose
+        peer can hand it a message in memory while it is read in place (the shm kind's
+        mailbox) tells the peer so, and takes what came as it stopped. Others do nothing."""
+        return None
+
     @abstractmethod
     def pause_reading(self) -> None:
         """Stop taking messages from the peer (its sends wait once the medium's buffers fill)."""
@@ -478,11 +484,9 @@ class LinkTransport(Transport):
         link = self._links.get(src)
         if link is None:
             return None
-        if link.read_now():  # here, but not yet read: one read in place, on any link
-            got = matcher.take(src, tag, into)
-            if got is not None:
-                return got
         if not link.poll_while_waiting or time.perf_counter() < self._poll_off_until:
+            if link.read_now():  # here, but not yet read: one read in place, on any link
+                return matcher.take(src, tag, into)
             return None
         found: tuple[int, dict[str, Any]] | None = None
 
@@ -493,9 +497,17 @@ class LinkTransport(Transport):
                 return found is not None
             return link.closed  # (ends the spin; the waiting path reports the loss)
 
-        if spin(arrived, self._straight_spin) and found is not None:
-            self.polled_arrivals += 1
-        return found
+        link.watch(True)
+        try:
+            if arrived():  # here, but not yet read: one read in place
+                return found
+            if spin(arrived, self._straight_spin):
+                if found is not None:
+                    self.polled_arrivals += 1
+                return found
+        finally:
+            link.watch(False)
+        return matcher.take(src, tag, into)  # (taken from the link as it stopped watching)
 
     def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:
         if src is not None and self.world_size and not 0 <= src < self.world_size:

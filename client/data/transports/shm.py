@@ -18,7 +18,25 @@ the message (``landed`` / ``arrived``), so posted receives get exactly one copy 
 ``recv_landed`` reduces from where the payload landed. Large payloads are pipelined: the
 receiver copies chunk k out while the sender writes chunk k+1. Zero-length messages are plain
 frames, and so are payloads of at most ``_FRAME_BYTES`` (the frame crosses the socket anyway,
-and for so few bytes the ring's bookkeeping costs more than the kernel's copy).
+and for so few bytes the ring's bookkeeping costs more than the kernel's copy), unless they take
+the straight path below.
+
+The straight path for a small message: when nothing else is in flight on the link (no send
+queued, the peer has taken our last mailbox message and has dispatched every frame we wrote,
+which it says in the ring's header), a payload of at most ``_MAIL_MAX`` bytes goes with its
+header (msgpack) into the ring's one-message mailbox (client.data._shm_ring) and no frame is
+sent. A receive that polls its link in place (LinkTransport.recv_now; ``watch`` raises the
+ring's polling flag) takes it from there; a receiver that does not poll is woken through our
+eventfd towards it (the flag and a fence on each side make sure one of the two happens). The
+message is handed to the matcher as a ring message's is (``claim`` / ``landed`` / ``arrived``).
+Order holds: the sender uses the mailbox only once every frame before it was dispatched, and the
+receiver takes the mailbox's message before it dispatches any frame it reads later (those were
+written after it), when woken, when polling, and when the link closes (a message put there
+before the peer went is delivered, as its frames read before the end-of-file are). A polling
+receiver reads the socket only when the peer's header says it wrote a frame not yet read. While
+the receiver's reading is paused (full inbox) the mailbox is not taken: the sender's next
+messages go as frames and wait in the socket. ``AIOCOLL_SHM_MAILBOX=0`` keeps a rank from
+sending through the mailbox.
 
 Payloads of at least ``_DIRECT_MIN`` bytes skip the ring where the receiver may read the sender's
 memory: one frame says where the payload lies in the sender's address space
@@ -77,27 +95,31 @@ from collections import deque
 from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from aiocoll._deadline import Deadline
 from aiocoll._env import env_int, env_text
 from aiocoll._errors import AuthenticationError, PeerLostError, RendezvousError
 from aiocoll.algorithms._transport import Tag
-from aiocoll.protocol import PREFIX
+from aiocoll.protocol import PREFIX, Frame
 
+from .._peer import PeerLink
 from .._shm import NONCE_BYTES, PROBE_OFFSET, ShmHost, ShmPeer, ShmUnavailable, region_bytes
-from .._shm_ring import RingReader, RingWriter
+from .._shm_ring import MAIL_BYTES, RingReader, RingWriter
 from .._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 from .._waiting import SpinBudget, spin
 from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
 from ._link import LinkHost, LinkTransport, as_bytes_view
-from .tcp import TcpLink, TcpTransport, _consume_outcome
+from .tcp import TcpLink, TcpTransport, _consume_outcome, _on_frames
 
-__all__ = ["SHM_CHUNK_ENV", "ShmKind", "ShmLink", "prepare_shm", "shm_host"]
+__all__ = ["SHM_CHUNK_ENV", "SHM_MAILBOX_ENV", "ShmKind", "ShmLink", "prepare_shm", "shm_host"]
 
 log = logging.getLogger("aiocoll.client.shm")
+_unpackb = msgpack.unpackb
 
 SHM_CHUNK_ENV = "AIOCOLL_SHM_CHUNK"
+SHM_MAILBOX_ENV = "AIOCOLL_SHM_MAILBOX"
 _DEFAULT_CHUNK = 1 << 20
 _REGIONS = 64  # groups of one process that can use the arena at once (one region each)
 _RING_BYTES = 4 << 20  # each direction of each pair: bounded, touched only as far as used
@@ -106,6 +128,9 @@ _SPIN_S = 50e-6  # the most a sender spins for ring space before it sleeps
 _HANGUP_CHECK_S = 0.5
 _DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
 _INLINE_S = 0.002  # the most a send moves into the ring before the event loop gets a turn
+_MAIL_MAX = 2048
+"""Payloads up to this size (header included, at most the mailbox's MAIL_BYTES) go through the
+ring's mailbox when the receiver polls for them and nothing else is in flight on the link."""
 _FRAME_BYTES = 1024
 """Payloads up to this size travel inside their frame on the socket, as over tcp: the frame
 crosses the socket anyway, and for a few hundred bytes the kernel's copy costs less than
@@ -177,6 +202,18 @@ class ShmLink(TcpLink):
             self._writer = RingWriter(out_ring)
             self._reader = RingReader(in_ring)
         capacity = self._writer.capacity if self._writer is not None else 0
+        # Small messages through the ring's mailbox when nothing else is in flight (we send
+        # through it unless told not to; we always take what the peer put in its own)
+        self._mailbox = self._writer is not None and env_text(SHM_MAILBOX_ENV) != "0"
+        if self._reader is not None:
+            self._on_frames = _on_shm_frames  # takes the mailbox's message ahead of later frames
+            # our eventfd: the peer freed ring room or read our offer (while we sleep on it), or
+            # put a message in its mailbox while we did not poll
+            self._loop.add_reader(self._space_efd, self._on_efd)
+        self._closing = False
+        self.mail_out = 0  # diagnostics: messages we put in the mailbox, those we took out of
+        self.mail_in = 0  # the peer's, and the times we had to wake the peer for one
+        self.mail_wakes = 0
         self._chunk = max(4096, capacity // _CHUNKS_PER_RING)
         self._budget = SpinBudget(spin_s)
         self._sending: deque[_Outgoing] = deque()
@@ -211,18 +248,33 @@ class ShmLink(TcpLink):
 
     # -- sending ----------------------------------------------------------------------------
     def send_nowait(self, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> Awaitable[None] | None:
-        if self._writer is None:
+        writer = self._writer
+        if writer is None:
             return super().send_nowait(tag, payload, meta)
         if self.closed:
             raise self._lost()
         body = as_bytes_view(payload)
         queue = self._sending
         n = len(body)
+        if not queue and 0 < n <= _MAIL_MAX and self._mailbox and writer.mail_open(self.frames_out):
+            # The straight path: the receiver has taken everything we sent before, so the
+            # message goes to the mailbox without a frame; a receiver that polls takes it from
+            # there, one that does not is woken.
+            head = self._packer.pack([tag, meta])
+            if len(head) + n <= MAIL_BYTES:
+                self.mail_out += 1
+                if not writer.mail(head, body):
+                    self.mail_wakes += 1
+                    try:
+                        os.eventfd_write(self._peer_efd, 1)
+                    except OSError:
+                        pass  # (closed by now: the link's close reports the loss)
+                return None
         if not queue and n <= _FRAME_BYTES:  # in its frame, in order: nothing is queued ahead
             return super().send_nowait(tag, payload, meta)
         if not queue and n <= self._chunk:
             # The common case of a small message on an idle link: one chunk, one frame, now.
-            end = self._writer.write(body)
+            end = writer.write(body)
             if end >= 0:
                 self.ring_bytes_out += n
                 self._frame({"r": [tag, meta, n, end, n]})
@@ -367,24 +419,28 @@ class ShmLink(TcpLink):
     def _sleep(self) -> None:
         self._asleep = True
         self.ring_sleeps += 1
-        self._loop.add_reader(self._space_efd, self._on_space)
         self._checker = self._loop.call_later(_HANGUP_CHECK_S, self._check_hangup)
 
     def _stop_sleeping(self) -> None:
         if not self._asleep:
             return
         self._asleep = False
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self._space_efd)
         if self._checker is not None:
             self._checker.cancel()
             self._checker = None
         if self._writer is not None:
             self._writer.woken()
 
-    def _on_space(self) -> None:
+    def _on_efd(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.eventfd_read(self._space_efd)
+        reader = self._reader
+        if reader is not None and reader.has_mail():
+            self._take_mail()
+        if self._asleep:
+            self._on_space()
+
+    def _on_space(self) -> None:
         self._stop_sleeping()
         if not self.closed:
             self._pump()
@@ -401,6 +457,71 @@ class ShmLink(TcpLink):
         self._on_space()
 
     # -- receiving --------------------------------------------------------------------------
+    def read_now(self) -> bool:
+        reader = self._reader
+        if reader is None:
+            return super().read_now()
+        # The mailbox first: frames still in the socket were written after its message. The
+        # socket only when the peer says it wrote a frame we have not read.
+        mail = reader.has_mail() and self._take_mail()
+        if reader.frames_written() != self._frames_in:
+            return super().read_now() or mail
+        return mail
+
+    def write(self, views: list[memoryview]) -> asyncio.Future[None] | None:
+        fut = super().write(views)
+        writer = self._writer
+        if writer is not None:
+            writer.wrote(self.frames_out)
+        return fut
+
+    def watch(self, on: bool) -> None:
+        reader = self._reader
+        if reader is None:
+            return
+        if on:
+            reader.start_polling()
+        elif reader.stop_polling():  # it came as we stopped: its sender may not wake us
+            self._take_mail()
+
+    def resume_reading(self) -> None:
+        if self._reading or self.closed:
+            return
+        super().resume_reading()
+        reader = self._reader
+        if reader is not None and reader.has_mail():
+            self._loop.call_soon(self._take_mail)  # (not from inside the matcher that resumed us)
+
+    def _take_mail(self) -> bool:
+        """Hand the mailbox's message over (to where the matcher says it goes, as a ring
+        message's); True when there was one. Not while reading is paused: the mailbox is then
+        the peer's to wait on, as a full socket would be."""
+        reader = self._reader
+        if reader is None or not self._reading:
+            return False
+        try:
+            mail = reader.mail()
+            if mail is None:
+                return False
+            head, body = mail
+            tag, meta = _unpackb(head, max_ext_len=0, strict_map_key=False)
+            key, dst = self._claim(tag, meta, len(body))
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            self._broken(exc)
+            return False
+        self.mail_in += 1
+        if dst is None:  # a small early message: our own copy, to the inbox
+            payload = memoryview(bytearray(body))
+            body.release()
+            reader.took_mail()
+            self._matcher.arrived(self.peer, key, meta, payload)
+        else:
+            dst[:] = body
+            body.release()
+            reader.took_mail()
+            self._matcher.landed(self.peer, key, meta, dst)
+        return True
+
     def _sink(self, header: dict[str, Any], nbytes: int) -> memoryview | None:
         # A payload in its frame is claimed only when its frame is handed over, not when its
         # header is parsed: ring chunk frames read in the same batch are dispatched after the
@@ -476,16 +597,23 @@ class ShmLink(TcpLink):
         Raises:
             ValueError / TypeError: the frame is out of place or malformed.
         """
+        key, dst = self._claim(tag, meta, total)
+        if dst is None:  # a small early message: our own memory, handed to the inbox
+            return _Incoming(key, meta, memoryview(bytearray(total)), total, False)
+        return _Incoming(key, meta, dst, total, True)
+
+    def _claim(self, tag: Any, meta: Any, total: Any) -> tuple[Tag, memoryview | None]:
+        """A message's tag, and where the matcher says its payload goes (None: keep it here).
+
+        Raises:
+            ValueError / TypeError: the header is out of place or malformed.
+        """
         if not (isinstance(tag, list) and isinstance(meta, dict)) or self._incoming is not None:
             raise ValueError("a message header out of place")
         if not 0 < total <= self._max_payload:
             raise ValueError(f"a {total}-byte payload (at most {self._max_payload} are accepted)")
         key = tuple(tag)
-        dst = self._matcher.claim(self.peer, key, total)
-        claimed = dst is not None
-        if dst is None:  # a small early message: our own memory, handed to the inbox
-            dst = memoryview(bytearray(total))
-        return _Incoming(key, meta, dst, total, claimed)
+        return key, self._matcher.claim(self.peer, key, total)
 
     def _hand_over(self, incoming: _Incoming) -> None:
         """The message is whole: to the receive that claimed it, or to the inbox."""
@@ -543,6 +671,12 @@ class ShmLink(TcpLink):
     def close(self, reason: str, *, lost: bool) -> None:
         if self.closed:
             return
+        if not self._closing:
+            self._closing = True
+            # What the peer put in the mailbox before it went is delivered, as its frames are.
+            self._take_mail()
+            if self.closed:
+                return
         self._stop_sleeping()
         if self._turn is not None:
             self._turn.cancel()
@@ -566,6 +700,9 @@ class ShmLink(TcpLink):
             if mem is not None:
                 with contextlib.suppress(BufferError, ValueError):
                     mem.close()
+        if self._space_efd >= 0:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._space_efd)
         for fd in (self._space_efd, self._peer_efd):
             if fd >= 0:
                 with contextlib.suppress(OSError):
@@ -599,8 +736,25 @@ class ShmLink(TcpLink):
                 ),
                 "direct_bytes_out": self.direct_bytes_out,
                 "direct_bytes_in": self.direct_bytes_in,
+                "mail_out": self.mail_out,
+                "mail_in": self.mail_in,
+                "mail_wakes": self.mail_wakes,
             }
         return state
+
+
+def _on_shm_frames(link: PeerLink, frames: list[Frame]) -> None:
+    """A shm link's frames, after the mailbox's message when there is one (it was put there
+    before these frames were written: a sender uses the mailbox only once we have dispatched
+    every frame it wrote); then we say how many frames we have dispatched."""
+    assert isinstance(link, ShmLink)
+    reader = link._reader
+    if reader is not None and reader.has_mail():
+        link._take_mail()
+    _on_frames(link, frames)
+    reader = link._reader
+    if reader is not None:
+        reader.dispatched(link._frames_in)
 
 
 def _direct_allowed() -> bool:
