@@ -56,6 +56,10 @@ _NAP_FOR_S = 0.1  # after a late yield, waits between steps nap rather than yiel
 _CONTENTION_EVERY_S = 50e-6  # a spin between steps re-reads the host's runnable count this often
 _INLINE_S = 0.002  # at most this long of operations completing inside their calls between loop turns
 _OFF_LOOP_NAP_S = 0.002  # a wait started off the loop's thread naps in place this long at most
+# ... after spinning up to this long past the adaptive budget (with a core for every rank): a nap
+# costs a wake-up, and the peer waits that long, fails its own spin and naps in turn, so naps
+# come in runs (the async API's sleep goes through its loop first, a turn later, and seldom blocks)
+_OFF_LOOP_SPIN_S = 300e-6
 
 
 class ShmOp:
@@ -188,6 +192,7 @@ class ShmScheduler:
         self.naps = 0  # blocks on the eventfd inside a wait between steps (_nap)
         self.beside = 0  # waits that found the awaited peer queued on our core (_beside)
         self._nap_until = 0.0  # (perf_counter) waits between steps nap until then (_wait_step)
+        self._beside_now = False  # the last wait found an awaited member on our CPU (_beside)
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
 
     def _publish(self, counter: int, t: int) -> None:
@@ -294,7 +299,7 @@ class ShmScheduler:
         cost a wake-up per operation. A longer yield (other work's time slice) is charged."""
         wait = op.wait
         assert wait is not None
-        beside = self._beside(wait)
+        beside = self._beside_now = self._beside(wait)
         if self._inner:
             return self._wait_step(wait, beside)
         if beside:
@@ -309,15 +314,24 @@ class ShmScheduler:
         turn, aiocoll/_sync_loop.py): nap on the eventfd in place for up to _OFF_LOOP_NAP_S
         before going to sleep in the loop. That thread would otherwise park until the loop
         thread, woken by the same eventfd, finished the operation and woke it in turn: two
-        wake-ups where this costs one. Bounded, since the loop waits for the turn meanwhile."""
+        wake-ups where this costs one. Bounded, since the loop waits for the turn meanwhile.
+
+        Before the nap, with a core for every rank and the awaited member not on ours, it spins
+        (yielding at each check) up to _OFF_LOOP_SPIN_S beyond the adaptive budget: the calling
+        thread has nothing else to do, and a nap's wake-up costs both ranks more than the spin."""
         owner = getattr(self._loop, "_thread_id", None)
         waker = self._waker
         if owner is None or owner == threading.get_ident() or waker.sleeping:
             return False  # (groups sleeping in the loop: it must watch the eventfd meanwhile)
         assert op.wait is not None
+        wait = op.wait
+        if not (self._oversubscribed or self._beside_now):
+            ready = self._ready
+            if spin(lambda: ready(wait), SpinBudget(_OFF_LOOP_SPIN_S), _PLAIN_SPIN_S):
+                return True
         waker.unwatch()
         try:
-            return self._nap(op.wait, time.perf_counter() + _OFF_LOOP_NAP_S)
+            return self._nap(wait, time.perf_counter() + _OFF_LOOP_NAP_S)
         finally:
             # A peer that saw our sleeping flag may write the eventfd just after we woke: take
             # that late write here, or it wakes the loop thread, which then holds the turn and
