@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocoll.testing.world import run_world, unwrap
+from aiocoll.testing.world import outcome, run_world, unwrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -487,3 +487,57 @@ async def test_a_frame_read_before_the_wake_up_for_an_earlier_mailed_message_com
         assert got == [b"one!", b"two!"]
     finally:
         await close_world(world)
+
+
+async def mailed_then_gone(pg: Any, how: str) -> dict[str, Any]:
+    """Rank 0 puts a small message in its mailbox towards rank 1 while rank 1 is stopped
+    (SIGSTOP: it cannot take it), then is killed (``how`` "killed") or closes its process group
+    ("left"); rank 2 lets rank 1 go on once it saw rank 0 go. Rank 1 then receives the message,
+    and its next receive from rank 0 fails with PeerLostError naming it (saying it left, when it
+    did)."""
+    pids = await pg.all_gather_object(os.getpid())
+    res: dict[str, Any] = {}
+    if pg.rank == 0:
+        for _ in range(3000):  # until rank 1 stopped (nobody takes our message then), 30 s at most
+            if _state(pids[1]) == "T":
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("rank 1 did not stop within 30 s")
+        link = pg._rt.transport.link(1)
+        before = link.mail_out
+        await pg.send(np.full(3, 5, np.int16), dst=1, tag=9)
+        if link.mail_out != before + 1:
+            raise AssertionError("the message did not go through the mailbox")
+        if how == "killed":
+            os.kill(os.getpid(), signal.SIGKILL)
+        await pg.destroy()
+        return res
+    if pg.rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # rank 2 sends SIGCONT once rank 0 is gone
+        got = np.zeros(3, np.int16)
+        res["first"] = await outcome(lambda: pg.recv(got, src=0, tag=9, timeout=30))
+        res["got"] = got.tolist()
+        res["second"] = await outcome(lambda: pg.recv(np.zeros(3, np.int16), src=0, tag=9, timeout=30))
+        return res
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(pg.recv(np.zeros(1, np.uint8), src=0), 30)  # fails when 0 goes
+    os.kill(pids[1], signal.SIGCONT)
+    return res
+
+
+@pytest.mark.parametrize("how", ["killed", "left"])
+def test_a_mailed_message_is_received_after_its_sender_went_and_the_next_receive_fails(how: str) -> None:
+    results = run_world(mailed_then_gone, 3, timeout=120, env={"AIOCOLL_TRANSPORT": "shm"}, args=(how,))
+    if how == "killed":
+        assert results[0].exitcode == -signal.SIGKILL
+    else:
+        assert results[0].error is None, results[0].error
+    assert results[1].error is None, results[1].error
+    res = results[1].value
+    assert res["first"]["error"] is None and res["got"] == [5, 5, 5], res
+    second = res["second"]
+    assert second["error"] == "PeerLostError" and second["rank"] == 0, res
+    assert second["left"] is (how == "left"), res
+    if how == "left":
+        assert second["elapsed"] < 1.0, res
