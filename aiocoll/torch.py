@@ -255,7 +255,7 @@ class AiocollProcessGroup(td.ProcessGroup):
         """All-reduce each tensor of ``tensors`` in place (``opts.reduceOp``; SUM for sparse tensors)."""
         op = _reduce_op(opts)
         t = _one(tensors, "allreduce")
-        if t.layout == torch.sparse_coo:
+        if t.is_sparse:  # (a COO tensor: one attribute read, where comparing layouts is two)
             return self._sparse_allreduce(t, op)
         return self._launch("allreduce", lambda: self._core.all_reduce(t, op=op), [t])
 

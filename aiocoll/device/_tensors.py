@@ -181,9 +181,25 @@ def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
 
 
 def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
+    name = _TORCH_NAMES.get(tensor.dtype) or dtype_name(tensor)
+    if tensor.is_cpu and not tensor.requires_grad and name not in _NO_NUMPY_BRIDGE:
+        # The common case (a dense CPU tensor): its memory as numpy, with the fewest torch calls
+        # (each costs a dispatch). torch's numpy view refuses a sparse tensor and one with a
+        # lazy conjugate or negative bit; numpy's flags tell a contiguous one.
+        try:
+            array = tensor.numpy()
+        except (TypeError, RuntimeError):
+            pass
+        else:
+            if array.flags.c_contiguous:
+                return Working(array if array.ndim == 1 else array.reshape(-1), name, array.shape)
+    return _torch_working_staged(tensor, name, read=read, write=write)
+
+
+def _torch_working_staged(tensor: Any, name: str, *, read: bool, write: bool) -> Working:
+    """_torch_working for every tensor but a dense CPU one numpy can view as it is."""
     import torch  # already imported by whoever made the tensor; this binds the name only
 
-    name = _TORCH_NAMES.get(tensor.dtype) or dtype_name(tensor)
     if (
         tensor.is_cpu
         and tensor.layout is torch.strided
@@ -191,8 +207,7 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
         and not tensor.is_conj()
         and not tensor.is_neg()
     ):
-        # The common case (a dense CPU tensor): its memory as numpy, with the fewest torch calls
-        # (each costs a dispatch: detach and view cost more than the rest of a small operation).
+        # dense and on the CPU, but it requires grad or numpy has no such dtype (bfloat16)
         source = tensor.detach() if tensor.requires_grad else tensor
         array = _torch_flat_to_numpy(source, name)
         return Working(array if array.ndim == 1 else array.reshape(-1), name, tuple(tensor.shape))
