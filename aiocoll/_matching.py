@@ -35,6 +35,14 @@ shared-memory slot header) asks ``claim`` where to put them, in stream order; ``
 the posted receive's own buffer when it is next in line, so the payload lands in place, and the
 link reports the finished frame with ``landed``; a frame it did not claim it reports with
 ``arrived``.
+
+A polled receive (``poll`` ... ``unpoll``): a receive that reads its source's link in place for a
+moment before it would be posted (the transport's straight path) is next in line after every
+posted receive for its message, and gets the first message of its source and tag that arrives
+meanwhile, in its own buffer: through ``arrived``, or through ``claim`` when the link hands the
+payload over whole within the same call (``whole``), so that a receive that stops polling is
+never left bound to a message still arriving. Its outcome is kept in the ``Polled`` for the
+caller to read (``outcome``).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ __all__ = [
     "Flow",
     "LARGE_PAYLOAD",
     "Matcher",
+    "Polled",
     "Posted",
     "StrayHandler",
     "Tag",
@@ -105,6 +114,36 @@ class Posted:
         self.done = done
         self.order = order
         self.in_place = in_place
+
+
+class Polled:
+    """A polled receive's completion (see the module header): ``outcome`` is ``(src, meta)``,
+    None while nothing came, or raises what failed it (a size mismatch)."""
+
+    __slots__ = ("error", "posted", "prev", "result")
+
+    def __init__(self, src: int, tag: Tag, into: memoryview, prev: Polled | None) -> None:
+        self.result: tuple[int, dict[str, Any]] | None = None
+        self.error: BaseException | None = None
+        self.prev = prev  # the receive polled when this one started (nested), restored after
+        self.posted = Posted(src, tag, into, self, -1, False)
+
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+    def set_result(self, result: Any) -> None:
+        self.result = result
+
+    def set_exception(self, exception: BaseException) -> None:
+        self.error = exception
+
+    def cancel(self) -> bool:
+        return False
+
+    def outcome(self) -> tuple[int, dict[str, Any]] | None:
+        if self.error is not None:
+            raise self.error
+        return self.result
 
 
 class _Mismatched:
@@ -183,6 +222,7 @@ class Matcher:
         # stream order: one read may complete several frames before they are reported.
         self._filling: dict[int, deque[Posted | _Mismatched | None]] = {}
         self._order = 0
+        self._polled: Polled | None = None
         # Finished prefixes by length: True reports late messages as strays, False drops them.
         self._finished: dict[int, dict[Tag, bool]] = {}
         self._finished_fifo: deque[Tag] = deque()
@@ -299,6 +339,26 @@ class Matcher:
             if not queue:
                 del queues[key]
 
+    def poll(self, src: int, tag: Tag, into: memoryview) -> Polled:
+        """Start polling for the next message ``tag`` from ``src`` into ``into`` (``take`` first:
+        none is here); ``unpoll`` once done, in every case."""
+        polled = self._polled = Polled(src, tag, into, self._polled)
+        return polled
+
+    def unpoll(self, polled: Polled) -> None:
+        """Stop polling (``polled.outcome()`` says what came)."""
+        self._polled = polled.prev
+
+    def _polling(self, src: int, tag: Tag) -> Polled | None:
+        """The polled receive that takes a message ``tag`` from ``src`` no posted receive takes."""
+        polled = self._polled
+        if polled is None:
+            return None
+        posted = polled.posted
+        if posted.src != src or posted.tag != tag or polled.done():
+            return None
+        return polled
+
     def _no_live_source(self) -> bool:
         others = self.world_size - 1
         return others > 0 and sum(1 for r in self.lost if r != self.rank) >= others
@@ -326,13 +386,19 @@ class Matcher:
             return posted
         return None
 
-    def claim(self, src: int, tag: Tag, nbytes: int) -> memoryview | None:
+    def claim(self, src: int, tag: Tag, nbytes: int, whole: bool = False) -> memoryview | None:
         """Where the ``nbytes`` payload of a message from ``src`` whose header just arrived should
         land: the next posted receive's own buffer (bound now, in stream order, so a later message
         in the same read cannot overtake it), a landing buffer for a large early or mis-sized
         payload, or None (the link lands it itself and reports it with ``arrived``). A frame given
-        a buffer here must be reported with ``landed``, in order."""
+        a buffer here must be reported with ``landed``, in order. ``whole``: the link lands the
+        payload and reports it within this call (a polled receive may take it)."""
         posted = self._next_in_line(src, tag)
+        if posted is None and whole and self._polled is not None:
+            polled = self._polling(src, tag)
+            if polled is not None and len(polled.posted.into) == nbytes:
+                self._filling[src].append(polled.posted)
+                return polled.posted.into
         if posted is not None and not posted.done.done():
             want = len(posted.into)
             if want == nbytes:
@@ -394,6 +460,17 @@ class Matcher:
                     posted.into[:] = payload
                 done.set_result((src, meta))
             return
+        if self._polled is not None:
+            polled = self._polling(src, tag)
+            if polled is not None:
+                into = polled.posted.into
+                if len(payload) != len(into):
+                    polled.set_exception(length_mismatch(src, tag, len(payload), len(into), meta))
+                else:
+                    if len(payload):
+                        into[:] = payload
+                    polled.set_result((src, meta))
+                return
         queue = self._inbox.get(tag)
         if queue is None:
             queue = self._inbox[tag] = deque()

@@ -259,3 +259,61 @@ def test_a_message_from_this_rank_to_itself_is_matched_without_counting_against_
     m.arrived(0, ("self",), META, memoryview(b"me"))
     assert m.buffered(0) == 0
     assert m.take(0, ("self",), buf(2)) == (0, META)
+
+
+def test_a_polled_receive_takes_the_first_message_of_its_source_and_tag_and_later_ones_wait() -> None:
+    m, _ = matcher()
+    into = buf(4)
+    polled = m.poll(1, ("t",), into)
+    m.arrived(2, ("t",), META, memoryview(b"two!"))  # another source: the inbox
+    m.arrived(1, ("u",), META, memoryview(b"tag!"))  # another tag: the inbox
+    assert polled.outcome() is None
+    m.arrived(1, ("t",), {"n": 1}, memoryview(b"one!"))
+    m.arrived(1, ("t",), {"n": 2}, memoryview(b"next"))  # the polled receive is done: the inbox
+    m.unpoll(polled)
+    assert polled.outcome() == (1, {"n": 1}) and bytes(into) == b"one!"
+    assert m.take(1, ("t",), buf(4)) == (1, {"n": 2})
+    assert m.take(2, ("t",), buf(4)) == (2, META) and m.take(1, ("u",), buf(4)) == (1, META)
+
+
+def test_a_polled_receive_comes_after_posted_receives_and_takes_only_whole_claims() -> None:
+    m, _ = matcher()
+    into, first = buf(4), Outcome()
+    polled = m.poll(1, ("t",), into)
+    m.post(None, ("t",), buf(4), first)  # posted (from any source): next in line before the poll
+    assert m.claim(1, ("t",), 4, whole=True) is not into
+    m.landed(1, ("t",), META, memoryview(b"1111"))
+    assert first.result == (1, META) and polled.outcome() is None
+    # a payload the link lands over several reads is not bound to a receive that may stop polling
+    assert m.claim(1, ("t",), 4) is None
+    assert polled.outcome() is None
+    assert m.claim(1, ("t",), 4, whole=True) is into
+    into[:] = b"2222"
+    m.landed(1, ("t",), {"n": 2}, into)
+    m.unpoll(polled)
+    assert polled.outcome() == (1, {"n": 2})
+
+
+def test_a_polled_receive_of_another_size_fails_with_the_mismatch_and_consumes_the_message() -> None:
+    m, _ = matcher()
+    polled = m.poll(1, ("t",), buf(4))
+    assert m.claim(1, ("t",), 8, whole=True) is None  # not bound: the link reports it whole
+    m.arrived(1, ("t",), {"n": 8}, memoryview(bytes(8)))
+    m.unpoll(polled)
+    with pytest.raises(MismatchError) as info:
+        polled.outcome()
+    assert info.value.remote_meta == {"n": 8}  # type: ignore[attr-defined]
+    assert m.take_early(1, ("t",), 8) is None  # consumed
+
+
+def test_an_inner_poll_restores_the_outer_one() -> None:
+    m, _ = matcher()
+    outer_into, inner_into = buf(1), buf(1)
+    outer = m.poll(1, ("o",), outer_into)
+    inner = m.poll(2, ("i",), inner_into)
+    m.unpoll(inner)
+    m.arrived(1, ("o",), META, memoryview(b"o"))
+    m.arrived(2, ("i",), META, memoryview(b"i"))  # after the inner poll ended: the inbox
+    m.unpoll(outer)
+    assert outer.outcome() == (1, META) and inner.outcome() is None
+    assert m.take(2, ("i",), buf(1)) == (2, META)

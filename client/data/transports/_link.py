@@ -488,26 +488,21 @@ class LinkTransport(Transport):
             if link.read_now():  # here, but not yet read: one read in place, on any link
                 return matcher.take(src, tag, into)
             return None
-        found: tuple[int, dict[str, Any]] | None = None
+        # Meanwhile the message goes straight to this receive when it comes (Matcher.poll).
+        polled = matcher.poll(src, tag, into)
 
         def arrived() -> bool:
-            nonlocal found
-            if link.read_now():
-                found = matcher.take(src, tag, into)
-                return found is not None
-            return link.closed  # (ends the spin; the waiting path reports the loss)
+            link.read_now()
+            return polled.done() or link.closed  # (a closed link ends the spin; the waiting path reports it)
 
         link.watch(True)
         try:
-            if arrived():  # here, but not yet read: one read in place
-                return found
-            if spin(arrived, self._straight_spin):
-                if found is not None:
-                    self.polled_arrivals += 1
-                return found
+            if not arrived() and spin(arrived, self._straight_spin) and polled.done():
+                self.polled_arrivals += 1
         finally:
-            link.watch(False)
-        return matcher.take(src, tag, into)  # (taken from the link as it stopped watching)
+            link.watch(False)  # (what the link takes as it stops watching still comes here)
+            matcher.unpoll(polled)
+        return polled.outcome()
 
     def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:
         if src is not None and self.world_size and not 0 <= src < self.world_size:

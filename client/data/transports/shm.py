@@ -505,7 +505,7 @@ class ShmLink(TcpLink):
                 return False
             head, body = mail
             tag, meta = _unpackb(head, max_ext_len=0, strict_map_key=False)
-            key, dst = self._claim(tag, meta, len(body))
+            key, dst = self._claim(tag, meta, len(body), True)
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             self._broken(exc)
             return False
@@ -534,7 +534,7 @@ class ShmLink(TcpLink):
         if first is not None:
             try:
                 tag, meta, total, end, n = first
-                incoming = self._begin(tag, meta, total)
+                incoming = self._begin(tag, meta, total, n == total)  # (one chunk: whole at once)
             except (TypeError, ValueError) as exc:
                 self._broken(exc)
                 return True
@@ -570,7 +570,7 @@ class ShmLink(TcpLink):
             tag, meta, total, at, key = offer
             if not (isinstance(total, int) and isinstance(at, int) and isinstance(key, int)):
                 raise ValueError("a malformed direct-read offer")
-            incoming = self._begin(tag, meta, total)
+            incoming = self._begin(tag, meta, total, True)
         except (TypeError, ValueError) as exc:
             self._broken(exc)
             return
@@ -590,20 +590,21 @@ class ShmLink(TcpLink):
                 os.eventfd_write(self._peer_efd, 1)
         self._hand_over(incoming)
 
-    def _begin(self, tag: Any, meta: Any, total: Any) -> _Incoming:
+    def _begin(self, tag: Any, meta: Any, total: Any, whole: bool) -> _Incoming:
         """A message's first frame (in the ring or offered from the peer's memory): where its
         payload goes, asked of the matcher as soon as its length is known.
 
         Raises:
             ValueError / TypeError: the frame is out of place or malformed.
         """
-        key, dst = self._claim(tag, meta, total)
+        key, dst = self._claim(tag, meta, total, whole)
         if dst is None:  # a small early message: our own memory, handed to the inbox
             return _Incoming(key, meta, memoryview(bytearray(total)), total, False)
         return _Incoming(key, meta, dst, total, True)
 
-    def _claim(self, tag: Any, meta: Any, total: Any) -> tuple[Tag, memoryview | None]:
-        """A message's tag, and where the matcher says its payload goes (None: keep it here).
+    def _claim(self, tag: Any, meta: Any, total: Any, whole: bool) -> tuple[Tag, memoryview | None]:
+        """A message's tag, and where the matcher says its payload goes (None: keep it here);
+        ``whole``: the payload is landed and handed over within this call (Matcher.claim).
 
         Raises:
             ValueError / TypeError: the header is out of place or malformed.
@@ -613,7 +614,7 @@ class ShmLink(TcpLink):
         if not 0 < total <= self._max_payload:
             raise ValueError(f"a {total}-byte payload (at most {self._max_payload} are accepted)")
         key = tuple(tag)
-        return key, self._matcher.claim(self.peer, key, total)
+        return key, self._matcher.claim(self.peer, key, total, whole)
 
     def _hand_over(self, incoming: _Incoming) -> None:
         """The message is whole: to the receive that claimed it, or to the inbox."""
