@@ -274,9 +274,12 @@ class ShmScheduler:
                 if self.broken is not None:
                     self._fail_queued(self.broken)
                 continue
-            if time.perf_counter() - began > _INLINE_S:
+            if time.perf_counter() - began > _INLINE_S and not self._off_loop():
                 # a long operation whose peers keep pace never sleeps: give the event loop a
-                # turn now and then (heartbeats, other tasks), then go on from there
+                # turn now and then (heartbeats, other tasks), then go on from there. (A blocking
+                # caller driving it goes on: the loop's own thread is free to take its turn once
+                # the operation waits or ends, where handing the rest over to it would cost that
+                # thread's wake-up and the caller's.)
                 self._loop.call_soon(self._run)
                 return
             if not self._spin(op) and not self._nap_off_loop(op) and self._sleep():
@@ -319,9 +322,8 @@ class ShmScheduler:
         Before the nap, with a core for every rank and the awaited member not on ours, it spins
         (yielding at each check) up to _OFF_LOOP_SPIN_S beyond the adaptive budget: the calling
         thread has nothing else to do, and a nap's wake-up costs both ranks more than the spin."""
-        owner = getattr(self._loop, "_thread_id", None)
         waker = self._waker
-        if owner is None or owner == threading.get_ident() or waker.sleeping:
+        if not self._off_loop() or waker.sleeping:
             return False  # (groups sleeping in the loop: it must watch the eventfd meanwhile)
         assert op.wait is not None
         wait = op.wait
@@ -338,6 +340,13 @@ class ShmScheduler:
             # has the next blocking call handed over to it. (No group sleeps in the loop now.)
             waker.drain()
             waker.watch()
+
+    def _off_loop(self) -> bool:
+        """Whether this thread is not the loop's (a blocking caller that took the loop's turn,
+        aiocoll/_sync_loop.py, drives the operation). A loop without a thread id (uvloop) is
+        never driven from another thread."""
+        owner = getattr(self._loop, "_thread_id", None)
+        return owner is not None and owner != threading.get_ident()
 
     def _beside(self, wait: Wait) -> bool:
         """Whether a member we wait for last ran on the CPU we run on now (and publish ours).
