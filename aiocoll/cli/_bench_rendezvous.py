@@ -40,7 +40,13 @@ from ._bench_common import (
     utc_now,
     write_json,
 )
-from ._bench_servers import quiet_logs, raise_fd_limit, start_coordinator, start_tcpstore
+from ._bench_servers import (
+    process_cpu_seconds,
+    quiet_logs,
+    raise_fd_limit,
+    start_coordinator,
+    start_tcpstore,
+)
 from ._bench_store import StoreBenchError, need_torch
 
 __all__ = ["run_rendezvous"]
@@ -104,11 +110,14 @@ def _aiocoll_participant(
         # Blocking on purpose, as torch's participants do: a thread hop here would be the
         # harness's cost, not aiocoll's. Nothing needs the loop before joining (no heartbeats).
         go.wait()
+        began = os.times()
         if per_host == 1:
             sessions = await asyncio.gather(*(join(h[0], s) for h, s in zip(hosts, early, strict=True)))
         else:
             sessions = await asyncio.gather(*(join_host(h, s) for h, s in zip(hosts, early, strict=True)))
-        results.put(("done", time.monotonic()))
+        ended = os.times()
+        cpu = ended.user - began.user + ended.system - began.system
+        results.put(("done", time.monotonic(), cpu))
         await released
         await asyncio.gather(*(session.aclose() for session in sessions), return_exceptions=True)
 
@@ -176,15 +185,16 @@ def _tcpstore_participant(
 
 def _collect(
     results: Any, expected: int, timeout: float, children: list[Any], errors: list[str]
-) -> list[Any]:
-    """Gather ``expected`` messages from the participants; an error, a dead child or the timeout stops it."""
+) -> list[tuple[Any, ...]]:
+    """Gather ``expected`` messages from the participants, each without its kind; an error, a
+    dead child or the timeout stops it."""
     import queue
 
-    values: list[Any] = []
+    values: list[tuple[Any, ...]] = []
     deadline = time.monotonic() + timeout
     while len(values) < expected:
         try:
-            kind, value, *_ = results.get(timeout=1.0)
+            kind, value, *rest = results.get(timeout=1.0)
         except queue.Empty:
             dead = [c for c in children if c.exitcode not in (None, 0)]
             if dead:
@@ -200,7 +210,7 @@ def _collect(
         if kind == "error":
             errors.append(value)
             return values
-        values.append(value)
+        values.append((value, *rest))
     return values
 
 
@@ -220,6 +230,18 @@ class RendezvousRun:
     warm: bool
     per_host: int = 1
     nice: int = 0
+    coordinator_pid: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RendezvousTime:
+    """One timed rendezvous's wall time, and the CPU time spent in it (from the release until
+    the last participant held its table) by the coordinator and by all participants together,
+    where known (aiocoll's participants and a coordinator whose /proc is readable)."""
+
+    seconds: float
+    coordinator_cpu: float | None = None
+    participants_cpu: float | None = None
 
 
 def _rendezvous_launcher(conn: multiprocessing.connection.Connection, run: RendezvousRun, job: str) -> None:
@@ -271,14 +293,19 @@ def _rendezvous_launcher(conn: multiprocessing.connection.Connection, run: Rende
         else:
             conn.send(("ready",))
             conn.recv()
+            cpu_before = process_cpu_seconds(run.coordinator_pid)
             begin = time.monotonic()
             go.set()
-            ends = _collect(results, procs, timeout, children, errors)
-            last = max([begin, *ends])
+            done = _collect(results, procs, timeout, children, errors)
+            cpu_after = process_cpu_seconds(run.coordinator_pid)
+            last = max([begin, *(d[0] for d in done)])
             if errors:
                 conn.send(("error", errors[0]))
             else:
-                conn.send(("time", last - begin))
+                coordinator_cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+                spent = [d[1] for d in done if len(d) > 1]
+                participants_cpu = sum(spent) if len(spent) == len(done) else None
+                conn.send(("time", RendezvousTime(last - begin, coordinator_cpu, participants_cpu)))
         release.set()
         go.set()
         deadline = time.monotonic() + 30
@@ -293,7 +320,7 @@ def _rendezvous_launcher(conn: multiprocessing.connection.Connection, run: Rende
             conn.send(("error", f"{impl} launcher: {type(exc).__name__}: {exc}"))
 
 
-def _measure_rendezvous(run: RendezvousRun) -> float:
+def _measure_rendezvous(run: RendezvousRun) -> RendezvousTime:
     impl, ranks, timeout = run.impl, run.ranks, run.timeout
     ctx = multiprocessing.get_context("spawn")
     parent_conn, child_conn = ctx.Pipe()
@@ -320,7 +347,8 @@ def _measure_rendezvous(run: RendezvousRun) -> float:
                 raise StoreBenchError(f"{impl} rendezvous of {ranks} failed: {message[1]}")
             if stage == "ready":
                 parent_conn.send("go")
-        return float(message[1])
+        result: RendezvousTime = message[1]
+        return result
     finally:
         launcher.join(60)
         if launcher.is_alive():
@@ -493,7 +521,7 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                                     args.verbose,
                                     warm,
                                 )
-                            )
+                            ).seconds
                         )
                 row: dict[str, Any] = {
                     "mode": "warm" if warm else "cold",
@@ -512,28 +540,32 @@ def run_rendezvous(args: argparse.Namespace) -> int:
             procs = args.sim_procs
             per_host = args.ranks_per_host
             ranks = args.simulated  # in all: each process takes an equal share
-            values, probes, memory = [], [], []
+            values, probes, memory, cpu_coordinator, cpu_hosts = [], [], [], [], []
             overflows_before = listen_overflows()
             for _ in range(args.rounds):
                 rss_before = coordinator.rss_bytes()
                 with _Probe(coordinator, token) as probe:
-                    values.append(
-                        _measure_rendezvous(
-                            RendezvousRun(
-                                "aiocoll",
-                                procs,
-                                ranks,
-                                coordinator.port,
-                                token,
-                                args.timeout,
-                                loop_kind,
-                                args.verbose,
-                                warm=False,
-                                per_host=per_host,
-                                nice=SIMULATED_NICE,
-                            )
+                    measured = _measure_rendezvous(
+                        RendezvousRun(
+                            "aiocoll",
+                            procs,
+                            ranks,
+                            coordinator.port,
+                            token,
+                            args.timeout,
+                            loop_kind,
+                            args.verbose,
+                            warm=False,
+                            per_host=per_host,
+                            nice=SIMULATED_NICE,
+                            coordinator_pid=coordinator.process.pid,
                         )
                     )
+                values.append(measured.seconds)
+                if measured.coordinator_cpu is not None:
+                    cpu_coordinator.append(measured.coordinator_cpu)
+                if measured.participants_cpu is not None:
+                    cpu_hosts.append(measured.participants_cpu)
                 probes.append(probe.worst)
                 if rss_before is not None and probe.rss_peak is not None:
                     memory.append((probe.rss_peak - rss_before) / ranks)
@@ -548,6 +580,8 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                     "probe_worst_s": {k: max(p[k] for p in probes) for k in probes[0]},
                     "member_bytes": statistics.median(memory) if memory else None,
                     "listen_overflows": _difference(listen_overflows(), overflows_before),
+                    "coordinator_cpu_s": statistics.median(cpu_coordinator) if cpu_coordinator else None,
+                    "hosts_cpu_s": statistics.median(cpu_hosts) if cpu_hosts else None,
                 }
             )
             if not args.quiet:
@@ -583,6 +617,17 @@ def run_rendezvous(args: argparse.Namespace) -> int:
                 f"# simulated: the simulated hosts run at nice +{SIMULATED_NICE} (on a real cluster they run "
                 f"on other machines; here they would otherwise take the coordinator's CPU)"
             )
+            coordinator_cpu, hosts_cpu = r["coordinator_cpu_s"], r["hosts_cpu_s"]
+            if coordinator_cpu is not None and hosts_cpu is not None:
+                hosts = math.ceil(r["clients"] / r["ranks_per_connection"])
+                cores = os.cpu_count() or 1
+                print(
+                    f"# simulated: CPU time from the release until the last host held its rows (median): "
+                    f"coordinator {coordinator_cpu:.2f} s ({coordinator_cpu / r['clients'] * 1e6:.0f} us "
+                    f"per rank), simulated hosts {hosts_cpu:.2f} s ({hosts_cpu / hosts * 1e3:.2f} ms per "
+                    f"host); on {cores} cores the rendezvous takes at least their sum / {cores} = "
+                    f"{(coordinator_cpu + hosts_cpu) / cores:.2f} s"
+                )
             if r["listen_overflows"]:
                 print(
                     f"# simulated: the kernel's listen queue overflowed {r['listen_overflows']} times "

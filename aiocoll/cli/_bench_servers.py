@@ -20,7 +20,15 @@ from collections.abc import Iterator
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-__all__ = ["ServerProcess", "cpu_hogs", "quiet_logs", "raise_fd_limit", "start_coordinator", "start_tcpstore"]
+__all__ = [
+    "ServerProcess",
+    "cpu_hogs",
+    "process_cpu_seconds",
+    "quiet_logs",
+    "raise_fd_limit",
+    "start_coordinator",
+    "start_tcpstore",
+]
 
 
 def quiet_logs(verbose: bool) -> None:
@@ -75,6 +83,19 @@ def cpu_hogs(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             hog.wait(10)
 
 
+def process_cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time (user and system) process ``pid`` has used so far, from /proc; None where
+    /proc does not tell."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class ServerProcess:
     """A running server child: ``port``, and ``stop()`` which ends it (idempotent)."""
 
@@ -102,6 +123,10 @@ class ServerProcess:
         except (OSError, ValueError):
             pass
         return None
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time it has used so far, user and system (None where /proc does not tell)."""
+        return process_cpu_seconds(self.process.pid)
 
     def stop(self, timeout: float = 10.0) -> None:
         with contextlib.suppress(OSError):

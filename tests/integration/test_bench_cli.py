@@ -269,3 +269,29 @@ def test_bench_store_measures_async_and_sync_clients_and_records_the_mode(tmp_pa
         else:
             assert "sets are not answered" in result.stdout
     assert [r["op"] for r in data["results"]] == ops
+
+
+@pytest.mark.timeout(120)
+def test_bench_simulated_rendezvous_reports_both_ends_cpu_time(tmp_path: Path) -> None:
+    # 64 simulated hosts of 8 ranks on 2 processes: the row, the probe's answers, and the CPU time
+    # of the coordinator and of the simulated hosts between the release and the last table
+    # (read from /proc and from each process), with the lower bound they put on the wall time.
+    json_path = tmp_path / "sim.json"
+    result = _bench(
+        "--op", "rendezvous", "--procs", "", "--simulated", "512", "--ranks-per-host", "8",
+        "--sim-procs", "2", "--rounds", "1", "--json", str(json_path), timeout=100,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (table_row,) = _table_rows(result.stdout)
+    assert table_row[:4] == ["cold,", "simulated", "2", "512"] and float(table_row[4]) > 0
+    (row,) = json.loads(json_path.read_text())["results"]
+    coordinator, hosts = row["coordinator_cpu_s"], row["hosts_cpu_s"]
+    assert isinstance(coordinator, float) and isinstance(hosts, float)
+    assert coordinator >= 0 and hosts >= 0
+    cores = os.cpu_count() or 1
+    assert (
+        f"coordinator {coordinator:.2f} s ({coordinator / 512 * 1e6:.0f} us per rank), simulated hosts "
+        f"{hosts:.2f} s ({hosts / 64 * 1e3:.2f} ms per host); on {cores} cores the rendezvous takes at "
+        f"least their sum / {cores} = {(coordinator + hosts) / cores:.2f} s"
+    ) in result.stdout
+    assert "slowest answers of the coordinator meanwhile: /healthz" in result.stdout
