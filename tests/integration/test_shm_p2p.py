@@ -289,12 +289,7 @@ async def sender_killed_before_read(pg: Any) -> dict[str, Any]:
             res.update(error=type(exc).__name__, rank=getattr(exc, "rank", None), why=str(exc))
         res["untouched"] = not into.any()
     elif pg.rank == 0:
-        for _ in range(3000):  # until rank 1 stopped (nobody reads our offer then), 30 s at most
-            if _state(pids[1]) == "T":
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("rank 1 did not stop within 30 s")
+        await _until_stopped(pids[1])  # nobody reads our offer then
         pg.send(np.ones(big, np.uint8), dst=1)
         assert pg._rt.transport.link(1).direct_bytes_out == big  # offered: the frame is on its way
         os.kill(os.getpid(), signal.SIGKILL)
@@ -309,6 +304,15 @@ async def sender_killed_before_read(pg: Any) -> dict[str, Any]:
 def _state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
+
+
+async def _until_stopped(pid: int) -> None:
+    """Wait until process ``pid`` is stopped (SIGSTOP), 30 s at most."""
+    for _ in range(3000):
+        if _state(pid) == "T":
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 30 s")
 
 
 def test_a_sender_killed_before_its_receiver_read_its_memory_fails_the_receive_naming_it() -> None:
@@ -498,12 +502,7 @@ async def mailed_then_gone(pg: Any, how: str) -> dict[str, Any]:
     pids = await pg.all_gather_object(os.getpid())
     res: dict[str, Any] = {}
     if pg.rank == 0:
-        for _ in range(3000):  # until rank 1 stopped (nobody takes our message then), 30 s at most
-            if _state(pids[1]) == "T":
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("rank 1 did not stop within 30 s")
+        await _until_stopped(pids[1])  # nobody takes our message then
         link = pg._rt.transport.link(1)
         before = link.mail_out
         await pg.send(np.full(3, 5, np.int16), dst=1, tag=9)
