@@ -510,16 +510,17 @@ class ShmLink(TcpLink):
             self._broken(exc)
             return False
         self.mail_in += 1
+        claimed = dst is not None
         if dst is None:  # a small early message: our own copy, to the inbox
-            payload = memoryview(bytearray(body))
-            body.release()
-            reader.took_mail()
-            self._matcher.arrived(self.peer, key, meta, payload)
+            dst = memoryview(bytearray(body))
         else:
             dst[:] = body
-            body.release()
-            reader.took_mail()
+        body.release()
+        reader.took_mail()
+        if claimed:
             self._matcher.landed(self.peer, key, meta, dst)
+        else:
+            self._matcher.arrived(self.peer, key, meta, dst)
         return True
 
     def _sink(self, header: dict[str, Any], nbytes: int) -> memoryview | None:
