@@ -47,18 +47,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NICE = 10
 
 
-def _cpu_seconds(pid: int) -> tuple[float, float]:
-    """Process ``pid``'s CPU time so far: user, system."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
 def _cpu_of(pids: list[int]) -> tuple[float, float]:
     """The CPU time of processes ``pids``, together: user, system."""
-    times = [_cpu_seconds(pid) for pid in pids]
-    return sum(t[0] for t in times), sum(t[1] for t in times)
+    from aiocoll.cli._bench_servers import process_cpu_times
+
+    times = [process_cpu_times(pid) for pid in pids]
+    if any(t is None for t in times):
+        raise SystemExit(f"quorum_scale: /proc does not give the CPU time of processes {pids}")
+    return sum(t[0] for t in times if t), sum(t[1] for t in times if t)
 
 
 class _Sim:

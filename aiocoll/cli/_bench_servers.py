@@ -24,6 +24,7 @@ __all__ = [
     "ServerProcess",
     "cpu_hogs",
     "process_cpu_seconds",
+    "process_cpu_times",
     "quiet_logs",
     "raise_fd_limit",
     "start_coordinator",
@@ -83,17 +84,25 @@ def cpu_hogs(count: int) -> Iterator[list[subprocess.Popen[bytes]]]:
             hog.wait(10)
 
 
-def process_cpu_seconds(pid: int | None) -> float | None:
-    """The CPU time (user and system) process ``pid`` has used so far, from /proc; None where
-    /proc does not tell."""
+def process_cpu_times(pid: int | None) -> tuple[float, float] | None:
+    """The CPU time process ``pid`` has used so far, from /proc: user, system; None where /proc
+    does not tell."""
     if pid is None:
         return None
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
     except (OSError, ValueError, IndexError):
         return None
+
+
+def process_cpu_seconds(pid: int | None) -> float | None:
+    """The CPU time (user and system together) process ``pid`` has used so far; None where /proc
+    does not tell."""
+    times = process_cpu_times(pid)
+    return None if times is None else times[0] + times[1]
 
 
 class ServerProcess:
@@ -123,10 +132,6 @@ class ServerProcess:
         except (OSError, ValueError):
             pass
         return None
-
-    def cpu_seconds(self) -> float | None:
-        """The CPU time it has used so far, user and system (None where /proc does not tell)."""
-        return process_cpu_seconds(self.process.pid)
 
     def stop(self, timeout: float = 10.0) -> None:
         with contextlib.suppress(OSError):
