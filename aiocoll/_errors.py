@@ -86,9 +86,11 @@ CALLER_SITE: ContextVar[Site | None] = ContextVar("aiocoll_caller_site", default
 _NOT_THE_USER = ("aiocoll", "torch")
 
 
-# The codes of the frames user_site passed over, by id (a code's hash is slow): every blocking
-# call walks the same few frames of aiocoll and torch. The codes are kept, so no id is reused.
+# The codes of the frames user_site passed over, and of the user's frames it stopped at, by id (a
+# code's hash is slow): every blocking call walks the same few frames of aiocoll and torch, from
+# the same few lines of the user's. The codes are kept, so no id is reused.
 _passed_codes: dict[int, CodeType] = {}
+_user_codes: dict[int, CodeType] = {}
 
 
 def user_site(frame: FrameType | None) -> Site | None:
@@ -97,15 +99,23 @@ def user_site(frame: FrameType | None) -> Site | None:
     torch's frames are passed over too: its init_process_group calls aiocoll's backend.
     """
     passed = _passed_codes
-    while frame is not None:
-        code = frame.f_code
-        if id(code) not in passed:
-            name = frame.f_globals.get("__name__", "")
-            if name.partition(".")[0] not in _NOT_THE_USER:
-                return code.co_filename, frame.f_lineno, frame.f_globals, code.co_name
-            passed[id(code)] = code
-        frame = frame.f_back
-    return None
+    f: Any = frame  # (None past the outermost frame, whose f_code raises AttributeError)
+    try:
+        while True:
+            while id(f.f_code) in passed:  # (the walk of every call: kept short)
+                f = f.f_back
+            code = f.f_code
+            if id(code) not in _user_codes:
+                name = f.f_globals.get("__name__", "")
+                if name.partition(".")[0] in _NOT_THE_USER:
+                    passed[id(code)] = code
+                    f = f.f_back
+                    continue
+                if len(_user_codes) < 4096:  # (code made at run time, over and over: not kept)
+                    _user_codes[id(code)] = code
+            return code.co_filename, f.f_lineno, f.f_globals, code.co_name
+    except AttributeError:  # no frame of the user's on this stack
+        return None
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:

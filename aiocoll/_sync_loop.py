@@ -61,7 +61,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from ._env import env_text
-from ._errors import CALLER_SITE, DistError, user_site
+from ._errors import CALLER_SITE, DistError, Site, user_site
 from ._run import new_event_loop
 from ._work import Work as _CoreWork
 from .device._device import Device, DeviceTensor
@@ -88,6 +88,11 @@ _BACKSTOP_S = 2.0
 # while a callback runs or a thread blocks.
 _guard = threading.Lock()
 _local = threading.local()
+
+# What every driven call runs, bound once (a module attribute read each is an opcode each).
+_get_running_loop = _events._get_running_loop
+_set_running_loop = _events._set_running_loop
+_copy_context = contextvars.copy_context
 
 
 def _take_waiter() -> threading.Lock:
@@ -512,14 +517,16 @@ class LoopThread:
         outcome = Outcome(self)
         # The call runs in a copy of this thread's context, which names the user's line for the
         # flight recorder and warnings (aiocoll._errors.CALLER_SITE), as ``run`` does.
-        site = CALLER_SITE.set(user_site(sys._getframe(1)))
+        site = user_site(sys._getframe(1))
+        if drive and self._drive(start, outcome, site, ident):
+            return outcome
+        token = CALLER_SITE.set(site)  # (call_soon_threadsafe copies the context with it)
         try:
-            if not (drive and self._drive(start, outcome)):
-                with self._hand_over:
-                    self._handed += 1
-                    self.loop.call_soon_threadsafe(self._start_handed, start, outcome)
+            with self._hand_over:
+                self._handed += 1
+                self.loop.call_soon_threadsafe(self._start_handed, start, outcome)
         finally:
-            CALLER_SITE.reset(site)
+            CALLER_SITE.reset(token)
         return outcome
 
     @property
@@ -531,7 +538,9 @@ class LoopThread:
         self._begun += 1
         _start_on_loop(start, outcome)
 
-    def _drive(self, start: Callable[[], Awaitable[Any]], outcome: Outcome) -> bool:
+    def _drive(
+        self, start: Callable[[], Awaitable[Any]], outcome: Outcome, site: Site | None, ident: int
+    ) -> bool:
         """Start the operation on this thread if the loop's turn is free; False if it was not.
 
         The loop is this thread's running loop meanwhile (the core asks for it). What the start
@@ -550,22 +559,22 @@ class LoopThread:
                 # stopped; an earlier call still on its way to the loop; or asyncio's debug
                 # mode, whose checks refuse a loop's calls from another thread
                 return False
-            self._driver = threading.get_ident()
+            self._driver = ident
             ready = loop._ready
             asleep = not ready and self._poller.until > 0.0  # type: ignore[union-attr]
             timers = loop._scheduled
             first = timers[0] if timers else None  # the loop's sleep ends by this one
-            previous = _events._get_running_loop()
-            _events._set_running_loop(loop)
+            previous = _get_running_loop()
+            _set_running_loop(loop)
             try:
-                contextvars.copy_context().run(_start_on_loop, start, outcome)
+                _copy_context().run(_start_driven, site, start, outcome)
                 if asleep and ready:
                     for _ in range(len(ready)):
                         handle = ready.popleft()
                         if not handle._cancelled:
                             handle._run()
             finally:
-                _events._set_running_loop(previous)
+                _set_running_loop(previous)
                 self._driver = None
             if ready or (timers and timers[0] is not first and _late(timers[0]._when, self._poller.until)):  # type: ignore[union-attr]
                 loop._write_to_self()
@@ -616,6 +625,31 @@ def _start_on_loop(start: Callable[[], Awaitable[Any]], outcome: Outcome) -> Non
     except BaseException as exc:
         outcome._settle(None, exc)
         return
+    _follow(work, outcome)
+
+
+def _start_driven(site: Site | None, start: Callable[[], Awaitable[Any]], outcome: Outcome) -> None:
+    """``_start_on_loop`` on the thread that drives the call, in the copy of its context.
+
+    The outcome is this thread's alone until ``issue`` returns it (nobody waits on it, no
+    callback is registered), so an operation born complete, the usual small one, settles it
+    without the lock.
+    """
+    CALLER_SITE.set(site)  # (the copy is dropped after the call: nothing to reset)
+    try:
+        work = start()
+    except BaseException as exc:
+        outcome._settle(None, exc)
+        return
+    if type(work) is _CoreWork and work._future is None:  # born complete: its result is kept
+        outcome._value = work._result
+        outcome._state = _DONE
+        return
+    _follow(work, outcome)
+
+
+def _follow(work: Any, outcome: Outcome) -> None:
+    """Settle ``outcome`` with what the started operation ``work`` gives, once it does."""
     if isinstance(work, _CoreWork):
         # The core's Work: read its outcome directly, no Task needed (cheaper per operation);
         # one that finished inside its call (born complete) wakes the caller at once.

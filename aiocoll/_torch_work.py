@@ -124,13 +124,13 @@ class AiocollWork(OutcomeQueries, td.Work):
             seconds = to_seconds(timeout) if timeout is not None else None
             if not outcome.wait(seconds or None):
                 raise TimeoutError(f"aiocoll {self._op} did not complete within {seconds}s of Work.wait()")
-        if self._on_device():
-            assert self._streams is not None
+        streams = self._streams
+        if streams is not None and streams.completion:  # (_on_device, at every blocking call)
             # CUDA tensors: the network part was waited for on the host; the caller's current
             # stream waits for the copies back (as torch's collectives do), not the host. The
             # future completes on the completion pool once they were reached.
             outcome.result()  # raises the operation's own error
-            for device, event in self._streams.completion:
+            for device, event in streams.completion:
                 device.current_stream().wait_event(event)
             return True
         if self._raw is not None:

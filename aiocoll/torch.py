@@ -254,7 +254,7 @@ class AiocollProcessGroup(td.ProcessGroup):
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> AiocollWork:  # type: ignore[override]
         """All-reduce each tensor of ``tensors`` in place (``opts.reduceOp``; SUM for sparse tensors)."""
         op = _reduce_op(opts)
-        t = _one(tensors, "allreduce")
+        t = tensors[0] if len(tensors) == 1 else _one(tensors, "allreduce")  # (_one raises)
         if t.is_sparse:  # (a COO tensor: one attribute read, where comparing layouts is two)
             return self._sparse_allreduce(t, op)
         return self._launch("allreduce", lambda: self._core.all_reduce(t, op=op), [t])
