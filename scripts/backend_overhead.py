@@ -20,6 +20,14 @@ Run it under the launcher (under the bench lock on a shared machine):
 ``--count`` traces rank 0's calling thread as scripts/op_cost.py --count does (opcodes, Python
 and C calls per call, waits left out): numbers that do not move with the machine's load.
 
+``--beside`` asks what a call costs beside aiocoll's operation rather than in a loop of its own:
+each of a few calls (a call of the empty backend; a torch op on a one-element tensor; pure
+Python; a call that releases the GIL; a sum over 256 KiB) is timed alone, in a tight loop, and
+then before each 4-byte ``aiocoll.sync`` all_reduce, less that all_reduce's own time (alternated
+rounds, medians; rank 0 prints):
+
+    aiocoll run --nproc-per-node 2 scripts/backend_overhead.py --beside
+
 aiocoll.sync.init_process_group makes torch's default group on "aiocoll" over its own world (the
 torch path measured here is that group); gloo and the empty backend are torch new_groups. The
 paths run in interleaved rounds; rank 0 prints, per path, the median over rounds of the wall
@@ -32,11 +40,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import select
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as td
 from op_cost import Counter  # (this script's folder is first on the import path)
@@ -103,6 +113,51 @@ class BridgeBackend(EmptyBackend):
         return AiocollWork(outcome, "allreduce", tensors)
 
 
+def _pure_python() -> int:
+    total = 0
+    for i in range(120):
+        total += i
+    return total
+
+
+def beside(empty: Any, iters: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Per call: (µs alone in a tight loop, µs it adds before each 4-byte aiocoll.sync all_reduce)."""
+    t = torch.zeros(1, dtype=torch.float32)
+    x = np.zeros(1, dtype=np.float32)
+    big = np.zeros(64 * 1024, dtype=np.float32)
+    calls: dict[str, Callable[[], Any] | None] = {
+        "none": None,
+        "empty backend": lambda: td.all_reduce(t, group=empty),
+        "t.add_(0)": lambda: t.add_(0),
+        "pure Python": _pure_python,
+        "select, 0 s": lambda: select.select([], [], [], 0),  # (releases the GIL)
+        "sum of 256 KiB": big.sum,
+    }
+    alone = {name: _timed(call, iters)[0] if call is not None else 0.0 for name, call in calls.items()}
+
+    def with_all_reduce(call: Callable[[], Any] | None) -> float:
+        wall = time.perf_counter()
+        for _ in range(iters):
+            if call is not None:
+                call()
+            dist.all_reduce(x)
+        return (time.perf_counter() - wall) * 1e6 / iters
+
+    added: dict[str, list[float]] = {name: [] for name in calls}
+    for call in calls.values():  # warm up
+        with_all_reduce(call)
+    for r in range(rounds):
+        # each call's time less the bare all_reduce's of the same round (times drift with the load)
+        order = list(calls) if r % 2 == 0 else list(calls)[::-1]
+        found = {}
+        for name in order:
+            dist.barrier()
+            found[name] = with_all_reduce(calls[name])
+        for name in calls:
+            added[name].append(found[name] - found["none"])
+    return {name: (alone[name], statistics.median(added[name])) for name in calls}
+
+
 def _timed(call: Callable[[], Any], iters: int) -> tuple[float, float]:
     """(wall µs, CPU µs of the whole process) per call over ``iters`` calls."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -118,15 +173,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iters", type=int, default=1000, help="calls per path per round")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds; medians are kept")
-    parser.add_argument(
-        "--profile", choices=PATHS, help="cProfile this path on rank 0"
-    )
+    parser.add_argument("--profile", choices=PATHS, help="cProfile this path on rank 0")
     parser.add_argument(
         "--count",
         choices=PATHS,
         help="count opcodes and calls per call of this path on rank 0's calling thread",
     )
     parser.add_argument("--top", type=int, default=30, help="lines of --count detail")
+    parser.add_argument(
+        "--beside",
+        action="store_true",
+        help="only time a few calls alone and beside a 4-byte aiocoll.sync all_reduce (see the docstring)",
+    )
     args = parser.parse_args()
 
     td.Backend.register_backend("empty", EmptyBackend, devices=["cpu"])
@@ -134,6 +192,16 @@ def main() -> None:
     td.Backend.register_backend("bridge", BridgeBackend, devices=["cpu"])
     dist.init_process_group("gloo")  # aiocoll; torch's default group runs on "aiocoll" over it
     rank = dist.get_rank()
+    if args.beside:
+        found = beside(td.new_group(backend="empty"), args.iters, args.rounds)
+        if rank == 0:
+            ranks, rounds = dist.get_world_size(), args.rounds
+            print(f"# us per call, {ranks} rank(s), medians of {rounds} rounds of {args.iters}")
+            print(f"{'call':>15} {'alone':>7} {'added beside the all_reduce':>28}")
+            for name, (alone_us, added_us) in found.items():
+                print(f"{name:>15} {alone_us:7.2f} {added_us:28.2f}")
+        dist.destroy_process_group()
+        return
     gloo = td.new_group(backend="gloo")
     empty = td.new_group(backend="empty")
     work = td.new_group(backend="work")
