@@ -22,7 +22,8 @@ and C calls per call, waits left out): numbers that do not move with the machine
 
 ``--beside`` asks what a call costs beside aiocoll's operation rather than in a loop of its own:
 each of a few calls (a call of the empty backend; a torch op on a one-element tensor; pure
-Python; a call that releases the GIL; a sum over 256 KiB) is timed alone, in a tight loop, and
+Python, called directly and as a backend's body; a call that releases the GIL; a sum over 256
+KiB) is timed alone, in a tight loop, and
 then before each 4-byte ``aiocoll.sync`` all_reduce, less that all_reduce's own time (alternated
 rounds, medians; rank 0 prints):
 
@@ -120,7 +121,15 @@ def _pure_python() -> int:
     return total
 
 
-def beside(empty: Any, iters: int, rounds: int) -> dict[str, tuple[float, float]]:
+class PurePythonBackend(EmptyBackend):
+    """The empty backend, running the pure-Python loop of --beside at each all_reduce."""
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> td.Work:
+        _pure_python()
+        return _DoneWork(tensors)
+
+
+def beside(empty: Any, pure: Any, iters: int, rounds: int) -> dict[str, tuple[float, float]]:
     """Per call: (µs alone in a tight loop, µs it adds before each 4-byte aiocoll.sync all_reduce)."""
     t = torch.zeros(1, dtype=torch.float32)
     x = np.zeros(1, dtype=np.float32)
@@ -130,6 +139,8 @@ def beside(empty: Any, iters: int, rounds: int) -> dict[str, tuple[float, float]
         "empty backend": lambda: td.all_reduce(t, group=empty),
         "t.add_(0)": lambda: t.add_(0),
         "pure Python": _pure_python,
+        # the same loop as a backend's body: alone, the sum of the two rows above, or more
+        "pure in backend": lambda: td.all_reduce(t, group=pure),
         "select, 0 s": lambda: select.select([], [], [], 0),  # (releases the GIL)
         "sum of 256 KiB": big.sum,
     }
@@ -190,10 +201,11 @@ def main() -> None:
     td.Backend.register_backend("empty", EmptyBackend, devices=["cpu"])
     td.Backend.register_backend("work", WorkBackend, devices=["cpu"])
     td.Backend.register_backend("bridge", BridgeBackend, devices=["cpu"])
+    td.Backend.register_backend("pure", PurePythonBackend, devices=["cpu"])
     dist.init_process_group("gloo")  # aiocoll; torch's default group runs on "aiocoll" over it
     rank = dist.get_rank()
     if args.beside:
-        found = beside(td.new_group(backend="empty"), args.iters, args.rounds)
+        found = beside(td.new_group(backend="empty"), td.new_group(backend="pure"), args.iters, args.rounds)
         if rank == 0:
             ranks, rounds = dist.get_world_size(), args.rounds
             print(f"# us per call, {ranks} rank(s), medians of {rounds} rounds of {args.iters}")
