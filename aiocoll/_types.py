@@ -39,7 +39,9 @@ class ReduceOp(enum.Enum):
             known = None
         if known is not None:
             return known
-        name = getattr(op, "name", None)  # torch's ReduceOp / RedOpType expose .name
+        name = getattr(op, "name", None)  # torch's RedOpType members expose .name
+        if name is None:  # torch's ReduceOp instances wrap a RedOpType in .op
+            name = getattr(getattr(op, "op", None), "name", None)
         text = name if isinstance(name, str) else str(op)
         text = text.rsplit(".", 1)[-1].strip()
         for member in cls:
@@ -56,7 +58,8 @@ class ReduceOp(enum.Enum):
         return f"ReduceOp.{self.name}"
 
 
-# What coerce found for the spellings met so far (torch's RedOpType members, names): a torch
+# What coerce found for the spellings met so far (torch's RedOpType members and ReduceOp
+# instances, which hash and compare as their RedOpType, and names): a torch
 # training loop passes the same one at every call, and parsing it costs a few microseconds.
 _COERCED: dict[tuple[type, object], ReduceOp] = {}
 

@@ -294,9 +294,7 @@ def _rank_in(
 def _op(op: Any) -> ReduceOp:
     if type(op) is ReduceOp:  # (the default: no attribute looked for, which an Enum makes slow)
         return op
-    # torch's ReduceOp instances (as opposed to its RedOpType members) carry the kind in `.op`.
-    inner = getattr(op, "op", None)
-    return ReduceOp.coerce(op if inner is None or isinstance(op, ReduceOp) else inner)
+    return ReduceOp.coerce(op)  # (torch's ops are found in its cache of those met)
 
 
 def _launch(

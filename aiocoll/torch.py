@@ -67,8 +67,10 @@ _DEFAULT_TIMEOUT = 1800.0
 
 # c10d's RedOpType members as aiocoll's ReduceOp, by their int values, filled as they are met:
 # c10d's options object makes a new ReduceOp wrapper at every read, and this is read at every
-# call. Keyed by the int, not the member: hashing and comparing a member are pybind calls, which
-# cost more than the rest of this function.
+# call. Looked up by the wrapper's hash, which c10d makes its RedOpType's int: one pybind call,
+# where ``.op.value`` is two and makes an enum object, which together cost more than the rest of
+# this function. An entry is made only where the hash is that int, so a torch that hashed its
+# wrappers otherwise would always take the long way, never a wrong entry.
 _by_red_op: dict[int, ReduceOp] = {}
 
 
@@ -77,13 +79,15 @@ def _reduce_op(opts: Any) -> ReduceOp:
     if opts is None:
         return ReduceOp.SUM
     op = opts.reduceOp
-    inner = getattr(op, "op", None)  # c10d's ReduceOp wraps a RedOpType in .op
-    if inner is None:
+    if type(op) is not td.ReduceOp:  # (options made by hand)
         return ReduceOp.coerce(op)
-    value = inner.value
-    known = _by_red_op.get(value)
+    key = hash(op)
+    known = _by_red_op.get(key)
     if known is None:
-        known = _by_red_op[value] = ReduceOp.coerce(inner)  # (PREMUL_SUM raises, uncached)
+        inner = op.op  # type: ignore[attr-defined]  # (c10d's ReduceOp wraps a RedOpType in .op)
+        known = ReduceOp.coerce(inner)  # (PREMUL_SUM raises, uncached)
+        if key == inner.value:
+            _by_red_op[key] = known
     return known
 
 

@@ -17,6 +17,7 @@ array (numpy has no bfloat16); ``aiocoll._reduce`` knows how to reduce those bit
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -181,19 +182,48 @@ def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
 
 
 def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
-    name = _TORCH_NAMES.get(tensor.dtype) or dtype_name(tensor)
+    seen = _VIEWS.get(id(tensor))
+    if seen is not None:
+        held, layout, array, name = seen
+        # (the entry holds the tensor, so its id is no other object's)
+        if held is tensor and layout == (tensor.data_ptr(), tensor.dtype, tensor.stride(), tensor.shape):
+            return Working(array, name, layout[3])
+    dtype = tensor.dtype
+    name = _TORCH_NAMES.get(dtype) or dtype_name(tensor)
     if tensor.is_cpu and not tensor.requires_grad and name not in _NO_NUMPY_BRIDGE:
         # The common case (a dense CPU tensor): its memory as numpy, with the fewest torch calls
         # (each costs a dispatch). torch's numpy view refuses a sparse tensor and one with a
         # lazy conjugate or negative bit; numpy's flags tell a contiguous one.
         try:
-            array = tensor.numpy()
+            view = tensor.numpy()
         except (TypeError, RuntimeError):
             pass
         else:
-            if array.flags.c_contiguous:
-                return Working(array if array.ndim == 1 else array.reshape(-1), name, array.shape)
+            if view.flags.c_contiguous:
+                array = view if view.ndim == 1 else view.reshape(-1)
+                shape = view.shape
+                if array.nbytes <= _VIEW_BYTES:
+                    if len(_VIEWS) >= _VIEW_ENTRIES:
+                        # the oldest goes (unless another thread's call took it meanwhile)
+                        with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                            del _VIEWS[next(iter(_VIEWS))]
+                    layout = (tensor.data_ptr(), dtype, tensor.stride(), shape)
+                    _VIEWS[id(tensor)] = (tensor, layout, array, name)
+                return Working(array, name, shape)
     return _torch_working_staged(tensor, name, read=read, write=write)
+
+
+# The numpy views of the last few small dense CPU tensors met, by the tensor's id: a training loop
+# or a blocking script passes the same small tensor at every call, and torch's numpy view costs
+# more than a small collective's other bookkeeping. An entry is used only while the tensor's data
+# pointer, dtype, strides and shape are those it was made with (an in-place resize_, set_ or
+# ``.data =`` changes one of them; a change of values changes none, and the view sees it). The
+# entry holds the tensor (a numpy view holds its tensor too): so the cache keeps at most
+# _VIEW_ENTRIES tensors alive after their user dropped them, each of at most _VIEW_BYTES when it
+# was cached (one resized larger afterwards stays alive until its entry is replaced).
+_VIEW_ENTRIES = 4
+_VIEW_BYTES = 64 * 1024
+_VIEWS: dict[int, tuple[Any, tuple[Any, ...], np.ndarray, str]] = {}
 
 
 def _torch_working_staged(tensor: Any, name: str, *, read: bool, write: bool) -> Working:

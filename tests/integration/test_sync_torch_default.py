@@ -76,6 +76,28 @@ for _ in range(3):
     sopt.step()
 fsdp_params = [p.full_tensor().detach().flatten().tolist() for p in sharded.parameters()]
 
+# one small tensor reused across calls and changed in place between them: its values, its size,
+# its storage, its strides (aiocoll remembers a small tensor's numpy view while it still fits)
+reused, seen = torch.zeros(6), []
+for i in range(3):
+    reused.fill_(float(rank + i))
+    dist.all_reduce(reused)
+    seen.append(reused.tolist())
+    td.all_reduce(reused)
+    seen.append(reused.tolist())
+reused.resize_(2, 2).fill_(float(rank + 1))  # (smaller: the same memory)
+dist.all_reduce(reused, op=td.ReduceOp.MAX)
+td.all_reduce(reused, op=td.ReduceOp.PRODUCT)
+seen.append(reused.tolist())
+other = torch.arange(4.0) * (rank + 1)
+reused.set_(other)
+dist.all_reduce(reused)
+seen += [reused.tolist(), other.tolist()]
+reused.set_(other.untyped_storage(), 0, (2, 2), (1, 2))  # the same memory, transposed
+reused.copy_(torch.tensor([[1.0, 2.0], [3.0, 4.0]]) * (rank + 1))
+td.all_reduce(reused)
+seen += [reused.tolist(), other.tolist()]
+
 # torch.distributed on the default group, and a group torch makes itself
 ones = torch.ones(2)
 td.all_reduce(ones)
@@ -89,6 +111,7 @@ result = {
     "summed": summed.tolist(),
     "sent": sent.tolist(),
     "ones": ones.tolist(),
+    "reused": seen,
     "gathered": [g.item() for g in gathered],
     "params": [p.detach().flatten().tolist() for p in model.parameters()],
     "fsdp_params": fsdp_params,
@@ -170,10 +193,18 @@ def test_an_aiocoll_sync_script_runs_unchanged_under_torchrun_and_under_aiocoll_
     for ref in reference:
         assert ref["summed"] == [3.0] * 4 and ref["sent"] == [0.0, 1.0, 2.0]
         assert ref["ones"] == [2.0, 2.0] and ref["gathered"] == [0.0, 10.0]
+        assert ref["reused"] == [
+            *([float(v)] * 6 for i in range(3) for v in (2 * i + 1, 4 * i + 2)),
+            [[4.0, 4.0], [4.0, 4.0]],
+            [0.0, 3.0, 6.0, 9.0],
+            [0.0, 3.0, 6.0, 9.0],
+            [[3.0, 6.0], [9.0, 12.0]],
+            [3.0, 9.0, 6.0, 12.0],
+        ]
     assert reference[0]["params"] == reference[1]["params"], "DDP keeps the ranks' parameters equal"
     for how, results in (("torchrun", under_torchrun), ("aiocoll run", under_aiocoll_run)):
         for ref, got in zip(reference, results, strict=True):
-            for key in ("world", "summed", "sent", "ones", "gathered"):
+            for key in ("world", "summed", "sent", "ones", "gathered", "reused"):
                 assert got[key] == ref[key], (how, key, got[key], ref[key])
             for mine, theirs in zip(got["params"], ref["params"], strict=True):
                 assert mine == pytest.approx(theirs, rel=1e-12, abs=1e-12), how

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,3 +198,70 @@ def test_unsupported_torch_tensors_raise_clear_errors() -> None:
         as_working(torch.zeros(2, 2).to_sparse())
     with pytest.raises(TypeError, match="complex32"):
         as_working(torch.zeros(2, dtype=torch.complex32))
+
+
+def _added_through(w: Any, values: list[float]) -> None:
+    """Add ``values`` into a Working as an operation's result would land (finish included)."""
+    w.array[:] += np.asarray(values, dtype=w.array.dtype)
+    w.finish()
+
+
+def test_a_small_tensor_reused_gets_its_current_memory_after_every_in_place_change() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.zeros(2, 3)
+    first = as_working(t)
+    again = as_working(t)
+    assert again.array is first.array, "the view of a small tensor met again is remembered"
+    assert (again.dtype_name, again.shape, again.staged) == ("float32", (2, 3), False)
+    t.fill_(4.0)  # new values, the same memory: the remembered view sees them
+    w = as_working(t)
+    assert w.array.tolist() == [4.0] * 6
+    _added_through(w, [1.0] * 6)
+    assert t.tolist() == [[5.0] * 3] * 2
+    # another size in the same memory (a storage numpy views cannot grow: torch refuses that)
+    t.resize_(4).fill_(1.0)
+    w = as_working(t)
+    assert w.shape == (4,) and w.array.size == 4 and np.shares_memory(w.array, t.numpy())
+    _added_through(w, list(range(4)))
+    assert t.tolist() == [1.0, 2.0, 3.0, 4.0]
+    other = torch.arange(4, dtype=torch.float32)
+    t.set_(other)  # another storage
+    w = as_working(t)
+    assert w.shape == (4,) and np.shares_memory(w.array, other.numpy())
+    _added_through(w, [10.0] * 4)
+    assert other.tolist() == [10.0, 11.0, 12.0, 13.0]
+    t.set_(other.untyped_storage(), 0, (2, 2), (1, 2))  # the same memory and shape, transposed
+    w = as_working(t)
+    assert w.staged and w.array.tolist() == [10.0, 12.0, 11.0, 13.0]
+    _added_through(w, [1.0, 2.0, 3.0, 4.0])
+    assert t.tolist() == [[11.0, 14.0], [14.0, 17.0]] and other.tolist() == [11.0, 14.0, 14.0, 17.0]
+    t.set_(other.untyped_storage(), 0, (2, 2), (2, 1))  # back to rows: a view again
+    w = as_working(t)
+    assert not w.staged and np.shares_memory(w.array, other.numpy())
+    assert w.array.tolist() == [11.0, 14.0, 14.0, 17.0]
+    t.data = other.view(torch.int32).view(2, 2)  # the same memory, shape and strides; another dtype
+    w = as_working(t)
+    assert w.dtype_name == "int32" and w.array.dtype == np.int32
+    assert w.array.tolist() == other.numpy().view(np.int32).tolist()
+
+
+def test_big_tensors_are_not_remembered_and_small_ones_only_a_few() -> None:
+    torch = pytest.importorskip("torch")
+    import gc
+    import weakref
+
+    big = torch.zeros(16 * 1024 + 1)  # just over 64 KiB
+    w = as_working(big)
+    assert as_working(big).array is not w.array  # not remembered: a view made each time
+    gone = weakref.ref(big)
+    del big, w
+    gc.collect()
+    assert gone() is None, "a big tensor the caller dropped is still held"
+    small = torch.zeros(3)
+    as_working(small)
+    gone = weakref.ref(small)
+    del small
+    for _ in range(8):  # other small tensors: the first one's entry goes
+        as_working(torch.zeros(2))
+    gc.collect()
+    assert gone() is None, "a small tensor the caller dropped outlived a few others"
