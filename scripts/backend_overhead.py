@@ -23,7 +23,8 @@ and C calls per call, waits left out): numbers that do not move with the machine
 ``--beside`` asks what a call costs beside aiocoll's operation rather than in a loop of its own:
 each of a few calls (a call of the empty backend; a torch op on a one-element tensor; pure
 Python, called directly and as a backend's body; a call that releases the GIL; a sum over 256
-KiB) is timed alone, in a tight loop, and
+KiB; the one-element tensor's numpy view, torch's and aiocoll's working array; c10d's reduce op
+read as ``.op.value`` and as aiocoll's backend reads it) is timed alone, in a tight loop, and
 then before each 4-byte ``aiocoll.sync`` all_reduce, less that all_reduce's own time (alternated
 rounds, medians; rank 0 prints):
 
@@ -56,6 +57,7 @@ import aiocoll.sync as dist
 from aiocoll._sync_loop import Outcome, get_loop_thread
 from aiocoll._torch_work import AiocollWork
 from aiocoll._work import Work as CoreWork
+from aiocoll.device._tensors import as_working
 from aiocoll.torch import _reduce_op
 
 
@@ -134,6 +136,8 @@ def beside(empty: Any, pure: Any, iters: int, rounds: int) -> dict[str, tuple[fl
     t = torch.zeros(1, dtype=torch.float32)
     x = np.zeros(1, dtype=np.float32)
     big = np.zeros(64 * 1024, dtype=np.float32)
+    opts = td.AllreduceOptions()
+    opts.reduceOp = td.ReduceOp.SUM
     calls: dict[str, Callable[[], Any] | None] = {
         "none": None,
         "empty backend": lambda: td.all_reduce(t, group=empty),
@@ -143,6 +147,11 @@ def beside(empty: Any, pure: Any, iters: int, rounds: int) -> dict[str, tuple[fl
         "pure in backend": lambda: td.all_reduce(t, group=pure),
         "select, 0 s": lambda: select.select([], [], [], 0),  # (releases the GIL)
         "sum of 256 KiB": big.sum,
+        # a tensor's working array and c10d's reduce op, as torch makes them and as aiocoll reads them
+        "t.numpy()": t.numpy,
+        "as_working(t)": lambda: as_working(t),
+        "op.op.value": lambda: opts.reduceOp.op.value,
+        "_reduce_op": lambda: _reduce_op(opts),
     }
     alone = {name: _timed(call, iters)[0] if call is not None else 0.0 for name, call in calls.items()}
 
