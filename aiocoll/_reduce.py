@@ -32,6 +32,7 @@ __all__ = [
     "combine",
     "f32_to_bf16",
     "finish_avg",
+    "kernel",
     "reduce_into",
 ]
 
@@ -156,21 +157,57 @@ def reduce_into(
 def combine(op: ReduceOp, out: np.ndarray, a: np.ndarray, b: np.ndarray, dtype_name: str) -> None:
     """``out = a (op) b`` in one pass (``out`` may be ``a`` or ``b``): a reduction of two
     inputs into a third buffer without copying one of them there first."""
-    if dtype_name == BFLOAT16:
+    kernel(op, dtype_name)(a, b, out=out)
+
+
+Kernel = Callable[..., Any]
+"""``kernel(a, b, out=out)`` computes ``out = a (op) b`` (a numpy ufunc, or bfloat16's blocks)."""
+
+# (op value, dtype name) -> its kernel, checked when first made: a fold of a small message runs
+# one kernel, and finding it (the checks, the table) costs more than the reduction. Bounded.
+_KERNELS: dict[tuple[str, str], Kernel] = {}
+_KERNELS_MAX = 256
+
+
+def kernel(op: ReduceOp, dtype_name: str) -> Kernel:
+    """The one function that computes ``out = a (op) b`` for ``op`` on ``dtype_name`` data, called
+    as ``kernel(a, b, out=out)`` (``out`` may be ``a`` or ``b``): numpy's ufunc itself for every
+    dtype numpy has; bfloat16's widening kernel, block by block, otherwise.
+
+    Raises:
+        TypeError: an unknown reduce op, or a meaningless op/dtype pair (see
+            ``check_reduce_op``: checked for bfloat16, complex data, AVG and the bitwise ops).
+    """
+    if type(op) is not ReduceOp:
+        raise TypeError(f"unknown reduce op {op!r}")
+    key = (op._value_, dtype_name)
+    found = _KERNELS.get(key)
+    if found is not None:
+        return found
+    ufunc = _UFUNC_BY_VALUE.get(op._value_)
+    if ufunc is None:
+        raise TypeError(f"unknown reduce op {op!r}")
+    if dtype_name == BFLOAT16 or op._value_ in _CHECK_AT_REDUCE or dtype_name in _COMPLEX:
         check_reduce_op(op, dtype_name)
-        wide_op = _UFUNCS[op]
+    made: Kernel = _bf16_kernel(ufunc) if dtype_name == BFLOAT16 else ufunc
+    if len(_KERNELS) >= _KERNELS_MAX:
+        _KERNELS.clear()
+    _KERNELS[key] = made
+    return made
+
+
+def _bf16_kernel(wide_op: Callable[..., Any]) -> Kernel:
+    """bfloat16's kernel: widened to float32 (exact), ``wide_op`` there, rounded back, at most
+    BF16_BLOCK elements at a time."""
+
+    def bf16(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         for start in range(0, len(out), BF16_BLOCK):
             stop = start + BF16_BLOCK
             wide = bf16_to_f32(a[start:stop])
             wide_op(wide, bf16_to_f32(b[start:stop]), out=wide)
             f32_to_bf16(wide, out[start:stop])
-        return
-    ufunc = _UFUNC_BY_VALUE.get(op._value_) if type(op) is ReduceOp else None
-    if ufunc is None:
-        raise TypeError(f"unknown reduce op {op!r}")
-    if op._value_ in _CHECK_AT_REDUCE or out.dtype.kind == "c":
-        check_reduce_op(op, dtype_name)
-    ufunc(a, b, out=out)
+
+    return bf16
 
 
 def finish_avg(result: np.ndarray, world_size: int, dtype_name: str) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 import aiocoll._signature as _signature
 from aiocoll._env import env_text
 from aiocoll._errors import DistError, MismatchError, PeerLostError
-from aiocoll._reduce import combine, finish_avg, reduce_into
+from aiocoll._reduce import finish_avg, kernel
 from aiocoll._types import ReduceOp
 
 from ._operation import Finish
@@ -431,20 +431,22 @@ class ShmGroup(ShmScheduler):
     ) -> None:
         """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
         my own input already unless ``copy``."""
+        k = kernel(op, dtype_name)  # (k(a, b, out=dst): dst = a op b)
         n, me = self.n, self.me
         if n == 1:
             if copy:
                 np.copyto(dst, srcs[0])
         elif copy or me > 1:
-            combine(op, dst, srcs[0], srcs[1], dtype_name)
+            k(srcs[0], srcs[1], out=dst)
             for j in range(2, n):
-                reduce_into(op, dst, srcs[j], dtype_name)
+                k(dst, srcs[j], out=dst)
         else:
             if me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
-                reduce_into(op, dst, srcs[0], dtype_name, src_first=True)
+                k(srcs[0], dst, out=dst)
             for j in range(2 if me == 1 else 1, n):
-                reduce_into(op, dst, srcs[j], dtype_name)
-        self._average(dst, op, dtype_name)
+                k(dst, srcs[j], out=dst)
+        if op is ReduceOp.AVG:
+            finish_avg(dst, n, dtype_name)
 
     @np.errstate(all="ignore")
     def _fold_share(self, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
@@ -458,18 +460,16 @@ class ShmGroup(ShmScheduler):
             return
         if self._fold_tmp is None:
             self._fold_tmp = np.empty(_FOLD_BLOCK, np.uint8)
+        k = kernel(op, dtype_name)
         step = _FOLD_BLOCK // dst.itemsize
         tmp_all = self._fold_tmp.view(dst.dtype)
         for lo in range(0, dst.size, step):
             hi = min(dst.size, lo + step)
             tmp = tmp_all[: hi - lo]
-            combine(op, tmp, srcs[0][lo:hi], srcs[1][lo:hi], dtype_name)
+            k(srcs[0][lo:hi], srcs[1][lo:hi], out=tmp)
             for j in range(2, self.n):
-                reduce_into(op, tmp, srcs[j][lo:hi], dtype_name)
+                k(tmp, srcs[j][lo:hi], out=tmp)
             np.copyto(dst[lo:hi], tmp)
-        self._average(dst, op, dtype_name)
-
-    def _average(self, dst: np.ndarray, op: ReduceOp, dtype_name: str) -> None:
         if op is ReduceOp.AVG:
             finish_avg(dst, self.n, dtype_name)
 

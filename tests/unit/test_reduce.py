@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aiocoll._reduce import bf16_to_f32, check_reduce_op, f32_to_bf16, finish_avg, reduce_into
+from aiocoll._reduce import bf16_to_f32, check_reduce_op, f32_to_bf16, finish_avg, kernel, reduce_into
 from aiocoll._types import ReduceOp
 
 INTS = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
@@ -167,3 +167,21 @@ def test_bfloat16_avg_matches_torch_division() -> None:
     bits = a.view(torch.int16).numpy().view(np.uint16).copy()
     finish_avg(bits, 3, "bfloat16")
     np.testing.assert_array_equal(bits, (a / 3).view(torch.int16).numpy().view(np.uint16))
+
+
+def test_a_kernel_is_found_once_and_a_refused_pair_is_refused_every_time() -> None:
+    assert kernel(ReduceOp.SUM, "float32") is kernel(ReduceOp.SUM, "float32") is np.add
+    assert kernel(ReduceOp.AVG, "float64") is np.add  # AVG reduces as SUM (finish_avg divides)
+    refused = [
+        (ReduceOp.BXOR, "float64", "bitwise"),
+        (ReduceOp.MAX, "complex64", "complex"),
+        (ReduceOp.BAND, "bfloat16", "bitwise"),
+    ]
+    for op, dtype, why in refused * 2:  # a refusal is not kept as a kernel
+        with pytest.raises(TypeError, match=why):
+            kernel(op, dtype)
+    with pytest.raises(TypeError, match="unknown reduce op"):
+        kernel("sum", "float32")  # type: ignore[arg-type]
+    a = np.array([1, 2, 3], np.int64)
+    kernel(ReduceOp.BOR, "int64")(a, np.array([4, 4, 4], np.int64), out=a)
+    assert a.tolist() == [5, 6, 7]
