@@ -113,13 +113,15 @@ class Work:
         if fut is None or not fut.done() or not self._waiters:
             return
         waiters, self._waiters = self._waiters, []
+        cancelled = fut.cancelled()
+        failure = None if cancelled else fut.exception()
         for waiter in waiters:
             if waiter.done():
                 continue
-            if fut.cancelled():
+            if cancelled:
                 waiter.cancel()
-            elif fut.exception() is not None:
-                waiter.set_exception(fut.exception())  # type: ignore[arg-type]
+            elif failure is not None:
+                waiter.set_exception(failure)
             else:
                 waiter.set_result(fut.result())
 

@@ -184,5 +184,4 @@ class ArenaForming:
 
 def _dtype_name(recv: Sequence[np.ndarray], meta: dict[str, Any]) -> str:
     """The canonical dtype of a reducing operation (bfloat16 travels as uint16 bits)."""
-    name = meta.get("dtype")
-    return str(name) if name else recv[0].dtype.name
+    return meta.get("dtype") or recv[0].dtype.name
