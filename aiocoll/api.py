@@ -224,7 +224,7 @@ class ProcessGroup:
         loop repeats a few), so what is derived from it can be cached by identity (the packed
         bytes shared-memory collectives publish); nothing may change the dict.
         """
-        key = (kind, name, count, root, op)
+        key = (kind, name, count, root, op)  # (all_reduce looks its signature up by this key too)
         meta = self._metas.get(key)
         if meta is not None:
             return meta
@@ -349,8 +349,14 @@ class ProcessGroup:
         """
         w = as_working(tensor)
         name = w.dtype_name
-        rop = _coerce_op(op, name, "all_reduce")
-        meta = self._meta("all_reduce", name, w.numel, op=rop._value_)
+        rop = op if type(op) is ReduceOp else ReduceOp.coerce(op)
+        count = w.array.size
+        # A signature is made only once its op was found meaningful for its dtype: one made
+        # already needs no second check (the usual call, in a loop of a few signatures).
+        meta = self._metas.get(("all_reduce", name, count, None, rop._value_))
+        if meta is None:
+            rop = _coerce_op(rop, name, "all_reduce")
+            meta = self._meta("all_reduce", name, count, op=rop._value_)
         arrays = (w.array,)  # in place: one tuple for what it reads and writes
         return self._submit("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, op=rop)
 

@@ -192,6 +192,9 @@ async def worker(pg: Any) -> dict[str, Any]:
         await rev.destroy()
 
     out["work"] = await work_api_checks(pg)
+    # the signature of a good call with the same dtype and size as "band_of_floats" below is
+    # made now: a bad op must still be refused (the check is skipped only for a known signature)
+    await pg.all_reduce(np.zeros(2, np.float32), op=aiocoll.ReduceOp.SUM)
     out["bad_args"] = bad_argument_checks(pg)
     out["torch"] = await torch_checks(pg)
     return out
@@ -263,6 +266,7 @@ def bad_argument_checks(pg: Any) -> dict[str, str]:
         "all_gather_wrong_dtype": lambda: pg.all_gather([np.zeros(2, np.float32)] * n, np.zeros(2)),
         "avg_of_ints": lambda: pg.all_reduce(np.zeros(2, np.int32), op=aiocoll.ReduceOp.AVG),
         "band_of_floats": lambda: pg.all_reduce(np.zeros(2, np.float32), op="band"),
+        "band_of_floats_again": lambda: pg.all_reduce(np.zeros(2, np.float32), op="band"),
         "not_a_tensor": lambda: pg.all_reduce([1, 2, 3]),
         "unsupported_dtype": lambda: pg.all_reduce(np.zeros(2, dtype="datetime64[s]")),
         "unknown_op": lambda: pg.all_reduce(np.zeros(2), op="median"),
@@ -458,6 +462,7 @@ def test_bad_arguments_raise_at_call_time_naming_the_problem(results: list[dict[
         assert "TypeError" in bad["avg_of_ints"] or "ValueError" in bad["avg_of_ints"]
         assert "int32" in bad["avg_of_ints"]
         assert "float32" in bad["band_of_floats"]
+        assert bad["band_of_floats_again"] == bad["band_of_floats"]
         assert "datetime64" in bad["unsupported_dtype"]
         assert "is dst and must pass gather_list" in bad["gather_list_missing_at_dst"]
         assert "scatter_list must be None on rank" in bad["scatter_list_on_a_non_src_rank"]
