@@ -1,8 +1,8 @@
-"""What a 4-byte all_reduce costs per call through torch.distributed: an empty Python backend (a
-ProcessGroup subclass whose every call completes at once), gloo, and aiocoll's backend "aiocoll",
-beside aiocoll.sync and the async API on the same ranks. A developer's tool that separates what
-torch's dispatch to a Python backend costs (the empty backend) from what is aiocoll's;
-docs/PERFORMANCE.md quotes it.
+"""What an all_reduce (4 bytes unless ``--bytes``) costs per call through torch.distributed: an
+empty Python backend (a ProcessGroup subclass whose every call completes at once), gloo, and
+aiocoll's backend "aiocoll", beside aiocoll.sync and the async API on the same ranks. A
+developer's tool that separates what torch's dispatch to a Python backend costs (the empty
+backend) from what is aiocoll's; docs/PERFORMANCE.md quotes it.
 
 Two more backends step from the empty one towards aiocoll's, each adding one part of its call:
 "work" reads c10d's reduce op and returns aiocoll's torch Work (already complete), "bridge" also
@@ -29,6 +29,12 @@ then before each 4-byte ``aiocoll.sync`` all_reduce, less that all_reduce's own 
 rounds, medians; rank 0 prints):
 
     aiocoll run --nproc-per-node 2 scripts/backend_overhead.py --beside
+
+``--bytes N`` makes every all_reduce N bytes (float32) instead of 4, in both modes: where the
+torch backend's time goes beside a large operation, whose numpy view of the tensor is not
+remembered (see aiocoll.device._tensors). Its paths then include ``sync_np``, aiocoll.sync on a
+numpy array of that size (what ``aiocoll bench --api sync`` times with numpy buffers), and
+``--beside`` adds a row for the working array of a tensor of that size.
 
 aiocoll.sync.init_process_group makes torch's default group on "aiocoll" over its own world (the
 torch path measured here is that group); gloo and the empty backend are torch new_groups. The
@@ -131,10 +137,11 @@ class PurePythonBackend(EmptyBackend):
         return _DoneWork(tensors)
 
 
-def beside(empty: Any, pure: Any, iters: int, rounds: int) -> dict[str, tuple[float, float]]:
-    """Per call: (µs alone in a tight loop, µs it adds before each 4-byte aiocoll.sync all_reduce)."""
+def beside(empty: Any, pure: Any, iters: int, rounds: int, nbytes: int) -> dict[str, tuple[float, float]]:
+    """Per call: (µs alone in a tight loop, µs it adds before each aiocoll.sync all_reduce of ``nbytes``)."""
     t = torch.zeros(1, dtype=torch.float32)
-    x = np.zeros(1, dtype=np.float32)
+    x = np.zeros(max(1, nbytes // 4), dtype=np.float32)
+    sized = torch.zeros(x.size, dtype=torch.float32)
     big = np.zeros(64 * 1024, dtype=np.float32)
     opts = td.AllreduceOptions()
     opts.reduceOp = td.ReduceOp.SUM
@@ -150,6 +157,8 @@ def beside(empty: Any, pure: Any, iters: int, rounds: int) -> dict[str, tuple[fl
         # a tensor's working array and c10d's reduce op, as torch makes them and as aiocoll reads them
         "t.numpy()": t.numpy,
         "as_working(t)": lambda: as_working(t),
+        # a tensor of the all_reduce's size: above the remembered views' bound, a new view each call
+        f"as_working({nbytes} B)": lambda: as_working(sized),
         "op.op.value": lambda: opts.reduceOp.op.value,
         "_reduce_op": lambda: _reduce_op(opts),
     }
@@ -186,7 +195,7 @@ def _timed(call: Callable[[], Any], iters: int) -> tuple[float, float]:
     return (time.perf_counter() - wall) * 1e6 / iters, (time.process_time() - cpu) * 1e6 / iters
 
 
-PATHS = ["empty", "work", "bridge", "gloo", "aiocoll", "sync"]
+PATHS = ["empty", "work", "bridge", "gloo", "aiocoll", "sync", "sync_np"]
 
 
 def main() -> None:
@@ -200,10 +209,11 @@ def main() -> None:
         help="count opcodes and calls per call of this path on rank 0's calling thread",
     )
     parser.add_argument("--top", type=int, default=30, help="lines of --count detail")
+    parser.add_argument("--bytes", type=int, default=4, help="every all_reduce's size in bytes (float32)")
     parser.add_argument(
         "--beside",
         action="store_true",
-        help="only time a few calls alone and beside a 4-byte aiocoll.sync all_reduce (see the docstring)",
+        help="only time a few calls alone and beside an aiocoll.sync all_reduce (see the docstring)",
     )
     args = parser.parse_args()
 
@@ -214,10 +224,13 @@ def main() -> None:
     dist.init_process_group("gloo")  # aiocoll; torch's default group runs on "aiocoll" over it
     rank = dist.get_rank()
     if args.beside:
-        found = beside(td.new_group(backend="empty"), td.new_group(backend="pure"), args.iters, args.rounds)
+        found = beside(
+            td.new_group(backend="empty"), td.new_group(backend="pure"), args.iters, args.rounds, args.bytes
+        )
         if rank == 0:
             ranks, rounds = dist.get_world_size(), args.rounds
-            print(f"# us per call, {ranks} rank(s), medians of {rounds} rounds of {args.iters}")
+            size = f"{args.bytes}-byte all_reduce"
+            print(f"# us per call, {ranks} rank(s), {size}, medians of {rounds} rounds of {args.iters}")
             print(f"{'call':>15} {'alone':>7} {'added beside the all_reduce':>28}")
             for name, (alone_us, added_us) in found.items():
                 print(f"{name:>15} {alone_us:7.2f} {added_us:28.2f}")
@@ -229,7 +242,9 @@ def main() -> None:
     bridge = td.new_group(backend="bridge")
     core = dist.group.WORLD.core  # type: ignore[union-attr]
     loop = get_loop_thread()
-    t = torch.zeros(1, dtype=torch.float32)
+    count = max(1, args.bytes // 4)
+    t = torch.zeros(count, dtype=torch.float32)
+    a = np.zeros(count, dtype=np.float32)
 
     async def async_round(iters: int) -> tuple[float, float]:
         wall, cpu = time.perf_counter(), time.process_time()
@@ -244,6 +259,7 @@ def main() -> None:
         "gloo": lambda n: _timed(lambda: td.all_reduce(t, group=gloo), n),
         "aiocoll": lambda n: _timed(lambda: td.all_reduce(t), n),
         "sync": lambda n: _timed(lambda: dist.all_reduce(t), n),
+        "sync_np": lambda n: _timed(lambda: dist.all_reduce(a), n),
         # the whole round runs on the loop thread: what the async API costs a coroutine
         "async": lambda n: loop.run(async_round(n)),
     }
@@ -284,7 +300,8 @@ def main() -> None:
             print(counter.report(calls, args.top))
     if rank == 0:
         base = statistics.median(w for w, _ in results["async"])
-        print(f"# 4-byte all_reduce, {dist.get_world_size()} rank(s), {args.rounds} rounds of {args.iters}")
+        ranks = dist.get_world_size()
+        print(f"# {args.bytes}-byte all_reduce, {ranks} rank(s), {args.rounds} rounds of {args.iters}")
         print(f"{'path':>8} {'wall us/call':>13} {'cpu us/call':>12} {'wall/async':>11}")
         for name, rows in results.items():
             wall = statistics.median(w for w, _ in rows)
