@@ -192,11 +192,11 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
     name = _TORCH_NAMES.get(dtype) or dtype_name(tensor)
     if tensor.is_cpu and not tensor.requires_grad and name not in _NO_NUMPY_BRIDGE:
         # The common case (a dense CPU tensor): its memory as numpy, with the fewest torch calls
-        # (each costs a dispatch). torch's numpy view refuses a sparse tensor and one with a
-        # lazy conjugate or negative bit; numpy's flags tell a contiguous one.
+        # (each costs a dispatch). _host_view refuses a sparse tensor and one with a lazy
+        # conjugate or negative bit; numpy's flags tell a contiguous one.
         try:
-            view = tensor.numpy()
-        except (TypeError, RuntimeError):
+            view = _host_view(tensor)
+        except (TypeError, RuntimeError, BufferError):
             pass
         else:
             if view.flags.c_contiguous:
@@ -288,18 +288,36 @@ def device_working(tensor: DeviceTensor, *, read: bool, write: bool) -> Working:
     return Working(span, tensor.dtype_name, tensor.shape, staged=True)  # type: ignore[arg-type]
 
 
+def _host_view(tensor: Any) -> np.ndarray:
+    """A numpy array over a CPU tensor's own memory (the array holds the tensor).
+
+    Through DLPack, not torch's ``.numpy()``: that marks the tensor's storage as never resizable
+    again, so a script that resizes a tensor after a collective (FSDP frees and re-allocates its
+    flat parameters that way) would fail where gloo lets it. DLPack exports a tensor with a lazy
+    negative bit as its raw memory, so that one is refused here, as ``.numpy()`` refuses it.
+
+    Raises:
+        TypeError: a lazy negative bit. BufferError: what DLPack does not export (a lazy
+            conjugate bit, a sparse layout, a tensor that requires grad). RuntimeError: a dtype
+            it has no code for (bfloat16: take its bits through an int16 view).
+    """
+    if tensor.is_neg():
+        raise TypeError("a tensor with a lazy negative bit is staged")
+    return np.from_dlpack(tensor)
+
+
 def _torch_flat_to_numpy(flat: Any, name: str) -> np.ndarray:
     if name not in _NO_NUMPY_BRIDGE:
-        result: np.ndarray = flat.numpy()  # the common case: no import statement on this path
-        return result
+        return _host_view(flat)  # the common case: no import statement on this path
     import torch
 
     if name == "bfloat16":
-        return flat.view(torch.int16).numpy().view(np.uint16)  # raw bits; see aiocoll._reduce
-    # torch's newer unsigned types may lack a numpy bridge; reinterpret the signed twin's bits.
+        return _host_view(flat.view(torch.int16)).view(np.uint16)  # raw bits; see aiocoll._reduce
+    # Carried as the signed twin's bits, read as the unsigned type.
     signed = {"uint16": torch.int16, "uint32": torch.int32, "uint64": torch.int64}[name]
-    return flat.view(signed).numpy().view(np.dtype(name))
+    return _host_view(flat.view(signed)).view(np.dtype(name))
 
 
-# torch dtypes whose tensors .numpy() refuses: read through a same-width integer view
+# torch dtypes read through a same-width integer view (numpy has no bfloat16; DLPack may lack the
+# newer unsigned types)
 _NO_NUMPY_BRIDGE = frozenset(("bfloat16", "uint16", "uint32", "uint64"))

@@ -189,6 +189,44 @@ def test_zero_dimensional_empty_and_grad_tensors() -> None:
     assert w.array.size == 0 and w.dtype_name == "bfloat16"
 
 
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "int64", "uint16"])
+def test_a_tensor_stays_resizable_after_its_working_array(name: str) -> None:
+    """As with gloo, a tensor that went through a collective may be resized afterwards, its
+    storage freed and allocated again (as FSDP does with its flat parameters)."""
+    torch = pytest.importorskip("torch")
+    dtype = getattr(torch, name, None)
+    if dtype is None:
+        pytest.skip(f"this torch has no {name}")
+    t = torch.ones(4, dtype=dtype)
+    w = as_working(t)
+    assert not w.staged and w.array.size == 4
+    del w
+    t.resize_(1 << 16)  # larger: a new allocation
+    assert t.numel() == 1 << 16
+    storage = t.untyped_storage()
+    storage.resize_(0)
+    storage.resize_(8 * t.element_size())
+    t.set_(storage, 0, (8,))
+    t.fill_(1)
+    w = as_working(t)  # the new memory, not the old
+    assert not w.staged and w.array.size == 8
+    w.array[:] = 0x4000 if name == "bfloat16" else 2  # (bfloat16 travels as its bits: 2.0)
+    w.finish()
+    assert t.tolist() == [2] * 8
+
+
+def test_a_lazy_negative_view_is_staged_with_its_sign() -> None:
+    torch = pytest.importorskip("torch")
+    base = torch.tensor([2.0, -4.0])
+    negative = torch._neg_view(base)  # contiguous, with the lazy negative bit: [-2, 4]
+    assert negative.is_neg() and negative.is_contiguous()
+    w = as_working(negative)
+    assert w.staged and w.array.tolist() == [-2.0, 4.0]
+    w.array[:] = [7.0, -1.0]
+    w.finish()
+    assert negative.tolist() == [7.0, -1.0] and base.tolist() == [-7.0, 1.0]
+
+
 @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 def test_unsupported_torch_tensors_raise_clear_errors() -> None:
     torch = pytest.importorskip("torch")
