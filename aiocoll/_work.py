@@ -75,18 +75,16 @@ class Work:
 
         Engine use: an operation that completed inside its call needs nothing more.
         """
-        work = cls.__new__(cls)
+        work = _new(_Born)
         work._future = None
         work._result = result
         work._loop = loop
         work._description = description
-        work._waiters = []
-        work._hooked = False
         return work
 
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._future
-        if fut is None:
+        if fut is None:  # (a Work born complete is a _Born, which awaits without this call)
             return _ready(self._result)
         if fut.done():
             # the future's own iterator (C) ends at once with its result or error: no generator
@@ -229,6 +227,22 @@ class Work:
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"
         return f"<Work {self.description} {state}>"
+
+
+class _Born(Work):
+    """A Work born complete (``Work.born``): awaiting it ends at once with its result.
+
+    It has no future, so nothing ever waits on it (its waiters are never read).
+    """
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self._result
+        yield  # (a generator: ``await`` needs an iterator)
+
+
+_new = object.__new__
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:

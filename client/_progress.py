@@ -55,6 +55,7 @@ _DUMPED_OUTCOMES = frozenset({"CollectiveTimeout", "PeerLostError", "MismatchErr
 LOOP_STAMP_EVERY = 0.25
 _MAX_OPS = 64  # the coordinator's limit (server/_progress.MAX_OPS)
 _SIG_KEYS = REPORTED  # aiocoll._signature: the fields every rank must agree on
+_monotonic = time.monotonic
 
 
 class _Group(Protocol):
@@ -172,7 +173,7 @@ class ProgressTracker:
         reads it); ``future`` its future (read only when it failed). With a timeline
         (AIOCOLL_TIMELINE), it is written there too; a timeout, lost peer or mismatch writes the
         dump (AIOCOLL_DUMP_DIR)."""
-        end = time.monotonic()
+        end = _monotonic()
         self.history.append((kind, group.gid, seq, sig, start, end, outcome, site))
         if self.timeline is not None:
             self.timeline.add(kind, group.gid, group.label, seq, sig, start, end, outcome, group.index)
@@ -182,6 +183,15 @@ class ProgressTracker:
             self.failed(
                 f"{describe(sig or {'kind': kind})} (group {group.label!r}, seq {seq}) failed: {said}"
             )
+
+    def done(
+        self, kind: str, group: _Group, seq: int, sig: dict[str, Any] | None, start: float, site: Any
+    ) -> None:
+        """``record`` of an operation that succeeded (the commonest: the engine's straight path)."""
+        end = _monotonic()
+        self.history.append((kind, group.gid, seq, sig, start, end, "ok", site))
+        if self.timeline is not None:
+            self.timeline.add(kind, group.gid, group.label, seq, sig, start, end, "ok", group.index)
 
     def lost_peer(self, rank: int, reason: str, *, left: bool = False) -> None:
         """A peer is lost (or ``left`` while operations here wait for it): one line saying so and

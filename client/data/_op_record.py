@@ -1,7 +1,7 @@
-"""One operation as the engine holds it: the group it runs in (``GroupState``), its record
-(``_Op``: the fields every operation carries once, from its call to its end), and the transport
-as it sees it (``OpTransport``, which counts the messages it still waits for, so a timeout can
-name the ranks that did not answer).
+"""One operation as the engine holds it: the group it runs in (``GroupState``), and its record
+(``_Op``: the fields every operation carries once, from its call to its end), which is also the
+transport as the operation sees it (``OpTransport``, the same class: it counts the messages the
+operation still waits for, so a timeout can name the ranks that did not answer).
 
 Imports foundations only (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport);
 client/data/engine.py, which creates and runs these records, re-exports GroupState and OpTransport.
@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 from aiocoll._errors import DistError, PeerLostError, group_name
@@ -26,10 +27,11 @@ from aiocoll.algorithms._transport import (
     Transport,
 )
 
-__all__ = ["GroupState", "OpTransport", "Stoppable"]
+__all__ = ["FINISHED", "STARTING", "GroupState", "OpTransport", "Stoppable"]
 
 _T = TypeVar("_T")
 _monotonic = time.monotonic
+_NO_COUNTS: Mapping[Any, int] = MappingProxyType({})
 
 
 class Stoppable(Protocol):
@@ -51,6 +53,7 @@ class GroupState:
     __slots__ = (
         "broken",
         "broken_seq",
+        "engine",
         "failing",
         "gid",
         "index",
@@ -71,6 +74,7 @@ class GroupState:
         self.members = frozenset(ranks)
         self.index = self.ranks.index(my_rank)
         self.loop: asyncio.AbstractEventLoop | None = None  # its engine's (Engine.group)
+        self.engine: Any = None  # the engine that made it (client/data/engine.Engine)
         self.next_seq = 0
         self.pending: set[_Op] = set()
         self.broken: BaseException | None = None
@@ -82,59 +86,52 @@ class GroupState:
         self.failing: list[tuple[BaseException, int, _Op | None]] = []
 
 
-class _Op:
-    # Where it was called (the flight recorder, client/_recorder.py): set by Engine._open.
-    site: Any
+class _Op(Transport):
+    """One operation's record, from its call to its end, and the transport as the operation sees
+    it (its starter's ``transport``): it counts the messages the operation still waits for, so a
+    timeout can name the ranks that did not answer.
 
-    __slots__ = (
-        "abort_exc",
-        "deadline",
-        "future",
-        "group",
-        "kind",
-        "lane",
-        "outstanding_recv",
-        "outstanding_send",
-        "peers_hint",
-        "result",
-        "seq",
-        "sig",
-        "site",
-        "started",
-        "tag",
-        "timeout",
-        "work",
-    )
+    One object for both, and no ``__slots__``: the fields most operations never set (a future, a
+    deadline, the message counts, ...) are class attributes until set, so an operation that
+    completes inside its call (the commonest small one) sets only the few it uses.
+    """
+
+    # Set for every operation (``__init__``) or by Engine._open: where it was called (the flight
+    # recorder, client/_recorder.py), its timeout in seconds (None: no deadline).
+    site: Any = None
+    timeout: float | None = None
+    # None only while its starter runs on the straight path (Engine.submit_eager): one that
+    # completes inside it never gets a future, any other gets one (``Engine._promote``) before
+    # anything else sees the operation.
+    future: asyncio.Future[Any] = None  # type: ignore[assignment]
+    work: Work = None  # type: ignore[assignment]
+    lane: Stoppable | None = None  # its runner (client/data/_operation.Starter's return)
+    deadline: float | None = None
+    abort_exc: BaseException | None = None
+    result: Any = None  # (the straight path's, while its starter runs)
+    peers_hint: tuple[int, ...] = ()
+    # messages still awaited, by peer: read-only empty until the operation counts one (``_counts``)
+    outstanding_recv: Mapping[int | None, int] = _NO_COUNTS
+    outstanding_send: Mapping[int, int] = _NO_COUNTS
+    # whether the engine retires its tag once it succeeded: False for an operation that sends no
+    # message under its tag and completes only once every member ran it the same way (see
+    # Engine.submit_eager), so that no message under the tag can come
+    retires = True
 
     def __init__(
         self,
+        inner: Transport,
         group: GroupState,
         kind: str,
         seq: int,
         tag: Tag,
-        future: asyncio.Future[Any] | None,
         sig: dict[str, Any] | None = None,
     ):
+        self._inner = inner
         self.group = group
         self.kind = kind
         self.seq = seq
         self.tag = tag
-        # None only while its starter runs on the straight path (Engine.submit_eager): one that
-        # completes inside it never gets a future, any other gets one (``Engine._promote``)
-        # before anything else sees the operation.
-        self.future: asyncio.Future[Any] = future  # type: ignore[assignment]
-        self.lane: Stoppable | None = None  # its runner (client/data/_operation.Starter's return)
-        self.deadline: float | None = None
-        self.timeout: float | None = None
-        self.abort_exc: BaseException | None = None
-        self.result: Any = None  # (the straight path's, while its starter runs)
-        self.outstanding_recv: dict[int | None, int] = {}
-        self.outstanding_send: dict[int, int] = {}
-        self.peers_hint: tuple[int, ...] = ()
-        # Described only when something reads it, by a function that does not hold this op
-        # (op -> work -> op would be a reference cycle: every operation would wait for the
-        # cyclic garbage collector instead of being freed when it finishes).
-        self.work: Work = None if future is None else Work(future, self.describer())  # type: ignore[assignment]
         self.sig = sig  # what every rank must agree on (progress reports)
         self.started = _monotonic()
 
@@ -142,26 +139,43 @@ class _Op:
         return _describe(self.kind, self.group, self.seq)
 
     def describer(self) -> Callable[[], str]:
+        # Described only when something reads it, by a function that does not hold this op
+        # (op -> work -> op would be a reference cycle: every operation would wait for the
+        # cyclic garbage collector instead of being freed when it finishes).
         return functools.partial(_describe, self.kind, self.group, self.seq)
 
+    def finish(self, result: Any, exc: BaseException | None) -> None:
+        """The starter's ``finish``: the operation's outcome, taken once (a late one is ignored)."""
+        if self.lane is FINISHED:
+            return
+        self.lane = FINISHED
+        if self.future is None:  # inside its starter: kept for the straight path (Engine.submit_eager)
+            self.result = result
+            self.abort_exc = exc
+            return
+        engine = self.group.engine
+        engine._settle(self, result, exc)
+        engine._finish(self)
 
-def _describe(kind: str, group: GroupState, seq: int) -> str:
-    if seq >= 0:
-        return f"{kind} (group {group.label!r}, seq {seq})"
-    return f"{kind} (group {group.label!r})"
+    # -- the transport as the operation sees it ----------------------------------------------
+    def _counts(self, sending: bool) -> dict[Any, int]:
+        """The operation's own counts of messages still awaited (made at its first)."""
+        counts = self.outstanding_send if sending else self.outstanding_recv
+        if counts is _NO_COUNTS:
+            counts = {}
+            if sending:
+                self.outstanding_send = counts
+            else:
+                self.outstanding_recv = counts
+        return counts  # type: ignore[return-value]
 
+    @property
+    def rank(self) -> int:  # type: ignore[override]
+        return self._inner.rank
 
-class OpTransport(Transport):
-    """The transport as one operation sees it: it counts the messages the operation still waits
-    for, so a timeout can name the ranks that did not answer."""
-
-    __slots__ = ("_inner", "_op")
-
-    def __init__(self, inner: Transport, op: _Op) -> None:
-        self._inner = inner
-        self._op = op
-        self.rank = inner.rank
-        self.world_size = inner.world_size
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        return self._inner.world_size
 
     @property
     def inner(self) -> Transport:
@@ -171,12 +185,12 @@ class OpTransport(Transport):
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop its engine runs on (a call of the blocking facade starts operations
         from the caller's thread)."""
-        loop = self._op.group.loop
+        loop = self.group.loop
         assert loop is not None  # every group is made by its engine
         return loop
 
     async def send(self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> None:
-        await _counting(self._op.outstanding_send, dst, self._inner.send(dst, tag, payload, meta))
+        await _counting(self._counts(True), dst, self._inner.send(dst, tag, payload, meta))
 
     def send_nowait(
         self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
@@ -186,18 +200,18 @@ class OpTransport(Transport):
         rest = self._inner.send_nowait(dst, tag, payload, meta)
         if rest is None:
             return None
-        return _counting(self._op.outstanding_send, dst, rest)
+        return _counting(self._counts(True), dst, rest)
 
     def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
         return self._inner.recv_now(src, tag, into)
 
     async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
-        return await _counting(self._op.outstanding_recv, src, self._inner.recv(src, tag, into))
+        return await _counting(self._counts(False), src, self._inner.recv(src, tag, into))
 
     async def recv_landed(
         self, src: int | None, tag: Tag, into: memoryview
     ) -> tuple[int, dict[str, Any], memoryview]:
-        return await _counting(self._op.outstanding_recv, src, self._inner.recv_landed(src, tag, into))
+        return await _counting(self._counts(False), src, self._inner.recv_landed(src, tag, into))
 
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         self._inner.post_recv(src, tag, into, self._counted(src, callback))
@@ -207,7 +221,7 @@ class OpTransport(Transport):
 
     def _counted(self, src: int | None, callback: Callable[[Any, BaseException | None], None]) -> Any:
         """``callback``, counted as a receive outstanding from ``src`` until it runs."""
-        pending = self._op.outstanding_recv
+        pending = self._counts(False)
         pending[src] = pending.get(src, 0) + 1
 
         def counted(result: Any, exc: BaseException | None) -> None:
@@ -222,7 +236,7 @@ class OpTransport(Transport):
     def waiting_for(self, ranks: Iterable[int]) -> None:
         """An operation that waits without messages (shared memory) says whom it waits for now,
         so progress reports and a timeout name them as they name a missing message's sender."""
-        pending = self._op.outstanding_recv
+        pending = self._counts(False)
         pending.clear()
         for rank in ranks:
             pending[rank] = 1
@@ -254,6 +268,27 @@ class OpTransport(Transport):
 
     async def aclose(self) -> None:  # an operation never closes the shared transport
         return None
+
+
+# The transport a starter is handed: the operation's record itself.
+OpTransport = _Op
+
+
+def _describe(kind: str, group: GroupState, seq: int) -> str:
+    if seq >= 0:
+        return f"{kind} (group {group.label!r}, seq {seq})"
+    return f"{kind} (group {group.label!r})"
+
+
+class _Finished:
+    """Marks an eager operation the engine has finished (its runner's late outcome is ignored)."""
+
+    def stop(self) -> None:
+        return None
+
+
+FINISHED: Stoppable = _Finished()
+STARTING: Stoppable = _Finished()  # an eager operation whose starter has not returned yet
 
 
 async def _counting(pending: dict[Any, int], key: Any, transfer: Awaitable[_T]) -> _T:

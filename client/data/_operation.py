@@ -151,11 +151,14 @@ def finish_with_copy_back(op: Operation, finish: Finish) -> Finish:
     success, copies every working array back to its tensor (aiocoll.device._tensors.Working.finish)
     and then completes the operation with ``op.result``; a failed copy-back fails it instead."""
 
+    workings = op.workings
+
     def done(_: Any, exc: BaseException | None) -> None:
         if exc is None:
             try:
-                for w in op.workings:
-                    w.finish()
+                for w in workings:
+                    if w.staged:  # (an array that is the tensor's own memory has nothing to copy)
+                        w.finish()
             except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
                 exc = copy_back
         finish(op.result, exc)

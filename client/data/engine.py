@@ -62,7 +62,7 @@ from .._recorder import call_sites as _call_sites
 from .._recorder import caller_site as _caller_site
 from .._recorder import code_at as _code_at
 from ._failures import MAX_STUCK_REPORTS, FailureFanout, for_op, gone, ignore_outcome
-from ._op_record import GroupState, OpTransport, Stoppable, _Op
+from ._op_record import FINISHED, STARTING, GroupState, OpTransport, Stoppable, _Op
 from ._operation import Body, Starter, as_starter
 
 __all__ = ["Body", "Engine", "GroupState", "OpTransport", "Starter"]
@@ -117,6 +117,7 @@ class Engine(FailureFanout):
             return existing
         group = GroupState(gid, ranks, self.rank)
         group.loop = self._loop
+        group.engine = self
         lost = self._lost_ranks() & group.members
         if lost:
             rank = min(lost)
@@ -182,6 +183,7 @@ class Engine(FailureFanout):
         p2p_tag: Any = None,
         peers: Iterable[int] = (),
         signature: dict[str, Any] | None = None,
+        retire: bool = True,
     ) -> Work:
         """Start an operation now and return its Work: every operation's one lifecycle.
 
@@ -191,55 +193,49 @@ class Engine(FailureFanout):
         exactly once; it returns the operation's runner, whose ``stop()`` the engine calls when
         it fails the operation from outside (a deadline, a lost peer, a mismatch elsewhere).
         One that finishes inside ``start`` takes the straight path: its Work is born complete.
-        The arguments are ``submit``'s.
+        The arguments are ``submit``'s, and ``retire``: False for a collective that sends no
+        message under its tag and completes only once every member ran it the same way (a
+        shared-memory arena's all_reduce): no message under its tag can come later, so its tag
+        is not kept as finished (what reports a message that comes after all as a mismatch).
 
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
         op = self._open(group, kind, timeout, p2p_tag, peers, signature, straight=True)
+        if not retire:
+            op.retires = False
         registered = op.future is not None  # (a group with notices pending takes the usual path)
         if registered and op.future.done():  # a notice failed it already
             return op.work
-        transport = OpTransport(self.transport, op)
-
-        def finish(result: Any, exc: BaseException | None) -> None:
-            if op.lane is _FINISHED:
-                return
-            op.lane = _FINISHED
-            if op.future is None:  # inside ``start``: kept for the straight path below
-                op.result = result
-                op.abort_exc = exc
-                return
-            self._settle(op, result, exc)
-            self._finish(op)
-
-        op.lane = _STARTING
+        op.lane = STARTING
         try:
-            lane = start(op.tag, transport, finish)
+            lane = start(op.tag, op, op.finish)
         except BaseException as exc:
             if op.future is None:
                 self._promote(op, None)
-            op.lane = _STARTING
-            finish(None, exc)
+            op.lane = STARTING
+            op.finish(None, exc)
             if not isinstance(exc, Exception):
                 raise
             return op.work
         if registered:
-            if op.lane is _STARTING:
+            if op.lane is STARTING:
                 op.lane = lane
             elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
                 lane.stop()
             # else it finished by itself inside the call: its runner is over, nothing to stop
             return op.work
-        if op.lane is _FINISHED:
-            failure, op.abort_exc = op.abort_exc, None
+        if op.lane is FINISHED:
+            failure = op.abort_exc
             if failure is None:
                 # The straight path: known at once, so no future, no deadline, no pending entry.
-                self.progress.record(op.kind, group, op.seq, op.sig, op.started, "ok", op.site)
-                if op.seq >= 0:  # (a point-to-point tag is the user's, used again)
+                seq = op.seq
+                self.progress.done(kind, group, seq, signature, op.started, op.site)
+                if seq >= 0 and retire:  # (a point-to-point tag is the user's, used again)
                     self.transport.retire(op.tag)
                 # (described by the record itself: it holds no Work, so no reference cycle)
                 return Work.born(op.result, self._loop, op.describe)
+            op.abort_exc = None
             self._promote(op, None)
             self._settle(op, None, failure)
             self._finish(op)
@@ -295,13 +291,8 @@ class Engine(FailureFanout):
             tag = ("p", group.gid, p2p_tag)
             if group.broken is not None:
                 self._check_usable(group, kind, seq, peers, tag)
-        if straight and not group.notices:
-            op = _Op(group, kind, seq, tag, None, signature)
-            op.timeout = timeout
-        else:
-            straight = False
-            op = _Op(group, kind, seq, tag, self._loop.create_future(), signature)
-            fut = op.future
+        op = _Op(self.transport, group, kind, seq, tag, signature)
+        op.timeout = timeout
         # Where it was called, for the flight recorder (client/_recorder.CallSites): the user's
         # frame at the depth its kind's first call found, read (not made) and not kept; through
         # the blocking facade, the line that called the facade.
@@ -316,12 +307,12 @@ class Engine(FailureFanout):
                 op.site = sites.first(kind, signature is not None)
         elif self._passed_sites:
             op.site = _caller_site()
-        else:
-            op.site = None
         if peers:
             op.peers_hint = tuple(peers)
-        if straight:
+        if straight and not group.notices:
             return op
+        op.future = fut = self._loop.create_future()
+        op.work = Work(fut, op.describer())
         if group.notices and seq >= 0:
             notice = group.notices.pop(seq, None)
             if notice is not None:
@@ -329,7 +320,6 @@ class Engine(FailureFanout):
                 return op
         group.pending.add(op)
         if timeout is not None:
-            op.timeout = timeout
             op.deadline = deadline = self._loop.time() + timeout
             if self._timer is None or deadline < self._timer_at:
                 self._arm(deadline)
@@ -435,7 +425,7 @@ class Engine(FailureFanout):
             return
         if outcome != "ok":
             self.transport.discard(op.tag)
-        else:
+        elif op.retires:
             # Every message of a collective is consumed when all ranks agree; one that is left
             # over (or arrives later) means some rank called something else (a root mismatch, say,
             # where the disagreeing ranks only send).
@@ -450,8 +440,8 @@ class Engine(FailureFanout):
         lane = op.lane
         # Stop its runner before its receives are discarded (their callbacks then find it
         # stopped), and finish it here, once (a runner's late outcome is ignored).
-        if lane is not _FINISHED:
-            op.lane = _FINISHED
+        if lane is not FINISHED:
+            op.lane = FINISHED
             if lane is not None:
                 lane.stop()
             self._finish(op)
@@ -586,17 +576,6 @@ class Engine(FailureFanout):
             await self._control
         except (asyncio.CancelledError, Exception):
             pass
-
-
-class _Finished:
-    """Marks an eager operation the engine has finished (its runner's late outcome is ignored)."""
-
-    def stop(self) -> None:
-        return None
-
-
-_FINISHED = _Finished()
-_STARTING = _Finished()  # an eager operation whose starter has not returned yet
 
 
 _monotonic = time.monotonic

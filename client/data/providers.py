@@ -87,6 +87,12 @@ __all__ = [
 
 log = logging.getLogger("aiocoll.providers")
 
+# The arena's kinds that complete on a member only once it read every member's part: it sends
+# nothing over the links under the operation's tag, and once one completed, every member ran it
+# on the arena, so no message under its tag can come (the engine need not watch for one). Not a
+# broadcast: its root may finish before the others, one of which may have called something else.
+_ARENA_SEALED = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
+
 
 class DriverProvider:
     """Every collective over the links, by the message driver (no task per operation)."""
@@ -495,20 +501,24 @@ class ProviderTable:
         """Run ``op`` on the first row that takes it; returns its Work."""
         if self._links_seen != self._links.links_version:
             self.select()
-        for provider in self._by[op.memory].get(op.kind, ()):
+        kind = op.kind
+        for provider in self._by[op.memory].get(kind, ()):
             start = provider.prepare(op)
             if start is None:
                 continue
             self.ran = provider.name
+            if op.tag is None:
+                return self._engine.submit_eager(
+                    self._state,
+                    kind,
+                    start,
+                    timeout=op.timeout,
+                    signature=op.meta,
+                    retire=kind not in _ARENA_SEALED or provider is not self._arena,
+                )
+            # a message's meta is no signature (point-to-point has no sequence to agree on)
             return self._engine.submit_eager(
-                self._state,
-                op.kind,
-                start,
-                timeout=op.timeout,
-                p2p_tag=op.tag,
-                peers=op.peers,
-                # a message's meta is no signature (point-to-point has no sequence to agree on)
-                signature=op.meta if op.tag is None else None,
+                self._state, kind, start, timeout=op.timeout, p2p_tag=op.tag, peers=op.peers
             )
         raise DistError(
             f"{op.kind}: no provider of group {self._state.label!r} runs it on {op.memory} memory"

@@ -593,3 +593,31 @@ async def test_a_task_operation_stopped_before_its_first_step_is_still_finished(
     for _ in range(3):
         await asyncio.sleep(0)
     assert body_ran == [True] and finished == [(None, None)]
+
+
+async def test_a_straight_operation_retires_its_tag_unless_told_no_message_can_come_under_it() -> None:
+    world = MemoryWorld(1)
+    eng = Engine(world[0], default_timeout=10)
+    retired: list[Any] = []
+    real = world[0].retire
+
+    def retire(tag: Any) -> None:
+        retired.append(tag)
+        real(tag)
+
+    world[0].retire = retire  # type: ignore[method-assign]
+    try:
+        group = eng.group("solo", (0,))
+
+        def at_once(tag: Any, transport: Any, finish: Any) -> Any:
+            assert transport.outstanding_recv == {}  # counted only once it waits for a message
+            finish("done", None)
+            return None
+
+        assert await eng.submit_eager(group, "all_reduce", at_once, timeout=5) == "done"
+        # (an arena's all_reduce: it sends no message, and completed only as every member's)
+        assert await eng.submit_eager(group, "all_reduce", at_once, timeout=5, retire=False) == "done"
+        assert retired == [("c", "solo", 0)]
+        assert [entry[2] for entry in eng.progress.history][-2:] == [0, 1]
+    finally:
+        await eng.aclose()
