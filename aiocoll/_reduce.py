@@ -17,6 +17,7 @@ anything is sent.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,7 +34,9 @@ __all__ = [
     "f32_to_bf16",
     "finish_avg",
     "kernel",
+    "quiet",
     "reduce_into",
+    "restore",
 ]
 
 BFLOAT16 = "bfloat16"
@@ -226,3 +229,32 @@ def finish_avg(result: np.ndarray, world_size: int, dtype_name: str) -> None:
             f32_to_bf16(wide, part)
         return
     np.divide(result, world_size, out=result, casting="unsafe")
+
+
+def _quiet_switch() -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    """(quiet, restore) for numpy's floating-point error handling (see ``quiet``)."""
+    try:
+        # numpy 2 keeps the error state in a context variable: a prepared "ignore" state is set
+        # and reset by two C calls, where np.errstate builds it anew in Python on every entry.
+        from numpy._core._multiarray_umath import _extobj_contextvar, _make_extobj
+
+        silent = _make_extobj(all="ignore")
+    except (ImportError, AttributeError, TypeError):
+
+        def enter() -> Any:
+            state = np.errstate(all="ignore")
+            state.__enter__()
+            return state
+
+        def leave(state: Any) -> None:
+            state.__exit__(None, None, None)
+
+        return enter, leave
+    return functools.partial(_extobj_contextvar.set, silent), _extobj_contextvar.reset
+
+
+quiet, restore = _quiet_switch()
+"""``token = quiet()`` ... ``restore(token)``: numpy's floating-point errors (overflow, invalid,
+divide, underflow) ignored in between, in this thread's context only, as ``np.errstate(all="ignore")``
+does: a reduction's overflow gives inf and an invalid operation nan, as in torch, without warnings.
+Cheaper than np.errstate's decorator, which the fold of a small message would pay on every call."""

@@ -88,22 +88,24 @@ class ShmUnavailable(OSError):
     """Shared memory cannot be used with a peer (not reachable, not shared, not allowed)."""
 
 
-def _fence_factory() -> Callable[[], None]:
-    """A full memory barrier callable from Python: an uncontended lock's acquire and release
-    are atomic read-modify-writes (a locked instruction on x86), which no load or store crosses."""
+def _fence_halves() -> tuple[Callable[[], Any], Callable[[], None]]:
+    """A full memory barrier callable from Python, in two C calls: an uncontended lock's acquire
+    and release are atomic read-modify-writes (a locked instruction on x86), which no load or
+    store crosses."""
     import threading
 
     lock = threading.Lock()
-    acquire, release = lock.acquire, lock.release
-
-    def fence() -> None:
-        acquire()
-        release()
-
-    return fence
+    return lock.acquire, lock.release
 
 
-fence = _fence_factory()
+fence_enter, fence_leave = _fence_halves()
+"""``fence_enter(); fence_leave()``: ``fence``'s body, for a hot path that saves its Python call."""
+
+
+def fence() -> None:
+    """A full memory barrier: no load or store crosses it."""
+    fence_enter()
+    fence_leave()
 
 
 def _cpu_getter() -> Callable[[], int]:

@@ -13,13 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-import numpy as np
-
 import aiocoll._signature as _signature
 
+from ._op_record import Stoppable
 from ._operation import HOST, Finish, Operation, Starter, finish_with_copy_back
 from ._shm_coll import ShmGroup
-from ._shm_sched import ShmOp, ShmWaker
+from ._shm_sched import ShmWaker
 from .engine import OpTransport
 from .transports._link import LinkTransport
 from .transports.shm import shm_host
@@ -137,24 +136,37 @@ class ArenaProvider:
         """The operation's starter (see client/data/_operation.Provider), or None for one the arenas
         do not take (an out-of-place all_reduce)."""
         kind = op.kind
-        if kind == "all_reduce" and op.send[0] is not op.recv[0]:
-            return None
         group = self.group
+        if kind == "all_reduce":
+            x = op.recv[0]
+            if op.send[0] is not x:
+                return None
 
-        def start(tag: Any, transport: OpTransport, finish: Finish) -> ShmOp:  # (tag[2]: the seq)
+            def reduce(tag: Any, transport: OpTransport, finish: Finish) -> Stoppable:  # (tag[2]: the seq)
+                meta = op.meta
+                return group.all_reduce(
+                    x,
+                    op.op,
+                    meta.get("dtype") or x.dtype.name,  # (bfloat16 travels as uint16 bits)
+                    _signature.pack(tag[2], meta),
+                    finish_with_copy_back(op, finish),
+                    transport.waiting_for,  # progress reports and timeouts name whom we wait for
+                )
+
+            return reduce
+
+        def start(tag: Any, transport: OpTransport, finish: Finish) -> Stoppable:
             meta = op.meta
             sig = _signature.pack(tag[2], meta)
             fin = finish_with_copy_back(op, finish)
-            on_wait = transport.waiting_for  # progress reports and timeouts name whom we wait for
+            on_wait = transport.waiting_for
             recv = op.recv
-            if kind == "all_reduce":
-                return group.all_reduce(recv[0], op.op, _dtype_name(recv, meta), sig, fin, on_wait)
             if kind == "broadcast":
                 return group.broadcast(recv[0], op.root, sig, fin, on_wait)
             if kind == "all_gather":
                 return group.all_gather(recv, op.send[0], sig, fin, on_wait)
             if kind == "reduce_scatter":
-                name = _dtype_name(recv, meta)
+                name = meta.get("dtype") or recv[0].dtype.name
                 return group.reduce_scatter(recv[0], op.send, op.op, name, sig, fin, on_wait)
             return group.barrier(sig, fin, on_wait)
 
@@ -180,8 +192,3 @@ class ArenaForming:
 
     def release(self) -> None:
         release_offer(self._links, self._members, self.offered)
-
-
-def _dtype_name(recv: Sequence[np.ndarray], meta: dict[str, Any]) -> str:
-    """The canonical dtype of a reducing operation (bfloat16 travels as uint16 bits)."""
-    return meta.get("dtype") or recv[0].dtype.name

@@ -21,6 +21,9 @@ rank reads about two bytes per byte instead of n). Reductions go through aiocoll
 one set of kernels), folded in rank order (a rank-order left fold, as numpy's reference does);
 a share has one owner, so every member gets the same bits.
 
+An all_reduce, broadcast, all_gather or barrier that fits one step, started while the group is
+idle, is run by ShmScheduler._run_step (the same generator, driven as plain calls).
+
 Large broadcast and all_gather (_BCAST/_GATHER_DIRECT_CHUNKS chunks per rank): one step in which every
 reader copies straight from the writer's own buffer (client.data._vm_read), where a probe at the
 group's first step found that every member can read every other's memory.
@@ -38,9 +41,10 @@ import numpy as np
 import aiocoll._signature as _signature
 from aiocoll._env import env_text
 from aiocoll._errors import DistError, MismatchError, PeerLostError
-from aiocoll._reduce import finish_avg, kernel
+from aiocoll._reduce import finish_avg, kernel, quiet, restore
 from aiocoll._types import ReduceOp
 
+from ._op_record import Stoppable
 from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
 from ._shm_sched import ShmOp, ShmScheduler
@@ -93,8 +97,13 @@ class ShmGroup(ShmScheduler):
         self._direct: bool | None = None  # every member reads every other's memory (once known)
         self.step = 0
         self.direct_steps = 0  # steps that read the peers' buffers directly (_direct_step)
-        self._view_cache: dict[tuple[int, int, np.dtype[Any]], tuple[np.ndarray, list[np.ndarray]]] = {}
+        self._view_cache: dict[tuple[int, int, np.dtype[Any]], list[np.ndarray]] = {}
         self._fold_tmp: np.ndarray | None = None
+        self._slot_free = 0  # a step whose slot every member is known to have read (_reduce_at_once)
+        # an all_reduce of at most this many bytes runs in one step (_reduce_at_once)
+        self._at_once_max = self._slot if self.n <= _WHOLE_RANKS else min(self._slot, _WHOLE_MAX)
+        # _fold's order for my own input in place: ranks 0 and 1 fold the rest into it
+        self._fold_rest = range(2 if self.me == 1 else 1, self.n)
 
     # -- operations ------------------------------------------------------------------------
     def all_reduce(
@@ -105,14 +114,21 @@ class ShmGroup(ShmScheduler):
         sig: bytes,
         finish: Finish,
         on_wait: OnWait | None = None,
-    ) -> ShmOp:
+    ) -> Stoppable:
         """Reduce ``x`` (1-D, contiguous) in place across the group."""
+        if x.nbytes <= self._at_once_max and self._straight():
+            self.step = t = self.step + 1
+            return self._run_step(self._reduce_at_once(x, op, dtype_name, sig, t), t, finish, on_wait)
         return self._submit(self._all_reduce(x, op, dtype_name, sig), finish, on_wait)
 
     def broadcast(
         self, x: np.ndarray, root: int, sig: bytes, finish: Finish, on_wait: OnWait | None = None
-    ) -> ShmOp:
-        return self._submit(self._broadcast(x.view(np.uint8), root, sig), finish, on_wait)
+    ) -> Stoppable:
+        b = x.view(np.uint8)
+        if b.size <= self._slot and self._straight():
+            t = self._steps(1)
+            return self._run_step(self._broadcast(b, root, sig, t), t, finish, on_wait)
+        return self._submit(self._broadcast(b, root, sig), finish, on_wait)
 
     def all_gather(
         self,
@@ -121,9 +137,13 @@ class ShmGroup(ShmScheduler):
         sig: bytes,
         finish: Finish,
         on_wait: OnWait | None = None,
-    ) -> ShmOp:
-        gen = self._all_gather([o.view(np.uint8) for o in outs], x.view(np.uint8), sig)
-        return self._submit(gen, finish, on_wait)
+    ) -> Stoppable:
+        b = x.view(np.uint8)
+        outs_b = [o.view(np.uint8) for o in outs]
+        if b.size <= self._slot and self._straight():
+            t = self._steps(1)
+            return self._run_step(self._all_gather(outs_b, b, sig, t), t, finish, on_wait)
+        return self._submit(self._all_gather(outs_b, b, sig), finish, on_wait)
 
     def reduce_scatter(
         self,
@@ -137,7 +157,10 @@ class ShmGroup(ShmScheduler):
     ) -> ShmOp:
         return self._submit(self._reduce_scatter(out, list(ins), op, dtype_name, sig), finish, on_wait)
 
-    def barrier(self, sig: bytes, finish: Finish, on_wait: OnWait | None = None) -> ShmOp:
+    def barrier(self, sig: bytes, finish: Finish, on_wait: OnWait | None = None) -> Stoppable:
+        if self._straight():
+            t = self._steps(1)
+            return self._run_step(self._barrier(sig, t), t, finish, on_wait)
         return self._submit(self._barrier(sig), finish, on_wait)
 
     @staticmethod
@@ -160,19 +183,18 @@ class ShmGroup(ShmScheduler):
 
     def _write_sig(self, slot: int, sig: bytes) -> None:
         o = SIG + slot * SIG_BYTES
-        self._raw[self.me][o : o + len(sig)] = sig
+        self._mine_raw[o : o + len(sig)] = sig
 
-    def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(``nbytes`` at ``base`` of my data as bytes, every member's as ``dtype``): made once per
-        size (a training loop repeats a few sizes; slicing and viewing cost more than a small
+    def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> list[np.ndarray]:
+        """``nbytes`` at ``base`` of every member's data as ``dtype``: made once per size (a
+        training loop repeats a few sizes; slicing and viewing cost more than a small
         reduction)."""
         key = (base, nbytes, dtype)
         got = self._view_cache.get(key)
         if got is None:
-            views = [d[base : base + nbytes].view(dtype) for d in self._data]
             if len(self._view_cache) >= 64:
                 self._view_cache.clear()
-            got = self._view_cache[key] = (self._data[self.me][base : base + nbytes], views)
+            got = self._view_cache[key] = [d[base : base + nbytes].view(dtype) for d in self._data]
         return got
 
     def _steps(self, count: int) -> int:
@@ -187,21 +209,8 @@ class ShmGroup(ShmScheduler):
         total = x.size
         rounds = max(1, -(-total // per))
         n = self.n
-        if rounds == 1 and (n <= _WHOLE_RANKS or b.size <= _WHOLE_MAX):
-            # one shot: everyone writes everything, everyone reduces everything
-            t0 = self._steps(1)
-            if t0 > self._slots:
-                yield (DONE, t0 - self._slots, self.others)
-            base = (t0 % self._slots) * self._slot
-            mine, views = self._views(base, b.size, x.dtype)
-            np.copyto(mine, b)
-            self._write_sig(t0 % self._slots, sig)
-            self._publish(INP, t0)
-            yield (INP, t0, self.others)
-            self._check(t0, sig)
-            self._fold(x, views, op, dtype_name)
-            self._publish(DONE, t0)
-            return None
+        if b.size <= self._at_once_max:
+            return (yield from self._reduce_at_once(x, op, dtype_name, sig))
         if n <= 2:
             # Every rank reduces every byte of each step straight into its own buffer: one wait
             # per step. Two ranks read as much as in a reduce-scatter and write less (no shares
@@ -239,6 +248,27 @@ class ShmGroup(ShmScheduler):
             self._publish(DONE, t)
         return None
 
+    def _reduce_at_once(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes, t: int = 0) -> OpGen:
+        """An all_reduce in one step (step ``t``, or the next one): everyone writes everything,
+        everyone reduces everything."""
+        if not t:
+            t = self._steps(1)
+        s = t % SLOTS
+        if t > SLOTS and t != self._slot_free:
+            yield (DONE, t - SLOTS, self.others)
+        views = self._views(s * self._slot, x.nbytes, x.dtype)
+        views[self.me][:] = x
+        self._write_sig(s, sig)
+        self._publish(INP, t)
+        yield (INP, t, self.others)
+        # Every member wrote this operation's only step, so had ended every operation before it
+        # (each publishes ``done`` of all its steps before it ends): step t + 1's slot is free.
+        self._slot_free = t + 1
+        self._check(t, sig)
+        self._fold(x, views, op, dtype_name)
+        self._publish(DONE, t)
+        return None
+
     def _reduce_whole(
         self, x: np.ndarray, b: np.ndarray, per: int, op: ReduceOp, dtype_name: str
     ) -> tuple[Callable[[int], Callable[[np.ndarray], None]], Callable[[int, int], None]]:
@@ -247,7 +277,7 @@ class ShmGroup(ShmScheduler):
 
         def consume(r: int, base: int) -> None:
             lo, hi = r * per, min(total, (r + 1) * per)
-            _, views = self._views(base, (hi - lo) * isz, x.dtype)
+            views = self._views(base, (hi - lo) * isz, x.dtype)
             self._fold(x[lo:hi], views, op, dtype_name)
 
         return _rounds_of(b, per * isz), consume
@@ -258,12 +288,15 @@ class ShmGroup(ShmScheduler):
         sig: bytes,
         filler: Callable[[int], Callable[[np.ndarray], None] | None],
         consume: Callable[[int, int], None],
+        t0: int = 0,
     ) -> OpGen:
         """Steps where everyone writes, then reads the others' slots: ``filler(r)`` writes my
         part of round ``r`` into my slot; ``consume(r, base)`` reads round ``r``'s slots (at
         offset ``base`` of every member's data) once all are written. Round r+1 is written
-        before round r is read, so a fast rank runs a step ahead."""
-        t0 = self._steps(rounds)
+        before round r is read, so a fast rank runs a step ahead. ``t0``: the first step, when
+        the caller took it (one round run as plain calls, ShmScheduler._run_step)."""
+        if not t0:
+            t0 = self._steps(rounds)
         self._inner = rounds > 1
         yield from self._announce(t0, sig, filler(0))
         for r in range(rounds):
@@ -277,9 +310,9 @@ class ShmGroup(ShmScheduler):
             self._publish(DONE, t)
         return None
 
-    def _broadcast(self, b: np.ndarray, root: int, sig: bytes) -> OpGen:
+    def _broadcast(self, b: np.ndarray, root: int, sig: bytes, t0: int = 0) -> OpGen:
         chunk, total = self._slot, b.size
-        if (yield from self._go_direct(total, _BCAST_DIRECT_CHUNKS)):
+        if not t0 and (yield from self._go_direct(total, _BCAST_DIRECT_CHUNKS)):
             reads = [(root, b)] if self.me != root else []
             return (yield from self._direct_step(b, sig, reads, self.n - 1))
         is_root = self.me == root
@@ -293,11 +326,11 @@ class ShmGroup(ShmScheduler):
                 lo, hi = r * chunk, min(total, (r + 1) * chunk)
                 np.copyto(b[lo:hi], self._data[root][base : base + hi - lo])
 
-        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume))
+        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume, t0))
 
-    def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes) -> OpGen:
+    def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes, t0: int = 0) -> OpGen:
         chunk, total, me = self._slot, b.size, self.me
-        if (yield from self._go_direct(total, _GATHER_DIRECT_CHUNKS)):
+        if not t0 and (yield from self._go_direct(total, _GATHER_DIRECT_CHUNKS)):
             return (yield from self._direct_step(b, sig, list(enumerate(outs)), self.n))
 
         filler = _rounds_of(b, chunk)
@@ -307,7 +340,7 @@ class ShmGroup(ShmScheduler):
             for j, d in enumerate(self._data):
                 np.copyto(outs[j][lo:hi], b[lo:hi] if j == me else d[base : base + hi - lo])
 
-        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume))
+        return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume, t0))
 
     def _reduce_scatter(
         self, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp, dtype_name: str, sig: bytes
@@ -415,40 +448,41 @@ class ShmGroup(ShmScheduler):
         yield (DONE, t, self.others)
         return None
 
-    def _barrier(self, sig: bytes) -> OpGen:
-        t = self._steps(1)
+    def _barrier(self, sig: bytes, t: int = 0) -> OpGen:
+        if not t:
+            t = self._steps(1)
         yield from self._announce(t, sig, None)
         yield (INP, t, self.others)
         self._check(t, sig)
         self._publish(DONE, t)
         return None
 
-    # Overflow gives inf and invalid operations nan, as in torch and the driver's Buffers: no
-    # floating-point warnings (errstate wraps each fold once, not a ``with`` per kernel call).
-    @np.errstate(all="ignore")
     def _fold(
         self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str, *, copy: bool = False
     ) -> None:
         """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
-        my own input already unless ``copy``."""
+        my own input already unless ``copy``. Overflow gives inf and invalid operations nan, as
+        in torch and the driver's Buffers: no floating-point warnings (aiocoll._reduce.quiet)."""
         k = kernel(op, dtype_name)  # (k(a, b, out=dst): dst = a op b)
-        n, me = self.n, self.me
-        if n == 1:
-            if copy:
-                np.copyto(dst, srcs[0])
-        elif copy or me > 1:
-            k(srcs[0], srcs[1], out=dst)
-            for j in range(2, n):
-                k(dst, srcs[j], out=dst)
-        else:
-            if me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
-                k(srcs[0], dst, out=dst)
-            for j in range(2 if me == 1 else 1, n):
-                k(dst, srcs[j], out=dst)
-        if op is ReduceOp.AVG:
-            finish_avg(dst, n, dtype_name)
+        token = quiet()
+        try:
+            if copy or self.me > 1:
+                if self.n == 1:
+                    np.copyto(dst, srcs[0])
+                else:
+                    k(srcs[0], srcs[1], out=dst)
+                    for j in range(2, self.n):
+                        k(dst, srcs[j], out=dst)
+            else:
+                if self.me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
+                    k(srcs[0], dst, out=dst)
+                for j in self._fold_rest:
+                    k(dst, srcs[j], out=dst)
+            if op is ReduceOp.AVG:
+                finish_avg(dst, self.n, dtype_name)
+        finally:
+            restore(token)
 
-    @np.errstate(all="ignore")
     def _fold_share(self, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
         """srcs[me] = srcs[0] op srcs[1] op ... in rank order, in place (my share of a step, in
         my own slot). Ranks 0 and 1 fold straight into it; a higher rank's own input is needed
@@ -458,6 +492,14 @@ class ShmGroup(ShmScheduler):
         if me <= 1:
             self._fold(dst, srcs, op, dtype_name)
             return
+        token = quiet()
+        try:
+            self._fold_blocks(dst, srcs, op, dtype_name)
+        finally:
+            restore(token)
+
+    def _fold_blocks(self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
+        """_fold_share's fold of a higher rank's share, block by block through a temporary."""
         if self._fold_tmp is None:
             self._fold_tmp = np.empty(_FOLD_BLOCK, np.uint8)
         k = kernel(op, dtype_name)
@@ -477,10 +519,10 @@ class ShmGroup(ShmScheduler):
     def _check(self, t: int, sig: bytes) -> None:
         if t == 1:
             self._probe_direct()
-        o = SIG + (t % self._slots) * SIG_BYTES
+        o = SIG + (t % SLOTS) * SIG_BYTES
         end = o + len(sig)
-        for j in self.others:
-            if self._raw[j][o:end] != sig:
+        for raw in self._peer_raw:
+            if raw[o:end] != sig:
                 self._publish(DONE, t)  # let the others read on to their own verdict
                 raise self._mismatch(o, sig)
 

@@ -1,11 +1,13 @@
 """The running of a group's operations over its region of the members' arenas: the region taken
 on every member, the queue of operations (generators that yield what they wait for), the waits
 (spin, nap, sleep on the eventfd, wake), and the failure of the group when a member is lost,
-leaves or an operation is stopped midway.
+leaves or an operation is stopped midway. An operation of one step started on an idle group runs
+as plain calls and, when its peers keep pace, ends inside its call (``_run_step``); it joins
+the queue only if it has to sleep.
 
 Imports foundations (aiocoll._env, aiocoll._errors), client.data._shm, client.data._shm_layout,
-client.data._waiting and client.data._operation; never the public surface and never the
-operations themselves (client.data._shm_coll builds on this).
+client.data._waiting, client.data._operation and client.data._op_record (Stoppable); never the
+public surface and never the operations themselves (client.data._shm_coll builds on this).
 
 Waiting: for a small operation, the owner spins for a bounded time (yielding the CPU at every
 check, so a waiting rank does not starve the one it waits for when they share a core), then
@@ -35,8 +37,9 @@ import numpy as np
 from aiocoll._env import env_float
 from aiocoll._errors import DistError, PeerLostError
 
-from ._operation import Finish
-from ._shm import ARENA_HEADER, ShmHost, current_cpu, fence, region_bytes
+from ._op_record import Stoppable
+from ._operation import HANDED_OFF, Finish
+from ._shm import ARENA_HEADER, ShmHost, current_cpu, fence, fence_enter, fence_leave, region_bytes
 from ._shm_layout import BASE, CPU, DATA, DONE, INP, LOST, OWNER, RED, SLEEP, OnWait, OpGen, Wait
 from ._waiting import LATE_YIELD_S, SpinBudget, host_contended, nap, oversubscribed, spin
 
@@ -60,6 +63,9 @@ _OFF_LOOP_NAP_S = 0.002  # a wait started off the loop's thread naps in place th
 # costs a wake-up, and the peer waits that long, fails its own spin and naps in turn, so naps
 # come in runs (the async API's sleep goes through its loop first, a turn later, and seldom blocks)
 _OFF_LOOP_SPIN_S = 300e-6
+
+
+_CLOSED_ROW = memoryview(bytearray(DATA)).cast("q")  # a closed group's own row: no arena behind it
 
 
 class ShmOp:
@@ -174,6 +180,12 @@ class ShmScheduler:
         fence()
         self._ctl[me][OWNER] = self._owner
         self.others = tuple(j for j in range(self.n) if j != me)
+        # The rows the operations read and write on every step, found once (see close).
+        self._mine = self._ctl[me]
+        self._mine_raw = self._raw[me]
+        self._peer_rows = tuple(self._ctl[j] for j in self.others)
+        self._peer_wake = tuple((self._ctl[j], self._efds[j]) for j in self.others)
+        self._peer_raw = tuple(self._raw[j] for j in self.others)
         self.queue: deque[ShmOp] = deque()
         self.broken: BaseException | None = None
         # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
@@ -196,19 +208,25 @@ class ShmScheduler:
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
 
     def _publish(self, counter: int, t: int) -> None:
-        self._ctl[self.me][counter] = t
-        fence()  # the counter is visible before we look at who sleeps
-        ctl, efds = self._ctl, self._efds
-        for j in self.others:
-            if ctl[j][SLEEP]:
-                os.eventfd_write(efds[j], 1)
+        self._mine[counter] = t
+        fence_enter()  # (fence: the counter is visible before we look at who sleeps)
+        fence_leave()
+        for row, efd in self._peer_wake:
+            if row[SLEEP]:
+                os.eventfd_write(efd, 1)
 
     def _ready(self, wait: Wait) -> bool:
         counter, t, members = wait
-        ctl, owner = self._ctl, self._owner
+        owner = self._owner
+        if members is self.others:  # (what every operation waits for)
+            for row in self._peer_rows:
+                if row[counter] < t or row[OWNER] != owner:
+                    return False
+            return True
+        ctl = self._ctl
         for j in members:
-            c = ctl[j]
-            if c[counter] < t or c[OWNER] != owner:
+            row = ctl[j]
+            if row[counter] < t or row[OWNER] != owner:
                 return False
         return True
 
@@ -217,19 +235,71 @@ class ShmScheduler:
         if self.broken is not None:
             finish(None, self.broken)
             return op
+        if self.queue:
+            self.queue.append(op)  # (it runs when those before it end)
+            return op
+        inline = self._straight()
         self.queue.append(op)
-        if len(self.queue) == 1:
-            now = time.perf_counter()
-            if self._inline_since is None:
-                # the first operation run inside its call since the loop last turned
-                self._inline_since = now
-                self._loop.call_soon(self._loop_turned)
-            elif now - self._inline_since > _INLINE_S:
-                # A loop of awaited operations that all complete inside their calls would never
-                # give the event loop a turn (heartbeats, other tasks, signals): now and then
-                # the next one starts from the loop instead.
-                self._loop.call_soon(self._run)
-                return op
+        if inline:
+            self._run()
+        else:
+            self._loop.call_soon(self._run)
+        return op
+
+    def _straight(self) -> bool:
+        """Whether an operation may run inside its call now (``_run``, or ``_run_step`` for one
+        of one step): nothing queued before it, the group not failed, and the inline time not
+        spent. A loop of awaited operations that all complete inside their calls would never
+        give the event loop a turn (heartbeats, other tasks, signals): past _INLINE_S of them
+        since the loop last turned, the next one starts from the loop instead."""
+        if self.queue or self.broken is not None:
+            return False
+        now = time.perf_counter()
+        since = self._inline_since
+        if since is None:
+            # the first operation run inside its call since the loop last turned
+            self._inline_since = now
+            self._loop.call_soon(self._loop_turned)
+            return True
+        return now - since <= _INLINE_S
+
+    def _finished(self, finish: Finish, result: Any, exc: BaseException | None) -> None:
+        """An operation ended here: counted, its failure the group's, its caller told."""
+        self.completed += 1
+        if exc is not None and self.broken is None:
+            self.broken = exc
+        finish(result, exc)
+
+    def _run_step(self, gen: OpGen, t: int, finish: Finish, on_wait: OnWait | None) -> Stoppable:
+        """Run an operation of one step, ``t``, as plain calls (the group idle: ``_straight``).
+        ``gen`` is its generator, not begun: it yields what it waits for (its slot free, past
+        the first SLOTS steps; every member's input) and has no result. When each wait is
+        met at once or within the spin, it ends inside this call and there is nothing to stop;
+        otherwise it goes on as a queued operation from the wait that was not met, which sleeps,
+        times out, fails on a lost peer and is stopped as every queued one is.
+
+        Driven here rather than through the queue (``_submit``, ``_run``, ``_advance``), whose
+        bookkeeping costs more than the reads and writes of a small step."""
+        try:
+            for wait in gen:
+                if not (self._ready(wait) or self._spin(wait) or self._nap_off_loop(wait)):
+                    break
+            else:
+                self.completed += 1
+                finish(None, None)
+                return HANDED_OFF
+        except Exception as exc:
+            self._finished(finish, None, exc)
+            return HANDED_OFF
+        # The in-call waits are over: queued, it goes to sleep next, as ``_run`` would send it.
+        op = ShmOp(self, gen, finish, on_wait)
+        op.wait = wait
+        # What stopping it puts back: my counters before step t. Every step before it had
+        # published its input and been read here (the group is whole: nothing was abandoned),
+        # and a step of one operation never publishes ``red``.
+        op.mark = (t - 1, self._ctl[self.me][RED], t - 1)
+        self.queue.append(op)
+        if not self._sleep():
             self._run()
         return op
 
@@ -260,10 +330,7 @@ class ShmScheduler:
         self._inner = False
         if self.queue and self.queue[0] is op:
             self.queue.popleft()
-        self.completed += 1
-        if exc is not None and self.broken is None:
-            self.broken = exc
-        op.finish(result, exc)
+        self._finished(op.finish, result, exc)
 
     def _run(self) -> None:
         queue = self.queue
@@ -282,11 +349,13 @@ class ShmScheduler:
                 # thread's wake-up and the caller's.)
                 self._loop.call_soon(self._run)
                 return
-            if not self._spin(op) and not self._nap_off_loop(op) and self._sleep():
+            wait = op.wait
+            assert wait is not None
+            if not self._spin(wait) and not self._nap_off_loop(wait) and self._sleep():
                 return
 
-    def _spin(self, op: ShmOp) -> bool:
-        """Wait a bounded time for ``op``'s condition: first a few microseconds of plain
+    def _spin(self, wait: Wait) -> bool:
+        """Wait a bounded time for ``wait``: first a few microseconds of plain
         checks (a peer on another core answers within them), then checks that each yield the
         CPU first (the rank we wait for may be queued on our core, behind us or other work on
         the machine, and only a yield lets it run; a yield can also hand the core to someone
@@ -300,8 +369,6 @@ class ShmScheduler:
         for a moment (a peer rank's turn, between _HANDOFF_S and _LATE_YIELD_S) is not charged
         to the budget, up to _HANDOFFS times: the peers got on with it, and sleeping now would
         cost a wake-up per operation. A longer yield (other work's time slice) is charged."""
-        wait = op.wait
-        assert wait is not None
         beside = self._beside_now = self._beside(wait)
         if self._inner:
             return self._wait_step(wait, beside)
@@ -312,7 +379,7 @@ class ShmScheduler:
             return spin(lambda: ready(wait), self._budget, 0.0, _HANDOFFS)
         return spin(lambda: ready(wait), self._budget, _PLAIN_SPIN_S)
 
-    def _nap_off_loop(self, op: ShmOp) -> bool:
+    def _nap_off_loop(self, wait: Wait) -> bool:
         """Started on a thread other than the loop's (a blocking caller that took the loop's
         turn, aiocoll/_sync_loop.py): nap on the eventfd in place for up to _OFF_LOOP_NAP_S
         before going to sleep in the loop. That thread would otherwise park until the loop
@@ -325,8 +392,6 @@ class ShmScheduler:
         waker = self._waker
         if not self._off_loop() or waker.sleeping:
             return False  # (groups sleeping in the loop: it must watch the eventfd meanwhile)
-        assert op.wait is not None
-        wait = op.wait
         if not (self._oversubscribed or self._beside_now):
             ready = self._ready
             if spin(lambda: ready(wait), SpinBudget(_OFF_LOOP_SPIN_S), _PLAIN_SPIN_S):
@@ -556,6 +621,9 @@ class ShmScheduler:
         self._host.regions_used.discard(self.region)
         self._data.clear()
         self._ctl.clear()
+        self._mine = _CLOSED_ROW  # (the arena's views all go: its mapping can then be closed)
+        self._mine_raw = _CLOSED_ROW
+        self._peer_rows = self._peer_wake = self._peer_raw = ()
         for v in self._raw:
             v.release()
         self._raw.clear()

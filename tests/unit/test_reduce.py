@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
 import numpy as np
 import pytest
 
+from aiocoll import _reduce
 from aiocoll._reduce import bf16_to_f32, check_reduce_op, f32_to_bf16, finish_avg, kernel, reduce_into
 from aiocoll._types import ReduceOp
 
@@ -185,3 +189,42 @@ def test_a_kernel_is_found_once_and_a_refused_pair_is_refused_every_time() -> No
     a = np.array([1, 2, 3], np.int64)
     kernel(ReduceOp.BOR, "int64")(a, np.array([4, 4, 4], np.int64), out=a)
     assert a.tolist() == [5, 6, 7]
+
+
+@pytest.mark.parametrize("numpy_state", [True, False], ids=["context-variable", "errstate"])
+def test_quiet_silences_floating_point_errors_in_between_and_restores_the_callers_state(
+    numpy_state: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """quiet()/restore(): overflow and invalid operations give inf and nan without a warning or
+    an error, whatever the caller's error state, which holds again afterwards (both ways of
+    switching: numpy 2's context variable, and np.errstate where that is missing)."""
+    if numpy_state:
+        quiet, restore = _reduce.quiet, _reduce.restore
+    else:
+        import builtins
+
+        real_import = builtins.__import__
+
+        def no_context_variable(name: str, *args: Any, **kwargs: Any) -> Any:
+            if name == "numpy._core._multiarray_umath":
+                raise ImportError(name)
+            return real_import(name, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "__import__", no_context_variable)
+        quiet, restore = _reduce._quiet_switch()
+        monkeypatch.undo()
+        assert quiet is not _reduce.quiet  # (the np.errstate way)
+    big = np.array([3e38, np.inf], np.float32)
+    with np.errstate(all="raise"):
+        token = quiet()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                total = np.add(big, big)
+                gap = np.subtract(total, total)
+        finally:
+            restore(token)
+        assert np.isinf(total).all() and np.isnan(gap).all()
+        assert np.geterr() == {"divide": "raise", "over": "raise", "under": "raise", "invalid": "raise"}
+        with pytest.raises(FloatingPointError):
+            np.add(big, big)
