@@ -34,7 +34,9 @@ Zero-copy receive: a link that learns a payload's length before its bytes (a str
 shared-memory slot header) asks ``claim`` where to put them, in stream order; ``claim`` returns
 the posted receive's own buffer when it is next in line, so the payload lands in place, and the
 link reports the finished frame with ``landed``; a frame it did not claim it reports with
-``arrived``.
+``arrived``. A link that holds a whole message in memory of its own for a moment (a
+shared-memory mailbox) hands it over with ``deliver``: copied once, to where ``claim`` would
+have placed it.
 
 A polled receive (``poll`` ... ``unpoll``): a receive that reads its source's link in place for a
 moment before it would be posted (the transport's straight path) is next in line after every
@@ -117,16 +119,23 @@ class Posted:
 
 
 class Polled:
-    """A polled receive's completion (see the module header): ``outcome`` is ``(src, meta)``,
-    None while nothing came, or raises what failed it (a size mismatch)."""
+    """A polled receive and its completion (see the module header): ``outcome`` is
+    ``(src, meta)``, None while nothing came, or raises what failed it (a size mismatch)."""
 
-    __slots__ = ("error", "posted", "prev", "result")
+    __slots__ = ("error", "into", "prev", "result", "src", "tag")
 
     def __init__(self, src: int, tag: Tag, into: memoryview, prev: Polled | None) -> None:
+        self.src = src
+        self.tag = tag
+        self.into = into
         self.result: tuple[int, dict[str, Any]] | None = None
         self.error: BaseException | None = None
         self.prev = prev  # the receive polled when this one started (nested), restored after
-        self.posted = Posted(src, tag, into, self, -1, False)
+
+    def bound(self) -> Posted:
+        """This receive as a posted one, once ``claim`` binds it to a message (rare: most come
+        whole, through ``deliver`` or ``arrived``)."""
+        return Posted(self.src, self.tag, self.into, self, -1, False)
 
     def done(self) -> bool:
         return self.result is not None or self.error is not None
@@ -261,6 +270,8 @@ class Matcher:
         Raises:
             MismatchError: its payload is not ``len(into)`` bytes (it is consumed all the same).
         """
+        if not self._inbox:  # (the common case: nothing came early)
+            return None
         early = self.take_early(src, tag, len(into))
         if early is None:
             return None
@@ -352,10 +363,9 @@ class Matcher:
     def _polling(self, src: int, tag: Tag) -> Polled | None:
         """The polled receive that takes a message ``tag`` from ``src`` no posted receive takes."""
         polled = self._polled
-        if polled is None:
+        if polled is None or polled.src != src or polled.tag != tag:
             return None
-        posted = polled.posted
-        if posted.src != src or posted.tag != tag or polled.done():
+        if polled.result is not None or polled.error is not None:
             return None
         return polled
 
@@ -396,9 +406,9 @@ class Matcher:
         posted = self._next_in_line(src, tag)
         if posted is None and whole and self._polled is not None:
             polled = self._polling(src, tag)
-            if polled is not None and len(polled.posted.into) == nbytes:
-                self._filling[src].append(polled.posted)
-                return polled.posted.into
+            if polled is not None and len(polled.into) == nbytes:
+                self._filling[src].append(polled.bound())
+                return polled.into
         if posted is not None and not posted.done.done():
             want = len(posted.into)
             if want == nbytes:
@@ -428,6 +438,39 @@ class Matcher:
                 posted.done.set_exception(length_mismatch(src, tag, len(payload), len(posted.into), meta))
         elif not entry.done.done():
             entry.done.set_result((src, meta, entry.into) if entry.in_place else (src, meta))
+
+    def deliver(
+        self, src: int, tag: Tag, meta: dict[str, Any], payload: bytes | memoryview, *, lasting: bool = False
+    ) -> None:
+        """A whole message from ``src`` that a link holds in memory of its own, handed over in one
+        call: copied into the receive next in line for it (or the polled one), as ``claim`` and
+        ``landed`` would place it, else to ``arrived``, in a copy unless ``lasting`` (``payload``
+        then stays valid and is kept as it is). The matcher keeps no other reference to
+        ``payload``: the link may reuse its memory once this returns."""
+        posted = self._next_in_line(src, tag)
+        if posted is not None:
+            done = posted.done
+            if not done.done():
+                self._match(src, tag)
+                into = posted.into
+                if len(into) != len(payload):
+                    done.set_exception(length_mismatch(src, tag, len(payload), len(into), meta))
+                    return
+                if len(into):
+                    into[:] = payload
+                self.received_direct += 1
+                done.set_result((src, meta, into) if posted.in_place else (src, meta))
+                return
+        elif self._polled is not None:
+            polled = self._polling(src, tag)
+            if polled is not None:
+                into = polled.into
+                if len(into) == len(payload):
+                    if len(into):
+                        into[:] = payload
+                    polled.result = (src, meta)
+                    return
+        self.arrived(src, tag, meta, memoryview(payload if lasting else bytearray(payload)))
 
     def arrived(self, src: int, tag: Tag, meta: dict[str, Any], payload: memoryview) -> None:
         """A whole message from ``src`` that was not claimed: hand it to its receive (copying
@@ -463,7 +506,7 @@ class Matcher:
         if self._polled is not None:
             polled = self._polling(src, tag)
             if polled is not None:
-                into = polled.posted.into
+                into = polled.into
                 if len(payload) != len(into):
                     polled.set_exception(length_mismatch(src, tag, len(payload), len(into), meta))
                 else:

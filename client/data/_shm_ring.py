@@ -19,9 +19,9 @@ to the receiver with the arena). Its first page holds four counters, on their ow
     384  polling   1 while the receiver polls the mailbox (only it writes this)
     448  dispatched  how many of the link's socket frames the receiver has dispatched (only it
                    writes this)
-    512  the mailbox's message: its header's length and its payload's length; then how many
-                   socket frames the link has written (only the sender writes these)
-    1024 mailbox   the message's header (msgpack) then its payload, ``MAIL_BYTES`` at most
+    512  the mailbox's message: its length; then how many socket frames the link has written
+                   (only the sender writes these)
+    1024 mailbox   the message (msgpack: its tag, meta and payload), ``MAIL_BYTES`` at most
     4096 data      ``capacity`` bytes, used in order
 
 Positions are absolute byte counts (they never wrap; the offset in the data is the position
@@ -43,7 +43,9 @@ that a sender whose own reading is paused (its inbox full) still learns of them.
 The mailbox holds one small message at a time (the link decides when it may be used): a
 receiver that polls in place takes it without a frame on the socket or a wake-up. The sender
 writes the message, fences, counts it in ``mailed``, fences, and reads ``polling``; the receiver
-that stops polling clears ``polling``, fences, and looks at ``mailed`` once more. One of the two
+that stops polling clears ``polling``, fences, and looks at ``mailed`` once more. (The fences
+that only keep stores in order among themselves, or loads among themselves, are left out on
+x86, whose processors never reorder those: only a store followed by a load needs one there.) One of the two
 always sees the other: either the receiver takes the message in its last look, or the sender
 sees that nobody polls and wakes the receiver (its eventfd). The receiver copies the message out
 before it counts it in ``taken``, and the sender writes the mailbox only once ``taken`` has
@@ -54,6 +56,7 @@ no frame.
 from __future__ import annotations
 
 import mmap
+import platform
 from collections.abc import Callable
 
 from ._shm import RING_HEADER, fence
@@ -61,10 +64,12 @@ from ._shm import RING_HEADER, fence
 __all__ = ["MAIL_BYTES", "RingReader", "RingWriter"]
 
 _FREED, _WAITING, _READ, _OFFERED = 0, 8, 16, 24  # int64 indexes into the header page
-_MAILED, _TAKEN, _POLLING, _DISPATCHED, _HEAD_LEN, _BODY_LEN, _WROTE = 32, 40, 48, 56, 64, 65, 66
+_MAILED, _TAKEN, _POLLING, _DISPATCHED, _MAIL_LEN, _WROTE = 32, 40, 48, 56, 64, 66
 _MAIL_AT = 1024
-MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message's header and payload together
+MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message, packed (its tag, meta and payload)
 _ALIGN = 64
+# Stores stay in order among themselves, and loads among themselves, without a fence
+_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class _RingSide:
@@ -173,21 +178,24 @@ class RingWriter(_RingSide):
         ctl = self._ctl
         return ctl[_TAKEN] == self._mailed and ctl[_DISPATCHED] == frames
 
+    def peer_polls(self) -> bool:
+        """Whether the receiver says it polls the mailbox (it waits in place for a message)."""
+        return bool(self._ctl[_POLLING])
+
     def wrote(self, frames: int) -> None:
         """Say that the link has written ``frames`` socket frames so far."""
         self._ctl[_WROTE] = frames
 
-    def mail(self, head: bytes, body: memoryview) -> bool:
-        """Put a message (its packed header and its payload, ``MAIL_BYTES`` at most together)
-        in the mailbox, once ``mail_open`` said so; True when the receiver still polls, False
-        when it stopped meanwhile (it may not have seen the message: wake it)."""
-        h, n = len(head), len(body)
-        box, ctl = self._mail, self._ctl
-        box[:h] = head
-        box[h : h + n] = body
-        ctl[_HEAD_LEN] = h
-        ctl[_BODY_LEN] = n
-        fence()  # the message is whole before it is counted
+    def mail(self, message: bytes) -> bool:
+        """Put a packed message (``MAIL_BYTES`` at most) in the mailbox, once ``mail_open`` said
+        so; True when the receiver still polls, False when it stopped meanwhile (it may not have
+        seen the message: wake it)."""
+        n = len(message)
+        ctl = self._ctl
+        self._mail[:n] = message
+        ctl[_MAIL_LEN] = n
+        if not _ORDERED:
+            fence()  # the message is whole before it is counted
         mailed = self._mailed = self._mailed + 1
         ctl[_MAILED] = mailed
         fence()  # counted before we look whether the receiver still polls
@@ -265,25 +273,24 @@ class RingReader(_RingSide):
         """How many socket frames the sender says it wrote."""
         return int(self._ctl[_WROTE])
 
-    def mail(self) -> tuple[bytes, memoryview] | None:
-        """The mailbox's message (a copy of its header, a view of its payload) when there is one
-        we have not taken; ``took_mail`` once it is copied out.
+    def mail(self) -> bytes | None:
+        """A copy of the mailbox's message when there is one we have not taken, counted as
+        taken (the sender may write the mailbox again).
 
         Raises:
-            ValueError: the counters or lengths are not what the protocol allows.
+            ValueError: the counters or the length are not what the protocol allows.
         """
         ctl = self._ctl
         mailed = ctl[_MAILED]
-        if mailed == self._taken:
+        taken = self._taken
+        if mailed == taken:
             return None
-        fence()  # the message is read after its count
-        h, n = ctl[_HEAD_LEN], ctl[_BODY_LEN]
-        if mailed != self._taken + 1 or not (0 < h and 0 <= n and h + n <= MAIL_BYTES):
-            raise ValueError(f"a mailbox message #{mailed} of {h} + {n} bytes after message #{self._taken}")
-        box = self._mail
-        return bytes(box[:h]), box[h : h + n]
-
-    def took_mail(self) -> None:
-        """The message ``mail`` showed is copied out: the sender may write the mailbox again."""
-        self._taken += 1
-        self._ctl[_TAKEN] = self._taken
+        if not _ORDERED:
+            fence()  # the message is read after its count
+        n = ctl[_MAIL_LEN]
+        if mailed != taken + 1 or not 0 < n <= MAIL_BYTES:
+            raise ValueError(f"a mailbox message #{mailed} of {n} bytes after message #{taken}")
+        message = self._mail[:n].tobytes()
+        self._taken = mailed
+        ctl[_TAKEN] = mailed
+        return message

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from aiocoll.client.data.transports._link import LinkTransport
 
 from aiocoll.testing.world import outcome, run_world, unwrap
 
@@ -489,6 +490,41 @@ async def test_a_frame_read_before_the_wake_up_for_an_earlier_mailed_message_com
         for into in got:
             await receiver.recv(0, ("m", 1), memoryview(into))
         assert got == [b"one!", b"two!"]
+    finally:
+        await close_world(world)
+
+
+async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it() -> None:
+    """A receive that spins for its peer's message (recv_now) gives up once the peer waits in
+    place for a message of ours: the peer sends nothing before its own wait ends. A peer that
+    has our last message still to take does not wait for us. Real shared memory and sockets,
+    one process (the peer's wait is its link's polling flag, raised as its spin would)."""
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    world = await shm_world(2)
+    try:
+        a, b = world
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        assert isinstance(a, LinkTransport) and isinstance(b, LinkTransport)
+        to_b, from_a = a.link(1), b.link(0)
+        assert to_b is not None and from_a is not None
+        assert not to_b.peer_waits()
+        from_a.watch(True)  # b waits in place for a message from a
+        try:
+            assert to_b.peer_waits()
+            assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None
+            assert a.mutual_waits == 1
+            assert a.send_nowait(1, ("m", 1), memoryview(b"abcd"), {}) is None
+            assert to_b.mail_out == 1  # in the mailbox, which b has yet to take
+            assert not to_b.peer_waits()
+        finally:
+            from_a.watch(False)  # takes the mailed message, as b's spin would as it stopped
+        got = bytearray(4)
+        assert await b.recv(0, ("m", 1), memoryview(got)) == (0, {})
+        assert got == b"abcd"
+        assert not to_b.peer_waits()
+        assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None  # its spin ran out
+        assert a.mutual_waits == 1
     finally:
         await close_world(world)
 

@@ -317,3 +317,54 @@ def test_an_inner_poll_restores_the_outer_one() -> None:
     m.unpoll(outer)
     assert outer.outcome() == (1, META) and inner.outcome() is None
     assert m.take(2, ("i",), buf(1)) == (2, META)
+
+
+def test_deliver_copies_a_whole_message_where_claim_would_land_it_and_keeps_no_link_memory() -> None:
+    m, _ = matcher()
+    posted, in_place, anyone, wrong = Outcome(), Outcome(), Outcome(), Outcome()
+    a, b, c = buf(4), buf(4), buf(4)
+    m.post(1, ("t",), a, posted)
+    m.post(1, ("p",), b, in_place, in_place=True)
+    m.post(None, ("t",), c, anyone)
+    m.post(1, ("w",), buf(2), wrong)
+    box = bytearray(b"one!")  # the link's memory: reused once deliver returns
+    m.deliver(1, ("t",), {"n": 1}, box)
+    box[:] = b"two!"
+    m.deliver(2, ("t",), {"n": 2}, box)  # another source: the receive from any source
+    m.deliver(1, ("p",), {"n": 3}, box)
+    assert (posted.result, bytes(a)) == ((1, {"n": 1}), b"one!")
+    assert (anyone.result, bytes(c)) == ((2, {"n": 2}), b"two!")
+    assert in_place.result == (1, {"n": 3}, b) and bytes(b) == b"two!"
+    m.deliver(1, ("w",), {"n": 4}, box)  # bound to a receive of another size: it fails, consumed
+    assert isinstance(wrong.exc, MismatchError) and wrong.exc.remote_meta == {"n": 4}  # type: ignore[attr-defined]
+    assert m.received_direct == 3 and m.take_early(1, ("w",), 4) is None
+    # early: kept in a copy of its own (unless the payload lasts), in send order
+    m.deliver(1, ("e",), {"n": 5}, box)
+    lasting = memoryview(b"last")
+    m.deliver(1, ("e",), {"n": 6}, lasting, lasting=True)
+    box[:] = b"junk"
+    into = buf(4)
+    assert m.take(1, ("e",), into) == (1, {"n": 5}) and bytes(into) == b"two!"
+    early = m.take_early(1, ("e",), 4)
+    assert early is not None and early.payload.obj is lasting.obj
+    assert m.buffered(1) == 0
+
+
+def test_deliver_gives_a_polled_receive_its_message_after_posted_ones_and_a_mismatch_fails_it() -> None:
+    m, _ = matcher()
+    into, first = buf(4), Outcome()
+    polled = m.poll(1, ("t",), into)
+    m.post(None, ("t",), buf(4), first)  # posted: next in line before the poll
+    m.deliver(1, ("t",), {"n": 1}, b"1111")
+    assert first.result == (1, {"n": 1}) and polled.outcome() is None
+    m.deliver(1, ("t",), {"n": 2}, b"2222")
+    m.deliver(1, ("t",), {"n": 3}, b"3333")  # the polled receive is done: the inbox
+    m.unpoll(polled)
+    assert polled.outcome() == (1, {"n": 2}) and bytes(into) == b"2222"
+    assert m.take(1, ("t",), buf(4)) == (1, {"n": 3})
+    polled = m.poll(1, ("t",), buf(4))
+    m.deliver(1, ("t",), {"n": 8}, bytes(8))
+    m.unpoll(polled)
+    with pytest.raises(MismatchError):
+        polled.outcome()
+    assert m.take_early(1, ("t",), 8) is None  # consumed

@@ -76,15 +76,22 @@ _POLL_MISSES = 4
 _POLL_OFF_S = 0.05
 # A receive that can complete inside its call (recv_now) reads its peer's link in place for up to
 # this long (the wait policy's spin, client/data/_waiting.py) before it waits in the event loop.
-_STRAIGHT_SPIN_S = 50e-6
+# A reply takes the peer's receive and send, tens of microseconds of Python each, and a sleep
+# in the loop costs a wake-up of about as much again: a shorter budget misses most replies. The
+# budget halves after each miss, so a rank whose messages come late soon spins for little.
+_STRAIGHT_SPIN_S = 1e-3
+# ... unless the peer waits for us meanwhile (Link.peer_waits), for at least this long: it sends
+# nothing before its own wait ends, so spinning on only holds both ranks up. (Not at once: a peer
+# that has just taken our last message still says it waits for a moment.)
+_MUTUAL_WAIT_S = 20e-6
 
 
 def as_bytes_view(buf: memoryview) -> memoryview:
     """``buf`` as a flat byte view (no copy); the empty view for an empty buffer."""
-    if not len(buf):
-        return _EMPTY
     if buf.format == "B" and buf.ndim == 1:
         return buf
+    if not len(buf):
+        return _EMPTY
     return buf.cast("B")
 
 
@@ -120,6 +127,12 @@ class Link(ABC):
         (its frames are dispatched to the matcher the same way); True when a frame came. A
         receive that expects a reply within microseconds polls with this instead of letting the
         loop sleep (LinkTransport.recv_now). Links without such a read return False."""
+        return False
+
+    def peer_waits(self) -> bool:
+        """Whether the peer waits in place for a message from us (its receive's spin, ``watch``)
+        and has taken in all we sent: then it sends us nothing before its wait ends. Links
+        that cannot tell return False."""
         return False
 
     def watch(self, on: bool) -> None:
@@ -229,6 +242,7 @@ class LinkTransport(Transport):
         # loop kept turning (_poll_while_waiting), instead of sleeping (diagnostics)
         self.polled_arrivals = 0
         self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
+        self.mutual_waits = 0  # in-place receives that stopped as their peer waited for us (diagnostics)
         if rank is not None and world_size is not None:
             self.assign(rank, world_size)
 
@@ -471,7 +485,9 @@ class LinkTransport(Transport):
         from ``src``'s link), or when that link (one of this host's, Link.poll_while_waiting)
         brings it within a short spin of in-place reads; else None and nothing is posted (the
         caller then receives as usual). The spin follows the wait policy: its budget shrinks
-        while the peer keeps answering slower.
+        while the peer keeps answering slower. It also ends once the peer has waited for us
+        for a while (Link.peer_waits): two ranks that each receive before they send would
+        otherwise both spin out their budgets.
 
         Raises:
             MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
@@ -490,10 +506,23 @@ class LinkTransport(Transport):
             return None
         # Meanwhile the message goes straight to this receive when it comes (Matcher.poll).
         polled = matcher.poll(src, tag, into)
+        clock = time.perf_counter
+        mutual = [0.0]  # since when the peer has been seen waiting for us (0: it was not)
 
         def arrived() -> bool:
             link.read_now()
-            return polled.done() or link.closed  # (a closed link ends the spin; the waiting path reports it)
+            if polled.done() or link.closed:  # (a closed link ends the spin; the waiting path reports it)
+                return True
+            if not link.peer_waits():
+                mutual[0] = 0.0
+                return False
+            now = clock()
+            if not mutual[0]:
+                mutual[0] = now
+            elif now - mutual[0] > _MUTUAL_WAIT_S:
+                self.mutual_waits += 1
+                return True
+            return False
 
         link.watch(True)
         try:

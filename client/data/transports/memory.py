@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Iterator
 from typing import Any
 
 from aiocoll._errors import PeerLostError
-from aiocoll._matching import Matcher
 from aiocoll.algorithms._transport import Tag
 
 from ._link import Link, LinkTransport, as_bytes_view
@@ -96,7 +95,7 @@ class MemoryLink(Link):
         matcher, src = self._owner.matcher, self.peer
         while wire and self._reading and not self.closed:
             tag, meta, data, wait = wire.popleft()
-            _deliver(matcher, src, tag, meta, data)
+            matcher.deliver(src, tag, meta, memoryview(data), lasting=True)
             if wait is not None and not wait.done():
                 wait.set_result(None)
 
@@ -133,7 +132,7 @@ class MemoryLink(Link):
             return
         matcher, src = self._owner.matcher, self.peer
         for tag, meta, data, _wait in [entry for entry in self._wire if entry[3] is None]:
-            _deliver(matcher, src, tag, meta, data)
+            matcher.deliver(src, tag, meta, memoryview(data), lasting=True)
         self.close(reason, lost=lost)
 
     def _fail_wire(self, reason: str) -> None:
@@ -149,17 +148,6 @@ class MemoryLink(Link):
 
     def debug_state(self) -> dict[str, Any]:
         return {"reading": self._reading, "wire": len(self._wire)}
-
-
-def _deliver(matcher: Matcher, src: int, tag: Tag, meta: dict[str, Any], data: bytes) -> None:
-    """One message from ``src`` reaches ``matcher``: into its receive's buffer when one waits."""
-    into = matcher.claim(src, tag, len(data))
-    if into is not None:
-        if data:
-            into[:] = data
-        matcher.landed(src, tag, meta, into)
-    else:
-        matcher.arrived(src, tag, meta, memoryview(data))
 
 
 class MemoryTransport(LinkTransport):

@@ -23,12 +23,15 @@ the straight path below.
 
 The straight path for a small message: when nothing else is in flight on the link (no send
 queued, the peer has taken our last mailbox message and has dispatched every frame we wrote,
-which it says in the ring's header), a payload of at most ``_MAIL_MAX`` bytes goes with its
-header (msgpack) into the ring's one-message mailbox (client.data._shm_ring) and no frame is
-sent. A receive that polls its link in place (LinkTransport.recv_now; ``watch`` raises the
-ring's polling flag) takes it from there; a receiver that does not poll is woken through our
+which it says in the ring's header), a payload of at most ``_MAIL_MAX`` bytes goes packed with
+its tag and meta (msgpack) into the ring's one-message mailbox (client.data._shm_ring) and no
+frame is sent. A receive that polls its link in place (LinkTransport.recv_now; ``watch`` raises
+the ring's polling flag) takes it from there; a receiver that does not poll is woken through our
 eventfd towards it (the flag and a fence on each side make sure one of the two happens). The
-message is handed to the matcher as a ring message's is (``claim`` / ``landed`` / ``arrived``).
+receiver copies the message out (the mailbox is free again at once), unpacks it and hands it
+to the matcher whole (``Matcher.deliver``: one more copy, to where a ring message would
+have landed). A receive spinning for its peer's message stops once the peer's own polling flag
+says that it waits in place for us (``peer_waits``): it sends nothing before that wait ends.
 Order holds: the sender uses the mailbox only once every frame before it was dispatched, and the
 receiver takes the mailbox's message before it dispatches any frame it reads later (those were
 written after it), when woken, when polling, and when the link closes (a message put there
@@ -260,10 +263,10 @@ class ShmLink(TcpLink):
             # The straight path: the receiver has taken everything we sent before, so the
             # message goes to the mailbox without a frame; a receiver that polls takes it from
             # there, one that does not is woken.
-            head = self._packer.pack([tag, meta])
-            if len(head) + n <= MAIL_BYTES:
+            message = self._packer.pack([tag, meta, body])
+            if len(message) <= MAIL_BYTES:
                 self.mail_out += 1
-                if not writer.mail(head, body):
+                if not writer.mail(message):
                     self.mail_wakes += 1
                     try:
                         os.eventfd_write(self._peer_efd, 1)
@@ -475,6 +478,10 @@ class ShmLink(TcpLink):
             writer.wrote(self.frames_out)
         return fut
 
+    def peer_waits(self) -> bool:
+        writer = self._writer
+        return writer is not None and writer.peer_polls() and writer.mail_open(self.frames_out)
+
     def watch(self, on: bool) -> None:
         reader = self._reader
         if reader is None:
@@ -500,27 +507,19 @@ class ShmLink(TcpLink):
         if reader is None or not self._reading:
             return False
         try:
-            mail = reader.mail()
-            if mail is None:
+            message = reader.mail()  # a copy: the peer may use the mailbox again
+            if message is None:
                 return False
-            head, body = mail
-            tag, meta = _unpackb(head, max_ext_len=0, strict_map_key=False)
-            key, dst = self._claim(tag, meta, len(body), True)
+            tag, meta, body = _unpackb(message, max_ext_len=0, strict_map_key=False)
+            if not (isinstance(tag, list) and isinstance(meta, dict) and type(body) is bytes):
+                raise ValueError("a malformed mailbox message")
+            if self._incoming is not None:
+                raise ValueError("a mailbox message in the middle of a ring message")
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             self._broken(exc)
             return False
         self.mail_in += 1
-        claimed = dst is not None
-        if dst is None:  # a small early message: our own copy, to the inbox
-            dst = memoryview(bytearray(body))
-        else:
-            dst[:] = body
-        body.release()
-        reader.took_mail()
-        if claimed:
-            self._matcher.landed(self.peer, key, meta, dst)
-        else:
-            self._matcher.arrived(self.peer, key, meta, dst)
+        self._matcher.deliver(self.peer, tuple(tag), meta, body)
         return True
 
     def _sink(self, header: dict[str, Any], nbytes: int) -> memoryview | None:
