@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from aiocoll.client.data._waiting import SpinBudget
+from aiocoll.client.data.transports import _link
 from aiocoll.client.data.transports._link import LinkTransport
 
 from aiocoll.testing.world import outcome, run_world, unwrap
@@ -494,7 +496,9 @@ async def test_a_frame_read_before_the_wake_up_for_an_earlier_mailed_message_com
         await close_world(world)
 
 
-async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it() -> None:
+async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A receive that spins for its peer's message (recv_now) gives up once the peer waits in
     place for a message of ours: the peer sends nothing before its own wait ends. A peer that
     has our last message still to take does not wait for us. Real shared memory and sockets,
@@ -512,6 +516,9 @@ async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it() 
         from_a.watch(True)  # b waits in place for a message from a
         try:
             assert to_b.peer_waits()
+            # only the peer's wait may end this spin (not its budget, nor a late yield on a busy host)
+            a._straight_spin = SpinBudget(60.0)
+            monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)
             assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None
             assert a.mutual_waits == 1
             assert a.send_nowait(1, ("m", 1), memoryview(b"abcd"), {}) is None
@@ -523,8 +530,38 @@ async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it() 
         assert await b.recv(0, ("m", 1), memoryview(got)) == (0, {})
         assert got == b"abcd"
         assert not to_b.peer_waits()
+        a._straight_spin = SpinBudget(1e-3)
         assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None  # its spin ran out
         assert a.mutual_waits == 1
+    finally:
+        await close_world(world)
+
+
+async def test_a_receive_stops_spinning_once_other_work_held_its_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receive spinning for its peer's message stops after a yield that came back late (other
+    work held the core for a time slice: a sleeper gets it back sooner than a spinner); the
+    clock is made to jump past the late-yield bound between two looks."""
+    from aiocoll.client.data._waiting import LATE_YIELD_S
+
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    world = await shm_world(2)
+    try:
+        a = world[0]
+        assert isinstance(a, LinkTransport)
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        now = [time.perf_counter()]
+
+        def slow_clock() -> float:
+            now[0] += 2 * LATE_YIELD_S
+            return now[0]
+
+        monkeypatch.setattr(time, "perf_counter", slow_clock)
+        assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None
+        monkeypatch.undo()
+        assert (a.late_yields, a.mutual_waits) == (1, 0)
     finally:
         await close_world(world)
 

@@ -60,7 +60,7 @@ from aiocoll.algorithms._transport import (
     Transport,
 )
 
-from .._waiting import SpinBudget, spin
+from .._waiting import LATE_YIELD_S, SpinBudget, spin
 
 __all__ = ["Link", "LinkHost", "LinkTransport", "as_bytes_view"]
 
@@ -242,7 +242,10 @@ class LinkTransport(Transport):
         # loop kept turning (_poll_while_waiting), instead of sleeping (diagnostics)
         self.polled_arrivals = 0
         self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
-        self.mutual_waits = 0  # in-place receives that stopped as their peer waited for us (diagnostics)
+        # in-place receives that stopped as their peer waited for us, or as other work held our
+        # core (diagnostics)
+        self.mutual_waits = 0
+        self.late_yields = 0
         if rank is not None and world_size is not None:
             self.assign(rank, world_size)
 
@@ -487,7 +490,9 @@ class LinkTransport(Transport):
         caller then receives as usual). The spin follows the wait policy: its budget shrinks
         while the peer keeps answering slower. It also ends once the peer has waited for us
         for a while (Link.peer_waits): two ranks that each receive before they send would
-        otherwise both spin out their budgets.
+        otherwise both spin out their budgets; and after a yield that came back late (the
+        wait policy's late-yield rule: other work holds the core, and a sleeper gets it back
+        sooner).
 
         Raises:
             MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
@@ -507,19 +512,25 @@ class LinkTransport(Transport):
         # Meanwhile the message goes straight to this receive when it comes (Matcher.poll).
         polled = matcher.poll(src, tag, into)
         clock = time.perf_counter
-        mutual = [0.0]  # since when the peer has been seen waiting for us (0: it was not)
+        # when the spin last looked, and since when the peer has been seen waiting for us (0: not)
+        seen = [clock(), 0.0]
 
         def arrived() -> bool:
             link.read_now()
             if polled.done() or link.closed:  # (a closed link ends the spin; the waiting path reports it)
                 return True
-            if not link.peer_waits():
-                mutual[0] = 0.0
-                return False
             now = clock()
-            if not mutual[0]:
-                mutual[0] = now
-            elif now - mutual[0] > _MUTUAL_WAIT_S:
+            if now - seen[0] > LATE_YIELD_S:
+                # Other work held our core for a time slice: a rank woken from sleep gets it back
+                # ahead of busy processes, where a spinner that yields queues behind them.
+                self.late_yields += 1
+                return True
+            seen[0] = now
+            if not link.peer_waits():
+                seen[1] = 0.0
+            elif not seen[1]:
+                seen[1] = now
+            elif now - seen[1] > _MUTUAL_WAIT_S:
                 self.mutual_waits += 1
                 return True
             return False
