@@ -154,6 +154,11 @@ class _Op(Transport):
             self.abort_exc = exc
             return
         engine = self.group.engine
+        future = self.future
+        if exc is None and not future.done():
+            future.set_result(result)
+            engine._finish(self, True)
+            return
         engine._settle(self, result, exc)
         engine._finish(self)
 

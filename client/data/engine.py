@@ -407,25 +407,29 @@ class Engine(FailureFanout):
         if not fut.done():
             fut.set_exception(trim(exc) if isinstance(exc, DistError) else exc)
 
-    def _finish(self, op: _Op) -> None:
+    def _finish(self, op: _Op, succeeded: bool = False) -> None:
+        """End ``op``, whose future is done (``succeeded``: with a result, said by the caller)."""
         op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
         op.group.pending.discard(op)
-        fut = op.future
-        outcome = "ok"
-        if fut.done():
-            if fut.cancelled():
-                outcome = "cancelled"
-            else:
-                failure = fut.exception()
-                if failure is not None:
-                    outcome = type(failure).__name__
         # Progress hook: the record of the last operations (logged on a failure)
-        self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome, op.site, fut)
-        if op.seq < 0:
-            return
-        if outcome != "ok":
-            self.transport.discard(op.tag)
-        elif op.retires:
+        if succeeded:
+            self.progress.done(op.kind, op.group, op.seq, op.sig, op.started, op.site)
+        else:
+            fut = op.future
+            outcome = "ok"
+            if fut.done():
+                if fut.cancelled():
+                    outcome = "cancelled"
+                else:
+                    failure = fut.exception()
+                    if failure is not None:
+                        outcome = type(failure).__name__
+            self.progress.record(op.kind, op.group, op.seq, op.sig, op.started, outcome, op.site, fut)
+            if outcome != "ok":
+                if op.seq >= 0:
+                    self.transport.discard(op.tag)
+                return
+        if op.seq >= 0 and op.retires:
             # Every message of a collective is consumed when all ranks agree; one that is left
             # over (or arrives later) means some rank called something else (a root mismatch, say,
             # where the disagreeing ranks only send).
