@@ -97,7 +97,7 @@ class Work:
         self._waiters.append(waiter)
         if not self._hooked:  # completions that do not call wake() still reach the waiters
             self._hooked = True
-            fut.add_done_callback(self._on_done)
+            fut.add_done_callback(self.wake)  # (called with the future, which it ignores)
         try:
             return (yield from waiter.__await__())
         finally:
@@ -105,12 +105,15 @@ class Work:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
 
-    def wake(self) -> None:
+    def wake(self, _fut: Any = None) -> None:
         """Hand the finished operation's outcome to every pending ``await`` now (engine use)."""
-        fut = self._future
-        if fut is None or not fut.done() or not self._waiters:
+        waiters = self._waiters
+        if not waiters:
             return
-        waiters, self._waiters = self._waiters, []
+        fut = self._future
+        if fut is None or not fut.done():
+            return
+        self._waiters = []
         cancelled = fut.cancelled()
         failure = None if cancelled else fut.exception()
         for waiter in waiters:
@@ -122,9 +125,6 @@ class Work:
                 waiter.set_exception(failure)
             else:
                 waiter.set_result(fut.result())
-
-    def _on_done(self, _fut: asyncio.Future[Any]) -> None:
-        self.wake()
 
     def is_completed(self) -> bool:
         """True once the operation finished, successfully or not."""
@@ -240,6 +240,9 @@ class _Born(Work):
     def __await__(self) -> Generator[Any, None, Any]:
         return self._result
         yield  # (a generator: ``await`` needs an iterator)
+
+    def wake(self, _fut: Any = None) -> None:
+        return None
 
 
 _new = object.__new__

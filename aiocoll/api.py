@@ -48,6 +48,8 @@ _META_CACHE = 256  # distinct operation signatures a group keeps made (see Proce
 
 
 def _check_rank(what: str, value: Any, size: int) -> int:
+    if type(value) is int and 0 <= value < size:  # (the usual call: checked in fewest steps)
+        return value
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{what} must be an int group rank, got {type(value).__name__} {value!r}")
     r = int(value)
@@ -61,6 +63,8 @@ def _check_opt_rank(what: str, value: Any, size: int) -> int | None:
 
 
 def _check_tag(tag: Any) -> int:
+    if type(tag) is int:  # (the usual call: checked in fewest steps)
+        return tag
     if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
         raise TypeError(f"tag must be an int, got {type(tag).__name__} {tag!r}")
     return int(tag)
@@ -265,7 +269,7 @@ class ProcessGroup:
             raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
         utag = _check_tag(tag)
         w = as_working(tensor, read=True, write=False)
-        meta = {"dtype": w.dtype_name, "count": w.numel}
+        meta = {"dtype": w.dtype_name, "count": w.array.size}
         return self._submit("send", meta, (w.array,), (), (), None, timeout, tag=utag, peers=(self.ranks[d],))
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
@@ -293,7 +297,7 @@ class ProcessGroup:
             raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
         utag = _check_tag(tag)
         w = as_working(tensor, read=False, write=True)
-        meta = {"dtype": w.dtype_name, "count": w.numel}
+        meta = {"dtype": w.dtype_name, "count": w.array.size}
         peers = () if s is None else (self.ranks[s],)
         return self._submit("recv", meta, (), (w.array,), (w,), None, timeout, tag=utag, peers=peers)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 from aiocoll._types import ReduceOp
@@ -33,6 +34,7 @@ __all__ = [
     "Starter",
     "as_starter",
     "awaiting",
+    "copy_back_then_finish",
     "copying_back",
     "finish_with_copy_back",
     "spec_of",
@@ -149,21 +151,21 @@ class Provider(Protocol):
 def finish_with_copy_back(op: Operation, finish: Finish) -> Finish:
     """The one copy-back-then-finish: a ``Finish`` callback (its first argument ignored) that, on
     success, copies every working array back to its tensor (aiocoll.device._tensors.Working.finish)
-    and then completes the operation with ``op.result``; a failed copy-back fails it instead."""
+    and then completes the operation with ``op.result``; a failed copy-back fails it instead
+    (``copy_back_then_finish``, with ``op`` and ``finish`` bound)."""
+    return partial(copy_back_then_finish, op, finish)
 
-    workings = op.workings
 
-    def done(_: Any, exc: BaseException | None) -> None:
-        if exc is None:
-            try:
-                for w in workings:
-                    if w.staged:  # (an array that is the tensor's own memory has nothing to copy)
-                        w.finish()
-            except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
-                exc = copy_back
-        finish(op.result, exc)
-
-    return done
+def copy_back_then_finish(op: Operation, finish: Finish, _: Any, exc: BaseException | None) -> None:
+    """``finish_with_copy_back(op, finish)(_, exc)``, called at once."""
+    if exc is None:
+        try:
+            for w in op.workings:
+                if w.staged:  # (an array that is the tensor's own memory has nothing to copy)
+                    w.finish()
+        except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
+            exc = copy_back
+    finish(op.result, exc)
 
 
 class _TaskRunner:

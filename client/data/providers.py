@@ -69,6 +69,7 @@ from ._operation import (
     Starter,
     as_starter,
     awaiting,
+    copy_back_then_finish,
     copying_back,
     finish_with_copy_back,
     spec_of,
@@ -164,6 +165,43 @@ class P2PProvider:
         source = op.peers[0] if op.peers else None
         into = _bytes_of(op.recv[0])
         ranks, gid = self._ranks, self._gid
+        tasks = self._waiting
+
+        def recv(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
+            if tag in tasks:  # an earlier receive of this tag is not posted yet: after it
+                return self._as_task(op, source, into, tag, transport, finish)
+            try:
+                here = transport.recv_now(source, tag, into)
+            except MismatchError as exc:
+                if not exc.ranks:
+                    raise
+                remote = getattr(exc, "remote_meta", None) or {}
+                return copying_back(op, _refusal(remote, exc.ranks[0], op, ranks, gid, exc))(
+                    tag, transport, finish
+                )
+            if here is None:
+                return self._as_task(op, source, into, tag, transport, finish)
+            got, sent = here
+            if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
+                return copying_back(op, _refusal(sent, got, op, ranks, gid, None))(tag, transport, finish)
+            op.result = received(op, got, sent, ranks, gid)
+            copy_back_then_finish(op, finish, None, None)
+            return HANDED_OFF
+
+        return recv
+
+    def _as_task(
+        self,
+        op: Operation,
+        source: int | None,
+        into: memoryview,
+        tag: Tag,
+        transport: OpTransport,
+        finish: Finish,
+    ) -> Stoppable:
+        """Run the receive ``op`` as a task that awaits the link (counted in ``_waiting`` until it
+        finishes)."""
+        ranks, gid, tasks = self._ranks, self._gid, self._waiting
 
         async def wait(tag: Tag, transport: OpTransport) -> None:
             try:
@@ -185,42 +223,15 @@ class P2PProvider:
             await _refuse_staged_into_host(sent, got, op, tag, transport, ranks, gid, None)
             op.result = received(op, got, sent, ranks, gid)
 
-        waiting = copying_back(op, wait)
-        tasks = self._waiting
+        tasks[tag] = tasks.get(tag, 0) + 1
 
-        def as_task(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
-            tasks[tag] = tasks.get(tag, 0) + 1
+        def done(result: Any, exc: BaseException | None) -> None:
+            left = tasks.pop(tag) - 1
+            if left:
+                tasks[tag] = left
+            finish(result, exc)
 
-            def done(result: Any, exc: BaseException | None) -> None:
-                left = tasks.pop(tag) - 1
-                if left:
-                    tasks[tag] = left
-                finish(result, exc)
-
-            return waiting(tag, transport, done)  # (as_starter finishes a task once)
-
-        def recv(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
-            if tag in tasks:  # an earlier receive of this tag is not posted yet: after it
-                return as_task(tag, transport, finish)
-            try:
-                here = transport.recv_now(source, tag, into)
-            except MismatchError as exc:
-                if not exc.ranks:
-                    raise
-                remote = getattr(exc, "remote_meta", None) or {}
-                return copying_back(op, _refusal(remote, exc.ranks[0], op, ranks, gid, exc))(
-                    tag, transport, finish
-                )
-            if here is None:
-                return as_task(tag, transport, finish)
-            got, sent = here
-            if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
-                return copying_back(op, _refusal(sent, got, op, ranks, gid, None))(tag, transport, finish)
-            op.result = received(op, got, sent, ranks, gid)
-            finish_with_copy_back(op, finish)(None, None)
-            return HANDED_OFF
-
-        return recv
+        return copying_back(op, wait)(tag, transport, done)  # (as_starter finishes a task once)
 
     def close(self) -> None:
         pass
