@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Protocol
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import DistError, MismatchError, PeerLostError, RendezvousError
-from aiocoll._matching import Matcher, Posted
+from aiocoll._matching import Matcher, Polled, Posted
 from aiocoll.algorithms._transport import (
     LandedCallback,
     LostPeerHandler,
@@ -511,6 +511,17 @@ class LinkTransport(Transport):
             return None
         # Meanwhile the message goes straight to this receive when it comes (Matcher.poll).
         polled = matcher.poll(src, tag, into)
+        try:
+            link.read_now()  # what came already
+            if not (polled.done() or link.closed):
+                self._spin_for(link, polled)
+        finally:
+            matcher.unpoll(polled)
+        return polled.outcome()
+
+    def _spin_for(self, link: Link, polled: Polled) -> None:
+        """recv_now's wait for ``polled``: ``link`` read in place by the wait policy's spin, with
+        the link watching (see recv_now for when it stops)."""
         clock = time.perf_counter
         # when the spin last looked, and since when the peer has been seen waiting for us (0: not)
         seen = [clock(), 0.0]
@@ -537,12 +548,10 @@ class LinkTransport(Transport):
 
         link.watch(True)
         try:
-            if not arrived() and spin(arrived, self._straight_spin) and polled.done():
+            if spin(arrived, self._straight_spin) and polled.done():
                 self.polled_arrivals += 1
         finally:
             link.watch(False)  # (what the link takes as it stops watching still comes here)
-            matcher.unpoll(polled)
-        return polled.outcome()
 
     def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:
         if src is not None and self.world_size and not 0 <= src < self.world_size:
