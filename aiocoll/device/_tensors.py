@@ -150,7 +150,18 @@ def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
         RuntimeError: a CUDA tensor while torch reports no usable CUDA.
     """
     if isinstance(obj, np.ndarray):
-        return _numpy_working(obj, read=read, write=write)
+        # (here, not in a function of its own: the commonest call, on every operation)
+        name = _NUMPY_NAMES.get(obj.dtype) or dtype_name(obj)
+        shape = obj.shape
+        flags = obj.flags  # a new object at each access: read it once
+        if write and not flags.writeable:
+            raise ValueError(
+                f"cannot write the result into a read-only numpy array (shape {shape}, {name}); "
+                "pass a writeable array (e.g. arr.copy())"
+            )
+        if flags.c_contiguous and obj.dtype.isnative:
+            return Working(obj if obj.ndim == 1 else obj.reshape(-1), name, shape)
+        return _numpy_staged(obj, name, read=read, write=write)
     if is_torch_tensor(obj):
         return _torch_working(obj, read=read, write=write)
     if isinstance(obj, DeviceTensor):
@@ -158,17 +169,9 @@ def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
     raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
 
 
-def _numpy_working(arr: np.ndarray, *, read: bool, write: bool) -> Working:
-    name = _NUMPY_NAMES.get(arr.dtype) or dtype_name(arr)
+def _numpy_staged(arr: np.ndarray, name: str, *, read: bool, write: bool) -> Working:
+    """as_working of a numpy array that is not contiguous or not in native byte order: a copy."""
     shape = arr.shape
-    flags = arr.flags  # a new object at each access: read it once
-    if write and not flags.writeable:
-        raise ValueError(
-            f"cannot write the result into a read-only numpy array (shape {shape}, {name}); "
-            "pass a writeable array (e.g. arr.copy())"
-        )
-    if flags.c_contiguous and arr.dtype.isnative:
-        return Working(arr if arr.ndim == 1 else arr.reshape(-1), name, shape)
     native = arr.dtype.newbyteorder("=")
     if read:
         staging = np.ascontiguousarray(arr, dtype=native).reshape(-1)

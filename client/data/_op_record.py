@@ -96,10 +96,9 @@ class _Op(Transport):
     completes inside its call (the commonest small one) sets only the few it uses.
     """
 
-    # Set for every operation (``__init__``) or by Engine._open: where it was called (the flight
-    # recorder, client/_recorder.py), its timeout in seconds (None: no deadline).
+    # Where it was called (the flight recorder, client/_recorder.py), set by Engine._open when
+    # the recorder is on.
     site: Any = None
-    timeout: float | None = None
     # None only while its starter runs on the straight path (Engine.submit_eager): one that
     # completes inside it never gets a future, any other gets one (``Engine._promote``) before
     # anything else sees the operation.
@@ -125,7 +124,8 @@ class _Op(Transport):
         kind: str,
         seq: int,
         tag: Tag,
-        sig: dict[str, Any] | None = None,
+        sig: dict[str, Any] | None,
+        timeout: float | None,
     ):
         self._inner = inner
         self.group = group
@@ -133,6 +133,7 @@ class _Op(Transport):
         self.seq = seq
         self.tag = tag
         self.sig = sig  # what every rank must agree on (progress reports)
+        self.timeout = timeout  # seconds (None: no deadline)
         self.started = _monotonic()
 
     def describe(self) -> str:

@@ -291,8 +291,7 @@ class Engine(FailureFanout):
             tag = ("p", group.gid, p2p_tag)
             if group.broken is not None:
                 self._check_usable(group, kind, seq, peers, tag)
-        op = _Op(self.transport, group, kind, seq, tag, signature)
-        op.timeout = timeout
+        op = _Op(self.transport, group, kind, seq, tag, signature, timeout)
         # Where it was called, for the flight recorder (client/_recorder.CallSites): the user's
         # frame at the depth its kind's first call found, read (not made) and not kept; through
         # the blocking facade, the line that called the facade.
