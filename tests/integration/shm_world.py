@@ -39,6 +39,7 @@ class Ctx:
     group: ShmGroup
     addresses: list[str]
     seq: int = 0
+    runner: Any = None  # what the group returned for the last operation started (its Stoppable)
 
     def run(self, kind: str, *args: Any, meta: dict[str, Any] | None = None) -> asyncio.Future[Any]:
         """Start one collective on the world group (``kind`` is a ShmGroup method)."""
@@ -54,7 +55,7 @@ class Ctx:
 
         sig = ShmGroup.signature(self.seq, meta if meta is not None else {"kind": kind})
         self.seq += 1
-        getattr(self.group, kind)(*args, sig, finish)
+        self.runner = getattr(self.group, kind)(*args, sig, finish)
         return fut
 
     def all_reduce(self, x: np.ndarray, op: ReduceOp, dtype: str) -> asyncio.Future[Any]:

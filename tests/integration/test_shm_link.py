@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import pytest
 from aiocoll.client.data._shm import ShmHost, ShmUnavailable, region_bytes
+from aiocoll.client.data._shm_layout import DONE, INP, RED
+from aiocoll.client.data._shm_sched import ShmOp
 from shm_world import JOB, TOKEN, Ctx, dev_shm_in_use, shm_world, values
 
 from aiocoll._errors import AuthenticationError
@@ -179,20 +181,52 @@ async def waits_for_a_late_peer(ctx: Ctx) -> dict[str, Any]:
     if ctx.rank == 1:
         await asyncio.sleep(1.5)
     cpu = resource.getrusage(resource.RUSAGE_SELF)
-    sleeps = ctx.group.sleeps
-    await ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    sleeps, completed = ctx.group.sleeps, ctx.group.completed
+    late = ctx.all_reduce(x, ReduceOp.SUM, "float32")
+    queued = not late.done() and isinstance(ctx.runner, ShmOp)  # (rank 0: its peer is not there)
+    await late
     after = resource.getrusage(resource.RUSAGE_SELF)
-    return {
+    out = {
         "cpu": after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime,
         "slept": ctx.group.sleeps - sleeps,
+        "completed": ctx.group.completed - completed,
+        "queued": queued,
         "x": x.tolist(),
     }
+    await ctx.all_reduce(x, ReduceOp.SUM, "float32")  # (both ranks past the late one)
+    row = ctx.group._ctl[0]
+    before = [row[INP], row[RED], row[DONE]]
+    if ctx.rank == 0:
+        # One that rank 1 never calls, stopped while it sleeps (as the engine does at its
+        # deadline): what rank 0 published for it is taken back, so no late peer completes it.
+        # (A loop turn first: the group then runs it inside the call, however long the calls
+        # before took on a busy machine, and queues it only once its spin is over.)
+        await asyncio.sleep(0)
+        never = ctx.all_reduce(x, ReduceOp.SUM, "float32")
+        out["published"] = row[INP] - before[0]
+        await asyncio.sleep(0.2)  # (asleep in the loop meanwhile)
+        ctx.runner.stop()
+        out["taken_back"] = [row[INP], row[RED], row[DONE]] == before and not never.done()
+    else:
+        # Rank 1 stays (a rank that left would fail rank 0's operation before it is stopped)
+        # until rank 0 has published its part and taken it back (or 10 s passed).
+        step = ctx.group.step + 1
+        deadline = time.monotonic() + 10
+        seen = False
+        while time.monotonic() < deadline:
+            seen |= row[INP] >= step
+            if seen and row[INP] < step:
+                break
+            await asyncio.sleep(0.005)
+    return out
 
 
 def test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_spinning() -> None:
     early, late = values(shm_world(waits_for_a_late_peer, 2))
     assert early["x"] == late["x"] == [4.0] * 4
     assert early["slept"] >= 1
+    assert early["queued"] and early["completed"] == late["completed"] == 1, (early, late)
+    assert early["published"] == 1 and early["taken_back"], early
     # 1.5 s of waiting: a spinning rank would burn about that much CPU; a sleeping one almost none
     assert early["cpu"] < 0.5, early
 
