@@ -71,6 +71,7 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # bound by memory anyway, and the root must then wait for its readers.
 _GATHER_DIRECT_CHUNKS = 8
 _BCAST_DIRECT_CHUNKS = 32
+_SIG_AT = tuple(SIG + s * SIG_BYTES for s in range(SLOTS))  # where each slot's signature is
 
 
 def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:
@@ -182,7 +183,7 @@ class ShmGroup(ShmScheduler):
         self._publish(INP, t)
 
     def _write_sig(self, slot: int, sig: bytes) -> None:
-        o = SIG + slot * SIG_BYTES
+        o = _SIG_AT[slot]
         self._mine_raw[o : o + len(sig)] = sig
 
     def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> list[np.ndarray]:
@@ -210,7 +211,7 @@ class ShmGroup(ShmScheduler):
         rounds = max(1, -(-total // per))
         n = self.n
         if b.size <= self._at_once_max:
-            return (yield from self._reduce_at_once(x, op, dtype_name, sig))
+            return (yield from self._reduce_at_once(x, op, dtype_name, sig, self._steps(1)))
         if n <= 2:
             # Every rank reduces every byte of each step straight into its own buffer: one wait
             # per step. Two ranks read as much as in a reduce-scatter and write less (no shares
@@ -248,11 +249,9 @@ class ShmGroup(ShmScheduler):
             self._publish(DONE, t)
         return None
 
-    def _reduce_at_once(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes, t: int = 0) -> OpGen:
-        """An all_reduce in one step (step ``t``, or the next one): everyone writes everything,
-        everyone reduces everything."""
-        if not t:
-            t = self._steps(1)
+    def _reduce_at_once(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes, t: int) -> OpGen:
+        """An all_reduce in one step, step ``t``: everyone writes everything, everyone reduces
+        everything."""
         s = t % SLOTS
         if t > SLOTS and t != self._slot_free:
             yield (DONE, t - SLOTS, self.others)
@@ -519,7 +518,7 @@ class ShmGroup(ShmScheduler):
     def _check(self, t: int, sig: bytes) -> None:
         if t == 1:
             self._probe_direct()
-        o = SIG + (t % SLOTS) * SIG_BYTES
+        o = _SIG_AT[t % SLOTS]
         end = o + len(sig)
         for raw in self._peer_raw:
             if raw[o:end] != sig:
