@@ -67,6 +67,23 @@ class _Group(Protocol):
     pending: Any  # a set of operations
 
 
+class _Record(Protocol):
+    """What ``done`` reads of an operation (client/data/_op_record._Op)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def group(self) -> _Group: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def sig(self) -> dict[str, Any] | None: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def site(self) -> Any: ...
+
+
 def signature(kind: str, meta: Mapping[str, Any] | None) -> dict[str, Any]:
     """The fields of an operation that every rank of its group must agree on, wire-safe."""
     sig: dict[str, Any] = {"kind": str(meta.get("kind", kind)) if meta else kind}
@@ -184,14 +201,16 @@ class ProgressTracker:
                 f"{describe(sig or {'kind': kind})} (group {group.label!r}, seq {seq}) failed: {said}"
             )
 
-    def done(
-        self, kind: str, group: _Group, seq: int, sig: dict[str, Any] | None, start: float, site: Any
-    ) -> None:
-        """``record`` of an operation that succeeded (the commonest: the engine's straight path)."""
+    def done(self, op: _Record) -> None:
+        """``record`` of an operation that succeeded (the commonest: the engine's straight path),
+        read off the engine's record of it."""
         end = _monotonic()
-        self.history.append((kind, group.gid, seq, sig, start, end, "ok", site))
+        group = op.group
+        self.history.append((op.kind, group.gid, op.seq, op.sig, op.started, end, "ok", op.site))
         if self.timeline is not None:
-            self.timeline.add(kind, group.gid, group.label, seq, sig, start, end, "ok", group.index)
+            self.timeline.add(
+                op.kind, group.gid, group.label, op.seq, op.sig, op.started, end, "ok", group.index
+            )
 
     def lost_peer(self, rank: int, reason: str, *, left: bool = False) -> None:
         """A peer is lost (or ``left`` while operations here wait for it): one line saying so and

@@ -204,10 +204,11 @@ class Engine(FailureFanout):
         op = self._open(group, kind, timeout, p2p_tag, peers, signature, straight=True)
         if not retire:
             op.retires = False
-        registered = op.future is not None  # (a group with notices pending takes the usual path)
-        if registered and op.future.done():  # a notice failed it already
-            return op.work
-        op.lane = STARTING
+        registered = op.future  # (a group with notices pending takes the usual path)
+        if registered is not None:
+            if registered.done():  # a notice failed it already
+                return op.work
+            op.lane = STARTING  # (the straight path's is None until it ends: nothing aborts it)
         try:
             lane = start(op.tag, op, op.finish)
         except BaseException as exc:
@@ -218,29 +219,27 @@ class Engine(FailureFanout):
             if not isinstance(exc, Exception):
                 raise
             return op.work
-        if registered:
-            if op.lane is STARTING:
-                op.lane = lane
-            elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
-                lane.stop()
-            # else it finished by itself inside the call: its runner is over, nothing to stop
-            return op.work
-        if op.lane is FINISHED:
-            failure = op.abort_exc
-            if failure is None:
-                # The straight path: known at once, so no future, no deadline, no pending entry.
-                seq = op.seq
-                self.progress.done(kind, group, seq, signature, op.started, op.site)
-                if seq >= 0 and retire:  # (a point-to-point tag is the user's, used again)
-                    self.transport.retire(op.tag)
-                # (described by the record itself: it holds no Work, so no reference cycle)
-                return Work.born(op.result, self._loop, op.describe)
-            op.abort_exc = None
-            self._promote(op, None)
-            self._settle(op, None, failure)
-            self._finish(op)
-            return op.work
-        self._promote(op, lane)
+        if registered is None:
+            if op.lane is FINISHED:
+                failure = op.abort_exc
+                if failure is None:
+                    # The straight path: known at once, so no future, no deadline, no pending entry.
+                    self.progress.done(op)
+                    if retire and op.seq >= 0:  # (a point-to-point tag is the user's, used again)
+                        self.transport.retire(op.tag)
+                    # (described by the record itself: it holds no Work, so no reference cycle)
+                    return Work.born(op.result, self._loop, op.describe)
+                op.abort_exc = None
+                self._promote(op, None)
+                self._settle(op, None, failure)
+                self._finish(op)
+                return op.work
+            self._promote(op, lane)
+        elif op.lane is STARTING:
+            op.lane = lane
+        elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
+            lane.stop()
+        # else it finished by itself inside the call: its runner is over, nothing to stop
         return op.work
 
     def _promote(self, op: _Op, lane: Stoppable | None) -> None:
@@ -412,7 +411,7 @@ class Engine(FailureFanout):
         op.group.pending.discard(op)
         # Progress hook: the record of the last operations (logged on a failure)
         if succeeded:
-            self.progress.done(op.kind, op.group, op.seq, op.sig, op.started, op.site)
+            self.progress.done(op)
         else:
             fut = op.future
             outcome = "ok"
