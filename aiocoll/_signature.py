@@ -46,8 +46,11 @@ REPORTED = (*FIELDS, "ranks")
 PACKED_BYTES = 256
 """Room for one packed signature (its seq, length and msgpack bytes); larger ones pack a digest."""
 
-_HEAD = struct.Struct("<qH")
-_PACKED: dict[int, tuple[Mapping[str, Any], bytes]] = {}  # id(meta) -> (meta, its msgpack bytes)
+_HEAD = struct.Struct("<qH")  # a packed signature's seq and length, before its msgpack bytes
+_SEQ = struct.Struct("<q")  # (the head's first field)
+_LENGTH = struct.Struct("<H")  # (its second)
+# id(meta) -> (meta, the packing after its seq: length and msgpack bytes)
+_PACKED: dict[int, tuple[Mapping[str, Any], bytes]] = {}
 _PACKED_MAX = 256
 
 
@@ -55,18 +58,21 @@ def pack(seq: int, meta: Mapping[str, Any]) -> bytes:
     """``meta`` and the operation's ``seq`` as bytes of at most PACKED_BYTES (the arenas publish
     them beside a step's data). A signature is never changed once made, and the public layer
     hands every operation of one signature the same dict, so the packing is kept by the dict's
-    identity (the entry holds the dict: its id cannot be reused)."""
+    identity (the entry holds the dict: its id cannot be reused while it is kept)."""
     known = _PACKED.get(id(meta))
-    if known is not None and known[0] is meta:
-        packed = known[1]
-    else:
-        packed = msgpack.packb(meta, use_bin_type=True)
-        if _HEAD.size + len(packed) > PACKED_BYTES:
-            packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
-        if len(_PACKED) >= _PACKED_MAX:
-            _PACKED.clear()
-        _PACKED[id(meta)] = (meta, packed)
-    return _HEAD.pack(seq, len(packed)) + packed
+    if known is None:
+        known = _packing(meta)
+    return _SEQ.pack(seq) + known[1]
+
+
+def _packing(meta: Mapping[str, Any]) -> tuple[Mapping[str, Any], bytes]:
+    packed = msgpack.packb(meta, use_bin_type=True)
+    if _HEAD.size + len(packed) > PACKED_BYTES:
+        packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
+    if len(_PACKED) >= _PACKED_MAX:
+        _PACKED.clear()
+    known = _PACKED[id(meta)] = (meta, _LENGTH.pack(len(packed)) + packed)
+    return known
 
 
 def unpack(raw: bytes) -> dict[str, Any]:
