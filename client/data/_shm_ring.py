@@ -16,7 +16,8 @@ to the receiver with the arena). Its first page holds four counters, on their ow
                    (only the sender writes this; it clears it before it lets go of the payload)
     256  mailed    how many messages the sender has put in the mailbox (only it writes this)
     320  taken     how many of them the receiver has taken out (only it writes this)
-    384  polling   1 while the receiver polls the mailbox (only it writes this)
+    384  polling   1 while the receiver polls the mailbox in place (a receive waits for it),
+                   2 while its event loop's turns poll it; else 0 (only the receiver writes this)
     448  dispatched  how many of the link's socket frames the receiver has dispatched (only it
                    writes this)
     512  the mailbox's message: its length; then how many socket frames the link has written
@@ -178,9 +179,9 @@ class RingWriter(_RingSide):
         ctl = self._ctl
         return ctl[_TAKEN] == self._mailed and ctl[_DISPATCHED] == frames
 
-    def peer_polls(self) -> bool:
-        """Whether the receiver says it polls the mailbox (it waits in place for a message)."""
-        return bool(self._ctl[_POLLING])
+    def peer_spins(self) -> bool:
+        """Whether the receiver says it polls the mailbox in place (it waits for a message)."""
+        return bool(self._ctl[_POLLING] == 1)
 
     def wrote(self, frames: int) -> None:
         """Say that the link has written ``frames`` socket frames so far."""
@@ -251,9 +252,10 @@ class RingReader(_RingSide):
         fence()  # ``freed`` is visible before we look whether the sender sleeps
         return bool(self._ctl[_WAITING])
 
-    def start_polling(self) -> None:
-        """Say that we poll the mailbox (a sender that does not see it yet only wakes us)."""
-        self._ctl[_POLLING] = 1
+    def start_polling(self, in_place: bool = True) -> None:
+        """Say that we poll the mailbox, in place or in the event loop's turns (a sender that
+        does not see it yet only wakes us)."""
+        self._ctl[_POLLING] = 1 if in_place else 2
 
     def stop_polling(self) -> bool:
         """Say that we stopped polling; True when a message came meanwhile (take it: its sender

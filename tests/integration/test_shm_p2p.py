@@ -21,6 +21,7 @@ import pytest
 from aiocoll.client.data._waiting import SpinBudget
 from aiocoll.client.data.transports import _link
 from aiocoll.client.data.transports._link import LinkTransport
+from aiocoll.client.data.transports.shm import ShmLink
 
 from aiocoll.testing.world import outcome, run_world, unwrap
 
@@ -562,6 +563,44 @@ async def test_a_receive_stops_spinning_once_other_work_held_its_core(
         assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None
         monkeypatch.undo()
         assert (a.late_yields, a.mutual_waits) == (1, 0)
+    finally:
+        await close_world(world)
+
+
+async def test_a_receive_waiting_in_the_loop_gets_a_mailed_message_without_a_wake_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a posted receive keeps the event loop polling, the link says so in its ring (the
+    loop's turns read the mailbox): the peer mails a small message without writing our eventfd,
+    and the receive gets it. The flag goes down with the polling: the next message wakes us, and
+    a receive finds it before it would be posted. Real shared memory and sockets, one process."""
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    monkeypatch.setattr(_link, "_POLL_S", 60.0)  # the polling outlasts any pause of a busy host
+    world = await shm_world(2)
+    try:
+        a, b = world
+        assert isinstance(a, LinkTransport) and isinstance(b, LinkTransport)
+        to_b, from_a = a.link(1), b.link(0)
+        assert isinstance(to_b, ShmLink) and isinstance(from_a, ShmLink)
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        got = bytearray(4)
+        task = asyncio.ensure_future(b.recv(0, ("m",), memoryview(got)))
+        for _ in range(1000):
+            await asyncio.sleep(0)
+            if from_a._loop_watching:
+                break
+        assert from_a._loop_watching and not to_b.peer_waits()  # polled in the loop, not in place
+        assert a.send_nowait(1, ("m",), memoryview(b"abcd"), {}) is None
+        assert (to_b.mail_out, to_b.mail_wakes) == (1, 0)
+        assert await asyncio.wait_for(task, 10) == (0, {}) and got == b"abcd"
+        assert not from_a._loop_watching
+        assert a.send_nowait(1, ("n",), memoryview(b"efgh"), {}) is None
+        assert (to_b.mail_out, to_b.mail_wakes) == (2, 1)
+        receive = b.recv(0, ("n",), memoryview(got))
+        with pytest.raises(StopIteration) as done:  # taken in place, before it would be posted and wait
+            receive.send(None)
+        assert done.value.value == (0, {}) and got == b"efgh"
     finally:
         await close_world(world)
 

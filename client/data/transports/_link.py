@@ -135,10 +135,12 @@ class Link(ABC):
         that cannot tell return False."""
         return False
 
-    def watch(self, on: bool) -> None:
-        """A receive starts (True) or stops (False) calling ``read_now`` in a spin: a link whose
-        peer can hand it a message in memory while it is read in place (the shm kind's
-        mailbox) tells the peer so, and takes what came as it stopped. Others do nothing."""
+    def watch(self, on: bool, in_place: bool = True) -> None:
+        """A receive starts (True) or stops (False) calling ``read_now`` in a spin (``in_place``),
+        or the event loop's polling turns do (LinkTransport._poll_turn): a link whose peer can
+        hand it a message in memory while it is read (the shm kind's mailbox) tells the peer so,
+        which then need not wake this rank, and takes what came as it stopped. Others do
+        nothing."""
         return None
 
     @abstractmethod
@@ -235,6 +237,7 @@ class LinkTransport(Transport):
         self.kind_state: dict[str, Any] = {}
         self._closers: list[Callable[[], None]] = []
         self._polled: list[Callable[[], bool]] = []  # done() of each receive being polled for
+        self._watched: dict[int, Link] = {}  # the links those receives wait on (Link.watch)
         self._poll_until = 0.0
         self._poll_misses = 0
         self._poll_off_until = 0.0
@@ -453,6 +456,8 @@ class LinkTransport(Transport):
         """
         into = as_bytes_view(into)
         got = self.matcher.take(src, tag, into)
+        if got is None and self._read_in(src):
+            got = self.matcher.take(src, tag, into)
         if got is not None:
             return got
         result: tuple[int, dict[str, Any]] = await self._posted_result(src, tag, into, in_place=False)
@@ -465,11 +470,20 @@ class LinkTransport(Transport):
         message that came before its receive is not copied into ``into``."""
         into = as_bytes_view(into)
         early = self.matcher.take_early(src, tag, len(into))
+        if early is None and self._read_in(src):
+            early = self.matcher.take_early(src, tag, len(into))
         if early is not None:
             return early.src, early.meta, early.payload
         landed: tuple[int, dict[str, Any], memoryview]
         landed = await self._posted_result(src, tag, into, in_place=True)
         return landed
+
+    def _read_in(self, src: int | None) -> bool:
+        """Read ``src``'s link in place when it is one of this host's (Link.poll_while_waiting),
+        before a receive is posted: a message that came without waking us (a shm mailbox) is
+        taken now rather than in a later turn of the loop. True when something came."""
+        link = self._links.get(src) if src is not None else None
+        return link is not None and link.poll_while_waiting and link.read_now()
 
     async def _posted_result(self, src: int | None, tag: Tag, into: memoryview, *, in_place: bool) -> Any:
         """Post a receive for a message not here yet and wait for its result (withdrawn again if
@@ -565,8 +579,10 @@ class LinkTransport(Transport):
         to _POLL_S, if ``src``'s link asks for it: the loop's non-blocking polls then read the
         message as soon as it comes, where an idle loop would sleep in the kernel and pay a
         wake-up. One callback per transport reschedules itself (yielding the CPU each turn, so a
-        peer rank queued on our core gets it); other callbacks and tasks run in between as
-        usual, so nothing is delayed behind the polling."""
+        peer rank queued on our core gets it) and reads the links waited on in place, which
+        watch meanwhile (Link.watch: a shm peer then hands over a small message without waking
+        us); other callbacks and tasks run in between as usual, so nothing is delayed behind
+        the polling."""
         link = self._links.get(src) if src is not None else None
         if link is None or not link.poll_while_waiting or done():
             return
@@ -575,20 +591,25 @@ class LinkTransport(Transport):
             return
         self._poll_until = now + _POLL_S
         self._polled.append(done)
+        if link.peer not in self._watched:
+            self._watched[link.peer] = link
+            link.watch(True, in_place=False)
         if len(self._polled) == 1:
             self._get_loop().call_soon(self._poll_turn)
 
     def _poll_turn(self) -> None:
+        for link in tuple(self._watched.values()):
+            link.read_now()  # (a watched link's peer puts small messages in memory without waking us)
         polled = self._polled
         waiting = [done for done in polled if not done()]
         if len(waiting) < len(polled):
             self.polled_arrivals += len(polled) - len(waiting)
             self._poll_misses = 0
         if not waiting:
-            polled.clear()
+            self._stop_polling()
             return
         if time.perf_counter() > self._poll_until:
-            polled.clear()
+            self._stop_polling()
             self._poll_misses += 1
             if self._poll_misses >= _POLL_MISSES:
                 self._poll_misses = 0
@@ -597,6 +618,13 @@ class LinkTransport(Transport):
         polled[:] = waiting
         os.sched_yield()
         self._get_loop().call_soon(self._poll_turn)
+
+    def _stop_polling(self) -> None:
+        self._polled.clear()
+        watched = tuple(self._watched.values())
+        self._watched.clear()
+        for link in watched:
+            link.watch(False, in_place=False)  # (what it takes as it stops still arrives)
 
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         """``recv`` with its outcome handed to ``callback`` right where the message is read (no

@@ -214,6 +214,7 @@ class ShmLink(TcpLink):
             # put a message in its mailbox while we did not poll
             self._loop.add_reader(self._space_efd, self._on_efd)
         self._closing = False
+        self._loop_watching = False  # the event loop's polling turns read the mailbox (watch)
         self.mail_out = 0  # diagnostics: messages we put in the mailbox, those we took out of
         self.mail_in = 0  # the peer's, and the times we had to wake the peer for one
         self.mail_wakes = 0
@@ -480,14 +481,18 @@ class ShmLink(TcpLink):
 
     def peer_waits(self) -> bool:
         writer = self._writer
-        return writer is not None and writer.peer_polls() and writer.mail_open(self.frames_out)
+        return writer is not None and writer.peer_spins() and writer.mail_open(self.frames_out)
 
-    def watch(self, on: bool) -> None:
+    def watch(self, on: bool, in_place: bool = True) -> None:
         reader = self._reader
         if reader is None:
             return
+        if not in_place:
+            self._loop_watching = on
         if on:
-            reader.start_polling()
+            reader.start_polling(in_place)
+        elif self._loop_watching:  # a spin ended; the loop's turns go on reading
+            reader.start_polling(False)
         elif reader.stop_polling():  # it came as we stopped: its sender may not wake us
             self._take_mail()
 
