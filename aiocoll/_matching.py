@@ -375,10 +375,13 @@ class Matcher:
 
     # -- arrivals ---------------------------------------------------------------------------
     def _next_in_line(self, src: int, tag: Tag) -> Posted | None:
-        specific = self._posted.get((src, tag))
         anyq = self._posted_any.get(tag)
-        if specific and (not anyq or specific[0].order < anyq[0].order):
-            return specific[0]
+        # (a receive from any source is always posted, the engine's for control messages; one from
+        # a given source seldom is)
+        if self._posted:
+            specific = self._posted.get((src, tag))
+            if specific and (not anyq or specific[0].order < anyq[0].order):
+                return specific[0]
         return anyq[0] if anyq else None
 
     def _match(self, src: int, tag: Tag) -> Posted | None:

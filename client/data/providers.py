@@ -147,10 +147,10 @@ class P2PProvider:
         self._waiting: dict[Tag, int] = {}  # receives running as tasks, by tag
 
     def prepare(self, op: Operation) -> Starter:
-        meta = op.meta
         if op.kind == "send":
             peer = op.peers[0]
             payload = _bytes_of(op.send[0])
+            meta = op.meta
 
             def send(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
                 # A send completes once handed off: a small one usually is, inside this call
