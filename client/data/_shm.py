@@ -39,6 +39,7 @@ import fcntl
 import logging
 import mmap
 import os
+import platform
 import secrets
 import socket
 import stat
@@ -54,6 +55,7 @@ __all__ = [
     "ARENA_HEADER",
     "NONCE_BYTES",
     "PROBE_OFFSET",
+    "STORES_IN_ORDER",
     "REGION_CONTROL",
     "RING_HEADER",
     "ShmHost",
@@ -97,6 +99,9 @@ def _fence_halves() -> tuple[Callable[[], Any], Callable[[], None]]:
     lock = threading.Lock()
     return lock.acquire, lock.release
 
+
+# Stores stay in order among themselves, and loads among themselves, without a fence (x86)
+STORES_IN_ORDER = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 fence_enter, fence_leave = _fence_halves()
 """``fence_enter(); fence_leave()``: ``fence``'s body, for a hot path that saves its Python call."""

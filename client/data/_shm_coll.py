@@ -265,7 +265,7 @@ class ShmGroup(ShmScheduler):
         self._slot_free = t + 1
         self._check(t, sig)
         self._fold(x, views, op, dtype_name)
-        self._publish(DONE, t)
+        self._publish_read(t)
         return None
 
     def _reduce_whole(

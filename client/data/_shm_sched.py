@@ -39,7 +39,16 @@ from aiocoll._errors import DistError, PeerLostError
 
 from ._op_record import Stoppable
 from ._operation import HANDED_OFF, Finish
-from ._shm import ARENA_HEADER, ShmHost, current_cpu, fence, fence_enter, fence_leave, region_bytes
+from ._shm import (
+    ARENA_HEADER,
+    STORES_IN_ORDER,
+    ShmHost,
+    current_cpu,
+    fence,
+    fence_enter,
+    fence_leave,
+    region_bytes,
+)
 from ._shm_layout import BASE, CPU, DATA, DONE, INP, LOST, OWNER, RED, SLEEP, OnWait, OpGen, Wait
 from ._waiting import LATE_YIELD_S, SpinBudget, host_contended, nap, oversubscribed, spin
 
@@ -214,6 +223,20 @@ class ShmScheduler:
         for row, efd in self._peer_wake:
             if row[SLEEP]:
                 os.eventfd_write(efd, 1)
+
+    def _publish_read(self, t: int) -> None:
+        """Publish ``done`` of step ``t``, the only step of its operation (every member's
+        ``inp`` of it seen), which no member then waits for before it has seen our ``inp`` of a
+        later step: each member waits for ``done`` of a step only for a slot two steps on (or
+        for the step of its own direct read, never of one slot-sized step), so only once it
+        finished the step between, which took our ``inp`` of it. That later ``inp`` is published
+        after this store, with the fence and the wake-up, so on x86, where stores are seen in
+        the order they were made, this one needs neither. (A mismatch publishes ``done`` in full:
+        the others may wait for it before they fail.)"""
+        if STORES_IN_ORDER:
+            self._mine[DONE] = t
+        else:
+            self._publish(DONE, t)
 
     def _ready(self, wait: Wait) -> bool:
         counter, t, members = wait
