@@ -29,7 +29,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -253,6 +253,16 @@ class ShmScheduler:
                 return False
         return True
 
+    def _check_of(self, wait: Wait) -> Callable[[], bool]:
+        """``_ready(wait)`` as a function of nothing, for a spin to call at every check: with one
+        other member, its two reads alone (a check's cost is how late a spin sees the peer)."""
+        counter, t, members = wait
+        if members is self.others and len(members) == 1:
+            row, owner = self._peer_rows[0], self._owner
+            return lambda: row[counter] >= t and row[OWNER] == owner
+        ready = self._ready
+        return lambda: ready(wait)
+
     def _submit(self, gen: OpGen, finish: Finish, on_wait: OnWait | None = None) -> ShmOp:
         op = ShmOp(self, gen, finish, on_wait)
         if self.broken is not None:
@@ -397,10 +407,9 @@ class ShmScheduler:
             return self._wait_step(wait, beside)
         if beside:
             return False
-        ready = self._ready
         if self._oversubscribed:
-            return spin(lambda: ready(wait), self._budget, 0.0, _HANDOFFS)
-        return spin(lambda: ready(wait), self._budget, _PLAIN_SPIN_S)
+            return spin(self._check_of(wait), self._budget, 0.0, _HANDOFFS)
+        return spin(self._check_of(wait), self._budget, _PLAIN_SPIN_S)
 
     def _nap_off_loop(self, wait: Wait) -> bool:
         """Started on a thread other than the loop's (a blocking caller that took the loop's
@@ -416,8 +425,7 @@ class ShmScheduler:
         if not self._off_loop() or waker.sleeping:
             return False  # (groups sleeping in the loop: it must watch the eventfd meanwhile)
         if not (self._oversubscribed or self._beside_now):
-            ready = self._ready
-            if spin(lambda: ready(wait), SpinBudget(_OFF_LOOP_SPIN_S), _PLAIN_SPIN_S):
+            if spin(self._check_of(wait), SpinBudget(_OFF_LOOP_SPIN_S), _PLAIN_SPIN_S):
                 return True
         waker.unwatch()
         try:
