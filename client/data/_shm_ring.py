@@ -60,7 +60,7 @@ import mmap
 import platform
 from collections.abc import Callable
 
-from ._shm import RING_HEADER, fence
+from ._shm import RING_HEADER, fence, fence_enter, fence_leave
 
 __all__ = ["MAIL_BYTES", "RingReader", "RingWriter"]
 
@@ -199,7 +199,8 @@ class RingWriter(_RingSide):
             fence()  # the message is whole before it is counted
         mailed = self._mailed = self._mailed + 1
         ctl[_MAILED] = mailed
-        fence()  # counted before we look whether the receiver still polls
+        fence_enter()  # (fence: counted before we look whether the receiver still polls)
+        fence_leave()
         return bool(ctl[_POLLING])
 
 
@@ -261,7 +262,8 @@ class RingReader(_RingSide):
         """Say that we stopped polling; True when a message came meanwhile (take it: its sender
         may have seen us polling, and then does not wake us)."""
         self._ctl[_POLLING] = 0
-        fence()  # visible before we look at the mailbox once more
+        fence_enter()  # (fence: visible before we look at the mailbox once more)
+        fence_leave()
         return bool(self._ctl[_MAILED] != self._taken)
 
     def dispatched(self, frames: int) -> None:

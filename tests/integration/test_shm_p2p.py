@@ -605,6 +605,34 @@ async def test_a_receive_waiting_in_the_loop_gets_a_mailed_message_without_a_wak
         await close_world(world)
 
 
+async def test_a_spin_that_ran_out_before_its_message_came_grows_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An in-place spin whose budget ran out (shrunk to its least by misses in a row) and whose
+    receive then got its message while waiting in the loop grows its budget to twice that wait,
+    within the most a spin may last: without it, a budget too short to take any reply would
+    never grow back."""
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)  # only the budget ends the spin
+    world = await shm_world(2)
+    try:
+        a, b = world
+        assert isinstance(a, LinkTransport) and isinstance(b, LinkTransport)
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        budget = a._straight_spin = SpinBudget(60.0)
+        budget.now = 5e-6
+        got = bytearray(4)
+        assert a.recv_now(1, ("m",), memoryview(got)) is None  # ran out
+        task = asyncio.ensure_future(a.recv(1, ("m",), memoryview(got)))
+        await asyncio.sleep(0)  # posted
+        assert b.send_nowait(0, ("m",), memoryview(b"abcd"), {}) is None
+        assert await asyncio.wait_for(task, 10) == (1, {}) and got == b"abcd"
+        assert budget.now > 5e-6
+    finally:
+        await close_world(world)
+
+
 async def mailed_then_gone(pg: Any, how: str) -> dict[str, Any]:
     """Rank 0 puts a small message in its mailbox towards rank 1 while rank 1 is stopped
     (SIGSTOP: it cannot take it), then is killed (``how`` "killed") or closes its process group

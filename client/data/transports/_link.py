@@ -78,7 +78,8 @@ _POLL_OFF_S = 0.05
 # this long (the wait policy's spin, client/data/_waiting.py) before it waits in the event loop.
 # A reply takes the peer's receive and send, tens of microseconds of Python each, and a sleep
 # in the loop costs a wake-up of about as much again: a shorter budget misses most replies. The
-# budget halves after each miss, so a rank whose messages come late soon spins for little.
+# budget halves after each miss, so a rank whose messages come late soon spins for little (it
+# adapts on its own: the pause of the loop's polling after misses does not stop it).
 _STRAIGHT_SPIN_S = 1e-3
 # ... unless the peer waits for us meanwhile (Link.peer_waits), for at least this long: it sends
 # nothing before its own wait ends, so spinning on only holds both ranks up. (Not at once: a peer
@@ -245,6 +246,7 @@ class LinkTransport(Transport):
         # loop kept turning (_poll_while_waiting), instead of sleeping (diagnostics)
         self.polled_arrivals = 0
         self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
+        self._missed: tuple[int, float] | None = None  # the last spin that ran out: its peer, start
         # in-place receives that stopped as their peer waited for us, or as other work held our
         # core (diagnostics)
         self.mutual_waits = 0
@@ -492,10 +494,23 @@ class LinkTransport(Transport):
         posted = self._post(src, tag, into, fut, in_place)
         self._poll_while_waiting(src, fut.done)
         try:
-            return await fut
+            result = await fut
         except asyncio.CancelledError:
             self.matcher.unpost(posted)
             raise
+        missed = self._missed
+        if missed is not None and missed[0] == src:
+            # This receive's in-place spin ran out (recv_now, then here): when its message came
+            # within the most a spin may last, a longer spin would have taken it without the
+            # sleep, so the budget grows to twice that wait. Without this, misses in a row (a
+            # peer held off the CPU for a while) would leave the budget too short to ever take
+            # a reply again, and so never grow back.
+            self._missed = None
+            waited = time.perf_counter() - missed[1]
+            budget = self._straight_spin
+            if waited < budget.most:
+                budget.now = min(budget.most, max(budget.now, 2 * waited))
+        return result
 
     def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
         """A receive's straight path: the message when it is here already (read or not yet read
@@ -519,7 +534,7 @@ class LinkTransport(Transport):
         link = self._links.get(src)
         if link is None:
             return None
-        if not link.poll_while_waiting or time.perf_counter() < self._poll_off_until:
+        if not link.poll_while_waiting:
             if link.read_now():  # here, but not yet read: one read in place, on any link
                 return matcher.take(src, tag, into)
             return None
@@ -538,7 +553,8 @@ class LinkTransport(Transport):
         the link watching (see recv_now for when it stops)."""
         clock = time.perf_counter
         # when the spin last looked, and since when the peer has been seen waiting for us (0: not)
-        seen = [clock(), 0.0]
+        started = clock()
+        seen = [started, 0.0]
 
         def arrived() -> bool:
             link.read_now()
@@ -562,8 +578,12 @@ class LinkTransport(Transport):
 
         link.watch(True)
         try:
-            if spin(arrived, self._straight_spin) and polled.done():
-                self.polled_arrivals += 1
+            if spin(arrived, self._straight_spin):
+                self._missed = None
+                if polled.done():
+                    self.polled_arrivals += 1
+            else:  # the budget ran out: see _posted_result
+                self._missed = (link.peer, started)
         finally:
             link.watch(False)  # (what the link takes as it stops watching still comes here)
 
