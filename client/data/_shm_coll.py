@@ -204,14 +204,14 @@ class ShmGroup(ShmScheduler):
         return t0
 
     def _all_reduce(self, x: np.ndarray, op: ReduceOp, dtype_name: str, sig: bytes) -> OpGen:
+        if x.nbytes <= self._at_once_max:
+            return (yield from self._reduce_at_once(x, op, dtype_name, sig, self._steps(1)))
         b = x.view(np.uint8)
         isz = x.itemsize
         per = self._slot // isz  # elements per step
         total = x.size
         rounds = max(1, -(-total // per))
         n = self.n
-        if b.size <= self._at_once_max:
-            return (yield from self._reduce_at_once(x, op, dtype_name, sig, self._steps(1)))
         if n <= 2:
             # Every rank reduces every byte of each step straight into its own buffer: one wait
             # per step. Two ranks read as much as in a reduce-scatter and write less (no shares
