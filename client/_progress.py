@@ -68,7 +68,7 @@ class _Group(Protocol):
 
 
 class _Record(Protocol):
-    """What ``done`` reads of an operation (client/data/_op_record._Op)."""
+    """What ``done`` reads of an operation (client/data/_op_record.Operation)."""
 
     @property
     def kind(self) -> str: ...

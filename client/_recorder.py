@@ -91,7 +91,7 @@ def dump_dir() -> str | None:
 
 
 class CallSites:
-    """Where one engine's operations are called from: how many frames above ``Engine._open`` the
+    """Where one engine's operations are called from: how many frames above ``Engine.submit_op`` the
     user's frame is, per kind of call (``signed``: collectives; ``unsigned``: point-to-point and
     staged operations, which reach the engine by another path).
 
@@ -112,7 +112,7 @@ class CallSites:
         self.passed: set[int] = set()  # ids of codes: aiocoll's own stay loaded, never reused
 
     def first(self, kind: str, signed: bool) -> Site | None:
-        """The site of the operation being opened (called from ``Engine._open``); its kind's depth
+        """The site of the operation being opened (called from ``Engine.submit_op``); its kind's depth
         is kept for the next ones when the user called aiocoll's API directly."""
         opening = sys._getframe(1)
         ours = aiocoll_frames(opening)

@@ -34,7 +34,7 @@ from aiocoll._errors import (
 from aiocoll.algorithms._transport import Tag, Transport
 
 from .._progress import ProgressTracker
-from ._op_record import GroupState, _Op
+from ._op_record import GroupState, Operation
 
 __all__ = ["CONTROL_TAG", "EMPTY", "FailureFanout", "for_op", "gone", "ignore_outcome"]
 
@@ -64,7 +64,7 @@ class FailureFanout:
     _lost_first: tuple[int, str] | None  # the first rank this one lost (not one that left), and why
     _mismatch_at: float
 
-    def _abort(self, op: _Op, exc: BaseException) -> None:
+    def _abort(self, op: Operation, exc: BaseException) -> None:
         raise NotImplementedError  # the engine's: it settles the operation
 
     def _farewell(self, groups: Iterable[GroupState], *, closing: bool) -> list[asyncio.Task[None]]:
@@ -160,7 +160,7 @@ class FailureFanout:
                 self._break(group, err, from_seq=0)
 
     def _break(
-        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
+        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: Operation | None = None
     ) -> None:
         if isinstance(err, MismatchError):
             self._mismatch_at = _monotonic()
@@ -180,7 +180,7 @@ class FailureFanout:
         self._fail_pending(group, err, from_seq=from_seq, except_op=except_op)
 
     def _fail_pending(
-        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: _Op | None = None
+        self, group: GroupState, err: BaseException, *, from_seq: int, except_op: Operation | None = None
     ) -> None:
         # Failing an operation can fail the next one from inside (a shared-memory arena fails
         # its queued operations when one is stopped, and each failure breaks the group again):
@@ -198,7 +198,7 @@ class FailureFanout:
                 # left its link fails it.
                 left = err.rank if isinstance(err, PeerLostError) and err.left else None
                 for op in list(group.pending):
-                    if op is except_op or (left is not None and op.seq < 0 and left not in op.peers_hint):
+                    if op is except_op or (left is not None and op.seq < 0 and left not in op.peers):
                         continue
                     if op.seq < 0 or op.seq >= from_seq:
                         self._abort(op, for_op(err, op))
@@ -206,7 +206,7 @@ class FailureFanout:
         finally:
             failing.clear()
 
-    def _name_mismatch(self, op: _Op, exc: MismatchError) -> MismatchError:
+    def _name_mismatch(self, op: Operation, exc: MismatchError) -> MismatchError:
         if exc.seq >= 0 and exc.group:
             return exc
         ranks = sorted(set(exc.ranks) | {self.rank})
@@ -217,7 +217,7 @@ class FailureFanout:
             exc,
         )
 
-    def _notify_mismatch(self, op: _Op, err: MismatchError) -> None:
+    def _notify_mismatch(self, op: Operation, err: MismatchError) -> None:
         if op.seq < 0:
             return
         meta = {"g": op.group.gid, "s": op.seq, "r": self.rank, "why": str(err)[:2000], "ranks": err.ranks}
@@ -388,7 +388,7 @@ def gone(err: PeerLostError) -> str:
     return f"lost rank {err.rank}" + (f" ({err.reason})" if err.reason else "")
 
 
-def for_op(err: BaseException, op: _Op) -> BaseException:
+def for_op(err: BaseException, op: Operation) -> BaseException:
     """The error as it should read for ``op`` (a group-wide failure names each operation)."""
     where = op.describe()
     if isinstance(err, PeerLostError):

@@ -56,7 +56,7 @@ class ObjectProvider:
 
     def _broadcast_object(self, op: Operation) -> Body:
         root, me, run = op.root, self._me, self._run
-        data: bytes = op.send[0] if me == root else b""
+        data: bytes = op.inputs[0] if me == root else b""
 
         async def body(tag: Tag, tp: OpTransport) -> Any:
             size = np.array([len(data)], dtype=np.int64)
@@ -77,7 +77,7 @@ class ObjectProvider:
         return np.array([int(o[0]) for o in outs], dtype=np.int64)
 
     def _all_gather_object(self, op: Operation) -> Body:
-        data: bytes = op.send[0]
+        data: bytes = op.inputs[0]
 
         async def body(tag: Tag, tp: OpTransport) -> list[Any]:
             sizes = await self._sizes(tp, tag, len(data), "all_gather_object")
@@ -89,7 +89,7 @@ class ObjectProvider:
         return body
 
     def _gather_object(self, op: Operation) -> Body:
-        data: bytes = op.send[0]
+        data: bytes = op.inputs[0]
         root, me = op.root, self._me
 
         async def body(tag: Tag, tp: OpTransport) -> list[Any] | None:
@@ -104,7 +104,7 @@ class ObjectProvider:
         return body
 
     def _scatter_object(self, op: Operation) -> Body:
-        blobs: Sequence[bytes] = op.send
+        blobs: Sequence[bytes] = op.inputs
         root, me, n = op.root, self._me, len(self._ranks)
 
         async def body(tag: Tag, tp: OpTransport) -> Any:
@@ -123,7 +123,9 @@ class ObjectProvider:
         """The parent group's agreement on a new group: every rank's offers (what its providers
         could give the new group), ANDed in place (an all_reduce is a barrier too); completes
         with the new group's id."""
-        agree = CollectiveSpec("all_reduce", self._ranks, self._me, tuple(op.send), tuple(op.recv), op=op.op)
+        agree = CollectiveSpec(
+            "all_reduce", self._ranks, self._me, tuple(op.inputs), tuple(op.outputs), op=op.op
+        )
         meta, gid = op.meta, self._gid
 
         async def body(tag: Tag, tp: OpTransport) -> str:

@@ -1,10 +1,13 @@
-"""One operation as the engine holds it: the group it runs in (``GroupState``), and its record
-(``_Op``: the fields every operation carries once, from its call to its end), which is also the
-transport as the operation sees it (``OpTransport``, the same class: it counts the messages the
-operation still waits for, so a timeout can name the ranks that did not answer).
+"""One operation's record (``Operation``: the fields every operation carries once, from its
+call to its end, built by the public layer and carried by the provider table, the provider and
+the engine), which is also the transport as the operation sees it (``OpTransport``, the same
+class: it counts the messages the operation still waits for, so a timeout can name the ranks that
+did not answer); and the group it runs in (``GroupState``).
 
-Imports foundations only (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport);
-client/data/engine.py, which creates and runs these records, re-exports GroupState and OpTransport.
+Imports foundations only (aiocoll._errors, aiocoll._types, aiocoll._work,
+aiocoll.algorithms._transport, the device span type); client/data/_operation.py re-exports
+Operation, and client/data/engine.py, which sequences and runs these records, GroupState and
+OpTransport.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
 from aiocoll._errors import DistError, PeerLostError, group_name
+from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.algorithms._transport import (
     LandedCallback,
@@ -26,8 +30,11 @@ from aiocoll.algorithms._transport import (
     Tag,
     Transport,
 )
+from aiocoll.device._staging import DeviceSpan
 
-__all__ = ["FINISHED", "STARTING", "GroupState", "OpTransport", "Stoppable"]
+__all__ = ["DEVICE", "FINISHED", "HOST", "STARTING", "GroupState", "OpTransport", "Operation", "Stoppable"]
+
+HOST, DEVICE = "host", "device"  # the memory an operation's arrays are in
 
 _T = TypeVar("_T")
 _monotonic = time.monotonic
@@ -76,30 +83,74 @@ class GroupState:
         self.loop: asyncio.AbstractEventLoop | None = None  # its engine's (Engine.group)
         self.engine: Any = None  # the engine that made it (client/data/engine.Engine)
         self.next_seq = 0
-        self.pending: set[_Op] = set()
+        self.pending: set[Operation] = set()
         self.broken: BaseException | None = None
         self.broken_seq = 0  # calls with seq >= broken_seq fail (p2p always, once broken)
         self.notices: dict[int, DistError] = {}  # failures reported for seqs not called yet
         # seq -> {rank: ranks it was still waiting for} from timeout reports (see Engine._expire)
         self.stuck: dict[int, dict[int, list[int]]] = {}
         # failures being carried to the pending operations (Engine._fail_pending), in turn
-        self.failing: list[tuple[BaseException, int, _Op | None]] = []
+        self.failing: list[tuple[BaseException, int, Operation | None]] = []
 
 
-class _Op(Transport):
-    """One operation's record, from its call to its end, and the transport as the operation sees
+class Operation(Transport):
+    """One operation, from its call to its end: the public layer builds it with the fields every
+    provider reads (aiocoll/api.py), the group's table hands it to the provider that takes it and
+    to the engine (client/data/providers.ProviderTable.submit), the engine sequences it
+    (``group``, ``seq``, ``tag``) and finishes it. It is also the transport as the operation sees
     it (its starter's ``transport``): it counts the messages the operation still waits for, so a
     timeout can name the ranks that did not answer.
 
-    One object for both, and no ``__slots__``: the fields most operations never set (a future, a
-    deadline, the message counts, ...) are class attributes until set, so an operation that
-    completes inside its call (the commonest small one) sets only the few it uses.
+    Attributes (the public layer's):
+        kind: "all_reduce", "send", "broadcast_object", ... meta: its signature
+        (aiocoll._signature: what every rank must agree on; a message's meta for send).
+        inputs, outputs: the arrays it reads and writes (host numpy arrays or device spans; for
+        the object kinds, the pickled objects and nothing). workings: the call's tensors
+        (aiocoll.device._tensors.Working), copied back on success. result: what the Work completes
+        with (the object kinds and a receive compute theirs). root: the group rank of a rooted
+        kind. op: the reduce op. timeout: seconds (None: no deadline). p2p_tag: the user's tag of a
+        point-to-point operation (None for the rest). peers: the global ranks a point-to-point
+        operation talks to (none: a receive from any rank). memory: HOST or DEVICE (any array a
+        device span).
+
+    The fields every operation sets are slots. Those most operations never set (a future, a
+    deadline, the message counts, ...) are class attributes until set (then in the instance's
+    dict, which the Transport base gives it), so an operation that completes inside its call
+    (the commonest small one) pays only for the few it uses.
     """
 
-    # Where it was called (the flight recorder, client/_recorder.py), set by Engine._open when
+    __slots__ = (
+        "_inner",
+        "group",
+        "inputs",
+        "kind",
+        "memory",
+        "meta",
+        "op",
+        "outputs",
+        "p2p_tag",
+        "peers",
+        "result",
+        "root",
+        "seq",
+        "sig",
+        "started",
+        "tag",
+        "timeout",
+        "workings",
+    )
+    # set by the engine when it sequences the operation (Engine.submit_op)
+    _inner: Transport  # the process's transport, which the operation's own counts wrap
+    group: GroupState
+    seq: int  # its group's sequence number (-1: point-to-point)
+    tag: Tag  # its messages' tag
+    sig: dict[str, Any] | None  # what every rank must agree on (None: point-to-point)
+    started: float
+
+    # Where it was called (the flight recorder, client/_recorder.py), set by the engine when
     # the recorder is on.
     site: Any = None
-    # None only while its starter runs on the straight path (Engine.submit_eager): one that
+    # None only while its starter runs on the straight path (Engine.submit_op): one that
     # completes inside it never gets a future, any other gets one (``Engine._promote``) before
     # anything else sees the operation.
     future: asyncio.Future[Any] = None  # type: ignore[assignment]
@@ -107,34 +158,51 @@ class _Op(Transport):
     lane: Stoppable | None = None  # its runner (client/data/_operation.Starter's return)
     deadline: float | None = None
     abort_exc: BaseException | None = None
-    result: Any = None  # (the straight path's, while its starter runs)
-    peers_hint: tuple[int, ...] = ()
     # messages still awaited, by peer: read-only empty until the operation counts one (``_counts``)
     outstanding_recv: Mapping[int | None, int] = _NO_COUNTS
     outstanding_send: Mapping[int, int] = _NO_COUNTS
     # whether the engine retires its tag once it succeeded: False for an operation that sends no
     # message under its tag and completes only once every member ran it the same way (see
-    # Engine.submit_eager), so that no message under the tag can come
+    # Engine.submit_op), so that no message under the tag can come
     retires = True
 
     def __init__(
         self,
-        inner: Transport,
-        group: GroupState,
         kind: str,
-        seq: int,
-        tag: Tag,
-        sig: dict[str, Any] | None,
+        meta: dict[str, Any],
+        inputs: Sequence[Any],
+        outputs: Sequence[Any],
+        workings: Sequence[Any],
+        result: Any,
         timeout: float | None,
-    ):
-        self._inner = inner
-        self.group = group
+        root: int = 0,
+        op: ReduceOp = ReduceOp.SUM,
+        p2p_tag: int | None = None,
+        peers: tuple[int, ...] = (),
+    ) -> None:
         self.kind = kind
-        self.seq = seq
-        self.tag = tag
-        self.sig = sig  # what every rank must agree on (progress reports)
-        self.timeout = timeout  # seconds (None: no deadline)
-        self.started = _monotonic()
+        self.meta = meta
+        self.inputs = inputs
+        self.outputs = outputs
+        self.workings = workings
+        self.result = result
+        self.timeout = timeout
+        self.root = root
+        self.op = op
+        self.p2p_tag = p2p_tag
+        self.peers = peers
+        memory = HOST
+        for a in inputs:  # (loops, not any(<generator>): this runs on every call)
+            if isinstance(a, DeviceSpan):
+                memory = DEVICE
+                break
+        else:
+            if outputs is not inputs:  # (an in-place operation hands one tuple for both)
+                for a in outputs:
+                    if isinstance(a, DeviceSpan):
+                        memory = DEVICE
+                        break
+        self.memory = memory
 
     def describe(self) -> str:
         return _describe(self.kind, self.group, self.seq)
@@ -150,7 +218,7 @@ class _Op(Transport):
         if self.lane is FINISHED:
             return
         self.lane = FINISHED
-        if self.future is None:  # inside its starter: kept for the straight path (Engine.submit_eager)
+        if self.future is None:  # inside its starter: kept for the straight path (Engine.submit_op)
             self.result = result
             self.abort_exc = exc
             return
@@ -277,7 +345,7 @@ class _Op(Transport):
 
 
 # The transport a starter is handed: the operation's record itself.
-OpTransport = _Op
+OpTransport = Operation
 
 
 def _describe(kind: str, group: GroupState, seq: int) -> str:

@@ -1,24 +1,22 @@
-"""One operation as the public layer builds it (``Operation``, its fields once), what a provider
-of the group's table implements (``Provider``) and the one shape it returns (``Starter``).
+"""What a provider of the group's table implements (``Provider``), the one shape it returns
+(``Starter``), and the operation's one record (``Operation``, defined in _op_record.py with the
+engine's part of it) that the public layer builds and every provider reads.
 
-Imports foundations only (aiocoll._types, aiocoll.algorithms, the device span type) and the
-engine's operation record (_op_record.py: OpTransport, Stoppable); every provider
-(_shm_arena.py, routing.py, providers.py, _objects.py) and the engine import it, so none imports
-another for these names.
+Imports foundations only (aiocoll.algorithms) and the operation record (_op_record.py:
+Operation, OpTransport, Stoppable); every provider (_shm_arena.py, routing.py, providers.py,
+_objects.py) and the engine import it, so none imports another for these names.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from functools import partial
 from typing import Any, ClassVar, Protocol
 
-from aiocoll._types import ReduceOp
 from aiocoll.algorithms import KINDS, CollectiveSpec, Tag
-from aiocoll.device._staging import DeviceSpan
 
-from ._op_record import OpTransport, Stoppable
+from ._op_record import DEVICE, HOST, Operation, OpTransport, Stoppable
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -40,7 +38,6 @@ __all__ = [
     "spec_of",
 ]
 
-HOST, DEVICE = "host", "device"  # the memory an operation's arrays are in
 COLLECTIVE_KINDS = frozenset(KINDS)  # what the algorithms run
 P2P_KINDS = frozenset({"send", "recv"})
 # Operations on picklable objects, and the forming of a sub-group (the parent's agreement on
@@ -56,75 +53,6 @@ Finish = Callable[[Any, BaseException | None], None]
 # the operation from outside.
 Starter = Callable[[Tag, OpTransport, Finish], Stoppable]
 Body = Callable[[Tag, OpTransport], Coroutine[Any, Any, Any]]
-
-
-class Operation:
-    """One operation, as the public layer built it: every provider reads its fields from here.
-
-    Attributes:
-        kind: "all_reduce", "send", "broadcast_object", ... meta: its signature
-        (aiocoll._signature: what every rank must agree on; a message's meta for send).
-        send, recv: the arrays it reads and writes (host numpy arrays or device spans; for the
-        object kinds, the pickled objects and nothing). workings: the call's tensors
-        (aiocoll.device._tensors.Working), copied back on success. result: what the Work completes
-        with (the object kinds compute theirs). root: the group rank of a rooted kind. op: the
-        reduce op. timeout: seconds (None: no deadline). tag: the user's tag of a point-to-point
-        operation (None for the rest). peers: the global ranks a point-to-point operation talks
-        to (none: a receive from any rank). memory: HOST or DEVICE (any array a device span).
-    """
-
-    __slots__ = (
-        "kind",
-        "memory",
-        "meta",
-        "op",
-        "peers",
-        "recv",
-        "result",
-        "root",
-        "send",
-        "tag",
-        "timeout",
-        "workings",
-    )
-
-    def __init__(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Any],
-        result: Any,
-        timeout: float | None,
-        root: int = 0,
-        op: ReduceOp = ReduceOp.SUM,
-        tag: int | None = None,
-        peers: tuple[int, ...] = (),
-    ) -> None:
-        self.kind = kind
-        self.meta = meta
-        self.send = send
-        self.recv = recv
-        self.workings = workings
-        self.result = result
-        self.timeout = timeout
-        self.root = root
-        self.op = op
-        self.tag = tag
-        self.peers = peers
-        memory = HOST
-        for a in send:  # (loops, not any(<generator>): this runs on every call)
-            if isinstance(a, DeviceSpan):
-                memory = DEVICE
-                break
-        else:
-            if recv is not send:  # (an in-place operation hands one tuple for both)
-                for a in recv:
-                    if isinstance(a, DeviceSpan):
-                        memory = DEVICE
-                        break
-        self.memory = memory
 
 
 class Provider(Protocol):
@@ -259,5 +187,5 @@ def copying_back(op: Operation, body: Body) -> Starter:
 def spec_of(op: Operation, ranks: tuple[int, ...], me: int) -> CollectiveSpec:
     """The algorithms' description of an operation for member ``me`` of the group ``ranks``."""
     return CollectiveSpec(
-        op.kind, ranks, me, tuple(op.send), tuple(op.recv), op.root, op.op, None, op.meta.get("dtype")
+        op.kind, ranks, me, tuple(op.inputs), tuple(op.outputs), op.root, op.op, None, op.meta.get("dtype")
     )  # (positional: keywords cost more than the rest of building it)

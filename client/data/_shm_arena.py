@@ -138,8 +138,8 @@ class ArenaProvider:
         kind = op.kind
         group = self.group
         if kind == "all_reduce":
-            x = op.recv[0]
-            if op.send[0] is not x:
+            x = op.outputs[0]
+            if op.inputs[0] is not x:
                 return None
 
             def reduce(tag: Any, transport: OpTransport, finish: Finish) -> Stoppable:  # (tag[2]: the seq)
@@ -160,14 +160,14 @@ class ArenaProvider:
             sig = _signature.pack(tag[2], meta)
             fin = finish_with_copy_back(op, finish)
             on_wait = transport.waiting_for
-            recv = op.recv
+            recv = op.outputs
             if kind == "broadcast":
                 return group.broadcast(recv[0], op.root, sig, fin, on_wait)
             if kind == "all_gather":
-                return group.all_gather(recv, op.send[0], sig, fin, on_wait)
+                return group.all_gather(recv, op.inputs[0], sig, fin, on_wait)
             if kind == "reduce_scatter":
                 name = meta.get("dtype") or recv[0].dtype.name
-                return group.reduce_scatter(recv[0], op.send, op.op, name, sig, fin, on_wait)
+                return group.reduce_scatter(recv[0], op.inputs, op.op, name, sig, fin, on_wait)
             return group.barrier(sig, fin, on_wait)
 
         return start

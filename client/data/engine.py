@@ -62,10 +62,10 @@ from .._recorder import call_sites as _call_sites
 from .._recorder import caller_site as _caller_site
 from .._recorder import code_at as _code_at
 from ._failures import MAX_STUCK_REPORTS, FailureFanout, for_op, gone, ignore_outcome
-from ._op_record import FINISHED, STARTING, GroupState, OpTransport, Stoppable, _Op
+from ._op_record import FINISHED, STARTING, GroupState, Operation, OpTransport, Stoppable
 from ._operation import Body, Starter, as_starter
 
-__all__ = ["Body", "Engine", "GroupState", "OpTransport", "Starter"]
+__all__ = ["Body", "Engine", "GroupState", "OpTransport", "Operation", "Starter"]
 
 log = logging.getLogger("aiocoll.client.data.engine")
 
@@ -185,143 +185,139 @@ class Engine(FailureFanout):
         signature: dict[str, Any] | None = None,
         retire: bool = True,
     ) -> Work:
-        """Start an operation now and return its Work: every operation's one lifecycle.
+        """``submit_op`` of a record made of these fields (an operation with no arrays of its
+        own: the starter holds what it runs on). The arguments are ``submit``'s and ``retire``'s
+        (see ``submit_op``)."""
+        op = Operation(kind, signature or {}, (), (), (), None, timeout, p2p_tag=p2p_tag, peers=tuple(peers))
+        return self.submit_op(group, op, start, retire)
+
+    def submit_op(self, group: GroupState, op: Operation, start: Starter, retire: bool = True) -> Work:
+        """Sequence the operation ``op`` (its record, as the public layer built it) in ``group``,
+        start it now and return its Work: every operation's one lifecycle.
 
         ``start(tag, transport, finish)`` begins it inside this call (a collective of the
         message driver from message callbacks, aiocoll.algorithms._driver; an arena operation;
         a task, ``as_starter``) and arranges ``finish(result, None)`` or ``finish(None, error)``
         exactly once; it returns the operation's runner, whose ``stop()`` the engine calls when
         it fails the operation from outside (a deadline, a lost peer, a mismatch elsewhere).
-        One that finishes inside ``start`` takes the straight path: its Work is born complete.
-        The arguments are ``submit``'s, and ``retire``: False for a collective that sends no
-        message under its tag and completes only once every member ran it the same way (a
+        One that finishes inside ``start`` takes the straight path: its Work is born complete,
+        with no future, pending entry or deadline. ``retire``: False for a collective that sends
+        no message under its tag and completes only once every member ran it the same way (a
         shared-memory arena's all_reduce): no message under its tag can come later, so its tag
         is not kept as finished (what reports a message that comes after all as a mismatch).
 
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
-        op = self._open(group, kind, timeout, p2p_tag, peers, signature, straight=True)
-        if not retire:
-            op.retires = False
-        registered = op.future  # (a group with notices pending takes the usual path)
-        if registered is not None:
-            if registered.done():  # a notice failed it already
-                return op.work
-            op.lane = STARTING  # (the straight path's is None until it ends: nothing aborts it)
-        try:
-            lane = start(op.tag, op, op.finish)
-        except BaseException as exc:
-            if op.future is None:
-                self._promote(op, None)
-            op.lane = STARTING
-            op.finish(None, exc)
-            if not isinstance(exc, Exception):
-                raise
-            return op.work
-        if registered is None:
-            if op.lane is FINISHED:
-                failure = op.abort_exc
-                if failure is None:
-                    # The straight path: known at once, so no future, no deadline, no pending entry.
-                    self.progress.done(op)
-                    if retire and op.seq >= 0:  # (a point-to-point tag is the user's, used again)
-                        self.transport.retire(op.tag)
-                    # (described by the record itself: it holds no Work, so no reference cycle)
-                    return Work.born(op.result, self._loop, op.describe)
-                op.abort_exc = None
-                self._promote(op, None)
-                self._settle(op, None, failure)
-                self._finish(op)
-                return op.work
-            self._promote(op, lane)
-        elif op.lane is STARTING:
-            op.lane = lane
-        elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
-            lane.stop()
-        # else it finished by itself inside the call: its runner is over, nothing to stop
-        return op.work
-
-    def _promote(self, op: _Op, lane: Stoppable | None) -> None:
-        """Give an operation of the straight path what every other has (a future, its Work; a
-        deadline and a pending entry when it is still running, ``lane`` its runner)."""
-        op.future = fut = self._loop.create_future()
-        op.work = Work(fut, op.describer())
-        if lane is None:
-            return
-        op.lane = lane
-        group = op.group
-        group.pending.add(op)
-        timeout = op.timeout
-        if timeout is not None:
-            op.deadline = deadline = self._loop.time() + timeout
-            if self._timer is None or deadline < self._timer_at:
-                self._arm(deadline)
-        broken = group.broken
-        if broken is not None and op.seq >= group.broken_seq:
-            # the group broke while it started (nothing could fail it then): fail it now
-            self._abort(op, for_op(broken, op))
-
-    def _open(
-        self,
-        group: GroupState,
-        kind: str,
-        timeout: float | None,
-        p2p_tag: Any,
-        peers: Iterable[int],
-        signature: dict[str, Any] | None = None,
-        *,
-        straight: bool = False,
-    ) -> _Op:
-        """Sequence and register a new operation. Its future is already failed when a notice
-        said its seq is mismatched (then it is not registered and must not be started).
-        ``straight``: an eager operation that may complete inside its starter: it gets no
-        future, pending entry or deadline here (see submit_eager), unless a notice failed it."""
         if self._closed:
-            raise DistError(f"{kind}: the process group is destroyed")
+            raise DistError(f"{op.kind}: the process group is destroyed")
+        p2p_tag = op.p2p_tag
         if p2p_tag is None:
             seq = group.next_seq
             if group.broken is not None:
-                self._check_usable(group, kind, seq)
+                self._check_usable(group, op.kind, seq)
             group.next_seq = seq + 1
-            tag: Tag = ("c", group.gid, seq)
+            op.tag = ("c", group.gid, seq)
+            op.sig = op.meta or None
         else:
             seq = -1
-            tag = ("p", group.gid, p2p_tag)
+            op.tag = tag = ("p", group.gid, p2p_tag)
             if group.broken is not None:
-                self._check_usable(group, kind, seq, peers, tag)
-        op = _Op(self.transport, group, kind, seq, tag, signature, timeout)
+                self._check_usable(group, op.kind, seq, op.peers, tag)
+            op.sig = None  # (a message's meta is no signature: point-to-point has no sequence)
+        op.seq = seq
+        op.group = group
+        op._inner = self.transport
+        op.started = _monotonic()
         # Where it was called, for the flight recorder (client/_recorder.CallSites): the user's
         # frame at the depth its kind's first call found, read (not made) and not kept; through
         # the blocking facade, the line that called the facade.
         sites = self._sites
         if sites is not None:
+            signed = op.sig is not None
             try:
-                user = _getframe((sites.signed if signature is not None else sites.unsigned)[kind])
+                user = _getframe((sites.signed if signed else sites.unsigned)[op.kind])
                 if id(user.f_code) in sites.passed:  # aiocoll's frame: this call came another way
                     raise LookupError
                 op.site = _code_at(user)
             except (LookupError, ValueError):  # its kind's first call, or another way: a walk
-                op.site = sites.first(kind, signature is not None)
+                op.site = sites.first(op.kind, signed)
         elif self._passed_sites:
             op.site = _caller_site()
-        if peers:
-            op.peers_hint = tuple(peers)
-        if straight and not group.notices:
-            return op
+        if not retire:
+            op.retires = False
+        if group.notices:  # (a group with notices pending takes the usual path)
+            self._promote(op, None)
+            notice = group.notices.pop(seq, None) if seq >= 0 else None
+            if notice is not None:  # said mismatched already: not registered, never started
+                op.future.set_exception(notice)
+                return op.work
+            self._pend(op)
+            op.lane = STARTING
+            try:
+                lane = start(op.tag, op, op.finish)
+            except BaseException as exc:
+                op.finish(None, exc)
+                if not isinstance(exc, Exception):
+                    raise
+                return op.work
+            if op.lane is STARTING:
+                op.lane = lane
+            elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
+                lane.stop()
+            # else it finished by itself inside the call: its runner is over, nothing to stop
+            return op.work
+        # The straight path: nothing can abort an operation that is not pending yet, so its
+        # ``lane`` stays None until it ends (FINISHED).
+        try:
+            lane = start(op.tag, op, op.finish)
+        except BaseException as exc:
+            self._promote(op, None)
+            op.lane = STARTING
+            op.finish(None, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return op.work
+        if op.lane is FINISHED:
+            failure = op.abort_exc
+            if failure is None:
+                # Known at once, so no future, no deadline, no pending entry.
+                self.progress.done(op)
+                if retire and seq >= 0:  # (a point-to-point tag is the user's, used again)
+                    self.transport.retire(op.tag)
+                # (described by the record itself: it holds no Work, so no reference cycle)
+                return Work.born(op.result, self._loop, op.describe)
+            op.abort_exc = None
+            self._promote(op, None)
+            self._settle(op, None, failure)
+            self._finish(op)
+            return op.work
+        self._promote(op, lane)
+        return op.work
+
+    def _promote(self, op: Operation, lane: Stoppable | None) -> None:
+        """Give an operation of the straight path what every other has (a future, its Work; a
+        pending entry and a deadline when it is still running, ``lane`` its runner)."""
         op.future = fut = self._loop.create_future()
         op.work = Work(fut, op.describer())
-        if group.notices and seq >= 0:
-            notice = group.notices.pop(seq, None)
-            if notice is not None:
-                fut.set_exception(notice)
-                return op
-        group.pending.add(op)
+        if lane is None:
+            return
+        op.lane = lane
+        self._pend(op)
+        group = op.group
+        broken = group.broken
+        if broken is not None and op.seq >= group.broken_seq:
+            # the group broke while it started (nothing could fail it then): fail it now
+            self._abort(op, for_op(broken, op))
+
+    def _pend(self, op: Operation) -> None:
+        """Register ``op`` as pending in its group, with its deadline."""
+        op.group.pending.add(op)
+        timeout = op.timeout
         if timeout is not None:
             op.deadline = deadline = self._loop.time() + timeout
             if self._timer is None or deadline < self._timer_at:
                 self._arm(deadline)
-        return op
 
     def _check_usable(
         self, group: GroupState, kind: str, seq: int, peers: Iterable[int] = (), tag: Tag = ()
@@ -372,7 +368,7 @@ class Engine(FailureFanout):
             )
         raise chain(DistError(f"{where} cannot run: the group is broken ({cause})"), cause)
 
-    def _settle(self, op: _Op, result: Any, exc: BaseException | None) -> None:
+    def _settle(self, op: Operation, result: Any, exc: BaseException | None) -> None:
         """Complete ``op``'s future with its outcome, and carry a failure to the group: a
         mismatch is named, told to the other ranks and breaks the group from its seq; a lost peer
         breaks the whole group."""
@@ -405,7 +401,7 @@ class Engine(FailureFanout):
         if not fut.done():
             fut.set_exception(trim(exc) if isinstance(exc, DistError) else exc)
 
-    def _finish(self, op: _Op, succeeded: bool = False) -> None:
+    def _finish(self, op: Operation, succeeded: bool = False) -> None:
         """End ``op``, whose future is done (``succeeded``: with a result, said by the caller)."""
         op.work.wake()  # the awaiting task resumes in the next iteration, not the one after
         op.group.pending.discard(op)
@@ -433,7 +429,7 @@ class Engine(FailureFanout):
             # where the disagreeing ranks only send).
             self.transport.retire(op.tag)
 
-    def _abort(self, op: _Op, exc: BaseException) -> None:
+    def _abort(self, op: Operation, exc: BaseException) -> None:
         """Fail ``op`` now (its Work completes at once) and stop its body."""
         if op.future.done():
             return
@@ -459,7 +455,7 @@ class Engine(FailureFanout):
         self._timer = None
         now = self._loop.time()
         nearest: float | None = None
-        expired: list[_Op] = []
+        expired: list[Operation] = []
         for group in list(self._groups.values()):
             for op in group.pending:
                 if op.deadline is None or op.future.done():
@@ -473,7 +469,7 @@ class Engine(FailureFanout):
         if nearest is not None and not self._closed:
             self._arm(nearest)
 
-    def _expire(self, op: _Op) -> None:
+    def _expire(self, op: Operation) -> None:
         """A deadline passed. For a collective, tell the group whom we wait for and fail a moment
         later: a rank waiting on a rank that itself waits (a ring, a tree) then names the rank
         at the end of the chain, the one that never called the operation, not its own neighbour."""
@@ -494,7 +490,7 @@ class Engine(FailureFanout):
         grace = min(1.0, max(0.05, 0.1 * (op.timeout or 0.0)))
         self._loop.call_later(grace, self._fail_timeout, op, direct)
 
-    def _fail_timeout(self, op: _Op, direct: list[int]) -> None:
+    def _fail_timeout(self, op: Operation, direct: list[int]) -> None:
         stuck = op.group.stuck.pop(op.seq, {}) if op.seq >= 0 else {}
         if op.future.done():
             return
@@ -541,7 +537,7 @@ class Engine(FailureFanout):
         self._break(op.group, err, from_seq=op.seq if op.seq >= 0 else 0, except_op=op)
         self._abort(op, err)
 
-    def _missing_ranks(self, op: _Op) -> list[int]:
+    def _missing_ranks(self, op: Operation) -> list[int]:
         others = [r for r in op.group.ranks if r != self.rank]
         recv = [src for src, n in op.outstanding_recv.items() if n > 0]
         if recv:
@@ -551,7 +547,7 @@ class Engine(FailureFanout):
         send = [dst for dst, n in op.outstanding_send.items() if n > 0]
         if send:
             return sorted(send)
-        return sorted(op.peers_hint) if op.peers_hint else others
+        return sorted(op.peers) if op.peers else others
 
     # -- closing ---------------------------------------------------------------------------
     async def aclose(self) -> None:

@@ -128,7 +128,7 @@ class P2PProvider:
     """Point-to-point over the links: a send is handed to the link; a receive checks that the
     message is of the receiving tensor's dtype and completes with the sender's group rank.
 
-    Both take the straight path when they can (Engine.submit_eager: a Work born complete, no
+    Both take the straight path when they can (Engine.submit_op: a Work born complete, no
     task): a send whose payload the link took at once, a receive whose message is here or
     arrives within the transport's short in-place wait (Transport.recv_now). The rest run as a
     task that awaits the link. A receive takes the straight path only while no receive of its
@@ -149,7 +149,7 @@ class P2PProvider:
     def prepare(self, op: Operation) -> Starter:
         if op.kind == "send":
             peer = op.peers[0]
-            payload = _bytes_of(op.send[0])
+            payload = _bytes_of(op.inputs[0])
             meta = op.meta
 
             def send(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
@@ -163,7 +163,7 @@ class P2PProvider:
 
             return send
         source = op.peers[0] if op.peers else None
-        into = _bytes_of(op.recv[0])
+        into = _bytes_of(op.outputs[0])
         ranks, gid = self._ranks, self._gid
         tasks = self._waiting
 
@@ -261,9 +261,9 @@ async def _refuse_staged_into_host(
             await transport.recv(src, p2p_chunk_tag(tag, k), memoryview(bytearray(size)))
     sender = ranks.index(src) if src in ranks else src
     raise MismatchError(
-        f"recv (group {gid!r}, tag {op.tag}): rank {sender} sent a device tensor of {nbytes} bytes, "
+        f"recv (group {gid!r}, tag {op.p2p_tag}): rank {sender} sent a device tensor of {nbytes} bytes, "
         f"staged in {chunks} chunks of {chunk_bytes} bytes, but this rank receives into a host tensor "
-        f"of {op.recv[0].nbytes} bytes: a host tensor receives a device tensor's message only when it "
+        f"of {op.outputs[0].nbytes} bytes: a host tensor receives a device tensor's message only when it "
         f"fits in one staging chunk (AIOCOLL_STAGING_CHUNK_BYTES). Receive into a device tensor, or "
         f"send a host copy (tensor.cpu())",
         group=gid,
@@ -302,7 +302,7 @@ def received(op: Operation, got: int, sent: dict[str, Any], ranks: tuple[int, ..
     if sent.get("dtype") != op.meta.get("dtype"):
         sender = ranks.index(got) if got in ranks else got
         raise MismatchError(
-            f"recv (group {gid!r}, tag {op.tag}): rank {sender} sent {sent.get('dtype')} "
+            f"recv (group {gid!r}, tag {op.p2p_tag}): rank {sender} sent {sent.get('dtype')} "
             f"but the receiving tensor is {op.meta.get('dtype')}",
             group=gid,
             ranks=[got],
@@ -350,7 +350,7 @@ class StagedProvider:
         key = self._key if self._ipc else None  # (no IPC state: the operation is staged)
         # Made now, at call time: it records the caller's event (what is sent is what the
         # caller computed so far).
-        staged = StagedOp(kind, len(self._ranks), op.send, op.recv, rank=self._rank, group_key=key)
+        staged = StagedOp(kind, len(self._ranks), op.inputs, op.outputs, rank=self._rank, group_key=key)
         ranks, me, gid, run, meta = self._ranks, self._me, self._gid, self._run, op.meta
 
         async def body(tag: Tag, transport: OpTransport) -> None:
@@ -364,9 +364,9 @@ class StagedProvider:
     def _p2p(self, op: Operation) -> Starter:
         """A send or receive of one device tensor, one message per chunk; staged messages on one
         tag and peer go one after another, in call order (StagedOp.chain)."""
-        ranks, gid, utag, meta = self._ranks, self._gid, op.tag, op.meta
+        ranks, gid, utag, meta = self._ranks, self._gid, op.p2p_tag, op.meta
         if op.kind == "send":
-            staged = StagedOp("send", len(ranks), op.send, (), rank=self._rank)
+            staged = StagedOp("send", len(ranks), op.inputs, (), rank=self._rank)
             peer = op.peers[0]
             chain_key: tuple[Any, ...] = ("send", *self._key, utag, peer)
             what = f"send (group {gid!r}, tag {utag}) to rank {ranks.index(peer)}"
@@ -375,7 +375,7 @@ class StagedProvider:
                 await staged.send_to(transport, tag, peer, meta, what)
 
             return _chained(staged, chain_key, as_starter(send))
-        staged = StagedOp("recv", len(ranks), (), op.recv, rank=self._rank)
+        staged = StagedOp("recv", len(ranks), (), op.outputs, rank=self._rank)
         source = op.peers[0] if op.peers else None
         what = f"recv (group {gid!r}, tag {utag})"
 
@@ -401,14 +401,14 @@ def _refuse_host_into_staged(
     meta says no chunks): raise an error that says what to do. Returns (for the caller to raise
     ``exc``) when the message was something else."""
     sent = getattr(exc, "remote_meta", None)
-    itemsize = op.recv[0].itemsize
-    if sent is None or "chunks" in sent or op.recv[0].size <= staged.chunk_elems or not exc.ranks:
+    itemsize = op.outputs[0].itemsize
+    if sent is None or "chunks" in sent or op.outputs[0].size <= staged.chunk_elems or not exc.ranks:
         return
     src = exc.ranks[0]
     sender = ranks.index(src) if src in ranks else src
     raise MismatchError(
-        f"recv (group {gid!r}, tag {op.tag}): rank {sender} sent a host tensor's message in one piece, "
-        f"but this rank receives into a device tensor of {op.recv[0].size * itemsize} bytes, staged in "
+        f"recv (group {gid!r}, tag {op.p2p_tag}): rank {sender} sent a host tensor's message in one piece, "
+        f"but this rank receives into a device tensor of {op.outputs[0].size * itemsize} bytes, staged in "
         f"chunks of {staged.chunk_elems * itemsize} bytes: a device tensor receives a host tensor's "
         f"message only when it fits in one staging chunk (AIOCOLL_STAGING_CHUNK_BYTES). Send from a "
         f"device tensor, or receive into a host tensor and copy it to the device",
@@ -518,18 +518,8 @@ class ProviderTable:
             if start is None:
                 continue
             self.ran = provider.name
-            if op.tag is None:
-                return self._engine.submit_eager(
-                    self._state,
-                    kind,
-                    start,
-                    timeout=op.timeout,
-                    signature=op.meta,
-                    retire=kind not in _ARENA_SEALED or provider is not self._arena,
-                )
-            # a message's meta is no signature (point-to-point has no sequence to agree on)
-            return self._engine.submit_eager(
-                self._state, kind, start, timeout=op.timeout, p2p_tag=op.tag, peers=op.peers
+            return self._engine.submit_op(
+                self._state, op, start, kind not in _ARENA_SEALED or provider is not self._arena
             )
         raise DistError(
             f"{op.kind}: no provider of group {self._state.label!r} runs it on {op.memory} memory"
