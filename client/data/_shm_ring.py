@@ -57,10 +57,9 @@ no frame.
 from __future__ import annotations
 
 import mmap
-import platform
 from collections.abc import Callable
 
-from ._shm import RING_HEADER, fence, fence_enter, fence_leave
+from ._shm import RING_HEADER, STORES_IN_ORDER, fence, fence_enter, fence_leave
 
 __all__ = ["MAIL_BYTES", "RingReader", "RingWriter"]
 
@@ -69,8 +68,6 @@ _MAILED, _TAKEN, _POLLING, _DISPATCHED, _MAIL_LEN, _WROTE = 32, 40, 48, 56, 64, 
 _MAIL_AT = 1024
 MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message, packed (its tag, meta and payload)
 _ALIGN = 64
-# Stores stay in order among themselves, and loads among themselves, without a fence
-_ORDERED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
 class _RingSide:
@@ -195,7 +192,7 @@ class RingWriter(_RingSide):
         ctl = self._ctl
         self._mail[:n] = message
         ctl[_MAIL_LEN] = n
-        if not _ORDERED:
+        if not STORES_IN_ORDER:
             fence()  # the message is whole before it is counted
         mailed = self._mailed = self._mailed + 1
         ctl[_MAILED] = mailed
@@ -289,7 +286,7 @@ class RingReader(_RingSide):
         taken = self._taken
         if mailed == taken:
             return None
-        if not _ORDERED:
+        if not STORES_IN_ORDER:
             fence()  # the message is read after its count
         n = ctl[_MAIL_LEN]
         if mailed != taken + 1 or not 0 < n <= MAIL_BYTES:
