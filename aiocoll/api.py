@@ -24,12 +24,11 @@ from typing import Any
 import numpy as np
 
 from aiocoll._deadline import to_seconds
-from aiocoll._errors import DistError
 from aiocoll._reduce import check_reduce_op
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.client.bootstrap import EmbeddedCoordinator, Runtime, start_runtime
-from aiocoll.client.data._operation import Operation
+from aiocoll.client.data._operation import DEFAULT_TIMEOUT, Operation
 from aiocoll.client.data.engine import GroupState
 from aiocoll.client.data.providers import ProviderTable
 from aiocoll.device._tensors import Working, as_working, dtype_name, numel
@@ -39,7 +38,7 @@ __all__ = ["ProcessGroup", "init_process_group"]
 
 log = logging.getLogger("aiocoll")
 
-_DEFAULT = object()  # "use the group's default timeout"
+_DEFAULT = DEFAULT_TIMEOUT  # "use the group's default timeout"
 _META_CACHE = 256  # distinct operation signatures a group keeps made (see ProcessGroup._meta)
 
 
@@ -171,7 +170,7 @@ class ProcessGroup:
     @property
     def default_timeout(self) -> float | None:
         """Seconds every operation may take unless given its own ``timeout=`` (None: no limit)."""
-        return self._rt.default_timeout
+        return self._rt.engine.default_timeout  # (what the engine gives an operation called without)
 
     def _set_label(self, label: str) -> None:
         """Name this group in error messages (the torch backend passes torch's group name)."""
@@ -182,7 +181,7 @@ class ProcessGroup:
 
         This is torch's ``ProcessGroup.set_timeout``; each torch group has a runtime of its own.
         """
-        self._rt.default_timeout = seconds
+        self._rt.default_timeout = self._rt.engine.default_timeout = seconds
 
     @property
     def store(self) -> Store | None:
@@ -190,29 +189,6 @@ class ProcessGroup:
         return self._rt.store
 
     # -- plumbing --------------------------------------------------------------------------
-    def _submit(
-        self,
-        kind: str,
-        meta: dict[str, Any],
-        send: Sequence[Any],
-        recv: Sequence[Any],
-        workings: Sequence[Working],
-        result: Any,
-        timeout: Any,
-        *,
-        root: int = 0,
-        op: ReduceOp = ReduceOp.SUM,
-        tag: int | None = None,
-        peers: tuple[int, ...] = (),
-    ) -> Work:
-        """Build the operation's record and hand it to the group's providers (its table)."""
-        if self._destroyed:
-            raise DistError(f"{kind}: process group {self.group_id!r} was destroyed")
-        seconds = self._rt.default_timeout if timeout is _DEFAULT else to_seconds(timeout)
-        return self._providers.submit(
-            Operation(kind, meta, send, recv, workings, result, seconds, root, op, tag, peers)
-        )
-
     def _meta(
         self,
         kind: str,
@@ -270,7 +246,9 @@ class ProcessGroup:
         utag = _check_tag(tag)
         w = as_working(tensor, read=True, write=False)
         meta = {"dtype": w.dtype_name, "count": w.array.size}
-        return self._submit("send", meta, (w.array,), (), (), None, timeout, tag=utag, peers=(self.ranks[d],))
+        return self._providers.submit(
+            Operation("send", meta, (w.array,), (), (), None, timeout, p2p_tag=utag, peers=(self.ranks[d],))
+        )
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Receive into ``tensor`` from group rank ``src``, or from any rank.
@@ -299,7 +277,9 @@ class ProcessGroup:
         w = as_working(tensor, read=False, write=True)
         meta = {"dtype": w.dtype_name, "count": w.array.size}
         peers = () if s is None else (self.ranks[s],)
-        return self._submit("recv", meta, (), (w.array,), (w,), None, timeout, tag=utag, peers=peers)
+        return self._providers.submit(
+            Operation("recv", meta, (), (w.array,), (w,), None, timeout, p2p_tag=utag, peers=peers)
+        )
 
     isend = send
     irecv = recv
@@ -324,7 +304,9 @@ class ProcessGroup:
         root = _check_rank("src", src, self.size)
         w = as_working(tensor, read=root == self.rank, write=True)
         meta = self._meta("broadcast", w.dtype_name, w.numel, root=root)
-        return self._submit("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
+        return self._providers.submit(
+            Operation("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
+        )
 
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank; the result is written into ``tensor`` everywhere.
@@ -362,7 +344,9 @@ class ProcessGroup:
             rop = _coerce_op(rop, name, "all_reduce")
             meta = self._meta("all_reduce", name, count, op=rop._value_)
         arrays = (w.array,)  # in place: one tuple for what it reads and writes
-        return self._submit("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, op=rop)
+        return self._providers.submit(
+            Operation("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, 0, rop)
+        )
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``.
@@ -386,16 +370,18 @@ class ProcessGroup:
         rop = _coerce_op(op, name, "reduce")
         w = as_working(tensor, write=root == self.rank)
         meta = self._meta("reduce", name, w.numel, root=root, op=rop._value_)
-        return self._submit(
-            "reduce",
-            meta,
-            (w.array,),
-            (w.array,),
-            (w,) if root == self.rank else (),
-            tensor,
-            timeout,
-            root=root,
-            op=rop,
+        return self._providers.submit(
+            Operation(
+                "reduce",
+                meta,
+                (w.array,),
+                (w.array,),
+                (w,) if root == self.rank else (),
+                tensor,
+                timeout,
+                root=root,
+                op=rop,
+            )
         )
 
     def all_gather(self, tensor_list: Any, tensor: Any, *, timeout: Any = _DEFAULT) -> Work:
@@ -421,7 +407,9 @@ class ProcessGroup:
         w = as_working(tensor, write=False)
         wo = [as_working(t, read=False) for t in outs]
         meta = self._meta("all_gather", name, w.numel)
-        return self._submit("all_gather", meta, (w.array,), [x.array for x in wo], wo, tensor_list, timeout)
+        return self._providers.submit(
+            Operation("all_gather", meta, (w.array,), [x.array for x in wo], wo, tensor_list, timeout)
+        )
 
     def all_gather_into_tensor(
         self, output_tensor: Any, input_tensor: Any, *, timeout: Any = _DEFAULT
@@ -453,7 +441,9 @@ class ProcessGroup:
         wo = as_working(output_tensor, read=False)
         parts = [wo.array[i * n : (i + 1) * n] for i in range(self.size)]
         meta = self._meta("all_gather", name, n)
-        return self._submit("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout)
+        return self._providers.submit(
+            Operation("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout)
+        )
 
     def _root_list(
         self, op: str, list_name: str, root_name: str, root: int, value: Any, dtype: str, count: int
@@ -507,7 +497,9 @@ class ProcessGroup:
         else:
             wo, recv, result = [], [], None
         meta = self._meta("gather", name, w.numel, root=root)
-        return self._submit("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
+        return self._providers.submit(
+            Operation("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
+        )
 
     def scatter(
         self, tensor: Any, scatter_list: Any = None, src: int = 0, *, timeout: Any = _DEFAULT
@@ -533,7 +525,9 @@ class ProcessGroup:
         ins = self._root_list("scatter", "scatter_list", "src", root, scatter_list, name, w.numel)
         send = [] if ins is None else [as_working(t, write=False).array for t in ins]
         meta = self._meta("scatter", name, w.numel, root=root)
-        return self._submit("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
+        return self._providers.submit(
+            Operation("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
+        )
 
     def reduce_scatter(
         self, output: Any, input_list: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
@@ -562,7 +556,9 @@ class ProcessGroup:
         w = as_working(output, read=False)
         send = [as_working(t, write=False).array for t in ins]
         meta = self._meta("reduce_scatter", name, w.numel, op=rop._value_)
-        return self._submit("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+        return self._providers.submit(
+            Operation("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+        )
 
     def reduce_scatter_tensor(
         self, output: Any, input: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
@@ -596,7 +592,9 @@ class ProcessGroup:
         wi = as_working(input, write=False)
         send = [wi.array[i * n : (i + 1) * n] for i in range(self.size)]
         meta = self._meta("reduce_scatter", name, n, op=rop._value_)
-        return self._submit("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+        return self._providers.submit(
+            Operation("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
+        )
 
     def all_to_all(self, output_list: Any, input_list: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Send ``input_list[j]`` to group rank ``j`` and receive rank ``j``'s into ``output_list[j]``.
@@ -628,7 +626,9 @@ class ProcessGroup:
         send = [as_working(t, write=False).array for t in ins]
         wo = [as_working(t, read=False) for t in outs]
         meta = self._meta("all_to_all", name)
-        return self._submit("all_to_all", meta, send, [x.array for x in wo], wo, output_list, timeout)
+        return self._providers.submit(
+            Operation("all_to_all", meta, send, [x.array for x in wo], wo, output_list, timeout)
+        )
 
     def all_to_all_single(
         self,
@@ -674,7 +674,7 @@ class ProcessGroup:
         send = [wi.array[a:b] for a, b in in_bounds]
         recv = [wo.array[a:b] for a, b in out_bounds]
         meta = self._meta("all_to_all", name)
-        return self._submit("all_to_all", meta, send, recv, (wo,), output, timeout)
+        return self._providers.submit(Operation("all_to_all", meta, send, recv, (wo,), output, timeout))
 
     def _splits(
         self, what: str, tensor: Any, w: Working, sizes: Sequence[int] | None
@@ -717,7 +717,7 @@ class ProcessGroup:
         Returns:
             A Work, at once; awaiting it gives None.
         """
-        return self._submit("barrier", self._meta("barrier"), (), (), (), None, timeout)
+        return self._providers.submit(Operation("barrier", self._meta("barrier"), (), (), (), None, timeout))
 
     # -- object operations -----------------------------------------------------------------
     # Objects are pickled here (one that cannot be fails at call time); the group's object row
@@ -739,7 +739,9 @@ class ProcessGroup:
         root = _check_rank("src", src, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if root == self.rank else b""
         meta = {"kind": "broadcast_object", "root": root}
-        return self._submit("broadcast_object", meta, (data,), (), (), obj, timeout, root=root)
+        return self._providers.submit(
+            Operation("broadcast_object", meta, (data,), (), (), obj, timeout, root=root)
+        )
 
     def all_gather_object(self, obj: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Gather a picklable object from every rank.
@@ -759,7 +761,7 @@ class ProcessGroup:
         """
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         meta = {"kind": "all_gather_object"}
-        return self._submit("all_gather_object", meta, (data,), (), (), None, timeout)
+        return self._providers.submit(Operation("all_gather_object", meta, (data,), (), (), None, timeout))
 
     def gather_object(self, obj: Any, dst: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Gather picklable objects at group rank ``dst``.
@@ -776,7 +778,9 @@ class ProcessGroup:
         root = _check_rank("dst", dst, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         meta = {"kind": "gather_object", "root": root}
-        return self._submit("gather_object", meta, (data,), (), (), None, timeout, root=root)
+        return self._providers.submit(
+            Operation("gather_object", meta, (data,), (), (), None, timeout, root=root)
+        )
 
     def scatter_object(self, objs: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Give group rank ``i`` the object ``objs[i]`` of rank ``src``.
@@ -803,7 +807,9 @@ class ProcessGroup:
                 )
             blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
         meta = {"kind": "scatter_object", "root": root}
-        return self._submit("scatter_object", meta, blobs, (), (), None, timeout, root=root)
+        return self._providers.submit(
+            Operation("scatter_object", meta, blobs, (), (), None, timeout, root=root)
+        )
 
     # -- groups ----------------------------------------------------------------------------
     async def new_group(
@@ -848,7 +854,9 @@ class ProcessGroup:
         forming = self._providers.forming(members)
         offers = (forming.offers,)
         try:
-            gid = await self._submit("new_group", meta, offers, offers, (), None, timeout, op=ReduceOp.BAND)
+            gid = await self._providers.submit(
+                Operation("new_group", meta, offers, offers, (), None, timeout, op=ReduceOp.BAND)
+            )
             if self._rt.transport.rank not in members:
                 return None
             state = self._rt.engine.group(gid, members)
@@ -892,6 +900,7 @@ class ProcessGroup:
         if self._destroyed:
             return
         self._destroyed = True
+        self._providers.destroyed()  # later calls raise at once
         if self._owner:
             await self._rt.aclose()
         else:

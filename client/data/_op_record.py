@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol, TypeVar
 
+from aiocoll._deadline import to_seconds
 from aiocoll._errors import DistError, PeerLostError, group_name
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
@@ -32,9 +33,22 @@ from aiocoll.algorithms._transport import (
 )
 from aiocoll.device._staging import DeviceSpan
 
-__all__ = ["DEVICE", "FINISHED", "HOST", "STARTING", "GroupState", "OpTransport", "Operation", "Stoppable"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "DEVICE",
+    "FINISHED",
+    "HOST",
+    "STARTING",
+    "GroupState",
+    "OpTransport",
+    "Operation",
+    "Stoppable",
+]
 
 HOST, DEVICE = "host", "device"  # the memory an operation's arrays are in
+# An operation's timeout when its call gave none: its engine's default (Engine.default_timeout),
+# read only if it does not complete inside its call.
+DEFAULT_TIMEOUT: Any = object()
 
 _T = TypeVar("_T")
 _monotonic = time.monotonic
@@ -108,7 +122,8 @@ class Operation(Transport):
         the object kinds, the pickled objects and nothing). workings: the call's tensors
         (aiocoll.device._tensors.Working), copied back on success. result: what the Work completes
         with (the object kinds and a receive compute theirs). root: the group rank of a rooted
-        kind. op: the reduce op. timeout: seconds (None: no deadline). p2p_tag: the user's tag of a
+        kind. op: the reduce op. timeout: seconds (None: no deadline; DEFAULT_TIMEOUT: the
+        engine's default, until the engine reads it). p2p_tag: the user's tag of a
         point-to-point operation (None for the rest). peers: the global ranks a point-to-point
         operation talks to (none: a receive from any rank). memory: HOST or DEVICE (any array a
         device span).
@@ -174,7 +189,7 @@ class Operation(Transport):
         outputs: Sequence[Any],
         workings: Sequence[Any],
         result: Any,
-        timeout: float | None,
+        timeout: Any,
         root: int = 0,
         op: ReduceOp = ReduceOp.SUM,
         p2p_tag: int | None = None,
@@ -186,7 +201,8 @@ class Operation(Transport):
         self.outputs = outputs
         self.workings = workings
         self.result = result
-        self.timeout = timeout
+        # (checked here, at the call: seconds or a timedelta, not negative)
+        self.timeout = timeout if timeout is DEFAULT_TIMEOUT else to_seconds(timeout)
         self.root = root
         self.op = op
         self.p2p_tag = p2p_tag

@@ -16,10 +16,11 @@ from typing import Any, ClassVar, Protocol
 
 from aiocoll.algorithms import KINDS, CollectiveSpec, Tag
 
-from ._op_record import DEVICE, HOST, Operation, OpTransport, Stoppable
+from ._op_record import DEFAULT_TIMEOUT, DEVICE, HOST, Operation, OpTransport, Stoppable
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "DEFAULT_TIMEOUT",
     "DEVICE",
     "HANDED_OFF",
     "HOST",

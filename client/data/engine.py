@@ -62,7 +62,7 @@ from .._recorder import call_sites as _call_sites
 from .._recorder import caller_site as _caller_site
 from .._recorder import code_at as _code_at
 from ._failures import MAX_STUCK_REPORTS, FailureFanout, for_op, gone, ignore_outcome
-from ._op_record import FINISHED, STARTING, GroupState, Operation, OpTransport, Stoppable
+from ._op_record import DEFAULT_TIMEOUT, FINISHED, STARTING, GroupState, Operation, OpTransport, Stoppable
 from ._operation import Body, Starter, as_starter
 
 __all__ = ["Body", "Engine", "GroupState", "OpTransport", "Operation", "Starter"]
@@ -80,7 +80,8 @@ class Engine(FailureFanout):
 
     Args:
         transport: the job's transport (global ranks).
-        default_timeout: seconds for operations called without ``timeout`` (None: no deadline).
+        default_timeout: seconds for operations called without ``timeout`` (DEFAULT_TIMEOUT; None:
+            no deadline); the public layer sets it (ProcessGroup._set_default_timeout).
     """
 
     def __init__(self, transport: Transport, *, default_timeout: float | None = 1800.0) -> None:
@@ -314,6 +315,8 @@ class Engine(FailureFanout):
         """Register ``op`` as pending in its group, with its deadline."""
         op.group.pending.add(op)
         timeout = op.timeout
+        if timeout is DEFAULT_TIMEOUT:
+            op.timeout = timeout = self.default_timeout
         if timeout is not None:
             op.deadline = deadline = self._loop.time() + timeout
             if self._timer is None or deadline < self._timer_at:

@@ -485,6 +485,7 @@ class ProviderTable:
         )
         self._by: dict[str, dict[str, tuple[Provider, ...]]] = {}
         self._links_seen = -1
+        self._destroyed = False
         self._retired: list[Provider] = []
         self.chosen: dict[str, dict[str, list[str]]] = {}
         self.ran = "-"
@@ -509,11 +510,21 @@ class ProviderTable:
 
     # -- running -----------------------------------------------------------------------------
     def submit(self, op: Operation) -> Work:
-        """Run ``op`` on the first row that takes it; returns its Work."""
-        if self._links_seen != self._links.links_version:
+        """Run ``op`` on the first row that takes it; returns its Work.
+
+        Raises:
+            DistError: the group was destroyed (``destroyed``).
+        """
+        if self._links_seen != self._links.links_version:  # (and once the group is destroyed)
+            if self._destroyed:
+                raise DistError(f"{op.kind}: process group {self._state.gid!r} was destroyed")
             self.select()
         kind = op.kind
-        for provider in self._by[op.memory].get(kind, ()):
+        try:
+            rows = self._by[op.memory][kind]
+        except KeyError:  # (no row serves it: said below)
+            rows = ()
+        for provider in rows:
             start = provider.prepare(op)
             if start is None:
                 continue
@@ -531,6 +542,11 @@ class ProviderTable:
         """Run ``spec`` as a step of an operation already running (a staged chunk, an object
         operation's step, a group's formation): over the links, by the group's route."""
         await run_routed(spec, transport, tag, meta, self.layout)
+
+    def destroyed(self) -> None:
+        """Refuse every later operation: the group is destroyed (its rows close with ``close``)."""
+        self._destroyed = True
+        self._links_seen = -2  # never a links version: the next call looks (``submit``)
 
     # -- groups ------------------------------------------------------------------------------
     def forming(self, members: Sequence[int]) -> Forming:
