@@ -621,3 +621,30 @@ async def test_a_straight_operation_retires_its_tag_unless_told_no_message_can_c
         assert [entry[2] for entry in eng.progress.history][-2:] == [0, 1]
     finally:
         await eng.aclose()
+
+
+async def test_a_calls_timeout_default_check_and_a_destroyed_groups_refusal(tmp_path: Any) -> None:
+    """The public layer hands the record on with the group's default timeout unresolved: an
+    operation that waits takes the default in force at its call, an explicit timeout is checked
+    at the call, and a destroyed group's table refuses a later call at once."""
+    from aiocoll._errors import DistError
+    from aiocoll.api import init_process_group
+
+    store = f"file://{tmp_path / 'store'}"
+    pgs = await asyncio.wait_for(
+        asyncio.gather(*(init_process_group(store, rank=r, world_size=2, token="t") for r in range(2))),
+        LIMIT,
+    )
+    pg = pgs[0]
+    x = np.ones(3, np.float32)
+    with pytest.raises(ValueError, match="timeout"):
+        pg.all_reduce(x, timeout=-1)
+    pg._set_default_timeout(0.3)
+    assert pg.default_timeout == 0.3
+    with pytest.raises(CollectiveTimeout) as timed_out:  # rank 1 never calls it
+        await asyncio.wait_for(pg.barrier(), LIMIT)
+    assert timed_out.value.timeout == 0.3
+    await asyncio.wait_for(pg.destroy(), LIMIT)
+    with pytest.raises(DistError, match="all_reduce: process group 'w' was destroyed"):
+        pg.all_reduce(x)
+    await asyncio.wait_for(pgs[1].destroy(), LIMIT)
