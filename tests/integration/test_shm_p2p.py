@@ -522,6 +522,7 @@ async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it(
             monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)
             assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None
             assert a.mutual_waits == 1
+            assert a._straight_spin.now == 30.0  # spinning was no use: halved, not doubled
             assert a.send_nowait(1, ("m", 1), memoryview(b"abcd"), {}) is None
             assert to_b.mail_out == 1  # in the mailbox, which b has yet to take
             assert not to_b.peer_waits()
@@ -611,7 +612,7 @@ async def test_a_spin_that_ran_out_before_its_message_came_grows_back(
     """An in-place spin whose budget ran out (shrunk to its least by misses in a row) and whose
     receive then got its message while waiting in the loop grows its budget to twice that wait,
     within the most a spin may last: without it, a budget too short to take any reply would
-    never grow back."""
+    never grow back. Not when this rank sent meanwhile (the message may answer that)."""
     from aiocoll.testing.transport_conformance import close_world, shm_world
 
     monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)  # only the budget ends the spin
@@ -629,6 +630,15 @@ async def test_a_spin_that_ran_out_before_its_message_came_grows_back(
         assert b.send_nowait(0, ("m",), memoryview(b"abcd"), {}) is None
         assert await asyncio.wait_for(task, 10) == (1, {}) and got == b"abcd"
         assert budget.now > 5e-6
+        # a message that may answer one of ours, sent after the spin ran out: no growing back
+        budget.now = 5e-6
+        assert a.recv_now(1, ("m",), memoryview(got)) is None
+        task = asyncio.ensure_future(a.recv(1, ("m",), memoryview(got)))
+        await asyncio.sleep(0)  # posted
+        assert a.send_nowait(1, ("ask",), memoryview(b"ask?"), {}) is None
+        assert b.send_nowait(0, ("m",), memoryview(b"efgh"), {}) is None
+        assert await asyncio.wait_for(task, 10) == (1, {}) and got == b"efgh"
+        assert budget.now == 5e-6
     finally:
         await close_world(world)
 

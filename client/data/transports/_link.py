@@ -60,7 +60,7 @@ from aiocoll.algorithms._transport import (
     Transport,
 )
 
-from .._waiting import LATE_YIELD_S, SpinBudget, spin
+from .._waiting import LATE_YIELD_S, SPIN_MIN_S, SpinBudget, spin
 
 __all__ = ["Link", "LinkHost", "LinkTransport", "as_bytes_view"]
 
@@ -246,7 +246,9 @@ class LinkTransport(Transport):
         # loop kept turning (_poll_while_waiting), instead of sleeping (diagnostics)
         self.polled_arrivals = 0
         self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
-        self._missed: tuple[int, float] | None = None  # the last spin that ran out: its peer, start
+        # the last in-place spin that ran out: its peer, when it started, the sends made before it
+        self._missed: tuple[int, float, int] | None = None
+        self._sends = 0  # messages sent so far (see _posted_result)
         # in-place receives that stopped as their peer waited for us, or as other work held our
         # core (diagnostics)
         self.mutual_waits = 0
@@ -415,6 +417,7 @@ class LinkTransport(Transport):
         link = self._links.get(dst)
         if link is None:
             link = await self._wait_link(dst)
+        self._sends += 1
         rest = link.send_nowait(tag, payload, meta)
         if rest is not None:
             await rest
@@ -426,6 +429,7 @@ class LinkTransport(Transport):
         link = self._links.get(dst)
         if link is None or dst == self.rank:
             return self.send(dst, tag, payload, meta)
+        self._sends += 1
         return link.send_nowait(tag, payload, meta)
 
     async def _wait_link(self, dst: int) -> Link:
@@ -501,14 +505,15 @@ class LinkTransport(Transport):
         missed = self._missed
         if missed is not None and missed[0] == src:
             # This receive's in-place spin ran out (recv_now, then here): when its message came
-            # within the most a spin may last, a longer spin would have taken it without the
-            # sleep, so the budget grows to twice that wait. Without this, misses in a row (a
-            # peer held off the CPU for a while) would leave the budget too short to ever take
-            # a reply again, and so never grow back.
+            # within the most a spin may last, and this rank sent nothing meanwhile that the
+            # message may have answered, a longer spin would have taken it without the sleep,
+            # so the budget grows to twice that wait. Without this, misses in a row (a peer held
+            # off the CPU for a while) would leave the budget too short to ever take a reply
+            # again, and so never grow back.
             self._missed = None
             waited = time.perf_counter() - missed[1]
             budget = self._straight_spin
-            if waited < budget.most:
+            if waited < budget.most and self._sends == missed[2]:
                 budget.now = min(budget.most, max(budget.now, 2 * waited))
         return result
 
@@ -552,9 +557,10 @@ class LinkTransport(Transport):
         """recv_now's wait for ``polled``: ``link`` read in place by the wait policy's spin, with
         the link watching (see recv_now for when it stops)."""
         clock = time.perf_counter
-        # when the spin last looked, and since when the peer has been seen waiting for us (0: not)
+        # when the spin last looked, since when the peer has been seen waiting for us (0: not),
+        # and whether a rule below ended the spin (1: a late yield, 2: the peer waits for us)
         started = clock()
-        seen = [started, 0.0]
+        seen = [started, 0.0, 0]
 
         def arrived() -> bool:
             link.read_now()
@@ -565,6 +571,7 @@ class LinkTransport(Transport):
                 # Other work held our core for a time slice: a rank woken from sleep gets it back
                 # ahead of busy processes, where a spinner that yields queues behind them.
                 self.late_yields += 1
+                seen[2] = 1
                 return True
             seen[0] = now
             if not link.peer_waits():
@@ -573,17 +580,25 @@ class LinkTransport(Transport):
                 seen[1] = now
             elif now - seen[1] > _MUTUAL_WAIT_S:
                 self.mutual_waits += 1
+                seen[2] = 2
                 return True
             return False
 
+        budget = self._straight_spin
+        before = budget.now
         link.watch(True)
         try:
-            if spin(arrived, self._straight_spin):
-                self._missed = None
-                if polled.done():
-                    self.polled_arrivals += 1
-            else:  # the budget ran out: see _posted_result
-                self._missed = (link.peer, started)
+            self._missed = None
+            if not spin(arrived, budget):  # the budget ran out: see _posted_result
+                self._missed = (link.peer, started, self._sends)
+            elif polled.done():
+                self.polled_arrivals += 1
+            elif seen[2] == 2:
+                # The peer could not send before its own wait ended: spinning was no use, as
+                # with two ranks that each receive before they send, so spin for less next time.
+                budget.now = max(SPIN_MIN_S, before / 2)
+            else:
+                budget.now = before  # (a late yield says nothing of when the peer answers)
         finally:
             link.watch(False)  # (what the link takes as it stops watching still comes here)
 
