@@ -47,7 +47,7 @@ from aiocoll._types import ReduceOp
 from ._op_record import Stoppable
 from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
-from ._shm_sched import ShmOp, ShmScheduler
+from ._shm_sched import ShmScheduler
 from ._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 
 __all__ = ["ShmGroup"]
@@ -155,8 +155,11 @@ class ShmGroup(ShmScheduler):
         sig: bytes,
         finish: Finish,
         on_wait: OnWait | None = None,
-    ) -> ShmOp:
-        return self._submit(self._reduce_scatter(out, list(ins), op, dtype_name, sig), finish, on_wait)
+    ) -> Stoppable:
+        if out.size <= self._scatter_per(out) and self._straight():
+            t = self._steps(1)
+            return self._run_step(self._reduce_scatter(out, ins, op, dtype_name, sig, t), t, finish, on_wait)
+        return self._submit(self._reduce_scatter(out, ins, op, dtype_name, sig), finish, on_wait)
 
     def barrier(self, sig: bytes, finish: Finish, on_wait: OnWait | None = None) -> Stoppable:
         if self._straight():
@@ -342,10 +345,16 @@ class ShmGroup(ShmScheduler):
         return (yield from self._pipeline(max(1, -(-total // chunk)), sig, filler, consume, t0))
 
     def _reduce_scatter(
-        self, out: np.ndarray, ins: list[np.ndarray], op: ReduceOp, dtype_name: str, sig: bytes
+        self,
+        out: np.ndarray,
+        ins: Sequence[np.ndarray],
+        op: ReduceOp,
+        dtype_name: str,
+        sig: bytes,
+        t0: int = 0,
     ) -> OpGen:
-        n, isz, total = self.n, out.itemsize, out.size
-        per = max(1, self._slot // (n * isz))  # elements of each part per step
+        isz, total = out.itemsize, out.size
+        per = self._scatter_per(out)
         ins_b = [a.view(np.uint8) for a in ins]
 
         def filler(r: int) -> Callable[[np.ndarray], None]:
@@ -363,7 +372,11 @@ class ShmGroup(ShmScheduler):
             srcs = [d[a : a + (hi - lo) * isz].view(out.dtype) for d in self._data]
             self._fold(out[lo:hi], srcs, op, dtype_name, copy=True)
 
-        return self._pipeline(max(1, -(-total // per)), sig, filler, consume)
+        return self._pipeline(max(1, -(-total // per)), sig, filler, consume, t0)
+
+    def _scatter_per(self, out: np.ndarray) -> int:
+        """A reduce_scatter's elements of each part per step (into ``out``)."""
+        return max(1, self._slot // (self.n * out.itemsize))
 
     # -- single copy: readers copy straight from the writer's buffer -----------------------
     def _go_direct(self, nbytes: int, chunks: int) -> Generator[Wait, None, bool]:

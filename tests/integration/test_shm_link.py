@@ -193,6 +193,19 @@ async def waits_for_a_late_peer(ctx: Ctx) -> dict[str, Any]:
         "queued": queued,
         "x": x.tolist(),
     }
+    # A reduce_scatter of one step goes the same way: rank 0's is queued from its wait for the
+    # late rank 1, and each rank gets its part of the sum.
+    parts = [np.full(2, 1.0 + j + ctx.rank, np.float32) for j in range(ctx.n)]
+    mine = np.zeros(2, np.float32)
+    if ctx.rank == 1:
+        await asyncio.sleep(0.3)
+    completed = ctx.group.completed
+    meta = {"kind": "reduce_scatter", "dtype": "float32", "op": "sum", "count": 2}
+    late = ctx.run("reduce_scatter", mine, parts, ReduceOp.SUM, "float32", meta=meta)
+    out["scatter_queued"] = not late.done() and isinstance(ctx.runner, ShmOp)
+    await late
+    out["scatter"] = mine.tolist()
+    out["scatter_completed"] = ctx.group.completed - completed
     await ctx.all_reduce(x, ReduceOp.SUM, "float32")  # (both ranks past the late one)
     row = ctx.group._ctl[0]
     before = [row[INP], row[RED], row[DONE]]
@@ -227,6 +240,9 @@ def test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_spinning() -> None:
     assert early["slept"] >= 1
     assert early["queued"] and early["completed"] == late["completed"] == 1, (early, late)
     assert early["published"] == 1 and early["taken_back"], early
+    assert early["scatter_queued"], early
+    assert early["scatter_completed"] == late["scatter_completed"] == 1, (early, late)
+    assert early["scatter"] == [3.0, 3.0] and late["scatter"] == [5.0, 5.0], (early, late)
     # 1.5 s of waiting: a spinning rank would burn about that much CPU; a sleeping one almost none
     assert early["cpu"] < 0.5, early
 
