@@ -41,7 +41,7 @@ import numpy as np
 import aiocoll._signature as _signature
 from aiocoll._env import env_text
 from aiocoll._errors import DistError, MismatchError, PeerLostError
-from aiocoll._reduce import finish_avg, kernel, quiet, restore
+from aiocoll._reduce import Kernel, finish_avg, kernel, quiet, restore
 from aiocoll._types import ReduceOp
 
 from ._op_record import Stoppable
@@ -100,6 +100,10 @@ class ShmGroup(ShmScheduler):
         self.direct_steps = 0  # steps that read the peers' buffers directly (_direct_step)
         self._view_cache: dict[tuple[int, int, np.dtype[Any]], list[np.ndarray]] = {}
         self._fold_tmp: np.ndarray | None = None
+        # the last (op, dtype name) _fold reduced, and its kernel (aiocoll._reduce.kernel)
+        self._fold_op: ReduceOp | None = None
+        self._fold_dtype = ""
+        self._fold_kernel: Kernel = np.add
         self._slot_free = 0  # a step whose slot every member is known to have read (_reduce_at_once)
         # an all_reduce of at most this many bytes runs in one step (_reduce_at_once)
         self._at_once_max = self._slot if self.n <= _WHOLE_RANKS else min(self._slot, _WHOLE_MAX)
@@ -256,7 +260,7 @@ class ShmGroup(ShmScheduler):
         """An all_reduce in one step, step ``t``: everyone writes everything, everyone reduces
         everything."""
         s = t % SLOTS
-        if t > SLOTS and t != self._slot_free:
+        if t != self._slot_free and t > SLOTS:  # (in a loop of them, t is the slot known free)
             yield (DONE, t - SLOTS, self.others)
         views = self._views(s * self._slot, x.nbytes, x.dtype)
         views[self.me][:] = x
@@ -475,7 +479,14 @@ class ShmGroup(ShmScheduler):
         """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
         my own input already unless ``copy``. Overflow gives inf and invalid operations nan, as
         in torch and the driver's Buffers: no floating-point warnings (aiocoll._reduce.quiet)."""
-        k = kernel(op, dtype_name)  # (k(a, b, out=dst): dst = a op b)
+        # (k(a, b, out=dst): dst = a op b) A training loop reduces one op and dtype over and
+        # over: the kernel of the last pair is kept here, where finding it (a call of kernel,
+        # its key and table) costs about as much as the fold of a small message.
+        if op is self._fold_op and dtype_name == self._fold_dtype:
+            k = self._fold_kernel
+        else:
+            k = kernel(op, dtype_name)  # (raises for a meaningless pair: then nothing is kept)
+            self._fold_op, self._fold_dtype, self._fold_kernel = op, dtype_name, k
         token = quiet()
         try:
             if copy or self.me > 1:
