@@ -248,13 +248,14 @@ class Engine(FailureFanout):
         if not retire:
             op.retires = False
         if group.notices:  # (a group with notices pending takes the usual path)
-            self._promote(op, None)
             notice = group.notices.pop(seq, None) if seq >= 0 else None
             if notice is not None:  # said mismatched already: not registered, never started
+                self._promote(op, None)
                 op.future.set_exception(notice)
                 return op.work
-            self._pend(op)
-            op.lane = STARTING
+            self._promote(op, STARTING)  # pending, with its deadline, while it starts
+            if op.lane is FINISHED:  # (failed at once: its group broke)
+                return op.work
             try:
                 lane = start(op.tag, op, op.finish)
             except BaseException as exc:
@@ -304,16 +305,8 @@ class Engine(FailureFanout):
         if lane is None:
             return
         op.lane = lane
-        self._pend(op)
         group = op.group
-        broken = group.broken
-        if broken is not None and op.seq >= group.broken_seq:
-            # the group broke while it started (nothing could fail it then): fail it now
-            self._abort(op, for_op(broken, op))
-
-    def _pend(self, op: Operation) -> None:
-        """Register ``op`` as pending in its group, with its deadline."""
-        op.group.pending.add(op)
+        group.pending.add(op)
         timeout = op.timeout
         if timeout is DEFAULT_TIMEOUT:
             op.timeout = timeout = self.default_timeout
@@ -321,6 +314,10 @@ class Engine(FailureFanout):
             op.deadline = deadline = self._loop.time() + timeout
             if self._timer is None or deadline < self._timer_at:
                 self._arm(deadline)
+        broken = group.broken
+        if broken is not None and op.seq >= group.broken_seq:
+            # the group broke while it started (nothing could fail it then): fail it now
+            self._abort(op, for_op(broken, op))
 
     def _check_usable(
         self, group: GroupState, kind: str, seq: int, peers: Iterable[int] = (), tag: Tag = ()
