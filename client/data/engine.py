@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import sys
 import time
@@ -62,7 +63,16 @@ from .._recorder import call_sites as _call_sites
 from .._recorder import caller_site as _caller_site
 from .._recorder import code_at as _code_at
 from ._failures import MAX_STUCK_REPORTS, FailureFanout, for_op, gone, ignore_outcome
-from ._op_record import DEFAULT_TIMEOUT, FINISHED, STARTING, GroupState, Operation, OpTransport, Stoppable
+from ._op_record import (
+    DEFAULT_TIMEOUT,
+    FINISHED,
+    STARTING,
+    GroupState,
+    Operation,
+    OpTransport,
+    Stoppable,
+    _describe,
+)
 from ._operation import Body, Starter, as_starter
 
 __all__ = ["Body", "Engine", "GroupState", "OpTransport", "Operation", "Starter"]
@@ -287,8 +297,9 @@ class Engine(FailureFanout):
                 self.progress.done(op)
                 if retire and seq >= 0:  # (a point-to-point tag is the user's, used again)
                     self.transport.retire(op.tag)
-                # (described by the record itself: it holds no Work, so no reference cycle)
-                return Work.born(op.result, self._loop, op.describe)
+                # (described by a function of its name, not the record: a Work the caller keeps
+                # would keep the record's arrays, a staged copy among them)
+                return Work.born(op.result, self._loop, _partial(_describe, op.kind, group, seq))
             op.abort_exc = None
             self._promote(op, None)
             self._settle(op, None, failure)
@@ -578,3 +589,4 @@ class Engine(FailureFanout):
 
 _monotonic = time.monotonic
 _getframe = sys._getframe
+_partial = functools.partial

@@ -648,3 +648,30 @@ async def test_a_calls_timeout_default_check_and_a_destroyed_groups_refusal(tmp_
     with pytest.raises(DistError, match="all_reduce: process group 'w' was destroyed"):
         pg.all_reduce(x)
     await asyncio.wait_for(pgs[1].destroy(), LIMIT)
+
+
+async def test_a_work_born_complete_keeps_neither_the_record_nor_its_arrays() -> None:
+    """The record carries the call's arrays (a staged copy among them): a Work the caller keeps
+    after its operation completed inside its call must not keep them, and still says what it was."""
+    import weakref
+
+    from aiocoll.client.data._operation import HANDED_OFF, Operation
+
+    world = MemoryWorld(1)
+    eng = Engine(world[0], default_timeout=10)
+    try:
+        group = eng.group("solo", (0,))
+        staged = np.zeros(1 << 16)
+
+        def at_once(tag: Any, transport: Any, finish: Any) -> Any:
+            finish(None, None)
+            return HANDED_OFF
+
+        op = Operation("all_reduce", {"kind": "all_reduce"}, (staged,), (staged,), (), None, 5)
+        record, array = weakref.ref(op), weakref.ref(staged)
+        work = eng.submit_op(group, op, at_once)
+        del op, staged
+        assert work.is_completed() and record() is None and array() is None
+        assert work.description == "all_reduce (group 'solo', seq 0)"
+    finally:
+        await eng.aclose()
