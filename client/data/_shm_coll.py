@@ -104,7 +104,7 @@ class ShmGroup(ShmScheduler):
         self._fold_op: ReduceOp | None = None
         self._fold_dtype = ""
         self._fold_kernel: Kernel = np.add
-        self._slot_free = 0  # a step whose slot every member is known to have read (_reduce_at_once)
+        self._slot_free = 0  # a step whose slot every member is known to have read (_check)
         # an all_reduce of at most this many bytes runs in one step (_reduce_at_once)
         self._at_once_max = self._slot if self.n <= _WHOLE_RANKS else min(self._slot, _WHOLE_MAX)
         # _fold's order for my own input in place: ranks 0 and 1 fold the rest into it
@@ -180,7 +180,7 @@ class ShmGroup(ShmScheduler):
     # -- the steps -------------------------------------------------------------------------
     def _announce(self, t: int, sig: bytes | None, fill: Callable[[np.ndarray], None] | None) -> OpGen:
         """Write my part of step ``t`` once my slot is free, then publish it."""
-        if t > self._slots:
+        if t != self._slot_free and t > self._slots:
             yield (DONE, t - self._slots, self.others)
         s = t % self._slots
         if fill is not None:
@@ -267,9 +267,6 @@ class ShmGroup(ShmScheduler):
         self._write_sig(s, sig)
         self._publish(INP, t)
         yield (INP, t, self.others)
-        # Every member wrote this operation's only step, so had ended every operation before it
-        # (each publishes ``done`` of all its steps before it ends): step t + 1's slot is free.
-        self._slot_free = t + 1
         self._check(t, sig)
         self._fold(x, views, op, dtype_name)
         self._publish_read(t)
@@ -540,6 +537,12 @@ class ShmGroup(ShmScheduler):
 
     # -- signatures ------------------------------------------------------------------------
     def _check(self, t: int, sig: bytes) -> None:
+        """Compare every member's signature of the operation whose first step is ``t`` with
+        ours, once every member's ``inp`` of ``t`` is seen."""
+        # Every member wrote the operation's first step, so had ended every operation before it
+        # (each publishes ``done`` of all its steps before it ends): step t + 1's slot, that of
+        # an earlier step, is free, and its writer need not wait for it (_announce).
+        self._slot_free = t + 1
         if t == 1:
             self._probe_direct()
         o = _SIG_AT[t % SLOTS]
