@@ -8,7 +8,7 @@ another order than shared memory does; here that changes nothing).
 
 - 1% loss: nftables drops 1% of the packets every host sends; every step is committed by all
   three, with the reference's parameters, and nothing fails.
-- a partition: host 2 is cut off (nftables drops everything in and out of it) mid-run; within
+- a partition: host 2 is cut off (nftables drops everything in and out of it) inside a step; within
   PARTITION_BOUND seconds both survivors have named it (replica, rank and host) and committed a
   step without it; it names the replicas it lost, and once the cut is lifted it rejoins, heals
   from a live replica and trains on, bit-identical.
@@ -99,6 +99,7 @@ async def train(args: argparse.Namespace, record: IO[str]) -> None:
         params[:] = state["params"]
 
     pause_step, _, pause = args.pause_at.partition(":")
+    hold_step, _, hold_file = args.hold_at.partition(":")
     manager = Manager(
         args.coordinator,
         replica=args.replica,
@@ -123,6 +124,16 @@ async def train(args: argparse.Namespace, record: IO[str]) -> None:
             step = manager.step
             healed = manager.last_heal if manager.last_heal is not heals else None
             grad = gradient(args.replica, step)
+            if hold_step and step == int(hold_step):
+                write({"event": "holding", "step": step})
+                held = Path(hold_file)
+                until = time.monotonic() + 60
+                # (a local stat: the loop turns between looks, and the Manager beats meanwhile)
+                while not held.exists():  # noqa: ASYNC240
+                    if time.monotonic() > until:
+                        raise SystemExit(f"{held} did not appear within 60s")
+                    await asyncio.sleep(0.01)
+                hold_step = ""
             await asyncio.sleep(args.step_time)  # stands for the forward and backward pass
             await manager.all_reduce_mean([grad])
             if await manager.commit():
@@ -145,6 +156,9 @@ def replica_main() -> None:
     parser.add_argument("--timeout", type=float, default=6.0)
     parser.add_argument("--pause-at", default="", help="STEP:SECONDS: sleep before asking at STEP")
     parser.add_argument("--stop-file", default="", help="once it exists, the step to stop at (not --steps)")
+    parser.add_argument(
+        "--hold-at", default="", help="STEP:FILE: inside STEP (its quorum joined), wait until FILE exists"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.replica} %(name)s %(message)s")
     with open(args.record, "a", buffering=1) as record:  # a line per write: read as it goes
@@ -342,12 +356,25 @@ def test_a_partitioned_host_is_named_left_out_within_bounds_and_heals_after_the_
         _coordinator(hosts, tmp_path)
         run = Run(tmp_path, f"{hosts.addresses[0]}:{PORT}", steps=100_000)  # until told (stop file)
         stop = tmp_path / "stop"
+        release = tmp_path / "release"
         try:
             for h, name in enumerate(names):
-                run.start(name, hosts.prefix(h), "--step-time", "0.05", "--stop-file", str(stop))
-            run.until("ten steps of all three", lambda: all(len(run.steps_of(n)) >= 10 for n in names), 90)
+                # r2 holds inside step 10 until the cut is made: the cut lands inside its step.
+                # (Cut between two of its steps, waiting in start_step for a quorum, it has no
+                # step to fail: it waits for its quorum until the cut is lifted.)
+                hold = ["--hold-at", f"10:{release}"] if name == "r2" else []
+                run.start(name, hosts.prefix(h), "--step-time", "0.05", "--stop-file", str(stop), *hold)
+            run.until(
+                "ten steps of all three, and r2 inside the next",
+                lambda: (
+                    all(len(run.steps_of(n)) >= 10 for n in names)
+                    and any(e["event"] == "holding" for e in run.records("r2"))
+                ),
+                90,
+            )
             _nft(hosts, 2, CUT)
             cut_at = time.time()
+            release.touch()
             run.until(
                 "both survivors commit a step without r2",
                 lambda: all(
