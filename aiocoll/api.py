@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from aiocoll._deadline import to_seconds
 from aiocoll._reduce import check_reduce_op
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
@@ -104,12 +103,6 @@ def _coerce_op(op: Any, name: str, kind: str) -> ReduceOp:
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{kind}: {exc}") from exc
     return rop
-
-
-def _timeout(value: Any, default: float | None) -> float | None:
-    if value is _DEFAULT:
-        return default
-    return to_seconds(value)
 
 
 # --------------------------------------------------------------------------------------------
