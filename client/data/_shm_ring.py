@@ -169,6 +169,11 @@ class RingWriter(_RingSide):
     def freed(self) -> int:
         return int(self._ctl[_FREED])
 
+    @property
+    def mailed(self) -> int:
+        """How many messages we have put in the mailbox."""
+        return self._mailed
+
     def mail_open(self, frames: int) -> bool:
         """Whether the receiver has taken our last message out of the mailbox and has dispatched
         all ``frames`` socket frames we wrote so far: a message put in the mailbox now is the
@@ -178,7 +183,7 @@ class RingWriter(_RingSide):
 
     def peer_spins(self) -> bool:
         """Whether the receiver says it polls the mailbox in place (it waits for a message)."""
-        return bool(self._ctl[_POLLING] == 1)
+        return self._ctl[_POLLING] == 1
 
     def wrote(self, frames: int) -> None:
         """Say that the link has written ``frames`` socket frames so far."""
@@ -198,7 +203,7 @@ class RingWriter(_RingSide):
         ctl[_MAILED] = mailed
         fence_enter()  # (fence: counted before we look whether the receiver still polls)
         fence_leave()
-        return bool(ctl[_POLLING])
+        return ctl[_POLLING] != 0
 
 
 class RingReader(_RingSide):
@@ -261,14 +266,19 @@ class RingReader(_RingSide):
         self._ctl[_POLLING] = 0
         fence_enter()  # (fence: visible before we look at the mailbox once more)
         fence_leave()
-        return bool(self._ctl[_MAILED] != self._taken)
+        return self._ctl[_MAILED] != self._taken
 
     def dispatched(self, frames: int) -> None:
         """Say that the link's first ``frames`` socket frames from the sender were dispatched."""
         self._ctl[_DISPATCHED] = frames
 
+    @property
+    def taken(self) -> int:
+        """How many mailbox messages we have taken out."""
+        return self._taken
+
     def has_mail(self) -> bool:
-        return bool(self._ctl[_MAILED] != self._taken)
+        return self._ctl[_MAILED] != self._taken
 
     def frames_written(self) -> int:
         """How many socket frames the sender says it wrote."""

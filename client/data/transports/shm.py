@@ -215,8 +215,10 @@ class ShmLink(TcpLink):
             self._loop.add_reader(self._space_efd, self._on_efd)
         self._closing = False
         self._loop_watching = False  # the event loop's polling turns read the mailbox (watch)
-        self.mail_out = 0  # diagnostics: messages we put in the mailbox, those we took out of
-        self.mail_in = 0  # the peer's, and the times we had to wake the peer for one
+        # diagnostics: messages we put in the mailbox and those we took out of the peer's (the
+        # rings count them; kept here once the rings are closed), the times we had to wake the
+        # peer for one
+        self._mail_counts = (0, 0)
         self.mail_wakes = 0
         self._chunk = max(4096, capacity // _CHUNKS_PER_RING)
         self._budget = SpinBudget(spin_s)
@@ -266,7 +268,6 @@ class ShmLink(TcpLink):
             # there, one that does not is woken.
             message = self._packer.pack([tag, meta, body])
             if len(message) <= MAIL_BYTES:
-                self.mail_out += 1
                 if not writer.mail(message):
                     self.mail_wakes += 1
                     try:
@@ -295,6 +296,18 @@ class ShmLink(TcpLink):
             return None
         out.fut = self._loop.create_future()
         return self._finish(out)
+
+    @property
+    def mail_out(self) -> int:
+        """Messages we put in the peer's mailbox so far."""
+        writer = self._writer
+        return self._mail_counts[0] if writer is None else writer.mailed
+
+    @property
+    def mail_in(self) -> int:
+        """Messages we took out of the peer's mailbox so far."""
+        reader = self._reader
+        return self._mail_counts[1] if reader is None else reader.taken
 
     async def _finish(self, out: _Outgoing) -> None:
         fut = out.fut
@@ -523,7 +536,6 @@ class ShmLink(TcpLink):
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             self._broken(exc)
             return False
-        self.mail_in += 1
         self._matcher.deliver(self.peer, tuple(tag), meta, body)
         return True
 
@@ -698,6 +710,7 @@ class ShmLink(TcpLink):
                 out.fut.set_exception(self._lost())
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
+        self._mail_counts = (self.mail_out, self.mail_in)
         for side in (self._writer, self._reader):
             if side is not None:
                 side.close()
