@@ -450,7 +450,8 @@ class Matcher:
         ``landed`` would place it, else to ``arrived``, in a copy unless ``lasting`` (``payload``
         then stays valid and is kept as it is). The matcher keeps no other reference to
         ``payload``: the link may reuse its memory once this returns."""
-        posted = self._next_in_line(src, tag) if self._posted or self._posted_any else None
+        # (a receive from any source posted for another tag, the engine's, is no reason to look)
+        posted = self._next_in_line(src, tag) if self._posted or tag in self._posted_any else None
         if posted is not None:
             done = posted.done
             if not done.done():
