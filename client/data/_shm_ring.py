@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Callable
+from typing import TypeVar
 
 from ._shm import RING_HEADER, STORES_IN_ORDER, fence, fence_enter, fence_leave
 
@@ -68,6 +69,7 @@ _MAILED, _TAKEN, _POLLING, _DISPATCHED, _MAIL_LEN, _WROTE = 32, 40, 48, 56, 64, 
 _MAIL_AT = 1024
 MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message, packed (its tag, meta and payload)
 _ALIGN = 64
+_P = TypeVar("_P")
 
 
 class _RingSide:
@@ -189,12 +191,18 @@ class RingWriter(_RingSide):
         """Say that the link has written ``frames`` socket frames so far."""
         self._ctl[_WROTE] = frames
 
-    def mail(self, message: bytes) -> bool:
-        """Put a packed message (``MAIL_BYTES`` at most) in the mailbox, once ``mail_open`` said
-        so; True when the receiver still polls, False when it stopped meanwhile (it may not have
+    def mail(self, frames: int, pack: Callable[[_P], bytes], parts: _P) -> bool | None:
+        """Put ``pack(parts)`` in the mailbox when ``mail_open(frames)`` says so and it fits
+        (``MAIL_BYTES`` at most), packed only then: None when not (send it another way); else
+        True when the receiver still polls, False when it stopped meanwhile (it may not have
         seen the message: wake it)."""
-        n = len(message)
         ctl = self._ctl
+        if ctl[_TAKEN] != self._mailed or ctl[_DISPATCHED] != frames:
+            return None
+        message = pack(parts)
+        n = len(message)
+        if n > MAIL_BYTES:
+            return None
         self._mail[:n] = message
         ctl[_MAIL_LEN] = n
         if not STORES_IN_ORDER:

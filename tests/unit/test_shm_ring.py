@@ -109,6 +109,16 @@ def test_a_payload_read_outside_the_ring_is_reported_in_its_header_and_a_withdra
     assert not reader.still_offered(3)
 
 
+def _as_is(message: bytes) -> bytes:
+    return message
+
+
+def test_a_message_larger_than_the_mailbox_is_not_mailed() -> None:
+    writer, reader = _ring()
+    assert writer.mail(0, _as_is, b"x" * (MAIL_BYTES + 1)) is None
+    assert not reader.has_mail() and writer.mail_open(0)
+
+
 def test_the_mailbox_holds_one_message_until_the_receiver_took_it_and_all_frames_are_dispatched() -> None:
     writer, reader = _ring()
     assert writer.mail_open(0) and not reader.has_mail() and reader.mail() is None
@@ -117,8 +127,9 @@ def test_the_mailbox_holds_one_message_until_the_receiver_took_it_and_all_frames
     assert writer.mail_open(1)
     for i in range(3):
         message = bytes([i + 1]) * (MAIL_BYTES - i)  # up to a full mailbox
-        assert not writer.mail(message)  # nobody polls: wake it
+        assert writer.mail(1, _as_is, message) is False  # nobody polls: wake it
         assert not writer.mail_open(1)  # one at a time
+        assert writer.mail(1, _as_is, b"z") is None  # (and is not written)
         assert reader.has_mail() and not writer.mail_open(1)
         assert reader.mail() == message  # copied out, and so taken
         assert not reader.has_mail() and writer.mail_open(1) and reader.mail() is None
@@ -127,13 +138,13 @@ def test_the_mailbox_holds_one_message_until_the_receiver_took_it_and_all_frames
 def test_a_message_mailed_as_the_receiver_stops_polling_is_seen_by_one_side_or_the_other() -> None:
     writer, reader = _ring()
     reader.start_polling()
-    assert writer.mail(b"x")  # seen polling: no wake-up needed
+    assert writer.mail(0, _as_is, b"x")  # seen polling: no wake-up needed
     assert reader.stop_polling()  # and the receiver's last look finds it
     assert reader.mail() == b"x"
     assert not reader.stop_polling()  # nothing came: it may sleep
     reader.start_polling()
     assert not reader.stop_polling()
-    assert not writer.mail(b"y")  # it stopped before: the sender wakes it
+    assert writer.mail(0, _as_is, b"y") is False  # it stopped before: the sender wakes it
 
 
 @pytest.mark.parametrize(

@@ -109,7 +109,7 @@ from aiocoll.protocol import PREFIX, Frame
 
 from .._peer import PeerLink
 from .._shm import NONCE_BYTES, PROBE_OFFSET, ShmHost, ShmPeer, ShmUnavailable, region_bytes
-from .._shm_ring import MAIL_BYTES, RingReader, RingWriter
+from .._shm_ring import RingReader, RingWriter
 from .._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 from .._waiting import SpinBudget, spin
 from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
@@ -132,8 +132,8 @@ _HANGUP_CHECK_S = 0.5
 _DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
 _INLINE_S = 0.002  # the most a send moves into the ring before the event loop gets a turn
 _MAIL_MAX = 2048
-"""Payloads up to this size (header included, at most the mailbox's MAIL_BYTES) go through the
-ring's mailbox when the receiver polls for them and nothing else is in flight on the link."""
+"""Payloads up to this size go through the ring's mailbox when nothing else is in flight on the
+link and they fit there packed (header included, _shm_ring.MAIL_BYTES at most)."""
 _FRAME_BYTES = 1024
 """Payloads up to this size travel inside their frame on the socket, as over tcp: the frame
 crosses the socket anyway, and for a few hundred bytes the kernel's copy costs less than
@@ -262,13 +262,13 @@ class ShmLink(TcpLink):
         body = as_bytes_view(payload)
         queue = self._sending
         n = len(body)
-        if not queue and 0 < n <= _MAIL_MAX and self._mailbox and writer.mail_open(self.frames_out):
-            # The straight path: the receiver has taken everything we sent before, so the
+        if not queue and 0 < n <= _MAIL_MAX and self._mailbox:
+            # The straight path, when the receiver has taken everything we sent before: the
             # message goes to the mailbox without a frame; a receiver that polls takes it from
             # there, one that does not is woken.
-            message = self._packer.pack([tag, meta, body])
-            if len(message) <= MAIL_BYTES:
-                if not writer.mail(message):
+            polling = writer.mail(self.frames_out, self._packer.pack, [tag, meta, body])
+            if polling is not None:
+                if not polling:
                     self.mail_wakes += 1
                     try:
                         os.eventfd_write(self._peer_efd, 1)
