@@ -62,12 +62,13 @@ from typing import TypeVar
 
 from ._shm import RING_HEADER, STORES_IN_ORDER, fence, fence_enter, fence_leave
 
-__all__ = ["MAIL_BYTES", "RingReader", "RingWriter"]
+__all__ = ["MAIL_BYTES", "NEWS_FRAMES", "NEWS_MAIL", "RingReader", "RingWriter"]
 
 _FREED, _WAITING, _READ, _OFFERED = 0, 8, 16, 24  # int64 indexes into the header page
 _MAILED, _TAKEN, _POLLING, _DISPATCHED, _MAIL_LEN, _WROTE = 32, 40, 48, 56, 64, 66
 _MAIL_AT = 1024
 MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message, packed (its tag, meta and payload)
+NEWS_MAIL, NEWS_FRAMES = 1, 2  # RingReader.news's bits
 _ALIGN = 64
 _P = TypeVar("_P")
 
@@ -287,6 +288,13 @@ class RingReader(_RingSide):
 
     def has_mail(self) -> bool:
         return self._ctl[_MAILED] != self._taken
+
+    def news(self, frames: int) -> int:
+        """What the sender left for us in one look: ``NEWS_MAIL`` set when the mailbox holds a
+        message we have not taken, ``NEWS_FRAMES`` when it says it wrote socket frames beyond
+        the first ``frames``; 0 when neither."""
+        ctl = self._ctl
+        return (ctl[_MAILED] != self._taken) | (ctl[_WROTE] != frames) << 1
 
     def frames_written(self) -> int:
         """How many socket frames the sender says it wrote."""

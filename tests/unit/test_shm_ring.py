@@ -11,7 +11,7 @@ import random
 
 import pytest
 from aiocoll.client.data._shm import RING_HEADER
-from aiocoll.client.data._shm_ring import MAIL_BYTES, RingReader, RingWriter
+from aiocoll.client.data._shm_ring import MAIL_BYTES, NEWS_FRAMES, NEWS_MAIL, RingReader, RingWriter
 
 CAPACITY = 64 * 1024
 
@@ -164,3 +164,15 @@ def test_the_receiver_refuses_mailbox_counters_no_well_behaved_sender_writes(
     ctl[64], ctl[32] = length, mailed
     with pytest.raises(ValueError, match="mailbox message"):
         reader.mail()
+
+
+def test_news_says_in_one_look_whether_mail_or_unread_frames_wait() -> None:
+    writer, reader = _ring()
+    assert reader.news(0) == 0
+    writer.wrote(2)
+    assert reader.news(0) == NEWS_FRAMES and reader.news(2) == 0
+    reader.dispatched(2)
+    assert writer.mail(2, _as_is, b"m") is False
+    assert reader.news(2) == NEWS_MAIL and reader.news(1) == NEWS_MAIL | NEWS_FRAMES
+    assert reader.mail() == b"m"
+    assert reader.news(2) == 0

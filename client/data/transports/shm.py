@@ -109,7 +109,7 @@ from aiocoll.protocol import PREFIX, Frame
 
 from .._peer import PeerLink
 from .._shm import NONCE_BYTES, PROBE_OFFSET, ShmHost, ShmPeer, ShmUnavailable, region_bytes
-from .._shm_ring import RingReader, RingWriter
+from .._shm_ring import NEWS_FRAMES, NEWS_MAIL, RingReader, RingWriter
 from .._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 from .._waiting import SpinBudget, spin
 from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
@@ -480,8 +480,11 @@ class ShmLink(TcpLink):
             return super().read_now()
         # The mailbox first: frames still in the socket were written after its message. The
         # socket only when the peer says it wrote a frame we have not read.
-        mail = reader.has_mail() and self._take_mail()
-        if reader.frames_written() != self._frames_in:
+        news = reader.news(self._frames_in)
+        mail = False
+        if news & NEWS_MAIL:
+            mail = self._take_mail()
+        if news & NEWS_FRAMES:
             return super().read_now() or mail
         return mail
 
