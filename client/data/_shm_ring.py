@@ -71,6 +71,7 @@ MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message, packed (its tag, meta 
 NEWS_MAIL, NEWS_FRAMES = 1, 2  # RingReader.news's bits
 _ALIGN = 64
 _P = TypeVar("_P")
+_T = TypeVar("_T")
 
 
 class _RingSide:
@@ -300,9 +301,10 @@ class RingReader(_RingSide):
         """How many socket frames the sender says it wrote."""
         return int(self._ctl[_WROTE])
 
-    def mail(self) -> bytes | None:
-        """A copy of the mailbox's message when there is one we have not taken, counted as
-        taken (the sender may write the mailbox again).
+    def mail(self, unpack: Callable[[memoryview], _T]) -> _T | None:
+        """The mailbox's message when there is one we have not taken, as ``unpack`` reads it
+        where it lies (it must copy what it keeps), then counted as taken (the sender may write
+        the mailbox again); None when there is none.
 
         Raises:
             ValueError: the counters or the length are not what the protocol allows.
@@ -317,7 +319,9 @@ class RingReader(_RingSide):
         n = ctl[_MAIL_LEN]
         if mailed != taken + 1 or not 0 < n <= MAIL_BYTES:
             raise ValueError(f"a mailbox message #{mailed} of {n} bytes after message #{taken}")
-        message = self._mail[:n].tobytes()
+        message = unpack(self._mail[:n])
+        if not STORES_IN_ORDER:
+            fence()  # the message is read before the sender may write the mailbox again
         self._taken = mailed
         ctl[_TAKEN] = mailed
         return message

@@ -121,7 +121,7 @@ def test_a_message_larger_than_the_mailbox_is_not_mailed() -> None:
 
 def test_the_mailbox_holds_one_message_until_the_receiver_took_it_and_all_frames_are_dispatched() -> None:
     writer, reader = _ring()
-    assert writer.mail_open(0) and not reader.has_mail() and reader.mail() is None
+    assert writer.mail_open(0) and not reader.has_mail() and reader.mail(bytes) is None
     assert not writer.mail_open(1)  # a frame we wrote is not dispatched yet: not the next message
     reader.dispatched(1)
     assert writer.mail_open(1)
@@ -131,8 +131,8 @@ def test_the_mailbox_holds_one_message_until_the_receiver_took_it_and_all_frames
         assert not writer.mail_open(1)  # one at a time
         assert writer.mail(1, _as_is, b"z") is None  # (and is not written)
         assert reader.has_mail() and not writer.mail_open(1)
-        assert reader.mail() == message  # copied out, and so taken
-        assert not reader.has_mail() and writer.mail_open(1) and reader.mail() is None
+        assert reader.mail(bytes) == message  # copied out, and so taken
+        assert not reader.has_mail() and writer.mail_open(1) and reader.mail(bytes) is None
 
 
 def test_a_message_mailed_as_the_receiver_stops_polling_is_seen_by_one_side_or_the_other() -> None:
@@ -140,7 +140,7 @@ def test_a_message_mailed_as_the_receiver_stops_polling_is_seen_by_one_side_or_t
     reader.start_polling()
     assert writer.mail(0, _as_is, b"x")  # seen polling: no wake-up needed
     assert reader.stop_polling()  # and the receiver's last look finds it
-    assert reader.mail() == b"x"
+    assert reader.mail(bytes) == b"x"
     assert not reader.stop_polling()  # nothing came: it may sleep
     reader.start_polling()
     assert not reader.stop_polling()
@@ -163,7 +163,7 @@ def test_the_receiver_refuses_mailbox_counters_no_well_behaved_sender_writes(
     ctl = memoryview(writer._mail.obj)[:RING_HEADER].cast("q")  # the sender's memory, as a peer may set it
     ctl[64], ctl[32] = length, mailed
     with pytest.raises(ValueError, match="mailbox message"):
-        reader.mail()
+        reader.mail(bytes)
 
 
 def test_news_says_in_one_look_whether_mail_or_unread_frames_wait() -> None:
@@ -174,5 +174,5 @@ def test_news_says_in_one_look_whether_mail_or_unread_frames_wait() -> None:
     reader.dispatched(2)
     assert writer.mail(2, _as_is, b"m") is False
     assert reader.news(2) == NEWS_MAIL and reader.news(1) == NEWS_MAIL | NEWS_FRAMES
-    assert reader.mail() == b"m"
+    assert reader.mail(bytes) == b"m"
     assert reader.news(2) == 0

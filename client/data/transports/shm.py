@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import select
@@ -119,7 +120,9 @@ from .tcp import TcpLink, TcpTransport, _consume_outcome, _on_frames
 __all__ = ["SHM_CHUNK_ENV", "SHM_MAILBOX_ENV", "ShmKind", "ShmLink", "prepare_shm", "shm_host"]
 
 log = logging.getLogger("aiocoll.client.shm")
-_unpackb = msgpack.unpackb
+# a mailbox message, read where it lies (what it returns is a copy: the peer may write the
+# mailbox again once we counted the message taken)
+_unpack_mail = functools.partial(msgpack.unpackb, max_ext_len=0, strict_map_key=False)
 
 SHM_CHUNK_ENV = "AIOCOLL_SHM_CHUNK"
 SHM_MAILBOX_ENV = "AIOCOLL_SHM_MAILBOX"
@@ -528,10 +531,10 @@ class ShmLink(TcpLink):
         if reader is None or not self._reading:
             return False
         try:
-            message = reader.mail()  # a copy: the peer may use the mailbox again
+            message = reader.mail(_unpack_mail)
             if message is None:
                 return False
-            tag, meta, body = _unpackb(message, max_ext_len=0, strict_map_key=False)
+            tag, meta, body = message
             if not (isinstance(tag, list) and isinstance(meta, dict) and type(body) is bytes):
                 raise ValueError("a malformed mailbox message")
             if self._incoming is not None:
