@@ -247,6 +247,25 @@ class Operation(Transport):
         engine._settle(self, result, exc)
         engine._finish(self)
 
+    def finish_copied(self, _: Any, exc: BaseException | None, finish: Any = None) -> None:
+        """The one copy-back-then-finish, a ``finish`` callback (its first argument ignored):
+        on success, copy every working array back to its tensor
+        (aiocoll.device._tensors.Working.finish), then complete the operation with ``result``
+        (by ``finish`` when given, a starter's own that wraps this record's); a failed
+        copy-back fails it instead. A bound method, so a starter handed the record's own
+        ``finish`` makes no closure for it."""
+        if exc is None:
+            try:
+                for w in self.workings:
+                    if w.staged:  # (an array that is the tensor's own memory has nothing to copy)
+                        w.finish()
+            except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
+                exc = copy_back
+        if finish is None:
+            self.finish(self.result, exc)
+        else:
+            finish(self.result, exc)
+
     # -- the transport as the operation sees it ----------------------------------------------
     def _counts(self, sending: bool) -> dict[Any, int]:
         """The operation's own counts of messages still awaited (made at its first)."""

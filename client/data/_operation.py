@@ -33,7 +33,6 @@ __all__ = [
     "Starter",
     "as_starter",
     "awaiting",
-    "copy_back_then_finish",
     "copying_back",
     "finish_with_copy_back",
     "spec_of",
@@ -50,7 +49,8 @@ OBJECT_KINDS = frozenset(
 Finish = Callable[[Any, BaseException | None], None]
 # What a provider returns for an operation it takes: ``start(tag, transport, finish)`` begins it
 # inside the engine's call and arranges ``finish(result, None)`` or ``finish(None, error)``
-# exactly once (Engine.submit); the engine calls the returned runner's ``stop()`` if it fails
+# exactly once (Engine.submit_op, which hands it the record's own ``op.finish``; a wrapper, as a
+# staged chain's, may hand its own); the engine calls the returned runner's ``stop()`` if it fails
 # the operation from outside.
 Starter = Callable[[Tag, OpTransport, Finish], Stoppable]
 Body = Callable[[Tag, OpTransport], Coroutine[Any, Any, Any]]
@@ -78,23 +78,11 @@ class Provider(Protocol):
 
 
 def finish_with_copy_back(op: Operation, finish: Finish) -> Finish:
-    """The one copy-back-then-finish: a ``Finish`` callback (its first argument ignored) that, on
-    success, copies every working array back to its tensor (aiocoll.device._tensors.Working.finish)
-    and then completes the operation with ``op.result``; a failed copy-back fails it instead
-    (``copy_back_then_finish``, with ``op`` and ``finish`` bound)."""
-    return partial(copy_back_then_finish, op, finish)
-
-
-def copy_back_then_finish(op: Operation, finish: Finish, _: Any, exc: BaseException | None) -> None:
-    """``finish_with_copy_back(op, finish)(_, exc)``, called at once."""
-    if exc is None:
-        try:
-            for w in op.workings:
-                if w.staged:  # (an array that is the tensor's own memory has nothing to copy)
-                    w.finish()
-        except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
-            exc = copy_back
-    finish(op.result, exc)
+    """``finish`` after the copy-back of ``op``'s working arrays (Operation.finish_copied): the
+    record's bound method when ``finish`` is the record's own, else one bound to ``finish``."""
+    if finish == op.finish:
+        return op.finish_copied
+    return partial(op.finish_copied, finish=finish)
 
 
 class _TaskRunner:

@@ -118,6 +118,8 @@ class ArenaProvider:
     def __init__(self, group: ShmGroup) -> None:
         self.group = group
         self.why = f"every member on this host, linked by shared memory (region {group.region})"
+        self._reduce: Starter = self._all_reduce  # (bound once: see ``prepare``)
+        self._start: Starter = self._start_other
 
     @classmethod
     def for_world(cls, links: LinkTransport, gid: str) -> ArenaProvider | None:
@@ -134,43 +136,41 @@ class ArenaProvider:
 
     def prepare(self, op: Operation) -> Starter | None:
         """The operation's starter (see client/data/_operation.Provider), or None for one the arenas
-        do not take (an out-of-place all_reduce)."""
-        kind = op.kind
+        do not take (an out-of-place all_reduce). The starters are this provider's methods, bound
+        once: the record a starter is handed as its transport is the operation, so none is made
+        per operation."""
+        if op.kind == "all_reduce":
+            return self._reduce if op.inputs[0] is op.outputs[0] else None
+        return self._start
+
+    def _all_reduce(self, tag: Any, op: OpTransport, finish: Finish) -> Stoppable:  # (tag[2]: the seq)
+        x = op.outputs[0]
+        meta = op.meta
+        return self.group.all_reduce(
+            x,
+            op.op,
+            meta.get("dtype") or x.dtype.name,  # (bfloat16 travels as uint16 bits)
+            _signature.pack(tag[2], meta),
+            op.finish_copied if finish == op.finish else finish_with_copy_back(op, finish),
+            op.waiting_for,  # progress reports and timeouts name whom we wait for
+        )
+
+    def _start_other(self, tag: Any, op: OpTransport, finish: Finish) -> Stoppable:
         group = self.group
-        if kind == "all_reduce":
-            x = op.outputs[0]
-            if op.inputs[0] is not x:
-                return None
-
-            def reduce(tag: Any, transport: OpTransport, finish: Finish) -> Stoppable:  # (tag[2]: the seq)
-                meta = op.meta
-                return group.all_reduce(
-                    x,
-                    op.op,
-                    meta.get("dtype") or x.dtype.name,  # (bfloat16 travels as uint16 bits)
-                    _signature.pack(tag[2], meta),
-                    finish_with_copy_back(op, finish),
-                    transport.waiting_for,  # progress reports and timeouts name whom we wait for
-                )
-
-            return reduce
-
-        def start(tag: Any, transport: OpTransport, finish: Finish) -> Stoppable:
-            meta = op.meta
-            sig = _signature.pack(tag[2], meta)
-            fin = finish_with_copy_back(op, finish)
-            on_wait = transport.waiting_for
-            recv = op.outputs
-            if kind == "broadcast":
-                return group.broadcast(recv[0], op.root, sig, fin, on_wait)
-            if kind == "all_gather":
-                return group.all_gather(recv, op.inputs[0], sig, fin, on_wait)
-            if kind == "reduce_scatter":
-                name = meta.get("dtype") or recv[0].dtype.name
-                return group.reduce_scatter(recv[0], op.inputs, op.op, name, sig, fin, on_wait)
-            return group.barrier(sig, fin, on_wait)
-
-        return start
+        kind = op.kind
+        meta = op.meta
+        sig = _signature.pack(tag[2], meta)
+        fin = finish_with_copy_back(op, finish)
+        on_wait = op.waiting_for
+        recv = op.outputs
+        if kind == "broadcast":
+            return group.broadcast(recv[0], op.root, sig, fin, on_wait)
+        if kind == "all_gather":
+            return group.all_gather(recv, op.inputs[0], sig, fin, on_wait)
+        if kind == "reduce_scatter":
+            name = meta.get("dtype") or recv[0].dtype.name
+            return group.reduce_scatter(recv[0], op.inputs, op.op, name, sig, fin, on_wait)
+        return group.barrier(sig, fin, on_wait)
 
     def close(self) -> None:
         self.group.close()

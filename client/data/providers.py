@@ -69,7 +69,6 @@ from ._operation import (
     Starter,
     as_starter,
     awaiting,
-    copy_back_then_finish,
     copying_back,
     finish_with_copy_back,
     spec_of,
@@ -185,7 +184,7 @@ class P2PProvider:
             if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
                 return copying_back(op, _refusal(sent, got, op, ranks, gid, None))(tag, transport, finish)
             op.result = received(op, got, sent, ranks, gid)
-            copy_back_then_finish(op, finish, None, None)
+            op.finish_copied(None, None, None if finish == op.finish else finish)
             return HANDED_OFF
 
         return recv
