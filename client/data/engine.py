@@ -113,6 +113,9 @@ class Engine(FailureFanout):
         # record logged on a failure (client/_progress.py).
         self.progress = ProgressTracker(self.rank, self._groups.values)
         self.progress.start(self._loop)
+        # The straight path appends its operation's entry to the tracker's history itself
+        # (ProgressTracker.done, without its call) unless a timeline is kept too.
+        self._history_add = None if self.progress.timeline is not None else self.progress.history.append
         # Where operations are called from, for the flight recorder (client/_recorder.py): the
         # depths of the user's frames, or (made by the blocking facade) the site it passes along.
         self._sites, self._passed_sites = _call_sites(self.progress.capacity)
@@ -294,7 +297,11 @@ class Engine(FailureFanout):
             failure = op.abort_exc
             if failure is None:
                 # Known at once, so no future, no deadline, no pending entry.
-                self.progress.done(op)
+                add = self._history_add
+                if add is None:
+                    self.progress.done(op)
+                else:  # (ProgressTracker.done's entry)
+                    add((op.kind, group.gid, seq, op.sig, op.started, _monotonic(), "ok", op.site))
                 if retire and seq >= 0:  # (a point-to-point tag is the user's, used again)
                     self.transport.retire(op.tag)
                 # (described by a function of its name, not the record: a Work the caller keeps
