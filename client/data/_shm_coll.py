@@ -130,10 +130,7 @@ class ShmGroup(ShmScheduler):
         self, x: np.ndarray, root: int, sig: bytes, finish: Finish, on_wait: OnWait | None = None
     ) -> Stoppable:
         b = x.view(np.uint8)
-        if b.size <= self._slot and self._straight():
-            t = self._steps(1)
-            return self._run_step(self._broadcast(b, root, sig, t), t, finish, on_wait)
-        return self._submit(self._broadcast(b, root, sig), finish, on_wait)
+        return self._start(b.size <= self._slot, lambda t: self._broadcast(b, root, sig, t), finish, on_wait)
 
     def all_gather(
         self,
@@ -145,10 +142,9 @@ class ShmGroup(ShmScheduler):
     ) -> Stoppable:
         b = x.view(np.uint8)
         outs_b = [o.view(np.uint8) for o in outs]
-        if b.size <= self._slot and self._straight():
-            t = self._steps(1)
-            return self._run_step(self._all_gather(outs_b, b, sig, t), t, finish, on_wait)
-        return self._submit(self._all_gather(outs_b, b, sig), finish, on_wait)
+        return self._start(
+            b.size <= self._slot, lambda t: self._all_gather(outs_b, b, sig, t), finish, on_wait
+        )
 
     def reduce_scatter(
         self,
@@ -160,16 +156,25 @@ class ShmGroup(ShmScheduler):
         finish: Finish,
         on_wait: OnWait | None = None,
     ) -> Stoppable:
-        if out.size <= self._scatter_per(out) and self._straight():
-            t = self._steps(1)
-            return self._run_step(self._reduce_scatter(out, ins, op, dtype_name, sig, t), t, finish, on_wait)
-        return self._submit(self._reduce_scatter(out, ins, op, dtype_name, sig), finish, on_wait)
+        one_step = out.size <= self._scatter_per(out)
+        return self._start(
+            one_step, lambda t: self._reduce_scatter(out, ins, op, dtype_name, sig, t), finish, on_wait
+        )
 
     def barrier(self, sig: bytes, finish: Finish, on_wait: OnWait | None = None) -> Stoppable:
-        if self._straight():
+        return self._start(True, lambda t: self._barrier(sig, t), finish, on_wait)
+
+    def _start(
+        self, one_step: bool, make: Callable[[int], OpGen], finish: Finish, on_wait: OnWait | None
+    ) -> Stoppable:
+        """Run the operation whose generator ``make(t)`` gives: one of a single step, on an idle
+        group (``_straight``), as plain calls in step ``t``; any other through the queue
+        (``make(0)``: it takes its steps when it begins). all_reduce decides for itself, since
+        its queued generator is another one."""
+        if one_step and self._straight():
             t = self._steps(1)
-            return self._run_step(self._barrier(sig, t), t, finish, on_wait)
-        return self._submit(self._barrier(sig), finish, on_wait)
+            return self._run_step(make(t), t, finish, on_wait)
+        return self._submit(make(0), finish, on_wait)
 
     @staticmethod
     def signature(seq: int, meta: dict[str, Any]) -> bytes:
