@@ -151,7 +151,7 @@ class ArenaProvider:
             op.op,
             meta.get("dtype") or x.dtype.name,  # (bfloat16 travels as uint16 bits)
             _signature.pack(tag[2], meta),
-            op.finish_copied if finish == op.finish else finish_with_copy_back(op, finish),
+            finish_with_copy_back(op, finish),
             op.waiting_for,  # progress reports and timeouts name whom we wait for
         )
 
