@@ -29,7 +29,6 @@ class Turns:
 
     def __init__(self, budget: float = TURN_BUDGET) -> None:
         self.budget = budget
-        self._quarter = budget / 4
         self.spent = 0.0
         # This turn's share is spent: new work should wait (``later``). An attribute kept by
         # ``charge`` and the turn's start, not a property: every read of requests asks it.
@@ -42,6 +41,17 @@ class Turns:
         self._loop = loop
 
     @property
+    def budget(self) -> float:
+        """Seconds of request handling per loop turn; setting it also moves the point (a quarter
+        of it) past which the next turn is scheduled."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, seconds: float) -> None:
+        self._budget = seconds
+        self._quarter = seconds / 4
+
+    @property
     def backlog(self) -> int:
         """How many pieces of work wait for a later turn."""
         return len(self._waiting)
@@ -51,7 +61,7 @@ class Turns:
         if spent > self._quarter:
             if not self._next_turn_asked:
                 self._ask_next_turn()
-            self.exhausted = spent > self.budget
+            self.exhausted = spent > self._budget
 
     def later(self, work: Callable[[], None]) -> None:
         """Run ``work`` in a later turn, after everything put off before it. ``work`` charges its

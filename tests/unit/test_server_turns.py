@@ -47,3 +47,16 @@ async def test_run_all_empties_the_queue_whatever_the_time() -> None:
         turns.later(lambda i=i: (done.append(i), turns.charge(1.0)))
     turns.run_all()
     assert done == [0, 1, 2] and turns.backlog == 0
+
+
+async def test_a_budget_set_later_moves_the_point_where_a_turn_is_spent() -> None:
+    turns = Turns()
+    turns.attach(asyncio.get_running_loop())
+    turns.budget = 0.0
+    turns.charge(1e-6)
+    assert turns.exhausted, "with a budget of zero any charge spends the turn"
+    await asyncio.sleep(0)
+    assert not turns.exhausted and turns.spent == 0.0
+    turns.budget = 10.0
+    turns.charge(1.0)
+    assert not turns.exhausted
