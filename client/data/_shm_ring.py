@@ -22,6 +22,8 @@ to the receiver with the arena). Its first page holds four counters, on their ow
                    writes this)
     512  the mailbox's message: its length; then how many socket frames the link has written
                    (only the sender writes these)
+    640  written   absolute end of the bytes copied into the data so far (only the sender
+                   writes this)
     1024 mailbox   the message (msgpack: its tag, meta and payload), ``MAIL_BYTES`` at most
     4096 data      ``capacity`` bytes, used in order
 
@@ -34,6 +36,11 @@ warm). Chunks start on 64-byte boundaries. Chunks are released in the order they
 ``position + length - freed`` stays within the capacity, or anywhere once the ring is empty.
 That bound is the backpressure: a receiver that stops reading stops the sender once the ring is
 full, and nothing is ever dropped or reordered.
+
+A chunk is reserved whole (``reserve``) and then filled in pieces (``fill``), each counted in
+``written`` once copied, so the receiver may copy a chunk out while the sender still copies it
+in, and learn where its bytes end without a message per piece. The sender fills a reserved
+chunk to its end without waiting for anything of the receiver's (its room is already there).
 
 Waking the sender: after releasing (or reporting a read), the receiver issues a full fence
 (client.data._shm.fence) and reads ``waiting``; a sender about to sleep sets ``waiting``, fences,
@@ -66,6 +73,7 @@ __all__ = ["MAIL_BYTES", "NEWS_FRAMES", "NEWS_MAIL", "RingReader", "RingWriter"]
 
 _FREED, _WAITING, _READ, _OFFERED = 0, 8, 16, 24  # int64 indexes into the header page
 _MAILED, _TAKEN, _POLLING, _DISPATCHED, _MAIL_LEN, _WROTE = 32, 40, 48, 56, 64, 66
+_WRITTEN = 80
 _MAIL_AT = 1024
 MAIL_BYTES = RING_HEADER - _MAIL_AT  # a mailbox message, packed (its tag, meta and payload)
 NEWS_MAIL, NEWS_FRAMES = 1, 2  # RingReader.news's bits
@@ -127,17 +135,34 @@ class RingWriter(_RingSide):
     def has_room(self, n: int) -> bool:
         return self._place(n) >= 0
 
-    def write(self, src: memoryview) -> int:
-        """Copy ``src`` (at most the capacity) into the ring; returns the chunk's absolute end,
-        or -1 when there is no room for it yet (nothing written)."""
-        n = len(src)
+    def reserve(self, n: int) -> int:
+        """Take room for a chunk of ``n`` bytes (at most the capacity), to be filled next;
+        returns the chunk's absolute end, or -1 when there is no room for it yet."""
         pos = self._place(n)
         if pos < 0:
             return -1
-        off = pos % self.capacity
-        self._data[off : off + n] = src
         end = self._end = pos + n
         self.head = (end + _ALIGN - 1) & -_ALIGN
+        return end
+
+    def fill(self, end: int, n: int, at: int, src: memoryview) -> None:
+        """Copy ``src`` to byte ``at`` of the reserved ``n``-byte chunk that ends at ``end``
+        (pieces in order, up to its end), and count it in ``written``."""
+        start = end - n + at
+        off = start % self.capacity
+        k = len(src)
+        self._data[off : off + k] = src
+        if not STORES_IN_ORDER:
+            fence()  # the bytes are there before they are counted
+        self._ctl[_WRITTEN] = start + k
+
+    def write(self, src: memoryview) -> int:
+        """Copy ``src`` (at most the capacity) into the ring as one chunk; returns the chunk's
+        absolute end, or -1 when there is no room for it yet (nothing written)."""
+        n = len(src)
+        end = self.reserve(n)
+        if end >= 0:
+            self.fill(end, n, 0, src)
         return end
 
     def sleep_unless_room(self, n: int) -> bool:
@@ -243,6 +268,14 @@ class RingReader(_RingSide):
         if off + n > cap:
             raise ValueError(f"a chunk of {n} bytes at ring offset {off} crosses the end of the ring")
         return self._data[off : off + n]
+
+    def written(self) -> int:
+        """The absolute end of the bytes the sender has copied into the data so far (those
+        before it may be read)."""
+        written = int(self._ctl[_WRITTEN])
+        if not STORES_IN_ORDER:
+            fence()  # the bytes are read after their count
+        return written
 
     def still_offered(self, key: int) -> bool:
         """Whether the sender still offers the payload of ``key`` (it had not let go of it

@@ -3,8 +3,9 @@ large ones straight from the sender's memory (process_vm_readv), never over the 
 exact bytes for every size (one chunk, many chunks, odd sizes, both directions at once, early and
 late receives), the operations the driver runs over links (reduce, gather, scatter, all_to_all)
 against numpy; a receiver killed with SIGKILL while its sender waits on a full ring or for its
-read, and a sender killed mid-message or before its receiver read it (PeerLostError naming it,
-nothing under /dev/shm); a waiting receive keeps the loop polling over these links (tcp links do
+read, and a sender killed mid-message, while it fills a chunk, or before its receiver read it
+(PeerLostError naming it, nothing under /dev/shm); one frame per payload up to the ring's size;
+a waiting receive keeps the loop polling over these links (tcp links do
 not: test_shm_api)."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from aiocoll.testing.world import outcome, run_world, unwrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-# one chunk, several chunks, more than the 4 MiB ring (the sender waits for room), odd lengths
+# one piece, one chunk of many pieces, more than the 4 MiB ring (several chunks, or a read of
+# the sender's memory), odd lengths
 SIZES = (1, 4096, 100_003, 3 << 20, (16 << 20) + 7)
 BOTH_WAYS = (80 << 20) + 4099
 
@@ -249,7 +251,15 @@ async def sender_killed(pg: Any) -> dict[str, Any]:
         kill_once_under_way()
         await pg.send(np.ones(big, np.uint8), dst=1)
         await asyncio.sleep(60)  # never reached
-    into = np.zeros(big, np.uint8)
+    return await _receive_while_rank_0_dies(pg, big, inherited)
+
+
+async def _receive_while_rank_0_dies(pg: Any, size: int, inherited: set[str]) -> dict[str, Any]:
+    """Rank 1's receive of ``size`` bytes from rank 0, which dies sending them: what it failed
+    with, how soon, and whether part of the payload had landed."""
+    from shm_world import dev_shm_in_use
+
+    into = np.zeros(size, np.uint8)
     receiving = pg.recv(into, src=0) if pg.rank == 1 else None
     await pg.barrier()
     t0 = time.monotonic()
@@ -265,13 +275,70 @@ async def sender_killed(pg: Any) -> dict[str, Any]:
     return res
 
 
-def test_a_sender_killed_mid_message_fails_the_receive_naming_it() -> None:
-    results = run_world(sender_killed, 3, timeout=120, env=RING_ONLY)
+async def sender_killed_mid_chunk(pg: Any) -> dict[str, Any]:
+    """Rank 0 sends one chunk of several pieces and is killed after the first piece (its frame
+    sent): rank 1's receive, copying the pieces out as they land, waits for the rest in place
+    and must see the loss there."""
+    from aiocoll.client.data import _shm_ring
+    from shm_world import dev_shm_in_use
+
+    inherited = set(dev_shm_in_use())
+    size = 3 << 20  # less than the ring: one chunk, one frame, twelve pieces
+    if pg.rank == 0:
+        fill = _shm_ring.RingWriter.fill
+
+        def fill_then_die(self: Any, end: int, n: int, at: int, src: memoryview) -> None:
+            if n == size and at > 0:  # the first piece and the frame are out
+                os.kill(os.getpid(), signal.SIGKILL)
+            fill(self, end, n, at, src)
+
+        _shm_ring.RingWriter.fill = fill_then_die  # (this process only)
+        await pg.barrier()
+        await pg.send(np.ones(size, np.uint8), dst=1)
+        await asyncio.sleep(60)  # never reached
+    return await _receive_while_rank_0_dies(pg, size, inherited)
+
+
+@pytest.mark.parametrize("world", [sender_killed, sender_killed_mid_chunk])
+def test_a_sender_killed_mid_message_fails_the_receive_naming_it(world: Any) -> None:
+    """Killed with chunks still to send (rank 1 waits for their frames in the loop), or while it
+    fills a chunk whose frame it sent (rank 1 waits for the pieces in place)."""
+    results = run_world(world, 3, timeout=120, env=RING_ONLY)
     assert results[0].exitcode == -signal.SIGKILL
     assert results[1].error is None, results[1].error
     res = results[1].value
     assert res["error"] == "PeerLostError" and res["rank"] == 0 and res["partial"], res
     assert res["after"] < 10.0 and res["dev_shm"] == [], res
+
+
+async def frames_per_message(pg: Any) -> dict[str, Any]:
+    """Rank 0 sends messages up to the ring's capacity and larger ones, counting the frames each
+    took; rank 1 checks the bytes."""
+    out: dict[str, Any] = {"frames": [], "exact": []}
+    if pg.rank in (0, 1):
+        link = pg._rt.transport.link(1 - pg.rank)
+        for size in (4 << 10, 300_001, 3 << 20, 4 << 20, 10 << 20):
+            await pg.barrier()
+            before = link.frames_out
+            if pg.rank == 0:
+                await pg.send(_pattern(size, 3), dst=1)
+            else:
+                got = np.zeros(size, np.uint8)
+                await pg.recv(got, src=0)
+                out["exact"].append(bool(np.array_equal(got, _pattern(size, 3))))
+            await pg.barrier()
+            out["frames"].append(link.frames_out - before)
+    else:
+        for _ in range(10):
+            await pg.barrier()
+    return out
+
+
+def test_a_payload_up_to_the_ring_takes_one_frame_and_a_larger_one_a_frame_per_half_ring() -> None:
+    results = unwrap(run_world(frames_per_message, 3, env=RING_ONLY))
+    # (the barriers run over the arenas, not the links: every frame counted is the message's)
+    assert results[1]["exact"] == [True] * 5, results[1]
+    assert results[0]["frames"] == [1, 1, 1, 1, 5], results[0]
 
 
 async def sender_killed_before_read(pg: Any) -> dict[str, Any]:

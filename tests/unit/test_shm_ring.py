@@ -1,7 +1,7 @@
 """The point-to-point ring of the shm links (client/data/_shm_ring.py), both sides over one mapping:
-bytes in order through wrap-around and restarts, the capacity bound, the sender's wake-up flag, the
-words of payloads read outside the ring, a receiver that refuses chunk positions a
-well-behaved sender cannot produce, and the mailbox: one message at a time, the polling
+bytes in order through wrap-around and restarts, the capacity bound, chunks filled in pieces,
+the sender's wake-up flag, the words of payloads read outside the ring, a receiver that refuses
+chunk positions a well-behaved sender cannot produce, and the mailbox: one message at a time, the polling
 flag's hand-shake (a message is never left unseen), and counters a sender cannot produce."""
 
 from __future__ import annotations
@@ -53,6 +53,27 @@ def test_an_empty_ring_starts_over_at_its_first_bytes() -> None:
         end = writer.write(memoryview(b"x" * 1000))
         assert (end - 1000) % CAPACITY == 0
         reader.release(end)
+
+
+def test_a_chunk_filled_in_pieces_is_readable_as_far_as_written_says() -> None:
+    """A reserved chunk is counted in ``written`` piece by piece: the receiver may copy each
+    piece out as it lands, and the room stays taken until it frees the whole chunk."""
+    writer, reader = _ring()
+    first = writer.write(memoryview(b"a" * 1000))
+    reader.release(first)
+    n = CAPACITY // 2
+    end = writer.reserve(n)
+    start = end - n
+    assert end >= 0 and reader.written() == first <= start  # reserved, nothing of it written
+    assert not writer.has_room(CAPACITY // 2 + 64)  # the reserved room is taken
+    data = bytes(range(256)) * (n // 256)
+    for at in range(0, n, 4096):
+        writer.fill(end, n, at, memoryview(data[at : at + 4096]))
+        assert reader.written() == start + at + 4096
+        assert bytes(reader.chunk(end, n)[at : at + 4096]) == data[at : at + 4096]
+    assert bytes(reader.chunk(end, n)) == data
+    reader.release(end)
+    assert writer.write(memoryview(b"b" * CAPACITY)) >= 0  # all freed: an empty ring again
 
 
 def test_a_sleeping_sender_is_told_to_wake_and_one_that_finds_room_does_not_sleep() -> None:

@@ -7,16 +7,22 @@ package's tcp module; never the public surface.
 Messages between two ranks of one host (point-to-point, and collectives that do not run over
 the arenas: reduce, gather, scatter, all_to_all, the driver's schedules) keep the tcp kind's
 framing on the Unix socket for their headers, but their payload bytes never cross it: the
-sender copies each payload once into its ring towards the peer (client.data._shm_ring), in chunks
-of ``ring capacity / 8``, and sends one small frame per chunk saying where it lies
-(``{"r": [tag, meta, total, end, length]}`` for the first, ``{"c": [end, length]}`` for the
-rest). The receiver takes those frames in stream order like any other: the first asks the
-process's matcher where the payload goes (``claim``: a posted receive's own buffer, the
-landing memory of a large early message, or, for a small early one, memory of the link's own),
-every chunk is copied out of the ring once, straight there, and freed at once; the last reports
-the message (``landed`` / ``arrived``), so posted receives get exactly one copy and
-``recv_landed`` reduces from where the payload landed. Large payloads are pipelined: the
-receiver copies chunk k out while the sender writes chunk k+1. Zero-length messages are plain
+sender copies each payload once into its ring towards the peer (client.data._shm_ring), as one
+chunk when it fits in the ring, else in chunks of half the ring, and sends one small frame per
+chunk saying where it lies (``{"r": [tag, meta, total, end, length]}`` for the first,
+``{"c": [end, length]}`` for the rest). The receiver takes those frames in stream order like
+any other: the first asks the process's matcher where the payload goes (``claim``: a posted
+receive's own buffer, the one of a receive polling in place when the first chunk is the whole
+payload, the landing memory of a large early message, or, for a small early one, memory of
+the link's own), every chunk is copied out of the ring once, straight there, and freed at
+once; the last reports the message (``landed`` / ``arrived``), so posted and polling receives
+get exactly one copy and ``recv_landed`` reduces from where the payload landed. Payloads are
+pipelined within a chunk: the sender copies a chunk in pieces of ``_PIECE`` bytes, counting
+each in the ring's header (``written``) as it lands, and sends the chunk's frame after the
+first; the receiver copies each piece out as it lands, waiting in place for the next (the
+sender reserved the chunk's room first, so its copy waits for nothing of ours; the wait looks
+for the peer's hang-up between spins). Between chunks, the receiver copies chunk k out while
+the sender writes chunk k+1. Zero-length messages are plain
 frames, and so are payloads of at most ``_FRAME_BYTES`` (the frame crosses the socket anyway,
 and for so few bytes the ring's bookkeeping costs more than the kernel's copy), unless they take
 the straight path below.
@@ -129,7 +135,10 @@ SHM_MAILBOX_ENV = "AIOCOLL_SHM_MAILBOX"
 _DEFAULT_CHUNK = 1 << 20
 _REGIONS = 64  # groups of one process that can use the arena at once (one region each)
 _RING_BYTES = 4 << 20  # each direction of each pair: bounded, touched only as far as used
-_CHUNKS_PER_RING = 8  # a payload moves in chunks of this fraction of the ring (pipelining)
+_PIECE = 256 << 10
+"""A chunk is copied into the ring in pieces of at most this many bytes, each counted in the
+ring's header as it lands: the receiver copies one piece out while the sender copies the next in."""
+_FILL_CHECK_S = 1e-3  # a receiver waiting for a chunk's pieces looks for a hang-up this often
 _SPIN_S = 50e-6  # the most a sender spins for ring space before it sleeps
 _HANGUP_CHECK_S = 0.5
 _DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
@@ -223,7 +232,11 @@ class ShmLink(TcpLink):
         # peer for one
         self._mail_counts = (0, 0)
         self.mail_wakes = 0
-        self._chunk = max(4096, capacity // _CHUNKS_PER_RING)
+        # A payload up to the ring's capacity moves as one chunk (one frame); a larger one in
+        # chunks of half of it, so that the sender fills one while the receiver empties the other.
+        self._capacity = capacity
+        self._chunk = max(4096, capacity // 2)
+        self._fill_budget = SpinBudget(_FILL_CHECK_S)
         self._budget = SpinBudget(spin_s)
         self._sending: deque[_Outgoing] = deque()
         self._incoming: _Incoming | None = None
@@ -280,12 +293,11 @@ class ShmLink(TcpLink):
                 return None
         if not queue and n <= _FRAME_BYTES:  # in its frame, in order: nothing is queued ahead
             return super().send_nowait(tag, payload, meta)
-        if not queue and n <= self._chunk:
-            # The common case of a small message on an idle link: one chunk, one frame, now.
-            end = writer.write(body)
+        if not queue and n <= self._capacity:
+            # The common case of a message on an idle link: one chunk, one frame, now.
+            end = writer.reserve(n)
             if end >= 0:
-                self.ring_bytes_out += n
-                self._frame({"r": [tag, meta, n, end, n]})
+                self._put(end, body, {"r": [tag, meta, n, end, n]})
                 if self.closed:
                     raise self._lost()
                 return None
@@ -353,7 +365,7 @@ class ShmLink(TcpLink):
                     return
                 if clock() - began > _INLINE_S:
                     continue  # out of this turn's time, not of room: the loop gets its turn above
-                need = min(self._chunk, len(out.body) - out.sent)
+                need = self._chunk_size(out)
                 if self._spin_until_room(writer, need):
                     continue
                 if writer.sleep_unless_room(need):
@@ -395,7 +407,7 @@ class ShmLink(TcpLink):
             if left is not None:  # a header-only frame: nobody waits for its hand-off
                 asyncio.ensure_future(left).add_done_callback(_consume_outcome)
             return True
-        writer, chunk = self._writer, self._chunk
+        writer = self._writer
         assert writer is not None
         if out.direct:
             # One frame says where the payload lies in our memory; the receiver copies it straight
@@ -410,17 +422,41 @@ class ShmLink(TcpLink):
             self._frame({"v": [out.tag, out.meta, n, at, self._offered]})
             return not self.closed
         while out.sent < n:
-            c = min(chunk, n - out.sent)
-            end = writer.write(body[out.sent : out.sent + c])
+            c = self._chunk_size(out)
+            end = writer.reserve(c)
             if end < 0:
                 return False
             head = {"r": [out.tag, out.meta, n, end, c]} if out.sent == 0 else {"c": [end, c]}
+            self._put(end, body[out.sent : out.sent + c], head)
             out.sent += c
-            self.ring_bytes_out += c
-            self._frame(head)
             if self.closed or (out.sent < n and time.perf_counter() > until):
                 return False
         return True
+
+    def _chunk_size(self, out: _Outgoing) -> int:
+        """The size of ``out``'s next chunk: all of it when it fits in the ring, else half the
+        ring (or what is left)."""
+        n = len(out.body)
+        return n if n <= self._capacity else min(self._chunk, n - out.sent)
+
+    def _put(self, end: int, src: memoryview, head: dict[str, Any]) -> None:
+        """Fill the chunk reserved up to ``end`` with ``src``, in pieces, and send its frame
+        after the first piece: the receiver copies each piece out as it lands (the ring's
+        ``written``) while we copy the next in. Nothing here waits for the receiver: its room
+        was reserved."""
+        writer = self._writer
+        assert writer is not None
+        n = len(src)
+        k = min(n, _PIECE)
+        writer.fill(end, n, 0, src[:k])
+        self._frame(head)
+        if self.closed:  # (the frame's send failed: the rings are gone)
+            return
+        while k < n:
+            step = min(_PIECE, n - k)
+            writer.fill(end, n, k, src[k : k + step])
+            k += step
+        self.ring_bytes_out += n
 
     def _frame(self, head: dict[str, Any]) -> None:
         """Send a header-only frame saying where a chunk lies (a failed send closes the link)."""
@@ -469,12 +505,19 @@ class ShmLink(TcpLink):
         """While asleep on a full ring: has the peer hung up (a paused link reads nothing, so it
         would not see the end-of-file)? Also re-checks the room, as a net under the wake-up."""
         self._checker = None
+        if self._hung_up():
+            return
+        self._on_space()
+
+    def _hung_up(self) -> bool:
+        """Whether the peer has hung up its socket (then the link is closed as lost), looked at
+        without reading it."""
         poller = select.poll()
         poller.register(self.sock.fileno(), select.POLLRDHUP)
         if any(ev & (select.POLLHUP | select.POLLERR | select.POLLRDHUP) for _, ev in poller.poll(0)):
             self.close("its shared-memory socket closed (the process exited or was killed)", lost=True)
-            return
-        self._on_space()
+            return True
+        return False
 
     # -- receiving --------------------------------------------------------------------------
     def read_now(self) -> bool:
@@ -674,7 +717,21 @@ class ShmLink(TcpLink):
             self._broken(exc)
             return
         got = incoming.got
-        incoming.dst[got : got + n] = src
+        dst = incoming.dst[got : got + n]
+        start = end - n
+        copied = 0
+        # The sender may still be copying the chunk in (it sent the frame after its first
+        # piece): copy out what has landed, piece by piece, until all of it has.
+        while True:
+            ready = min(reader.written() - start, n)
+            if ready > copied:
+                dst[copied:ready] = src[copied:ready]
+                copied = ready
+                if copied == n:
+                    break
+            elif not self._await_fill(reader, start + copied):
+                src.release()
+                return
         src.release()
         incoming.got = got + n
         self.ring_bytes_in += n
@@ -686,6 +743,18 @@ class ShmLink(TcpLink):
             return
         self._incoming = None
         self._hand_over(incoming)
+
+    def _await_fill(self, reader: RingReader, past: int) -> bool:
+        """Wait in place until the sender has copied the ring past ``past``: it fills a chunk
+        whose frame it sent without waiting for anything of ours, so this is a copy's wait. By
+        the one wait policy, looking for a hang-up between spins; False when the peer went
+        meanwhile (the link is then closed as lost)."""
+        budget = self._fill_budget
+        while not spin(lambda: reader.written() > past, budget):
+            budget.now = budget.most
+            if self._hung_up():
+                return False
+        return True
 
     def _broken(self, exc: BaseException) -> None:
         log.warning("shm link to rank %d: %s", self.peer, exc)
