@@ -130,9 +130,11 @@ _helper_lock = threading.Lock()
 _cores: int | None = None
 
 
-def vm_read_split(pid: int, local: int, remote: int, nbytes: int, readers: int = 1) -> None:
-    """``vm_read``; one of at least SPLIT_MIN bytes, where this process may run on two cores or
-    more for each of the ``readers`` processes that read at the same time (this one included),
+def vm_read_split(
+    pid: int, local: int, remote: int, nbytes: int, readers: int = 1, split_min: int = SPLIT_MIN
+) -> None:
+    """``vm_read``; one of at least ``split_min`` bytes, where this process may run on two cores
+    or more for each of the ``readers`` processes that read at the same time (this one included),
     copies its second half on a helper thread at the same time. Returns once both halves are
     copied. (Readers that already hold every core would only queue the helpers behind them.)
 
@@ -142,7 +144,7 @@ def vm_read_split(pid: int, local: int, remote: int, nbytes: int, readers: int =
     global _helper, _cores
     if _cores is None:
         _cores = len(os.sched_getaffinity(0))
-    if nbytes < SPLIT_MIN or _cores < 2 * readers:
+    if nbytes < split_min or _cores < 2 * readers:
         vm_read(pid, local, remote, nbytes)
         return
     with _helper_lock:

@@ -171,11 +171,14 @@ def test_payloads_between_ranks_of_one_host_go_through_the_rings_and_arrive_exac
     for path in ("ring", "direct"):
         assert sum(res[f"{path}_out"] for res in results) == sum(res[f"{path}_in"] for res in results)
     if vm_read_available():
-        # from 16 MiB the receiver reads the sender's buffer: the 16 MiB and 80 MiB ones both
-        # ways; smaller ones (rank 0's early 8 MiB, queued 6 MiB and 4 MiB float ones among them)
-        # all went through the rings
-        for res in results[:2]:
-            assert res["direct_out"] == SIZES[-1] + BOTH_WAYS == res["direct_in"], res
+        # past the 4 MiB ring the receiver reads the sender's buffer: the 16 MiB and 80 MiB ones
+        # both ways, rank 0's early 8 MiB and queued 6 MiB ones, and rank 2's 6 MiB scatter parts
+        # to 0 and 1; payloads up to the ring (the 4 MiB float one among them, and the other
+        # collectives' 3 MiB and 2 MiB ones) all went through the rings
+        both, mib = SIZES[-1] + BOTH_WAYS, 1 << 20
+        assert (results[0]["direct_out"], results[0]["direct_in"]) == (both + 14 * mib, both + 6 * mib)
+        assert (results[1]["direct_out"], results[1]["direct_in"]) == (both, both + 20 * mib)
+        assert (results[2]["direct_out"], results[2]["direct_in"]) == (12 * mib, 0)
 
 
 async def receiver_killed(pg: Any) -> dict[str, Any]:

@@ -47,12 +47,13 @@ the receiver's reading is paused (full inbox) the mailbox is not taken: the send
 messages go as frames and wait in the socket. ``AIOCOLL_SHM_MAILBOX=0`` keeps a rank from
 sending through the mailbox.
 
-Payloads of at least ``_DIRECT_MIN`` bytes skip the ring where the receiver may read the sender's
-memory: one frame says where the payload lies in the sender's address space
-(``{"v": [tag, meta, total, address, key]}``); the receiver claims its destination as for a ring
-message, copies the payload straight there with process_vm_readv (client.data._vm_read: one copy
-per byte where the ring takes two; from 32 MiB on two threads at once, since the sender only
-waits meanwhile), and reports the read in the ring's header (and wakes the
+Payloads larger than the ring skip it where the receiver may read the sender's memory (within
+the ring, its two copies run on both ranks' cores at once, at about the speed of one read; past
+it, the ring's chunks wait for each other's room): one frame says where the payload lies in the
+sender's address space (``{"v": [tag, meta, total, address, key]}``); the receiver claims its
+destination as for a ring message, copies the payload straight there with process_vm_readv
+(client.data._vm_read: one copy per byte where the ring takes two; in two halves on two threads
+at once where the cores allow, since the sender only waits meanwhile), and reports the read in the ring's header (and wakes the
 sender if it sleeps), which completes the send: the sender's buffer is not the caller's again
 before. The report does not go over the socket, whose reading the sender may have paused (its
 own inbox full): two ranks sending each other large payloads at once would then wait for each
@@ -151,11 +152,6 @@ _FRAME_BYTES = 1024
 crosses the socket anyway, and for a few hundred bytes the kernel's copy costs less than
 the ring's bookkeeping on both sides (a 4-byte ping-pong took ~1.35x as long through the
 ring)."""
-_DIRECT_MIN = 16 << 20
-"""Payloads of at least this many bytes are read by the receiver straight from the sender's buffer
-(process_vm_readv: one copy per byte, where the ring takes two), once the link's probe found that
-the receiver may read the sender's memory. Below it the ring is as fast or faster: a read pins the
-sender's pages, and the ring's two copies run on both ranks' cores at once."""
 
 
 class _Outgoing:
@@ -301,7 +297,7 @@ class ShmLink(TcpLink):
                 if self.closed:
                     raise self._lost()
                 return None
-        out = _Outgoing(tag, meta, body, n >= _DIRECT_MIN and self._peer_reads_us)
+        out = _Outgoing(tag, meta, body, n > self._capacity and self._peer_reads_us)
         queue.append(out)
         if len(queue) == 1 and not self._asleep:
             self._pump()
@@ -643,7 +639,8 @@ class ShmLink(TcpLink):
         reader = self._reader
         assert reader is not None  # (no probe, so no offer, without rings)
         try:
-            vm_read_split(self._peer_pid, np.frombuffer(incoming.dst, np.uint8).ctypes.data, at, total)
+            dst = np.frombuffer(incoming.dst, np.uint8).ctypes.data
+            vm_read_split(self._peer_pid, dst, at, total, split_min=0)  # (see the module header)
         except OSError as exc:
             self.close(f"its memory could not be read ({exc})", lost=True)
             return
