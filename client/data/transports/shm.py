@@ -47,23 +47,23 @@ the receiver's reading is paused (full inbox) the mailbox is not taken: the send
 messages go as frames and wait in the socket. ``AIOCOLL_SHM_MAILBOX=0`` keeps a rank from
 sending through the mailbox.
 
-Payloads larger than the ring skip it where the receiver may read the sender's memory (within
-the ring, its two copies run on both ranks' cores at once, at about the speed of one read; past
-it, the ring's chunks wait for each other's room): one frame says where the payload lies in the
+Payloads larger than the ring skip it where the receiver may read the sender's memory (within the
+ring, its two copies run on both ranks' cores at once, at about the speed of one read; past it,
+the ring's chunks wait for each other's room): one frame says where the payload lies in the
 sender's address space (``{"v": [tag, meta, total, address, key]}``); the receiver claims its
 destination as for a ring message, copies the payload straight there with process_vm_readv
-(client.data._vm_read: one copy per byte where the ring takes two; in two halves on two threads
-at once where the cores allow, since the sender only waits meanwhile), and reports the read in the ring's header (and wakes the
-sender if it sleeps), which completes the send: the sender's buffer is not the caller's again
-before. The report does not go over the socket, whose reading the sender may have paused (its
-own inbox full): two ranks sending each other large payloads at once would then wait for each
-other. The sender withdraws an offer (in the same header) before it lets go of the payload, and a
-receiver that finds its offer withdrawn after the read does not deliver it. Whether the peer may
-read our memory is asked once, when the link is made: each side sends where its arena's probe nonce
-lies in its own address space (``{"vp": [address, length]}``), the other reads it there and
-compares it with its own mapping of that arena, and answers ``{"vok": bool}``. A receiver that
-cannot read the offered memory (the sender died) closes the link as lost; a sender whose receiver
-is lost fails the sends it still waits for, like those queued behind a full ring.
+(client.data._vm_read: one copy per byte where the ring takes two; in two halves on two threads at
+once where the cores allow, since the sender only waits meanwhile), and reports the read in the
+ring's header (and wakes the sender if it sleeps), which completes the send: the sender's buffer
+is not the caller's again before. The report does not go over the socket, whose reading the sender
+may have paused (its own inbox full): two ranks sending each other large payloads at once would
+then wait for each other. The sender withdraws an offer (in the same header) before it lets go of
+the payload, and a receiver that finds its offer withdrawn after the read does not deliver it.
+Whether the peer may read our memory is asked once, when the link is made: each side sends where
+its arena's probe nonce lies in its own address space (``{"vp": [address, length]}``), the other
+reads it there and compares it with its own mapping of that arena, and answers ``{"vok": bool}``.
+A receiver that cannot read the offered memory (the sender died) closes the link as lost; a sender
+whose receiver is lost fails the sends it still waits for, like those queued behind a full ring.
 ``AIOCOLL_SHM_DIRECT=0`` on either side keeps every payload in the rings.
 
 Backpressure and waiting: a ring holds at most its capacity; a sender that finds no room spins
