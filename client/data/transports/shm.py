@@ -443,16 +443,18 @@ class ShmLink(TcpLink):
         writer = self._writer
         assert writer is not None
         n = len(src)
-        k = min(n, _PIECE)
-        writer.fill(end, n, 0, src[:k])
-        self._frame(head)
-        if self.closed:  # (the frame's send failed: the rings are gone)
+        self.ring_bytes_out += n
+        if n <= _PIECE:
+            writer.fill(end, n, 0, src)
+            self._frame(head)
             return
-        while k < n:
+        writer.fill(end, n, 0, src[:_PIECE])
+        self._frame(head)
+        k = _PIECE
+        while k < n and not self.closed:  # (a failed frame closed the link: the rings are gone)
             step = min(_PIECE, n - k)
             writer.fill(end, n, k, src[k : k + step])
             k += step
-        self.ring_bytes_out += n
 
     def _frame(self, head: dict[str, Any]) -> None:
         """Send a header-only frame saying where a chunk lies (a failed send closes the link)."""
@@ -714,21 +716,11 @@ class ShmLink(TcpLink):
             self._broken(exc)
             return
         got = incoming.got
-        dst = incoming.dst[got : got + n]
-        start = end - n
-        copied = 0
-        # The sender may still be copying the chunk in (it sent the frame after its first
-        # piece): copy out what has landed, piece by piece, until all of it has.
-        while True:
-            ready = min(reader.written() - start, n)
-            if ready > copied:
-                dst[copied:ready] = src[copied:ready]
-                copied = ready
-                if copied == n:
-                    break
-            elif not self._await_fill(reader, start + copied):
-                src.release()
-                return
+        if reader.written() >= end:  # all of it has landed (a chunk of one piece always has)
+            incoming.dst[got : got + n] = src
+        elif not self._copy_as_filled(reader, incoming.dst[got : got + n], src, end - n):
+            src.release()
+            return
         src.release()
         incoming.got = got + n
         self.ring_bytes_in += n
@@ -740,6 +732,22 @@ class ShmLink(TcpLink):
             return
         self._incoming = None
         self._hand_over(incoming)
+
+    def _copy_as_filled(self, reader: RingReader, dst: memoryview, src: memoryview, start: int) -> bool:
+        """Copy the chunk ``src`` (starting at absolute position ``start``) to ``dst`` while the
+        sender still copies it in (it sent the frame after the first piece): what has landed,
+        piece by piece, until all of it has; False when the peer went meanwhile."""
+        n = len(src)
+        copied = 0
+        while True:
+            ready = min(reader.written() - start, n)
+            if ready > copied:
+                dst[copied:ready] = src[copied:ready]
+                copied = ready
+                if copied == n:
+                    return True
+            elif not self._await_fill(reader, start + copied):
+                return False
 
     def _await_fill(self, reader: RingReader, past: int) -> bool:
         """Wait in place until the sender has copied the ring past ``past``: it fills a chunk
