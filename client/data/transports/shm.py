@@ -18,10 +18,11 @@ the link's own), every chunk is copied out of the ring once, straight there, and
 once; the last reports the message (``landed`` / ``arrived``), so posted and polling receives
 get exactly one copy and ``recv_landed`` reduces from where the payload landed. Payloads are
 pipelined within a chunk: the sender copies a chunk in pieces of ``_PIECE`` bytes, counting
-each in the ring's header (``written``) as it lands, and sends the chunk's frame after the
-first; the receiver copies each piece out as it lands, waiting in place for the next (the
-sender reserved the chunk's room first, so its copy waits for nothing of ours; the wait looks
-for the peer's hang-up between spins). Between chunks, the receiver copies chunk k out while
+each in the ring's header (``written``) as it lands, and sends the chunk's frame before its
+first piece (so that the receiver asks where the payload goes while it is copied in; a chunk
+of one piece, after it); the receiver copies each piece out as it lands, waiting in place for
+the next (the sender reserved the chunk's room first, so its copy waits for nothing of ours;
+the wait looks for the peer's hang-up between spins). Between chunks, the receiver copies chunk k out while
 the sender writes chunk k+1. Zero-length messages are plain
 frames, and so are payloads of at most ``_FRAME_BYTES`` (the frame crosses the socket anyway,
 and for so few bytes the ring's bookkeeping costs more than the kernel's copy), unless they take
@@ -437,9 +438,10 @@ class ShmLink(TcpLink):
 
     def _put(self, end: int, src: memoryview, head: dict[str, Any]) -> None:
         """Fill the chunk reserved up to ``end`` with ``src``, in pieces, and send its frame
-        after the first piece: the receiver copies each piece out as it lands (the ring's
-        ``written``) while we copy the next in. Nothing here waits for the receiver: its room
-        was reserved."""
+        first: the receiver learns where the payload goes while we copy it in, then copies
+        each piece out as it lands (the ring's ``written``) while we copy the next. A chunk of
+        one piece goes before its frame (the receiver then never waits for it). Nothing here
+        waits for the receiver: its room was reserved."""
         writer = self._writer
         assert writer is not None
         n = len(src)
@@ -448,9 +450,8 @@ class ShmLink(TcpLink):
             writer.fill(end, n, 0, src)
             self._frame(head)
             return
-        writer.fill(end, n, 0, src[:_PIECE])
         self._frame(head)
-        k = _PIECE
+        k = 0
         while k < n and not self.closed:  # (a failed frame closed the link: the rings are gone)
             step = min(_PIECE, n - k)
             writer.fill(end, n, k, src[k : k + step])
@@ -735,8 +736,8 @@ class ShmLink(TcpLink):
 
     def _copy_as_filled(self, reader: RingReader, dst: memoryview, src: memoryview, start: int) -> bool:
         """Copy the chunk ``src`` (starting at absolute position ``start``) to ``dst`` while the
-        sender still copies it in (it sent the frame after the first piece): what has landed,
-        piece by piece, until all of it has; False when the peer went meanwhile."""
+        sender still copies it in (it sent the frame first): what has landed, piece by piece,
+        until all of it has; False when the peer went meanwhile."""
         n = len(src)
         copied = 0
         while True:
