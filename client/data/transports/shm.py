@@ -4,29 +4,29 @@ handed over each side's shared-memory arena and point-to-point rings (client.dat
 Imports foundations, client.data._shm, client.data._shm_ring, client.data._vm_read and this
 package's tcp module; never the public surface.
 
-Messages between two ranks of one host (point-to-point, and collectives that do not run over
-the arenas: reduce, gather, scatter, all_to_all, the driver's schedules) keep the tcp kind's
-framing on the Unix socket for their headers, but their payload bytes never cross it: the
-sender copies each payload once into its ring towards the peer (client.data._shm_ring), as one
-chunk when it fits in the ring, else in chunks of half the ring, and sends one small frame per
-chunk saying where it lies (``{"r": [tag, meta, total, end, length]}`` for the first,
-``{"c": [end, length]}`` for the rest). The receiver takes those frames in stream order like
-any other: the first asks the process's matcher where the payload goes (``claim``: a posted
-receive's own buffer, the one of a receive polling in place when the first chunk is the whole
-payload, the landing memory of a large early message, or, for a small early one, memory of
-the link's own), every chunk is copied out of the ring once, straight there, and freed at
-once; the last reports the message (``landed`` / ``arrived``), so posted and polling receives
-get exactly one copy and ``recv_landed`` reduces from where the payload landed. Payloads are
-pipelined within a chunk: the sender copies a chunk in pieces of ``_PIECE`` bytes, counting
-each in the ring's header (``written``) as it lands, and sends the chunk's frame before its
-first piece (so that the receiver asks where the payload goes while it is copied in; a chunk
-of one piece, after it); the receiver copies each piece out as it lands, waiting in place for
-the next (the sender reserved the chunk's room first, so its copy waits for nothing of ours;
-the wait looks for the peer's hang-up between spins). Between chunks, the receiver copies chunk k out while
-the sender writes chunk k+1. Zero-length messages are plain
-frames, and so are payloads of at most ``_FRAME_BYTES`` (the frame crosses the socket anyway,
-and for so few bytes the ring's bookkeeping costs more than the kernel's copy), unless they take
-the straight path below.
+Messages between two ranks of one host (point-to-point, and collectives that do not run over the
+arenas: reduce, gather, scatter, all_to_all, the driver's schedules) keep the tcp kind's framing
+on the Unix socket for their headers, but their payload bytes never cross it: the sender copies
+each payload once into its ring towards the peer (client.data._shm_ring), as one chunk when it
+fits in the ring, else in chunks of half the ring, and sends one small frame per chunk saying
+where it lies (``{"r": [tag, meta, total, end, length]}`` for the first, ``{"c": [end, length]}``
+for the rest). The receiver takes those frames in stream order like any other: the first asks the
+process's matcher where the payload goes (``claim``: a posted receive's own buffer, the one of a
+receive polling in place when the first chunk is the whole payload, the landing memory of a large
+early message, or, for a small early one, memory of the link's own), every chunk is copied out of
+the ring once, straight there, and freed at once; the last reports the message (``landed`` /
+``arrived``), so posted and polling receives get exactly one copy and ``recv_landed`` reduces from
+where the payload landed. Payloads are pipelined within a chunk: the sender copies a chunk in
+pieces of ``_PIECE`` bytes, counting each in the ring's header (``written``) as it lands, and
+sends the chunk's frame before its first piece (so that the receiver asks where the payload goes
+while it is copied in; a chunk of one piece, after it); the receiver copies each piece out as it
+lands, waiting in place for the next (the sender reserved the chunk's room first, so its copy
+waits for nothing of ours and the wait, during which the event loop waits too, lasts at most the
+rest of that copy; it looks for the peer's hang-up between spins). Between chunks,
+the receiver copies chunk k out while the sender writes chunk k+1. Zero-length messages are plain
+frames, and so are payloads of at most ``_FRAME_BYTES`` (the frame crosses the socket anyway, and
+for so few bytes the ring's bookkeeping costs more than the kernel's copy), unless they take the
+straight path below.
 
 The straight path for a small message: when nothing else is in flight on the link (no send
 queued, the peer has taken our last mailbox message and has dispatched every frame we wrote,
