@@ -187,6 +187,11 @@ class PeerLink:
         max_payload: the largest payload accepted from this (authenticated) peer.
     """
 
+    # Frames of a read that wait behind one whose work goes on later (``on_frames`` stops at
+    # that one and appends the rest here; the link kind that set it dispatches them, in order,
+    # when that work is done): None while nothing waits so. The tcp kind never sets it.
+    held: list[Frame] | None = None
+
     def __init__(
         self,
         sock: socket.socket,

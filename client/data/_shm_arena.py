@@ -21,7 +21,7 @@ from ._shm_coll import ShmGroup
 from ._shm_sched import ShmWaker
 from .engine import OpTransport
 from .transports._link import LinkTransport
-from .transports.shm import shm_host
+from .transports._shm_kind import shm_host
 
 __all__ = [
     "ALL_REGIONS",

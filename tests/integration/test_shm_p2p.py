@@ -567,6 +567,69 @@ async def test_a_frame_read_before_the_wake_up_for_an_earlier_mailed_message_com
         await close_world(world)
 
 
+async def test_a_chunk_its_sender_is_slow_to_fill_is_copied_from_the_event_loop_and_later_frames_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sender that sent a chunk's frame and has not filled the chunk (stopped, or off its core)
+    does not hold its receiver's event loop: the receiver waits in place only briefly, then its
+    loop runs on (here the sender and the test share it, so a wait that held it would hang this
+    test) and copies the rest once it lands; a message sent behind the chunk, whose frame came in
+    the same read, is received after it, and the link reads on afterwards."""
+    from aiocoll.client.data import _shm_ring
+
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    world = await shm_world(2)
+    try:
+        sender, receiver = world
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        assert isinstance(sender, LinkTransport) and isinstance(receiver, LinkTransport)
+        writer = sender.link(1)._writer
+        fill = _shm_ring.RingWriter.fill
+        deferred: list[tuple[int, int, int, bytes]] = []
+
+        def stalled(self: Any, end: int, n: int, at: int, src: memoryview) -> None:
+            if self is writer:
+                deferred.append((end, n, at, bytes(src)))  # filled later, by the test
+            else:
+                fill(self, end, n, at, src)
+
+        monkeypatch.setattr(_shm_ring.RingWriter, "fill", stalled)
+        size = 3 << 20  # one chunk of twelve pieces: its frame goes before the first piece
+        big = _pattern(size, 5)
+        got_big, got_small = np.zeros(size, np.uint8), bytearray(8)
+        first = asyncio.ensure_future(receiver.recv(0, ("m", 1), memoryview(got_big)))
+        second = asyncio.ensure_future(receiver.recv(0, ("m", 1), memoryview(got_small)))
+        await asyncio.sleep(0)
+        sent = sender.send_nowait(1, ("m", 1), memoryview(big), {"n": 1})
+        assert sender.send_nowait(1, ("m", 1), memoryview(b"behind!!"), {"n": 2}) is None
+        link = receiver.link(0)
+        for _ in range(200):  # the loop turns while the receiver waits for the pieces
+            await asyncio.sleep(0.005)
+            if link.debug_state()["ring"]["filling"] is not None:
+                break
+        assert link.debug_state()["ring"]["filling"] == [0, size], link.debug_state()
+        assert deferred and not first.done() and not second.done()
+        assert link.held, "the small message's frame waits behind the chunk"
+        for end, n, at, data in deferred:
+            fill(writer, end, n, at, memoryview(data))
+        assert await asyncio.wait_for(first, 10) == (0, {"n": 1})
+        assert await asyncio.wait_for(second, 10) == (0, {"n": 2})
+        assert np.array_equal(got_big, big) and got_small == b"behind!!"
+        if sent is not None:
+            await asyncio.wait_for(sent, 10)
+        state = link.debug_state()
+        assert state["ring"]["filling"] is None and state["reading"] and link.held is None, state
+        # and the link goes on: a message each way after it
+        again = bytearray(4)
+        task = asyncio.ensure_future(receiver.recv(0, ("m", 2), memoryview(again)))
+        await asyncio.sleep(0)
+        sender.send_nowait(1, ("m", 2), memoryview(b"next"), {})
+        assert await asyncio.wait_for(task, 10) == (0, {}) and again == b"next"
+    finally:
+        await close_world(world)
+
+
 async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -41,7 +41,7 @@ from ._kind import (
     tcp_addresses,
 )
 from ._link import LinkTransport
-from .shm import ShmKind
+from ._shm_kind import ShmKind
 from .tcp import TcpTransport
 
 __all__ = [
@@ -139,7 +139,7 @@ async def listen_addresses(
     setting = transport_choice(choice)
     shm = KINDS.get("shm")
     if setting != "tcp" and shm is not None and shm.unavailable() is None:
-        from .shm import prepare_shm
+        from ._shm_kind import prepare_shm
 
         addrs.append(prepare_shm(transport, token=token, job=job, forced=setting == "shm"))
     return addrs

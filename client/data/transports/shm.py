@@ -21,8 +21,11 @@ pieces of ``_PIECE`` bytes, counting each in the ring's header (``written``) as 
 sends the chunk's frame before its first piece (so that the receiver asks where the payload goes
 while it is copied in; a chunk of one piece, after it); the receiver copies each piece out as it
 lands, waiting in place for the next (the sender reserved the chunk's room first, so its copy
-waits for nothing of ours and the wait, during which the event loop waits too, lasts at most the
-rest of that copy; it looks for the peer's hang-up between spins). Between chunks,
+waits for nothing of ours and the wait usually lasts the rest of that copy; it looks for the
+peer's hang-up between spins). A sender that has not filled the chunk within ``_FILL_IN_PLACE_S``
+is stopped or off its core: the receiver then hands its event loop back (heartbeats and timers go
+on) and copies the rest from there, reading nothing more from the link until it is whole; the
+frames read behind the chunk wait for it, in order (``PeerLink.held``). Between chunks,
 the receiver copies chunk k out while the sender writes chunk k+1. Zero-length messages are plain
 frames, and so are payloads of at most ``_FRAME_BYTES`` (the frame crosses the socket anyway, and
 for so few bytes the ring's bookkeeping costs more than the kernel's copy), unless they take the
@@ -85,13 +88,7 @@ link reads nothing, so it would not see the end-of-file otherwise). The link own
 their eventfds and closes them with itself; the rings are anonymous memory, so nothing is left
 behind.
 
-The collectives of a group whose members all share this host read each other's arenas directly
-(client.data._shm_coll); this kind makes the arenas available to them (``shm_host``).
-
-Choosing (client/data/transports/_factory.py): ``auto`` prefers this kind for peers with our host
-identity; when a peer's address cannot be reached (another network namespace: two containers
-on one machine) or its memory turns out not to be shared, the pair falls back to tcp and the
-job goes on (logged). ``AIOCOLL_TRANSPORT=shm`` makes that an error instead.
+How the links are made (the kind, the process's host and its arena): client.data.transports._shm_kind.
 """
 
 from __future__ import annotations
@@ -104,43 +101,44 @@ import os
 import select
 import time
 from collections import deque
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Awaitable
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from aiocoll._deadline import Deadline
-from aiocoll._env import env_int, env_text
-from aiocoll._errors import AuthenticationError, PeerLostError, RendezvousError
+from aiocoll._env import env_text
+from aiocoll._errors import PeerLostError
 from aiocoll.algorithms._transport import Tag
 from aiocoll.protocol import PREFIX, Frame
 
 from .._peer import PeerLink
-from .._shm import NONCE_BYTES, PROBE_OFFSET, ShmHost, ShmPeer, ShmUnavailable, region_bytes
+from .._shm import NONCE_BYTES, PROBE_OFFSET, ShmPeer
 from .._shm_ring import NEWS_FRAMES, NEWS_MAIL, RingReader, RingWriter
 from .._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 from .._waiting import SpinBudget, spin
-from ._kind import SHM_PORT, TRANSPORT_ENV, LinkKind, PeerEntry, shm_address, tcp_addresses
-from ._link import LinkHost, LinkTransport, as_bytes_view
-from .tcp import TcpLink, TcpTransport, _consume_outcome, _on_frames
+from ._link import LinkHost, as_bytes_view
+from .tcp import TcpLink, _consume_outcome, _on_frames
 
-__all__ = ["SHM_CHUNK_ENV", "SHM_MAILBOX_ENV", "ShmKind", "ShmLink", "prepare_shm", "shm_host"]
+__all__ = ["SHM_MAILBOX_ENV", "ShmLink"]
 
 log = logging.getLogger("aiocoll.client.shm")
 # a mailbox message, read where it lies (what it returns is a copy: the peer may write the
 # mailbox again once we counted the message taken)
 _unpack_mail = functools.partial(msgpack.unpackb, max_ext_len=0, strict_map_key=False)
 
-SHM_CHUNK_ENV = "AIOCOLL_SHM_CHUNK"
 SHM_MAILBOX_ENV = "AIOCOLL_SHM_MAILBOX"
-_DEFAULT_CHUNK = 1 << 20
-_REGIONS = 64  # groups of one process that can use the arena at once (one region each)
-_RING_BYTES = 4 << 20  # each direction of each pair: bounded, touched only as far as used
 _PIECE = 256 << 10
 """A chunk is copied into the ring in pieces of at most this many bytes, each counted in the
 ring's header as it lands: the receiver copies one piece out while the sender copies the next in."""
 _FILL_CHECK_S = 1e-3  # a receiver waiting for a chunk's pieces looks for a hang-up this often
+# A receiver waits in place for a chunk's pieces at most this long (the sender's copy of a whole
+# ring takes a fraction of it); a sender still not done is stopped or off its core, and the
+# receiver's event loop, which its heartbeats and timers need, looks again every _FILL_POLL_S,
+# for _FILL_LOOK_S each time.
+_FILL_IN_PLACE_S = 5e-3
+_FILL_POLL_S = 1e-3
+_FILL_LOOK_S = 1e-4
 _SPIN_S = 50e-6  # the most a sender spins for ring space before it sleeps
 _HANGUP_CHECK_S = 0.5
 _DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
@@ -182,6 +180,22 @@ class _Incoming:
         self.total = total
         self.got = 0
         self.claimed = claimed
+
+
+class _Filling:
+    """A chunk the sender is still filling, piece by piece, and how much of it is copied out."""
+
+    __slots__ = ("copied", "dst", "end", "incoming", "src")
+
+    def __init__(self, incoming: _Incoming, end: int, src: memoryview, dst: memoryview) -> None:
+        self.incoming = incoming
+        self.end = end
+        self.src = src
+        self.dst = dst
+        self.copied = 0
+
+    def release(self) -> None:
+        self.src.release()
 
 
 class ShmLink(TcpLink):
@@ -233,10 +247,13 @@ class ShmLink(TcpLink):
         # chunks of half of it, so that the sender fills one while the receiver empties the other.
         self._capacity = capacity
         self._chunk = max(4096, capacity // 2)
-        self._fill_budget = SpinBudget(_FILL_CHECK_S)
         self._budget = SpinBudget(spin_s)
         self._sending: deque[_Outgoing] = deque()
         self._incoming: _Incoming | None = None
+        # a chunk whose pieces the event loop waits for (_park), and whether reading resumes then
+        self._filling: _Filling | None = None
+        self._fill_timer: asyncio.TimerHandle | None = None
+        self._resume_after_fill = False
         self._asleep = False
         self._checker: asyncio.TimerHandle | None = None
         self._turn: asyncio.Handle | None = None  # the pump's continuation after a loop turn
@@ -558,6 +575,9 @@ class ShmLink(TcpLink):
             self._take_mail()
 
     def resume_reading(self) -> None:
+        if self._filling is not None:  # once the chunk being filled is copied (_fill_more)
+            self._resume_after_fill = True
+            return
         if self._reading or self.closed:
             return
         super().resume_reading()
@@ -719,11 +739,24 @@ class ShmLink(TcpLink):
         got = incoming.got
         if reader.written() >= end:  # all of it has landed (a chunk of one piece always has)
             incoming.dst[got : got + n] = src
-        elif not self._copy_as_filled(reader, incoming.dst[got : got + n], src, end - n):
-            src.release()
-            return
+        else:
+            fill = _Filling(incoming, end, src, incoming.dst[got : got + n])
+            landed = self._copy_landed(fill, _FILL_IN_PLACE_S)
+            if landed is None:
+                self._park(fill)
+                return
+            if not landed:
+                fill.release()
+                return
         src.release()
-        incoming.got = got + n
+        self._took(incoming, end, n)
+
+    def _took(self, incoming: _Incoming, end: int, n: int) -> None:
+        """One chunk of ``incoming`` (``n`` bytes up to ``end``) is copied out: free its room,
+        hand the message over once it is whole."""
+        reader = self._reader
+        assert reader is not None
+        incoming.got += n
         self.ring_bytes_in += n
         if reader.release(end):
             with contextlib.suppress(OSError):
@@ -734,33 +767,81 @@ class ShmLink(TcpLink):
         self._incoming = None
         self._hand_over(incoming)
 
-    def _copy_as_filled(self, reader: RingReader, dst: memoryview, src: memoryview, start: int) -> bool:
-        """Copy the chunk ``src`` (starting at absolute position ``start``) to ``dst`` while the
-        sender still copies it in (it sent the frame first): what has landed, piece by piece,
-        until all of it has; False when the peer went meanwhile."""
-        n = len(src)
-        copied = 0
+    def _copy_landed(self, fill: _Filling, for_s: float) -> bool | None:
+        """Copy what has landed of the chunk the sender is filling (it sent the frame first),
+        piece by piece, waiting in place for the next piece by the one wait policy and looking
+        for a hang-up between spins, for at most ``for_s``. True once all of it is copied; False
+        when the peer went meanwhile (the link is then closed as lost); None when the rest did
+        not come in time (the sender is stopped or off its core: the event loop looks again)."""
+        reader = self._reader
+        assert reader is not None
+        start, n = fill.end - len(fill.src), len(fill.src)
+        budget = SpinBudget(min(for_s, _FILL_CHECK_S))
+        clock = time.perf_counter
+        stop = clock() + for_s
         while True:
+            copied = fill.copied
             ready = min(reader.written() - start, n)
             if ready > copied:
-                dst[copied:ready] = src[copied:ready]
-                copied = ready
-                if copied == n:
+                fill.dst[copied:ready] = fill.src[copied:ready]
+                fill.copied = ready
+                if ready == n:
                     return True
-            elif not self._await_fill(reader, start + copied):
-                return False
-
-    def _await_fill(self, reader: RingReader, past: int) -> bool:
-        """Wait in place until the sender has copied the ring past ``past``: it fills a chunk
-        whose frame it sent without waiting for anything of ours, so this is a copy's wait. By
-        the one wait policy, looking for a hang-up between spins; False when the peer went
-        meanwhile (the link is then closed as lost)."""
-        budget = self._fill_budget
-        while not spin(lambda: reader.written() > past, budget):
-            budget.now = budget.most
+                continue
+            if spin(functools.partial(_past, reader, start + copied), budget):
+                continue
             if self._hung_up():
                 return False
-        return True
+            if clock() >= stop:
+                return None
+            budget.now = budget.most
+
+    def _park(self, fill: _Filling) -> None:
+        """The sender has not filled the chunk in time: go on copying it from the event loop
+        (every ``_FILL_POLL_S``), reading nothing more from this link meanwhile; the frames read
+        after the chunk's wait in ``held`` for it, in order (so does the mailbox)."""
+        self._filling = fill
+        self.held = []
+        if self._reading:
+            self._resume_after_fill = True
+            super().pause_reading()
+        self._fill_timer = self._loop.call_later(_FILL_POLL_S, self._fill_more)
+
+    def _fill_more(self) -> None:
+        self._fill_timer = None
+        fill = self._filling
+        if fill is None or self.closed:
+            return
+        landed = self._copy_landed(fill, _FILL_LOOK_S)
+        if landed is None:
+            self._fill_timer = self._loop.call_later(_FILL_POLL_S, self._fill_more)
+            return
+        self._filling = None
+        held, self.held = self.held, None
+        fill.src.release()
+        if not landed:  # (closed as lost)
+            return
+        self._took(fill.incoming, fill.end, len(fill.dst))
+        if held and not self.closed:
+            _on_frames(self, held)  # (may park again on a later chunk: then it holds the rest)
+            self._count_dispatched()
+        if self._filling is None and self._resume_after_fill and not self.closed:
+            self._resume_after_fill = False
+            self.resume_reading()
+
+    def pause_reading(self) -> None:
+        if self._filling is not None:  # paused already: stay so once the chunk is copied
+            self._resume_after_fill = False
+            return
+        super().pause_reading()
+
+    def _count_dispatched(self) -> None:
+        """Tell the peer how many of its frames we dispatched (frames held behind a chunk still
+        being filled are not yet: until they are, the peer does not use the mailbox)."""
+        reader = self._reader
+        if reader is not None:
+            held = self.held
+            reader.dispatched(self._frames_in - (len(held) if held else 0))
 
     def _broken(self, exc: BaseException) -> None:
         log.warning("shm link to rank %d: %s", self.peer, exc)
@@ -785,6 +866,13 @@ class ShmLink(TcpLink):
         waiting = list(self._sending)
         self._sending.clear()
         self._incoming = None
+        if self._fill_timer is not None:
+            self._fill_timer.cancel()
+            self._fill_timer = None
+        if self._filling is not None:
+            self._filling.release()
+            self._filling = None
+            self.held = None
         super().close(reason, lost=lost)
         for out in waiting:
             if out.fut is not None and not out.fut.done():
@@ -831,6 +919,7 @@ class ShmLink(TcpLink):
                 "bytes_out": self.ring_bytes_out,
                 "bytes_in": self.ring_bytes_in,
                 "incoming": None if incoming is None else [incoming.got, incoming.total],
+                "filling": None if self._filling is None else [self._filling.copied, len(self._filling.src)],
                 "unread_by_peer": int(
                     bool(self._sending) and self._sending[0].direct and self._sending[0].sent > 0
                 ),
@@ -843,6 +932,11 @@ class ShmLink(TcpLink):
         return state
 
 
+def _past(reader: RingReader, at: int) -> bool:
+    """Whether the sender has filled its ring past ``at``."""
+    return reader.written() > at
+
+
 def _on_shm_frames(link: PeerLink, frames: list[Frame]) -> None:
     """A shm link's frames, after the mailbox's message when there is one (it was put there
     before these frames were written: a sender uses the mailbox only once we have dispatched
@@ -852,116 +946,8 @@ def _on_shm_frames(link: PeerLink, frames: list[Frame]) -> None:
     if reader is not None and reader.has_mail():
         link._take_mail()
     _on_frames(link, frames)
-    reader = link._reader
-    if reader is not None:
-        reader.dispatched(link._frames_in)
+    link._count_dispatched()
 
 
 def _direct_allowed() -> bool:
     return env_text(DIRECT_ENV) != "0" and vm_read_available()
-
-
-def _chunk() -> int:
-    chunk = env_int(SHM_CHUNK_ENV) or _DEFAULT_CHUNK
-    if chunk < 64 * 1024 or chunk % 4096:
-        raise ValueError(f"{SHM_CHUNK_ENV}={chunk}: use a multiple of 4096 bytes of at least 64 KiB")
-    return chunk
-
-
-def shm_host(transport: LinkTransport) -> ShmHost | None:
-    """The process's shared-memory host, when the shm kind was prepared on ``transport``."""
-    host = transport.kind_state.get(ShmKind.name)
-    return host if isinstance(host, ShmHost) else None
-
-
-def prepare_shm(transport: TcpTransport, *, token: str | None, job: str, forced: bool) -> list[Any]:
-    """Make this process's arena and listen for peers of this host (before rendezvous).
-
-    Returns:
-        the address to publish beside the tcp one: ``["@name", SHM_PORT]``.
-    """
-    chunk = _chunk()
-
-    def on_peer(peer: ShmPeer) -> None:
-        transport.attach(ShmLink(peer, transport, max_payload=transport.max_payload, own_arena=host.mem))
-
-    host = ShmHost(
-        None if transport.rank < 0 else transport.rank,
-        token=token,
-        job=job,
-        regions=_REGIONS,
-        region_bytes=region_bytes(chunk),
-        ring_bytes=_RING_BYTES,
-        watch=False,  # the link reads the socket; its close is the peer's loss
-        on_peer=on_peer,
-    )
-    host.chunk = chunk
-    host.forced = forced
-    transport.kind_state[ShmKind.name] = host
-    transport.on_close(host.close)
-    return [host.listen(), SHM_PORT]
-
-
-class ShmKind(LinkKind):
-    name = "shm"
-    same_host_only = True
-
-    def unavailable(self) -> str | None:
-        if not (hasattr(os, "memfd_create") and hasattr(os, "eventfd")):
-            return "shared memory needs Linux (memfd_create and eventfd)"
-        return None
-
-    async def connect(
-        self,
-        transport: LinkTransport,
-        peers: Sequence[int],
-        table: Mapping[int, PeerEntry],
-        deadline: Deadline,
-    ) -> None:
-        host = shm_host(transport)
-        assert isinstance(transport, TcpTransport)  # open_transport made it
-        if host is not None:
-            host.assign(transport.rank)
-        # Higher ranks dial; we wait for every peer's link, whichever kind it ends up being.
-        dials = [self._dial(transport, host, p, table, deadline) for p in peers if p < transport.rank]
-        tasks = [asyncio.ensure_future(d) for d in dials]
-        try:
-            await transport.wait_links(peers, deadline)
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def _dial(
-        self,
-        transport: TcpTransport,
-        host: ShmHost | None,
-        peer: int,
-        table: Mapping[int, PeerEntry],
-        deadline: Deadline,
-    ) -> None:
-        addrs = table[peer].addrs
-        address = shm_address(addrs)
-        forced = host is not None and host.forced
-        try:
-            if host is None:
-                raise ShmUnavailable("this process made no shared-memory arena")
-            if not address:
-                raise ShmUnavailable(f"rank {peer} published no shared-memory address")
-            await host.connect(peer, address, timeout=deadline.remaining() or 10.0)
-            return  # on_peer attached the link
-        except AuthenticationError as exc:
-            transport.fail_link(peer, exc)
-            return
-        except (ShmUnavailable, OSError) as exc:
-            if forced:
-                transport.fail_link(
-                    peer,
-                    RendezvousError(
-                        f"{TRANSPORT_ENV}=shm: rank {transport.rank} cannot share memory with rank {peer} "
-                        f"although both report host {table[peer].host!r} ({exc}); set {TRANSPORT_ENV}=auto "
-                        "(tcp where memory cannot be shared) or tcp"
-                    ),
-                )
-                return
-            log.info("rank %d: no shared memory with rank %d (%s); using tcp", transport.rank, peer, exc)
-        await transport.connect({peer: tcp_addresses(addrs)}, deadline, [peer])

@@ -150,7 +150,7 @@ def _on_frames(link: PeerLink, frames: list[Frame]) -> None:
     assert isinstance(link, TcpLink)
     src = link.peer
     matcher = link._matcher
-    for frame in frames:
+    for i, frame in enumerate(frames):
         header = frame.header
         tag = header.get("t")
         if tag is None:
@@ -160,6 +160,10 @@ def _on_frames(link: PeerLink, frames: list[Frame]) -> None:
             if not link.on_control(header):
                 log.warning("rank %d: ignoring an unknown control frame from rank %d", matcher.rank, src)
             if link.closed:
+                return
+            held = link.held
+            if held is not None:  # the frame's work goes on later (a chunk still being filled)
+                held.extend(frames[i + 1 :])  # and so do the frames after it, in order
                 return
             continue
         meta = header.get("m")
