@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
-__all__ = ["Work"]
+__all__ = ["BornWork", "Work"]
 
 
 class Work:
@@ -75,16 +75,11 @@ class Work:
 
         Engine use: an operation that completed inside its call needs nothing more.
         """
-        work = _new(_Born)
-        work._future = None
-        work._result = result
-        work._loop = loop
-        work._description = description
-        return work
+        return BornWork(result, loop, description)
 
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._future
-        if fut is None:  # (a Work born complete is a _Born, which awaits without this call)
+        if fut is None:  # (a Work born complete is a BornWork, which awaits without this call)
             return _ready(self._result)
         if fut.done():
             # the future's own iterator (C) ends at once with its result or error: no generator
@@ -229,13 +224,22 @@ class Work:
         return f"<Work {self.description} {state}>"
 
 
-class _Born(Work):
-    """A Work born complete (``Work.born``): awaiting it ends at once with its result.
+class BornWork(Work):
+    """A Work born complete: awaiting it ends at once with its result.
 
-    It has no future, so nothing ever waits on it (its waiters are never read).
+    ``Work.born`` makes one; so does the engine, of every operation that completed inside its
+    call. It has no future, so nothing ever waits on it (its waiters are never read, nor set).
     """
 
     __slots__ = ()
+    _future = None  # (read as the slot would be: every method's test for "born complete")
+
+    def __init__(
+        self, result: Any, loop: asyncio.AbstractEventLoop, description: str | Callable[[], str] = "operation"
+    ) -> None:
+        self._result = result
+        self._loop = loop
+        self._description = description
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._result
@@ -243,9 +247,6 @@ class _Born(Work):
 
     def wake(self, _fut: Any = None) -> None:
         return None
-
-
-_new = object.__new__
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
