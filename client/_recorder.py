@@ -97,18 +97,20 @@ class CallSites:
 
     The engine takes ``code_at(sys._getframe(depth))`` per operation (the user's frame is read,
     never made, and not kept), unless that frame's code is one a walk passed as aiocoll's
-    (``passed``); then, and until the depth is known, it calls ``first``, which walks the stack.
+    (``passed``; ``code``: the last code found not to be, which a loop's calls need not look up
+    again); then, and until the depth is known, it calls ``first``, which walks the stack.
     A walk keeps its depth only for a call the user made to aiocoll's API itself (the outermost
     of aiocoll's frames is in aiocoll/api.py, a ProcessGroup method): a call of aiocoll's own
     on the user's behalf (``aiocoll.ft`` calling a group's collectives) is deeper, and is walked
     each time, so that neither way of calling ever takes the other's depth.
     """
 
-    __slots__ = ("depth", "passed")
+    __slots__ = ("code", "depth", "passed")
 
     def __init__(self) -> None:
         self.depth = _NO_DEPTH
         self.passed: set[int] = set()  # ids of codes: aiocoll's own stay loaded, never reused
+        self.code: CodeType | None = None
 
     def first(self) -> Site | None:
         """The site of the operation being opened (called from ``Engine.submit_op``); its depth

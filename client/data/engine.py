@@ -254,10 +254,11 @@ class Engine(FailureFanout):
         site: Any
         if sites is not None:
             try:
-                user = _getframe(sites.depth)
-                if id(user.f_code) in sites.passed:  # aiocoll's frame: this call came another way
-                    raise LookupError
-                site = _code_at(user)
+                site = _code_at(_getframe(sites.depth))
+                if site[0] is not sites.code:  # (a loop calls from one function: checked once)
+                    if id(site[0]) in sites.passed:  # aiocoll's frame: this call came another way
+                        raise LookupError
+                    sites.code = site[0]
             except (LookupError, ValueError):  # the first call, or another way: a walk
                 site = sites.first()
         elif self._passed_sites:

@@ -154,8 +154,9 @@ class P2PProvider:
 
     def _send_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
         # A send completes once handed off: a small one usually is, inside this call (its Work
-        # is born complete); the rest of a larger one runs as a task.
-        rest = op.send_nowait(op.peers[0], tag, op.inputs[0].view(_BYTE).data, op.meta)
+        # is born complete); the rest of a larger one runs as a task. (A working array is 1-D
+        # and contiguous: its bytes are its buffer cast, with no numpy view made for them.)
+        rest = op.send_nowait(op.peers[0], tag, op.inputs[0].data.cast("B"), op.meta)
         if rest is None:
             finish(None, None)
             return HANDED_OFF
@@ -164,7 +165,7 @@ class P2PProvider:
     def _recv_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
         peers = op.peers
         source = peers[0] if peers else None
-        into = op.outputs[0].view(_BYTE).data
+        into = op.outputs[0].data.cast("B")
         if tag in self._waiting:  # an earlier receive of this tag is not posted yet: after it
             return self._as_task(op, source, into, tag, op, finish)
         try:
@@ -303,11 +304,6 @@ def received(op: Operation, got: int, sent: dict[str, Any], ranks: tuple[int, ..
             ranks=[got],
         )
     return ranks.index(got)
-
-
-# A working array's bytes (it is 1-D and contiguous: aiocoll.device._tensors.Working) are
-# ``array.view(_BYTE).data``.
-_BYTE = np.dtype(np.uint8)
 
 
 class StagedProvider:
