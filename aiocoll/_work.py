@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any
 
-__all__ = ["BornWork", "Work"]
+__all__ = ["Work"]
 
 
 class Work:
@@ -75,11 +75,15 @@ class Work:
 
         Engine use: an operation that completed inside its call needs nothing more.
         """
-        return BornWork(result, loop, description)
+        work = _new(_Born)
+        work._result = result
+        work._loop = loop
+        work._description = description
+        return work
 
     def __await__(self) -> Generator[Any, None, Any]:
         fut = self._future
-        if fut is None:  # (a Work born complete is a BornWork, which awaits without this call)
+        if fut is None:  # (a Work born complete is a _Born, which awaits without this call)
             return _ready(self._result)
         if fut.done():
             # the future's own iterator (C) ends at once with its result or error: no generator
@@ -224,22 +228,14 @@ class Work:
         return f"<Work {self.description} {state}>"
 
 
-class BornWork(Work):
-    """A Work born complete: awaiting it ends at once with its result.
+class _Born(Work):
+    """A Work born complete (``Work.born``): awaiting it ends at once with its result.
 
-    ``Work.born`` makes one; so does the engine, of every operation that completed inside its
-    call. It has no future, so nothing ever waits on it (its waiters are never read, nor set).
+    It has no future, so nothing ever waits on it (its waiters are never read, nor set).
     """
 
     __slots__ = ()
     _future = None  # (read as the slot would be: every method's test for "born complete")
-
-    def __init__(
-        self, result: Any, loop: asyncio.AbstractEventLoop, description: str | Callable[[], str] = "operation"
-    ) -> None:
-        self._result = result
-        self._loop = loop
-        self._description = description
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._result
@@ -247,6 +243,9 @@ class BornWork(Work):
 
     def wake(self, _fut: Any = None) -> None:
         return None
+
+
+_new = object.__new__
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:

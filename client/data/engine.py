@@ -52,7 +52,7 @@ from aiocoll._errors import (
     chain,
     trim,
 )
-from aiocoll._work import BornWork, Work
+from aiocoll._work import Work
 from aiocoll.algorithms._transport import (
     Tag,
     Transport,
@@ -293,7 +293,7 @@ class Engine(FailureFanout):
                 self.transport.retire(tag)
             # (described by a function of its name, not the record: a Work the caller keeps
             # would keep the record's arrays, a staged copy among them)
-            return BornWork(op.result, self._loop, _partial(_describe, kind, group, seq))
+            return _born(op.result, self._loop, _partial(_describe, kind, group, seq))
         _sequenced(op, tag, sig, started, site, retire)
         if op.lane is FINISHED:  # failed inside its starter
             failure = op.abort_exc
@@ -626,3 +626,4 @@ def _sequenced(op: Operation, tag: Tag, sig: Any, started: float, site: Any, ret
 _monotonic = time.monotonic
 _getframe = sys._getframe
 _partial = functools.partial
+_born = Work.born
