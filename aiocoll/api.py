@@ -56,10 +56,6 @@ def _check_rank(what: str, value: Any, size: int) -> int:
     return r
 
 
-def _check_opt_rank(what: str, value: Any, size: int) -> int | None:
-    return None if value is None else _check_rank(what, value, size)
-
-
 def _check_tag(tag: Any) -> int:
     if type(tag) is int:  # (the usual call: checked in fewest steps)
         return tag
@@ -274,7 +270,7 @@ class ProcessGroup:
             MismatchError: (from the awaited Work) the message's dtype or size differs from
                 ``tensor``'s.
         """
-        s = _check_opt_rank("src", src, self.size)
+        s = None if src is None else _check_rank("src", src, self.size)
         if s is not None and s == self.rank:
             raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
         utag = _check_tag(tag)
