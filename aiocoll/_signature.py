@@ -49,8 +49,11 @@ PACKED_BYTES = 256
 _HEAD = struct.Struct("<qH")  # a packed signature's seq and length, before its msgpack bytes
 _SEQ = struct.Struct("<q")  # (the head's first field)
 _LENGTH = struct.Struct("<H")  # (its second)
-# id(meta) -> (meta, the packing after its seq: length and msgpack bytes)
-_PACKED: dict[int, tuple[Mapping[str, Any], bytes]] = {}
+_pack_seq = _SEQ.pack
+# id(meta) -> the packing after its seq (length and msgpack bytes), and id(meta) -> meta, which
+# keeps the dict alive while its packing is kept (so its id is no other dict's)
+_PACKED: dict[int, bytes] = {}
+_KEPT: dict[int, Mapping[str, Any]] = {}
 _PACKED_MAX = 256
 
 
@@ -58,20 +61,22 @@ def pack(seq: int, meta: Mapping[str, Any]) -> bytes:
     """``meta`` and the operation's ``seq`` as bytes of at most PACKED_BYTES (the arenas publish
     them beside a step's data). A signature is never changed once made, and the public layer
     hands every operation of one signature the same dict, so the packing is kept by the dict's
-    identity (the entry holds the dict: its id cannot be reused while it is kept)."""
+    identity."""
     known = _PACKED.get(id(meta))
     if known is None:
         known = _packing(meta)
-    return _SEQ.pack(seq) + known[1]
+    return _pack_seq(seq) + known
 
 
-def _packing(meta: Mapping[str, Any]) -> tuple[Mapping[str, Any], bytes]:
+def _packing(meta: Mapping[str, Any]) -> bytes:
     packed = msgpack.packb(meta, use_bin_type=True)
     if _HEAD.size + len(packed) > PACKED_BYTES:
         packed = msgpack.packb({"digest": hashlib.blake2b(packed, digest_size=16).digest()})
     if len(_PACKED) >= _PACKED_MAX:
         _PACKED.clear()
-    known = _PACKED[id(meta)] = (meta, _LENGTH.pack(len(packed)) + packed)
+        _KEPT.clear()
+    _KEPT[id(meta)] = meta
+    known = _PACKED[id(meta)] = _LENGTH.pack(len(packed)) + packed
     return known
 
 

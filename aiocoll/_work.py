@@ -76,7 +76,6 @@ class Work:
         Engine use: an operation that completed inside its call needs nothing more.
         """
         work = _new(_Born)
-        work._future = None
         work._result = result
         work._loop = loop
         work._description = description
@@ -232,10 +231,11 @@ class Work:
 class _Born(Work):
     """A Work born complete (``Work.born``): awaiting it ends at once with its result.
 
-    It has no future, so nothing ever waits on it (its waiters are never read).
+    It has no future, so nothing ever waits on it (its waiters are never read, nor set).
     """
 
     __slots__ = ()
+    _future = None  # (read as the slot would be: every method's test for "born complete")
 
     def __await__(self) -> Generator[Any, None, Any]:
         return self._result

@@ -30,7 +30,7 @@ from aiocoll.client.bootstrap import EmbeddedCoordinator, Runtime, start_runtime
 from aiocoll.client.data._operation import DEFAULT_TIMEOUT, Operation
 from aiocoll.client.data.engine import GroupState
 from aiocoll.client.data.providers import ProviderTable
-from aiocoll.device._tensors import Working, as_working, dtype_name, numel
+from aiocoll.device._tensors import DEVICE, HOST, Working, as_working, dtype_name, numel
 from aiocoll.stores import Store
 
 __all__ = ["ProcessGroup", "init_process_group"]
@@ -54,10 +54,6 @@ def _check_rank(what: str, value: Any, size: int) -> int:
     if not 0 <= r < size:
         raise ValueError(f"{what}={r} is out of range: this group has ranks 0..{size - 1}")
     return r
-
-
-def _check_opt_rank(what: str, value: Any, size: int) -> int | None:
-    return None if value is None else _check_rank(what, value, size)
 
 
 def _check_tag(tag: Any) -> int:
@@ -94,6 +90,14 @@ def _same_numel(what: str, tensors: Sequence[Any], count: int) -> None:
             raise ValueError(
                 f"{what}[{i}] has {got} elements; it must have {count} (as the operation's tensor)"
             )
+
+
+def _memory(workings: Sequence[Working]) -> str:
+    """The memory of an operation on these tensors: DEVICE when any is a device tensor."""
+    for w in workings:
+        if w.memory is DEVICE:
+            return DEVICE
+    return HOST
 
 
 def _coerce_op(op: Any, name: str, kind: str) -> ReduceOp:
@@ -237,11 +241,14 @@ class ProcessGroup:
         if d == self.rank:
             raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
         utag = _check_tag(tag)
-        w = as_working(tensor, read=True, write=False)
-        meta = {"dtype": w.dtype_name, "count": w.array.size}
-        return self._providers.submit(
-            Operation("send", meta, (w.array,), (), (), None, timeout, p2p_tag=utag, peers=(self.ranks[d],))
+        w = as_working(tensor, True, False)
+        array = w.array
+        o = Operation(
+            "send", {"dtype": w.dtype_name, "count": array.size}, (array,), (), (), None, timeout, w.memory
         )
+        o.p2p_tag = utag
+        o.peers = (self.ranks[d],)
+        return self._providers.submit(o)
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Receive into ``tensor`` from group rank ``src``, or from any rank.
@@ -263,16 +270,19 @@ class ProcessGroup:
             MismatchError: (from the awaited Work) the message's dtype or size differs from
                 ``tensor``'s.
         """
-        s = _check_opt_rank("src", src, self.size)
+        s = None if src is None else _check_rank("src", src, self.size)
         if s is not None and s == self.rank:
             raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
         utag = _check_tag(tag)
-        w = as_working(tensor, read=False, write=True)
-        meta = {"dtype": w.dtype_name, "count": w.array.size}
-        peers = () if s is None else (self.ranks[s],)
-        return self._providers.submit(
-            Operation("recv", meta, (), (w.array,), (w,), None, timeout, p2p_tag=utag, peers=peers)
+        w = as_working(tensor, False, True)
+        array = w.array
+        o = Operation(
+            "recv", {"dtype": w.dtype_name, "count": array.size}, (), (array,), (w,), None, timeout, w.memory
         )
+        o.p2p_tag = utag
+        if s is not None:
+            o.peers = (self.ranks[s],)
+        return self._providers.submit(o)
 
     isend = send
     irecv = recv
@@ -295,11 +305,11 @@ class ProcessGroup:
             MismatchError: (from the awaited Work) ranks gave different roots, dtypes or sizes.
         """
         root = _check_rank("src", src, self.size)
-        w = as_working(tensor, read=root == self.rank, write=True)
+        w = as_working(tensor, root == self.rank, True)
         meta = self._meta("broadcast", w.dtype_name, w.numel, root=root)
-        return self._providers.submit(
-            Operation("broadcast", meta, (), (w.array,), (w,), tensor, timeout, root=root)
-        )
+        o = Operation("broadcast", meta, (), (w.array,), (w,), tensor, timeout, w.memory)
+        o.root = root
+        return self._providers.submit(o)
 
     def all_reduce(self, tensor: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank; the result is written into ``tensor`` everywhere.
@@ -337,9 +347,9 @@ class ProcessGroup:
             rop = _coerce_op(rop, name, "all_reduce")
             meta = self._meta("all_reduce", name, count, op=rop._value_)
         arrays = (w.array,)  # in place: one tuple for what it reads and writes
-        return self._providers.submit(
-            Operation("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, 0, rop)
-        )
+        o = Operation("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, w.memory)
+        o.op = rop
+        return self._providers.submit(o)
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``.
@@ -363,19 +373,11 @@ class ProcessGroup:
         rop = _coerce_op(op, name, "reduce")
         w = as_working(tensor, write=root == self.rank)
         meta = self._meta("reduce", name, w.numel, root=root, op=rop._value_)
-        return self._providers.submit(
-            Operation(
-                "reduce",
-                meta,
-                (w.array,),
-                (w.array,),
-                (w,) if root == self.rank else (),
-                tensor,
-                timeout,
-                root=root,
-                op=rop,
-            )
-        )
+        workings = (w,) if root == self.rank else ()
+        o = Operation("reduce", meta, (w.array,), (w.array,), workings, tensor, timeout, w.memory)
+        o.root = root
+        o.op = rop
+        return self._providers.submit(o)
 
     def all_gather(self, tensor_list: Any, tensor: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Gather every rank's ``tensor`` into ``tensor_list`` on every rank.
@@ -400,8 +402,9 @@ class ProcessGroup:
         w = as_working(tensor, write=False)
         wo = [as_working(t, read=False) for t in outs]
         meta = self._meta("all_gather", name, w.numel)
+        memory = _memory([w, *wo])
         return self._providers.submit(
-            Operation("all_gather", meta, (w.array,), [x.array for x in wo], wo, tensor_list, timeout)
+            Operation("all_gather", meta, (w.array,), [x.array for x in wo], wo, tensor_list, timeout, memory)
         )
 
     def all_gather_into_tensor(
@@ -434,8 +437,9 @@ class ProcessGroup:
         wo = as_working(output_tensor, read=False)
         parts = [wo.array[i * n : (i + 1) * n] for i in range(self.size)]
         meta = self._meta("all_gather", name, n)
+        memory = _memory((w, wo))
         return self._providers.submit(
-            Operation("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout)
+            Operation("all_gather", meta, (w.array,), parts, (wo,), output_tensor, timeout, memory)
         )
 
     def _root_list(
@@ -490,9 +494,9 @@ class ProcessGroup:
         else:
             wo, recv, result = [], [], None
         meta = self._meta("gather", name, w.numel, root=root)
-        return self._providers.submit(
-            Operation("gather", meta, (w.array,), recv, wo, result, timeout, root=root)
-        )
+        o = Operation("gather", meta, (w.array,), recv, wo, result, timeout, _memory([w, *wo]))
+        o.root = root
+        return self._providers.submit(o)
 
     def scatter(
         self, tensor: Any, scatter_list: Any = None, src: int = 0, *, timeout: Any = _DEFAULT
@@ -516,11 +520,12 @@ class ProcessGroup:
         name = dtype_name(tensor)
         w = as_working(tensor, read=False)
         ins = self._root_list("scatter", "scatter_list", "src", root, scatter_list, name, w.numel)
-        send = [] if ins is None else [as_working(t, write=False).array for t in ins]
+        wi = [] if ins is None else [as_working(t, write=False) for t in ins]
         meta = self._meta("scatter", name, w.numel, root=root)
-        return self._providers.submit(
-            Operation("scatter", meta, send, (w.array,), (w,), tensor, timeout, root=root)
-        )
+        send = [x.array for x in wi]
+        o = Operation("scatter", meta, send, (w.array,), (w,), tensor, timeout, _memory([w, *wi]))
+        o.root = root
+        return self._providers.submit(o)
 
     def reduce_scatter(
         self, output: Any, input_list: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
@@ -547,11 +552,12 @@ class ProcessGroup:
         _same_dtype("reduce_scatter: input_list", ins, name)
         _same_numel("reduce_scatter: input_list", ins, numel(output))
         w = as_working(output, read=False)
-        send = [as_working(t, write=False).array for t in ins]
+        wi = [as_working(t, write=False) for t in ins]
         meta = self._meta("reduce_scatter", name, w.numel, op=rop._value_)
-        return self._providers.submit(
-            Operation("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
-        )
+        send = [x.array for x in wi]
+        o = Operation("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, _memory([w, *wi]))
+        o.op = rop
+        return self._providers.submit(o)
 
     def reduce_scatter_tensor(
         self, output: Any, input: Any, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT
@@ -585,9 +591,9 @@ class ProcessGroup:
         wi = as_working(input, write=False)
         send = [wi.array[i * n : (i + 1) * n] for i in range(self.size)]
         meta = self._meta("reduce_scatter", name, n, op=rop._value_)
-        return self._providers.submit(
-            Operation("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, op=rop)
-        )
+        o = Operation("reduce_scatter", meta, send, (w.array,), (w,), output, timeout, _memory((w, wi)))
+        o.op = rop
+        return self._providers.submit(o)
 
     def all_to_all(self, output_list: Any, input_list: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Send ``input_list[j]`` to group rank ``j`` and receive rank ``j``'s into ``output_list[j]``.
@@ -616,11 +622,12 @@ class ProcessGroup:
                 f"all_to_all: output_list[{self.rank}] has {numel(outs[self.rank])} elements but "
                 f"input_list[{self.rank}] (this rank's block to itself) has {numel(ins[self.rank])}"
             )
-        send = [as_working(t, write=False).array for t in ins]
+        wi = [as_working(t, write=False) for t in ins]
         wo = [as_working(t, read=False) for t in outs]
         meta = self._meta("all_to_all", name)
+        send, recv = [x.array for x in wi], [x.array for x in wo]
         return self._providers.submit(
-            Operation("all_to_all", meta, send, [x.array for x in wo], wo, output_list, timeout)
+            Operation("all_to_all", meta, send, recv, wo, output_list, timeout, _memory([*wi, *wo]))
         )
 
     def all_to_all_single(
@@ -667,7 +674,9 @@ class ProcessGroup:
         send = [wi.array[a:b] for a, b in in_bounds]
         recv = [wo.array[a:b] for a, b in out_bounds]
         meta = self._meta("all_to_all", name)
-        return self._providers.submit(Operation("all_to_all", meta, send, recv, (wo,), output, timeout))
+        return self._providers.submit(
+            Operation("all_to_all", meta, send, recv, (wo,), output, timeout, _memory((wi, wo)))
+        )
 
     def _splits(
         self, what: str, tensor: Any, w: Working, sizes: Sequence[int] | None
@@ -731,10 +740,11 @@ class ProcessGroup:
         """
         root = _check_rank("src", src, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if root == self.rank else b""
-        meta = {"kind": "broadcast_object", "root": root}
-        return self._providers.submit(
-            Operation("broadcast_object", meta, (data,), (), (), obj, timeout, root=root)
+        o = Operation(
+            "broadcast_object", {"kind": "broadcast_object", "root": root}, (data,), (), (), obj, timeout
         )
+        o.root = root
+        return self._providers.submit(o)
 
     def all_gather_object(self, obj: Any, *, timeout: Any = _DEFAULT) -> Work:
         """Gather a picklable object from every rank.
@@ -770,10 +780,11 @@ class ProcessGroup:
         """
         root = _check_rank("dst", dst, self.size)
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        meta = {"kind": "gather_object", "root": root}
-        return self._providers.submit(
-            Operation("gather_object", meta, (data,), (), (), None, timeout, root=root)
+        o = Operation(
+            "gather_object", {"kind": "gather_object", "root": root}, (data,), (), (), None, timeout
         )
+        o.root = root
+        return self._providers.submit(o)
 
     def scatter_object(self, objs: Any = None, src: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Give group rank ``i`` the object ``objs[i]`` of rank ``src``.
@@ -799,10 +810,11 @@ class ProcessGroup:
                     f"scatter_object: rank {root} is src and must pass a list of {self.size} objects"
                 )
             blobs = [pickle.dumps(o, protocol=pickle.HIGHEST_PROTOCOL) for o in objs]
-        meta = {"kind": "scatter_object", "root": root}
-        return self._providers.submit(
-            Operation("scatter_object", meta, blobs, (), (), None, timeout, root=root)
+        o = Operation(
+            "scatter_object", {"kind": "scatter_object", "root": root}, blobs, (), (), None, timeout
         )
+        o.root = root
+        return self._providers.submit(o)
 
     # -- groups ----------------------------------------------------------------------------
     async def new_group(
@@ -847,9 +859,9 @@ class ProcessGroup:
         forming = self._providers.forming(members)
         offers = (forming.offers,)
         try:
-            gid = await self._providers.submit(
-                Operation("new_group", meta, offers, offers, (), None, timeout, op=ReduceOp.BAND)
-            )
+            forming_op = Operation("new_group", meta, offers, offers, (), None, timeout)
+            forming_op.op = ReduceOp.BAND
+            gid = await self._providers.submit(forming_op)
             if self._rt.transport.rank not in members:
                 return None
             state = self._rt.engine.group(gid, members)

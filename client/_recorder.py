@@ -91,28 +91,29 @@ def dump_dir() -> str | None:
 
 
 class CallSites:
-    """Where one engine's operations are called from: how many frames above ``Engine.submit_op`` the
-    user's frame is, per kind of call (``signed``: collectives; ``unsigned``: point-to-point and
-    staged operations, which reach the engine by another path).
+    """Where one engine's operations are called from: how many frames above ``Engine.submit_op``
+    the user's frame is (``depth``: every call the user makes to aiocoll's API reaches the engine
+    through the same frames, the API's method and its group's provider table).
 
     The engine takes ``code_at(sys._getframe(depth))`` per operation (the user's frame is read,
     never made, and not kept), unless that frame's code is one a walk passed as aiocoll's
-    (``passed``); then, and for a kind's first call, it calls ``first``, which walks the stack.
+    (``passed``; ``code``: the last code found not to be, which a loop's calls need not look up
+    again); then, and until the depth is known, it calls ``first``, which walks the stack.
     A walk keeps its depth only for a call the user made to aiocoll's API itself (the outermost
     of aiocoll's frames is in aiocoll/api.py, a ProcessGroup method): a call of aiocoll's own
     on the user's behalf (``aiocoll.ft`` calling a group's collectives) is deeper, and is walked
     each time, so that neither way of calling ever takes the other's depth.
     """
 
-    __slots__ = ("passed", "signed", "unsigned")
+    __slots__ = ("code", "depth", "passed")
 
     def __init__(self) -> None:
-        self.signed: dict[str, int] = {}
-        self.unsigned: dict[str, int] = {}
+        self.depth = _NO_DEPTH
         self.passed: set[int] = set()  # ids of codes: aiocoll's own stay loaded, never reused
+        self.code: CodeType | None = None
 
-    def first(self, kind: str, signed: bool) -> Site | None:
-        """The site of the operation being opened (called from ``Engine.submit_op``); its kind's depth
+    def first(self) -> Site | None:
+        """The site of the operation being opened (called from ``Engine.submit_op``); its depth
         is kept for the next ones when the user called aiocoll's API directly."""
         opening = sys._getframe(1)
         ours = aiocoll_frames(opening)
@@ -123,10 +124,13 @@ class CallSites:
         if user is None:  # no frame of the user's on this stack: the engine's own frame
             return code_at(opening)  # (site_of reads it as unknown)
         api = getattr(sys.modules.get("aiocoll.api"), "__file__", None)
-        # (or the engine itself, called straight from outside: a developer's harness)
-        if outermost is opening or (api is not None and outermost.f_code.co_filename == api):
-            (self.signed if signed else self.unsigned)[kind] = len(ours)
+        if api is not None and outermost.f_code.co_filename == api:
+            self.depth = len(ours)
         return code_at(user)
+
+
+# A depth no stack reaches (sys._getframe raises ValueError): the first call walks.
+_NO_DEPTH = 1 << 30
 
 
 def call_sites(capacity: int) -> tuple[CallSites | None, bool]:

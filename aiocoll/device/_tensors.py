@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,16 @@ import numpy as np
 from aiocoll.device._device import DeviceTensor
 from aiocoll.device._staging import DeviceSpan
 
-__all__ = ["SUPPORTED_DTYPES", "Working", "as_working", "dtype_name", "is_torch_tensor", "numel"]
+__all__ = [
+    "DEVICE",
+    "HOST",
+    "SUPPORTED_DTYPES",
+    "Working",
+    "as_working",
+    "dtype_name",
+    "is_torch_tensor",
+    "numel",
+]
 
 SUPPORTED_DTYPES = frozenset(
     {
@@ -51,32 +59,66 @@ SUPPORTED_DTYPES = frozenset(
 )
 
 
+HOST, DEVICE = "host", "device"  # the memory a tensor's working array is in
+
+
 def _nothing() -> None:
     return None
 
 
-@dataclass(slots=True)
 class Working:
     """A tensor as the executor sees it.
 
     Attributes:
-        array: contiguous 1-D numpy array (uint16 bits for bfloat16); writes to it reach the
-            caller's tensor once ``finish()`` ran (immediately when no staging was needed).
+        array: contiguous 1-D numpy array (uint16 bits for bfloat16), or a DeviceSpan over a
+            device tensor; writes to it reach the caller's tensor once ``finish()`` ran
+            (immediately when no staging was needed).
         dtype_name: canonical dtype name ("float32", "bfloat16", ...).
-        shape: the caller's shape. staged: True when ``array`` is a copy.
+        shape: the caller's shape. staged: True when ``array`` is a copy (or a device span).
+        memory: HOST, or DEVICE for a device span (the operation record's memory).
     """
 
-    array: np.ndarray
-    dtype_name: str
-    shape: tuple[int, ...]
-    staged: bool = False
+    # The fields every working sets are slots; the rest are class attributes until a staged
+    # one sets them (then in its dict): the usual working, an array that is the tensor's own
+    # memory, sets three (``as_working`` makes it without a call of this __init__).
+    __slots__ = ("__dict__", "array", "dtype_name", "shape")
+    staged = False
     # ``finish()`` copies results back into the caller's tensor if ``array`` is a staging copy
     # (a plain function, not a method that calls one: it runs once per tensor per operation)
-    finish: Callable[[], None] = field(default=_nothing, repr=False)
+    finish: Callable[[], None] = staticmethod(_nothing)
+    memory = HOST
+
+    def __init__(
+        self,
+        array: Any,
+        dtype_name: str,
+        shape: tuple[int, ...],
+        staged: bool = False,
+        finish: Callable[[], None] = _nothing,
+        memory: str = HOST,
+    ) -> None:
+        self.array = array
+        self.dtype_name = dtype_name
+        self.shape = shape
+        if staged:
+            self.staged = True
+        if finish is not _nothing:
+            self.finish = finish
+        if memory != HOST:
+            self.memory = memory
 
     @property
     def numel(self) -> int:
         return int(self.array.size)
+
+    def __repr__(self) -> str:
+        return (
+            f"Working({self.dtype_name}, shape {self.shape}, {self.memory}"
+            f"{', staged' if self.staged else ''}: {self.array!r})"
+        )
+
+
+_new = object.__new__
 
 
 def is_torch_tensor(obj: object) -> bool:
@@ -134,7 +176,7 @@ def numel(obj: Any) -> int:
     raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
 
 
-def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
+def as_working(obj: Any, read: bool = True, write: bool = True) -> Working:
     """Flatten a tensor into a contiguous 1-D numpy working array.
 
     Args:
@@ -149,24 +191,46 @@ def as_working(obj: Any, *, read: bool = True, write: bool = True) -> Working:
         ValueError: ``write`` and the numpy array is read-only.
         RuntimeError: a CUDA tensor while torch reports no usable CUDA.
     """
-    if isinstance(obj, np.ndarray):
+    if isinstance(obj, _ndarray):
         # (here, not in a function of its own: the commonest call, on every operation)
-        name = _NUMPY_NAMES.get(obj.dtype) or dtype_name(obj)
-        shape = obj.shape
         flags = obj.flags  # a new object at each access: read it once
-        if write and not flags.writeable:
-            raise ValueError(
-                f"cannot write the result into a read-only numpy array (shape {shape}, {name}); "
-                "pass a writeable array (e.g. arr.copy())"
-            )
-        if flags.c_contiguous and obj.dtype.isnative:
-            return Working(obj if obj.ndim == 1 else obj.reshape(-1), name, shape)
-        return _numpy_staged(obj, name, read=read, write=write)
+        name = _NATIVE_NAMES.get(obj.dtype)  # (None: a dtype not met yet, or not native)
+        if name is not None and flags.c_contiguous and (flags.writeable or not write):
+            w = _new(Working)  # (see Working: its three fields, set here without a call)
+            w.array = obj if obj.ndim == 1 else obj.reshape(-1)
+            w.dtype_name = name
+            w.shape = obj.shape
+            return w
+        return _numpy_working(obj, read, write)
     if is_torch_tensor(obj):
         return _torch_working(obj, read=read, write=write)
     if isinstance(obj, DeviceTensor):
         return device_working(obj, read=read, write=write)
     raise TypeError(f"expected a numpy.ndarray or torch.Tensor, got {type(obj).__name__}")
+
+
+_ndarray = np.ndarray
+# Supported numpy dtypes in native byte order met so far -> name: an array of one, contiguous,
+# is its own working array (``as_working``). At most one entry per dtype.
+_NATIVE_NAMES: dict[np.dtype[Any], str] = {}
+
+
+def _numpy_working(arr: np.ndarray, read: bool, write: bool) -> Working:
+    """as_working of a numpy array its first lines did not take: a dtype not met yet, a
+    read-only array to write into (refused), or one to stage (not contiguous, not native)."""
+    name = dtype_name(arr)
+    shape = arr.shape
+    flags = arr.flags
+    if write and not flags.writeable:
+        raise ValueError(
+            f"cannot write the result into a read-only numpy array (shape {shape}, {name}); "
+            "pass a writeable array (e.g. arr.copy())"
+        )
+    if arr.dtype.isnative:
+        _NATIVE_NAMES[arr.dtype] = name
+        if flags.c_contiguous:
+            return Working(arr if arr.ndim == 1 else arr.reshape(-1), name, shape)
+    return _numpy_staged(arr, name, read=read, write=write)
 
 
 def _numpy_staged(arr: np.ndarray, name: str, *, read: bool, write: bool) -> Working:
@@ -190,7 +254,11 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
         held, layout, array, name = seen
         # (the entry holds the tensor, so its id is no other object's)
         if held is tensor and layout == (tensor.data_ptr(), tensor.dtype, tensor.stride(), tensor.shape):
-            return Working(array, name, layout[3])
+            w = _new(Working)  # (see Working: its three fields, set here without a call)
+            w.array = array
+            w.dtype_name = name
+            w.shape = layout[3]
+            return w
     dtype = tensor.dtype
     name = _TORCH_NAMES.get(dtype) or dtype_name(tensor)
     if tensor.is_cpu and not tensor.requires_grad and name not in _NO_NUMPY_BRIDGE:
@@ -288,7 +356,7 @@ def device_working(tensor: DeviceTensor, *, read: bool, write: bool) -> Working:
     """A Working whose array is a DeviceSpan over the whole device tensor: operations see it as
     they see a host array and run through the staging pipeline (see the module header)."""
     span = DeviceSpan(tensor, _host_dtype(tensor.dtype_name), 0, tensor.numel, read=read, write=write)
-    return Working(span, tensor.dtype_name, tensor.shape, staged=True)  # type: ignore[arg-type]
+    return Working(span, tensor.dtype_name, tensor.shape, staged=True, memory=DEVICE)
 
 
 def _host_view(tensor: Any) -> np.ndarray:

@@ -31,7 +31,7 @@ from aiocoll.algorithms._transport import (
     Tag,
     Transport,
 )
-from aiocoll.device._staging import DeviceSpan
+from aiocoll.device._tensors import DEVICE, HOST
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -45,7 +45,6 @@ __all__ = [
     "Stoppable",
 ]
 
-HOST, DEVICE = "host", "device"  # the memory an operation's arrays are in
 # An operation's timeout when its call gave none: its engine's default (Engine.default_timeout),
 # read only if it does not complete inside its call.
 DEFAULT_TIMEOUT: Any = object()
@@ -86,6 +85,7 @@ class GroupState:
         "pending",
         "ranks",
         "stuck",
+        "transport",
     )
 
     def __init__(self, gid: str, ranks: Sequence[int], my_rank: int) -> None:
@@ -96,6 +96,7 @@ class GroupState:
         self.index = self.ranks.index(my_rank)
         self.loop: asyncio.AbstractEventLoop | None = None  # its engine's (Engine.group)
         self.engine: Any = None  # the engine that made it (client/data/engine.Engine)
+        self.transport: Transport = None  # type: ignore[assignment]  # its engine's (Engine.group)
         self.next_seq = 0
         self.pending: set[Operation] = set()
         self.broken: BaseException | None = None
@@ -126,27 +127,23 @@ class Operation(Transport):
         engine's default, until the engine reads it). p2p_tag: the user's tag of a
         point-to-point operation (None for the rest). peers: the global ranks a point-to-point
         operation talks to (none: a receive from any rank). memory: HOST or DEVICE (any array a
-        device span).
+        device span: the public layer says which, from its tensors' Workings).
 
-    The fields every operation sets are slots. Those most operations never set (a future, a
-    deadline, the message counts, ...) are class attributes until set (then in the instance's
-    dict, which the Transport base gives it), so an operation that completes inside its call
-    (the commonest small one) pays only for the few it uses.
+    The fields every operation sets are slots. Those only some kinds set (root, op, p2p_tag,
+    peers: the public layer sets them after making the record) and those most operations never
+    set (a future, a deadline, the message counts, ...) are class attributes until set (then in
+    the instance's dict, which the Transport base gives it), so an operation that completes
+    inside its call (the commonest small one) pays only for the few it uses.
     """
 
     __slots__ = (
-        "_inner",
         "group",
         "inputs",
         "kind",
         "memory",
         "meta",
-        "op",
         "outputs",
-        "p2p_tag",
-        "peers",
         "result",
-        "root",
         "seq",
         "sig",
         "started",
@@ -155,13 +152,18 @@ class Operation(Transport):
         "workings",
     )
     # set by the engine when it sequences the operation (Engine.submit_op)
-    _inner: Transport  # the process's transport, which the operation's own counts wrap
     group: GroupState
     seq: int  # its group's sequence number (-1: point-to-point)
+    # and, when it does not end inside its starter (whose ``tag`` argument it is), kept with it
     tag: Tag  # its messages' tag
     sig: dict[str, Any] | None  # what every rank must agree on (None: point-to-point)
-    started: float
+    started: float  # time.monotonic() at its call
 
+    # The fields only some kinds set (the public layer sets them after making the record).
+    root = 0  # the group rank of a rooted kind
+    op = ReduceOp.SUM  # the reduce op
+    p2p_tag: int | None = None  # the user's tag of a point-to-point operation
+    peers: tuple[int, ...] = ()  # the global ranks a point-to-point operation talks to
     # Where it was called (the flight recorder, client/_recorder.py), set by the engine when
     # the recorder is on.
     site: Any = None
@@ -170,7 +172,9 @@ class Operation(Transport):
     # anything else sees the operation.
     future: asyncio.Future[Any] = None  # type: ignore[assignment]
     work: Work = None  # type: ignore[assignment]
-    lane: Stoppable | None = None  # its runner (client/data/_operation.Starter's return)
+    # its runner (client/data/_operation.Starter's return); None while its starter runs on the
+    # straight path, FINISHED once it ended
+    lane: Stoppable | None = None
     deadline: float | None = None
     abort_exc: BaseException | None = None
     # messages still awaited, by peer: read-only empty until the operation counts one (``_counts``)
@@ -190,10 +194,7 @@ class Operation(Transport):
         workings: Sequence[Any],
         result: Any,
         timeout: Any,
-        root: int = 0,
-        op: ReduceOp = ReduceOp.SUM,
-        p2p_tag: int | None = None,
-        peers: tuple[int, ...] = (),
+        memory: str = HOST,
     ) -> None:
         self.kind = kind
         self.meta = meta
@@ -203,21 +204,6 @@ class Operation(Transport):
         self.result = result
         # (checked here, at the call: seconds or a timedelta, not negative)
         self.timeout = timeout if timeout is DEFAULT_TIMEOUT else to_seconds(timeout)
-        self.root = root
-        self.op = op
-        self.p2p_tag = p2p_tag
-        self.peers = peers
-        memory = HOST
-        for a in inputs:  # (loops, not any(<generator>): this runs on every call)
-            if isinstance(a, DeviceSpan):
-                memory = DEVICE
-                break
-        else:
-            if outputs is not inputs:  # (an in-place operation hands one tuple for both)
-                for a in outputs:
-                    if isinstance(a, DeviceSpan):
-                        memory = DEVICE
-                        break
         self.memory = memory
 
     def describe(self) -> str:
@@ -231,13 +217,15 @@ class Operation(Transport):
 
     def finish(self, result: Any, exc: BaseException | None) -> None:
         """The starter's ``finish``: the operation's outcome, taken once (a late one is ignored)."""
-        if self.lane is FINISHED:
-            return
-        self.lane = FINISHED
-        if self.future is None:  # inside its starter: kept for the straight path (Engine.submit_op)
+        lane = self.lane
+        if lane is None:  # inside its starter: kept for the straight path (Engine.submit_op)
+            self.lane = FINISHED
             self.result = result
             self.abort_exc = exc
             return
+        if lane is FINISHED:
+            return
+        self.lane = FINISHED
         engine = self.group.engine
         future = self.future
         if exc is None and not future.done():
@@ -261,10 +249,13 @@ class Operation(Transport):
                         w.finish()
             except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
                 exc = copy_back
-        if finish is None:
-            self.finish(self.result, exc)
-        else:
+        if finish is not None:
             finish(self.result, exc)
+        elif self.lane is None:  # ``finish``'s straight path, here (its result is ``result``)
+            self.lane = FINISHED
+            self.abort_exc = exc
+        else:
+            self.finish(self.result, exc)
 
     # -- the transport as the operation sees it ----------------------------------------------
     def _counts(self, sending: bool) -> dict[Any, int]:
@@ -280,15 +271,15 @@ class Operation(Transport):
 
     @property
     def rank(self) -> int:  # type: ignore[override]
-        return self._inner.rank
+        return self.group.transport.rank
 
     @property
     def world_size(self) -> int:  # type: ignore[override]
-        return self._inner.world_size
+        return self.group.transport.world_size
 
     @property
     def inner(self) -> Transport:
-        return self._inner
+        return self.group.transport
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -299,34 +290,34 @@ class Operation(Transport):
         return loop
 
     async def send(self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> None:
-        await _counting(self._counts(True), dst, self._inner.send(dst, tag, payload, meta))
+        await _counting(self._counts(True), dst, self.group.transport.send(dst, tag, payload, meta))
 
     def send_nowait(
         self, dst: int, tag: Tag, payload: memoryview, meta: dict[str, Any]
     ) -> Awaitable[None] | None:
         """Start a send inline where the inner transport can (see Transport.send_nowait). None:
         the payload was handed off at once."""
-        rest = self._inner.send_nowait(dst, tag, payload, meta)
+        rest = self.group.transport.send_nowait(dst, tag, payload, meta)
         if rest is None:
             return None
         return _counting(self._counts(True), dst, rest)
 
     def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
-        return self._inner.recv_now(src, tag, into)
+        return self.group.transport.recv_now(src, tag, into)
 
     async def recv(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]]:
-        return await _counting(self._counts(False), src, self._inner.recv(src, tag, into))
+        return await _counting(self._counts(False), src, self.group.transport.recv(src, tag, into))
 
     async def recv_landed(
         self, src: int | None, tag: Tag, into: memoryview
     ) -> tuple[int, dict[str, Any], memoryview]:
-        return await _counting(self._counts(False), src, self._inner.recv_landed(src, tag, into))
+        return await _counting(self._counts(False), src, self.group.transport.recv_landed(src, tag, into))
 
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
-        self._inner.post_recv(src, tag, into, self._counted(src, callback))
+        self.group.transport.post_recv(src, tag, into, self._counted(src, callback))
 
     def post_recv_landed(self, src: int | None, tag: Tag, into: memoryview, callback: LandedCallback) -> None:
-        self._inner.post_recv_landed(src, tag, into, self._counted(src, callback))
+        self.group.transport.post_recv_landed(src, tag, into, self._counted(src, callback))
 
     def _counted(self, src: int | None, callback: Callable[[Any, BaseException | None], None]) -> Any:
         """``callback``, counted as a receive outstanding from ``src`` until it runs."""
@@ -340,7 +331,7 @@ class Operation(Transport):
         return counted
 
     def discard(self, tag_prefix: Tag) -> None:
-        self._inner.discard(tag_prefix)
+        self.group.transport.discard(tag_prefix)
 
     def waiting_for(self, ranks: Iterable[int]) -> None:
         """An operation that waits without messages (shared memory) says whom it waits for now,
@@ -351,29 +342,29 @@ class Operation(Transport):
             pending[rank] = 1
 
     def holds(self, src: int, tag: Tag) -> bool:
-        return self._inner.holds(src, tag)
+        return self.group.transport.holds(src, tag)
 
     def retire(self, tag_prefix: Tag) -> None:
-        self._inner.retire(tag_prefix)
+        self.group.transport.retire(tag_prefix)
 
     def on_stray(self, handler: StrayHandler) -> None:
-        self._inner.on_stray(handler)
+        self.group.transport.on_stray(handler)
 
     def on_peer_lost(self, handler: LostPeerHandler) -> None:
-        self._inner.on_peer_lost(handler)
+        self.group.transport.on_peer_lost(handler)
 
     def mark_lost(self, rank: int, reason: str) -> None:
-        self._inner.mark_lost(rank, reason)
+        self.group.transport.mark_lost(rank, reason)
 
     def take_in_from(self, rank: int) -> PeerLostError | None:
-        return self._inner.take_in_from(rank)
+        return self.group.transport.take_in_from(rank)
 
     @property
     def lost_peers(self) -> dict[int, str]:
-        return self._inner.lost_peers
+        return self.group.transport.lost_peers
 
     def debug_state(self) -> dict[str, Any]:
-        return self._inner.debug_state()
+        return self.group.transport.debug_state()
 
     async def aclose(self) -> None:  # an operation never closes the shared transport
         return None

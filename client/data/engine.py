@@ -132,6 +132,7 @@ class Engine(FailureFanout):
         group = GroupState(gid, ranks, self.rank)
         group.loop = self._loop
         group.engine = self
+        group.transport = self.transport
         lost = self._lost_ranks() & group.members
         if lost:
             rank = min(lost)
@@ -202,7 +203,10 @@ class Engine(FailureFanout):
         """``submit_op`` of a record made of these fields (an operation with no arrays of its
         own: the starter holds what it runs on). The arguments are ``submit``'s and ``retire``'s
         (see ``submit_op``)."""
-        op = Operation(kind, signature or {}, (), (), (), None, timeout, p2p_tag=p2p_tag, peers=tuple(peers))
+        op = Operation(kind, signature or {}, (), (), (), None, timeout)
+        if p2p_tag is not None:
+            op.p2p_tag = p2p_tag
+        op.peers = tuple(peers)
         return self.submit_op(group, op, start, retire)
 
     def submit_op(self, group: GroupState, op: Operation, start: Starter, retire: bool = True) -> Work:
@@ -223,96 +227,109 @@ class Engine(FailureFanout):
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
+        kind = op.kind
         if self._closed:
-            raise DistError(f"{op.kind}: the process group is destroyed")
+            raise DistError(f"{kind}: the process group is destroyed")
         p2p_tag = op.p2p_tag
         if p2p_tag is None:
             seq = group.next_seq
             if group.broken is not None:
-                self._check_usable(group, op.kind, seq)
+                self._check_usable(group, kind, seq)
             group.next_seq = seq + 1
-            op.tag = ("c", group.gid, seq)
-            op.sig = op.meta or None
+            tag = ("c", group.gid, seq)
+            sig = op.meta or None
         else:
             seq = -1
-            op.tag = tag = ("p", group.gid, p2p_tag)
+            tag = ("p", group.gid, p2p_tag)
+            sig = None  # (a message's meta is no signature: point-to-point has no sequence)
             if group.broken is not None:
-                self._check_usable(group, op.kind, seq, op.peers, tag)
-            op.sig = None  # (a message's meta is no signature: point-to-point has no sequence)
+                self._check_usable(group, kind, seq, op.peers, tag)
         op.seq = seq
         op.group = group
-        op._inner = self.transport
-        op.started = _monotonic()
+        started = _monotonic()
         # Where it was called, for the flight recorder (client/_recorder.CallSites): the user's
-        # frame at the depth its kind's first call found, read (not made) and not kept; through
-        # the blocking facade, the line that called the facade.
+        # frame at the depth a direct call found, read (not made) and not kept; through the
+        # blocking facade, the line that called the facade.
         sites = self._sites
+        site: Any
         if sites is not None:
-            signed = op.sig is not None
             try:
-                user = _getframe((sites.signed if signed else sites.unsigned)[op.kind])
-                if id(user.f_code) in sites.passed:  # aiocoll's frame: this call came another way
-                    raise LookupError
-                op.site = _code_at(user)
-            except (LookupError, ValueError):  # its kind's first call, or another way: a walk
-                op.site = sites.first(op.kind, signed)
+                site = _code_at(_getframe(sites.depth))
+                if site[0] is not sites.code:  # (a loop calls from one function: checked once)
+                    if id(site[0]) in sites.passed:  # aiocoll's frame: this call came another way
+                        raise LookupError
+                    sites.code = site[0]
+            except (LookupError, ValueError):  # the first call, or another way: a walk
+                site = sites.first()
         elif self._passed_sites:
-            op.site = _caller_site()
-        if not retire:
-            op.retires = False
+            site = _caller_site()
+        else:
+            site = None
         if group.notices:  # (a group with notices pending takes the usual path)
-            notice = group.notices.pop(seq, None) if seq >= 0 else None
-            if notice is not None:  # said mismatched already: not registered, never started
-                self._promote(op, None)
-                op.future.set_exception(notice)
-                return op.work
-            self._promote(op, STARTING)  # pending, with its deadline, while it starts
-            if op.lane is FINISHED:  # (failed at once: its group broke)
-                return op.work
-            try:
-                lane = start(op.tag, op, op.finish)
-            except BaseException as exc:
-                op.finish(None, exc)
-                if not isinstance(exc, Exception):
-                    raise
-                return op.work
-            if op.lane is STARTING:
-                op.lane = lane
-            elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
-                lane.stop()
-            # else it finished by itself inside the call: its runner is over, nothing to stop
-            return op.work
+            _sequenced(op, tag, sig, started, site, retire)
+            return self._start_noticed(op, start)
         # The straight path: nothing can abort an operation that is not pending yet, so its
-        # ``lane`` stays None until it ends (FINISHED).
+        # ``lane`` stays None until it ends (FINISHED); the record takes the rest of its fields
+        # (``_sequenced``) only if it does not end inside its starter.
         try:
-            lane = start(op.tag, op, op.finish)
+            lane = start(tag, op, op.finish)
         except BaseException as exc:
+            _sequenced(op, tag, sig, started, site, retire)
             self._promote(op, None)
             op.lane = STARTING
             op.finish(None, exc)
             if not isinstance(exc, Exception):
                 raise
             return op.work
-        if op.lane is FINISHED:
+        if op.lane is FINISHED and op.abort_exc is None:
+            # Known at once, so no future, no deadline, no pending entry.
+            add = self._history_add
+            if add is None:
+                _sequenced(op, tag, sig, started, site, retire)
+                self.progress.done(op)
+            else:  # (ProgressTracker.done's entry)
+                add((kind, group.gid, seq, sig, started, _monotonic(), "ok", site))
+            if retire and seq >= 0:  # (a point-to-point tag is the user's, used again)
+                self.transport.retire(tag)
+            # (described by a function of its name, not the record: a Work the caller keeps
+            # would keep the record's arrays, a staged copy among them)
+            return _born(op.result, self._loop, _partial(_describe, kind, group, seq))
+        _sequenced(op, tag, sig, started, site, retire)
+        if op.lane is FINISHED:  # failed inside its starter
             failure = op.abort_exc
-            if failure is None:
-                # Known at once, so no future, no deadline, no pending entry.
-                add = self._history_add
-                if add is None:
-                    self.progress.done(op)
-                else:  # (ProgressTracker.done's entry)
-                    add((op.kind, group.gid, seq, op.sig, op.started, _monotonic(), "ok", op.site))
-                if retire and seq >= 0:  # (a point-to-point tag is the user's, used again)
-                    self.transport.retire(op.tag)
-                # (described by a function of its name, not the record: a Work the caller keeps
-                # would keep the record's arrays, a staged copy among them)
-                return Work.born(op.result, self._loop, _partial(_describe, op.kind, group, seq))
             op.abort_exc = None
             self._promote(op, None)
             self._settle(op, None, failure)
             self._finish(op)
             return op.work
-        self._promote(op, lane)
+        self._promote(op, STARTING if lane is None else lane)  # (a starter returns its runner)
+        return op.work
+
+    def _start_noticed(self, op: Operation, start: Starter) -> Work:
+        """``submit_op``'s usual path, for a group with failure notices pending: ``op`` is
+        registered (pending, with its deadline) before it starts, or fails at once when its
+        sequence number was said mismatched already."""
+        seq = op.seq
+        notice = op.group.notices.pop(seq, None) if seq >= 0 else None
+        if notice is not None:  # said mismatched already: not registered, never started
+            self._promote(op, None)
+            op.future.set_exception(notice)
+            return op.work
+        self._promote(op, STARTING)  # pending, with its deadline, while it starts
+        if op.lane is FINISHED:  # (failed at once: its group broke)
+            return op.work
+        try:
+            lane = start(op.tag, op, op.finish)
+        except BaseException as exc:
+            op.finish(None, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return op.work
+        if op.lane is STARTING:
+            op.lane = lane
+        elif op.abort_exc is not None:  # failed from outside while starting: stop its runner
+            lane.stop()
+        # else it finished by itself inside the call: its runner is over, nothing to stop
         return op.work
 
     def _promote(self, op: Operation, lane: Stoppable | None) -> None:
@@ -594,6 +611,19 @@ class Engine(FailureFanout):
             pass
 
 
+def _sequenced(op: Operation, tag: Tag, sig: Any, started: float, site: Any, retire: bool) -> None:
+    """The fields ``Engine.submit_op`` found that the record of an operation that did not end
+    inside its starter carries (its later end, failure and progress reports read them)."""
+    op.tag = tag
+    op.sig = sig
+    op.started = started
+    if site is not None:
+        op.site = site
+    if not retire:
+        op.retires = False
+
+
 _monotonic = time.monotonic
 _getframe = sys._getframe
 _partial = functools.partial
+_born = Work.born

@@ -144,50 +144,47 @@ class P2PProvider:
         self._ranks = ranks
         self._gid = gid
         self._waiting: dict[Tag, int] = {}  # receives running as tasks, by tag
+        self._send: Starter = self._send_starter  # (bound once: see ``prepare``)
+        self._recv: Starter = self._recv_starter
 
     def prepare(self, op: Operation) -> Starter:
-        if op.kind == "send":
-            peer = op.peers[0]
-            payload = _bytes_of(op.inputs[0])
-            meta = op.meta
+        # (methods bound once: the record a starter is handed as its transport is the
+        # operation, which holds what it runs on, so no starter is made per operation)
+        return self._send if op.kind == "send" else self._recv
 
-            def send(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
-                # A send completes once handed off: a small one usually is, inside this call
-                # (its Work is born complete); the rest of a larger one runs as a task.
-                rest = transport.send_nowait(peer, tag, payload, meta)
-                if rest is None:
-                    finish(None, None)
-                    return HANDED_OFF
-                return as_starter(awaiting(rest))(tag, transport, finish)
-
-            return send
-        source = op.peers[0] if op.peers else None
-        into = _bytes_of(op.outputs[0])
-        ranks, gid = self._ranks, self._gid
-        tasks = self._waiting
-
-        def recv(tag: Tag, transport: OpTransport, finish: Finish) -> Stoppable:
-            if tag in tasks:  # an earlier receive of this tag is not posted yet: after it
-                return self._as_task(op, source, into, tag, transport, finish)
-            try:
-                here = transport.recv_now(source, tag, into)
-            except MismatchError as exc:
-                if not exc.ranks:
-                    raise
-                remote = getattr(exc, "remote_meta", None) or {}
-                return copying_back(op, _refusal(remote, exc.ranks[0], op, ranks, gid, exc))(
-                    tag, transport, finish
-                )
-            if here is None:
-                return self._as_task(op, source, into, tag, transport, finish)
-            got, sent = here
-            if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
-                return copying_back(op, _refusal(sent, got, op, ranks, gid, None))(tag, transport, finish)
-            op.result = received(op, got, sent, ranks, gid)
-            op.finish_copied(None, None, None if finish == op.finish else finish)
+    def _send_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
+        # A send completes once handed off: a small one usually is, inside this call (its Work
+        # is born complete); the rest of a larger one runs as a task. (A working array is 1-D
+        # and contiguous: its bytes are its buffer cast, with no numpy view made for them.)
+        rest = op.send_nowait(op.peers[0], tag, op.inputs[0].data.cast("B"), op.meta)
+        if rest is None:
+            finish(None, None)
             return HANDED_OFF
+        return as_starter(awaiting(rest))(tag, op, finish)
 
-        return recv
+    def _recv_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
+        peers = op.peers
+        source = peers[0] if peers else None
+        into = op.outputs[0].data.cast("B")
+        if tag in self._waiting:  # an earlier receive of this tag is not posted yet: after it
+            return self._as_task(op, source, into, tag, op, finish)
+        try:
+            here = op.recv_now(source, tag, into)
+        except MismatchError as exc:
+            if not exc.ranks:
+                raise
+            remote = getattr(exc, "remote_meta", None) or {}
+            return copying_back(op, _refusal(remote, exc.ranks[0], op, self._ranks, self._gid, exc))(
+                tag, op, finish
+            )
+        if here is None:
+            return self._as_task(op, source, into, tag, op, finish)
+        got, sent = here
+        if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
+            return copying_back(op, _refusal(sent, got, op, self._ranks, self._gid, None))(tag, op, finish)
+        op.result = received(op, got, sent, self._ranks, self._gid)
+        op.finish_copied(None, None, None if finish == op.finish else finish)
+        return HANDED_OFF
 
     def _as_task(
         self,
@@ -307,10 +304,6 @@ def received(op: Operation, got: int, sent: dict[str, Any], ranks: tuple[int, ..
             ranks=[got],
         )
     return ranks.index(got)
-
-
-def _bytes_of(arr: np.ndarray) -> memoryview:
-    return arr.reshape(-1).view(np.uint8).data
 
 
 class StagedProvider:
@@ -482,7 +475,7 @@ class ProviderTable:
             IpcProvider(ranks, me, rank, group_key, gid, self._run_part),
             StagedProvider(ranks, me, rank, group_key, gid, self._run_part),
         )
-        self._by: dict[str, dict[str, tuple[Provider, ...]]] = {}
+        self._by: dict[str, dict[str, tuple[tuple[Provider, bool], ...]]] = {}
         self._links_seen = -1
         self._destroyed = False
         self._retired: list[Provider] = []
@@ -499,8 +492,15 @@ class ProviderTable:
             self._retired.append(self._arena)  # closed with the table (its operations failed)
             self._arena = None
         rows = self._rows if self._arena is None else (self._arena, *self._rows)
-        self._by = select_providers(self._state.gid, rows)
-        self.chosen = {m: {k: [p.name for p in ps] for k, ps in by.items()} for m, by in self._by.items()}
+        by = select_providers(self._state.gid, rows)
+        # each row with whether the engine retires the tag of an operation it runs (see
+        # _ARENA_SEALED), looked up once here rather than per call
+        arena = self._arena
+        self._by = {
+            m: {k: tuple((p, k not in _ARENA_SEALED or p is not arena) for p in ps) for k, ps in t.items()}
+            for m, t in by.items()
+        }
+        self.chosen = {m: {k: [p.name for p in ps] for k, ps in t.items()} for m, t in by.items()}
 
     @property
     def arena(self) -> ShmGroup | None:
@@ -518,19 +518,11 @@ class ProviderTable:
             if self._destroyed:
                 raise DistError(f"{op.kind}: process group {self._state.gid!r} was destroyed")
             self.select()
-        kind = op.kind
-        try:
-            rows = self._by[op.memory][kind]
-        except KeyError:  # (no row serves it: said below)
-            rows = ()
-        for provider in rows:
+        for provider, retire in self._by[op.memory].get(op.kind, ()):
             start = provider.prepare(op)
-            if start is None:
-                continue
-            self.ran = provider.name
-            return self._engine.submit_op(
-                self._state, op, start, kind not in _ARENA_SEALED or provider is not self._arena
-            )
+            if start is not None:
+                self.ran = provider.name
+                return self._engine.submit_op(self._state, op, start, retire)
         raise DistError(
             f"{op.kind}: no provider of group {self._state.label!r} runs it on {op.memory} memory"
         )
