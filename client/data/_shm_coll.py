@@ -71,7 +71,6 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # bound by memory anyway, and the root must then wait for its readers.
 _GATHER_DIRECT_CHUNKS = 8
 _BCAST_DIRECT_CHUNKS = 32
-_SIG_AT = tuple(SIG + s * SIG_BYTES for s in range(SLOTS))  # where each slot's signature is
 
 
 def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:
@@ -107,8 +106,12 @@ class ShmGroup(ShmScheduler):
         self._slot_free = 0  # a step whose slot every member is known to have read (_check)
         # an all_reduce of at most this many bytes runs in one step (_reduce_at_once)
         self._at_once_max = self._slot if self.n <= _WHOLE_RANKS else min(self._slot, _WHOLE_MAX)
-        # _fold's order for my own input in place: ranks 0 and 1 fold the rest into it
-        self._fold_rest = range(2 if self.me == 1 else 1, self.n)
+        self._fold_more = range(2, self.n)  # the members _fold combines after the first two
+        # Each slot's signature: where it is in my row (_write_sig), and where in each peer's
+        # arena mapping (_check compares a slice of the mapping, a copy, with ours: one compare
+        # of bytes, where comparing a view of them goes element by element).
+        self._sig_at = tuple(SIG + s * SIG_BYTES for s in range(SLOTS))
+        self._peer_sig_at = tuple(self._base + o for o in self._sig_at)
 
     # -- operations ------------------------------------------------------------------------
     def all_reduce(
@@ -195,7 +198,7 @@ class ShmGroup(ShmScheduler):
         self._publish(INP, t)
 
     def _write_sig(self, slot: int, sig: bytes) -> None:
-        o = _SIG_AT[slot]
+        o = self._sig_at[slot]
         self._mine_raw[o : o + len(sig)] = sig
 
     def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> list[np.ndarray]:
@@ -268,11 +271,13 @@ class ShmGroup(ShmScheduler):
         if t != self._slot_free and t > SLOTS:  # (in a loop of them, t is the slot known free)
             yield (DONE, t - SLOTS, self.others)
         views = self._views(s * self._slot, x.nbytes, x.dtype)
-        views[self.me][:] = x
+        views[self.me][...] = x
         self._write_sig(s, sig)
-        self._publish(INP, t)
-        yield (INP, t, self.others)
+        if not self._publish(INP, t):
+            yield (INP, t, self.others)
         self._check(t, sig)
+        # (from my slot's copy of x, not from x: numpy's in-place kernel of a one-element array
+        # costs twice the one into another array)
         self._fold(x, views, op, dtype_name)
         self._publish_read(t)
         return None
@@ -376,7 +381,7 @@ class ShmGroup(ShmScheduler):
             lo, hi = r * per, min(total, (r + 1) * per)
             a = base + self.me * per * isz
             srcs = [d[a : a + (hi - lo) * isz].view(out.dtype) for d in self._data]
-            self._fold(out[lo:hi], srcs, op, dtype_name, copy=True)
+            self._fold(out[lo:hi], srcs, op, dtype_name)
 
         return self._pipeline(max(1, -(-total // per)), sig, filler, consume, t0)
 
@@ -475,12 +480,11 @@ class ShmGroup(ShmScheduler):
         self._publish(DONE, t)
         return None
 
-    def _fold(
-        self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str, *, copy: bool = False
-    ) -> None:
-        """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
-        my own input already unless ``copy``. Overflow gives inf and invalid operations nan, as
-        in torch and the driver's Buffers: no floating-point warnings (aiocoll._reduce.quiet)."""
+    def _fold(self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
+        """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end); ``dst`` may be
+        srcs[0] or srcs[1], no later one (it is written before those are read). Overflow gives
+        inf and invalid operations nan, as in torch and the driver's Buffers: no floating-point
+        warnings (aiocoll._reduce.quiet)."""
         # (k(a, b, out=dst): dst = a op b) A training loop reduces one op and dtype over and
         # over: the kernel of the last pair is kept here, where finding it (a call of kernel,
         # its key and table) costs about as much as the fold of a small message.
@@ -491,18 +495,12 @@ class ShmGroup(ShmScheduler):
             self._fold_op, self._fold_dtype, self._fold_kernel = op, dtype_name, k
         token = quiet()
         try:
-            if copy or self.me > 1:
-                if self.n == 1:
-                    np.copyto(dst, srcs[0])
-                else:
-                    k(srcs[0], srcs[1], out=dst)
-                    for j in range(2, self.n):
-                        k(dst, srcs[j], out=dst)
+            if self.n > 1:
+                k(srcs[0], srcs[1], out=dst)
             else:
-                if self.me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
-                    k(srcs[0], dst, out=dst)
-                for j in self._fold_rest:
-                    k(dst, srcs[j], out=dst)
+                np.copyto(dst, srcs[0])
+            for j in self._fold_more:
+                k(dst, srcs[j], out=dst)
             if op is ReduceOp.AVG:
                 finish_avg(dst, self.n, dtype_name)
         finally:
@@ -550,12 +548,12 @@ class ShmGroup(ShmScheduler):
         self._slot_free = t + 1
         if t == 1:
             self._probe_direct()
-        o = _SIG_AT[t % SLOTS]
+        o = self._peer_sig_at[t % SLOTS]
         end = o + len(sig)
-        for raw in self._peer_raw:
-            if raw[o:end] != sig:
+        for mem in self._peer_mems:
+            if mem[o:end] != sig:
                 self._publish(DONE, t)  # let the others read on to their own verdict
-                raise self._mismatch(o, sig)
+                raise self._mismatch(self._sig_at[t % SLOTS], sig)
 
     def _mismatch(self, o: int, mine: bytes) -> MismatchError:
         """Every member's call at this point (we hold all their signatures), in the one wording
