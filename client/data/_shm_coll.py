@@ -107,6 +107,8 @@ class ShmGroup(ShmScheduler):
         # an all_reduce of at most this many bytes runs in one step (_reduce_at_once)
         self._at_once_max = self._slot if self.n <= _WHOLE_RANKS else min(self._slot, _WHOLE_MAX)
         self._fold_more = range(2, self.n)  # the members _fold combines after the first two
+        # _fold's order for my own input in place: ranks 0 and 1 fold the rest into it
+        self._fold_rest = range(2 if self.me == 1 else 1, self.n)
         # Each slot's signature: where it is in my row (_write_sig), and where in each peer's
         # arena mapping (_check compares a slice of the mapping, a copy, with ours: one compare
         # of bytes, where comparing a view of them goes element by element).
@@ -276,8 +278,6 @@ class ShmGroup(ShmScheduler):
         if not self._publish(INP, t):
             yield (INP, t, self.others)
         self._check(t, sig)
-        # (from my slot's copy of x, not from x: numpy's in-place kernel of a one-element array
-        # costs twice the one into another array)
         self._fold(x, views, op, dtype_name)
         self._publish_read(t)
         return None
@@ -381,7 +381,7 @@ class ShmGroup(ShmScheduler):
             lo, hi = r * per, min(total, (r + 1) * per)
             a = base + self.me * per * isz
             srcs = [d[a : a + (hi - lo) * isz].view(out.dtype) for d in self._data]
-            self._fold(out[lo:hi], srcs, op, dtype_name)
+            self._fold(out[lo:hi], srcs, op, dtype_name, copy=True)
 
         return self._pipeline(max(1, -(-total // per)), sig, filler, consume, t0)
 
@@ -480,11 +480,12 @@ class ShmGroup(ShmScheduler):
         self._publish(DONE, t)
         return None
 
-    def _fold(self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str) -> None:
-        """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end); ``dst`` may be
-        srcs[0] or srcs[1], no later one (it is written before those are read). Overflow gives
-        inf and invalid operations nan, as in torch and the driver's Buffers: no floating-point
-        warnings (aiocoll._reduce.quiet)."""
+    def _fold(
+        self, dst: np.ndarray, srcs: list[np.ndarray], op: ReduceOp, dtype_name: str, *, copy: bool = False
+    ) -> None:
+        """dst = srcs[0] op srcs[1] op ... in rank order (AVG divided at the end). ``dst`` holds
+        my own input already unless ``copy``. Overflow gives inf and invalid operations nan, as
+        in torch and the driver's Buffers: no floating-point warnings (aiocoll._reduce.quiet)."""
         # (k(a, b, out=dst): dst = a op b) A training loop reduces one op and dtype over and
         # over: the kernel of the last pair is kept here, where finding it (a call of kernel,
         # its key and table) costs about as much as the fold of a small message.
@@ -495,12 +496,22 @@ class ShmGroup(ShmScheduler):
             self._fold_op, self._fold_dtype, self._fold_kernel = op, dtype_name, k
         token = quiet()
         try:
-            if self.n > 1:
-                k(srcs[0], srcs[1], out=dst)
+            # In place (my input is dst: one stream less to read), except for one element, where
+            # numpy's in-place kernel costs twice the one into another array: then my input is
+            # read from srcs[me], as for a rank past 1 (dst's first value is needed after the
+            # first combination) or a copy.
+            if copy or self.me > 1 or dst.size == 1:
+                if self.n == 1:
+                    np.copyto(dst, srcs[0])
+                else:
+                    k(srcs[0], srcs[1], out=dst)
+                    for j in self._fold_more:
+                        k(dst, srcs[j], out=dst)
             else:
-                np.copyto(dst, srcs[0])
-            for j in self._fold_more:
-                k(dst, srcs[j], out=dst)
+                if self.me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
+                    k(srcs[0], dst, out=dst)
+                for j in self._fold_rest:
+                    k(dst, srcs[j], out=dst)
             if op is ReduceOp.AVG:
                 finish_avg(dst, self.n, dtype_name)
         finally:
