@@ -4,7 +4,8 @@ for, with their direct-read path, their reductions and the signature check of th
 
 Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._signature, aiocoll._types,
 aiocoll._env) and client.data's _shm_layout, _shm_sched (the region and the running of the
-operations, which ShmGroup builds on) and _vm_read; never the public surface. Which region a
+operations, which ShmGroup builds on), _vm_read and _waiting (whether members share cores);
+never the public surface. Which region a
 group takes, and the arena as a provider of the group's table, are client.data._shm_arena's.
 
 The steps of an operation are client.data._shm_layout's. Large payloads run as many steps as
@@ -24,9 +25,10 @@ a share has one owner, so every member gets the same bits.
 An all_reduce, broadcast, all_gather or barrier that fits one step, started while the group is
 idle, is run by ShmScheduler._run_step (the same generator, driven as plain calls).
 
-Large broadcast and all_gather (_BCAST/_GATHER_DIRECT_CHUNKS chunks per rank): one step in which every
-reader copies straight from the writer's own buffer (client.data._vm_read), where a probe at the
-group's first step found that every member can read every other's memory.
+Large broadcast and all_gather (from _BCAST_DIRECT_CHUNKS and _GATHER_DIRECT_CHUNKS or
+_GATHER_DIRECT_CHUNKS_OWN_CORE chunks per rank): one step in which every reader copies straight
+from the writer's own buffer (client.data._vm_read), where a probe at the group's first step
+found that every member can read every other's memory.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
 from ._shm_sched import ShmScheduler
 from ._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
+from ._waiting import oversubscribed
 
 __all__ = ["ShmGroup"]
 
@@ -64,12 +67,18 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # all_gathers of at least _GATHER_DIRECT_CHUNKS chunks per rank (8 MiB by default), broadcasts of
 # at least _BCAST_DIRECT_CHUNKS (32 MiB), copy straight from the writer's buffer (one copy per
 # byte, not two through the slots) where the kernel lets members read each other's memory.
-# process_vm_readv ran at 10-12 GB/s here up to 8 MiB (it pins the peer's pages) against 20-55
-# GB/s for a copy within the caches, 16.6 GB/s at 32 MiB against 18.6 for a copy. An all_gather
-# rank makes both of the slots' copies itself, so one read wins from about 8 MiB; a broadcast's
-# two copies run on two cores at once (the root's and the reader's), so only where copies are
-# bound by memory anyway, and the root must then wait for its readers.
+# process_vm_readv is slower per byte than a copy within the caches (it pins the peer's pages),
+# and a direct step ends with a wait for every reader of my buffer, where the slots let a rank
+# go on. An all_gather rank makes both of the slots' copies itself, and its two copies' traffic
+# crosses cores (a slot is written on one core and read on the other): where every member has a
+# core of its own, one read wins from _GATHER_DIRECT_CHUNKS_OWN_CORE chunks per rank (512 KiB by
+# default), and its step's waits spin rather than sleep in the loop, as between the steps of a
+# large operation; where members share cores, the wait for a reader that is off the CPU costs
+# more, and the read wins only from about 8 MiB. A broadcast's two copies run on two cores at once
+# (the root's and the reader's), so only where copies are bound by memory anyway, and the root
+# must then wait for its readers.
 _GATHER_DIRECT_CHUNKS = 8
+_GATHER_DIRECT_CHUNKS_OWN_CORE = 0.5
 _BCAST_DIRECT_CHUNKS = 32
 
 
@@ -109,6 +118,11 @@ class ShmGroup(ShmScheduler):
         self._fold_more = range(2, self.n)  # the members _fold combines after the first two
         # _fold's order for my own input in place: ranks 0 and 1 fold the rest into it
         self._fold_rest = range(2 if self.me == 1 else 1, self.n)
+        # the least bytes per rank that an all_gather, a broadcast reads directly (_go_direct):
+        # alike on every member (the group's size, the host's cores)
+        gather = _GATHER_DIRECT_CHUNKS if oversubscribed(self.n) else _GATHER_DIRECT_CHUNKS_OWN_CORE
+        self._gather_direct = int(self.chunk * gather)
+        self._bcast_direct = self.chunk * _BCAST_DIRECT_CHUNKS
         # Each slot's signature: where it is in my row (_write_sig), and where in each peer's
         # arena mapping (_check compares a slice of the mapping, a copy, with ours: one compare
         # of bytes, where comparing a view of them goes element by element).
@@ -147,9 +161,9 @@ class ShmGroup(ShmScheduler):
     ) -> Stoppable:
         b = x.view(np.uint8)
         outs_b = [o.view(np.uint8) for o in outs]
-        return self._start(
-            b.size <= self._slot, lambda t: self._all_gather(outs_b, b, sig, t), finish, on_wait
-        )
+        # (one step through the slots, unless it may read directly: _all_gather decides that)
+        one_step = b.size <= self._slot and (b.size < self._gather_direct or self._direct is False)
+        return self._start(one_step, lambda t: self._all_gather(outs_b, b, sig, t), finish, on_wait)
 
     def reduce_scatter(
         self,
@@ -325,7 +339,7 @@ class ShmGroup(ShmScheduler):
 
     def _broadcast(self, b: np.ndarray, root: int, sig: bytes, t0: int = 0) -> OpGen:
         chunk, total = self._slot, b.size
-        if not t0 and (yield from self._go_direct(total, _BCAST_DIRECT_CHUNKS)):
+        if not t0 and (yield from self._go_direct(total, self._bcast_direct)):
             reads = [(root, b)] if self.me != root else []
             return (yield from self._direct_step(b, sig, reads, self.n - 1))
         is_root = self.me == root
@@ -343,7 +357,7 @@ class ShmGroup(ShmScheduler):
 
     def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes, t0: int = 0) -> OpGen:
         chunk, total, me = self._slot, b.size, self.me
-        if not t0 and (yield from self._go_direct(total, _GATHER_DIRECT_CHUNKS)):
+        if not t0 and (yield from self._go_direct(total, self._gather_direct)):
             return (yield from self._direct_step(b, sig, list(enumerate(outs)), self.n))
 
         filler = _rounds_of(b, chunk)
@@ -390,16 +404,16 @@ class ShmGroup(ShmScheduler):
         return max(1, self._slot // (self.n * out.itemsize))
 
     # -- single copy: readers copy straight from the writer's buffer -----------------------
-    def _go_direct(self, nbytes: int, chunks: int) -> Generator[Wait, None, bool]:
+    def _go_direct(self, nbytes: int, least: int) -> Generator[Wait, None, bool]:
         """Whether this operation reads the peers' buffers directly (client.data._vm_read), decided
-        alike on every member: for payloads of at least ``chunks`` chunks, once every member's
+        alike on every member: for payloads of at least ``least`` bytes, once every member's
         probe verdict (written at the group's first step, before its ``done`` of that step)
         says it can read every other member; until then, and where any member cannot (a
         container's seccomp filter, no ptrace access), through the slots. The payload size is
         the same on every member unless the signatures differ, which the first step reports
         before anything is read either way."""
         t0 = self.step + 1
-        if nbytes < chunks * self.chunk or t0 <= SLOTS or self._direct is False:
+        if nbytes < least or t0 <= SLOTS or self._direct is False:
             return False
         if self._direct is None:
             yield (DONE, t0 - SLOTS, self.others)  # (the slot path's first wait too)
