@@ -514,7 +514,7 @@ class ShmGroup(ShmScheduler):
             # numpy's in-place kernel costs twice the one into another array: then my input is
             # read from srcs[me], as for a rank past 1 (dst's first value is needed after the
             # first combination) or a copy.
-            if copy or self.me > 1 or dst.size == 1:
+            if dst.size == 1 or copy or self.me > 1:
                 if self.n == 1:
                     np.copyto(dst, srcs[0])
                 else:
