@@ -71,14 +71,14 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # and a direct step ends with a wait for every reader of my buffer, where the slots let a rank
 # go on. An all_gather rank makes both of the slots' copies itself, and its two copies' traffic
 # crosses cores (a slot is written on one core and read on the other): where every member has a
-# core of its own, one read wins from _GATHER_DIRECT_CHUNKS_OWN_CORE chunks per rank (512 KiB by
-# default), and its step's waits spin rather than sleep in the loop, as between the steps of a
-# large operation; where members share cores, the wait for a reader that is off the CPU costs
-# more, and the read wins only from about 8 MiB. A broadcast's two copies run on two cores at once
+# core of its own, one read wins from _GATHER_DIRECT_CHUNKS_OWN_CORE chunks per rank (2 MiB by
+# default); where members share cores (and below that, where the kernel happens to put both
+# ranks on one core), the wait for a reader that is off the CPU costs more than the copy saved,
+# and the read wins only from about 8 MiB. A broadcast's two copies run on two cores at once
 # (the root's and the reader's), so only where copies are bound by memory anyway, and the root
 # must then wait for its readers.
 _GATHER_DIRECT_CHUNKS = 8
-_GATHER_DIRECT_CHUNKS_OWN_CORE = 0.5
+_GATHER_DIRECT_CHUNKS_OWN_CORE = 2
 _BCAST_DIRECT_CHUNKS = 32
 
 
@@ -121,7 +121,7 @@ class ShmGroup(ShmScheduler):
         # the least bytes per rank that an all_gather, a broadcast reads directly (_go_direct):
         # alike on every member (the group's size, the host's cores)
         gather = _GATHER_DIRECT_CHUNKS if oversubscribed(self.n) else _GATHER_DIRECT_CHUNKS_OWN_CORE
-        self._gather_direct = int(self.chunk * gather)
+        self._gather_direct = self.chunk * gather
         self._bcast_direct = self.chunk * _BCAST_DIRECT_CHUNKS
         # Each slot's signature: where it is in my row (_write_sig), and where in each peer's
         # arena mapping (_check compares a slice of the mapping, a copy, with ours: one compare

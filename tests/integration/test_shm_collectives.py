@@ -257,14 +257,14 @@ def test_a_large_broadcast_of_two_ranks_splits_its_read() -> None:
 
 
 async def gather_sizes(ctx: Ctx) -> dict[str, Any]:
-    """all_gathers of 2 ranks just below and at half a chunk per rank (64 KiB chunks), checked
-    against the data, each with the count of direct steps it added."""
+    """all_gathers of 2 ranks just below and at 2 chunks per rank (64 KiB chunks), and above,
+    checked against the data, each with the count of direct steps it added."""
     r = ctx.rank
     await ctx.run("barrier")
     await ctx.run("barrier")  # (the group's first steps: every rank's direct-read verdict is in)
     failures: list[str] = []
     added: list[int] = []
-    for nbytes in (32 * 1024 - 8, 32 * 1024, 192 * 1024):
+    for nbytes in (128 * 1024 - 8, 128 * 1024, 192 * 1024):
         count = nbytes // 8
         x = data(r, count, "float64", "sum", 41)
         outs = [np.full(count, 99.0) for _ in range(2)]
@@ -276,9 +276,9 @@ async def gather_sizes(ctx: Ctx) -> dict[str, Any]:
     return {"failures": failures, "added": added}
 
 
-def test_an_all_gather_of_two_ranks_with_a_core_each_reads_directly_from_half_a_chunk() -> None:
+def test_an_all_gather_of_two_ranks_with_a_core_each_reads_directly_from_two_chunks() -> None:
     """Where each of the 2 ranks has a core of its own, an all_gather reads its peer's part
-    straight from its buffer from half a chunk per rank (below that through the slots); where
+    straight from its buffer from 2 chunks per rank (below that through the slots); where
     they share one, only from 8 chunks. Every byte lands where it belongs either way."""
     from aiocoll.client.data._vm_read import vm_read_available
     from aiocoll.client.data._waiting import oversubscribed
