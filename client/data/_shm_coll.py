@@ -5,8 +5,8 @@ for, with their direct-read path, their reductions and the signature check of th
 Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._signature, aiocoll._types,
 aiocoll._env) and client.data's _shm_layout, _shm_sched (the region and the running of the
 operations, which ShmGroup builds on), _vm_read and _waiting (whether members share cores);
-never the public surface. Which region a
-group takes, and the arena as a provider of the group's table, are client.data._shm_arena's.
+never the public surface. Which region a group takes, and the arena as a provider of the
+group's table, are client.data._shm_arena's.
 
 The steps of an operation are client.data._shm_layout's. Large payloads run as many steps as
 their slots need, the next step's input written while the peers still read the current one. The

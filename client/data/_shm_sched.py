@@ -221,19 +221,15 @@ class ShmScheduler:
 
     def _publish(self, counter: int, t: int) -> bool:
         """Publish my ``counter`` at step ``t``, wake the peers that sleep, and say whether every
-        other member's ``counter`` had reached ``t`` too (``_peers_at``, read in the same look
-        at their rows: a step that waits for that next need not yield its wait)."""
+        other member's ``counter`` had reached ``t`` too (``_peers_at``: a step that waits for
+        that next need not yield its wait)."""
         self._mine[counter] = t
         fence_enter()  # (fence: the counter is visible before we look at who sleeps)
         fence_leave()
-        owner = self._owner
-        met = True
         for row, efd in self._peer_wake:
             if row[SLEEP]:
                 os.eventfd_write(efd, 1)
-            if row[counter] < t or row[OWNER] != owner:
-                met = False
-        return met
+        return self._peers_at(counter, t)
 
     def _publish_read(self, t: int) -> None:
         """Publish ``done`` of step ``t``, the only step of its operation (every member's
