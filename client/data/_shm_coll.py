@@ -4,8 +4,9 @@ for, with their direct-read path, their reductions and the signature check of th
 
 Imports foundations (aiocoll._errors, aiocoll._reduce, aiocoll._signature, aiocoll._types,
 aiocoll._env) and client.data's _shm_layout, _shm_sched (the region and the running of the
-operations, which ShmGroup builds on) and _vm_read; never the public surface. Which region a
-group takes, and the arena as a provider of the group's table, are client.data._shm_arena's.
+operations, which ShmGroup builds on), _vm_read and _waiting (whether members share cores);
+never the public surface. Which region a group takes, and the arena as a provider of the
+group's table, are client.data._shm_arena's.
 
 The steps of an operation are client.data._shm_layout's. Large payloads run as many steps as
 their slots need, the next step's input written while the peers still read the current one. The
@@ -24,9 +25,10 @@ a share has one owner, so every member gets the same bits.
 An all_reduce, broadcast, all_gather or barrier that fits one step, started while the group is
 idle, is run by ShmScheduler._run_step (the same generator, driven as plain calls).
 
-Large broadcast and all_gather (_BCAST/_GATHER_DIRECT_CHUNKS chunks per rank): one step in which every
-reader copies straight from the writer's own buffer (client.data._vm_read), where a probe at the
-group's first step found that every member can read every other's memory.
+Large broadcast and all_gather (from _BCAST_DIRECT_CHUNKS and _GATHER_DIRECT_CHUNKS or
+_GATHER_DIRECT_CHUNKS_OWN_CORE chunks per rank): one step in which every reader copies straight
+from the writer's own buffer (client.data._vm_read), where a probe at the group's first step
+found that every member can read every other's memory.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
 from ._shm_sched import ShmScheduler
 from ._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
+from ._waiting import oversubscribed
 
 __all__ = ["ShmGroup"]
 
@@ -64,14 +67,19 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 # all_gathers of at least _GATHER_DIRECT_CHUNKS chunks per rank (8 MiB by default), broadcasts of
 # at least _BCAST_DIRECT_CHUNKS (32 MiB), copy straight from the writer's buffer (one copy per
 # byte, not two through the slots) where the kernel lets members read each other's memory.
-# process_vm_readv ran at 10-12 GB/s here up to 8 MiB (it pins the peer's pages) against 20-55
-# GB/s for a copy within the caches, 16.6 GB/s at 32 MiB against 18.6 for a copy. An all_gather
-# rank makes both of the slots' copies itself, so one read wins from about 8 MiB; a broadcast's
-# two copies run on two cores at once (the root's and the reader's), so only where copies are
-# bound by memory anyway, and the root must then wait for its readers.
+# process_vm_readv is slower per byte than a copy within the caches (it pins the peer's pages),
+# and a direct step ends with a wait for every reader of my buffer, where the slots let a rank
+# go on. An all_gather rank makes both of the slots' copies itself, and its two copies' traffic
+# crosses cores (a slot is written on one core and read on the other): where every member has a
+# core of its own, one read wins from _GATHER_DIRECT_CHUNKS_OWN_CORE chunks per rank (2 MiB by
+# default); where members share cores (and below that, where the kernel happens to put both
+# ranks on one core), the wait for a reader that is off the CPU costs more than the copy saved,
+# and the read wins only from about 8 MiB. A broadcast's two copies run on two cores at once
+# (the root's and the reader's), so only where copies are bound by memory anyway, and the root
+# must then wait for its readers.
 _GATHER_DIRECT_CHUNKS = 8
+_GATHER_DIRECT_CHUNKS_OWN_CORE = 2
 _BCAST_DIRECT_CHUNKS = 32
-_SIG_AT = tuple(SIG + s * SIG_BYTES for s in range(SLOTS))  # where each slot's signature is
 
 
 def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:
@@ -107,8 +115,19 @@ class ShmGroup(ShmScheduler):
         self._slot_free = 0  # a step whose slot every member is known to have read (_check)
         # an all_reduce of at most this many bytes runs in one step (_reduce_at_once)
         self._at_once_max = self._slot if self.n <= _WHOLE_RANKS else min(self._slot, _WHOLE_MAX)
+        self._fold_more = range(2, self.n)  # the members _fold combines after the first two
         # _fold's order for my own input in place: ranks 0 and 1 fold the rest into it
         self._fold_rest = range(2 if self.me == 1 else 1, self.n)
+        # the least bytes per rank that an all_gather, a broadcast reads directly (_go_direct):
+        # alike on every member (the group's size, the host's cores)
+        gather = _GATHER_DIRECT_CHUNKS if oversubscribed(self.n) else _GATHER_DIRECT_CHUNKS_OWN_CORE
+        self._gather_direct = self.chunk * gather
+        self._bcast_direct = self.chunk * _BCAST_DIRECT_CHUNKS
+        # Each slot's signature: where it is in my row (_write_sig), and where in each peer's
+        # arena mapping (_check compares a slice of the mapping, a copy, with ours: one compare
+        # of bytes, where comparing a view of them goes element by element).
+        self._sig_at = tuple(SIG + s * SIG_BYTES for s in range(SLOTS))
+        self._peer_sig_at = tuple(self._base + o for o in self._sig_at)
 
     # -- operations ------------------------------------------------------------------------
     def all_reduce(
@@ -142,9 +161,9 @@ class ShmGroup(ShmScheduler):
     ) -> Stoppable:
         b = x.view(np.uint8)
         outs_b = [o.view(np.uint8) for o in outs]
-        return self._start(
-            b.size <= self._slot, lambda t: self._all_gather(outs_b, b, sig, t), finish, on_wait
-        )
+        # (one step through the slots, unless it may read directly: _all_gather decides that)
+        one_step = b.size <= self._slot and (b.size < self._gather_direct or self._direct is False)
+        return self._start(one_step, lambda t: self._all_gather(outs_b, b, sig, t), finish, on_wait)
 
     def reduce_scatter(
         self,
@@ -195,7 +214,7 @@ class ShmGroup(ShmScheduler):
         self._publish(INP, t)
 
     def _write_sig(self, slot: int, sig: bytes) -> None:
-        o = _SIG_AT[slot]
+        o = self._sig_at[slot]
         self._mine_raw[o : o + len(sig)] = sig
 
     def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> list[np.ndarray]:
@@ -268,10 +287,10 @@ class ShmGroup(ShmScheduler):
         if t != self._slot_free and t > SLOTS:  # (in a loop of them, t is the slot known free)
             yield (DONE, t - SLOTS, self.others)
         views = self._views(s * self._slot, x.nbytes, x.dtype)
-        views[self.me][:] = x
+        views[self.me][...] = x
         self._write_sig(s, sig)
-        self._publish(INP, t)
-        yield (INP, t, self.others)
+        if not self._publish(INP, t):
+            yield (INP, t, self.others)
         self._check(t, sig)
         self._fold(x, views, op, dtype_name)
         self._publish_read(t)
@@ -320,7 +339,7 @@ class ShmGroup(ShmScheduler):
 
     def _broadcast(self, b: np.ndarray, root: int, sig: bytes, t0: int = 0) -> OpGen:
         chunk, total = self._slot, b.size
-        if not t0 and (yield from self._go_direct(total, _BCAST_DIRECT_CHUNKS)):
+        if not t0 and (yield from self._go_direct(total, self._bcast_direct)):
             reads = [(root, b)] if self.me != root else []
             return (yield from self._direct_step(b, sig, reads, self.n - 1))
         is_root = self.me == root
@@ -338,7 +357,7 @@ class ShmGroup(ShmScheduler):
 
     def _all_gather(self, outs: list[np.ndarray], b: np.ndarray, sig: bytes, t0: int = 0) -> OpGen:
         chunk, total, me = self._slot, b.size, self.me
-        if not t0 and (yield from self._go_direct(total, _GATHER_DIRECT_CHUNKS)):
+        if not t0 and (yield from self._go_direct(total, self._gather_direct)):
             return (yield from self._direct_step(b, sig, list(enumerate(outs)), self.n))
 
         filler = _rounds_of(b, chunk)
@@ -385,16 +404,16 @@ class ShmGroup(ShmScheduler):
         return max(1, self._slot // (self.n * out.itemsize))
 
     # -- single copy: readers copy straight from the writer's buffer -----------------------
-    def _go_direct(self, nbytes: int, chunks: int) -> Generator[Wait, None, bool]:
+    def _go_direct(self, nbytes: int, least: int) -> Generator[Wait, None, bool]:
         """Whether this operation reads the peers' buffers directly (client.data._vm_read), decided
-        alike on every member: for payloads of at least ``chunks`` chunks, once every member's
+        alike on every member: for payloads of at least ``least`` bytes, once every member's
         probe verdict (written at the group's first step, before its ``done`` of that step)
         says it can read every other member; until then, and where any member cannot (a
         container's seccomp filter, no ptrace access), through the slots. The payload size is
         the same on every member unless the signatures differ, which the first step reports
         before anything is read either way."""
         t0 = self.step + 1
-        if nbytes < chunks * self.chunk or t0 <= SLOTS or self._direct is False:
+        if nbytes < least or t0 <= SLOTS or self._direct is False:
             return False
         if self._direct is None:
             yield (DONE, t0 - SLOTS, self.others)  # (the slot path's first wait too)
@@ -491,12 +510,16 @@ class ShmGroup(ShmScheduler):
             self._fold_op, self._fold_dtype, self._fold_kernel = op, dtype_name, k
         token = quiet()
         try:
-            if copy or self.me > 1:
+            # In place (my input is dst: one stream less to read), except for one element, where
+            # numpy's in-place kernel costs twice the one into another array: then my input is
+            # read from srcs[me], as for a rank past 1 (dst's first value is needed after the
+            # first combination) or a copy.
+            if dst.size == 1 or copy or self.me > 1:
                 if self.n == 1:
                     np.copyto(dst, srcs[0])
                 else:
                     k(srcs[0], srcs[1], out=dst)
-                    for j in range(2, self.n):
+                    for j in self._fold_more:
                         k(dst, srcs[j], out=dst)
             else:
                 if self.me == 1:  # dst holds srcs[1]: dst = srcs[0] op dst
@@ -550,12 +573,12 @@ class ShmGroup(ShmScheduler):
         self._slot_free = t + 1
         if t == 1:
             self._probe_direct()
-        o = _SIG_AT[t % SLOTS]
+        o = self._peer_sig_at[t % SLOTS]
         end = o + len(sig)
-        for raw in self._peer_raw:
-            if raw[o:end] != sig:
+        for mem in self._peer_mems:
+            if mem[o:end] != sig:
                 self._publish(DONE, t)  # let the others read on to their own verdict
-                raise self._mismatch(o, sig)
+                raise self._mismatch(self._sig_at[t % SLOTS], sig)
 
     def _mismatch(self, o: int, mine: bytes) -> MismatchError:
         """Every member's call at this point (we hold all their signatures), in the one wording

@@ -74,6 +74,8 @@ _OFF_LOOP_NAP_S = 0.002  # a wait started off the loop's thread naps in place th
 _OFF_LOOP_SPIN_S = 300e-6
 
 
+_clock = time.perf_counter
+
 _CLOSED_ROW = memoryview(bytearray(DATA)).cast("q")  # a closed group's own row: no arena behind it
 
 
@@ -172,7 +174,7 @@ class ShmScheduler:
         self.chunk = chunk
         self._waker = waker
         self._loop = asyncio.get_running_loop()
-        base = ARENA_HEADER + region * host.region_bytes
+        base = self._base = ARENA_HEADER + region * host.region_bytes  # (in every member's mapping)
         mems = [host.mem if r == host.rank else host.peers[r].mem for r in self.ranks]
         self._raw = [memoryview(m)[base : base + DATA] for m in mems]
         self._ctl = [v.cast("q") for v in self._raw]
@@ -195,6 +197,7 @@ class ShmScheduler:
         self._peer_rows = tuple(self._ctl[j] for j in self.others)
         self._peer_wake = tuple((self._ctl[j], self._efds[j]) for j in self.others)
         self._peer_raw = tuple(self._raw[j] for j in self.others)
+        self._peer_mems = tuple(mems[j] for j in self.others)  # (slices of these are copies)
         self.queue: deque[ShmOp] = deque()
         self.broken: BaseException | None = None
         # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
@@ -216,13 +219,17 @@ class ShmScheduler:
         self._beside_now = False  # the last wait found an awaited member on our CPU (_beside)
         self.completed = 0  # operations finished here (diagnostics: the bench names the path)
 
-    def _publish(self, counter: int, t: int) -> None:
+    def _publish(self, counter: int, t: int) -> bool:
+        """Publish my ``counter`` at step ``t``, wake the peers that sleep, and say whether every
+        other member's ``counter`` had reached ``t`` too (``_peers_at``: a step that waits for
+        that next need not yield its wait)."""
         self._mine[counter] = t
         fence_enter()  # (fence: the counter is visible before we look at who sleeps)
         fence_leave()
         for row, efd in self._peer_wake:
             if row[SLEEP]:
                 os.eventfd_write(efd, 1)
+        return self._peers_at(counter, t)
 
     def _publish_read(self, t: int) -> None:
         """Publish ``done`` of step ``t``, the only step of its operation (every member's
@@ -238,14 +245,21 @@ class ShmScheduler:
         else:
             self._publish(DONE, t)
 
+    def _peers_at(self, counter: int, t: int) -> bool:
+        """Whether every other member's ``counter`` has reached step ``t`` in this group: what
+        every operation waits for, and what a step checks before it yields that wait (a wait
+        met at once is not handed to the driver)."""
+        owner = self._owner
+        for row in self._peer_rows:
+            if row[counter] < t or row[OWNER] != owner:
+                return False
+        return True
+
     def _ready(self, wait: Wait) -> bool:
         counter, t, members = wait
-        owner = self._owner
         if members is self.others:  # (what every operation waits for)
-            for row in self._peer_rows:
-                if row[counter] < t or row[OWNER] != owner:
-                    return False
-            return True
+            return self._peers_at(counter, t)
+        owner = self._owner
         ctl = self._ctl
         for j in members:
             row = ctl[j]
@@ -287,14 +301,13 @@ class ShmScheduler:
         since the loop last turned, the next one starts from the loop instead."""
         if self.queue or self.broken is not None:
             return False
-        now = time.perf_counter()
         since = self._inline_since
         if since is None:
             # the first operation run inside its call since the loop last turned
-            self._inline_since = now
+            self._inline_since = _clock()
             self._loop.call_soon(self._loop_turned)
             return True
-        return now - since <= _INLINE_S
+        return _clock() - since <= _INLINE_S
 
     def _finished(self, finish: Finish, result: Any, exc: BaseException | None) -> None:
         """An operation ended here: counted, its failure the group's, its caller told."""
@@ -654,7 +667,7 @@ class ShmScheduler:
         self._ctl.clear()
         self._mine = _CLOSED_ROW  # (the arena's views all go: its mapping can then be closed)
         self._mine_raw = _CLOSED_ROW
-        self._peer_rows = self._peer_wake = self._peer_raw = ()
+        self._peer_rows = self._peer_wake = self._peer_raw = self._peer_mems = ()
         for v in self._raw:
             v.release()
         self._raw.clear()

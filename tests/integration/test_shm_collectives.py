@@ -256,6 +256,39 @@ def test_a_large_broadcast_of_two_ranks_splits_its_read() -> None:
             assert v["split"] == [v["cores"] >= 2] * len(v["split"]), v
 
 
+async def gather_sizes(ctx: Ctx) -> dict[str, Any]:
+    """all_gathers of 2 ranks just below and at 2 chunks per rank (64 KiB chunks), and above,
+    checked against the data, each with the count of direct steps it added."""
+    r = ctx.rank
+    await ctx.run("barrier")
+    await ctx.run("barrier")  # (the group's first steps: every rank's direct-read verdict is in)
+    failures: list[str] = []
+    added: list[int] = []
+    for nbytes in (128 * 1024 - 8, 128 * 1024, 192 * 1024):
+        count = nbytes // 8
+        x = data(r, count, "float64", "sum", 41)
+        outs = [np.full(count, 99.0) for _ in range(2)]
+        before = ctx.group.direct_steps
+        await ctx.run("all_gather", outs, x)
+        added.append(ctx.group.direct_steps - before)
+        if not all(np.array_equal(outs[k], data(k, count, "float64", "sum", 41)) for k in range(2)):
+            failures.append(f"all_gather of {nbytes} B")
+    return {"failures": failures, "added": added}
+
+
+def test_an_all_gather_of_two_ranks_with_a_core_each_reads_directly_from_two_chunks() -> None:
+    """Where each of the 2 ranks has a core of its own, an all_gather reads its peer's part
+    straight from its buffer from 2 chunks per rank (below that through the slots); where
+    they share one, only from 8 chunks. Every byte lands where it belongs either way."""
+    from aiocoll.client.data._vm_read import vm_read_available
+    from aiocoll.client.data._waiting import oversubscribed
+
+    per_rank = values(shm_world(gather_sizes, 2))
+    assert [v["failures"] for v in per_rank] == [[]] * 2
+    direct = vm_read_available() and not oversubscribed(2)
+    assert [v["added"] for v in per_rank] == [[0, 1, 1] if direct else [0, 0, 0]] * 2
+
+
 @pytest.mark.parametrize(
     ("direct", "mismatch_kind", "last_count"),
     [("1", "all_gather", 300_008), ("1", "broadcast", 1_000), ("0", "broadcast", 300_008)],
