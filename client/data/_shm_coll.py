@@ -49,7 +49,7 @@ from aiocoll._types import ReduceOp
 from ._op_record import Stoppable
 from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
-from ._shm_sched import ShmScheduler
+from ._shm_sched import STORES_IN_ORDER, ShmScheduler
 from ._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 from ._waiting import oversubscribed
 
@@ -286,14 +286,25 @@ class ShmGroup(ShmScheduler):
         s = t % SLOTS
         if t != self._slot_free and t > SLOTS:  # (in a loop of them, t is the slot known free)
             yield (DONE, t - SLOTS, self.others)
-        views = self._views(s * self._slot, x.nbytes, x.dtype)
+        key = (s * self._slot, x.nbytes, x.dtype)
+        views = self._view_cache.get(key) or self._views(*key)  # (kept: the call only to make them)
         views[self.me][...] = x
         self._write_sig(s, sig)
         if not self._publish(INP, t):
             yield (INP, t, self.others)
         self._check(t, sig)
         self._fold(x, views, op, dtype_name)
-        self._publish_read(t)
+        # ``done`` of t, the only step of its operation: no member waits for it before it has
+        # seen our ``inp`` of a later step (each waits for ``done`` of a step only for a slot
+        # two steps on, or for the step of its own direct read, never of one slot-sized step,
+        # so only once it finished the step between, which took our ``inp`` of it). That later
+        # ``inp`` is published after this store, with the fence and the wake-up, so where stores
+        # are seen in the order they were made (x86) this one needs neither. (A mismatch
+        # publishes ``done`` in full: the others may wait for it before they fail.)
+        if STORES_IN_ORDER:
+            self._mine[DONE] = t
+        else:
+            self._publish(DONE, t)
         return None
 
     def _reduce_whole(
