@@ -82,6 +82,10 @@ _GATHER_DIRECT_CHUNKS_OWN_CORE = 2
 _BCAST_DIRECT_CHUNKS = 32
 
 
+# a closed group's signature rows (_write_sig): no arena behind them
+_CLOSED_SIGS = tuple(memoryview(bytearray(SIG_BYTES)) for _ in range(SLOTS))
+
+
 def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:
     """The filler of a pipeline that writes ``b`` (bytes) ``step`` bytes a round: ``filler(r)``
     copies round ``r``'s bytes into the front of a slot."""
@@ -123,10 +127,12 @@ class ShmGroup(ShmScheduler):
         gather = _GATHER_DIRECT_CHUNKS if oversubscribed(self.n) else _GATHER_DIRECT_CHUNKS_OWN_CORE
         self._gather_direct = self.chunk * gather
         self._bcast_direct = self.chunk * _BCAST_DIRECT_CHUNKS
-        # Each slot's signature: where it is in my row (_write_sig), and where in each peer's
-        # arena mapping (_check compares a slice of the mapping, a copy, with ours: one compare
-        # of bytes, where comparing a view of them goes element by element).
+        # Each slot's signature: where it is in my row (a view of it there, which _write_sig
+        # fills), and where in each peer's arena mapping (_check compares a slice of the
+        # mapping, a copy, with ours: one compare of bytes, where comparing a view of them goes
+        # element by element).
         self._sig_at = tuple(SIG + s * SIG_BYTES for s in range(SLOTS))
+        self._sig_rows = tuple(self._mine_raw[o : o + SIG_BYTES] for o in self._sig_at)
         self._peer_sig_at = tuple(self._base + o for o in self._sig_at)
 
     # -- operations ------------------------------------------------------------------------
@@ -214,8 +220,7 @@ class ShmGroup(ShmScheduler):
         self._publish(INP, t)
 
     def _write_sig(self, slot: int, sig: bytes) -> None:
-        o = self._sig_at[slot]
-        self._mine_raw[o : o + len(sig)] = sig
+        self._sig_rows[slot][: len(sig)] = sig
 
     def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> list[np.ndarray]:
         """``nbytes`` at ``base`` of every member's data as ``dtype``: made once per size (a
@@ -605,4 +610,8 @@ class ShmGroup(ShmScheduler):
         """Fail what is queued and give the region back (the next group to take it marks it as
         its own). Twice is fine."""
         self._view_cache.clear()
+        if self._sig_rows is not _CLOSED_SIGS:  # (views of the arena: its mapping closes once they go)
+            for v in self._sig_rows:
+                v.release()
+            self._sig_rows = _CLOSED_SIGS
         super().close()
