@@ -208,7 +208,7 @@ class ShmScheduler:
             spin_us = env_float("AIOCOLL_SHM_SPIN_US")
             spin_s = (spin_us if spin_us is not None else 20.0 if shared else 100.0) * 1e-6
         self._budget = SpinBudget(spin_s)
-        self._inline_since: float | None = None
+        self._inline_until: float | None = None  # (perf_counter) the inline time's end (_straight)
         self._inner = False  # inside a multi-step operation: its waits are short, spin longer
         self._timer: asyncio.TimerHandle | None = None
         self._gid = gid
@@ -291,13 +291,13 @@ class ShmScheduler:
         since the loop last turned, the next one starts from the loop instead."""
         if self.queue or self.broken is not None:
             return False
-        since = self._inline_since
-        if since is None:
+        until = self._inline_until
+        if until is None:
             # the first operation run inside its call since the loop last turned
-            self._inline_since = _clock()
+            self._inline_until = _clock() + _INLINE_S
             self._loop.call_soon(self._loop_turned)
             return True
-        return _clock() - since <= _INLINE_S
+        return _clock() <= until
 
     def _finished(self, finish: Finish, result: Any, exc: BaseException | None) -> None:
         """An operation ended here: counted, its failure the group's, its caller told."""
@@ -340,7 +340,7 @@ class ShmScheduler:
         return op
 
     def _loop_turned(self) -> None:
-        self._inline_since = None
+        self._inline_until = None
 
     def _advance(self, op: ShmOp) -> bool:
         """Run ``op`` until it waits for something not there yet (False) or ends (True)."""
