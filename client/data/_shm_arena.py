@@ -139,8 +139,8 @@ class ArenaProvider:
         do not take (an out-of-place all_reduce). The starters are this provider's methods, bound
         once: the record a starter is handed as its transport is the operation, so none is made
         per operation."""
-        if op.kind == "all_reduce":
-            return self._reduce if op.inputs[0] is op.outputs[0] else None
+        if op.kind == "all_reduce":  # (in place: the public layer hands one tuple as both)
+            return self._reduce if op.inputs is op.outputs or op.inputs[0] is op.outputs[0] else None
         return self._start
 
     def _all_reduce(self, tag: Any, op: OpTransport, finish: Finish) -> Stoppable:  # (tag[2]: the seq)

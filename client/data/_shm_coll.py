@@ -49,7 +49,7 @@ from aiocoll._types import ReduceOp
 from ._op_record import Stoppable
 from ._operation import Finish
 from ._shm_layout import BASE, BUF, DIRECT, DONE, INP, OWNER, RED, SIG, SIG_BYTES, SLOTS, OnWait, OpGen, Wait
-from ._shm_sched import ShmScheduler
+from ._shm_sched import STORES_IN_ORDER, ShmScheduler
 from ._vm_read import DIRECT_ENV, vm_read, vm_read_available, vm_read_split
 from ._waiting import oversubscribed
 
@@ -80,6 +80,10 @@ _FOLD_BLOCK = 256 * 1024  # bytes of the temporary that folds a share into its o
 _GATHER_DIRECT_CHUNKS = 8
 _GATHER_DIRECT_CHUNKS_OWN_CORE = 2
 _BCAST_DIRECT_CHUNKS = 32
+
+
+# a closed group's signature rows (_write_sig): no arena behind them
+_CLOSED_SIGS = tuple(memoryview(bytearray(SIG_BYTES)) for _ in range(SLOTS))
 
 
 def _rounds_of(b: np.ndarray, step: int) -> Callable[[int], Callable[[np.ndarray], None]]:
@@ -123,10 +127,12 @@ class ShmGroup(ShmScheduler):
         gather = _GATHER_DIRECT_CHUNKS if oversubscribed(self.n) else _GATHER_DIRECT_CHUNKS_OWN_CORE
         self._gather_direct = self.chunk * gather
         self._bcast_direct = self.chunk * _BCAST_DIRECT_CHUNKS
-        # Each slot's signature: where it is in my row (_write_sig), and where in each peer's
-        # arena mapping (_check compares a slice of the mapping, a copy, with ours: one compare
-        # of bytes, where comparing a view of them goes element by element).
+        # Each slot's signature: where it is in my row (a view of it there, which _write_sig
+        # fills), and where in each peer's arena mapping (_check compares a slice of the
+        # mapping, a copy, with ours: one compare of bytes, where comparing a view of them goes
+        # element by element).
         self._sig_at = tuple(SIG + s * SIG_BYTES for s in range(SLOTS))
+        self._sig_rows = tuple(self._mine_raw[o : o + SIG_BYTES] for o in self._sig_at)
         self._peer_sig_at = tuple(self._base + o for o in self._sig_at)
 
     # -- operations ------------------------------------------------------------------------
@@ -214,8 +220,7 @@ class ShmGroup(ShmScheduler):
         self._publish(INP, t)
 
     def _write_sig(self, slot: int, sig: bytes) -> None:
-        o = self._sig_at[slot]
-        self._mine_raw[o : o + len(sig)] = sig
+        self._sig_rows[slot][: len(sig)] = sig
 
     def _views(self, base: int, nbytes: int, dtype: np.dtype[Any]) -> list[np.ndarray]:
         """``nbytes`` at ``base`` of every member's data as ``dtype``: made once per size (a
@@ -286,14 +291,25 @@ class ShmGroup(ShmScheduler):
         s = t % SLOTS
         if t != self._slot_free and t > SLOTS:  # (in a loop of them, t is the slot known free)
             yield (DONE, t - SLOTS, self.others)
-        views = self._views(s * self._slot, x.nbytes, x.dtype)
+        key = (s * self._slot, x.nbytes, x.dtype)
+        views = self._view_cache.get(key) or self._views(*key)  # (kept: the call only to make them)
         views[self.me][...] = x
         self._write_sig(s, sig)
         if not self._publish(INP, t):
             yield (INP, t, self.others)
         self._check(t, sig)
         self._fold(x, views, op, dtype_name)
-        self._publish_read(t)
+        # ``done`` of t, the only step of its operation: no member waits for it before it has
+        # seen our ``inp`` of a later step (each waits for ``done`` of a step only for a slot
+        # two steps on, or for the step of its own direct read, never of one slot-sized step,
+        # so only once it finished the step between, which took our ``inp`` of it). That later
+        # ``inp`` is published after this store, with the fence and the wake-up, so where stores
+        # are seen in the order they were made (x86) this one needs neither. (A mismatch
+        # publishes ``done`` in full: the others may wait for it before they fail.)
+        if STORES_IN_ORDER:
+            self._mine[DONE] = t
+        else:
+            self._publish(DONE, t)
         return None
 
     def _reduce_whole(
@@ -594,4 +610,8 @@ class ShmGroup(ShmScheduler):
         """Fail what is queued and give the region back (the next group to take it marks it as
         its own). Twice is fine."""
         self._view_cache.clear()
+        if self._sig_rows is not _CLOSED_SIGS:  # (views of the arena: its mapping closes once they go)
+            for v in self._sig_rows:
+                v.release()
+            self._sig_rows = _CLOSED_SIGS
         super().close()

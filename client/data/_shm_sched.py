@@ -52,7 +52,7 @@ from ._shm import (
 from ._shm_layout import BASE, CPU, DATA, DONE, INP, LOST, OWNER, RED, SLEEP, OnWait, OpGen, Wait
 from ._waiting import LATE_YIELD_S, SpinBudget, host_contended, nap, oversubscribed, spin
 
-__all__ = ["ShmOp", "ShmScheduler", "ShmWaker"]
+__all__ = ["STORES_IN_ORDER", "ShmOp", "ShmScheduler", "ShmWaker"]
 
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
 _PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
@@ -208,7 +208,7 @@ class ShmScheduler:
             spin_us = env_float("AIOCOLL_SHM_SPIN_US")
             spin_s = (spin_us if spin_us is not None else 20.0 if shared else 100.0) * 1e-6
         self._budget = SpinBudget(spin_s)
-        self._inline_since: float | None = None
+        self._inline_until: float | None = None  # (perf_counter) the inline time's end (_straight)
         self._inner = False  # inside a multi-step operation: its waits are short, spin longer
         self._timer: asyncio.TimerHandle | None = None
         self._gid = gid
@@ -226,24 +226,14 @@ class ShmScheduler:
         self._mine[counter] = t
         fence_enter()  # (fence: the counter is visible before we look at who sleeps)
         fence_leave()
-        for row, efd in self._peer_wake:
+        met = True
+        owner = self._owner
+        for row, efd in self._peer_wake:  # (each peer's row read once: whether it sleeps, where it is)
             if row[SLEEP]:
                 os.eventfd_write(efd, 1)
-        return self._peers_at(counter, t)
-
-    def _publish_read(self, t: int) -> None:
-        """Publish ``done`` of step ``t``, the only step of its operation (every member's
-        ``inp`` of it seen), which no member then waits for before it has seen our ``inp`` of a
-        later step: each member waits for ``done`` of a step only for a slot two steps on (or
-        for the step of its own direct read, never of one slot-sized step), so only once it
-        finished the step between, which took our ``inp`` of it. That later ``inp`` is published
-        after this store, with the fence and the wake-up, so on x86, where stores are seen in
-        the order they were made, this one needs neither. (A mismatch publishes ``done`` in full:
-        the others may wait for it before they fail.)"""
-        if STORES_IN_ORDER:
-            self._mine[DONE] = t
-        else:
-            self._publish(DONE, t)
+            if row[counter] < t or row[OWNER] != owner:  # (_peers_at's test)
+                met = False
+        return met
 
     def _peers_at(self, counter: int, t: int) -> bool:
         """Whether every other member's ``counter`` has reached step ``t`` in this group: what
@@ -301,13 +291,13 @@ class ShmScheduler:
         since the loop last turned, the next one starts from the loop instead."""
         if self.queue or self.broken is not None:
             return False
-        since = self._inline_since
-        if since is None:
+        until = self._inline_until
+        if until is None:
             # the first operation run inside its call since the loop last turned
-            self._inline_since = _clock()
+            self._inline_until = _clock() + _INLINE_S
             self._loop.call_soon(self._loop_turned)
             return True
-        return _clock() - since <= _INLINE_S
+        return _clock() <= until
 
     def _finished(self, finish: Finish, result: Any, exc: BaseException | None) -> None:
         """An operation ended here: counted, its failure the group's, its caller told."""
@@ -350,7 +340,7 @@ class ShmScheduler:
         return op
 
     def _loop_turned(self) -> None:
-        self._inline_since = None
+        self._inline_until = None
 
     def _advance(self, op: ShmOp) -> bool:
         """Run ``op`` until it waits for something not there yet (False) or ends (True)."""
