@@ -237,10 +237,14 @@ class ProcessGroup:
             ValueError: ``dst`` out of range or this rank.
             TypeError: not a tensor, or ``tag`` not an int.
         """
-        d = _check_rank("dst", dst, self.size)
-        if d == self.rank:
-            raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
-        utag = _check_tag(tag)
+        # (the usual call, an int rank of another member and an int tag, checked inline)
+        if type(dst) is int and 0 <= dst < self.size and dst != self.rank and type(tag) is int:
+            d, utag = dst, tag
+        else:
+            d = _check_rank("dst", dst, self.size)
+            if d == self.rank:
+                raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
+            utag = _check_tag(tag)
         w = as_working(tensor, True, False)
         array = w.array
         o = Operation(
@@ -270,10 +274,15 @@ class ProcessGroup:
             MismatchError: (from the awaited Work) the message's dtype or size differs from
                 ``tensor``'s.
         """
-        s = None if src is None else _check_rank("src", src, self.size)
-        if s is not None and s == self.rank:
-            raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
-        utag = _check_tag(tag)
+        # (the usual call, an int rank of another member and an int tag, checked inline)
+        s: int | None
+        if type(src) is int and 0 <= src < self.size and src != self.rank and type(tag) is int:
+            s, utag = src, tag
+        else:
+            s = None if src is None else _check_rank("src", src, self.size)
+            if s is not None and s == self.rank:
+                raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
+            utag = _check_tag(tag)
         w = as_working(tensor, False, True)
         array = w.array
         o = Operation(

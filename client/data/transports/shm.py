@@ -289,7 +289,8 @@ class ShmLink(TcpLink):
             return super().send_nowait(tag, payload, meta)
         if self.closed:
             raise self._lost()
-        body = as_bytes_view(payload)
+        # (callers mostly pass bytes: no call then)
+        body = payload if payload.ndim == 1 and payload.format == "B" else as_bytes_view(payload)
         queue = self._sending
         n = len(body)
         if not queue and 0 < n <= _MAIL_MAX and self._mailbox:
