@@ -567,7 +567,9 @@ class LinkTransport(Transport):
 
         def arrived() -> bool:
             link.read_now()
-            if polled.done() or link.closed:  # (a closed link ends the spin; the waiting path reports it)
+            # (polled.done(), inline: this runs at every turn of the spin; a closed link ends the
+            # spin too, and the waiting path reports it)
+            if polled.result is not None or polled.error is not None or link.closed:
                 return True
             now = clock()
             if now - seen[0] > LATE_YIELD_S:

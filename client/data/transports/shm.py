@@ -544,6 +544,8 @@ class ShmLink(TcpLink):
         # The mailbox first: frames still in the socket were written after its message. The
         # socket only when the peer says it wrote a frame we have not read.
         news = reader.news(self._frames_in)
+        if not news:  # (a spinning receive's usual look)
+            return False
         mail = False
         if news & NEWS_MAIL:
             mail = self._take_mail()
