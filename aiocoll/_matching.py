@@ -476,8 +476,9 @@ class Matcher:
                 and polled.error is None
             ):
                 into = polled.into
-                if len(into) == len(payload):
-                    if len(into):
+                n = len(into)
+                if n == len(payload):
+                    if n:
                         into[:] = payload
                     polled.result = (src, meta)
                     return
