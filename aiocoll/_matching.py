@@ -43,7 +43,9 @@ moment before it would be posted (the transport's straight path) is next in line
 posted receive for its message, and gets the first message of its source and tag that arrives
 meanwhile, in its own buffer: through ``arrived``, or through ``claim`` when the link hands the
 payload over whole within the same call (``whole``), so that a receive that stops polling is
-never left bound to a message still arriving. Its outcome is kept in the ``Polled`` for the
+never left bound to a message still arriving (should the link land it later after all, its
+sender held off its core mid-copy, ``unpoll`` unbinds it: it is then reported as an early message
+when it lands). Its outcome is kept in the ``Polled`` for the
 caller to read (``outcome``).
 """
 
@@ -357,8 +359,18 @@ class Matcher:
         return polled
 
     def unpoll(self, polled: Polled) -> None:
-        """Stop polling (``polled.outcome()`` says what came)."""
+        """Stop polling (``polled.outcome()`` says what came). A message ``claim`` bound to it
+        that has not landed yet (its link could not hand it over within the call after all: a
+        sender held off its core mid-copy) is no longer its: it is reported as an early one
+        when it lands, in its place in the stream, to the receive next in line then (the
+        caller's receive, posted again, whose buffer it is landing in) or to the inbox."""
         self._polled = polled.prev
+        if polled.result is None and polled.error is None:  # (nothing came: is one coming?)
+            filling = self._filling.get(polled.src)
+            if filling:
+                for i, entry in enumerate(filling):
+                    if isinstance(entry, Posted) and entry.done is polled:
+                        filling[i] = None
 
     def _polling(self, src: int, tag: Tag) -> Polled | None:
         """The polled receive that takes a message ``tag`` from ``src`` no posted receive takes."""
@@ -465,12 +477,20 @@ class Matcher:
                 self.received_direct += 1
                 done.set_result((src, meta, into) if posted.in_place else (src, meta))
                 return
-        elif self._polled is not None:
-            polled = self._polling(src, tag)
-            if polled is not None:
+        else:
+            polled = self._polled
+            # (``_polling``'s test, inline: this is the straight path of a polled receive)
+            if (
+                polled is not None
+                and polled.src == src
+                and polled.tag == tag
+                and polled.result is None
+                and polled.error is None
+            ):
                 into = polled.into
-                if len(into) == len(payload):
-                    if len(into):
+                n = len(into)
+                if n == len(payload):
+                    if n:
                         into[:] = payload
                     polled.result = (src, meta)
                     return

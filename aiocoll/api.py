@@ -155,6 +155,9 @@ class ProcessGroup:
         self.rank = state.index
         self.size = len(state.ranks)
         self.ranks = list(state.ranks)
+        # the other members' global ranks by group rank: a send's or receive's peer checked and
+        # looked up at once
+        self._peers = {i: r for i, r in enumerate(self.ranks) if i != self.rank}
         self.group_id = state.gid
         self._destroyed = False
         self._metas: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -237,17 +240,20 @@ class ProcessGroup:
             ValueError: ``dst`` out of range or this rank.
             TypeError: not a tensor, or ``tag`` not an int.
         """
-        d = _check_rank("dst", dst, self.size)
-        if d == self.rank:
-            raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
-        utag = _check_tag(tag)
+        # (the usual call, an int rank of another member and an int tag, checked in one look-up)
+        peer = self._peers.get(dst) if type(dst) is int and type(tag) is int else None
+        if peer is None:
+            d = _check_rank("dst", dst, self.size)
+            if d == self.rank:
+                raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
+            peer, tag = self.ranks[d], _check_tag(tag)
         w = as_working(tensor, True, False)
         array = w.array
         o = Operation(
             "send", {"dtype": w.dtype_name, "count": array.size}, (array,), (), (), None, timeout, w.memory
         )
-        o.p2p_tag = utag
-        o.peers = (self.ranks[d],)
+        o.p2p_tag = tag
+        o.peers = (peer,)
         return self._providers.submit(o)
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
@@ -270,18 +276,23 @@ class ProcessGroup:
             MismatchError: (from the awaited Work) the message's dtype or size differs from
                 ``tensor``'s.
         """
-        s = None if src is None else _check_rank("src", src, self.size)
-        if s is not None and s == self.rank:
-            raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
-        utag = _check_tag(tag)
+        # (the usual call, an int rank of another member and an int tag, checked in one look-up)
+        peer = self._peers.get(src) if type(src) is int and type(tag) is int else None
+        if peer is None:
+            if src is not None:
+                s = _check_rank("src", src, self.size)
+                if s == self.rank:
+                    raise ValueError(f"recv: src={s} is this rank; a rank cannot receive from itself")
+                peer = self.ranks[s]
+            tag = _check_tag(tag)
         w = as_working(tensor, False, True)
         array = w.array
         o = Operation(
             "recv", {"dtype": w.dtype_name, "count": array.size}, (), (array,), (w,), None, timeout, w.memory
         )
-        o.p2p_tag = utag
-        if s is not None:
-            o.peers = (self.ranks[s],)
+        o.p2p_tag = tag
+        if peer is not None:
+            o.peers = (peer,)
         return self._providers.submit(o)
 
     isend = send

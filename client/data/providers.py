@@ -155,8 +155,9 @@ class P2PProvider:
     def _send_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
         # A send completes once handed off: a small one usually is, inside this call (its Work
         # is born complete); the rest of a larger one runs as a task. (A working array is 1-D
-        # and contiguous: its bytes are its buffer cast, with no numpy view made for them.)
-        rest = op.send_nowait(op.peers[0], tag, op.inputs[0].data.cast("B"), op.meta)
+        # and contiguous: its buffer is handed over as it is, and the links send its bytes
+        # whatever its format.)
+        rest = op.send_nowait(op.peers[0], tag, op.inputs[0].data, op.meta)
         if rest is None:
             finish(None, None)
             return HANDED_OFF
@@ -182,7 +183,13 @@ class P2PProvider:
         got, sent = here
         if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
             return copying_back(op, _refusal(sent, got, op, self._ranks, self._gid, None))(tag, op, finish)
-        op.result = received(op, got, sent, self._ranks, self._gid)
+        ranks = self._ranks
+        # (``received``'s check, inline for the usual message; ``received`` raises the mismatch)
+        op.result = (
+            ranks.index(got)
+            if sent.get("dtype") == op.meta.get("dtype")
+            else received(op, got, sent, ranks, self._gid)
+        )
         op.finish_copied(None, None, None if finish == op.finish else finish)
         return HANDED_OFF
 

@@ -145,6 +145,34 @@ async def worker(pg: Any) -> dict[str, Any]:
             out["timeout"] = "no error"
         except CollectiveTimeout as exc:
             out["timeout"] = (exc.missing_ranks, exc.op, time.monotonic() - t0)
+
+    # bad ranks and tags are refused at the call; numpy integers are ranks and tags like ints
+    bad: list[str] = []
+    for call in (
+        lambda: pg.send(np.zeros(1), dst=r),
+        lambda: pg.send(np.zeros(1), dst=n),
+        lambda: pg.send(np.zeros(1), dst=-1),
+        lambda: pg.send(np.zeros(1), dst=True),
+        lambda: pg.send(np.zeros(1), dst=1.0),
+        lambda: pg.send(np.zeros(1), dst=(r + 1) % n, tag=1.0),
+        lambda: pg.send(np.zeros(1), dst=(r + 1) % n, tag=False),
+        lambda: pg.recv(np.zeros(1), src=r),
+        lambda: pg.recv(np.zeros(1), src=n),
+        lambda: pg.recv(np.zeros(1), src=False),
+        lambda: pg.recv(np.zeros(1), src=(r + 1) % n, tag="a"),
+        lambda: pg.recv(np.zeros(1), tag=None),
+    ):
+        try:
+            call()
+            bad.append("no error")
+        except (TypeError, ValueError) as exc:
+            bad.append(type(exc).__name__)
+    out["bad_args"] = bad
+    if r == 0:
+        await pg.send(np.array([5], np.int16), dst=np.int64(1), tag=np.int32(11))
+    elif r == 1:
+        b = np.zeros(1, np.int16)
+        out["numpy_args"] = (await pg.recv(b, src=np.int8(0), tag=np.int64(11)), int(b[0]))
     await pg.barrier()
     return out
 
@@ -201,3 +229,9 @@ def test_unanswered_recv_times_out_naming_the_silent_rank(results: list[dict[str
     missing, op, elapsed = results[0]["timeout"]
     assert missing == [1] and op == "recv"
     assert elapsed < 5.0
+
+
+def test_bad_ranks_and_tags_are_refused_and_numpy_integers_accepted(results: list[dict[str, Any]]) -> None:
+    want = ["ValueError"] * 3 + ["TypeError"] * 4 + ["ValueError"] * 2 + ["TypeError"] * 3
+    assert all(res["bad_args"] == want for res in results), [res["bad_args"] for res in results]
+    assert results[1]["numpy_args"] == (0, 5)

@@ -540,6 +540,25 @@ async def test_a_mailed_message_not_yet_taken_when_its_link_closes_is_still_rece
         await close_world(world)
 
 
+async def test_a_mailed_payload_of_any_format_and_shape_arrives_as_its_bytes() -> None:
+    """The mailbox packs a contiguous payload's bytes whatever the view's format and shape (a
+    2-D int32 view, here), as the ring and frame paths send its flat byte view."""
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    world = await shm_world(2)
+    try:
+        sender, receiver = world
+        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+        data = np.arange(6, dtype=np.int32).reshape(2, 3)
+        assert sender.send_nowait(1, ("f", 1), memoryview(data), {"n": 24}) is None
+        assert sender.link(1).mail_out == 1  # in the mailbox, no frame
+        got = bytearray(24)
+        assert await receiver.recv(0, ("f", 1), memoryview(got)) == (0, {"n": 24})
+        assert bytes(got) == data.tobytes()
+    finally:
+        await close_world(world)
+
+
 async def test_a_frame_read_before_the_wake_up_for_an_earlier_mailed_message_comes_after_it() -> None:
     """A mailed message, then a frame on the same tag (the mailbox is full): when the event loop
     happens to read the socket before it runs the eventfd's callback, the mailed message is

@@ -368,3 +368,37 @@ def test_deliver_gives_a_polled_receive_its_message_after_posted_ones_and_a_mism
     with pytest.raises(MismatchError):
         polled.outcome()
     assert m.take_early(1, ("t",), 8) is None  # consumed
+
+
+def test_a_message_bound_to_a_polled_receive_that_stopped_before_it_landed_goes_to_the_next_one() -> None:
+    """The link claimed a whole message for a polled receive but could not land it within the
+    call (its sender was held off its core mid-copy); the receive stopped polling and was
+    posted again: the message, landing in its buffer, goes to the receive posted again, and
+    the stream's next message to the next receive."""
+    m, _ = matcher()
+    into = buf(4)
+    polled = m.poll(1, ("t",), into)
+    assert m.claim(1, ("t",), 4, whole=True) is into
+    m.unpoll(polled)
+    assert polled.outcome() is None
+    again = Outcome()
+    m.post(1, ("t",), into, again)
+    into[:] = b"big!"
+    m.landed(1, ("t",), {"n": 1}, into)
+    assert again.result == (1, {"n": 1}) and bytes(into) == b"big!"
+    after = Outcome()
+    m.post(1, ("t",), buf(1), after)
+    m.arrived(1, ("t",), {"n": 2}, memoryview(b"x"))
+    assert after.result == (1, {"n": 2})
+    # not posted again before it landed: it waits in the inbox, in order
+    into = buf(4)
+    polled = m.poll(1, ("t",), into)
+    assert m.claim(1, ("t",), 4, whole=True) is into
+    m.unpoll(polled)
+    into[:] = b"next"
+    m.landed(1, ("t",), {"n": 3}, into)
+    m.arrived(1, ("t",), {"n": 4}, memoryview(b"y"))
+    assert polled.outcome() is None
+    got = buf(4)
+    assert m.take(1, ("t",), got) == (1, {"n": 3}) and bytes(got) == b"next"
+    assert m.take(1, ("t",), buf(1)) == (1, {"n": 4})

@@ -531,7 +531,8 @@ class LinkTransport(Transport):
         Raises:
             MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
         """
-        into = as_bytes_view(into)
+        if into.ndim != 1 or into.format != "B":  # (callers mostly pass bytes: no call then)
+            into = as_bytes_view(into)
         matcher = self.matcher
         got = matcher.take(src, tag, into)
         if got is not None or src is None:
@@ -547,11 +548,13 @@ class LinkTransport(Transport):
         polled = matcher.poll(src, tag, into)
         try:
             link.read_now()  # what came already
-            if not (polled.done() or link.closed):
+            if polled.result is None and polled.error is None and not link.closed:  # (not done)
                 self._spin_for(link, polled)
         finally:
             matcher.unpoll(polled)
-        return polled.outcome()
+        if polled.error is not None:  # (Polled.outcome, inline)
+            raise polled.error
+        return polled.result
 
     def _spin_for(self, link: Link, polled: Polled) -> None:
         """recv_now's wait for ``polled``: ``link`` read in place by the wait policy's spin, with
@@ -564,7 +567,9 @@ class LinkTransport(Transport):
 
         def arrived() -> bool:
             link.read_now()
-            if polled.done() or link.closed:  # (a closed link ends the spin; the waiting path reports it)
+            # (polled.done(), inline: this runs at every turn of the spin; a closed link ends the
+            # spin too, and the waiting path reports it)
+            if polled.result is not None or polled.error is not None or link.closed:
                 return True
             now = clock()
             if now - seen[0] > LATE_YIELD_S:

@@ -289,14 +289,14 @@ class ShmLink(TcpLink):
             return super().send_nowait(tag, payload, meta)
         if self.closed:
             raise self._lost()
-        body = as_bytes_view(payload)
         queue = self._sending
-        n = len(body)
+        n = payload.nbytes
         if not queue and 0 < n <= _MAIL_MAX and self._mailbox:
             # The straight path, when the receiver has taken everything we sent before: the
             # message goes to the mailbox without a frame; a receiver that polls takes it from
-            # there, one that does not is woken.
-            polling = writer.mail(self.frames_out, self._packer.pack, [tag, meta, body])
+            # there, one that does not is woken. (msgpack packs a contiguous view's bytes
+            # whatever its format: no byte view is made for it.)
+            polling = writer.mail(self.frames_out, self._packer.pack, [tag, meta, payload])
             if polling is not None:
                 if not polling:
                     self.mail_wakes += 1
@@ -305,6 +305,7 @@ class ShmLink(TcpLink):
                     except OSError:
                         pass  # (closed by now: the link's close reports the loss)
                 return None
+        body = as_bytes_view(payload)
         if not queue and n <= _FRAME_BYTES:  # in its frame, in order: nothing is queued ahead
             return super().send_nowait(tag, payload, meta)
         if not queue and n <= self._capacity:
@@ -543,6 +544,8 @@ class ShmLink(TcpLink):
         # The mailbox first: frames still in the socket were written after its message. The
         # socket only when the peer says it wrote a frame we have not read.
         news = reader.news(self._frames_in)
+        if not news:  # (a spinning receive's usual look)
+            return False
         mail = False
         if news & NEWS_MAIL:
             mail = self._take_mail()
