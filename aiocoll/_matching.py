@@ -166,6 +166,12 @@ class _Mismatched:
         self.posted = posted
 
 
+# The place in ``_filling`` of a message claimed for a polled receive that stopped before the
+# message landed (``unpoll``): it lands in that receive's buffer, which may be its caller's again
+# by then, so what is kept of it is a copy.
+_UNBOUND: Any = object()
+
+
 class Early:
     """A message that arrived before its receive."""
 
@@ -370,7 +376,7 @@ class Matcher:
             if filling:
                 for i, entry in enumerate(filling):
                     if isinstance(entry, Posted) and entry.done is polled:
-                        filling[i] = None
+                        filling[i] = _UNBOUND
 
     def _polling(self, src: int, tag: Tag) -> Polled | None:
         """The polled receive that takes a message ``tag`` from ``src`` no posted receive takes."""
@@ -447,6 +453,8 @@ class Matcher:
         entry = self._filling[src].popleft()
         if entry is None:
             self.arrived(src, tag, meta, payload)
+        elif entry is _UNBOUND:
+            self.arrived(src, tag, meta, memoryview(bytes(payload)))
         elif isinstance(entry, _Mismatched):
             posted = entry.posted
             if not posted.done.done():
@@ -639,7 +647,7 @@ class Matcher:
         if filling:
             for entry in filling:
                 posted = entry.posted if isinstance(entry, _Mismatched) else entry
-                if posted is not None:
+                if posted is not None and posted is not _UNBOUND:
                     waiting.append(posted)
             filling.clear()
         waiting += _take_matching(self._posted, lambda key: key[0] == peer)
@@ -662,7 +670,7 @@ class Matcher:
             e.posted if isinstance(e, _Mismatched) else e
             for q in self._filling.values()
             for e in q
-            if e is not None
+            if e is not None and e is not _UNBOUND
         ]
         self._posted.clear()
         self._posted_any.clear()

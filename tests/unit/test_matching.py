@@ -374,7 +374,8 @@ def test_a_message_bound_to_a_polled_receive_that_stopped_before_it_landed_goes_
     """The link claimed a whole message for a polled receive but could not land it within the
     call (its sender was held off its core mid-copy); the receive stopped polling and was
     posted again: the message, landing in its buffer, goes to the receive posted again, and
-    the stream's next message to the next receive."""
+    the stream's next message to the next receive. Not posted again, it waits in the inbox as a
+    copy of what landed."""
     m, _ = matcher()
     into = buf(4)
     polled = m.poll(1, ("t",), into)
@@ -399,6 +400,7 @@ def test_a_message_bound_to_a_polled_receive_that_stopped_before_it_landed_goes_
     m.landed(1, ("t",), {"n": 3}, into)
     m.arrived(1, ("t",), {"n": 4}, memoryview(b"y"))
     assert polled.outcome() is None
+    into[:] = b"mine"  # the buffer is its caller's again: the message kept is a copy
     got = buf(4)
     assert m.take(1, ("t",), got) == (1, {"n": 3}) and bytes(got) == b"next"
     assert m.take(1, ("t",), buf(1)) == (1, {"n": 4})
