@@ -181,7 +181,7 @@ class ProcessGroup:
 
         This is torch's ``ProcessGroup.set_timeout``; each torch group has a runtime of its own.
         """
-        self._rt.default_timeout = self._rt.engine.default_timeout = seconds
+        self._rt.engine.default_timeout = seconds
 
     @property
     def store(self) -> Store | None:

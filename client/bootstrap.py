@@ -74,8 +74,8 @@ Embed = Callable[[str, int, "str | None"], EmbeddedCoordinator]
 
 class Runtime:
     """What a world group and its sub-groups share: the links, the engine, the coordinator
-    session (or the store and its progress checks), an embedded coordinator, every group's
-    provider table, and the default timeout.
+    session (or the store and its progress checks), an embedded coordinator and every group's
+    provider table (the default timeout is the engine's, ``engine.default_timeout``).
 
     Attributes:
         world: the world group as the engine sees it (group id ``WORLD_GID``).
@@ -91,7 +91,6 @@ class Runtime:
         coordinator: Any = None,
         store: Store | None = None,
         owns_store: bool = False,
-        default_timeout: float | None,
         hosts: Mapping[int, str] | None = None,
     ) -> None:
         self.engine = engine
@@ -102,7 +101,6 @@ class Runtime:
         self.coordinator = coordinator
         self.store = store
         self.owns_store = owns_store
-        self.default_timeout = default_timeout
         self.closed = False
         self.store_progress: StoreProgress | None = None
         # Every group's providers (client/data/providers.py), by group id: closed with the group.
@@ -310,7 +308,6 @@ async def join_coordinator(
             transport,
             session=session,
             coordinator=coordinator,
-            default_timeout=seconds,
             hosts={m.rank: m.host for m in membership.members},
         )
     except BaseException:
@@ -454,7 +451,6 @@ async def join_store(
         transport,
         store=store,
         owns_store=owns,
-        default_timeout=seconds,
         hosts={row.rank: row.host for row in table},
     )
     runtime.store_progress = progress
