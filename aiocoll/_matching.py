@@ -485,16 +485,9 @@ class Matcher:
                 self.received_direct += 1
                 done.set_result((src, meta, into) if posted.in_place else (src, meta))
                 return
-        else:
-            polled = self._polled
-            # (``_polling``'s test, inline: this is the straight path of a polled receive)
-            if (
-                polled is not None
-                and polled.src == src
-                and polled.tag == tag
-                and polled.result is None
-                and polled.error is None
-            ):
+        elif self._polled is not None:
+            polled = self._polling(src, tag)
+            if polled is not None:
                 into = polled.into
                 n = len(into)
                 if n == len(payload):

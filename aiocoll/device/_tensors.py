@@ -79,8 +79,8 @@ class Working:
     """
 
     # The fields every working sets are slots; the rest are class attributes until a staged
-    # one sets them (then in its dict): the usual working, an array that is the tensor's own
-    # memory, sets three (``as_working`` makes it without a call of this __init__).
+    # one sets them (``_staged``; then in its dict): the usual working, an array that is the
+    # tensor's own memory, sets three.
     __slots__ = ("__dict__", "array", "dtype_name", "shape")
     staged = False
     # ``finish()`` copies results back into the caller's tensor if ``array`` is a staging copy
@@ -88,24 +88,10 @@ class Working:
     finish: Callable[[], None] = staticmethod(_nothing)
     memory = HOST
 
-    def __init__(
-        self,
-        array: Any,
-        dtype_name: str,
-        shape: tuple[int, ...],
-        staged: bool = False,
-        finish: Callable[[], None] = _nothing,
-        memory: str = HOST,
-    ) -> None:
+    def __init__(self, array: Any, dtype_name: str, shape: tuple[int, ...]) -> None:
         self.array = array
         self.dtype_name = dtype_name
         self.shape = shape
-        if staged:
-            self.staged = True
-        if finish is not _nothing:
-            self.finish = finish
-        if memory != HOST:
-            self.memory = memory
 
     @property
     def numel(self) -> int:
@@ -118,7 +104,17 @@ class Working:
         )
 
 
-_new = object.__new__
+def _staged(
+    array: Any, name: str, shape: tuple[int, ...], finish: Callable[[], None], memory: str = HOST
+) -> Working:
+    """A Working whose array is not the tensor's own memory: ``finish`` copies results back."""
+    w = Working(array, name, shape)
+    w.staged = True
+    if finish is not _nothing:
+        w.finish = finish
+    if memory != HOST:
+        w.memory = memory
+    return w
 
 
 def is_torch_tensor(obj: object) -> bool:
@@ -196,11 +192,7 @@ def as_working(obj: Any, read: bool = True, write: bool = True) -> Working:
         flags = obj.flags  # a new object at each access: read it once
         name = _NATIVE_NAMES.get(obj.dtype)  # (None: a dtype not met yet, or not native)
         if name is not None and flags.c_contiguous and (flags.writeable or not write):
-            w = _new(Working)  # (see Working: its three fields, set here without a call)
-            w.array = obj if obj.ndim == 1 else obj.reshape(-1)
-            w.dtype_name = name
-            w.shape = obj.shape
-            return w
+            return Working(obj if obj.ndim == 1 else obj.reshape(-1), name, obj.shape)
         return _numpy_working(obj, read, write)
     if is_torch_tensor(obj):
         return _torch_working(obj, read=read, write=write)
@@ -245,7 +237,7 @@ def _numpy_staged(arr: np.ndarray, name: str, *, read: bool, write: bool) -> Wor
     def finish() -> None:
         arr[...] = staging.reshape(shape)
 
-    return Working(staging, name, shape, staged=True, finish=finish if write else _nothing)
+    return _staged(staging, name, shape, finish if write else _nothing)
 
 
 def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
@@ -254,11 +246,7 @@ def _torch_working(tensor: Any, *, read: bool, write: bool) -> Working:
         held, layout, array, name = seen
         # (the entry holds the tensor, so its id is no other object's)
         if held is tensor and layout == (tensor.data_ptr(), tensor.dtype, tensor.stride(), tensor.shape):
-            w = _new(Working)  # (see Working: its three fields, set here without a call)
-            w.array = array
-            w.dtype_name = name
-            w.shape = layout[3]
-            return w
+            return Working(array, name, layout[3])
     dtype = tensor.dtype
     name = _TORCH_NAMES.get(dtype) or dtype_name(tensor)
     if tensor.is_cpu and not tensor.requires_grad and name not in _NO_NUMPY_BRIDGE:
@@ -344,7 +332,7 @@ def _torch_working_staged(tensor: Any, name: str, *, read: bool, write: bool) ->
         with torch.no_grad():
             tensor.copy_(flat.view(shape))
 
-    return Working(array, name, shape, staged=True, finish=finish if write else _nothing)
+    return _staged(array, name, shape, finish if write else _nothing)
 
 
 def _host_dtype(name: str) -> np.dtype[Any]:
@@ -356,7 +344,7 @@ def device_working(tensor: DeviceTensor, *, read: bool, write: bool) -> Working:
     """A Working whose array is a DeviceSpan over the whole device tensor: operations see it as
     they see a host array and run through the staging pipeline (see the module header)."""
     span = DeviceSpan(tensor, _host_dtype(tensor.dtype_name), 0, tensor.numel, read=read, write=write)
-    return Working(span, tensor.dtype_name, tensor.shape, staged=True, memory=DEVICE)
+    return _staged(span, tensor.dtype_name, tensor.shape, _nothing, DEVICE)
 
 
 def _host_view(tensor: Any) -> np.ndarray:

@@ -249,13 +249,10 @@ class Operation(Transport):
                         w.finish()
             except Exception as copy_back:  # e.g. a tensor's copy_ refused the result
                 exc = copy_back
-        if finish is not None:
-            finish(self.result, exc)
-        elif self.lane is None:  # ``finish``'s straight path, here (its result is ``result``)
-            self.lane = FINISHED
-            self.abort_exc = exc
-        else:
+        if finish is None:
             self.finish(self.result, exc)
+        else:
+            finish(self.result, exc)
 
     # -- the transport as the operation sees it ----------------------------------------------
     def _counts(self, sending: bool) -> dict[Any, int]:

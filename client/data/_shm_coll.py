@@ -291,8 +291,7 @@ class ShmGroup(ShmScheduler):
         s = t % SLOTS
         if t != self._slot_free and t > SLOTS:  # (in a loop of them, t is the slot known free)
             yield (DONE, t - SLOTS, self.others)
-        key = (s * self._slot, x.nbytes, x.dtype)
-        views = self._view_cache.get(key) or self._views(*key)  # (kept: the call only to make them)
+        views = self._views(s * self._slot, x.nbytes, x.dtype)
         views[self.me][...] = x
         self._write_sig(s, sig)
         if not self._publish(INP, t):

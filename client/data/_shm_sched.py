@@ -226,14 +226,10 @@ class ShmScheduler:
         self._mine[counter] = t
         fence_enter()  # (fence: the counter is visible before we look at who sleeps)
         fence_leave()
-        met = True
-        owner = self._owner
-        for row, efd in self._peer_wake:  # (each peer's row read once: whether it sleeps, where it is)
+        for row, efd in self._peer_wake:
             if row[SLEEP]:
                 os.eventfd_write(efd, 1)
-            if row[counter] < t or row[OWNER] != owner:  # (_peers_at's test)
-                met = False
-        return met
+        return self._peers_at(counter, t)
 
     def _peers_at(self, counter: int, t: int) -> bool:
         """Whether every other member's ``counter`` has reached step ``t`` in this group: what

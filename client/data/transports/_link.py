@@ -531,8 +531,7 @@ class LinkTransport(Transport):
         Raises:
             MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
         """
-        if into.ndim != 1 or into.format != "B":  # (callers mostly pass bytes: no call then)
-            into = as_bytes_view(into)
+        into = as_bytes_view(into)
         matcher = self.matcher
         got = matcher.take(src, tag, into)
         if got is not None or src is None:
@@ -548,13 +547,11 @@ class LinkTransport(Transport):
         polled = matcher.poll(src, tag, into)
         try:
             link.read_now()  # what came already
-            if polled.result is None and polled.error is None and not link.closed:  # (not done)
+            if not (polled.done() or link.closed):
                 self._spin_for(link, polled)
         finally:
             matcher.unpoll(polled)
-        if polled.error is not None:  # (Polled.outcome, inline)
-            raise polled.error
-        return polled.result
+        return polled.outcome()
 
     def _spin_for(self, link: Link, polled: Polled) -> None:
         """recv_now's wait for ``polled``: ``link`` read in place by the wait policy's spin, with
@@ -567,9 +564,7 @@ class LinkTransport(Transport):
 
         def arrived() -> bool:
             link.read_now()
-            # (polled.done(), inline: this runs at every turn of the spin; a closed link ends the
-            # spin too, and the waiting path reports it)
-            if polled.result is not None or polled.error is not None or link.closed:
+            if polled.done() or link.closed:  # (a closed link ends the spin; the waiting path reports it)
                 return True
             now = clock()
             if now - seen[0] > LATE_YIELD_S:
