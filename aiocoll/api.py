@@ -27,7 +27,7 @@ from aiocoll._reduce import check_reduce_op
 from aiocoll._types import ReduceOp
 from aiocoll._work import Work
 from aiocoll.client.bootstrap import EmbeddedCoordinator, Runtime, start_runtime
-from aiocoll.client.data._operation import DEFAULT_TIMEOUT, Operation
+from aiocoll.client.data._operation import DEFAULT_TIMEOUT, Operation, p2p_operation
 from aiocoll.client.data.engine import GroupState
 from aiocoll.client.data.providers import ProviderTable
 from aiocoll.device._tensors import DEVICE, HOST, Working, as_working, dtype_name, numel
@@ -248,13 +248,10 @@ class ProcessGroup:
                 raise ValueError(f"send: dst={d} is this rank; a rank cannot send to itself")
             peer, tag = self.ranks[d], _check_tag(tag)
         w = as_working(tensor, True, False)
-        array = w.array
-        o = Operation(
-            "send", {"dtype": w.dtype_name, "count": array.size}, (array,), (), (), None, timeout, w.memory
-        )
-        o.p2p_tag = tag
-        o.peers = (peer,)
-        return self._providers.submit(o)
+        meta = {"dtype": w.dtype_name, "count": w.array.size}
+        if w.memory == HOST:
+            return self._providers.send(peer, tag, w, meta, timeout)
+        return self._providers.submit(p2p_operation("send", meta, w.array, w, w.memory, peer, tag, timeout))
 
     def recv(self, tensor: Any, src: int | None = None, tag: int = 0, *, timeout: Any = _DEFAULT) -> Work:
         """Receive into ``tensor`` from group rank ``src``, or from any rank.
@@ -286,14 +283,10 @@ class ProcessGroup:
                 peer = self.ranks[s]
             tag = _check_tag(tag)
         w = as_working(tensor, False, True)
-        array = w.array
-        o = Operation(
-            "recv", {"dtype": w.dtype_name, "count": array.size}, (), (array,), (w,), None, timeout, w.memory
-        )
-        o.p2p_tag = tag
-        if peer is not None:
-            o.peers = (peer,)
-        return self._providers.submit(o)
+        meta = {"dtype": w.dtype_name, "count": w.array.size}
+        if w.memory == HOST:
+            return self._providers.recv(peer, tag, w, meta, timeout)
+        return self._providers.submit(p2p_operation("recv", meta, w.array, w, w.memory, peer, tag, timeout))
 
     isend = send
     irecv = recv

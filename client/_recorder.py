@@ -91,11 +91,12 @@ def dump_dir() -> str | None:
 
 
 class CallSites:
-    """Where one engine's operations are called from: how many frames above ``Engine.submit_op``
-    the user's frame is (``depth``: every call the user makes to aiocoll's API reaches the engine
-    through the same frames, the API's method and its group's provider table).
+    """Where one engine's operations are called from: how many frames above ``Engine.site`` the
+    user's frame is (``depth``: every call the user makes to aiocoll's API reaches it through
+    the same number of frames: the API's method, its group's provider table, and the engine's
+    ``submit_op`` or a row's straight path).
 
-    The engine takes ``code_at(sys._getframe(depth))`` per operation (the user's frame is read,
+    ``Engine.site`` takes ``code_at(sys._getframe(depth))`` per operation (the user's frame is read,
     never made, and not kept), unless that frame's code is one a walk passed as aiocoll's
     (``passed``; ``code``: the last code found not to be, which a loop's calls need not look up
     again); then, and until the depth is known, it calls ``first``, which walks the stack.
@@ -113,7 +114,7 @@ class CallSites:
         self.code: CodeType | None = None
 
     def first(self) -> Site | None:
-        """The site of the operation being opened (called from ``Engine.submit_op``); its depth
+        """The site of the operation being opened (called from ``Engine.site``); its depth
         is kept for the next ones when the user called aiocoll's API directly."""
         opening = sys._getframe(1)
         ours = aiocoll_frames(opening)

@@ -297,6 +297,11 @@ class Operation(Transport):
         rest = self.group.transport.send_nowait(dst, tag, payload, meta)
         if rest is None:
             return None
+        return self.sending(dst, rest)
+
+    def sending(self, dst: int, rest: Awaitable[None]) -> Awaitable[None]:
+        """``rest``, the hand-off of a send to ``dst`` that the transport did not finish at once,
+        counted among what the operation still awaits (a timeout names ``dst``)."""
         return _counting(self._counts(True), dst, rest)
 
     def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:

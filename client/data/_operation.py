@@ -35,6 +35,7 @@ __all__ = [
     "awaiting",
     "copying_back",
     "finish_with_copy_back",
+    "p2p_operation",
     "spec_of",
 ]
 
@@ -178,3 +179,25 @@ def spec_of(op: Operation, ranks: tuple[int, ...], me: int) -> CollectiveSpec:
     return CollectiveSpec(
         op.kind, ranks, me, tuple(op.inputs), tuple(op.outputs), op.root, op.op, None, op.meta.get("dtype")
     )  # (positional: keywords cost more than the rest of building it)
+
+
+def p2p_operation(
+    kind: str,
+    meta: dict[str, Any],
+    array: Any,
+    working: Any,
+    memory: str,
+    peer: int | None,
+    tag: int,
+    timeout: Any,
+) -> Operation:
+    """The record of a send (of ``array``) or a receive (into ``array``, the working
+    ``working``'s) with the user's ``tag``, to or from global rank ``peer`` (None: from any)."""
+    if kind == "send":
+        o = Operation(kind, meta, (array,), (), (), None, timeout, memory)
+    else:
+        o = Operation(kind, meta, (), (array,), (working,), None, timeout, memory)
+    o.p2p_tag = tag
+    if peer is not None:
+        o.peers = (peer,)
+    return o

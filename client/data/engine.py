@@ -209,7 +209,9 @@ class Engine(FailureFanout):
         op.peers = tuple(peers)
         return self.submit_op(group, op, start, retire)
 
-    def submit_op(self, group: GroupState, op: Operation, start: Starter, retire: bool = True) -> Work:
+    def submit_op(
+        self, group: GroupState, op: Operation, start: Starter, retire: bool = True, site: Any = None
+    ) -> Work:
         """Sequence the operation ``op`` (its record, as the public layer built it) in ``group``,
         start it now and return its Work: every operation's one lifecycle.
 
@@ -223,6 +225,8 @@ class Engine(FailureFanout):
         no message under its tag and completes only once every member ran it the same way (a
         shared-memory arena's all_reduce): no message under its tag can come later, so its tag
         is not kept as finished (what reports a message that comes after all as a mismatch).
+        ``site``: where it was called, when its caller read it already (``site``: a row's
+        straight path that did not end at once); None: read here.
 
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
@@ -247,24 +251,8 @@ class Engine(FailureFanout):
         op.seq = seq
         op.group = group
         started = _monotonic()
-        # Where it was called, for the flight recorder (client/_recorder.CallSites): the user's
-        # frame at the depth a direct call found, read (not made) and not kept; through the
-        # blocking facade, the line that called the facade.
-        sites = self._sites
-        site: Any
-        if sites is not None:
-            try:
-                site = _code_at(_getframe(sites.depth))
-                if site[0] is not sites.code:  # (a loop calls from one function: checked once)
-                    if id(site[0]) in sites.passed:  # aiocoll's frame: this call came another way
-                        raise LookupError
-                    sites.code = site[0]
-            except (LookupError, ValueError):  # the first call, or another way: a walk
-                site = sites.first()
-        elif self._passed_sites:
-            site = _caller_site()
-        else:
-            site = None
+        if site is None:
+            site = self.site()
         if group.notices:  # (a group with notices pending takes the usual path)
             _sequenced(op, tag, sig, started, site, retire)
             return self._start_noticed(op, start)
@@ -283,17 +271,12 @@ class Engine(FailureFanout):
             return op.work
         if op.lane is FINISHED and op.abort_exc is None:
             # Known at once, so no future, no deadline, no pending entry.
-            add = self._history_add
-            if add is None:
-                _sequenced(op, tag, sig, started, site, retire)
-                self.progress.done(op)
-            else:  # (ProgressTracker.done's entry)
-                add((kind, group.gid, seq, sig, started, _monotonic(), "ok", site))
             if retire and seq >= 0:  # (a point-to-point tag is the user's, used again)
                 self.transport.retire(tag)
-            # (described by a function of its name, not the record: a Work the caller keeps
-            # would keep the record's arrays, a staged copy among them)
-            return _born(op.result, self._loop, _partial(_describe, kind, group, seq))
+            if self._history_add is None:
+                _sequenced(op, tag, sig, started, site, retire)
+                self.progress.done(op)
+            return self.ended_at_once(kind, group, seq, sig, started, site, op.result)
         _sequenced(op, tag, sig, started, site, retire)
         if op.lane is FINISHED:  # failed inside its starter
             failure = op.abort_exc
@@ -304,6 +287,52 @@ class Engine(FailureFanout):
             return op.work
         self._promote(op, STARTING if lane is None else lane)  # (a starter returns its runner)
         return op.work
+
+    def site(self) -> Any:
+        """Where the operation being submitted was called, for the flight recorder
+        (client/_recorder.CallSites): the user's frame at the depth a direct call found, read
+        (not made) and not kept; through the blocking facade, the line that called the facade;
+        None when the recorder is off. Called by ``submit_op`` and by a row's straight path
+        (providers.P2PProvider), both three frames below the user's call: the API's method, the
+        table's, and theirs."""
+        sites = self._sites
+        if sites is not None:
+            try:
+                site = _code_at(_getframe(sites.depth))
+                if site[0] is not sites.code:  # (a loop calls from one function: checked once)
+                    if id(site[0]) in sites.passed:  # aiocoll's frame: this call came another way
+                        raise LookupError
+                    sites.code = site[0]
+                return site
+            except (LookupError, ValueError):  # the first call, or another way: a walk
+                return sites.first()
+        if self._passed_sites:
+            return _caller_site()
+        return None
+
+    def straight_open(self, group: GroupState) -> bool:
+        """Whether a point-to-point operation of ``group`` may run without a record
+        (providers.P2PProvider's straight path) and end by ``ended_at_once``: the engine is
+        open, the group sound with no notices pending, and the recorder keeps no timeline
+        (which reads records). Otherwise it is submitted as usual (``submit_op``), which also
+        says what is wrong."""
+        return (
+            self._history_add is not None and group.broken is None and not group.notices and not self._closed
+        )
+
+    def ended_at_once(
+        self, kind: str, group: GroupState, seq: int, sig: Any, started: float, site: Any, result: Any
+    ) -> Work:
+        """The Work of an operation that ended inside its call (``submit_op``'s straight path, a
+        row's): born complete with ``result``, with no future, deadline or pending entry; its
+        entry in the recorder's history (ProgressTracker.done's) unless ``submit_op`` gave the
+        tracker its record (a timeline is kept)."""
+        add = self._history_add
+        if add is not None:
+            add((kind, group.gid, seq, sig, started, _monotonic(), "ok", site))
+        # (described by a function of its name, not the record: a Work the caller keeps would
+        # keep the record's arrays, a staged copy among them)
+        return _born(result, self._loop, _partial(_describe, kind, group, seq))
 
     def _start_noticed(self, op: Operation, start: Starter) -> Work:
         """``submit_op``'s usual path, for a group with failure notices pending: ``op`` is

@@ -6,7 +6,9 @@ engine, operation record, arenas (client/data/_shm_arena.py, client/data/_shm_co
 (client/data/routing.py), object row (client/data/_objects.py) and the links' transport
 (client/data/transports/_link.py); never the public surface. The public layer checks a call's arguments,
 builds its record (client/data/_operation.Operation) and submits it to the group's
-``ProviderTable``, which hands it to the first row that takes it. Nothing else decides how an
+``ProviderTable``, which hands it to the first row that takes it; a send or receive of host
+memory it hands to the table's ``send`` or ``recv`` with the call's fields, and the p2p row
+makes the record only for one that does not end inside the call. Nothing else decides how an
 operation runs: collective, point-to-point, object or group formation, host or device memory.
 
 Every row declares, once, what it takes: its kinds, its memory (host or device) and its
@@ -42,7 +44,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -54,6 +57,7 @@ from aiocoll.algorithms._driver import start_collective
 from aiocoll.algorithms._plan import prepare
 from aiocoll.device._ipc import IPC_KINDS, IPC_OPS, ipc_groups
 from aiocoll.device._staged_ops import RunPart, StagedOp, p2p_chunk_tag
+from aiocoll.device._tensors import Working
 
 from ._objects import ObjectProvider
 from ._operation import (
@@ -71,6 +75,7 @@ from ._operation import (
     awaiting,
     copying_back,
     finish_with_copy_back,
+    p2p_operation,
     spec_of,
 )
 from ._shm_arena import ArenaForming, ArenaProvider
@@ -92,6 +97,9 @@ log = logging.getLogger("aiocoll.providers")
 # on the arena, so no message under its tag can come (the engine need not watch for one). Not a
 # broadcast: its root may finish before the others, one of which may have called something else.
 _ARENA_SEALED = frozenset({"all_reduce", "all_gather", "reduce_scatter", "barrier"})
+
+
+_monotonic = time.monotonic
 
 
 class DriverProvider:
@@ -127,10 +135,11 @@ class P2PProvider:
     """Point-to-point over the links: a send is handed to the link; a receive checks that the
     message is of the receiving tensor's dtype and completes with the sender's group rank.
 
-    Both take the straight path when they can (Engine.submit_op: a Work born complete, no
-    task): a send whose payload the link took at once, a receive whose message is here or
-    arrives within the transport's short in-place wait (Transport.recv_now). The rest run as a
-    task that awaits the link. A receive takes the straight path only while no receive of its
+    Both take the straight path when they can (``send`` and ``recv``, which the table calls
+    for host memory: no record, a Work born complete): a send whose payload the link took at
+    once, a receive whose message is here or arrives within the transport's short in-place
+    wait (Transport.recv_now). The rest get their record and run as a task that awaits the
+    link. A receive takes the straight path only while no receive of its
     tag waits as a task: the task posts its receive when it first runs, and a later receive
     taking the message first would break the order in which receives of one tag match."""
 
@@ -140,9 +149,11 @@ class P2PProvider:
     kinds: frozenset[str] = P2P_KINDS
     why = "send and recv over the links"
 
-    def __init__(self, ranks: tuple[int, ...], gid: str) -> None:
+    def __init__(self, ranks: tuple[int, ...], gid: str, engine: Engine, state: GroupState) -> None:
         self._ranks = ranks
         self._gid = gid
+        self._engine = engine
+        self._state = state
         self._waiting: dict[Tag, int] = {}  # receives running as tasks, by tag
         self._send: Starter = self._send_starter  # (bound once: see ``prepare``)
         self._recv: Starter = self._recv_starter
@@ -151,6 +162,50 @@ class P2PProvider:
         # (methods bound once: the record a starter is handed as its transport is the
         # operation, which holds what it runs on, so no starter is made per operation)
         return self._send if op.kind == "send" else self._recv
+
+    # The straight path (ProviderTable.send and .recv, for host memory): the operation runs on
+    # the transport before any record is made, and one that ends inside the call is only an
+    # entry in the recorder's history and a Work born complete (Engine.ended_at_once). One
+    # that does not gets its record and goes on through the engine from where it is, with the
+    # call site read here (Engine.site: this method is as deep as Engine.submit_op).
+    def send(self, peer: int, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
+        """Send ``w``'s array to global rank ``peer`` with the user's ``tag``."""
+        engine, group = self._engine, self._state
+        site = engine.site()
+        array = w.array
+        start = self._send
+        if engine.straight_open(group):
+            started = _monotonic()
+            rest = group.transport.send_nowait(peer, ("p", self._gid, tag), array.data, meta)
+            if rest is None:
+                return engine.ended_at_once("send", group, -1, None, started, site, None)
+            start = _handing_off(peer, rest)
+        op = p2p_operation("send", meta, array, w, HOST, peer, tag, timeout)
+        return engine.submit_op(group, op, start, True, site)
+
+    def recv(self, peer: int | None, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
+        """Receive into ``w``'s array from global rank ``peer`` (None: any) with ``tag``."""
+        engine, group = self._engine, self._state
+        site = engine.site()
+        array = w.array
+        start = self._recv
+        if peer is not None and not w.staged:
+            key = ("p", self._gid, tag)
+            if key not in self._waiting and engine.straight_open(group):
+                started = _monotonic()
+                into = array.data.cast("B")
+                here: tuple[int, dict[str, Any]] | None = None
+                failed: MismatchError | None = None
+                try:
+                    here = group.transport.recv_now(peer, key, into)
+                    if here is not None and not here[1].get("chunks"):
+                        got = received(meta, tag, here[0], here[1], self._ranks, self._gid)
+                        return engine.ended_at_once("recv", group, -1, None, started, site, got)
+                except MismatchError as exc:
+                    failed = exc if here is None else None  # (a wrong dtype: _landed says it again)
+                start = _landing(self, peer, into, here, failed)
+        op = p2p_operation("recv", meta, array, w, HOST, peer, tag, timeout)
+        return engine.submit_op(group, op, start, True, site)
 
     def _send_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
         # A send completes once handed off: a small one usually is, inside this call (its Work
@@ -172,10 +227,27 @@ class P2PProvider:
         try:
             here = op.recv_now(source, tag, into)
         except MismatchError as exc:
-            if not exc.ranks:
-                raise
-            remote = getattr(exc, "remote_meta", None) or {}
-            return copying_back(op, _refusal(remote, exc.ranks[0], op, self._ranks, self._gid, exc))(
+            return self._landed(op, source, into, tag, finish, None, exc)
+        return self._landed(op, source, into, tag, finish, here, None)
+
+    def _landed(
+        self,
+        op: Operation,
+        source: int | None,
+        into: memoryview,
+        tag: Tag,
+        finish: Finish,
+        here: tuple[int, dict[str, Any]] | None,
+        failed: MismatchError | None,
+    ) -> Stoppable:
+        """A receive's start once the transport's straight receive (``recv_now``) answered:
+        ``here`` (the sender and the message's meta; None: nothing came, the receive runs as a
+        task), or ``failed`` (the message was consumed and did not fit)."""
+        if failed is not None:
+            if not failed.ranks:
+                raise failed
+            remote = getattr(failed, "remote_meta", None) or {}
+            return copying_back(op, _refusal(remote, failed.ranks[0], op, self._ranks, self._gid, failed))(
                 tag, op, finish
             )
         if here is None:
@@ -183,7 +255,7 @@ class P2PProvider:
         got, sent = here
         if sent.get("chunks"):  # a device tensor's staged message: see _refuse_staged_into_host
             return copying_back(op, _refusal(sent, got, op, self._ranks, self._gid, None))(tag, op, finish)
-        op.result = received(op, got, sent, self._ranks, self._gid)
+        op.result = received(op.meta, op.p2p_tag, got, sent, self._ranks, self._gid)
         op.finish_copied(None, None, None if finish == op.finish else finish)
         return HANDED_OFF
 
@@ -218,7 +290,7 @@ class P2PProvider:
                 raise
             # a host tensor the size of a device tensor's first chunk: the rest is still coming
             await _refuse_staged_into_host(sent, got, op, tag, transport, ranks, gid, None)
-            op.result = received(op, got, sent, ranks, gid)
+            op.result = received(op.meta, op.p2p_tag, got, sent, ranks, gid)
 
         tasks[tag] = tasks.get(tag, 0) + 1
 
@@ -232,6 +304,32 @@ class P2PProvider:
 
     def close(self) -> None:
         pass
+
+
+def _handing_off(peer: int, rest: Awaitable[None]) -> Starter:
+    """The starter of a send the transport took in part at once (P2PProvider.send): it runs as
+    a task that awaits the rest of the hand-off."""
+
+    def start(tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
+        return as_starter(awaiting(op.sending(peer, rest)))(tag, op, finish)
+
+    return start
+
+
+def _landing(
+    row: P2PProvider,
+    peer: int,
+    into: memoryview,
+    here: tuple[int, dict[str, Any]] | None,
+    failed: MismatchError | None,
+) -> Starter:
+    """The starter of a receive whose straight path did not end it (P2PProvider.recv): it goes
+    on from what the transport answered (P2PProvider._landed)."""
+
+    def start(tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
+        return row._landed(op, peer, into, tag, finish, here, failed)
+
+    return start
 
 
 async def _refuse_staged_into_host(
@@ -284,23 +382,26 @@ def _refusal(
         await _refuse_staged_into_host(sent, src, op, tag, transport, ranks, gid, exc)
         if exc is not None:
             raise exc
-        op.result = received(op, src, sent, ranks, gid)  # (one chunk: nothing to refuse)
+        op.result = received(op.meta, op.p2p_tag, src, sent, ranks, gid)  # (one chunk: nothing to refuse)
 
     return refuse
 
 
-def received(op: Operation, got: int, sent: dict[str, Any], ranks: tuple[int, ...], gid: str) -> int:
+def received(
+    meta: dict[str, Any], p2p_tag: Any, got: int, sent: dict[str, Any], ranks: tuple[int, ...], gid: str
+) -> int:
     """The group rank of a receive's sender (global rank ``got``), once its message (meta
-    ``sent``) is checked against the receiving tensor.
+    ``sent``) is checked against the receiving tensor (the receive's ``meta``, its tag
+    ``p2p_tag``).
 
     Raises:
         MismatchError: the message's dtype is not the receiving tensor's.
     """
-    if sent.get("dtype") != op.meta.get("dtype"):
+    if sent.get("dtype") != meta.get("dtype"):
         sender = ranks.index(got) if got in ranks else got
         raise MismatchError(
-            f"recv (group {gid!r}, tag {op.p2p_tag}): rank {sender} sent {sent.get('dtype')} "
-            f"but the receiving tensor is {op.meta.get('dtype')}",
+            f"recv (group {gid!r}, tag {p2p_tag}): rank {sender} sent {sent.get('dtype')} "
+            f"but the receiving tensor is {meta.get('dtype')}",
             group=gid,
             ranks=[got],
         )
@@ -378,7 +479,7 @@ class StagedProvider:
             except MismatchError as exc:
                 _refuse_host_into_staged(exc, op, staged, ranks, gid)
                 raise
-            op.result = received(op, got, sent, ranks, gid)
+            op.result = received(op.meta, op.p2p_tag, got, sent, ranks, gid)
 
         return _chained(staged, ("recv", *self._key, utag), copying_back(op, recv))
 
@@ -467,11 +568,13 @@ class ProviderTable:
         me, rank, gid = state.index, links.rank, state.gid
         self.layout: HostLayout | None = host_layout(ranks, ranks[me], hosts)
         self._routed = RoutedProvider(links, ranks, me, self.layout, f"{gid}/host")
+        # (host point-to-point has this one row: the API reaches it through ``send``/``recv``)
+        self._p2p = P2PProvider(ranks, gid, engine, state)
         # the rows other than the arena, which may be dropped (``select``)
         self._rows: tuple[Provider, ...] = (
             self._routed,
             DriverProvider(ranks, me),
-            P2PProvider(ranks, gid),
+            self._p2p,
             ObjectProvider(ranks, me, gid, self._run_part),
             IpcProvider(ranks, me, rank, group_key, gid, self._run_part),
             StagedProvider(ranks, me, rank, group_key, gid, self._run_part),
@@ -516,9 +619,7 @@ class ProviderTable:
             DistError: the group was destroyed (``destroyed``).
         """
         if self._links_seen != self._links.links_version:  # (and once the group is destroyed)
-            if self._destroyed:
-                raise DistError(f"{op.kind}: process group {self._state.gid!r} was destroyed")
-            self.select()
+            self._select_again(op.kind)
         for provider, retire in self._by[op.memory].get(op.kind, ()):
             start = provider.prepare(op)
             if start is not None:
@@ -527,6 +628,32 @@ class ProviderTable:
         raise DistError(
             f"{op.kind}: no provider of group {self._state.label!r} runs it on {op.memory} memory"
         )
+
+    def send(self, peer: int, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
+        """A send of host memory (``w``), to global rank ``peer``: on the p2p row, whose
+        straight path makes no record for a send the link takes at once (P2PProvider.send).
+
+        Raises:
+            DistError: the group was destroyed.
+        """
+        if self._links_seen != self._links.links_version:
+            self._select_again("send")
+        self.ran = "p2p"
+        return self._p2p.send(peer, tag, w, meta, timeout)
+
+    def recv(self, peer: int | None, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
+        """A receive into host memory (``w``) from global rank ``peer`` (None: any), as ``send``."""
+        if self._links_seen != self._links.links_version:
+            self._select_again("recv")
+        self.ran = "p2p"
+        return self._p2p.recv(peer, tag, w, meta, timeout)
+
+    def _select_again(self, kind: str) -> None:
+        """The process's links changed since the rows were chosen (or the group was destroyed):
+        choose again, or refuse ``kind``."""
+        if self._destroyed:
+            raise DistError(f"{kind}: process group {self._state.gid!r} was destroyed")
+        self.select()
 
     async def _run_part(
         self, spec: CollectiveSpec, transport: Transport, tag: Tag, meta: dict[str, Any]

@@ -126,6 +126,27 @@ async def worker(pg: Any) -> dict[str, Any]:
             except MismatchError as exc:
                 out[f"mismatch{tag}"] = str(exc)
 
+    # ... also when the message is there before the receive is made (its straight path, which
+    # makes no record until it meets the mismatch), and the stream stays in step after it
+    if r == 0:
+        await pg.send(np.ones(4, np.float32), dst=1, tag=22)
+        await pg.send(np.ones(4, np.float32), dst=1, tag=23)
+        await pg.send(np.arange(3, dtype=np.float32), dst=1, tag=24)
+        await pg.barrier()
+    elif r == 1:
+        await pg.barrier()
+        for tag, buf in ((22, np.zeros(4, np.int32)), (23, np.zeros(5, np.float32))):
+            try:
+                await pg.recv(buf, src=0, tag=tag)
+                out[f"mismatch{tag}"] = "no error"
+            except MismatchError as exc:
+                out[f"mismatch{tag}"] = str(exc)
+        after = np.zeros(3, np.float32)
+        waiting = pg.recv(after, src=0, tag=24)
+        out["after_mismatch"] = (waiting.is_completed(), await waiting, after.tolist())
+    else:
+        await pg.barrier()
+
     # p2p inside a sub-group uses the sub-group's ranks
     sub = await pg.new_group([1, 2])
     if sub is not None:
@@ -219,6 +240,13 @@ def test_receives_of_one_tag_match_in_the_order_they_were_made(results: list[dic
 def test_wrong_dtype_or_size_on_recv_is_a_mismatch(results: list[dict[str, Any]]) -> None:
     assert "float32" in results[1]["mismatch20"] and "int32" in results[1]["mismatch20"]
     assert "bytes" in results[1]["mismatch21"] or "size" in results[1]["mismatch21"]
+
+
+def test_a_message_there_before_its_receive_is_checked_the_same_way(results: list[dict[str, Any]]) -> None:
+    assert "float32" in results[1]["mismatch22"] and "int32" in results[1]["mismatch22"]
+    assert "bytes" in results[1]["mismatch23"] or "size" in results[1]["mismatch23"]
+    # the next message of the stream is taken inside its call: its Work is born complete
+    assert results[1]["after_mismatch"] == (True, 0, [0.0, 1.0, 2.0])
 
 
 def test_p2p_in_a_subgroup_uses_group_ranks(results: list[dict[str, Any]]) -> None:
