@@ -350,10 +350,7 @@ class ProcessGroup:
         if meta is None:
             rop = _coerce_op(rop, name, "all_reduce")
             meta = self._meta("all_reduce", name, count, op=rop._value_)
-        arrays = (w.array,)  # in place: one tuple for what it reads and writes
-        o = Operation("all_reduce", meta, arrays, arrays, (w,), tensor, timeout, w.memory)
-        o.op = rop
-        return self._providers.submit(o)
+        return self._providers.all_reduce(w, rop, meta, tensor, timeout)
 
     def reduce(self, tensor: Any, dst: int = 0, op: Any = ReduceOp.SUM, *, timeout: Any = _DEFAULT) -> Work:
         """Reduce ``tensor`` over every rank into ``tensor`` of group rank ``dst``.

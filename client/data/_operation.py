@@ -31,6 +31,7 @@ __all__ = [
     "Operation",
     "Provider",
     "Starter",
+    "all_reduce_operation",
     "as_starter",
     "awaiting",
     "copying_back",
@@ -200,4 +201,15 @@ def p2p_operation(
     o.p2p_tag = tag
     if peer is not None:
         o.peers = (peer,)
+    return o
+
+
+def all_reduce_operation(
+    meta: dict[str, Any], array: Any, working: Any, reduce_op: Any, tensor: Any, timeout: Any, memory: str
+) -> Operation:
+    """The record of an all_reduce of ``array`` in place (``working``'s, the caller's
+    ``tensor``'s), by ``reduce_op``; it completes with ``tensor``."""
+    arrays = (array,)  # in place: one tuple for what it reads and writes
+    o = Operation("all_reduce", meta, arrays, arrays, (working,), tensor, timeout, memory)
+    o.op = reduce_op
     return o

@@ -1,25 +1,29 @@
 """The arena as a provider: which region of the members' arenas a group takes (each rank's offer,
-ANDed over the parent group when the group forms), and the engine starter of every kind the
-arenas serve.
+ANDed over the parent group when the group forms), the engine starter of every kind the arenas
+serve, and the straight path of an all_reduce.
 
-Imports foundations (aiocoll._signature, aiocoll._types), client.data._shm_coll and
-client.data._shm_sched (the collectives over the arenas and their running), client.data._operation
-and the engine's OpTransport, and the shm link kind (the process's arena host); never the public
-surface. client/data/providers.py and client/data/routing.py use it.
+Imports foundations (aiocoll._signature, aiocoll._types, aiocoll._work, the working arrays of
+aiocoll.device._tensors), client.data._shm_coll and client.data._shm_sched (the collectives
+over the arenas and their running), client.data._operation and the engine, and the shm link kind
+(the process's arena host); never the public surface. client/data/providers.py and
+client/data/routing.py use it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import aiocoll._signature as _signature
+from aiocoll._work import Work
+from aiocoll.device._tensors import Working
 
 from ._op_record import Stoppable
-from ._operation import HOST, Finish, Operation, Starter, finish_with_copy_back
+from ._operation import HOST, Finish, Operation, Starter, all_reduce_operation, finish_with_copy_back
 from ._shm_coll import ShmGroup
 from ._shm_sched import ShmWaker
-from .engine import OpTransport
+from .engine import Engine, GroupState, OpTransport
 from .transports._link import LinkTransport
 from .transports._shm_kind import shm_host
 
@@ -155,6 +159,55 @@ class ArenaProvider:
             op.waiting_for,  # progress reports and timeouts name whom we wait for
         )
 
+    def all_reduce(
+        self,
+        engine: Engine,
+        state: GroupState,
+        w: Working,
+        reduce_op: Any,
+        meta: dict[str, Any],
+        tensor: Any,
+        timeout: Any,
+    ) -> Work:
+        """An all_reduce of ``w`` in place (ProviderTable.all_reduce). Its straight path: begun
+        on the arena before any record is made; one that ends inside the call is only an entry
+        in the recorder's history and a Work born complete (Engine.ended_at_once), one that does
+        not gets its record then and goes on through the engine from where it is
+        (Engine.went_on; ``_Late`` hands the record what the arena said meanwhile). The call
+        site is read here (Engine.site: this method is as deep as Engine.submit_op)."""
+        site = engine.site()
+        x = w.array
+        if w.staged or not engine.straight_open(state):
+            op = all_reduce_operation(meta, x, w, reduce_op, tensor, timeout, HOST)
+            return engine.submit_op(state, op, self._reduce, False, site)
+        seq = engine.next_seq(state)
+        started = _monotonic()
+        late = _Late()
+        failure: BaseException | None = None
+        lane: Stoppable | None = None
+        try:
+            lane = self.group.all_reduce(
+                x,
+                reduce_op,
+                meta.get("dtype") or x.dtype.name,
+                _signature.pack(seq, meta),
+                late.finish,
+                late.waiting_for,
+            )
+        except BaseException as exc:
+            failure = exc
+        else:
+            if late.ended:
+                if late.exc is None:
+                    return engine.ended_at_once("all_reduce", state, seq, meta or None, started, site, tensor)
+                failure = late.exc
+        op = all_reduce_operation(meta, x, w, reduce_op, tensor, timeout, HOST)
+        work = engine.went_on(state, op, seq, started, site, False, lane, failure)
+        late.bind(op)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure
+        return work
+
     def _start_other(self, tag: Any, op: OpTransport, finish: Finish) -> Stoppable:
         group = self.group
         kind = op.kind
@@ -174,6 +227,44 @@ class ArenaProvider:
 
     def close(self) -> None:
         self.group.close()
+
+
+class _Late:
+    """What the arena says of an all_reduce begun before its record was made
+    (ArenaProvider.all_reduce): its end, kept until the record is bound (``bind``) and handed to
+    it after; whom it waits for, likewise."""
+
+    __slots__ = ("ended", "exc", "op", "waits")
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.exc: BaseException | None = None
+        self.op: Operation | None = None
+        self.waits: list[int] | None = None
+
+    def finish(self, _: Any, exc: BaseException | None) -> None:
+        op = self.op
+        if op is None:
+            self.ended = True
+            self.exc = exc
+        else:
+            op.finish_copied(None, exc)
+
+    def waiting_for(self, ranks: Iterable[int]) -> None:
+        op = self.op
+        if op is None:
+            self.waits = list(ranks)
+        else:
+            op.waiting_for(ranks)
+
+    def bind(self, op: Operation) -> None:
+        """From now on the record ``op`` hears what the arena says."""
+        self.op = op
+        if self.waits is not None and not self.ended:
+            op.waiting_for(self.waits)
+
+
+_monotonic = time.monotonic
 
 
 class ArenaForming:

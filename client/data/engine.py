@@ -278,6 +278,11 @@ class Engine(FailureFanout):
                 self.progress.done(op)
             return self.ended_at_once(kind, group, seq, sig, started, site, op.result)
         _sequenced(op, tag, sig, started, site, retire)
+        return self._went_on(op, lane)
+
+    def _went_on(self, op: Operation, lane: Stoppable | None) -> Work:
+        """The Work of an operation, its record complete (``_sequenced``), that did not end well
+        inside its call: still running (``lane``, its runner), or failed there."""
         if op.lane is FINISHED:  # failed inside its starter
             failure = op.abort_exc
             op.abort_exc = None
@@ -288,13 +293,43 @@ class Engine(FailureFanout):
         self._promote(op, STARTING if lane is None else lane)  # (a starter returns its runner)
         return op.work
 
+    def next_seq(self, group: GroupState) -> int:
+        """The sequence number of a collective begun on a row's straight path (see
+        ``straight_open``), taken as ``submit_op`` takes it."""
+        seq = group.next_seq
+        group.next_seq = seq + 1
+        return seq
+
+    def went_on(
+        self,
+        group: GroupState,
+        op: Operation,
+        seq: int,
+        started: float,
+        site: Any,
+        retire: bool,
+        lane: Stoppable | None,
+        failure: BaseException | None,
+    ) -> Work:
+        """The Work of a collective begun on a row's straight path (providers' ArenaProvider)
+        that did not end well inside its call, once its record ``op`` is made: what
+        ``submit_op`` gives one of its own that went on (``lane``: its runner), or that failed
+        there (``failure``)."""
+        op.seq = seq
+        op.group = group
+        _sequenced(op, ("c", group.gid, seq), op.meta or None, started, site, retire)
+        if failure is not None:
+            op.lane = FINISHED
+            op.abort_exc = failure
+        return self._went_on(op, lane)
+
     def site(self) -> Any:
         """Where the operation being submitted was called, for the flight recorder
         (client/_recorder.CallSites): the user's frame at the depth a direct call found, read
         (not made) and not kept; through the blocking facade, the line that called the facade;
         None when the recorder is off. Called by ``submit_op`` and by a row's straight path
-        (providers.P2PProvider), both three frames below the user's call: the API's method, the
-        table's, and theirs."""
+        (P2PProvider, ArenaProvider), both three frames below the user's call: the API's method,
+        the table's, and theirs."""
         sites = self._sites
         if sites is not None:
             try:
@@ -311,8 +346,8 @@ class Engine(FailureFanout):
         return None
 
     def straight_open(self, group: GroupState) -> bool:
-        """Whether a point-to-point operation of ``group`` may run without a record
-        (providers.P2PProvider's straight path) and end by ``ended_at_once``: the engine is
+        """Whether an operation of ``group`` may begin without a record (a row's straight path:
+        P2PProvider, ArenaProvider) and end by ``ended_at_once``: the engine is
         open, the group sound with no notices pending, and the recorder keeps no timeline
         (which reads records). Otherwise it is submitted as usual (``submit_op``), which also
         says what is wrong."""

@@ -71,6 +71,7 @@ from ._operation import (
     Operation,
     Provider,
     Starter,
+    all_reduce_operation,
     as_starter,
     awaiting,
     copying_back,
@@ -620,14 +621,37 @@ class ProviderTable:
         """
         if self._links_seen != self._links.links_version:  # (and once the group is destroyed)
             self._select_again(op.kind)
+        start, retire = self._row_for(op)
+        return self._engine.submit_op(self._state, op, start, retire)
+
+    def _row_for(self, op: Operation) -> tuple[Starter, bool]:
+        """The starter of the first row that takes ``op``, and whether its tag is retired."""
         for provider, retire in self._by[op.memory].get(op.kind, ()):
             start = provider.prepare(op)
             if start is not None:
                 self.ran = provider.name
-                return self._engine.submit_op(self._state, op, start, retire)
+                return start, retire
         raise DistError(
             f"{op.kind}: no provider of group {self._state.label!r} runs it on {op.memory} memory"
         )
+
+    def all_reduce(self, w: Working, reduce_op: Any, meta: dict[str, Any], tensor: Any, timeout: Any) -> Work:
+        """An all_reduce of ``w`` in place (the caller's ``tensor``): on the arena's straight path
+        when the arena is the group's first row for it (ArenaProvider.all_reduce), else as
+        ``submit``.
+
+        Raises:
+            DistError: the group was destroyed.
+        """
+        if self._links_seen != self._links.links_version:
+            self._select_again("all_reduce")
+        arena = self._arena
+        if arena is not None and w.memory == HOST:  # (the highest row for it, in place)
+            self.ran = arena.name
+            return arena.all_reduce(self._engine, self._state, w, reduce_op, meta, tensor, timeout)
+        op = all_reduce_operation(meta, w.array, w, reduce_op, tensor, timeout, w.memory)
+        start, retire = self._row_for(op)
+        return self._engine.submit_op(self._state, op, start, retire)
 
     def send(self, peer: int, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
         """A send of host memory (``w``), to global rank ``peer``: on the p2p row, whose
