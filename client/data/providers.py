@@ -172,15 +172,19 @@ class P2PProvider:
     def send(self, peer: int, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
         """Send ``w``'s array to global rank ``peer`` with the user's ``tag``."""
         engine, group = self._engine, self._state
-        site = engine.site()
         array = w.array
         start = self._send
         if engine.straight_open(group):
             started = _monotonic()
             rest = group.transport.send_nowait(peer, ("p", self._gid, tag), array.data, meta)
+            # (the site is read once the message is on its way: a receiver waiting for it
+            # need not wait for that too)
+            site = engine.site()
             if rest is None:
                 return engine.ended_at_once("send", group, -1, None, started, site, None)
             start = _handing_off(peer, rest)
+        else:
+            site = engine.site()
         op = p2p_operation("send", meta, array, w, HOST, peer, tag, timeout)
         return engine.submit_op(group, op, start, True, site)
 
