@@ -552,9 +552,22 @@ class LinkTransport(Transport):
             if link.read_now():  # here, but not yet read: one read in place, on any link
                 return matcher.take(src, tag, into)
             return None
-        wait = _InPlace(self, link, src, tag, into)
+        # A receive that nothing in the matcher comes before takes a message the link holds
+        # whole straight into ``into`` (Link.take_now); otherwise, and once the link brings
+        # anything else, the receive polls through the matcher (see _InPlace).
+        straight = matcher.first_to_poll(src, tag)
+        if straight:
+            here = link.take_now(tag, into)  # what came already
+            if here is True:
+                straight = False
+                got = matcher.take(src, tag, into)  # (what came may be this receive's)
+                if got is not None:
+                    return got
+            elif here is not False:
+                return here
+        wait = _InPlace(self, link, src, tag, into, straight)
         try:
-            if not wait.look():  # what came already
+            if straight or not wait.read():  # (a straight receive has read what came already)
                 self._spin_for(wait)
         finally:
             if wait.polled is not None:
@@ -567,7 +580,7 @@ class LinkTransport(Transport):
         budget = self._straight_spin
         before = budget.now
         link = wait.link
-        started = time.perf_counter()
+        started = wait.seen = time.perf_counter()
         link.watch(True)
         try:
             self._missed = None
@@ -764,50 +777,51 @@ class LinkTransport(Transport):
 
 
 _LATE_YIELD, _PEER_WAITS = 1, 2  # why a rule ended an in-place wait (_InPlace.stopped)
-_NOT_YET = float("inf")  # (no look yet: the first comes before the spin, with no yield to be late)
 
 
 class _InPlace:
-    """recv_now's receive while it reads its source's link in place. While the matcher has
-    nothing that comes before it (no receive posted or polled for its message, none waiting in
-    the inbox), the link hands the message it holds whole in its own memory straight into
-    ``into`` (Link.take_now: the shm kind's mailbox); from the first time the link brings
-    anything else, the receive polls through the matcher (Matcher.poll), which then decides
-    every message as it does for any receive. ``look`` is one read and the wait policy's
-    rules for the spin: the late yield, and the peer that waits for us."""
+    """recv_now's receive while it reads its source's link in place: straight from the link
+    while nothing in the matcher comes before it (Link.take_now), else, and from the first time
+    the link brings anything else, polled through the matcher (Matcher.poll), which then decides
+    every message as it does for any receive. ``look`` is one read and the wait policy's rules
+    for the spin: the late yield, and the peer that waits for us."""
 
     __slots__ = ("got", "into", "link", "polled", "seen", "since", "src", "stopped", "tag", "transport")
 
-    def __init__(self, transport: LinkTransport, link: Link, src: int, tag: Tag, into: memoryview) -> None:
+    def __init__(
+        self, transport: LinkTransport, link: Link, src: int, tag: Tag, into: memoryview, straight: bool
+    ) -> None:
         self.transport = transport
         self.link = link
         self.src = src
         self.tag = tag
         self.into = into
-        matcher = transport.matcher
-        self.polled: Polled | None = None if matcher.first_to_poll(src, tag) else matcher.poll(src, tag, into)
+        self.polled: Polled | None = None if straight else transport.matcher.poll(src, tag, into)
         self.got: tuple[int, dict[str, Any]] | BaseException | None = None  # (straight from the link)
-        # when it last looked, since when the peer has been seen waiting for us (0: not), and
-        # which rule ended the spin (0: none)
-        self.seen = _NOT_YET
-        self.since = 0.0
+        # when the spin last looked, since when the peer has been seen waiting for us (0: not),
+        # and which rule ended the spin (0: none)
+        self.seen = self.since = 0.0
         self.stopped = 0
 
-    def look(self) -> bool:
-        """Read the link once; True once the receive is done, the link closed, or a rule ends
-        the wait."""
+    def read(self) -> bool:
+        """Read the link once; True once the receive is done, or the link closed (the waiting
+        path reports that)."""
         polled = self.polled
-        if polled is not None:
-            if self._read(polled):
-                return True
-        else:
+        if polled is None:
             got = self.link.take_now(self.tag, self.into)
-            if got is True:
-                if self._through_matcher():
-                    return True
-            elif got is not False:
+            if got is False:
+                return False
+            if got is not True:
                 self.got = got
                 return True
+            return self._through_matcher()
+        link = self.link  # (nothing read: nothing changed)
+        return (link.read_now() or link.closed) and (polled.done() or link.closed)
+
+    def look(self) -> bool:
+        """``read``, then the wait policy's rules: True when the wait is over."""
+        if self.read():
+            return True
         now = time.perf_counter()
         if now - self.seen > LATE_YIELD_S:
             # Other work held our core for a time slice: a rank woken from sleep gets it back
@@ -838,14 +852,8 @@ class _InPlace:
         if got is not None:
             self.got = got
             return True
-        polled = self.polled = matcher.poll(self.src, self.tag, self.into)
-        return self._read(polled)
-
-    def _read(self, polled: Polled) -> bool:
-        """Read the link for ``polled``: True once it is done, or the link closed (the waiting
-        path reports that). Nothing read: nothing changed."""
-        link = self.link
-        return (link.read_now() or link.closed) and (polled.done() or link.closed)
+        self.polled = matcher.poll(self.src, self.tag, self.into)
+        return self.read()
 
     def arrived(self) -> bool:
         polled = self.polled
