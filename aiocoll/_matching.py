@@ -365,7 +365,8 @@ class Matcher:
         the first it goes to: no receive is posted that would take it before, none polls now
         (and, as the caller found with ``take``, none waits in the inbox). A link that holds
         such a message whole may then hand it straight over (LinkTransport.recv_now)."""
-        return self._polled is None and (src, tag) not in self._posted and tag not in self._posted_any
+        posted = self._posted
+        return self._polled is None and not (posted and (src, tag) in posted) and tag not in self._posted_any
 
     def poll(self, src: int, tag: Tag, into: memoryview) -> Polled:
         """Start polling for the next message ``tag`` from ``src`` into ``into`` (``take`` first:

@@ -557,14 +557,10 @@ class LinkTransport(Transport):
         # anything else, the receive polls through the matcher (see _InPlace).
         straight = matcher.first_to_poll(src, tag)
         if straight:
-            here = link.take_now(tag, into)  # what came already
-            if here is True:
-                straight = False
-                got = matcher.take(src, tag, into)  # (what came may be this receive's)
-                if got is not None:
-                    return got
-            elif here is not False:
+            here = _take_straight(link, matcher, src, tag, into)  # what came already
+            if here is not True and here is not False:
                 return here
+            straight = not here
         wait = _InPlace(self, link, src, tag, into, straight)
         try:
             if straight or not wait.read():  # (a straight receive has read what came already)
@@ -808,13 +804,18 @@ class _InPlace:
         path reports that)."""
         polled = self.polled
         if polled is None:
-            got = self.link.take_now(self.tag, self.into)
+            try:
+                got = _take_straight(self.link, self.transport.matcher, self.src, self.tag, self.into)
+            except MismatchError as exc:
+                self.got = exc
+                return True
             if got is False:
                 return False
             if got is not True:
                 self.got = got
                 return True
-            return self._through_matcher()
+            # something else came: from now on through the matcher, which is read at once
+            polled = self.polled = self.transport.matcher.poll(self.src, self.tag, self.into)
         link = self.link  # (nothing read: nothing changed)
         return (link.read_now() or link.closed) and (polled.done() or link.closed)
 
@@ -840,21 +841,6 @@ class _InPlace:
             return True
         return False
 
-    def _through_matcher(self) -> bool:
-        """The link brought something else (handed to the matcher): it may be this receive's
-        (a frame, or a payload of another size); else poll through the matcher from now on."""
-        matcher = self.transport.matcher
-        got: tuple[int, dict[str, Any]] | BaseException | None
-        try:
-            got = matcher.take(self.src, self.tag, self.into)
-        except MismatchError as exc:
-            got = exc
-        if got is not None:
-            self.got = got
-            return True
-        self.polled = matcher.poll(self.src, self.tag, self.into)
-        return self.read()
-
     def arrived(self) -> bool:
         polled = self.polled
         return self.got is not None if polled is None else polled.done()
@@ -874,6 +860,25 @@ class _InPlace:
         if isinstance(got, BaseException):
             raise got
         return got
+
+
+def _take_straight(
+    link: Link, matcher: Matcher, src: int, tag: Tag, into: memoryview
+) -> tuple[int, dict[str, Any]] | bool:
+    """One look of a receive that nothing in the matcher comes before: the message the link
+    holds whole, straight into ``into`` (Link.take_now), or, when the link handed something
+    else to the matcher, this receive's message if that was it (``take``). Returns (src, meta);
+    False when nothing came; True when something else did (the receive then polls through the
+    matcher).
+
+    Raises:
+        MismatchError: this receive's message came with a payload of another size (consumed).
+    """
+    here = link.take_now(tag, into)
+    if here is not True:
+        return here
+    got = matcher.take(src, tag, into)
+    return True if got is None else got
 
 
 def _landing(nbytes: int) -> memoryview:
