@@ -46,7 +46,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import DistError, MismatchError, PeerLostError, RendezvousError
@@ -557,13 +557,15 @@ class LinkTransport(Transport):
         # anything else, the receive polls through the matcher (see _InPlace).
         straight = matcher.first_to_poll(src, tag)
         if straight:
-            here = _take_straight(link, matcher, src, tag, into)  # what came already
-            if here is not True and here is not False:
-                return here
-            straight = not here
+            here = link.take_now(tag, into)  # what came already
+            if here is not False:
+                here = _settled(here, matcher, src, tag, into)
+                if here is not True:
+                    return here
+                straight = False
         wait = _InPlace(self, link, src, tag, into, straight)
         try:
-            if straight or not wait.read():  # (a straight receive has read what came already)
+            if straight or not wait.look():  # (a straight receive has read what came already)
                 self._spin_for(wait)
         finally:
             if wait.polled is not None:
@@ -799,32 +801,33 @@ class _InPlace:
         self.seen = self.since = 0.0
         self.stopped = 0
 
-    def read(self) -> bool:
-        """Read the link once; True once the receive is done, or the link closed (the waiting
-        path reports that)."""
+    def look(self) -> bool:
+        """Read the link once: True once the receive is done, or the link closed (the waiting
+        path reports that). In the spin (``seen``: when it last looked), then the wait policy's
+        rules: True when they end the wait."""
         polled = self.polled
         if polled is None:
-            try:
-                got = _take_straight(self.link, self.transport.matcher, self.src, self.tag, self.into)
-            except MismatchError as exc:
-                self.got = exc
+            here = self.link.take_now(self.tag, self.into)
+            if here is not False:
+                try:
+                    here = _settled(here, self.transport.matcher, self.src, self.tag, self.into)
+                except MismatchError as exc:
+                    self.got = exc
+                    return True
+                if here is not True:
+                    self.got = here
+                    return True
+                # something else came: from now on through the matcher, which is read at once
+                polled = self.polled = self.transport.matcher.poll(self.src, self.tag, self.into)
+        if polled is not None:
+            link = self.link  # (nothing read: nothing changed)
+            if (link.read_now() or link.closed) and (polled.done() or link.closed):
                 return True
-            if got is False:
-                return False
-            if got is not True:
-                self.got = got
-                return True
-            # something else came: from now on through the matcher, which is read at once
-            polled = self.polled = self.transport.matcher.poll(self.src, self.tag, self.into)
-        link = self.link  # (nothing read: nothing changed)
-        return (link.read_now() or link.closed) and (polled.done() or link.closed)
-
-    def look(self) -> bool:
-        """``read``, then the wait policy's rules: True when the wait is over."""
-        if self.read():
-            return True
+        seen = self.seen
+        if not seen:  # (the look before the spin)
+            return False
         now = time.perf_counter()
-        if now - self.seen > LATE_YIELD_S:
+        if now - seen > LATE_YIELD_S:
             # Other work held our core for a time slice: a rank woken from sleep gets it back
             # ahead of busy processes, where a spinner that yields queues behind them.
             self.transport.late_yields += 1
@@ -862,19 +865,17 @@ class _InPlace:
         return got
 
 
-def _take_straight(
-    link: Link, matcher: Matcher, src: int, tag: Tag, into: memoryview
-) -> tuple[int, dict[str, Any]] | bool:
-    """One look of a receive that nothing in the matcher comes before: the message the link
-    holds whole, straight into ``into`` (Link.take_now), or, when the link handed something
-    else to the matcher, this receive's message if that was it (``take``). Returns (src, meta);
-    False when nothing came; True when something else did (the receive then polls through the
-    matcher).
+def _settled(
+    here: tuple[int, dict[str, Any]] | Literal[True], matcher: Matcher, src: int, tag: Tag, into: memoryview
+) -> tuple[int, dict[str, Any]] | Literal[True]:
+    """What a look of a receive that nothing in the matcher comes before found, when the link's
+    ``take_now`` found something: (src, meta) when this receive's message came (straight, or,
+    when the link handed it to the matcher, by ``take``); True when something else did (the
+    receive then polls through the matcher).
 
     Raises:
         MismatchError: this receive's message came with a payload of another size (consumed).
     """
-    here = link.take_now(tag, into)
     if here is not True:
         return here
     got = matcher.take(src, tag, into)
