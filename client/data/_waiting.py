@@ -111,7 +111,7 @@ def spin(ready: Callable[[], bool], budget: SpinBudget, plain_s: float = 0.0, ha
             if HANDOFF_S < took < LATE_YIELD_S:
                 handoffs -= 1
                 stop += took
-        else:  # (no clock read before the yield: a look's cost is the peer's wait)
+        else:  # (no clock read to time the yield: it would only make each look longer)
             sched_yield()
         if ready():
             budget.now = min(budget.most, spent * 2)

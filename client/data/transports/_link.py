@@ -46,7 +46,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Protocol
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import DistError, MismatchError, PeerLostError, RendezvousError
@@ -558,11 +558,13 @@ class LinkTransport(Transport):
         straight = matcher.first_to_poll(src, tag)
         if straight:
             here = link.take_now(tag, into)  # what came already
-            if here is not False:
-                here = _settled(here, matcher, src, tag, into)
-                if here is not True:
-                    return here
+            if here is True:  # something else came (to the matcher): through it from now on
                 straight = False
+                got = matcher.take(src, tag, into)  # (it may be this receive's)
+                if got is not None:
+                    return got
+            elif here is not False:
+                return here
         wait = _InPlace(self, link, src, tag, into, straight)
         try:
             if straight or not wait.look():  # (a straight receive has read what came already)
@@ -808,17 +810,20 @@ class _InPlace:
         polled = self.polled
         if polled is None:
             here = self.link.take_now(self.tag, self.into)
-            if here is not False:
+            if here is True:  # something else came (to the matcher): through it from now on
+                matcher = self.transport.matcher
                 try:
-                    here = _settled(here, self.transport.matcher, self.src, self.tag, self.into)
+                    got = matcher.take(self.src, self.tag, self.into)  # (it may be this receive's)
                 except MismatchError as exc:
                     self.got = exc
                     return True
-                if here is not True:
-                    self.got = here
+                if got is not None:
+                    self.got = got
                     return True
-                # something else came: from now on through the matcher, which is read at once
-                polled = self.polled = self.transport.matcher.poll(self.src, self.tag, self.into)
+                polled = self.polled = matcher.poll(self.src, self.tag, self.into)  # (read below)
+            elif here is not False:
+                self.got = here
+                return True
         if polled is not None:
             link = self.link  # (nothing read: nothing changed)
             if (link.read_now() or link.closed) and (polled.done() or link.closed):
@@ -863,23 +868,6 @@ class _InPlace:
         if isinstance(got, BaseException):
             raise got
         return got
-
-
-def _settled(
-    here: tuple[int, dict[str, Any]] | Literal[True], matcher: Matcher, src: int, tag: Tag, into: memoryview
-) -> tuple[int, dict[str, Any]] | Literal[True]:
-    """What a look of a receive that nothing in the matcher comes before found, when the link's
-    ``take_now`` found something: (src, meta) when this receive's message came (straight, or,
-    when the link handed it to the matcher, by ``take``); True when something else did (the
-    receive then polls through the matcher).
-
-    Raises:
-        MismatchError: this receive's message came with a payload of another size (consumed).
-    """
-    if here is not True:
-        return here
-    got = matcher.take(src, tag, into)
-    return True if got is None else got
 
 
 def _landing(nbytes: int) -> memoryview:
