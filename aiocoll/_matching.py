@@ -36,7 +36,9 @@ the posted receive's own buffer when it is next in line, so the payload lands in
 link reports the finished frame with ``landed``; a frame it did not claim it reports with
 ``arrived``. A link that holds a whole message in memory of its own for a moment (a
 shared-memory mailbox) hands it over with ``deliver``: copied once, to where ``claim`` would
-have placed it.
+have placed it; or, to a receive that reads the link in place while ``first_to_poll`` says
+nothing here comes before it, straight into that receive's buffer when its tag and size are
+the receive's (the transport's straight path).
 
 A polled receive (``poll`` ... ``unpoll``): a receive that reads its source's link in place for a
 moment before it would be posted (the transport's straight path) is next in line after every
@@ -357,6 +359,14 @@ class Matcher:
                 pass
             if not queue:
                 del queues[key]
+
+    def first_to_poll(self, src: int, tag: Tag) -> bool:
+        """Whether a receive that would poll for the next message ``tag`` from ``src`` now is
+        the first it goes to: no receive is posted that would take it before, none polls now
+        (and, as the caller found with ``take``, none waits in the inbox). A link that holds
+        such a message whole may then hand it straight over (LinkTransport.recv_now)."""
+        posted = self._posted
+        return self._polled is None and not (posted and (src, tag) in posted) and tag not in self._posted_any
 
     def poll(self, src: int, tag: Tag, into: memoryview) -> Polled:
         """Start polling for the next message ``tag`` from ``src`` into ``into`` (``take`` first:

@@ -136,6 +136,19 @@ async def _recv(
     return source, meta, bytes(into)
 
 
+async def _recv_now(
+    t: Transport, src: int | None, tag: tuple[Any, ...], n: int
+) -> tuple[int, dict[str, Any], bytes]:
+    """``recv_now`` until the message has come (it returns None, posting nothing, until then)."""
+    into = _buf(n)
+    for _ in range(int(_LIMIT / 0.001)):
+        got = t.recv_now(src, tag, memoryview(into))
+        if got is not None:
+            return got[0], got[1], bytes(into)
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"recv_now of {tag!r} did not complete within {_LIMIT} s")
+
+
 async def _kill(kill_rank: KillRank, world: list[Transport], rank: int) -> None:
     result = kill_rank(world, rank)
     if inspect.isawaitable(result):
@@ -252,6 +265,45 @@ class TransportConformance:
             await _recv(b, 0, ("size",), 4)
         assert getattr(info.value, "remote_meta", None) == {**_META, "count": 8}
         assert (await _recv(b, 0, ("size",), 4))[2] == b"abcd"
+
+    @pytest.mark.timeout(60)
+    async def test_recv_now_takes_messages_by_tag_in_order_behind_posted_receives(
+        self, make_world: MakeWorld
+    ) -> None:
+        """recv_now completes a receive within its call once the message is here: by tag, in
+        send order, after a receive posted before it, small or large, a payload of another size
+        failing it with MismatchError (consumed); until then it returns None and posts nothing."""
+        a, b = await make_world(2)
+        assert b.recv_now(0, ("none",), memoryview(bytearray(4))) is None
+        await a.send(1, ("none",), memoryview(b"zzzz"), _META)
+        assert (await _recv(b, 0, ("none",), 4))[2] == b"zzzz"  # nothing was left posted
+        # alone on the link, then behind a message of another tag
+        await a.send(1, ("now", "size"), memoryview(b"12345678"), {**_META, "count": 8})
+        with pytest.raises(MismatchError) as info:
+            await _recv_now(b, 0, ("now", "size"), 4)
+        assert getattr(info.value, "remote_meta", None) == {**_META, "count": 8}
+        await a.send(1, ("now", "alone"), memoryview(b"xy"), _META)
+        assert await _recv_now(b, 0, ("now", "alone"), 2) == (0, _META, b"xy")
+        await a.send(1, ("now", "other"), memoryview(b"xy"), _META)
+        assert b.recv_now(0, ("now",), memoryview(bytearray(4))) is None  # (another tag's)
+        for data in (b"aaaa", b"bbbb"):
+            await a.send(1, ("now",), memoryview(data), _META)
+        assert await _recv_now(b, 0, ("now",), 4) == (0, _META, b"aaaa")
+        assert await _recv_now(b, 0, ("now",), 4) == (0, _META, b"bbbb")
+        assert (await _recv(b, 0, ("now", "other"), 2))[2] == b"xy"
+        # a large payload, then a small one of the same tag
+        big = bytes(range(256)) * 800
+        await a.send(1, ("now", "big"), memoryview(big), _META)
+        await a.send(1, ("now", "big"), memoryview(b"tail"), _META)
+        assert (await _recv_now(b, 0, ("now", "big"), len(big)))[2] == big
+        assert (await _recv_now(b, 0, ("now", "big"), 4))[2] == b"tail"
+        # a receive posted first takes the first message
+        posted = asyncio.ensure_future(_recv(b, 0, ("now", "posted"), 4))
+        await asyncio.sleep(0.01)
+        for data in (b"1111", b"2222"):
+            await a.send(1, ("now", "posted"), memoryview(data), _META)
+        assert (await _recv_now(b, 0, ("now", "posted"), 4))[2] == b"2222"
+        assert (await posted)[2] == b"1111"
 
     @pytest.mark.timeout(60)
     async def test_both_ranks_sending_large_messages_to_each_other_do_not_deadlock(

@@ -210,9 +210,10 @@ class RingWriter(_RingSide):
         ctl = self._ctl
         return ctl[_TAKEN] == self._mailed and ctl[_DISPATCHED] == frames
 
-    def peer_spins(self) -> bool:
-        """Whether the receiver says it polls the mailbox in place (it waits for a message)."""
-        return self._ctl[_POLLING] == 1
+    def peer_waits(self, frames: int) -> bool:
+        """Whether the receiver says it polls the mailbox in place (it waits for a message) and
+        ``mail_open(frames)``: it has taken in all we sent."""
+        return self._ctl[_POLLING] == 1 and self.mail_open(frames)
 
     def wrote(self, frames: int) -> None:
         """Say that the link has written ``frames`` socket frames so far."""

@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from aiocoll.client.data.transports import _link
 from aiocoll.client.data.transports._link import LinkTransport
 from aiocoll.client.data.transports.shm import ShmLink
 
+from aiocoll._errors import MismatchError
 from aiocoll.testing.world import outcome, run_world, unwrap
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -691,6 +693,62 @@ async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it(
         await close_world(world)
 
 
+@contextlib.asynccontextmanager
+async def _shm_pair() -> AsyncIterator[tuple[LinkTransport, LinkTransport]]:
+    """Two transports of this process joined by a shm link, once the link's first frames (the
+    probe) are read: nothing is in flight."""
+    from aiocoll.testing.transport_conformance import close_world, shm_world
+
+    world = await shm_world(2)
+    try:
+        a, b = world
+        assert isinstance(a, LinkTransport) and isinstance(b, LinkTransport)
+        await asyncio.sleep(0.1)
+        yield a, b
+    finally:
+        await close_world(world)
+
+
+async def test_a_message_mailed_during_a_receives_spin_is_taken_there_straight_or_through_the_matcher(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Messages that land while a receive spins for them (recv_now): its own goes straight into
+    its buffer; one of another size fails it with MismatchError and is consumed; one of another
+    tag goes to the matcher, after which the receive polls through the matcher and still gets
+    its own. Real shared memory and sockets, one process: the peer's sends are made from inside
+    the spin's yields."""
+    monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)  # only a message ends the spin
+    async with _shm_pair() as (a, b):
+        b._straight_spin = SpinBudget(60.0)
+        sends: list[tuple[tuple[str], bytes]] = []
+        yield_cpu = os.sched_yield
+
+        def yield_then_send() -> None:
+            yield_cpu()
+            if sends:
+                tag, data = sends.pop(0)
+                assert a.send_nowait(1, tag, memoryview(data), {"n": len(data)}) is None
+
+        monkeypatch.setattr(os, "sched_yield", yield_then_send)
+        got = bytearray(4)
+        sends[:] = [(("m",), b"abcd")]
+        assert b.recv_now(0, ("m",), memoryview(got)) == (0, {"n": 4}) and got == b"abcd"
+        sends[:] = [(("m",), b"12345678")]
+        with pytest.raises(MismatchError) as info:
+            b.recv_now(0, ("m",), memoryview(got))
+        assert info.value.remote_meta == {"n": 8}  # type: ignore[attr-defined]
+        sends[:] = [(("other",), b"xy"), (("m",), b"efgh")]
+        assert b.recv_now(0, ("m",), memoryview(got)) == (0, {"n": 4}) and got == b"efgh"
+        monkeypatch.undo()
+        assert not sends and b.polled_arrivals == 3 and b.mutual_waits == b.late_yields == 0
+        to_b, from_a = a.link(1), b.link(0)
+        assert isinstance(to_b, ShmLink) and isinstance(from_a, ShmLink)
+        assert (to_b.mail_out, to_b.mail_wakes, from_a.mail_in) == (4, 0, 4)  # all in the mailbox
+        other = bytearray(2)
+        assert await asyncio.wait_for(b.recv(0, ("other",), memoryview(other)), 10) == (0, {"n": 2})
+        assert other == b"xy"
+
+
 async def test_a_receive_stops_spinning_once_other_work_held_its_core(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -765,14 +823,8 @@ async def test_a_spin_that_ran_out_before_its_message_came_grows_back(
     receive then got its message while waiting in the loop grows its budget to twice that wait,
     within the most a spin may last: without it, a budget too short to take any reply would
     never grow back. Not when this rank sent meanwhile (the message may answer that)."""
-    from aiocoll.testing.transport_conformance import close_world, shm_world
-
     monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)  # only the budget ends the spin
-    world = await shm_world(2)
-    try:
-        a, b = world
-        assert isinstance(a, LinkTransport) and isinstance(b, LinkTransport)
-        await asyncio.sleep(0.1)  # the links' first frames (the probe) are read: nothing in flight
+    async with _shm_pair() as (a, b):
         budget = a._straight_spin = SpinBudget(60.0)
         budget.now = 5e-6
         got = bytearray(4)
@@ -791,8 +843,6 @@ async def test_a_spin_that_ran_out_before_its_message_came_grows_back(
         assert b.send_nowait(0, ("m",), memoryview(b"efgh"), {}) is None
         assert await asyncio.wait_for(task, 10) == (1, {}) and got == b"efgh"
         assert budget.now == 5e-6
-    finally:
-        await close_world(world)
 
 
 async def mailed_then_gone(pg: Any, how: str) -> dict[str, Any]:

@@ -306,6 +306,23 @@ def test_a_polled_receive_of_another_size_fails_with_the_mismatch_and_consumes_t
     assert m.take_early(1, ("t",), 8) is None  # consumed
 
 
+def test_a_receive_is_first_to_poll_only_with_no_receive_posted_or_polled_before_it() -> None:
+    m, _ = matcher()
+    assert m.first_to_poll(1, ("t",))
+    m.post(2, ("t",), buf(4), Outcome())  # another source's
+    m.post(None, ("u",), buf(4), Outcome())  # another tag's, from any source
+    assert m.first_to_poll(1, ("t",))
+    posted = m.post(1, ("t",), buf(4), Outcome())
+    assert not m.first_to_poll(1, ("t",))
+    m.unpost(posted)
+    m.post(None, ("t",), buf(4), Outcome())  # from any source: it comes first too
+    assert not m.first_to_poll(1, ("t",)) and m.first_to_poll(1, ("v",))
+    polled = m.poll(1, ("v",), buf(4))  # (a receive polling already: the matcher decides)
+    assert not m.first_to_poll(1, ("w",))
+    m.unpoll(polled)
+    assert m.first_to_poll(1, ("w",))
+
+
 def test_an_inner_poll_restores_the_outer_one() -> None:
     m, _ = matcher()
     outer_into, inner_into = buf(1), buf(1)

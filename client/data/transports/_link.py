@@ -130,6 +130,15 @@ class Link(ABC):
         loop sleep (LinkTransport.recv_now). Links without such a read return False."""
         return False
 
+    def take_now(self, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | bool:
+        """``read_now`` for a receive of the next message ``tag`` from this peer, when nothing
+        in the matcher comes before it (LinkTransport.recv_now): a message that the link holds
+        whole in memory of its own (the shm kind's mailbox), of that tag and ``len(into)``
+        bytes, is copied into ``into`` and its (peer, meta) returned; else True when something
+        else came (handed to the matcher, or announced and left for ``read_now``: the receive
+        then goes through the matcher), False when nothing did."""
+        return self.read_now()
+
     def peer_waits(self) -> bool:
         """Whether the peer waits in place for a message from us (its receive's spin, ``watch``)
         and has taken in all we sent: then it sends us nothing before its wait ends. Links
@@ -543,57 +552,43 @@ class LinkTransport(Transport):
             if link.read_now():  # here, but not yet read: one read in place, on any link
                 return matcher.take(src, tag, into)
             return None
-        # Meanwhile the message goes straight to this receive when it comes (Matcher.poll).
-        polled = matcher.poll(src, tag, into)
+        # A receive that nothing in the matcher comes before takes a message the link holds
+        # whole straight into ``into`` (Link.take_now); otherwise, and once the link brings
+        # anything else, the receive polls through the matcher (see _InPlace).
+        straight = matcher.first_to_poll(src, tag)
+        if straight:
+            here = link.take_now(tag, into)  # what came already
+            if here is True:  # something else came (to the matcher): through it from now on
+                straight = False
+                got = matcher.take(src, tag, into)  # (it may be this receive's)
+                if got is not None:
+                    return got
+            elif here is not False:
+                return here
+        wait = _InPlace(self, link, src, tag, into, straight)
         try:
-            link.read_now()  # what came already
-            if not (polled.done() or link.closed):
-                self._spin_for(link, polled)
+            if straight or not wait.look():  # (a straight receive has read what came already)
+                self._spin_for(wait)
         finally:
-            matcher.unpoll(polled)
-        return polled.outcome()
+            if wait.polled is not None:
+                matcher.unpoll(wait.polled)
+        return wait.outcome()
 
-    def _spin_for(self, link: Link, polled: Polled) -> None:
-        """recv_now's wait for ``polled``: ``link`` read in place by the wait policy's spin, with
-        the link watching (see recv_now for when it stops)."""
-        clock = time.perf_counter
-        # when the spin last looked, since when the peer has been seen waiting for us (0: not),
-        # and whether a rule below ended the spin (1: a late yield, 2: the peer waits for us)
-        started = clock()
-        seen = [started, 0.0, 0]
-
-        def arrived() -> bool:
-            link.read_now()
-            if polled.done() or link.closed:  # (a closed link ends the spin; the waiting path reports it)
-                return True
-            now = clock()
-            if now - seen[0] > LATE_YIELD_S:
-                # Other work held our core for a time slice: a rank woken from sleep gets it back
-                # ahead of busy processes, where a spinner that yields queues behind them.
-                self.late_yields += 1
-                seen[2] = 1
-                return True
-            seen[0] = now
-            if not link.peer_waits():
-                seen[1] = 0.0
-            elif not seen[1]:
-                seen[1] = now
-            elif now - seen[1] > _MUTUAL_WAIT_S:
-                self.mutual_waits += 1
-                seen[2] = 2
-                return True
-            return False
-
+    def _spin_for(self, wait: _InPlace) -> None:
+        """recv_now's wait: its link read in place by the wait policy's spin (``wait.look``),
+        with the link watching (see recv_now for when it stops)."""
         budget = self._straight_spin
         before = budget.now
+        link = wait.link
+        started = wait.seen = time.perf_counter()
         link.watch(True)
         try:
             self._missed = None
-            if not spin(arrived, budget):  # the budget ran out: see _posted_result
+            if not spin(wait.look, budget):  # the budget ran out: see _posted_result
                 self._missed = (link.peer, started, self._sends)
-            elif polled.done():
+            elif wait.arrived():
                 self.polled_arrivals += 1
-            elif seen[2] == 2:
+            elif wait.stopped == _PEER_WAITS:
                 # The peer could not send before its own wait ended: spinning was no use, as
                 # with two ranks that each receive before they send, so spin for less next time.
                 budget.now = max(SPIN_MIN_S, before / 2)
@@ -779,6 +774,100 @@ class LinkTransport(Transport):
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()
+
+
+_LATE_YIELD, _PEER_WAITS = 1, 2  # why a rule ended an in-place wait (_InPlace.stopped)
+
+
+class _InPlace:
+    """recv_now's receive while it reads its source's link in place: straight from the link
+    while nothing in the matcher comes before it (Link.take_now), else, and from the first time
+    the link brings anything else, polled through the matcher (Matcher.poll), which then decides
+    every message as it does for any receive. ``look`` is one read and the wait policy's rules
+    for the spin: the late yield, and the peer that waits for us."""
+
+    __slots__ = ("got", "into", "link", "polled", "seen", "since", "src", "stopped", "tag", "transport")
+
+    def __init__(
+        self, transport: LinkTransport, link: Link, src: int, tag: Tag, into: memoryview, straight: bool
+    ) -> None:
+        self.transport = transport
+        self.link = link
+        self.src = src
+        self.tag = tag
+        self.into = into
+        self.polled: Polled | None = None if straight else transport.matcher.poll(src, tag, into)
+        self.got: tuple[int, dict[str, Any]] | BaseException | None = None  # (straight from the link)
+        # when the spin last looked, since when the peer has been seen waiting for us (0: not),
+        # and which rule ended the spin (0: none)
+        self.seen = self.since = 0.0
+        self.stopped = 0
+
+    def look(self) -> bool:
+        """Read the link once: True once the receive is done, or the link closed (the waiting
+        path reports that). In the spin (``seen``: when it last looked), then the wait policy's
+        rules: True when they end the wait."""
+        polled = self.polled
+        if polled is None:
+            here = self.link.take_now(self.tag, self.into)
+            if here is True:  # something else came (to the matcher): through it from now on
+                matcher = self.transport.matcher
+                try:
+                    got = matcher.take(self.src, self.tag, self.into)  # (it may be this receive's)
+                except MismatchError as exc:
+                    self.got = exc
+                    return True
+                if got is not None:
+                    self.got = got
+                    return True
+                polled = self.polled = matcher.poll(self.src, self.tag, self.into)  # (read below)
+            elif here is not False:
+                self.got = here
+                return True
+        if polled is not None:
+            link = self.link  # (nothing read: nothing changed)
+            if (link.read_now() or link.closed) and (polled.done() or link.closed):
+                return True
+        seen = self.seen
+        if not seen:  # (the look before the spin)
+            return False
+        now = time.perf_counter()
+        if now - seen > LATE_YIELD_S:
+            # Other work held our core for a time slice: a rank woken from sleep gets it back
+            # ahead of busy processes, where a spinner that yields queues behind them.
+            self.transport.late_yields += 1
+            self.stopped = _LATE_YIELD
+            return True
+        self.seen = now
+        if not self.link.peer_waits():
+            self.since = 0.0
+        elif not self.since:
+            self.since = now
+        elif now - self.since > _MUTUAL_WAIT_S:
+            self.transport.mutual_waits += 1
+            self.stopped = _PEER_WAITS
+            return True
+        return False
+
+    def arrived(self) -> bool:
+        polled = self.polled
+        return self.got is not None if polled is None else polled.done()
+
+    def outcome(self) -> tuple[int, dict[str, Any]] | None:
+        """The message's source and meta, None when it did not come (call after the link stopped
+        watching).
+
+        Raises:
+            MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
+        """
+        if self.polled is not None:
+            return self.polled.outcome()
+        got = self.got
+        if got is None:  # (what the link took as it stopped watching went to the matcher)
+            return self.transport.matcher.take(self.src, self.tag, self.into)
+        if isinstance(got, BaseException):
+            raise got
+        return got
 
 
 def _landing(nbytes: int) -> memoryview:

@@ -38,10 +38,12 @@ its tag and meta (msgpack) into the ring's one-message mailbox (client.data._shm
 frame is sent. A receive that polls its link in place (LinkTransport.recv_now; ``watch`` raises
 the ring's polling flag) takes it from there; a receiver that does not poll is woken through our
 eventfd towards it (the flag and a fence on each side make sure one of the two happens). The
-receiver copies the message out (the mailbox is free again at once), unpacks it and hands it
-to the matcher whole (``Matcher.deliver``: one more copy, to where a ring message would
-have landed). A receive spinning for its peer's message stops once the peer's own polling flag
-says that it waits in place for us (``peer_waits``): it sends nothing before that wait ends.
+receiver copies the message out (the mailbox is free again at once) and unpacks it; a receive
+polling in place with nothing in the matcher before it (``take_now``) copies a payload of its
+tag and size straight into its buffer, and anything else goes to the matcher whole
+(``Matcher.deliver``: one more copy, to where a ring message would have landed). A receive
+spinning for its peer's message stops once the peer's own polling flag says that it waits in
+place for us (``peer_waits``): it sends nothing before that wait ends.
 Order holds: the sender uses the mailbox only once every frame before it was dispatched, and the
 receiver takes the mailbox's message before it dispatches any frame it reads later (those were
 written after it), when woken, when polling, and when the link closes (a message put there
@@ -553,6 +555,24 @@ class ShmLink(TcpLink):
             return super().read_now() or mail
         return mail
 
+    def take_now(self, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | bool:
+        reader = self._reader
+        if reader is None:
+            return super().take_now(tag, into)
+        news = reader.news(self._frames_in)
+        if news != NEWS_MAIL:  # nothing came, or frames did (read_now reads them)
+            return news != 0
+        message = self._mail()
+        if message is None:  # (reading is paused, or the link is closed: read_now's way)
+            return True
+        got, meta, body = message
+        key = tuple(got)
+        if key != tag or len(body) != len(into):
+            self._matcher.deliver(self.peer, key, meta, body)
+            return True
+        into[:] = body
+        return self.peer, meta
+
     def write(self, views: list[memoryview]) -> asyncio.Future[None] | None:
         fut = super().write(views)
         writer = self._writer
@@ -562,7 +582,7 @@ class ShmLink(TcpLink):
 
     def peer_waits(self) -> bool:
         writer = self._writer
-        return writer is not None and writer.peer_spins() and writer.mail_open(self.frames_out)
+        return writer is not None and writer.peer_waits(self.frames_out)
 
     def watch(self, on: bool, in_place: bool = True) -> None:
         reader = self._reader
@@ -590,15 +610,25 @@ class ShmLink(TcpLink):
 
     def _take_mail(self) -> bool:
         """Hand the mailbox's message over (to where the matcher says it goes, as a ring
-        message's); True when there was one. Not while reading is paused: the mailbox is then
-        the peer's to wait on, as a full socket would be."""
+        message's); True when there was one."""
+        message = self._mail()
+        if message is None:
+            return False
+        tag, meta, body = message
+        self._matcher.deliver(self.peer, tuple(tag), meta, body)
+        return True
+
+    def _mail(self) -> list[Any] | None:
+        """The mailbox's message (its tag as a list, meta and payload), taken out; None when there
+        is none, or when it is malformed (the link is then closed). Not while reading is paused:
+        the mailbox is then the peer's to wait on, as a full socket would be."""
         reader = self._reader
         if reader is None or not self._reading:
-            return False
+            return None
         try:
             message = reader.mail(_unpack_mail)
             if message is None:
-                return False
+                return None
             tag, meta, body = message
             if not (isinstance(tag, list) and isinstance(meta, dict) and type(body) is bytes):
                 raise ValueError("a malformed mailbox message")
@@ -606,9 +636,8 @@ class ShmLink(TcpLink):
                 raise ValueError("a mailbox message in the middle of a ring message")
         except Exception as exc:  # msgpack raises several unrelated types for bad input
             self._broken(exc)
-            return False
-        self._matcher.deliver(self.peer, tuple(tag), meta, body)
-        return True
+            return None
+        return message
 
     def _sink(self, header: dict[str, Any], nbytes: int) -> memoryview | None:
         # A payload in its frame is claimed only when its frame is handed over, not when its
