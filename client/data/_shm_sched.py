@@ -50,12 +50,12 @@ from ._shm import (
     region_bytes,
 )
 from ._shm_layout import BASE, CPU, DATA, DONE, INP, LOST, OWNER, RED, SLEEP, OnWait, OpGen, Wait
-from ._waiting import LATE_YIELD_S, SpinBudget, host_contended, nap, oversubscribed, spin
+from ._waiting import LATE_YIELD_S, PLAIN_SPIN_S, SpinBudget, host_contended, nap, oversubscribed, spin
 
 __all__ = ["STORES_IN_ORDER", "ShmOp", "ShmScheduler", "ShmWaker"]
 
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
-_PLAIN_SPIN_S = 10e-6  # of a spin, checks without yielding the CPU first
+_PLAIN_SPIN_S = PLAIN_SPIN_S  # of a spin, checks without yielding the CPU first
 # Between the steps of a large operation the peers are a copy away: sleeping there hands the
 # core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
 _INNER_SPIN_S = 1e-3

@@ -37,6 +37,7 @@ from collections.abc import Callable
 __all__ = [
     "HANDOFF_S",
     "LATE_YIELD_S",
+    "PLAIN_SPIN_S",
     "SPIN_MIN_S",
     "SpinBudget",
     "host_contended",
@@ -46,6 +47,7 @@ __all__ = [
 ]
 
 SPIN_MIN_S = 5e-6  # a budget never shrinks below this
+PLAIN_SPIN_S = 10e-6  # the first stage's checks without yielding (a peer on another core)
 LATE_YIELD_S = 200e-6  # a yield that returns later than this: other work held our core
 HANDOFF_S = 3e-6  # a yield that returns later than this ran another task (a peer rank's turn)
 

@@ -60,7 +60,7 @@ from aiocoll.algorithms._transport import (
     Transport,
 )
 
-from .._waiting import LATE_YIELD_S, SPIN_MIN_S, SpinBudget, spin
+from .._waiting import LATE_YIELD_S, PLAIN_SPIN_S, SPIN_MIN_S, SpinBudget, oversubscribed, spin
 
 __all__ = ["Link", "LinkHost", "LinkTransport", "as_bytes_view"]
 
@@ -255,6 +255,10 @@ class LinkTransport(Transport):
         # loop kept turning (_poll_while_waiting), instead of sleeping (diagnostics)
         self.polled_arrivals = 0
         self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
+        # the wait policy's first stage for an in-place spin (_spin_for): checks without
+        # yielding, unless this host has more ranks than cores; for the links of links_version
+        self._plain_s = 0.0
+        self._plain_for = -1
         # the last in-place spin that ran out: its peer, when it started, the sends made before it
         self._missed: tuple[int, float, int] | None = None
         self._sends = 0  # messages sent so far (see _posted_result)
@@ -580,11 +584,15 @@ class LinkTransport(Transport):
         budget = self._straight_spin
         before = budget.now
         link = wait.link
+        if self._plain_for != self.links_version:
+            self._plain_for = self.links_version
+            here = 1 + sum(1 for other in self._links.values() if other.poll_while_waiting)
+            self._plain_s = 0.0 if oversubscribed(here) else PLAIN_SPIN_S
         started = wait.seen = time.perf_counter()
         link.watch(True)
         try:
             self._missed = None
-            if not spin(wait.look, budget):  # the budget ran out: see _posted_result
+            if not spin(wait.look, budget, self._plain_s):  # the budget ran out: see _posted_result
                 self._missed = (link.peer, started, self._sends)
             elif wait.arrived():
                 self.polled_arrivals += 1
