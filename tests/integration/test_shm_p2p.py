@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiocoll.client.data._waiting import SpinBudget
-from aiocoll.client.data.transports import _link
+from aiocoll.client.data.transports import _link, shm
 from aiocoll.client.data.transports._link import LinkTransport
 from aiocoll.client.data.transports.shm import ShmLink
 
@@ -747,6 +747,33 @@ async def test_a_message_mailed_during_a_receives_spin_is_taken_there_straight_o
         other = bytearray(2)
         assert await asyncio.wait_for(b.recv(0, ("other",), memoryview(other)), 10) == (0, {"n": 2})
         assert other == b"xy"
+
+
+async def test_a_mailed_message_like_the_last_one_received_in_place_lands_without_its_meta_lost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receive in place remembers the head (tag, meta, size) of the mailbox message it took
+    and takes the next message with that head straight into its buffer, unpacking nothing: the
+    payloads arrive as sent, and a message of the same tag and size with other meta (another
+    dtype) is unpacked whole, its meta as sent."""
+    unpacked: list[int] = []
+    unpack = shm._unpack_mail
+    monkeypatch.setattr(shm, "_unpack_mail", lambda view: unpacked.append(len(view)) or unpack(view))
+    async with _shm_pair() as (a, b):
+        from_a = b.link(0)
+        assert isinstance(from_a, ShmLink)
+        got = bytearray(4)
+        sent = [(b"abcd", {"dtype": "float32", "count": 1}), (b"efgh", {"dtype": "float32", "count": 1})]
+        sent += [(b"ijkl", {"dtype": "int32", "count": 1}), (b"mnop", {"dtype": "int32", "count": 1})]
+        for data, meta in sent:
+            assert a.send_nowait(1, ("p", "g", 3), memoryview(data), meta) is None
+            here = b.recv_now(0, ("p", "g", 3), memoryview(got))
+            assert here == (0, meta) and bytes(got) == data
+            assert here is not None and here[1] is not meta  # (the caller's own dict)
+        assert from_a.mail_in == 4  # every one through the mailbox
+        assert len(unpacked) == 2  # the first of each head
+        heads = from_a._taken_heads
+        assert list(heads) == [(("p", "g", 3), 4)] and heads[(("p", "g", 3), 4)][1]["dtype"] == "int32"
 
 
 async def test_a_receive_stops_spinning_once_other_work_held_its_core(

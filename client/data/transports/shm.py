@@ -32,63 +32,45 @@ for so few bytes the ring's bookkeeping costs more than the kernel's copy), unle
 straight path below.
 
 The straight path for a small message: when nothing else is in flight on the link (no send
-queued, the peer has taken our last mailbox message and has dispatched every frame we wrote,
-which it says in the ring's header), a payload of at most ``_MAIL_MAX`` bytes goes packed with
-its tag and meta (msgpack) into the ring's one-message mailbox (client.data._shm_ring) and no
-frame is sent. A receive that polls its link in place (LinkTransport.recv_now; ``watch`` raises
-the ring's polling flag) takes it from there; a receiver that does not poll is woken through our
-eventfd towards it (the flag and a fence on each side make sure one of the two happens). The
-receiver copies the message out (the mailbox is free again at once) and unpacks it; a receive
-polling in place with nothing in the matcher before it (``take_now``) copies a payload of its
-tag and size straight into its buffer, and anything else goes to the matcher whole
-(``Matcher.deliver``: one more copy, to where a ring message would have landed). A receive
-spinning for its peer's message stops once the peer's own polling flag says that it waits in
-place for us (``peer_waits``): it sends nothing before that wait ends.
-Order holds: the sender uses the mailbox only once every frame before it was dispatched, and the
-receiver takes the mailbox's message before it dispatches any frame it reads later (those were
-written after it), when woken, when polling, and when the link closes (a message put there
-before the peer went is delivered, as its frames read before the end-of-file are). A polling
-receiver reads the socket only when the peer's header says it wrote a frame not yet read. While
-the receiver's reading is paused (full inbox) the mailbox is not taken: the sender's next
-messages go as frames and wait in the socket. ``AIOCOLL_SHM_MAILBOX=0`` keeps a rank from
-sending through the mailbox.
+queued, the peer has taken our last mailbox message and dispatched every frame we wrote, as it
+says in the ring's header), a payload of at most ``_MAIL_MAX`` bytes goes packed with its tag and
+meta (msgpack) into the ring's one-message mailbox (client.data._shm_ring), with no frame. A
+receive that polls its link in place (LinkTransport.recv_now; ``watch`` raises the ring's polling
+flag) takes it from there; a receiver that does not poll is woken through our eventfd (the flag
+and a fence on each side make sure one of the two happens). A receive polling in place with
+nothing in the matcher before it (``take_now``) copies a payload of its tag and size straight
+into its buffer (one whose msgpack head is that of the last it took so, unpacked not at all);
+anything else goes to the matcher whole (``Matcher.deliver``). A receive spinning for its peer's
+message stops once the peer's own polling flag says that it waits in place for us
+(``peer_waits``). Order holds: the sender uses the mailbox only once every frame before it was
+dispatched, and the receiver takes the mailbox's message before it dispatches any frame it reads
+later, when woken, when polling, and when the link closes (a message put there before the peer
+went is delivered). A polling receiver reads the socket only when the peer's header says it wrote
+a frame not yet read. While the receiver's reading is paused (full inbox) the mailbox is not
+taken. ``AIOCOLL_SHM_MAILBOX=0`` keeps a rank from sending through the mailbox.
 
-Payloads larger than the ring skip it where the receiver may read the sender's memory (within the
-ring, its two copies run on both ranks' cores at once, at about the speed of one read; past it,
-the ring's chunks wait for each other's room): one frame says where the payload lies in the
-sender's address space (``{"v": [tag, meta, total, address, key]}``); the receiver claims its
-destination as for a ring message, copies the payload straight there with process_vm_readv
-(client.data._vm_read: one copy per byte where the ring takes two; in two halves on two threads at
-once where the cores allow, since the sender only waits meanwhile), and reports the read in the
-ring's header (and wakes the sender if it sleeps), which completes the send: the sender's buffer
-is not the caller's again before. The report does not go over the socket, whose reading the sender
-may have paused (its own inbox full): two ranks sending each other large payloads at once would
-then wait for each other. The sender withdraws an offer (in the same header) before it lets go of
-the payload, and a receiver that finds its offer withdrawn after the read does not deliver it.
-Whether the peer may read our memory is asked once, when the link is made: each side sends where
-its arena's probe nonce lies in its own address space (``{"vp": [address, length]}``), the other
-reads it there and compares it with its own mapping of that arena, and answers ``{"vok": bool}``.
-A receiver that cannot read the offered memory (the sender died) closes the link as lost; a sender
-whose receiver is lost fails the sends it still waits for, like those queued behind a full ring.
-``AIOCOLL_SHM_DIRECT=0`` on either side keeps every payload in the rings.
+Payloads larger than the ring skip it where the receiver may read the sender's memory: one frame
+says where the payload lies in the sender's address space (``{"v": [tag, meta, total, address,
+key]}``); the receiver claims its destination as for a ring message, copies the payload straight
+there with process_vm_readv (client.data._vm_read: one copy per byte where the ring takes two; in
+two halves on two threads where the cores allow) and reports the read in the ring's header (not
+over the socket, whose reading the sender may have paused), waking the sender if it sleeps: that
+completes the send. The sender withdraws an offer (in the same header) before it lets go of the
+payload; a receiver that finds it withdrawn after the read does not deliver it. Whether the peer
+may read our memory is asked once, when the link is made: each side sends where its arena's probe
+nonce lies in its own address space (``{"vp": [address, length]}``), the other reads it there,
+compares, and answers ``{"vok": bool}``. A receiver that cannot read an offer (the sender died)
+closes the link as lost. ``AIOCOLL_SHM_DIRECT=0`` on either side keeps every payload in the rings.
 
-Backpressure and waiting: a ring holds at most its capacity; a sender that finds no room spins
-for a bounded, adaptive time (each check yields the CPU, so a sender sharing a core with its
-receiver lets it run; the budget halves after a spin that ended in sleep), then sets the
-ring's ``waiting`` flag and sleeps on its eventfd, which the event loop watches and the
-receiver writes after freeing space. A sender whose receiver keeps pace never sleeps, so the
-pump hands the event loop a turn every 2 ms (heartbeats, timers, this process's own reading go
-on during a long send). Messages of one link leave in order: a message waits behind a partly
-sent one. A paused receiver (full inbox) stops reading frames, so the ring
-fills and the sender waits, as the Link contract asks. A cancelled send none of whose bytes
-has left is withdrawn; one partly in the ring completes for the stream's sake.
-
-The link's end-of-file is the peer's loss: a rank killed with SIGKILL closes its socket in the
-kernel, and its peers get PeerLostError naming it at once through the links' usual path. A
-sender asleep on a full ring also polls the socket for a hang-up every half second (a paused
-link reads nothing, so it would not see the end-of-file otherwise). The link owns its rings and
-their eventfds and closes them with itself; the rings are anonymous memory, so nothing is left
-behind.
+Backpressure and waiting: a sender that finds no room in the ring spins for a bounded, adaptive
+time (yielding at each check), then sets the ring's ``waiting`` flag and sleeps on its eventfd,
+which the receiver writes after freeing space; a sender whose receiver keeps pace hands the event
+loop a turn every 2 ms. Messages of one link leave in order; a paused receiver (full inbox) reads
+no frames, so the ring fills and the sender waits. A cancelled send none of whose bytes has left
+is withdrawn; one partly in the ring completes for the stream's sake. The link's end-of-file is
+the peer's loss (a killed rank's socket is closed by the kernel); a sender asleep on a full ring
+also polls the socket for a hang-up every half second. The rings are anonymous memory the link
+owns and closes with its eventfds: nothing is left behind.
 
 How the links are made (the kind, the process's host and its arena): client.data.transports._shm_kind.
 """
@@ -103,7 +85,7 @@ import os
 import select
 import time
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -128,11 +110,12 @@ log = logging.getLogger("aiocoll.client.shm")
 # a mailbox message, read where it lies (what it returns is a copy: the peer may write the
 # mailbox again once we counted the message taken)
 _unpack_mail = functools.partial(msgpack.unpackb, max_ext_len=0, strict_map_key=False)
+_LANDED = object()  # a mailbox message taken straight into its receive's buffer (_unpack_into)
+_NOTHING_EXPECTED = (b"", memoryview(b""))
+_HEADS_KEPT = 64  # mailbox heads kept per link (tags and sizes received in place)
 
 SHM_MAILBOX_ENV = "AIOCOLL_SHM_MAILBOX"
-_PIECE = 256 << 10
-"""A chunk is copied into the ring in pieces of at most this many bytes, each counted in the
-ring's header as it lands: the receiver copies one piece out while the sender copies the next in."""
+_PIECE = 256 << 10  # a chunk is copied into the ring in pieces of this many bytes at most
 _FILL_CHECK_S = 1e-3  # a receiver waiting for a chunk's pieces looks for a hang-up this often
 # A receiver waits in place for a chunk's pieces at most this long (the sender's copy of a whole
 # ring takes a fraction of it); a sender still not done is stopped or off its core, and the
@@ -145,14 +128,11 @@ _SPIN_S = 50e-6  # the most a sender spins for ring space before it sleeps
 _HANGUP_CHECK_S = 0.5
 _DRAIN_S = 1.0  # aclose waits this long for queued sends to reach the ring
 _INLINE_S = 0.002  # the most a send moves into the ring before the event loop gets a turn
-_MAIL_MAX = 2048
-"""Payloads up to this size go through the ring's mailbox when nothing else is in flight on the
-link and they fit there packed (header included, _shm_ring.MAIL_BYTES at most)."""
+_MAIL_MAX = 2048  # payloads up to this size go through the mailbox, where they fit packed
+# Payloads up to this size travel inside their frame on the socket, as over tcp: the frame
+# crosses the socket anyway, and for so few bytes the kernel's copy costs less than the ring's
+# bookkeeping on both sides.
 _FRAME_BYTES = 1024
-"""Payloads up to this size travel inside their frame on the socket, as over tcp: the frame
-crosses the socket anyway, and for a few hundred bytes the kernel's copy costs less than
-the ring's bookkeeping on both sides (a 4-byte ping-pong took ~1.35x as long through the
-ring)."""
 
 
 class _Outgoing:
@@ -245,6 +225,11 @@ class ShmLink(TcpLink):
         # peer for one
         self._mail_counts = (0, 0)
         self.mail_wakes = 0
+        # The msgpack head (all but the payload's bytes) of the mailbox message last taken by a
+        # receive of a tag and size, and its meta: a message with that head goes straight into
+        # the receive's buffer without being unpacked (take_now, _unpack_into).
+        self._taken_heads: dict[tuple[Tag, int], tuple[bytes, dict[str, Any]]] = {}
+        self._expected: tuple[bytes, memoryview] = _NOTHING_EXPECTED  # (_unpack_into)
         # A payload up to the ring's capacity moves as one chunk (one frame); a larger one in
         # chunks of half of it, so that the sender fills one while the receiver empties the other.
         self._capacity = capacity
@@ -328,6 +313,17 @@ class ShmLink(TcpLink):
             return None
         out.fut = self._loop.create_future()
         return self._finish(out)
+
+    def _unpack_into(self, view: memoryview) -> Any:
+        """``take_now``'s reading of a mailbox message: one whose head is the one expected
+        (``_expected``: the head taken last for this tag and size) goes straight into the
+        receive's buffer (``_LANDED``); any other is unpacked."""
+        head, into = self._expected
+        k = len(head)
+        if len(view) == k + len(into) and self._incoming is None and view[:k] == head:
+            into[:] = view[k:]
+            return _LANDED
+        return _unpack_mail(view)  # (checked by _mail)
 
     @property
     def mail_out(self) -> int:
@@ -562,16 +558,31 @@ class ShmLink(TcpLink):
         news = reader.news(self._frames_in)
         if news != NEWS_MAIL:  # nothing came, or frames did (read_now reads them)
             return news != 0
-        message = self._mail()
+        n = len(into)
+        seen = self._taken_heads.get((tag, n))
+        if seen is None:
+            message = self._mail(_unpack_mail)
+        else:
+            self._expected = (seen[0], into)
+            message = self._mail(self._unpack_into)
+            self._expected = _NOTHING_EXPECTED
+            if message is _LANDED:
+                return self.peer, dict(seen[1])
         if message is None:  # (reading is paused, or the link is closed: read_now's way)
             return True
         got, meta, body = message
         key = tuple(got)
-        if key != tag or len(body) != len(into):
+        if key != tag or len(body) != n:
             self._matcher.deliver(self.peer, key, meta, body)
             return True
         into[:] = body
-        return self.peer, meta
+        # (msgpack packs a tag, meta and size the same way each time: the next message of them
+        # has this head, packed again here once)
+        if len(self._taken_heads) >= _HEADS_KEPT:
+            self._taken_heads.clear()
+        whole = self._packer.pack([got, meta, body])
+        self._taken_heads[(tag, n)] = (whole[: len(whole) - n], meta)
+        return self.peer, dict(meta)
 
     def write(self, views: list[memoryview]) -> asyncio.Future[None] | None:
         fut = super().write(views)
@@ -618,17 +629,18 @@ class ShmLink(TcpLink):
         self._matcher.deliver(self.peer, tuple(tag), meta, body)
         return True
 
-    def _mail(self) -> list[Any] | None:
-        """The mailbox's message (its tag as a list, meta and payload), taken out; None when there
-        is none, or when it is malformed (the link is then closed). Not while reading is paused:
-        the mailbox is then the peer's to wait on, as a full socket would be."""
+    def _mail(self, unpack: Callable[[memoryview], Any] = _unpack_mail) -> Any:
+        """The mailbox's message (its tag as a list, meta and payload) as ``unpack`` reads it,
+        taken out; None when there is none, or when it is malformed (the link is then closed).
+        Not while reading is paused: the mailbox is then the peer's to wait on, as a full socket
+        would be. (``_unpack_into`` may answer ``_LANDED`` instead: the message is in place.)"""
         reader = self._reader
         if reader is None or not self._reading:
             return None
         try:
-            message = reader.mail(_unpack_mail)
-            if message is None:
-                return None
+            message = reader.mail(unpack)
+            if message is None or message is _LANDED:
+                return message
             tag, meta, body = message
             if not (isinstance(tag, list) and isinstance(meta, dict) and type(body) is bytes):
                 raise ValueError("a malformed mailbox message")
