@@ -43,6 +43,7 @@ __all__ = [
     "OpTransport",
     "Operation",
     "Stoppable",
+    "checked_timeout",
 ]
 
 # An operation's timeout when its call gave none: its engine's default (Engine.default_timeout),
@@ -202,8 +203,7 @@ class Operation(Transport):
         self.outputs = outputs
         self.workings = workings
         self.result = result
-        # (checked here, at the call: seconds or a timedelta, not negative)
-        self.timeout = timeout if timeout is DEFAULT_TIMEOUT else to_seconds(timeout)
+        self.timeout = checked_timeout(timeout)
         self.memory = memory
 
     def describe(self) -> str:
@@ -374,6 +374,16 @@ class Operation(Transport):
 
 # The transport a starter is handed: the operation's record itself.
 OpTransport = Operation
+
+
+def checked_timeout(timeout: Any) -> Any:
+    """A call's timeout as an operation keeps it, checked at the call before anything runs:
+    DEFAULT_TIMEOUT as it is (the engine's default), else seconds (None: no deadline).
+
+    Raises:
+        ValueError: a negative or NaN timeout.
+    """
+    return timeout if timeout is DEFAULT_TIMEOUT else to_seconds(timeout)
 
 
 def _describe(kind: str, group: GroupState, seq: int) -> str:

@@ -19,7 +19,7 @@ import aiocoll._signature as _signature
 from aiocoll._work import Work
 from aiocoll.device._tensors import Working
 
-from ._op_record import Stoppable
+from ._op_record import Stoppable, checked_timeout
 from ._operation import HOST, Finish, Operation, Starter, all_reduce_operation, finish_with_copy_back
 from ._shm_coll import ShmGroup
 from ._shm_sched import ShmWaker
@@ -148,15 +148,22 @@ class ArenaProvider:
         return self._start
 
     def _all_reduce(self, tag: Any, op: OpTransport, finish: Finish) -> Stoppable:  # (tag[2]: the seq)
-        x = op.outputs[0]
-        meta = op.meta
+        # (op.waiting_for: progress reports and timeouts name whom we wait for)
+        return self._reduce_step(
+            op.outputs[0], op.op, op.meta, tag[2], finish_with_copy_back(op, finish), op.waiting_for
+        )
+
+    def _reduce_step(
+        self, x: Any, reduce_op: Any, meta: dict[str, Any], seq: int, finish: Finish, on_wait: Any
+    ) -> Stoppable:
+        """Begin the all_reduce of ``x`` (seq ``seq``, signature ``meta``) on the arena."""
         return self.group.all_reduce(
             x,
-            op.op,
+            reduce_op,
             meta.get("dtype") or x.dtype.name,  # (bfloat16 travels as uint16 bits)
-            _signature.pack(tag[2], meta),
-            finish_with_copy_back(op, finish),
-            op.waiting_for,  # progress reports and timeouts name whom we wait for
+            _signature.pack(seq, meta),
+            finish,
+            on_wait,
         )
 
     def all_reduce(
@@ -175,6 +182,7 @@ class ArenaProvider:
         not gets its record then and goes on through the engine from where it is
         (Engine.went_on; ``_Late`` hands the record what the arena said meanwhile). The call
         site is read here (Engine.site: this method is as deep as Engine.submit_op)."""
+        timeout = checked_timeout(timeout)  # (refused before anything runs)
         site = engine.site()
         x = w.array
         if w.staged or not engine.straight_open(state):
@@ -186,14 +194,7 @@ class ArenaProvider:
         failure: BaseException | None = None
         lane: Stoppable | None = None
         try:
-            lane = self.group.all_reduce(
-                x,
-                reduce_op,
-                meta.get("dtype") or x.dtype.name,
-                _signature.pack(seq, meta),
-                late.finish,
-                late.waiting_for,
-            )
+            lane = self._reduce_step(x, reduce_op, meta, seq, late.finish, late.waiting_for)
         except BaseException as exc:
             failure = exc
         else:

@@ -6,7 +6,10 @@ client/data/_operation.py: the starter shape), its failure handling and control 
 (client/data/_failures.py: FailureFanout, the engine's base) and progress tracking; never the
 public surface, and not the algorithms either: a group's provider hands the engine a *starter* (a
 function of the operation's tag, transport and finish callback) so the engine stays the one place
-that decides *when* and *whether* operations run, not how.
+that decides *when* and *whether* operations run, not how. A row's straight path (an operation
+begun before its record is made: providers.P2PProvider, _shm_arena.ArenaProvider) asks it first
+(``straight_open``, ``next_seq``, ``site``) and ends through it (``ended_at_once``, or
+``submit_op``/``went_on`` with the record once it does not end inside its call).
 
 What it guarantees:
 
@@ -210,7 +213,13 @@ class Engine(FailureFanout):
         return self.submit_op(group, op, start, retire)
 
     def submit_op(
-        self, group: GroupState, op: Operation, start: Starter, retire: bool = True, site: Any = None
+        self,
+        group: GroupState,
+        op: Operation,
+        start: Starter,
+        retire: bool = True,
+        site: Any = None,
+        begun: bool = False,
     ) -> Work:
         """Sequence the operation ``op`` (its record, as the public layer built it) in ``group``,
         start it now and return its Work: every operation's one lifecycle.
@@ -226,13 +235,16 @@ class Engine(FailureFanout):
         shared-memory arena's all_reduce): no message under its tag can come later, so its tag
         is not kept as finished (what reports a message that comes after all as a mismatch).
         ``site``: where it was called, when its caller read it already (``site``: a row's
-        straight path that did not end at once); None: read here.
+        straight path that did not end at once); None: read here. ``begun``: a point-to-point
+        operation that a row's straight path began once ``straight_open`` said it may, and that
+        goes on from there (``start``): it is not refused now for a group that broke meanwhile
+        (its message may be consumed already); its end says what happened.
 
         Raises:
             the group's failure, when an earlier operation broke it (fail fast).
         """
         kind = op.kind
-        if self._closed:
+        if self._closed and not begun:
             raise DistError(f"{kind}: the process group is destroyed")
         p2p_tag = op.p2p_tag
         if p2p_tag is None:
@@ -246,7 +258,7 @@ class Engine(FailureFanout):
             seq = -1
             tag = ("p", group.gid, p2p_tag)
             sig = None  # (a message's meta is no signature: point-to-point has no sequence)
-            if group.broken is not None:
+            if group.broken is not None and not begun:
                 self._check_usable(group, kind, seq, op.peers, tag)
         op.seq = seq
         op.group = group

@@ -1,15 +1,16 @@
 """How a group's operations run: the providers (the rows of a group's table), the one selection
 function, the table.
 
-Imports foundations (aiocoll.algorithms, the device staging of aiocoll.device) and the client's
-engine, operation record, arenas (client/data/_shm_arena.py, client/data/_shm_coll.py), routes
-(client/data/routing.py), object row (client/data/_objects.py) and the links' transport
-(client/data/transports/_link.py); never the public surface. The public layer checks a call's arguments,
-builds its record (client/data/_operation.Operation) and submits it to the group's
-``ProviderTable``, which hands it to the first row that takes it; a send or receive of host
-memory it hands to the table's ``send`` or ``recv`` with the call's fields, and the p2p row
-makes the record only for one that does not end inside the call. Nothing else decides how an
-operation runs: collective, point-to-point, object or group formation, host or device memory.
+Imports foundations (aiocoll.algorithms, aiocoll._work, the device staging and working arrays of
+aiocoll.device) and the client's engine, operation record, arenas (client/data/_shm_arena.py,
+client/data/_shm_coll.py), routes (client/data/routing.py), object row (client/data/_objects.py) and
+the links' transport (client/data/transports/_link.py); never the public surface. The public layer
+checks a call's arguments, builds its record (client/data/_operation.Operation) and submits it to
+the group's ``ProviderTable``, which hands it to the first row that takes it; a send or receive of
+host memory, and an all_reduce of host memory, it hands to the table's ``send``, ``recv`` or
+``all_reduce`` with the call's fields, and the p2p or arena row makes the record only for one that
+does not end inside the call. Nothing else decides how an operation runs: collective, point-to-
+point, object or group formation, host or device memory.
 
 Every row declares, once, what it takes: its kinds, its memory (host or device) and its
 priority. ``select_providers`` queries the rows available to the group when the group is made
@@ -60,6 +61,7 @@ from aiocoll.device._staged_ops import RunPart, StagedOp, p2p_chunk_tag
 from aiocoll.device._tensors import Working
 
 from ._objects import ObjectProvider
+from ._op_record import checked_timeout
 from ._operation import (
     COLLECTIVE_KINDS,
     DEVICE,
@@ -172,56 +174,66 @@ class P2PProvider:
     def send(self, peer: int, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
         """Send ``w``'s array to global rank ``peer`` with the user's ``tag``."""
         engine, group = self._engine, self._state
+        timeout = checked_timeout(timeout)  # (refused before anything runs)
         array = w.array
-        start = self._send
-        if engine.straight_open(group):
-            started = _monotonic()
+        if not engine.straight_open(group):
+            op = p2p_operation("send", meta, array, w, HOST, peer, tag, timeout)
+            return engine.submit_op(group, op, self._send, True, engine.site())
+        started = _monotonic()
+        start: Starter | None = None
+        try:
             rest = group.transport.send_nowait(peer, ("p", self._gid, tag), array.data, meta)
-            # (the site is read once the message is on its way: a receiver waiting for it
-            # need not wait for that too)
-            site = engine.site()
-            if rest is None:
-                return engine.ended_at_once("send", group, -1, None, started, site, None)
-            start = _handing_off(peer, rest)
+        except Exception as exc:  # (a link lost on the way: the Work says so, as for any send)
+            start = _raising(exc)
         else:
-            site = engine.site()
+            if rest is not None:
+                start = _handing_off(peer, rest)
+        # (the site is read once the message is on its way: a receiver waiting for it need not
+        # wait for that too)
+        site = engine.site()
+        if start is None:
+            return engine.ended_at_once("send", group, -1, None, started, site, None)
         op = p2p_operation("send", meta, array, w, HOST, peer, tag, timeout)
-        return engine.submit_op(group, op, start, True, site)
+        return engine.submit_op(group, op, start, True, site, begun=True)
 
     def recv(self, peer: int | None, tag: int, w: Working, meta: dict[str, Any], timeout: Any) -> Work:
         """Receive into ``w``'s array from global rank ``peer`` (None: any) with ``tag``."""
         engine, group = self._engine, self._state
+        timeout = checked_timeout(timeout)  # (refused before anything runs)
         site = engine.site()
         array = w.array
-        start = self._recv
-        if peer is not None and not w.staged:
-            key = ("p", self._gid, tag)
-            if key not in self._waiting and engine.straight_open(group):
-                started = _monotonic()
-                into = array.data.cast("B")
-                here: tuple[int, dict[str, Any]] | None = None
-                failed: MismatchError | None = None
-                try:
-                    here = group.transport.recv_now(peer, key, into)
-                    if here is not None and not here[1].get("chunks"):
-                        got = received(meta, tag, here[0], here[1], self._ranks, self._gid)
-                        return engine.ended_at_once("recv", group, -1, None, started, site, got)
-                except MismatchError as exc:
-                    failed = exc if here is None else None  # (a wrong dtype: _landed says it again)
-                start = _landing(self, peer, into, here, failed)
+        key = ("p", self._gid, tag)
+        if peer is None or w.staged or key in self._waiting or not engine.straight_open(group):
+            op = p2p_operation("recv", meta, array, w, HOST, peer, tag, timeout)
+            return engine.submit_op(group, op, self._recv, True, site)
+        started = _monotonic()
+        into = array.data.cast("B")
+        here: tuple[int, dict[str, Any]] | None = None
+        start: Starter
+        try:
+            here = group.transport.recv_now(peer, key, into)
+            if here is not None and not here[1].get("chunks"):
+                got = received(meta, tag, here[0], here[1], self._ranks, self._gid)
+                return engine.ended_at_once("recv", group, -1, None, started, site, got)
+            start = _landing(self, peer, into, here, None)
+        except MismatchError as exc:  # (consumed: a wrong size, or a wrong dtype _landed says again)
+            start = _landing(self, peer, into, here, exc if here is None else None)
+        except Exception as exc:  # (a link lost on the way: the Work says so, as for any receive)
+            start = _raising(exc)
         op = p2p_operation("recv", meta, array, w, HOST, peer, tag, timeout)
-        return engine.submit_op(group, op, start, True, site)
+        return engine.submit_op(group, op, start, True, site, begun=True)
 
     def _send_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
         # A send completes once handed off: a small one usually is, inside this call (its Work
         # is born complete); the rest of a larger one runs as a task. (A working array is 1-D
         # and contiguous: its buffer is handed over as it is, and the links send its bytes
         # whatever its format.)
-        rest = op.send_nowait(op.peers[0], tag, op.inputs[0].data, op.meta)
+        peer = op.peers[0]
+        rest = op.group.transport.send_nowait(peer, tag, op.inputs[0].data, op.meta)
         if rest is None:
             finish(None, None)
             return HANDED_OFF
-        return as_starter(awaiting(rest))(tag, op, finish)
+        return _handing_off(peer, rest)(tag, op, finish)
 
     def _recv_starter(self, tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
         peers = op.peers
@@ -312,11 +324,21 @@ class P2PProvider:
 
 
 def _handing_off(peer: int, rest: Awaitable[None]) -> Starter:
-    """The starter of a send the transport took in part at once (P2PProvider.send): it runs as
-    a task that awaits the rest of the hand-off."""
+    """The starter of a send the transport took in part at once: it runs as a task that awaits
+    the rest of the hand-off, counted as the operation's wait for ``peer``."""
 
     def start(tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
         return as_starter(awaiting(op.sending(peer, rest)))(tag, op, finish)
+
+    return start
+
+
+def _raising(exc: Exception) -> Starter:
+    """The starter of an operation whose straight path failed in the transport: it fails with
+    ``exc`` as a starter that raised does (Engine.submit_op)."""
+
+    def start(tag: Tag, op: OpTransport, finish: Finish) -> Stoppable:
+        raise exc
 
     return start
 
