@@ -266,6 +266,9 @@ async def _receive_while_rank_0_dies(pg: Any, size: int, inherited: set[str]) ->
 
     into = np.zeros(size, np.uint8)
     receiving = pg.recv(into, src=0) if pg.rank == 1 else None
+    # (a turn of the loop: the receive, which waits as a task, is posted before the barrier lets
+    # rank 0 send; a barrier that completes inside its call would not give it one)
+    await asyncio.sleep(0)
     await pg.barrier()
     t0 = time.monotonic()
     res: dict[str, Any] = {"error": None}
