@@ -55,7 +55,6 @@ from ._waiting import LATE_YIELD_S, PLAIN_SPIN_S, SpinBudget, host_contended, na
 __all__ = ["STORES_IN_ORDER", "ShmOp", "ShmScheduler", "ShmWaker"]
 
 _RECHECK_S = 0.2  # a sleeping operation re-checks this often even without a wake-up
-_PLAIN_SPIN_S = PLAIN_SPIN_S  # of a spin, checks without yielding the CPU first
 # Between the steps of a large operation the peers are a copy away: sleeping there hands the
 # core to the scheduler and costs a wake-up latency per step (milliseconds on a busy machine).
 _INNER_SPIN_S = 1e-3
@@ -203,7 +202,7 @@ class ShmScheduler:
         # More ranks than cores: a waiting rank's spin holds a core a peer needs, so keep it short.
         shared = oversubscribed(ranks_on_host)
         self._oversubscribed = shared
-        self._step_plain_s = _PLAIN_SPIN_S if shared else _STEP_PLAIN_S
+        self._step_plain_s = PLAIN_SPIN_S if shared else _STEP_PLAIN_S
         if spin_s is None:
             spin_us = env_float("AIOCOLL_SHM_SPIN_US")
             spin_s = (spin_us if spin_us is not None else 20.0 if shared else 100.0) * 1e-6
@@ -408,7 +407,7 @@ class ShmScheduler:
             return False
         if self._oversubscribed:
             return spin(self._check_of(wait), self._budget, 0.0, _HANDOFFS)
-        return spin(self._check_of(wait), self._budget, _PLAIN_SPIN_S)
+        return spin(self._check_of(wait), self._budget, PLAIN_SPIN_S)
 
     def _nap_off_loop(self, wait: Wait) -> bool:
         """Started on a thread other than the loop's (a blocking caller that took the loop's
@@ -424,7 +423,7 @@ class ShmScheduler:
         if not self._off_loop() or waker.sleeping:
             return False  # (groups sleeping in the loop: it must watch the eventfd meanwhile)
         if not (self._oversubscribed or self._beside_now):
-            if spin(self._check_of(wait), SpinBudget(_OFF_LOOP_SPIN_S), _PLAIN_SPIN_S):
+            if spin(self._check_of(wait), SpinBudget(_OFF_LOOP_SPIN_S), PLAIN_SPIN_S):
                 return True
         waker.unwatch()
         try:
@@ -470,7 +469,7 @@ class ShmScheduler:
     def _wait_step(self, wait: Wait, beside: bool = False) -> bool:
         """Wait up to _INNER_SPIN_S between the steps of a large operation, where the peers are
         a copy away. First spin without yielding for _STEP_PLAIN_S (a peer on another core is
-        usually that close; a yield or a sleep would cost a wake-up), or only _PLAIN_SPIN_S
+        usually that close; a yield or a sleep would cost a wake-up), or only PLAIN_SPIN_S
         with more ranks than cores (the peer may be queued on ours). Then, while every runnable
         task on the host has a core (the kernel's count in /proc/loadavg), go on spinning, as
         MPI does. When tasks queue for the cores, yield the core at each check, which

@@ -632,6 +632,10 @@ class ProviderTable:
             for m, t in by.items()
         }
         self.chosen = {m: {k: [p.name for p in ps] for k, ps in t.items()} for m, t in by.items()}
+        # the row whose straight path takes a host all_reduce: the arena, when it is the first
+        # row for it (it takes every in-place one, as the API's all_reduce is)
+        first = by.get(HOST, {}).get("all_reduce", ())
+        self._reduce_row = arena if arena is not None and first and first[0] is arena else None
 
     @property
     def arena(self) -> ShmGroup | None:
@@ -671,10 +675,10 @@ class ProviderTable:
         """
         if self._links_seen != self._links.links_version:
             self._select_again("all_reduce")
-        arena = self._arena
-        if arena is not None and w.memory == HOST:  # (the highest row for it, in place)
-            self.ran = arena.name
-            return arena.all_reduce(self._engine, self._state, w, reduce_op, meta, tensor, timeout)
+        row = self._reduce_row
+        if row is not None and w.memory == HOST:
+            self.ran = row.name
+            return row.all_reduce(self._engine, self._state, w, reduce_op, meta, tensor, timeout)
         op = all_reduce_operation(meta, w.array, w, reduce_op, tensor, timeout, w.memory)
         start, retire = self._row_for(op)
         return self._engine.submit_op(self._state, op, start, retire)
