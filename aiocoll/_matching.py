@@ -1,9 +1,10 @@
 """The message matcher: one per process, sans-IO (events in, outcomes out; no sockets, no loop).
 
-Imports only the standard library and aiocoll._errors; never asyncio, sockets, numpy, client/,
-server/ or the public surface. Every link kind (client/data/transports: tcp, shm, and memory for unit
-tests) feeds the one Matcher of its process, so the rules below hold identically whatever carries
-the bytes, and nothing else in aiocoll matches messages.
+Imports only the standard library, aiocoll._errors and its records (aiocoll/_match_records.py:
+tags, completions, posted and polled receives, early messages; re-exported here); never asyncio,
+sockets, numpy, client/, server/ or the public surface. Every link kind (client/data/transports:
+tcp, shm, and memory for unit tests) feeds the one Matcher of its process, so the rules below hold
+identically whatever carries the bytes, and nothing else in aiocoll matches messages.
 
 Rules (the Transport contract of aiocoll/algorithms/_transport.py, decided here once):
 
@@ -55,10 +56,20 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable, Hashable
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from aiocoll._errors import DistError, MismatchError, PeerLostError
+from aiocoll._errors import DistError, PeerLostError
+from aiocoll._match_records import (
+    Completion,
+    Early,
+    Flow,
+    Polled,
+    Posted,
+    StrayHandler,
+    Tag,
+    length_mismatch,
+)
 
 __all__ = [
     "Completion",
@@ -75,88 +86,11 @@ __all__ = [
 
 log = logging.getLogger("aiocoll.matching")
 
-Tag = tuple[Hashable, ...]
-StrayHandler = Callable[[int, Tag, dict[str, Any]], None]
 # An early payload at least this large is landed by ``claim`` in memory from ``landing`` (the
 # transport's uninitialised allocation), since zeroing a buffer about to be overwritten costs as
 # much as receiving it; smaller ones are left to the link's own allocation.
 LARGE_PAYLOAD = 64 * 1024
 _DISCARD_MEMORY = 4096
-
-
-class Completion(Protocol):
-    """Where a receive's outcome goes: ``(src, meta)``, or ``(src, meta, memory)`` for an in-place
-    receive, or an exception; ``cancel`` when the receive is discarded."""
-
-    def done(self) -> bool: ...
-
-    def set_result(self, result: Any) -> None: ...
-
-    def set_exception(self, exception: BaseException) -> None: ...
-
-    def cancel(self) -> bool: ...
-
-
-class Flow(Protocol):
-    """A link's reading side, switched by the matcher for backpressure."""
-
-    def pause_reading(self) -> None: ...
-
-    def resume_reading(self) -> None: ...
-
-
-class Posted:
-    """A posted receive. ``in_place``: its result names the memory holding the payload (``into``,
-    or the buffer an early payload already landed in, which is then not copied)."""
-
-    __slots__ = ("done", "in_place", "into", "order", "src", "tag")
-
-    def __init__(
-        self, src: int | None, tag: Tag, into: memoryview, done: Completion, order: int, in_place: bool
-    ):
-        self.src = src
-        self.tag = tag
-        self.into = into
-        self.done = done
-        self.order = order
-        self.in_place = in_place
-
-
-class Polled:
-    """A polled receive and its completion (see the module header): ``outcome`` is
-    ``(src, meta)``, None while nothing came, or raises what failed it (a size mismatch)."""
-
-    __slots__ = ("error", "into", "prev", "result", "src", "tag")
-
-    def __init__(self, src: int, tag: Tag, into: memoryview, prev: Polled | None) -> None:
-        self.src = src
-        self.tag = tag
-        self.into = into
-        self.result: tuple[int, dict[str, Any]] | None = None
-        self.error: BaseException | None = None
-        self.prev = prev  # the receive polled when this one started (nested), restored after
-
-    def bound(self) -> Posted:
-        """This receive as a posted one, once ``claim`` binds it to a message (rare: most come
-        whole, through ``deliver`` or ``arrived``)."""
-        return Posted(self.src, self.tag, self.into, self, -1, False)
-
-    def done(self) -> bool:
-        return self.result is not None or self.error is not None
-
-    def set_result(self, result: Any) -> None:
-        self.result = result
-
-    def set_exception(self, exception: BaseException) -> None:
-        self.error = exception
-
-    def cancel(self) -> bool:
-        return False
-
-    def outcome(self) -> tuple[int, dict[str, Any]] | None:
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 class _Mismatched:
@@ -172,28 +106,6 @@ class _Mismatched:
 # message landed (``unpoll``): it lands in that receive's buffer, which may be its caller's again
 # by then, so what is kept of it is a copy.
 _UNBOUND: Any = object()
-
-
-class Early:
-    """A message that arrived before its receive."""
-
-    __slots__ = ("meta", "payload", "src")
-
-    def __init__(self, src: int, meta: dict[str, Any], payload: memoryview):
-        self.src = src
-        self.meta = meta
-        self.payload = payload
-
-
-def length_mismatch(src: int, tag: Tag, got: int, want: int, meta: dict[str, Any]) -> MismatchError:
-    """The error for a payload of ``got`` bytes where the receive expected ``want``."""
-    err = MismatchError(
-        f"rank {src} sent {got} bytes for message {tag!r} but this rank expected {want}: the ranks "
-        f"called the operation with different sizes or dtypes (sender's signature: {meta!r})",
-        ranks=[src],
-    )
-    err.remote_meta = meta  # type: ignore[attr-defined]
-    return err
 
 
 def _take_matching(posted: dict[Any, deque[Posted]], matches: Callable[[Any], bool]) -> list[Posted]:

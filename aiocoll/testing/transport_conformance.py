@@ -2,7 +2,7 @@
 
 Part of the public testing surface; imports pytest, aiocoll's foundations and the link kinds of
 client/data/transports. The Transport (aiocoll/algorithms/_transport.py) of a worker is a
-LinkTransport whose per-peer links are of some kind (client/data/transports/_link.py); this suite
+LinkTransport whose per-peer links are of some kind (client/data/transports/_link_interface.py); this suite
 runs every method the engine and the driver call (send, send_nowait, recv, recv_landed,
 post_recv, post_recv_landed, discard, retire/on_stray, on_peer_lost, mark_lost, lost_peers,
 debug_state, aclose, abort) over a world whose links are all of one kind, for each kind in

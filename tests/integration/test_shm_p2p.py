@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from aiocoll.client.data._waiting import SpinBudget
-from aiocoll.client.data.transports import _link, shm
+from aiocoll.client.data.transports import _in_place, _loop_polling, shm
 from aiocoll.client.data.transports._link import LinkTransport
 from aiocoll.client.data.transports.shm import ShmLink
 
@@ -675,11 +675,11 @@ async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it(
         try:
             assert to_b.peer_waits()
             # only the peer's wait may end this spin (not its budget, nor a late yield on a busy host)
-            a._straight_spin = SpinBudget(60.0)
-            monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)
+            a._in_place.budget = SpinBudget(60.0)
+            monkeypatch.setattr(_in_place, "LATE_YIELD_S", 60.0)
             assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None
             assert a.mutual_waits == 1
-            assert a._straight_spin.now == 30.0  # spinning was no use: halved, not doubled
+            assert a._in_place.budget.now == 30.0  # spinning was no use: halved, not doubled
             assert a.send_nowait(1, ("m", 1), memoryview(b"abcd"), {}) is None
             assert to_b.mail_out == 1  # in the mailbox, which b has yet to take
             assert not to_b.peer_waits()
@@ -689,7 +689,7 @@ async def test_a_receive_stops_spinning_for_a_peer_that_waits_in_place_for_it(
         assert await b.recv(0, ("m", 1), memoryview(got)) == (0, {})
         assert got == b"abcd"
         assert not to_b.peer_waits()
-        a._straight_spin = SpinBudget(1e-3)
+        a._in_place.budget = SpinBudget(1e-3)
         assert a.recv_now(1, ("reply",), memoryview(bytearray(4))) is None  # its spin ran out
         assert a.mutual_waits == 1
     finally:
@@ -720,9 +720,9 @@ async def test_a_message_mailed_during_a_receives_spin_is_taken_there_straight_o
     tag goes to the matcher, after which the receive polls through the matcher and still gets
     its own. Real shared memory and sockets, one process: the peer's sends are made from inside
     the spin's yields."""
-    monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)  # only a message ends the spin
+    monkeypatch.setattr(_in_place, "LATE_YIELD_S", 60.0)  # only a message ends the spin
     async with _shm_pair() as (a, b):
-        b._straight_spin = SpinBudget(60.0)
+        b._in_place.budget = SpinBudget(60.0)
         sends: list[tuple[tuple[str], bytes]] = []
         yield_cpu = os.sched_yield
 
@@ -817,7 +817,7 @@ async def test_a_receive_waiting_in_the_loop_gets_a_mailed_message_without_a_wak
     a receive finds it before it would be posted. Real shared memory and sockets, one process."""
     from aiocoll.testing.transport_conformance import close_world, shm_world
 
-    monkeypatch.setattr(_link, "_POLL_S", 60.0)  # the polling outlasts any pause of a busy host
+    monkeypatch.setattr(_loop_polling, "_POLL_S", 60.0)  # the polling outlasts any pause of a busy host
     world = await shm_world(2)
     try:
         a, b = world
@@ -853,9 +853,9 @@ async def test_a_spin_that_ran_out_before_its_message_came_grows_back(
     receive then got its message while waiting in the loop grows its budget to twice that wait,
     within the most a spin may last: without it, a budget too short to take any reply would
     never grow back. Not when this rank sent meanwhile (the message may answer that)."""
-    monkeypatch.setattr(_link, "LATE_YIELD_S", 60.0)  # only the budget ends the spin
+    monkeypatch.setattr(_in_place, "LATE_YIELD_S", 60.0)  # only the budget ends the spin
     async with _shm_pair() as (a, b):
-        budget = a._straight_spin = SpinBudget(60.0)
+        budget = a._in_place.budget = SpinBudget(60.0)
         budget.now = 5e-6
         got = bytearray(4)
         assert a.recv_now(1, ("m",), memoryview(got)) is None  # ran out

@@ -168,22 +168,14 @@ def test_only_the_cuda_device_module_calls_torch_cuda() -> None:
 
 
 def test_the_matcher_is_sans_io_and_link_kinds_sit_in_the_client_layer() -> None:
-    """aiocoll/_matching.py is a foundation that touches no sockets and no event loop (every link
-    kind feeds it); the link interface, its kinds and their factory live in client/data/transports."""
-    matching = ROOT / "aiocoll" / "_matching.py"
-    assert _layer(_module_name(matching)[0]) == "foundation"
-    tree = ast.parse(matching.read_text())
-    imported = {
-        alias.name.split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Import)
-        for alias in node.names
-    }
-    imported |= {
-        (node.module or "").split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-    }
-    assert not imported & {"asyncio", "socket", "selectors", "numpy", "uvloop"}, imported
-    for name in ("_link", "_factory", "tcp", "memory"):
+    """aiocoll/_matching.py and its records (aiocoll/_match_records.py) are foundations that touch
+    no sockets and no event loop (every link kind feeds them); the link interface, the transport,
+    its waits, its kinds and their factory live in client/data/transports."""
+    for rel in ("aiocoll/_matching.py", "aiocoll/_match_records.py"):
+        assert _layer(_module_name(ROOT / rel)[0]) == "foundation"
+        imported = _top_level_imports(rel)
+        assert not imported & {"asyncio", "socket", "selectors", "numpy", "uvloop"}, (rel, imported)
+    for name in ("_link_interface", "_link", "_in_place", "_loop_polling", "_factory", "tcp", "memory"):
         module, _ = _module_name(ROOT / "client" / "data" / "transports" / f"{name}.py")
         assert _layer(module) == "client", module
 

@@ -1,6 +1,7 @@
-"""The worker's transport: per-peer links of several kinds behind one interface (_link.py), the
-one factory that picks a kind per peer (_factory.py), what the kinds share (_kind.py), and the
-kinds (tcp, shm; memory for tests).
+"""The worker's transport: per-peer links of several kinds behind one interface
+(_link_interface.py), the one transport they plug into (_link.py, with its in-place waits in
+_in_place.py and its loop polling in _loop_polling.py), the one factory that picks a kind per peer
+(_factory.py), what the kinds share (_kind.py), and the kinds (tcp, shm; memory for tests).
 
 Imports only foundations and the modules of this package; never the public surface.
 """

@@ -15,9 +15,10 @@ setting ``AIOCOLL_TRANSPORT`` (or the ``choice`` argument, for tests and benchma
 
 Every member computes the same choice from the same table, so both ends of a pair agree.
 
-Adding a link kind (a GPU-direct link, say): write its Link (see _link.py), a ``LinkKind`` whose ``connect``
-makes the links for the peers it was given and ``attach``es them to the transport, add it to
-``KINDS`` (and to ``AUTO_ORDER`` where ``auto`` should prefer it). Nothing else changes.
+Adding a link kind (a GPU-direct link, say): write its Link (see _link_interface.py), a
+``LinkKind`` whose ``connect`` makes the links for the peers it was given and ``attach``es them
+to the transport, add it to ``KINDS`` (and to ``AUTO_ORDER`` where ``auto`` should prefer it).
+Nothing else changes.
 """
 
 from __future__ import annotations

@@ -1,56 +1,30 @@
-"""Per-peer links behind one interface, and the one process-level transport they plug into.
+"""The one process-level transport that per-peer links plug into (LinkTransport), and the names
+other modules import with it (the link interface, re-exported from _link_interface.py).
 
 Imports only foundations (aiocoll._errors, aiocoll._deadline, aiocoll._matching,
-aiocoll.algorithms._transport) and the wait policy (client/data/_waiting.py); never the public
-surface. A link kind is a plug-in: adding one (as shm was added beside tcp) means writing a
-``Link`` subclass and its connector (see _factory.py), nothing else; the engine, the driver and
-the matcher never learn which kind carries a message.
-
-The interface, both directions:
-
-``Link`` (one object per peer, made by its kind's connector) must provide
-  - ``peer`` (the other end's global rank), ``kind`` (a class attribute: "tcp", "memory", ...)
-    and ``closed`` (True once closed, never reset);
-  - ``send_nowait(tag, payload, meta)``: queue one message, FIFO with every other message on this
-    link; return None once ``payload`` was handed off (the caller may reuse it), else an awaitable
-    that finishes when it was. Cancelling that awaitable withdraws the message if none of it has
-    left yet (the stream stays whole either way). Raise PeerLostError when the link is closed;
-  - ``pause_reading()`` / ``resume_reading()``: stop and restart taking messages from the peer
-    (the matcher calls them for backpressure; a paused link must make its peer's sends wait once
-    whatever buffering the medium has is full, never drop or reorder);
-  - ``close(reason, lost=...)``: close at once (queued sends fail with PeerLostError); ``lost``
-    says whether this was unexpected (a crash, a cut) or orderly; twice is fine;
-  - ``aclose()``: an orderly goodbye (the peer sees an orderly close), bounded in time, then
-    ``close(..., lost=False)``; twice is fine;
-  - ``debug_state()``: a small dict for diagnosing a stuck operation.
-
-and must report to its ``LinkHost`` (the LinkTransport it was attached to):
-  - every message it takes from the peer, to ``host.matcher``: ``claim(peer, tag, nbytes)`` when it
-    learns a payload's length before its bytes (land them where it answers, then
-    ``landed(peer, tag, meta, payload)``), or ``arrived(peer, tag, meta, payload)`` for a whole
-    message it did not claim (the matcher keeps ``payload`` without copying: it must stay valid);
-  - its closing, once, to ``host.link_closed(link, reason, lost)``, from inside ``close``.
+aiocoll.algorithms._transport) and this package's link interface (_link_interface.py), in-place
+waits (_in_place.py) and loop polling (_loop_polling.py); never a kind's module or the public
+surface. The link interface, both directions, is described in _link_interface.py.
 
 ``LinkTransport`` (one per process) is the Transport of aiocoll/algorithms/_transport.py over a
 dict of links, one per peer, of any mix of kinds: it routes sends by destination, matches every
 receive with its one Matcher, turns a link's close into PeerLostError for the receives bound to
 that peer, and runs the lost-peer handlers. A connector makes a link and calls ``attach(link)``;
-``wait_links(peers, deadline)`` waits until every expected peer has one.
+``wait_links(peers, deadline)`` waits until every expected peer has one. A receive that can
+complete inside its call (``recv_now``) waits in place (_in_place.py); one posted to wait keeps
+the event loop polling its link for a moment (_loop_polling.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import time
-from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection
-from typing import Any, ClassVar, Protocol
+from typing import Any
 
 from aiocoll._deadline import Deadline
 from aiocoll._errors import DistError, MismatchError, PeerLostError, RendezvousError
-from aiocoll._matching import Matcher, Polled, Posted
+from aiocoll._matching import Matcher, Posted
 from aiocoll.algorithms._transport import (
     LandedCallback,
     LostPeerHandler,
@@ -60,118 +34,13 @@ from aiocoll.algorithms._transport import (
     Transport,
 )
 
-from .._waiting import LATE_YIELD_S, PLAIN_SPIN_S, SPIN_MIN_S, SpinBudget, oversubscribed, spin
+from ._in_place import InPlaceWaits
+from ._link_interface import Link, LinkHost, as_bytes_view
+from ._loop_polling import LoopPolling
 
 __all__ = ["Link", "LinkHost", "LinkTransport", "as_bytes_view"]
 
 log = logging.getLogger("aiocoll.client.links")
-
-_EMPTY = memoryview(b"")
-# Receives waiting for peers whose links poll (Link.poll_while_waiting) keep the event loop
-# turning without sleeping for up to _POLL_S each. After _POLL_MISSES waits in a row outlast
-# that, polling stops for _POLL_OFF_S and is then tried again, so a rank whose messages come
-# rarely wastes a fraction of a percent of a core.
-_POLL_S = 200e-6
-_POLL_MISSES = 4
-_POLL_OFF_S = 0.05
-# A receive that can complete inside its call (recv_now) reads its peer's link in place for up to
-# this long (the wait policy's spin, client/data/_waiting.py) before it waits in the event loop.
-# A reply takes the peer's receive and send, tens of microseconds of Python each, and a sleep
-# in the loop costs a wake-up of about as much again: a shorter budget misses most replies. The
-# budget halves after each miss, so a rank whose messages come late soon spins for little (it
-# adapts on its own: the pause of the loop's polling after misses does not stop it).
-_STRAIGHT_SPIN_S = 1e-3
-# ... unless the peer waits for us meanwhile (Link.peer_waits), for at least this long: it sends
-# nothing before its own wait ends, so spinning on only holds both ranks up. (Not at once: a peer
-# that has just taken our last message still says it waits for a moment.)
-_MUTUAL_WAIT_S = 20e-6
-
-
-def as_bytes_view(buf: memoryview) -> memoryview:
-    """``buf`` as a flat byte view (no copy); the empty view for an empty buffer."""
-    if buf.format == "B" and buf.ndim == 1:
-        return buf
-    if not len(buf):
-        return _EMPTY
-    return buf.cast("B")
-
-
-class LinkHost(Protocol):
-    """What a link reports to (a LinkTransport)."""
-
-    matcher: Matcher
-
-    def link_closed(self, link: Link, reason: str, lost: bool) -> None: ...
-
-
-class Link(ABC):
-    """One peer's link, of one kind (see the module header for the whole contract)."""
-
-    kind: ClassVar[str]
-    peer: int
-    closed: bool
-    # Whether a receive waiting for this peer keeps the event loop polling for a bounded time
-    # (LinkTransport._poll_while_waiting) rather than letting it sleep: for peers whose messages
-    # come within microseconds (this host), a sleep and its wake-up cost more than the wait.
-    poll_while_waiting: ClassVar[bool] = False
-
-    @abstractmethod
-    def send_nowait(self, tag: Tag, payload: memoryview, meta: dict[str, Any]) -> Awaitable[None] | None:
-        """Queue one message; None once handed off, else an awaitable finishing the hand-off.
-
-        Raises:
-            PeerLostError: the link is closed.
-        """
-
-    def read_now(self) -> bool:
-        """Take in what the peer sent so far, here and now, as the event loop's reader would
-        (its frames are dispatched to the matcher the same way); True when a frame came. A
-        receive that expects a reply within microseconds polls with this instead of letting the
-        loop sleep (LinkTransport.recv_now). Links without such a read return False."""
-        return False
-
-    def take_now(self, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | bool:
-        """``read_now`` for a receive of the next message ``tag`` from this peer, when nothing
-        in the matcher comes before it (LinkTransport.recv_now): a message that the link holds
-        whole in memory of its own (the shm kind's mailbox), of that tag and ``len(into)``
-        bytes, is copied into ``into`` and its (peer, meta) returned; else True when something
-        else came (handed to the matcher, or announced and left for ``read_now``: the receive
-        then goes through the matcher), False when nothing did."""
-        return self.read_now()
-
-    def peer_waits(self) -> bool:
-        """Whether the peer waits in place for a message from us (its receive's spin, ``watch``)
-        and has taken in all we sent: then it sends us nothing before its wait ends. Links
-        that cannot tell return False."""
-        return False
-
-    def watch(self, on: bool, in_place: bool = True) -> None:
-        """A receive starts (True) or stops (False) calling ``read_now`` in a spin (``in_place``),
-        or the event loop's polling turns do (LinkTransport._poll_turn): a link whose peer can
-        hand it a message in memory while it is read (the shm kind's mailbox) tells the peer so,
-        which then need not wake this rank, and takes what came as it stopped. Others do
-        nothing."""
-        return None
-
-    @abstractmethod
-    def pause_reading(self) -> None:
-        """Stop taking messages from the peer (its sends wait once the medium's buffers fill)."""
-
-    @abstractmethod
-    def resume_reading(self) -> None:
-        """Take messages from the peer again."""
-
-    @abstractmethod
-    def close(self, reason: str, *, lost: bool) -> None:
-        """Close at once; reports to the host once. Twice is fine."""
-
-    @abstractmethod
-    async def aclose(self) -> None:
-        """Say goodbye (bounded in time), then close as orderly. Twice is fine."""
-
-    @abstractmethod
-    def debug_state(self) -> dict[str, Any]:
-        """A small dict for diagnosing a stuck operation."""
 
 
 class _Notify:
@@ -246,26 +115,9 @@ class LinkTransport(Transport):
         # and what to close with the transport.
         self.kind_state: dict[str, Any] = {}
         self._closers: list[Callable[[], None]] = []
-        self._polled: list[Callable[[], bool]] = []  # done() of each receive being polled for
-        self._watched: dict[int, Link] = {}  # the links those receives wait on (Link.watch)
-        self._poll_until = 0.0
-        self._poll_misses = 0
-        self._poll_off_until = 0.0
-        # receives done while this rank polled for them, in place (recv_now) or with the event
-        # loop kept turning (_poll_while_waiting), instead of sleeping (diagnostics)
-        self.polled_arrivals = 0
-        self._straight_spin = SpinBudget(_STRAIGHT_SPIN_S)
-        # the wait policy's first stage for an in-place spin (_spin_for): checks without
-        # yielding, unless this host has more ranks than cores; for the links of links_version
-        self._plain_s = 0.0
-        self._plain_for = -1
-        # the last in-place spin that ran out: its peer, when it started, the sends made before it
-        self._missed: tuple[int, float, int] | None = None
-        self._sends = 0  # messages sent so far (see _posted_result)
-        # in-place receives that stopped as their peer waited for us, or as other work held our
-        # core (diagnostics)
-        self.mutual_waits = 0
-        self.late_yields = 0
+        self._sends = 0  # messages sent so far (see InPlaceWaits.came_after_miss)
+        self._in_place = InPlaceWaits(self.matcher)  # recv_now's waits
+        self._polling = LoopPolling(self._links, self._get_loop)  # posted receives' waits
         if rank is not None and world_size is not None:
             self.assign(rank, world_size)
 
@@ -324,6 +176,7 @@ class LinkTransport(Transport):
         self._links[peer] = link
         self._was_linked.add(peer)
         self.links_version += 1
+        self._in_place.links_changed(self._links.values())
         self.matcher.attach(peer, link)
         fut = self._link_ready.get(peer)
         if fut is not None and not fut.done():
@@ -378,6 +231,7 @@ class LinkTransport(Transport):
         if self._links.get(peer) is link:
             del self._links[peer]
             self.links_version += 1
+            self._in_place.links_changed(self._links.values())
         loop = self._loop
         if loop is None or self._closed or loop.is_closed():
             self._peer_gone(peer, reason, lost)
@@ -509,37 +363,26 @@ class LinkTransport(Transport):
         the wait is cancelled)."""
         fut: asyncio.Future[Any] = self._get_loop().create_future()
         posted = self._post(src, tag, into, fut, in_place)
-        self._poll_while_waiting(src, fut.done)
+        self._polling.poll_for(src, fut.done)
         try:
             result = await fut
         except asyncio.CancelledError:
             self.matcher.unpost(posted)
             raise
-        missed = self._missed
-        if missed is not None and missed[0] == src:
-            # This receive's in-place spin ran out (recv_now, then here): when its message came
-            # within the most a spin may last, and this rank sent nothing meanwhile that the
-            # message may have answered, a longer spin would have taken it without the sleep,
-            # so the budget grows to twice that wait. Without this, misses in a row (a peer held
-            # off the CPU for a while) would leave the budget too short to ever take a reply
-            # again, and so never grow back.
-            self._missed = None
-            waited = time.perf_counter() - missed[1]
-            budget = self._straight_spin
-            if waited < budget.most and self._sends == missed[2]:
-                budget.now = min(budget.most, max(budget.now, 2 * waited))
+        if self._in_place.missed is not None:  # (this receive's in-place spin may have run out)
+            self._in_place.came_after_miss(src, self._sends)
         return result
 
     def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
         """A receive's straight path: the message when it is here already (read or not yet read
         from ``src``'s link), or when that link (one of this host's, Link.poll_while_waiting)
-        brings it within a short spin of in-place reads; else None and nothing is posted (the
-        caller then receives as usual). The spin follows the wait policy: its budget shrinks
-        while the peer keeps answering slower. It also ends once the peer has waited for us
-        for a while (Link.peer_waits): two ranks that each receive before they send would
-        otherwise both spin out their budgets; and after a yield that came back late (the
-        wait policy's late-yield rule: other work holds the core, and a sleeper gets it back
-        sooner).
+        brings it within a short spin of in-place reads (InPlaceWaits.receive); else None and
+        nothing is posted (the caller then receives as usual). The spin follows the wait policy:
+        its budget shrinks while the peer keeps answering slower. It also ends once the peer has
+        waited for us for a while (Link.peer_waits): two ranks that each receive before they
+        send would otherwise both spin out their budgets; and after a yield that came back late
+        (the wait policy's late-yield rule: other work holds the core, and a sleeper gets it
+        back sooner).
 
         Raises:
             MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
@@ -558,7 +401,7 @@ class LinkTransport(Transport):
             return None
         # A receive that nothing in the matcher comes before takes a message the link holds
         # whole straight into ``into`` (Link.take_now); otherwise, and once the link brings
-        # anything else, the receive polls through the matcher (see _InPlace).
+        # anything else, the receive polls through the matcher (see InPlaceReceive, _in_place.py).
         straight = matcher.first_to_poll(src, tag)
         if straight:
             here = link.take_now(tag, into)  # what came already
@@ -569,41 +412,7 @@ class LinkTransport(Transport):
                     return got
             elif here is not False:
                 return here
-        wait = _InPlace(self, link, src, tag, into, straight)
-        try:
-            if straight or not wait.look():  # (a straight receive has read what came already)
-                self._spin_for(wait)
-        finally:
-            if wait.polled is not None:
-                matcher.unpoll(wait.polled)
-        return wait.outcome()
-
-    def _spin_for(self, wait: _InPlace) -> None:
-        """recv_now's wait: its link read in place by the wait policy's spin (``wait.look``),
-        with the link watching (see recv_now for when it stops)."""
-        budget = self._straight_spin
-        before = budget.now
-        link = wait.link
-        if self._plain_for != self.links_version:
-            self._plain_for = self.links_version
-            here = 1 + sum(1 for other in self._links.values() if other.poll_while_waiting)
-            self._plain_s = 0.0 if oversubscribed(here) else PLAIN_SPIN_S
-        started = wait.seen = time.perf_counter()
-        link.watch(True)
-        try:
-            self._missed = None
-            if not spin(wait.look, budget, self._plain_s):  # the budget ran out: see _posted_result
-                self._missed = (link.peer, started, self._sends)
-            elif wait.arrived():
-                self.polled_arrivals += 1
-            elif wait.stopped == _PEER_WAITS:
-                # The peer could not send before its own wait ended: spinning was no use, as
-                # with two ranks that each receive before they send, so spin for less next time.
-                budget.now = max(SPIN_MIN_S, before / 2)
-            else:
-                budget.now = before  # (a late yield says nothing of when the peer answers)
-        finally:
-            link.watch(False)  # (what the link takes as it stops watching still comes here)
+        return self._in_place.receive(link, src, tag, into, straight, self._sends)
 
     def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:
         if src is not None and self.world_size and not 0 <= src < self.world_size:
@@ -611,58 +420,6 @@ class LinkTransport(Transport):
                 f"rank {self.rank}: source rank {src} is outside the world of size {self.world_size}"
             )
         return self.matcher.post(src, tag, into, done, in_place=in_place)
-
-    def _poll_while_waiting(self, src: int | None, done: Callable[[], bool]) -> None:
-        """While a posted receive from ``src`` is not done, keep the event loop turning for up
-        to _POLL_S, if ``src``'s link asks for it: the loop's non-blocking polls then read the
-        message as soon as it comes, where an idle loop would sleep in the kernel and pay a
-        wake-up. One callback per transport reschedules itself (yielding the CPU each turn, so a
-        peer rank queued on our core gets it) and reads the links waited on in place, which
-        watch meanwhile (Link.watch: a shm peer then hands over a small message without waking
-        us); other callbacks and tasks run in between as usual, so nothing is delayed behind
-        the polling."""
-        link = self._links.get(src) if src is not None else None
-        if link is None or not link.poll_while_waiting or done():
-            return
-        now = time.perf_counter()
-        if now < self._poll_off_until:
-            return
-        self._poll_until = now + _POLL_S
-        self._polled.append(done)
-        if link.peer not in self._watched:
-            self._watched[link.peer] = link
-            link.watch(True, in_place=False)
-        if len(self._polled) == 1:
-            self._get_loop().call_soon(self._poll_turn)
-
-    def _poll_turn(self) -> None:
-        for link in tuple(self._watched.values()):
-            link.read_now()  # (a watched link's peer puts small messages in memory without waking us)
-        polled = self._polled
-        waiting = [done for done in polled if not done()]
-        if len(waiting) < len(polled):
-            self.polled_arrivals += len(polled) - len(waiting)
-            self._poll_misses = 0
-        if not waiting:
-            self._stop_polling()
-            return
-        if time.perf_counter() > self._poll_until:
-            self._stop_polling()
-            self._poll_misses += 1
-            if self._poll_misses >= _POLL_MISSES:
-                self._poll_misses = 0
-                self._poll_off_until = time.perf_counter() + _POLL_OFF_S
-            return
-        polled[:] = waiting
-        os.sched_yield()
-        self._get_loop().call_soon(self._poll_turn)
-
-    def _stop_polling(self) -> None:
-        self._polled.clear()
-        watched = tuple(self._watched.values())
-        self._watched.clear()
-        for link in watched:
-            link.watch(False, in_place=False)  # (what it takes as it stops still arrives)
 
     def post_recv(self, src: int | None, tag: Tag, into: memoryview, callback: RecvCallback) -> None:
         """``recv`` with its outcome handed to ``callback`` right where the message is read (no
@@ -688,7 +445,7 @@ class LinkTransport(Transport):
             if got is None:
                 notify = _Notify(callback)
                 self._post(src, tag, into, notify, in_place)
-                self._poll_while_waiting(src, notify.done)
+                self._polling.poll_for(src, notify.done)
                 return
         except (DistError, MismatchError, ValueError) as exc:
             callback(None, exc)
@@ -721,6 +478,22 @@ class LinkTransport(Transport):
     @property
     def lost_peers(self) -> dict[int, str]:
         return dict(self.matcher.lost)
+
+    @property
+    def polled_arrivals(self) -> int:
+        """Diagnostics: receives done while this rank polled for them, in place (recv_now) or
+        with the event loop kept turning (LoopPolling), instead of sleeping."""
+        return self._in_place.arrivals + self._polling.arrivals
+
+    @property
+    def mutual_waits(self) -> int:
+        """Diagnostics: in-place receives that stopped as their peer waited for us."""
+        return self._in_place.mutual_waits
+
+    @property
+    def late_yields(self) -> int:
+        """Diagnostics: in-place receives that stopped as other work held our core."""
+        return self._in_place.late_yields
 
     @property
     def received_direct(self) -> int:
@@ -782,100 +555,6 @@ class LinkTransport(Transport):
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()
-
-
-_LATE_YIELD, _PEER_WAITS = 1, 2  # why a rule ended an in-place wait (_InPlace.stopped)
-
-
-class _InPlace:
-    """recv_now's receive while it reads its source's link in place: straight from the link
-    while nothing in the matcher comes before it (Link.take_now), else, and from the first time
-    the link brings anything else, polled through the matcher (Matcher.poll), which then decides
-    every message as it does for any receive. ``look`` is one read and the wait policy's rules
-    for the spin: the late yield, and the peer that waits for us."""
-
-    __slots__ = ("got", "into", "link", "polled", "seen", "since", "src", "stopped", "tag", "transport")
-
-    def __init__(
-        self, transport: LinkTransport, link: Link, src: int, tag: Tag, into: memoryview, straight: bool
-    ) -> None:
-        self.transport = transport
-        self.link = link
-        self.src = src
-        self.tag = tag
-        self.into = into
-        self.polled: Polled | None = None if straight else transport.matcher.poll(src, tag, into)
-        self.got: tuple[int, dict[str, Any]] | BaseException | None = None  # (straight from the link)
-        # when the spin last looked, since when the peer has been seen waiting for us (0: not),
-        # and which rule ended the spin (0: none)
-        self.seen = self.since = 0.0
-        self.stopped = 0
-
-    def look(self) -> bool:
-        """Read the link once: True once the receive is done, or the link closed (the waiting
-        path reports that). In the spin (``seen``: when it last looked), then the wait policy's
-        rules: True when they end the wait."""
-        polled = self.polled
-        if polled is None:
-            here = self.link.take_now(self.tag, self.into)
-            if here is True:  # something else came (to the matcher): through it from now on
-                matcher = self.transport.matcher
-                try:
-                    got = matcher.take(self.src, self.tag, self.into)  # (it may be this receive's)
-                except MismatchError as exc:
-                    self.got = exc
-                    return True
-                if got is not None:
-                    self.got = got
-                    return True
-                polled = self.polled = matcher.poll(self.src, self.tag, self.into)  # (read below)
-            elif here is not False:
-                self.got = here
-                return True
-        if polled is not None:
-            link = self.link  # (nothing read: nothing changed)
-            if (link.read_now() or link.closed) and (polled.done() or link.closed):
-                return True
-        seen = self.seen
-        if not seen:  # (the look before the spin)
-            return False
-        now = time.perf_counter()
-        if now - seen > LATE_YIELD_S:
-            # Other work held our core for a time slice: a rank woken from sleep gets it back
-            # ahead of busy processes, where a spinner that yields queues behind them.
-            self.transport.late_yields += 1
-            self.stopped = _LATE_YIELD
-            return True
-        self.seen = now
-        if not self.link.peer_waits():
-            self.since = 0.0
-        elif not self.since:
-            self.since = now
-        elif now - self.since > _MUTUAL_WAIT_S:
-            self.transport.mutual_waits += 1
-            self.stopped = _PEER_WAITS
-            return True
-        return False
-
-    def arrived(self) -> bool:
-        polled = self.polled
-        return self.got is not None if polled is None else polled.done()
-
-    def outcome(self) -> tuple[int, dict[str, Any]] | None:
-        """The message's source and meta, None when it did not come (call after the link stopped
-        watching).
-
-        Raises:
-            MismatchError: the message's payload is not ``len(into)`` bytes (it is consumed).
-        """
-        if self.polled is not None:
-            return self.polled.outcome()
-        got = self.got
-        if got is None:  # (what the link took as it stopped watching went to the matcher)
-            return self.transport.matcher.take(self.src, self.tag, self.into)
-        if isinstance(got, BaseException):
-            raise got
-        return got
 
 
 def _landing(nbytes: int) -> memoryview:

@@ -2,7 +2,7 @@
 
 Imports only foundations (aiocoll._errors, aiocoll.protocol, aiocoll._matching via _link) and
 client/data/_peer.py, client/data/transports/_link.py; never the public surface. TcpLink is a Link (see
-_link.py) and TcpTransport the process's LinkTransport with the tcp connector (listener and
+_link_interface.py) and TcpTransport the process's LinkTransport with the tcp connector (listener and
 dialler); matching is the process's one Matcher (aiocoll/_matching.py), fed by every link.
 
 Topology: every worker listens on an ephemeral port of the interface that routes to the
