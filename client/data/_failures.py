@@ -4,8 +4,10 @@ A lost peer (a link closed, or the coordinator's notice) fails every pending ope
 group containing it; a peer that leaves in order says from which sequence number of each group
 (``{"k": "left"}``), and only those operations fail; a mismatch found on one rank is sent to the
 group's other ranks (tag ``("x",)``); a rank whose own deadline ran out says so (``"gave_up"``),
-and a stalled rank's report of what it waits for (``"stuck"``) is kept for the timeout's message.
-Each failure reads, for every operation it fails, as that operation's own (``for_op``).
+and a stalled rank's report of what it waits for (``"stuck"``) is kept for the timeout's message
+(both sent by client/data/_deadlines.py). Each failure reads, for every operation it fails, as
+that operation's own (``for_op``), and a later call on the group it broke is refused with it
+(``_check_usable``).
 
 Imports foundations (aiocoll._errors, aiocoll.algorithms._transport) and the engine's records
 (client/data/_op_record.py) and progress tracking; never the public surface, and not the engine
@@ -205,6 +207,58 @@ class FailureFanout:
                 failing.pop(0)
         finally:
             failing.clear()
+
+    def _check_usable(
+        self, group: GroupState, kind: str, seq: int, peers: Iterable[int] = (), tag: Tag = ()
+    ) -> None:
+        """Refuse an operation ``kind`` of the broken ``group`` (its ``seq``; -1 for point-to-point
+        with ``peers`` under ``tag``) unless the group's failure leaves it free to run: raise that
+        failure, told as this call's (``submit_op`` asks only once the group is broken)."""
+        cause = group.broken
+        if cause is None or (seq >= 0 and seq < group.broken_seq):
+            return
+        if seq < 0 and isinstance(cause, PeerLostError) and cause.left:
+            if cause.rank not in peers:
+                return  # point-to-point with the remaining members goes on (see _fail_pending)
+            if kind == "recv" and self.transport.holds(cause.rank, tag):
+                return  # what it sent before it left stays receivable
+        where = f"{kind} (group {group.label!r}" + (f", seq {seq})" if seq >= 0 else ")")
+        if isinstance(cause, PeerLostError):
+            raise chain(
+                PeerLostError(
+                    cause.rank,
+                    cause.reason,
+                    message=f"{where} cannot run: {gone(cause)}; the group is unusable, create a new "
+                    f"one from the remaining ranks",
+                    left=cause.left,
+                ),
+                cause,
+            )
+        if isinstance(cause, MismatchError):
+            raise chain(
+                MismatchError(
+                    f"{where} cannot run: the group is broken since seq {cause.seq}, where ranks called "
+                    f"different operations ({cause}); create a new group",
+                    group=group.gid,
+                    seq=cause.seq,
+                    ranks=cause.ranks,
+                ),
+                cause,
+            )
+        if isinstance(cause, CollectiveTimeout):
+            raise chain(
+                CollectiveTimeout(
+                    kind,
+                    group.label,
+                    seq,
+                    cause.missing_ranks,
+                    cause.timeout,
+                    message=f"{where} cannot run: {cause.op} at seq {cause.seq} timed out waiting for "
+                    f"rank(s) {cause.missing_ranks}, so the group is out of step; create a new group",
+                ),
+                cause,
+            )
+        raise chain(DistError(f"{where} cannot run: the group is broken ({cause})"), cause)
 
     def _name_mismatch(self, op: Operation, exc: MismatchError) -> MismatchError:
         if exc.seq >= 0 and exc.group:

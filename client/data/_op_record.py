@@ -103,7 +103,7 @@ class GroupState:
         self.broken: BaseException | None = None
         self.broken_seq = 0  # calls with seq >= broken_seq fail (p2p always, once broken)
         self.notices: dict[int, DistError] = {}  # failures reported for seqs not called yet
-        # seq -> {rank: ranks it was still waiting for} from timeout reports (see Engine._expire)
+        # seq -> {rank: ranks it was still waiting for} from timeout reports (see Deadlines._expire)
         self.stuck: dict[int, dict[int, list[int]]] = {}
         # failures being carried to the pending operations (Engine._fail_pending), in turn
         self.failing: list[tuple[BaseException, int, Operation | None]] = []

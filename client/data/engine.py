@@ -3,7 +3,8 @@
 Imports foundations (aiocoll._errors, aiocoll._work, aiocoll.algorithms._transport), the
 client's operation records (client/data/_op_record.py: GroupState, the engine's record, OpTransport;
 client/data/_operation.py: the starter shape), its failure handling and control messages
-(client/data/_failures.py: FailureFanout, the engine's base) and progress tracking; never the
+(client/data/_failures.py: FailureFanout, the engine's base), its deadline timer
+(client/data/_deadlines.py: Deadlines, which the engine owns) and progress tracking; never the
 public surface, and not the algorithms either: a group's provider hands the engine a *starter* (a
 function of the operation's tag, transport and finish callback) so the engine stays the one place
 that decides *when* and *whether* operations run, not how. A row's straight path (an operation
@@ -16,10 +17,9 @@ What it guarantees:
 - A collective takes its group's next sequence number at call time, so operations match across
   ranks in call order however many are in flight. Its messages are tagged ``("c", group, seq, ...)``;
   point-to-point messages ``("p", group, user_tag)`` take no sequence number.
-- Every operation has a deadline. One loop timer per engine, armed for the earliest deadline
-  (not a timer per operation: with the usual single timeout deadlines only grow, so the hot path
-  arms nothing). When a deadline passes, the operation fails
-  with CollectiveTimeout naming the ranks whose messages were still outstanding.
+- Every operation has a deadline, watched by one loop timer per engine (``Deadlines``). When a
+  deadline passes, the operation fails with CollectiveTimeout naming the ranks whose messages
+  were still outstanding.
 - A lost peer (a link closed, or the coordinator's notice) fails at once every pending operation of
   every group containing it, and those groups fail fast afterwards.
 - A peer that leaves in order says so first: destroying a group (or closing the process group,
@@ -41,20 +41,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 import sys
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from aiocoll._errors import (
-    CollectiveTimeout,
-    DistError,
-    MismatchError,
-    PeerLostError,
-    chain,
-    trim,
-)
+from aiocoll._errors import DistError, MismatchError, PeerLostError, trim
 from aiocoll._work import Work
 from aiocoll.algorithms._transport import (
     Tag,
@@ -65,7 +57,8 @@ from .._progress import ProgressTracker
 from .._recorder import call_sites as _call_sites
 from .._recorder import caller_site as _caller_site
 from .._recorder import code_at as _code_at
-from ._failures import MAX_STUCK_REPORTS, FailureFanout, for_op, gone, ignore_outcome
+from ._deadlines import Deadlines
+from ._failures import FailureFanout, for_op, ignore_outcome
 from ._op_record import (
     DEFAULT_TIMEOUT,
     FINISHED,
@@ -79,8 +72,6 @@ from ._op_record import (
 from ._operation import Body, Starter, as_starter
 
 __all__ = ["Body", "Engine", "GroupState", "OpTransport", "Operation", "Starter"]
-
-log = logging.getLogger("aiocoll.client.data.engine")
 
 # A process group closed within this long of a mismatch lingers that long before it says goodbye:
 # a peer still waiting on this rank must handle the mismatch notice before it sees the goodbye
@@ -110,8 +101,7 @@ class Engine(FailureFanout):
         transport.on_peer_lost(self.peer_lost)
         transport.on_stray(self._on_stray)
         self._control = self._loop.create_task(self._control_loop())
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
+        self.deadlines = Deadlines(self)
         # Progress hook: what this rank is doing, for the beat thread's progress reports and the
         # record logged on a failure (client/_progress.py).
         self.progress = ProgressTracker(self.rank, self._groups.values)
@@ -423,61 +413,12 @@ class Engine(FailureFanout):
             op.timeout = timeout = self.default_timeout
         if timeout is not None:
             op.deadline = deadline = self._loop.time() + timeout
-            if self._timer is None or deadline < self._timer_at:
-                self._arm(deadline)
+            if deadline < self.deadlines.at:
+                self.deadlines.arm(deadline)
         broken = group.broken
         if broken is not None and op.seq >= group.broken_seq:
             # the group broke while it started (nothing could fail it then): fail it now
             self._abort(op, for_op(broken, op))
-
-    def _check_usable(
-        self, group: GroupState, kind: str, seq: int, peers: Iterable[int] = (), tag: Tag = ()
-    ) -> None:
-        cause = group.broken
-        if cause is None or (seq >= 0 and seq < group.broken_seq):
-            return
-        if seq < 0 and isinstance(cause, PeerLostError) and cause.left:
-            if cause.rank not in peers:
-                return  # point-to-point with the remaining members goes on (see _fail_pending)
-            if kind == "recv" and self.transport.holds(cause.rank, tag):
-                return  # what it sent before it left stays receivable
-        where = f"{kind} (group {group.label!r}" + (f", seq {seq})" if seq >= 0 else ")")
-        if isinstance(cause, PeerLostError):
-            raise chain(
-                PeerLostError(
-                    cause.rank,
-                    cause.reason,
-                    message=f"{where} cannot run: {gone(cause)}; the group is unusable, create a new "
-                    f"one from the remaining ranks",
-                    left=cause.left,
-                ),
-                cause,
-            )
-        if isinstance(cause, MismatchError):
-            raise chain(
-                MismatchError(
-                    f"{where} cannot run: the group is broken since seq {cause.seq}, where ranks called "
-                    f"different operations ({cause}); create a new group",
-                    group=group.gid,
-                    seq=cause.seq,
-                    ranks=cause.ranks,
-                ),
-                cause,
-            )
-        if isinstance(cause, CollectiveTimeout):
-            raise chain(
-                CollectiveTimeout(
-                    kind,
-                    group.label,
-                    seq,
-                    cause.missing_ranks,
-                    cause.timeout,
-                    message=f"{where} cannot run: {cause.op} at seq {cause.seq} timed out waiting for "
-                    f"rank(s) {cause.missing_ranks}, so the group is out of step; create a new group",
-                ),
-                cause,
-            )
-        raise chain(DistError(f"{where} cannot run: the group is broken ({cause})"), cause)
 
     def _settle(self, op: Operation, result: Any, exc: BaseException | None) -> None:
         """Complete ``op``'s future with its outcome, and carry a failure to the group: a
@@ -555,111 +496,6 @@ class Engine(FailureFanout):
                 lane.stop()
             self._finish(op)
 
-    # -- deadlines -------------------------------------------------------------------------
-    def _arm(self, when: float) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        self._timer_at = when
-        self._timer = self._loop.call_at(when, self._on_timer)
-
-    def _on_timer(self) -> None:
-        self._timer = None
-        now = self._loop.time()
-        nearest: float | None = None
-        expired: list[Operation] = []
-        for group in list(self._groups.values()):
-            for op in group.pending:
-                if op.deadline is None or op.future.done():
-                    continue
-                if op.deadline <= now:
-                    expired.append(op)
-                elif nearest is None or op.deadline < nearest:
-                    nearest = op.deadline
-        for op in sorted(expired, key=lambda o: o.seq):
-            self._expire(op)
-        if nearest is not None and not self._closed:
-            self._arm(nearest)
-
-    def _expire(self, op: Operation) -> None:
-        """A deadline passed. For a collective, tell the group whom we wait for and fail a moment
-        later: a rank waiting on a rank that itself waits (a ring, a tree) then names the rank
-        at the end of the chain, the one that never called the operation, not its own neighbour."""
-        if op.future.done():
-            return
-        op.deadline = None
-        direct = self._missing_ranks(op)
-        if op.seq < 0 or len(op.group.ranks) <= 2 or self._closed:
-            self._fail_timeout(op, direct)
-            return
-        group = op.group
-        stuck = group.stuck.setdefault(op.seq, {})
-        while len(group.stuck) > MAX_STUCK_REPORTS:
-            del group.stuck[next(iter(group.stuck))]
-        stuck[self.rank] = direct
-        meta = {"k": "stuck", "g": group.gid, "s": op.seq, "r": self.rank, "waits": direct}
-        self._tell(group.ranks, meta)
-        grace = min(1.0, max(0.05, 0.1 * (op.timeout or 0.0)))
-        self._loop.call_later(grace, self._fail_timeout, op, direct)
-
-    def _fail_timeout(self, op: Operation, direct: list[int]) -> None:
-        stuck = op.group.stuck.pop(op.seq, {}) if op.seq >= 0 else {}
-        if op.future.done():
-            return
-        # Ranks someone waits for that are not themselves stuck at this seq are the culprits.
-        ends = sorted({w for waits in stuck.values() for w in waits if w not in stuck and w != self.rank})
-        missing = ends or direct
-        # Progress hook: the members' progress reports, compared, named the ranks behind.
-        behind = self.progress.behind_at(op.group.gid, op.seq) if op.seq >= 0 else None
-        if behind is not None:
-            missing = behind[0]
-            err = CollectiveTimeout(
-                op.kind,
-                op.group.label,
-                op.seq,
-                missing,
-                op.timeout,
-                message=f"{op.describe()}: Timed out after {op.timeout}s; the ranks' progress reports "
-                f"show that {behind[1]}",
-            )
-        else:
-            err = CollectiveTimeout(op.kind, op.group.label, op.seq, missing, op.timeout)
-        # One log line (the exception tells the rest): what timed out, and the operations before it.
-        self.progress.log_record(
-            f"{op.describe()} timed out after {op.timeout}s waiting for rank(s) {missing}"
-        )
-        # One rank's failure is every rank's news: the others stop waiting for this one now. They
-        # hear what the progress reports showed, if anything: the rest they know.
-        if op.seq >= 0 and not self._closed:
-            meta = {
-                "k": "gave_up",
-                "g": op.group.gid,
-                "s": op.seq,
-                "r": self.rank,
-                "op": op.kind,
-                "waits": missing,
-                "t": op.timeout,
-                "why": behind[1][:2000] if behind is not None else "",
-            }
-            self._tell(op.group.ranks, meta)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("rank %d: transport state at the timeout: %r", self.rank, self.transport.debug_state())
-        # The operation may have exchanged part of its messages, so this rank is no longer in step
-        # with the others on this group: break it rather than let a later call match stale data.
-        self._break(op.group, err, from_seq=op.seq if op.seq >= 0 else 0, except_op=op)
-        self._abort(op, err)
-
-    def _missing_ranks(self, op: Operation) -> list[int]:
-        others = [r for r in op.group.ranks if r != self.rank]
-        recv = [src for src, n in op.outstanding_recv.items() if n > 0]
-        if recv:
-            if None in recv:
-                return others
-            return sorted(r for r in recv if r is not None)
-        send = [dst for dst, n in op.outstanding_send.items() if n > 0]
-        if send:
-            return sorted(send)
-        return sorted(op.peers) if op.peers else others
-
     # -- closing ---------------------------------------------------------------------------
     async def aclose(self) -> None:
         """Fail every pending operation and stop; the transport is closed by its owner."""
@@ -677,9 +513,7 @@ class Engine(FailureFanout):
         self.progress.stop()
         for group in list(self._groups.values()):
             self._fail_pending(group, DistError(f"group {group.label!r} was destroyed"), from_seq=0)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.deadlines.stop()
         self._control.cancel()
         try:
             await self._control

@@ -462,7 +462,7 @@ async def test_an_operation_complete_inside_its_call_is_born_complete_with_no_fu
         x = np.arange(3)
         work = eng.submit_eager(group, "all_reduce", eager_all_reduce(x, (0,), 0), timeout=5)
         # the straight path: nothing to wait for, so no future, no pending entry, no deadline timer
-        assert work._future is None and not group.pending and eng._timer is None
+        assert work._future is None and not group.pending and eng.deadlines._timer is None
         assert work.is_completed() and work.is_success() and work.exception() is None
         assert await work is x and work.result() is x and work.wait() is True
         assert work.get_future().result(timeout=1) is x
