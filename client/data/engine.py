@@ -8,7 +8,7 @@ client/data/_operation.py: the starter shape), its failure handling and control 
 public surface, and not the algorithms either: a group's provider hands the engine a *starter* (a
 function of the operation's tag, transport and finish callback) so the engine stays the one place
 that decides *when* and *whether* operations run, not how. A row's straight path (an operation
-begun before its record is made: providers.P2PProvider, _shm_arena.ArenaProvider) asks it first
+begun before its record is made: _p2p_row.P2PProvider, _shm_arena.ArenaProvider) asks it first
 (``straight_open``, ``next_seq``, ``site``) and ends through it (``ended_at_once``, or
 ``submit_op``/``went_on`` with the record once it does not end inside its call).
 
