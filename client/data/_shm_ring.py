@@ -1,9 +1,10 @@
 """One direction of a point-to-point byte ring in shared memory: the shm link kind's data path.
 
 Imports only the standard library and client.data._shm (the ring header size, the memory fence);
-never asyncio, sockets or the public surface. The link (client/data/transports/shm.py) decides what
-to put in a ring and when, and says where each chunk lies in a frame over its Unix socket; this
-module only allocates, copies, checks bounds and keeps the two counters.
+never asyncio, sockets or the public surface. The link (client/data/transports/shm.py, with its
+sending side in _shm_outbound.py and its receiving side in _shm_inbound.py) decides what to put in a
+ring and when, and says where each chunk lies in a frame over its Unix socket; this module only
+allocates, copies, checks bounds and keeps the two counters.
 
 A ring is a memfd of ``RING_HEADER + capacity`` bytes made by the *sender* (client.data._shm hands it
 to the receiver with the arena). Its first page holds four counters, on their own cache lines:

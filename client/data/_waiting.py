@@ -1,11 +1,11 @@
 """How a rank waits for a peer on this host: the one wait policy every waiter follows.
 
 Imports only the standard library; the waiters (the arenas' scheduler in client/data/_shm_sched.py,
-the shared-memory link's sender in transports/shm.py, the links' receive polling in
-transports/_in_place.py and transports/_loop_polling.py, the TCP link's in-payload polling in
-client/data/_peer.py) each own what they wait on (a counter in an arena, room in a ring, a
-socket) and how they sleep in the event loop; how long they spin, when they yield the CPU and
-when they sleep is decided here.
+the shared-memory link's sides in transports/_shm_outbound.py and _shm_inbound.py, the links'
+receive polling in transports/_in_place.py and transports/_loop_polling.py, the TCP link's
+in-payload polling in client/data/_peer.py) each own what they wait on (a counter in an arena,
+room in a ring, a socket) and how they sleep in the event loop; how long they spin, when they
+yield the CPU and when they sleep is decided here.
 
 The policy, in the order a wait goes through it:
 
