@@ -314,7 +314,7 @@ class ShmHost:
         self.address = ""
         self.rejected = 0
         self.closed = False
-        self.waker: Any = None  # client.data._shm_sched's ShmWaker, made with the first group
+        self.waker: Any = None  # client.data._shm_waker's ShmWaker, made with the first group
         self.chunk = 0  # bytes per collective step (set by whoever sized the regions)
         self.regions_used: set[int] = set()  # group regions of our arena in use by live groups
         # regions offered to a group still agreeing on its region: not offered to another group

@@ -3,8 +3,8 @@ ANDed over the parent group when the group forms), the engine starter of every k
 serve, and the straight path of an all_reduce.
 
 Imports foundations (aiocoll._signature, aiocoll._types, aiocoll._work, the working arrays of
-aiocoll.device._tensors), client.data._shm_coll and client.data._shm_sched (the collectives
-over the arenas and their running), client.data._operation and the engine, and the shm link kind
+aiocoll.device._tensors), client.data._shm_coll and client.data._shm_waker (the collectives
+over the arenas and the process's wake-ups), client.data._operation and the engine, and the shm link kind
 (the process's arena host); never the public surface. client/data/providers.py and
 client/data/routing.py use it.
 """
@@ -22,7 +22,7 @@ from aiocoll.device._tensors import Working
 from ._op_record import Stoppable, checked_timeout
 from ._operation import HOST, Finish, Operation, Starter, all_reduce_operation, finish_with_copy_back
 from ._shm_coll import ShmGroup
-from ._shm_sched import ShmWaker
+from ._shm_waker import ShmWaker
 from .engine import Engine, GroupState, OpTransport
 from .transports._link import LinkTransport
 from .transports._shm_kind import shm_host

@@ -1,13 +1,15 @@
 """The running of a group's operations over its region of the members' arenas: the region taken
 on every member, the queue of operations (generators that yield what they wait for), the waits
-(spin, nap, sleep on the eventfd, wake), and the failure of the group when a member is lost,
-leaves or an operation is stopped midway. An operation of one step started on an idle group runs
-as plain calls and, when its peers keep pace, ends inside its call (``_run_step``); it joins
-the queue only if it has to sleep.
+(spin, nap, sleep on the eventfd until the process's ShmWaker, client.data._shm_waker, resumes
+the group), and the failure of the group when a member is lost, leaves or an operation is
+stopped midway. An operation of one step started on an idle group runs as plain calls and, when
+its peers keep pace, ends inside its call (``_run_step``); it joins the queue only if it has to
+sleep.
 
 Imports foundations (aiocoll._env, aiocoll._errors), client.data._shm, client.data._shm_layout,
-client.data._waiting, client.data._operation and client.data._op_record (Stoppable); never the
-public surface and never the operations themselves (client.data._shm_coll builds on this).
+client.data._shm_waker, client.data._waiting, client.data._operation and client.data._op_record
+(Stoppable); never the public surface and never the operations themselves (client.data._shm_coll
+builds on this).
 
 Waiting: for a small operation, the owner spins for a bounded time (yielding the CPU at every
 check, so a waiting rank does not starve the one it waits for when they share a core), then
@@ -23,7 +25,6 @@ memory barrier (``_shm.fence``), so a wake-up cannot be lost; a slow timer re-ch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import os
 import threading
@@ -50,6 +51,7 @@ from ._shm import (
     region_bytes,
 )
 from ._shm_layout import BASE, CPU, DATA, DONE, INP, LOST, OWNER, RED, SLEEP, OnWait, OpGen, Wait
+from ._shm_waker import ShmWaker
 from ._waiting import LATE_YIELD_S, PLAIN_SPIN_S, SpinBudget, host_contended, nap, oversubscribed, spin
 
 __all__ = ["STORES_IN_ORDER", "ShmOp", "ShmScheduler", "ShmWaker"]
@@ -93,43 +95,6 @@ class ShmOp:
     def stop(self) -> None:
         """The engine failed this operation (deadline, closing): the group is out of step."""
         self.group._stop(self)
-
-
-class ShmWaker:
-    """Watches this process's eventfd and resumes the groups sleeping on it."""
-
-    def __init__(self, host: ShmHost) -> None:
-        self._efd = host.efd
-        self._loop = asyncio.get_running_loop()
-        self.sleeping: set[ShmScheduler] = set()
-        self.wakeups = 0
-        self.watch()
-
-    def watch(self) -> None:
-        self._loop.add_reader(self._efd, self._on_wake)
-
-    def unwatch(self) -> None:
-        """Stop watching for a while (a wait napping in place off the loop's thread: the loop
-        thread, woken by the same write, would only compete with it for the CPU)."""
-        self._loop.remove_reader(self._efd)
-
-    def drain(self) -> None:
-        """Take a write waiting on the eventfd, if any (it is non-blocking)."""
-        with contextlib.suppress(BlockingIOError):
-            os.eventfd_read(self._efd)
-
-    def _on_wake(self) -> None:
-        self.drain()
-        self.wakeups += 1
-        self.resume()
-
-    def resume(self) -> None:
-        for group in list(self.sleeping):
-            group._wake()
-
-    def close(self) -> None:
-        with contextlib.suppress(ValueError, OSError):
-            self._loop.remove_reader(self._efd)
 
 
 class ShmScheduler:
