@@ -358,3 +358,19 @@ def test_the_two_planes_meet_only_in_the_bootstrap() -> None:
             if _within(target, "aiocoll.client.bootstrap") or (other is not None and other != mine):
                 crossing.append(f"{path.relative_to(ROOT)} imports {target}")
     assert not crossing, "imports across the planes:\n" + "\n".join(crossing)
+
+
+# The data plane's modules stay small enough to read in one sitting: about 600 lines, with some
+# room for a docstring's growth.
+_DATA_PLANE_LINES = 650
+
+
+def test_the_data_plane_is_made_of_small_modules() -> None:
+    """Every module of client/data (engine, providers, rows, arenas, links) is at most
+    _DATA_PLANE_LINES lines: a module past it holds more than one concern."""
+    long = [
+        f"{path.relative_to(ROOT)}: {count} lines"
+        for path in sorted((ROOT / "client" / "data").rglob("*.py"))
+        if (count := len(path.read_text().splitlines())) > _DATA_PLANE_LINES
+    ]
+    assert not long, f"data-plane modules over {_DATA_PLANE_LINES} lines:\n" + "\n".join(long)
