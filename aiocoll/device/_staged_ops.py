@@ -2,7 +2,7 @@
 
 Foundation layer: imports this package's _staging, _ipc and _device, the algorithms
 (run_collective, CollectiveSpec, the Transport interface) and numpy; never client/, server/ or
-the public surface. The staged provider (client/data/providers.py) hands it an operation as the
+the public surface. The staged provider (client/data/_device_rows.py) hands it an operation as the
 public layer built it (send and receive lists cut from its tensors' Working arrays); when some
 of those are DeviceSpans it builds a StagedOp at call time (which records the caller's event
 then) and awaits ``collective`` in the operation's body (``send_to`` and ``recv_from`` for the

@@ -4,7 +4,8 @@ engine's part of it) that the public layer builds and every provider reads.
 
 Imports foundations only (aiocoll.algorithms) and the operation record (_op_record.py:
 Operation, OpTransport, Stoppable); every provider (_shm_arena.py, routing.py, providers.py,
-_objects.py) and the engine import it, so none imports another for these names.
+_p2p_row.py, _device_rows.py, _objects.py) and the engine import it, so none imports another
+for these names.
 """
 
 from __future__ import annotations

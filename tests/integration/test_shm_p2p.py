@@ -873,6 +873,34 @@ async def test_a_spin_that_ran_out_before_its_message_came_grows_back(
         assert b.send_nowait(0, ("m",), memoryview(b"efgh"), {}) is None
         assert await asyncio.wait_for(task, 10) == (1, {}) and got == b"efgh"
         assert budget.now == 5e-6
+        # one sent during the spin (a posted receive's callback answering a message the spin
+        # read): a longer spin would have taken a reply to it too, so the budget grows back
+        answered = []
+
+        def answer(result: Any, exc: BaseException | None) -> None:
+            answered.append(result)
+            assert a.send_nowait(1, ("answer",), memoryview(b"ans!"), {}) is None
+
+        a.post_recv(1, ("ask",), memoryview(bytearray(4)), answer)
+        pending = [("ask",)]
+        yield_cpu = os.sched_yield
+
+        def yield_then_ask() -> None:  # the peer's message lands while the spin goes on
+            yield_cpu()
+            if pending:
+                assert b.send_nowait(0, pending.pop(), memoryview(b"ask?"), {}) is None
+
+        budget.now = 2e-3
+        monkeypatch.setattr(os, "sched_yield", yield_then_ask)
+        assert a.recv_now(1, ("m",), memoryview(got)) is None  # ran out, after it answered
+        monkeypatch.setattr(os, "sched_yield", yield_cpu)
+        assert answered and not pending
+        ran_out = budget.now
+        task = asyncio.ensure_future(a.recv(1, ("m",), memoryview(got)))
+        await asyncio.sleep(0)  # posted
+        assert b.send_nowait(0, ("m",), memoryview(b"ijkl"), {}) is None
+        assert await asyncio.wait_for(task, 10) == (1, {}) and got == b"ijkl"
+        assert budget.now > ran_out
 
 
 async def mailed_then_gone(pg: Any, how: str) -> dict[str, Any]:

@@ -1,17 +1,17 @@
 """A receive's in-place wait: its source's link read in place by the wait policy's spin, and the
 rules that end it (one InPlaceWaits per transport, one InPlaceReceive per wait).
 
-Imports only foundations (aiocoll._errors, aiocoll._matching), the wait policy
-(client/data/_waiting.py) and the link interface (_link_interface.py); never the transport
-(_link.py, whose ``recv_now`` hands its receives here once nothing is here yet), a kind's module
-or the public surface. It exists apart from the transport so that the spin's budget, its stop
-rules and their counts live in one place beside the one receive they wait for.
+Imports only foundations (aiocoll._errors, aiocoll._matching, aiocoll.algorithms._transport), the
+wait policy (client/data/_waiting.py) and the link interface (_link_interface.py); never the
+transport (_link.py, whose ``recv_now`` hands its receives here once nothing is here yet), a
+kind's module or the public surface. It exists apart from the transport so that the spin's
+budget, its stop rules and their counts live in one place beside the one receive they wait for.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Any
 
 from aiocoll._errors import MismatchError
@@ -44,16 +44,21 @@ class InPlaceWaits:
 
     Args:
         matcher: the transport's matcher.
+        sends: how many messages the transport has sent so far (read when a spin runs out, and
+            when a receive comes after that: see ``came_after_miss``).
     """
 
-    def __init__(self, matcher: Matcher) -> None:
+    def __init__(self, matcher: Matcher, sends: Callable[[], int]) -> None:
         self.matcher = matcher
+        self._sends = sends
         self.budget = SpinBudget(_STRAIGHT_SPIN_S)
         # the wait policy's first stage for a spin: checks without yielding, unless this host
-        # has more ranks than cores (set by links_changed)
+        # has more ranks than cores (links_changed)
         self.plain_s = 0.0
-        self.links_changed(())
-        # the last spin that ran out: its peer, when it started, the sends made before it
+        self._polling_links = 0  # this host's links (Link.poll_while_waiting)
+        self.links_changed(0)
+        # the last spin that ran out: its peer, when it started, the sends made by the time it
+        # ran out
         self.missed: tuple[int, float, int] | None = None
         # receives done in a spin, and spins that stopped as their peer waited for us, or as
         # other work held our core (diagnostics)
@@ -61,17 +66,17 @@ class InPlaceWaits:
         self.mutual_waits = 0
         self.late_yields = 0
 
-    def links_changed(self, links: Iterable[Link]) -> None:
-        """The transport's links are now ``links``: counts this host's ranks for the first stage."""
-        here = 1 + sum(1 for link in links if link.poll_while_waiting)
-        self.plain_s = 0.0 if oversubscribed(here) else PLAIN_SPIN_S
+    def links_changed(self, change: int) -> None:
+        """``change`` links of this host's (Link.poll_while_waiting) were attached (+1) or closed
+        (-1): sets the first stage by how many ranks this host has."""
+        self._polling_links += change
+        self.plain_s = 0.0 if oversubscribed(1 + self._polling_links) else PLAIN_SPIN_S
 
     def receive(
-        self, link: Link, src: int, tag: Tag, into: memoryview, straight: bool, sends: int
+        self, link: Link, src: int, tag: Tag, into: memoryview, straight: bool
     ) -> tuple[int, dict[str, Any]] | None:
         """recv_now's wait for the next message ``tag`` from ``src`` into ``into`` (``straight``:
-        nothing in the matcher comes before it, and ``link`` was read already; ``sends``: the
-        messages the transport has sent so far, see ``came_after_miss``): ``link`` read in
+        nothing in the matcher comes before it, and ``link`` was read already): ``link`` read in
         place by the wait policy's spin (InPlaceReceive.look), with the link watching (see
         LinkTransport.recv_now for when it stops); the message's (src, meta), or None when it
         did not come and nothing is left posted.
@@ -89,7 +94,7 @@ class InPlaceWaits:
                 try:
                     self.missed = None
                     if not spin(wait.look, budget, self.plain_s):  # ran out: see came_after_miss
-                        self.missed = (src, started, sends)
+                        self.missed = (src, started, self._sends())
                     elif wait.arrived():
                         self.arrivals += 1
                     elif wait.stopped == _PEER_WAITS:
@@ -106,11 +111,12 @@ class InPlaceWaits:
                 self.matcher.unpoll(wait.polled)
         return wait.outcome()
 
-    def came_after_miss(self, src: int | None, sends: int) -> None:
+    def came_after_miss(self, src: int | None) -> None:
         """A receive from ``src`` got its message while waiting in the loop, after the last spin
         ran out (``missed``): when its message came within the most a spin may last, and this
-        rank sent nothing meanwhile (``sends``: the messages the transport has sent so far, as
-        for ``receive``) that the message may have answered, a longer spin would have taken it
+        rank sent nothing since the spin ran out that the message may have answered (a send
+        made during the spin, by a callback of a message it read, would have been answered
+        inside a longer spin too), a longer spin would have taken it
         without the sleep, so the budget grows to twice that wait. Without this, misses in a row
         (a peer held off the CPU for a while) would leave the budget too short to ever take a
         reply again, and so never grow back."""
@@ -120,7 +126,7 @@ class InPlaceWaits:
         self.missed = None
         waited = time.perf_counter() - missed[1]
         budget = self.budget
-        if waited < budget.most and sends == missed[2]:
+        if waited < budget.most and self._sends() == missed[2]:
             budget.now = min(budget.most, max(budget.now, 2 * waited))
 
 

@@ -116,7 +116,7 @@ class LinkTransport(Transport):
         self.kind_state: dict[str, Any] = {}
         self._closers: list[Callable[[], None]] = []
         self._sends = 0  # messages sent so far (see InPlaceWaits.came_after_miss)
-        self._in_place = InPlaceWaits(self.matcher)  # recv_now's waits
+        self._in_place = InPlaceWaits(self.matcher, lambda: self._sends)  # recv_now's waits
         self._polling = LoopPolling(self._links, self._get_loop)  # posted receives' waits
         if rank is not None and world_size is not None:
             self.assign(rank, world_size)
@@ -176,7 +176,8 @@ class LinkTransport(Transport):
         self._links[peer] = link
         self._was_linked.add(peer)
         self.links_version += 1
-        self._in_place.links_changed(self._links.values())
+        if link.poll_while_waiting:
+            self._in_place.links_changed(1)
         self.matcher.attach(peer, link)
         fut = self._link_ready.get(peer)
         if fut is not None and not fut.done():
@@ -231,7 +232,8 @@ class LinkTransport(Transport):
         if self._links.get(peer) is link:
             del self._links[peer]
             self.links_version += 1
-            self._in_place.links_changed(self._links.values())
+            if link.poll_while_waiting:
+                self._in_place.links_changed(-1)
         loop = self._loop
         if loop is None or self._closed or loop.is_closed():
             self._peer_gone(peer, reason, lost)
@@ -370,7 +372,7 @@ class LinkTransport(Transport):
             self.matcher.unpost(posted)
             raise
         if self._in_place.missed is not None:  # (this receive's in-place spin may have run out)
-            self._in_place.came_after_miss(src, self._sends)
+            self._in_place.came_after_miss(src)
         return result
 
     def recv_now(self, src: int | None, tag: Tag, into: memoryview) -> tuple[int, dict[str, Any]] | None:
@@ -412,7 +414,7 @@ class LinkTransport(Transport):
                     return got
             elif here is not False:
                 return here
-        return self._in_place.receive(link, src, tag, into, straight, self._sends)
+        return self._in_place.receive(link, src, tag, into, straight)
 
     def _post(self, src: int | None, tag: Tag, into: memoryview, done: Any, in_place: bool) -> Posted:
         if src is not None and self.world_size and not 0 <= src < self.world_size:

@@ -153,8 +153,8 @@ class ShmInbound:
         self.direct_bytes_in = 0
 
     def on_control(self, header: dict[str, Any]) -> bool:
-        """A ring message's chunk frame, an offer to read, or the peer's probe: taken (True);
-        False for any other frame."""
+        """A ring message's chunk frame or an offer to read: taken (True); False for any other
+        frame (the link answers the probe's own)."""
         first = header.get("r")
         if first is not None:
             try:
